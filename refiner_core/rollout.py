@@ -1,0 +1,149 @@
+"""Rollout engines: batched sampling that keeps token ids, sampled-token log-probs and finish reasons.
+
+An engine maps token-id prompts to Generations. 'hf' (transformers generate) runs anywhere; other engines
+(vLLM) register in ENGINES with the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from tqdm.auto import tqdm
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    prompt_index: int
+    sample_idx: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # 'stop' | 'length'
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]: ...
+
+
+def first_stop(token_ids: list[int], eos_ids: set[int], stop: tuple[str, ...], decode) -> tuple[int, bool]:
+    """Length to keep and whether a stop condition was met: first EOS (kept), else the shortest prefix
+    whose text contains a stop string (found by bisection: containment is monotone in the prefix)."""
+    for i, t in enumerate(token_ids):
+        if t in eos_ids:
+            return i + 1, True
+    if stop and any(s in decode(token_ids) for s in stop):
+        lo, hi = 1, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in decode(token_ids[:mid]) for s in stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, True
+    return len(token_ids), False
+
+
+@dataclass
+class HFRolloutEngine:
+    """transformers `generate`, left-padded batches; log-probs come from the processed (tempered) scores."""
+
+    model: object
+    tokenizer: object
+    batch_size: int = 16
+    name: str = "hf"
+    eos_ids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        gen_eos = self.model.generation_config.eos_token_id
+        ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids = {i for i in [*ids, self.tokenizer.eos_token_id] if i is not None}
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
+        import torch
+
+        jobs = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
+        out: list[Generation] = []
+        pad = self.tokenizer.pad_token_id
+        bar = tqdm(total=len(jobs), desc=desc or "rollout", unit="seq", disable=None, leave=False)
+        self.model.eval()
+        for start in range(0, len(jobs), self.batch_size):
+            chunk = jobs[start : start + self.batch_size]
+            width = max(len(prompts[p]) for p, _ in chunk)
+            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, (p, _) in enumerate(chunk):
+                ids = prompts[p]
+                input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                attention[row, width - len(ids) :] = 1
+            sample = params.temperature > 0
+            # One seed per batch: reruns of a step reproduce its samples.
+            torch.manual_seed(params.seed + start)
+            with torch.no_grad():
+                result = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    do_sample=sample,
+                    temperature=params.temperature if sample else None,
+                    top_p=params.top_p if sample and params.top_p < 1.0 else None,
+                    top_k=0 if sample else None,
+                    max_new_tokens=params.max_new_tokens,
+                    stop_strings=list(params.stop) or None,
+                    tokenizer=self.tokenizer if params.stop else None,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=pad,
+                )
+            new_tokens = result.sequences[:, width:]
+            logprobs = torch.stack(
+                [torch.log_softmax(s.float(), -1).gather(-1, new_tokens[:, t : t + 1]).squeeze(-1)
+                 for t, s in enumerate(result.scores)],
+                dim=1,
+            )
+            for row, (p, s) in enumerate(chunk):
+                ids = new_tokens[row].tolist()
+                keep, stopped = first_stop(ids, self.eos_ids, params.stop, self._decode)
+                ids = ids[:keep]
+                out.append(
+                    Generation(
+                        prompt_index=p,
+                        sample_idx=s,
+                        token_ids=ids,
+                        logprobs=logprobs[row, :keep].tolist(),
+                        text=self._decode(ids),
+                        finish_reason="stop" if stopped else "length",
+                    )
+                )
+            bar.update(len(chunk))
+        bar.close()
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _hf_engine(model_path: str, batch_size: int, dtype: str = "float32") -> HFRolloutEngine:
+    from refiner_core.models import load_model, load_tokenizer
+
+    return HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size)
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf_engine}
+
+
+def make_engine(kind: str, model_path: str, batch_size: int, dtype: str = "float32") -> RolloutEngine:
+    if kind not in ENGINES:
+        raise ValueError(f"unknown rollout engine {kind!r}; available: {sorted(ENGINES)}")
+    return ENGINES[kind](model_path, batch_size, dtype)

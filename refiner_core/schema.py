@@ -1,0 +1,226 @@
+"""Every table of the pipeline, defined once. Parquet schemas and DuckDB DDL are derived from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    doc: str
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    doc: str
+    key: tuple[str, ...]
+    columns: tuple[Column, ...]
+
+    @property
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([pa.field(c.name, c.type, nullable=c.name not in self.key) for c in self.columns])
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+
+def _c(name: str, type_: pa.DataType, doc: str) -> Column:
+    return Column(name, type_, doc)
+
+
+S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+TS = pa.timestamp("us", tz="UTC")
+
+PROMPTS = Table(
+    "prompts",
+    "One row per training prompt after SFT-data preparation: rendered chat prompt and reference answer.",
+    ("run", "prompt_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("prompt_id", S, "Stable row ID from the source data."),
+        _c("split", S, "'train' or 'validation'."),
+        _c("question", S, "The user's research question."),
+        _c("reasoning", S, "The search agent's reasoning given to the refiner."),
+        _c("tool_output", S, "Raw search-tool output with <snippet id=...> blocks."),
+        _c("snippet_ids", pa.list_(S), "IDs of the snippets present in tool_output."),
+        _c("reference_answer", S, "Reference refined answer in the target format (may be empty)."),
+        _c("prompt_text", S, "The chat-template rendering fed to the policy."),
+        _c("prompt_token_ids", pa.list_(pa.int32()), "Token IDs of prompt_text."),
+        _c("prompt_tokens", I, "len(prompt_token_ids)."),
+        _c("reference_tokens", I, "Token count of the reference answer."),
+        _c("content_hash", S, "Hash of the source row's content (dedupe key)."),
+    ),
+)
+
+RUBRICS = Table(
+    "rubrics",
+    "Rubrics the judge scores each rollout against: per-instance positive/negative plus the static set.",
+    ("run", "prompt_id", "rubric_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("prompt_id", S, "Prompt the rubric belongs to."),
+        _c("rubric_id", S, "Unique within the prompt: 'pos-0', 'neg-1', 'static-citation-discipline', ..."),
+        _c("kind", S, "'positive' or 'negative' (negative scores are flipped: 1 - s)."),
+        _c("source", S, "'instance' or 'static'."),
+        _c("title", S, "Short title."),
+        _c("description", S, "The criterion the judge sees."),
+        _c("weight", F, "Weight in the rubric score."),
+    ),
+)
+
+ROLLOUTS = Table(
+    "rollouts",
+    "One row per sampled response, with everything needed to train on it without re-tokenizing.",
+    ("run", "step", "prompt_id", "sample_idx"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step that sampled this rollout (0-based)."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Index within the prompt's group (0..G-1)."),
+        _c("policy", S, "Checkpoint path of the sampling policy."),
+        _c("policy_hash", S, "Content hash of the sampling policy's weights."),
+        _c("engine", S, "Rollout engine that produced it ('hf', 'vllm', ...)."),
+        _c("temperature", F, "Sampling temperature."),
+        _c("seed", I, "Sampling seed of the batch."),
+        _c("prompt_token_ids", pa.list_(pa.int32()), "Prompt token IDs as fed to the engine."),
+        _c("response_token_ids", pa.list_(pa.int32()), "Sampled token IDs (EOS included when emitted)."),
+        _c("response_logprobs", pa.list_(pa.float32()), "Engine log-probability of each sampled token."),
+        _c("response_text", S, "Decoded response (special tokens removed)."),
+        _c("response_tokens", I, "len(response_token_ids)."),
+        _c("finish_reason", S, "'stop' (EOS or stop string) or 'length'."),
+        _c("created_at", TS, "When the rollout was written."),
+    ),
+)
+
+JUDGE_SCORES = Table(
+    "judge_scores",
+    "One row per (rollout, rubric): the judge's raw output, parsed score, and failure if any.",
+    ("run", "step", "prompt_id", "sample_idx", "rubric_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Sample index."),
+        _c("rubric_id", S, "Rubric ID (joins rubrics)."),
+        _c("kind", S, "'positive' or 'negative'."),
+        _c("weight", F, "Rubric weight."),
+        _c("judge", S, "Judge engine and model."),
+        _c("raw_output", S, "Verbatim judge output."),
+        _c("raw_score", F, "Parsed score on the judge's 0-2 scale; NULL when parsing failed."),
+        _c("score", F, "raw_score / 2: 0/1/2 map to 0/0.5/1; NULL when parsing failed."),
+        _c("oriented_score", F, "score for positive rubrics, 1 - score for negative; NULL on failure."),
+        _c("failure", S, "NULL when parsed; otherwise why ('unparseable: ...', 'out_of_range: ...', 'non_numeric: ...')."),
+    ),
+)
+
+REWARDS = Table(
+    "rewards",
+    "One row per rollout: reward components, the weights used, and the total (recomputable by SQL).",
+    ("run", "step", "prompt_id", "sample_idx"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Sample index."),
+        _c("has_answer", B, "Exactly one <answer>...</answer> block."),
+        _c("format_ok", B, "Answer block present and snippet tags well formed."),
+        _c("format_score", F, "1.0 when format_ok else 0.0."),
+        _c("n_citations", I, "Cited IDs (multi-ID citations count each ID)."),
+        _c("n_invalid_citations", I, "Cited IDs not present in the prompt's tool output."),
+        _c("citation_score", F, "Fraction of cited IDs that are valid (0 with no answer or no citation)."),
+        _c("rubric_score", F, "Weighted mean of oriented rubric scores over scored rubrics."),
+        _c("rubrics_scored", I, "Rubrics with a usable score."),
+        _c("rubrics_failed", I, "Rubrics whose judge output failed to parse."),
+        _c("finish_reason", S, "Rollout finish reason."),
+        _c("verification_reward", F, "Multiplier applied to the judged part."),
+        _c("rubric_weight", F, "Weight of rubric_score in the judged part."),
+        _c("citation_weight", F, "Weight of citation_score in the judged part."),
+        _c("format_weight", F, "Weight of format_score."),
+        _c("gated", B, "True when the judged part was zeroed because format_ok is false (gating on)."),
+        _c("non_stop_penalized", B, "True when the reward was replaced by the non-stop penalty."),
+        _c("non_stop_penalty", F, "Reward given instead when non_stop_penalized."),
+        _c("reward", F, "Total reward used for advantages."),
+    ),
+)
+
+STEPS = Table(
+    "steps",
+    "One row per GRPO step: optimisation and reward metrics.",
+    ("run", "step"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("loss", F, "Policy loss (aggregated as configured)."),
+        _c("pg_loss", F, "Clipped surrogate part of the loss."),
+        _c("kl", F, "Mean per-token KL estimate against the reference."),
+        _c("clip_fraction", F, "Fraction of response tokens whose ratio was clipped."),
+        _c("reward_mean", F, "Mean reward over the step's rollouts."),
+        _c("reward_std", F, "Std (ddof 0) of rewards over the step's rollouts."),
+        _c("advantage_abs_mean", F, "Mean |advantage| over rollouts."),
+        _c("zero_std_group_fraction", F, "Fraction of groups whose rewards were all equal (no signal)."),
+        _c("grad_norm", F, "Gradient norm before clipping."),
+        _c("lr", F, "Learning rate used."),
+        _c("response_tokens", I, "Response tokens trained on."),
+        _c("response_length_mean", F, "Mean response length in tokens."),
+        _c("rollout_seconds", F, "Wall time of the rollout stage."),
+        _c("judge_seconds", F, "Wall time of the judge stage."),
+        _c("update_seconds", F, "Wall time of the update stage."),
+        _c("checkpoint", S, "Path of the checkpoint written by this step."),
+    ),
+)
+
+QUARANTINE = Table(
+    "quarantine",
+    "Rejected input rows: where they came from, which stage rejected them and why.",
+    ("run", "stage", "source", "row_ref"),
+    (
+        _c("run", S, "Run name."),
+        _c("stage", S, "Stage that rejected the row ('prepare', 'rubrics', ...)."),
+        _c("source", S, "Source file or dataset."),
+        _c("row_ref", S, "Row number or row ID in the source."),
+        _c("reason", S, "Machine-readable reason ('missing_field', 'unknown_snippet_id', ...)."),
+        _c("detail", S, "Human-readable explanation."),
+        _c("raw", S, "The raw row text (truncated to 4 kB)."),
+    ),
+)
+
+ALL_TABLES: dict[str, Table] = {
+    t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARDS, STEPS, QUARANTINE)
+}
+
+_DUCKDB_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.int64(): "BIGINT",
+    pa.int32(): "INTEGER",
+    pa.float64(): "DOUBLE",
+    pa.float32(): "FLOAT",
+    pa.bool_(): "BOOLEAN",
+    TS: "TIMESTAMPTZ",
+}
+
+
+def duckdb_type(type_: pa.DataType) -> str:
+    if pa.types.is_list(type_):
+        return duckdb_type(type_.value_type) + "[]"
+    return _DUCKDB_TYPES[type_]
+
+
+def duckdb_ddl(table: Table) -> str:
+    cols = ",\n  ".join(f'"{c.name}" {duckdb_type(c.type)}' for c in table.columns)
+    return f'CREATE TABLE "{table.name}" (\n  {cols}\n)'
+
+
+def to_arrow(table: Table, rows: list[dict]) -> pa.Table:
+    """Build an Arrow table with the exact schema; missing or extra keys are errors, not silent drops."""
+    expected = set(table.column_names)
+    for i, row in enumerate(rows):
+        if set(row) != expected:
+            missing, extra = expected - set(row), set(row) - expected
+            raise ValueError(f"{table.name} row {i}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    return pa.Table.from_pylist(rows, schema=table.arrow_schema)

@@ -1,0 +1,126 @@
+"""All file I/O of the pipeline: atomic Parquet writes, content hashes, and the DuckDB catalog."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, to_arrow
+
+
+def atomic_path(path: Path) -> tuple[Path, Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp), path
+
+
+def write_table(table: Table, rows: list[dict], path: Path) -> str:
+    """Write rows as Parquet atomically (temp file + rename) and return the file's content hash."""
+    return write_arrow(to_arrow(table, rows), path)
+
+
+def write_arrow(data: pa.Table, path: Path) -> str:
+    tmp, final = atomic_path(Path(path))
+    try:
+        pq.write_table(data, tmp)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return file_hash(final)
+
+
+def write_json(obj: Any, path: Path) -> str:
+    tmp, final = atomic_path(Path(path))
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return file_hash(final)
+
+
+def read_rows(path: Path | str) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def file_hash(path: Path | str) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def dir_hash(path: Path | str) -> str:
+    """Content hash of every file below a folder (names and bytes), independent of mtimes."""
+    digest = hashlib.blake2b(digest_size=16)
+    root = Path(path)
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(root).as_posix().encode())
+        digest.update(file_hash(file).encode())
+    return digest.hexdigest()
+
+
+def json_hash(obj: Any) -> str:
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> dict[str, int]:
+    """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
+
+    Every table of the schema exists, even when empty, so queries never fail on a missing table.
+    """
+    tmp, final = atomic_path(Path(db_path))
+    tmp.unlink()  # DuckDB refuses to open an empty non-database file
+    counts: dict[str, int] = {}
+    try:
+        con = duckdb.connect(str(tmp))
+        try:
+            for name, table in ALL_TABLES.items():
+                con.execute(duckdb_ddl(table))
+                files = [str(p) for p in parquet_files.get(name, ()) if Path(p).exists()]
+                if files:
+                    con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [files])
+                counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
+            con.execute(_REWARD_RECOMPUTE_VIEW)
+        finally:
+            con.close()
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+        Path(str(tmp) + ".wal").unlink(missing_ok=True)
+    return counts
+
+
+# The reward of every rollout recomputed from its stored components and weights; must equal rewards.reward.
+_REWARD_RECOMPUTE_VIEW = """
+CREATE VIEW rewards_recomputed AS
+SELECT run, step, prompt_id, sample_idx,
+  CASE WHEN non_stop_penalized THEN non_stop_penalty
+       ELSE verification_reward * CASE WHEN gated THEN 0
+                                       ELSE rubric_weight * rubric_score + citation_weight * citation_score END
+            + format_weight * format_score
+  END AS reward_sql,
+  reward
+FROM rewards
+"""
+
+
+def query(db_path: Path | str, sql: str, params: list | None = None) -> tuple[list[str], list[tuple]]:
+    """Run SQL on a catalog read-only; returns (column names, rows)."""
+    con = duckdb.connect(str(db_path), read_only=True)
+    try:
+        cur = con.execute(sql, params or [])
+        columns = [d[0] for d in cur.description] if cur.description else []
+        return columns, cur.fetchall()
+    finally:
+        con.close()

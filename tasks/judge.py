@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger
+
+from refiner_core.judge import JUDGES, score_rollouts
+from refiner_core.config import RewardConfig
+from refiner_core.schema import JUDGE_SCORES, REWARDS
+from refiner_core.storage import read_rows, write_table
+from tasks.stage import stage
+
+
+@stage("judge")
+def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: dict, judge_model: dict,
+          judge_cfg: dict, reward_cfg: dict, dtype: str) -> dict:
+    """Stage 4: format/citation checks + rubric judge -> judge_scores and rewards for the step."""
+    log = get_run_logger()
+    prompt_rows = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
+    rubric_rows: dict[str, list[dict]] = {}
+    for r in read_rows(rubrics["rubrics"]["path"]):
+        rubric_rows.setdefault(r["prompt_id"], []).append(r)
+    if judge_cfg["engine"] not in JUDGES:
+        raise ValueError(f"unknown judge engine {judge_cfg['engine']!r}; available: {sorted(JUDGES)}")
+    scorer = JUDGES[judge_cfg["engine"]](judge_model["path"], judge_cfg, dtype)
+    scores, rewards = score_rollouts(
+        read_rows(rollouts["rollouts"]["path"]), prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
+        judge_cfg["on_failure"], judge_cfg["max_response_chars"],
+    )
+    out = Path(run_dir) / "scores" / f"step={step}"
+    failed = sum(s["failure"] is not None for s in scores)
+    log.info("judge step %d: %d rubric scores (%d unparseable), reward mean %.3f", step, len(scores), failed,
+             sum(r["reward"] for r in rewards) / max(len(rewards), 1))
+    return {
+        "judge_scores": {"path": str(out / "judge_scores.parquet"),
+                         "hash": write_table(JUDGE_SCORES, scores, out / "judge_scores.parquet")},
+        "rewards": {"path": str(out / "rewards.parquet"), "hash": write_table(REWARDS, rewards, out / "rewards.parquet")},
+        "judge_failures": failed,
+    }

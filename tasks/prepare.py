@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger
+
+from refiner_core.data import prepare_prompts, read_jsonl, validate_rows
+from refiner_core.models import load_tokenizer
+from refiner_core.schema import PROMPTS, QUARANTINE
+from refiner_core.storage import write_table
+from tasks.stage import stage
+
+
+class TooManyRejected(RuntimeError):
+    pass
+
+
+@stage("prepare-data")
+def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: int, policy: dict) -> dict:
+    """Stage 1: validate refiner rows, render chat prompts, apply token limits -> prompts + quarantine."""
+    log = get_run_logger()
+    raw = read_jsonl(Path(data_file))
+    checked = validate_rows(raw)
+    tokenizer = load_tokenizer(policy["path"])
+    prompts, dropped = prepare_prompts(
+        checked.rows, tokenizer, run, data["max_prompt_tokens"], data["max_reference_tokens"],
+        data["validation_fraction"], seed,
+    )
+    if data["max_prompts"]:
+        prompts = prompts[: data["max_prompts"]]
+    rejected = checked.rejected + dropped
+    quarantine = [r.as_quarantine(run, "prepare", data_file) for r in rejected]
+    counts: dict[str, int] = {}
+    for r in rejected:
+        counts[r.reason] = counts.get(r.reason, 0) + 1
+    out = Path(run_dir) / "data"
+    manifest = {
+        "prompts": {"path": str(out / "prompts.parquet"), "hash": write_table(PROMPTS, prompts, out / "prompts.parquet")},
+        "quarantine": {"path": str(out / "quarantine.parquet"),
+                       "hash": write_table(QUARANTINE, quarantine, out / "quarantine.parquet")},
+        "rows_in": len(raw), "rows_out": len(prompts), "rejected": counts,
+        "train_ids": sorted(p["prompt_id"] for p in prompts if p["split"] == "train"),
+    }
+    log.info("prepare-data: %d rows in, %d prompts out, rejected %s", len(raw), len(prompts), counts or "none")
+    fraction = len(rejected) / max(len(raw), 1)
+    if fraction > data["max_rejected_fraction"]:
+        first = "; ".join(f"{r.row_ref}: {r.reason} ({r.detail})" for r in rejected[:5])
+        raise TooManyRejected(
+            f"{len(rejected)}/{len(raw)} rows rejected ({fraction:.0%} > max_rejected_fraction "
+            f"{data['max_rejected_fraction']:.0%}). First: {first}. All reasons are in {out / 'quarantine.parquet'}."
+        )
+    return manifest

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from prefect import get_run_logger
+
+from refiner_core.grpo import build_train_samples, learner_settings
+from refiner_core.learner import LEARNERS
+from refiner_core.models import load_tokenizer
+from refiner_core.schema import STEPS
+from refiner_core.storage import dir_hash, read_rows, write_table
+from tasks.stage import stage
+
+
+@stage("grpo-update")
+def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: dict, policy: dict, reference: dict,
+                grpo_cfg: dict, temperature: float, dtype: str, seed: int) -> dict:
+    """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics."""
+    import torch
+
+    log = get_run_logger()
+    torch.manual_seed(seed * 7919 + step)
+    rollout_rows = read_rows(rollouts["rollouts"]["path"])
+    reward_rows = read_rows(scores["rewards"]["path"])
+    samples, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
+    settings = learner_settings(grpo_cfg, temperature)
+    tokenizer = load_tokenizer(policy["path"])
+    learner = LEARNERS["torch"](policy["path"], reference["path"], tokenizer, settings,
+                                Path(policy["path"]) / "optimizer.pt", dtype)
+    metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
+
+    final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+    learner.save(build)
+    tokenizer.save_pretrained(build)
+    if final.exists():
+        shutil.rmtree(final)  # a retried or recomputed step replaces its own checkpoint
+    build.rename(final)
+
+    rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
+    row = {
+        "run": run, "step": step, **{k: metrics[k] for k in ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm",
+                                                            "lr", "response_tokens", "update_seconds")},
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "advantage_abs_mean": adv_stats["advantage_abs_mean"],
+        "zero_std_group_fraction": adv_stats["zero_std_group_fraction"],
+        "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
+        "rollout_seconds": rollouts["seconds"], "judge_seconds": scores["seconds"], "checkpoint": str(final),
+    }
+    metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
+    log.info("grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%%", step,
+             row["loss"], row["kl"], row["clip_fraction"], row["reward_mean"], row["reward_std"],
+             100 * row["zero_std_group_fraction"])
+    return {
+        "policy": {"path": str(final), "hash": dir_hash(final)},
+        "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
+    }
+
+
+def _no_signal_metrics(settings) -> dict:
+    """Every group was filtered out (all-equal rewards): the policy is saved unchanged."""
+    return {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0,
+            "lr": settings.learning_rate, "response_tokens": 0, "update_seconds": 0.0}
