@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the main job: the refiner pipeline on SmolLM2-135M-Instruct, 2 GRPO steps.
+# Extra arguments go to `refiner run`, e.g. --set grpo.steps=3 or --run-dir /tmp/my-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/refiner run recipes/refiner-smollm2.yaml "$@"

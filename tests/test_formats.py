@@ -1,0 +1,54 @@
+from refiner_core.formats import check_citations, parse_answer, tool_snippet_ids
+
+TOOL = (
+    "<snippet id=a1b2c3>Title: A\nText: alpha</snippet>\n"
+    "<snippet id=d4e5f6>Title: B\nText: beta</snippet>\n"
+    "<snippet id=0f0f0f>Title: C\nText: gamma</snippet>"
+)
+
+
+def test_tool_snippet_ids_in_order_without_duplicates():
+    assert tool_snippet_ids(TOOL + "<snippet id=a1b2c3>again</snippet>") == ["a1b2c3", "d4e5f6", "0f0f0f"]
+    assert tool_snippet_ids("no snippets here") == []
+
+
+def test_multi_id_citation_keeps_every_id():
+    parsed = parse_answer("<answer><snippet id=a1b2c3,d4e5f6>Both say so.</snippet> And "
+                          "<snippet id=\"0f0f0f\">gamma</snippet>.</answer>")
+    assert parsed.has_answer and parsed.well_formed
+    assert [c.ids for c in parsed.citations] == [("a1b2c3", "d4e5f6"), ("0f0f0f",)]
+    assert parsed.cited_ids == ["a1b2c3", "d4e5f6", "0f0f0f"]
+    check = check_citations(parsed, tool_snippet_ids(TOOL))
+    assert (check.n_citations, check.n_invalid, check.score) == (3, 0, 1.0)
+
+
+def test_unknown_ids_count_per_id():
+    parsed = parse_answer("<answer><snippet id=a1b2c3, zzzzzz>x</snippet> <snippet id=yyyyyy>y</snippet></answer>")
+    check = check_citations(parsed, tool_snippet_ids(TOOL))
+    assert check.n_citations == 3 and check.n_invalid == 2
+    assert check.invalid_ids == ("zzzzzz", "yyyyyy")
+    assert abs(check.score - 1 / 3) < 1e-12
+
+
+def test_answer_block_must_be_unique_and_closed():
+    assert not parse_answer("no answer at all").has_answer
+    assert not parse_answer("<answer>one</answer><answer>two</answer>").has_answer
+    assert not parse_answer("<answer>unclosed").has_answer
+    assert parse_answer("preamble <answer>body</answer> trailer").answer_text == "body"
+
+
+def test_malformed_snippet_tags_are_not_well_formed():
+    unclosed = parse_answer("<answer><snippet id=a1b2c3>claim without close</answer>")
+    assert unclosed.has_answer and not unclosed.well_formed
+    empty_ids = parse_answer("<answer><snippet id=>claim</snippet></answer>")
+    assert not empty_ids.well_formed
+    empty_claim = parse_answer("<answer><snippet id=a1b2c3> </snippet></answer>")
+    assert not empty_claim.well_formed and "snippet with empty claim" in empty_claim.problems
+    stray_close = parse_answer("<answer>text</snippet></answer>")
+    assert not stray_close.well_formed
+
+
+def test_no_citation_scores_zero():
+    parsed = parse_answer("<answer>Plain text with no citations.</answer>")
+    assert parsed.well_formed
+    assert check_citations(parsed, ["a1b2c3"]).score == 0.0

@@ -1,0 +1,185 @@
+"""End to end on the tiny Qwen3: every stage for real, caching, retries and resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+from safetensors.torch import load_file
+
+from refiner_core.config import recipe_from_dict
+
+STAGES = ("prepare-data", "ingest-rubrics", "rollout", "judge", "grpo-update")
+
+
+def _task_states(flow_run_id) -> dict[str, tuple[str, int]]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+    return {r.name: (r.state.name, r.run_count) for r in runs}
+
+
+def _run(recipe: dict, run_dir: Path):
+    from flows.refiner import refiner_pipeline
+
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    return state, _task_states(state.state_details.flow_run_id)
+
+
+def _counts(run_dir: Path) -> dict[str, int]:
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        names = ["prompts", "rubrics", "rollouts", "judge_scores", "rewards", "steps", "quarantine"]
+        return {n: con.execute(f"SELECT count(*) FROM {n}").fetchone()[0] for n in names}
+    finally:
+        con.close()
+
+
+def _weights(folder: Path) -> dict:
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def finished_run(prefect_server, tiny_model_path, tmp_path_factory):
+    from refiner_core.config import load_recipe
+
+    recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "tiny.yaml").to_dict()
+    run_dir = tmp_path_factory.mktemp("e2e")
+    state, tasks = _run(recipe, run_dir)
+    assert state.is_completed(), state.message
+    return recipe, run_dir, tasks
+
+
+def test_e2e_tables_and_weights(finished_run, tiny_model_path):
+    recipe, run_dir, tasks = finished_run
+    cfg = recipe_from_dict(recipe)
+    assert (cfg.grpo.steps, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (2, 4, 4)
+    counts = _counts(run_dir)
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    rubrics_per_rollout = con.execute(
+        "SELECT sum(n) FROM (SELECT count(*) AS n FROM rollouts JOIN rubrics USING (run, prompt_id) "
+        "GROUP BY step, prompt_id, sample_idx)").fetchone()[0]
+    distinct_prompts = con.execute("SELECT count(DISTINCT (step, prompt_id)) FROM rollouts").fetchone()[0]
+    mismatched = con.execute("SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9").fetchone()[0]
+    keys_unique = con.execute("SELECT count(*) = count(DISTINCT (step, prompt_id, sample_idx, rubric_id)) "
+                              "FROM judge_scores").fetchone()[0]
+    lengths_ok = con.execute("SELECT bool_and(len(response_token_ids) = len(response_logprobs) AND "
+                             "response_tokens = len(response_token_ids)) FROM rollouts").fetchone()[0]
+    con.close()
+    assert counts["prompts"] == 28 and counts["quarantine"] == 0
+    assert counts["rubrics"] > 28 * 3
+    assert counts["rollouts"] == 2 * 4 * 4 and distinct_prompts == 8
+    assert counts["rewards"] == 32 and counts["steps"] == 2
+    assert counts["judge_scores"] == rubrics_per_rollout
+    assert mismatched == 0 and keys_unique and lengths_ok
+    base, final = _weights(tiny_model_path), _weights(run_dir / "checkpoints" / "step_0002")
+    changed = [k for k in base if not (base[k] == final[k]).all()]
+    assert len(changed) > len(base) // 2, f"only {len(changed)}/{len(base)} tensors changed"
+    for state, _ in (tasks[name] for name in tasks if name.split("[")[0] in STAGES):
+        assert state == "Completed"
+
+
+def test_checkpoint_loads_with_automodel(finished_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, run_dir, _ = finished_run
+    folder = run_dir / "checkpoints" / "step_0001"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    out = model.generate(**tok("<|im_start|>user\nhi<|im_end|>\n", return_tensors="pt"), max_new_tokens=3)
+    assert out.shape[1] > 0
+
+
+def test_rerun_after_success_is_all_cached(finished_run):
+    recipe, run_dir, _ = finished_run
+    before = _counts(run_dir)
+    mtime = (run_dir / "rollouts" / "step=0" / "rollouts.parquet").stat().st_mtime_ns
+    state, tasks = _run(recipe, run_dir)
+    assert state.is_completed()
+    stage_states = {name: s for name, (s, _) in tasks.items() if name.split("[")[0] in STAGES}
+    assert len(stage_states) == 2 + 3 * 2
+    assert set(stage_states.values()) == {"Cached"}, stage_states
+    assert _counts(run_dir) == before
+    assert (run_dir / "rollouts" / "step=0" / "rollouts.parquet").stat().st_mtime_ns == mtime
+
+
+def test_changed_config_recomputes_only_downstream(finished_run, tmp_path):
+    recipe, run_dir, _ = finished_run
+    changed = {**recipe, "grpo": {**recipe["grpo"], "learning_rate": 5e-4}}
+    state, tasks = _run(changed, run_dir)
+    assert state.is_completed()
+    assert tasks["prepare-data"][0] == tasks["ingest-rubrics"][0] == "Cached"
+    assert tasks["rollout[step=0]"][0] == tasks["judge[step=0]"][0] == "Cached"
+    assert tasks["grpo-update[step=0]"][0] == "Completed"  # lr enters the update's key
+    assert tasks["rollout[step=1]"][0] == "Completed"  # new policy weights -> new content hash
+
+
+def test_stage_failing_once_is_retried(prefect_server, tiny_recipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("REFINER_FAIL_ONCE", "judge@1")
+    recipe = {**tiny_recipe, "run": {**tiny_recipe["run"], "retry_delay_seconds": 0.1}}
+    state, tasks = _run(recipe, tmp_path)
+    assert state.is_completed(), state.message
+    assert tasks["judge[step=1]"] == ("Completed", 2)  # failed once, retried once
+    assert tasks["judge[step=0]"] == ("Completed", 1)
+    assert _counts(tmp_path)["steps"] == 2
+
+
+def test_failed_run_resumes_at_failed_stage(prefect_server, tiny_recipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("REFINER_FAIL_ONCE", "grpo-update@1")
+    recipe = {**tiny_recipe, "run": {**tiny_recipe["run"], "retries": 0}}
+    state, tasks = _run(recipe, tmp_path)
+    assert state.is_failed()
+    assert tasks["grpo-update[step=1]"][0] == "Failed"
+    assert not (tmp_path / "checkpoints" / "step_0002").exists()
+    state, tasks = _run(recipe, tmp_path)  # the fault fired once already
+    assert state.is_completed(), state.message
+    before_failure = ["prepare-data", "ingest-rubrics", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]",
+                      "rollout[step=1]", "judge[step=1]"]
+    assert {tasks[n][0] for n in before_failure} == {"Cached"}
+    assert tasks["grpo-update[step=1]"][0] == "Completed"
+    assert (tmp_path / "checkpoints" / "step_0002" / "model.safetensors").exists()
+
+
+def _cli_run(cmd: list[str], env: dict, log_path: Path, cwd: Path) -> tuple[int, str]:
+    """Run the CLI in its own process group; after it exits, reap whatever it left behind (a hard-killed
+    process leaves Prefect's temporary server running, which would otherwise hold the log open)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        try:
+            code = proc.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return code, log_path.read_text()
+
+
+def test_killed_process_resumes(tmp_path):
+    """A hard kill (no cleanup) in the judge of step 1; the same command then finishes the run."""
+    repo = Path(__file__).parents[1]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(repo / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir)]
+    env = {**os.environ, "REFINER_KILL_ONCE": "judge@1", "PREFECT_LOGGING_LEVEL": "INFO",
+           "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    code, log = _cli_run(cmd, env, tmp_path / "first.log", repo)
+    assert code == 137, log[-2000:]
+    assert (run_dir / "scores" / "step=0" / "rewards.parquet").exists()
+    assert not (run_dir / "scores" / "step=1").exists()
+    code, log = _cli_run(cmd, env, tmp_path / "second.log", repo)
+    assert code == 0, log[-3000:]
+    for name in ("prepare-data", "ingest-rubrics", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]",
+                 "rollout[step=1]"):
+        assert f"Task run '{name}' - Finished in state Cached" in log, name
+    assert "Task run 'judge[step=1]' - Finished in state Completed" in log
+    assert "catalog:" in log
+    assert _counts(run_dir)["steps"] == 2
