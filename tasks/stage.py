@@ -12,15 +12,18 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from refiner_core import code_version
-from refiner_core.storage import file_hash, json_hash
+from refiner_core.storage import dir_hash, file_hash, json_hash
 
 CODE_VERSION = code_version()
 
 
 def _content(value: Any, key: str) -> Any:
-    """Parameters named *_file enter the key by content, so an edited input file invalidates the stage."""
+    """Parameters named *_file enter the key by content, so an edited input file (or a save_to_disk folder)
+    invalidates the stage."""
     if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_file():
         return {"path": value, "content": file_hash(value)}
+    if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_dir():
+        return {"path": value, "content": dir_hash(value)}
     return value
 
 
