@@ -24,16 +24,16 @@ def detect_format(path: str, fmt: str = "auto") -> str:
             raise SourceError(f"unknown source format {fmt!r}; expected one of {list(FORMATS)}")
         return fmt
     p = Path(path)
+    if not p.exists():
+        # A missing local path is only a hub name when asked for explicitly: no surprise downloads.
+        raise SourceError(f"{path!r} does not exist (set format: hub to load a hub dataset by name)")
     if p.is_dir():
         return "disk"
     if p.suffix == ".jsonl":
         return "jsonl"
     if p.suffix in (".parquet", ".pq"):
         return "parquet"
-    if p.exists():
-        raise SourceError(f"cannot tell the format of {path!r}: set format to jsonl, parquet or disk")
-    # A missing local path is only a hub name when asked for explicitly: no surprise downloads.
-    raise SourceError(f"{path!r} does not exist (set format: hub to load a hub dataset by name)")
+    raise SourceError(f"cannot tell the format of {path!r}: set format to jsonl, parquet or disk")
 
 
 def load_rows(path: str, fmt: str = "auto", fields: dict | None = None, split: str = "train",
