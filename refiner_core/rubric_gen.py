@@ -35,6 +35,8 @@ class RubricGenerationError(RuntimeError):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail = reason, detail
+        self.answered: bool | None = None  # set by generate_rubrics: an answer existed (fresh or cached)
+        self.from_cache = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,14 @@ def generate_rubrics(question: str, tool_output: str, reference_answer: str,
     if cached:
         content = json.loads(path.read_text())["content"]
     else:
-        content = chat_completion(body, settings)
+        try:
+            content = chat_completion(body, settings)
+        except RubricGenerationError as e:
+            e.answered = False
+            raise
         write_json({"request": body, "content": content}, path)
-    return parse_generated(content), cached
+    try:
+        return parse_generated(content), cached
+    except RubricGenerationError as e:
+        e.answered, e.from_cache = True, cached
+        raise

@@ -7,7 +7,7 @@ from prefect import get_run_logger
 
 from refiner_core.data import TooManyRejected, check_rejected_fraction
 from refiner_core.models import refiner_home
-from refiner_core.rubric_gen import GenerationSettings, generate_rubrics
+from refiner_core.rubric_gen import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics import join_rubrics, load_static_rubrics
 from refiner_core.schema import QUARANTINE, RUBRICS
 from refiner_core.sources import load_rows
@@ -30,7 +30,7 @@ def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric
         source = data_file
         source_rows = load_rows(data_file, data.get("format", "auto"), data.get("fields"), data.get("split", "train"),
                                 data.get("hub_config", ""))
-    generated = {"calls": 0, "cached": 0}
+    generated = {"calls": 0, "cached": 0, "failed_calls": 0}  # answers paid for, served from cache, no answer
     generate = None
     if rubric_cfg.get("generation_endpoint"):
         settings = GenerationSettings(
@@ -42,8 +42,12 @@ def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric
         )
 
         def generate(prompt: dict) -> list[dict]:
-            rubrics, cached = generate_rubrics(prompt["question"], prompt["tool_output"], prompt["reference_answer"],
-                                               settings)
+            try:
+                rubrics, cached = generate_rubrics(prompt["question"], prompt["tool_output"],
+                                                   prompt["reference_answer"], settings)
+            except RubricGenerationError as e:
+                generated["failed_calls" if not e.answered else "cached" if e.from_cache else "calls"] += 1
+                raise
             generated["cached" if cached else "calls"] += 1
             return rubrics
 
