@@ -12,6 +12,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from refiner_core import code_version
+from refiner_core.data import TooManyRejected
 from refiner_core.storage import dir_hash, file_hash, json_hash
 
 CODE_VERSION = code_version()
@@ -51,6 +52,11 @@ def inject_faults(stage_name: str, step: int | None, run_dir: str) -> None:
         raise RuntimeError(f"injected fault in stage {stage_name!r} (step {step}) from {variable}")
 
 
+def retry_unless_bad_data(task, task_run, state) -> bool:
+    """Retries help with flaky resources, not with rejected input: the same rows would fail again."""
+    return not isinstance(getattr(state, "data", None), TooManyRejected)
+
+
 def stage(name: str) -> Callable:
     """A cached, retryable pipeline stage. The wrapped function returns a JSON-able manifest."""
 
@@ -71,6 +77,7 @@ def stage(name: str) -> Callable:
             persist_result=True,
             retries=2,
             retry_delay_seconds=2,
+            retry_condition_fn=retry_unless_bad_data,
             task_run_name=_run_name(name),
         )
 

@@ -103,6 +103,18 @@ def test_run_fails_only_above_the_configured_fraction_and_names_the_rows(tiny_to
     assert "'unknown_snippet_id': 1" in message
 
 
+def _run_counts(flow_state) -> dict[str, int]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=50)
+    return {r.name: r.run_count for r in runs}
+
+
 def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, tiny_model_path, tmp_path):
     from prefect import flow
     from typer.testing import CliRunner
@@ -116,7 +128,7 @@ def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, 
 
     @flow
     def prepare_only(data: dict, run_dir: str):
-        return prepare_data.with_options(retries=0)(run_dir=run_dir, run="q", data_file=str(CORPUS), data=data,
+        return prepare_data.with_options(retries=2, retry_delay_seconds=0)(run_dir=run_dir, run="q", data_file=str(CORPUS), data=data,
                                                     seed=0, policy=policy)
 
     data = {**dataclasses.asdict(DataConfig()), "max_prompt_tokens": 2000, "max_rejected_fraction": 0.9}
@@ -135,6 +147,7 @@ def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, 
     assert state.is_failed()
     with pytest.raises(TooManyRejected, match=r"line 2: non_utf8 \(.*\).*refiner sql"):
         state.result()
+    assert _run_counts(state) == {"prepare-data": 1}, "rejected data is not retried"
     result = CliRunner().invoke(app, ["sql", str(tmp_path / "bad"), "SELECT count(*) AS n FROM quarantine",
                                       "--format", "json"])
     assert json.loads(result.stdout) == [{"n": len(EXPECTED["rejected"])}]

@@ -143,6 +143,10 @@ def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, 
     _, policies = query(db, "SELECT DISTINCT policy FROM rollouts")
     assert policies == [(str(Path(run_dir) / "checkpoints" / "sft"),)]
     assert (Path(run_dir) / "checkpoints" / "sft" / "config.json").exists()
+    # The KL reference is the SFT checkpoint too: before the first update policy == reference, so KL is 0
+    # (against the untrained base it would be large after a 3-epoch warm start).
+    _, kl = query(db, "SELECT kl FROM steps WHERE step = 0")
+    assert kl[0][0] == pytest.approx(0.0, abs=1e-6)
     _, efficiency = query(db, "SELECT value FROM sft_stats WHERE kind = 'packing' AND name = 'efficiency' "
                               "AND split = 'train'")
     assert 0 < efficiency[0][0] <= 1
