@@ -158,3 +158,14 @@ def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, 
     states = _task_states(second)
     assert states["prepare-sft"] == "Cached" and states["sft-train"] == "Cached"
     assert states["ingest-rubrics"] == "Cached"  # re-ingesting the same file is a no-op
+
+
+def test_open_instruct_chat_rows_become_sft_examples(tiny_tokenizer):
+    rows = [{"id": "c1", "messages": CONVERSATION, "row_ref": "line 1", "content_hash": "h1"},
+            {"id": "c2", "messages": CONVERSATION[:2], "row_ref": "line 2", "content_hash": "h2"}]  # no answer
+    out = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(pack_length=2048), 0.0, 0)
+    assert out.stats["skipped_no_answer"] == 1 and out.rejected == []
+    [example] = out.examples
+    assert example["input_ids"] == render_with_mask(tiny_tokenizer, CONVERSATION).input_ids
+    assert example["assistant_tokens"] == sum(render_with_mask(tiny_tokenizer, CONVERSATION).loss_mask)
+    assert example["split"] == "train" and example["source_ref"] == "line 1"
