@@ -178,6 +178,13 @@ def validate_rows(raw_rows: list[RawRow]) -> Validated:
     return out
 
 
+def accepted_raw_rows(raw_rows: list[RawRow]) -> list[RawRow]:
+    """The rows validate_rows accepts, as RawRows: later stages that re-read the source (rubric ingest) see
+    exactly the rows prepare-data kept, even when an ID also appears on an earlier, rejected line."""
+    kept = {r["row_ref"] for r in validate_rows(raw_rows).rows}
+    return [r for r in raw_rows if r.row_ref in kept]
+
+
 def split_of(prompt_id: str, validation_fraction: float, seed: int) -> str:
     """Deterministic per-row split: stable when rows are added or removed."""
     if validation_fraction <= 0:

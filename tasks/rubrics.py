@@ -5,7 +5,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.data import TooManyRejected, check_rejected_fraction
+from refiner_core.data import TooManyRejected, accepted_raw_rows, check_rejected_fraction
 from refiner_core.models import refiner_home
 from refiner_core.rubric_gen import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics import join_rubrics, load_static_rubrics
@@ -28,8 +28,8 @@ def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric
         source, source_rows = rubric_file, load_rows(rubric_file, "auto", rubric_cfg.get("fields"))
     else:
         source = data_file
-        source_rows = load_rows(data_file, data.get("format", "auto"), data.get("fields"), data.get("split", "train"),
-                                data.get("hub_config", ""))
+        source_rows = accepted_raw_rows(load_rows(data_file, data.get("format", "auto"), data.get("fields"),
+                                                  data.get("split", "train"), data.get("hub_config", "")))
     generated = {"calls": 0, "cached": 0, "failed_calls": 0}  # answers paid for, served from cache, no answer
     generate = None
     if rubric_cfg.get("generation_endpoint"):

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from refiner_core.data import TooManyRejected, check_rejected_fraction, prepare_prompts, validate_rows
+from refiner_core.data import (RawRow, TooManyRejected, accepted_raw_rows, check_rejected_fraction, prepare_prompts,
+                               validate_rows)
 from refiner_core.sources import load_rows
 
 DATA = Path(__file__).parent / "data"
@@ -151,3 +152,14 @@ def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, 
     result = CliRunner().invoke(app, ["sql", str(tmp_path / "bad"), "SELECT count(*) AS n FROM quarantine",
                                       "--format", "json"])
     assert json.loads(result.stdout) == [{"n": len(EXPECTED["rejected"])}]
+
+
+def test_later_stages_see_the_row_prepare_kept_when_an_id_repeats():
+    lines = [line for line in (DATA.parent.parent / "data" / "refiner" / "samples.jsonl").read_text().splitlines()[:2]]
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    broken = {**first, "question": 42, "positive_rubrics": ["from the rejected line"]}
+    good = {**second, "id": first["id"]}
+    raw = [RawRow("line 1", json.dumps(broken), broken), RawRow("line 2", json.dumps(good), good)]
+    kept = accepted_raw_rows(raw)
+    assert [r.row_ref for r in kept] == ["line 2"]
+    assert kept[0].data["positive_rubrics"] == second["positive_rubrics"]
