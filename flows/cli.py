@@ -75,7 +75,8 @@ def run(
 def sql(
     run_dir: Path = typer.Argument(..., help="Run folder (holding catalog.duckdb) or the catalog file itself."),
     query: str = typer.Argument(..., help="SQL to run, read-only. Tables: prompts, rubrics, rollouts, "
-                                          "judge_scores, rewards, steps, quarantine."),
+                                          "judge_scores, rewards, steps, quarantine, sft_examples, sft_stats, "
+                                          "sft_metrics."),
     fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
     max_width: int = typer.Option(60, help="Cut table cells to this many characters (0 = no cut)."),
 ) -> None:

@@ -1,4 +1,4 @@
-"""The refiner GRPO pipeline: prepare -> rubrics -> [rollout -> judge -> update] x steps -> catalog."""
+"""The refiner GRPO pipeline: prepare -> rubrics -> [SFT warm start] -> [rollout -> judge -> update] x steps -> catalog."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ from tasks.model import locate_model
 from tasks.prepare import prepare_data
 from tasks.rollout import rollout
 from tasks.rubrics import ingest_rubrics
+from tasks.sft import prepare_sft, sft_train
 from tasks.update import grpo_update
 
 
-def repo_path(path: str) -> str:
+def repo_path(path: str, fmt: str = "auto") -> str:
+    """Local paths resolve from the repo; a hub dataset name is passed through."""
+    if not path or fmt == "hub":
+        return path
     p = Path(path)
     return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
 
@@ -32,21 +36,34 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     run, seed, dtype = cfg.run.name, cfg.run.seed, cfg.model.dtype
     model = lambda spec: locate_model(spec, cfg.model.max_position_embeddings, seed)  # noqa: E731
     base = model(cfg.model.policy)
-    reference = model(cfg.model.reference) if cfg.model.reference else base
     judge_model = model(cfg.judge.model) if cfg.judge.model else base
     common = {"run_dir": run_dir}
+    data_file = repo_path(cfg.data.path, cfg.data.format)
 
     prompts = prepare_data.with_options(**retry)(
-        **common, run=run, data_file=repo_path(cfg.data.path), data=conf["data"], seed=seed, policy=base)
+        **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base)
     rubrics = ingest_rubrics.with_options(**retry)(
-        **common, run=run, data_file=repo_path(cfg.data.path), static_rubrics_file=repo_path(cfg.rubrics.static_rubrics),
-        prompts=prompts, instance_rubrics_only=cfg.rubrics.instance_rubrics_only)
+        **common, run=run, data_file=data_file, data=conf["data"], rubric_file=repo_path(cfg.rubrics.path),
+        rubric_cfg=conf["rubrics"], static_rubrics_file=repo_path(cfg.rubrics.static_rubrics), prompts=prompts)
     manifests = [prompts, rubrics]
+    grpo_prompts = {**prompts, "train_ids": rubrics["train_ids"]}  # prompts left without rubrics are not trained
 
-    policy = base
+    start = base
+    if cfg.sft.enabled:  # warm start: GRPO policy and (default) KL reference begin at the SFT checkpoint
+        sft_file = repo_path(cfg.sft.path, cfg.sft.format) if cfg.sft.path else data_file
+        sft_data = prepare_sft.with_options(**retry)(
+            **common, run=run, sft_file=sft_file, sft_cfg=conf["sft"], seed=seed, policy=base)
+        warm = sft_train.with_options(**retry)(
+            **common, run=run, sft_data=sft_data, policy=base, sft_cfg=conf["sft"], seed=seed, dtype=dtype)
+        start = warm["policy"]
+        manifests += [sft_data, warm]
+        publish_catalog(**common, manifests=manifests)
+    reference = model(cfg.model.reference) if cfg.model.reference else start
+
+    policy = start
     for step in range(cfg.grpo.steps):
         rolled = rollout.with_options(**retry)(
-            **common, run=run, step=step, prompts=prompts, policy=policy, rollout_cfg=conf["rollout"],
+            **common, run=run, step=step, prompts=grpo_prompts, policy=policy, rollout_cfg=conf["rollout"],
             seed=seed, dtype=dtype)
         scored = judge.with_options(**retry)(
             **common, step=step, rollouts=rolled, prompts=prompts, rubrics=rubrics, judge_model=judge_model,

@@ -40,9 +40,29 @@ class ModelConfig:
     max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
 
 
+SOURCE_FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
+SourceFormat = Literal["auto", "jsonl", "parquet", "disk", "hub"]
+FIELDS_HELP = (
+    "Field mapping {canonical name: source column}; unmapped names are read from the column of the same name. "
+    "Canonical names: id, question, reasoning, tool_output, answer, positive_rubrics, negative_rubrics "
+    "(refiner rows) or id, messages, ground_truth, dataset (open-instruct style chat rows)."
+)
+
+
 @dataclass
 class DataConfig:
-    path: str = opt("data/refiner/samples.jsonl", "Refiner rows (JSONL); relative paths are resolved from the repo.")
+    path: str = opt(
+        "data/refiner/samples.jsonl",
+        "Rows for GRPO: a .jsonl or .parquet file, a datasets.save_to_disk folder, or a hub dataset name "
+        "(format 'hub'); relative paths are resolved from the repo.",
+    )
+    format: SourceFormat = opt(
+        "auto", "'auto' (from the path: .jsonl / .parquet / folder), 'jsonl', 'parquet', 'disk' or 'hub' "
+        "(datasets.load_dataset, needs network)."
+    )
+    fields: dict = opt({}, FIELDS_HELP)
+    split: str = opt("train", "Split to read from a save_to_disk DatasetDict or a hub dataset.")
+    hub_config: str = opt("", "Hub dataset configuration (subset) name; '' = the default one.")
     max_prompts: int = opt(0, "Keep at most this many prompts after validation (0 = all).")
     validation_fraction: float = opt(0.0, "Fraction of rows held out as 'validation' (seeded); GRPO trains on 'train'.")
     max_prompt_tokens: int = opt(6144, "Rows whose rendered prompt exceeds this many tokens are dropped (counted).")
@@ -54,6 +74,28 @@ class DataConfig:
 class RubricConfig:
     static_rubrics: str = opt("data/static_rubrics.json", "JSON file with the static rubric set.")
     instance_rubrics_only: bool = opt(False, "Drop the static set: only per-instance rubrics are judged.")
+    path: str = opt(
+        "", "Separate rubric rows (JSONL/Parquet/save_to_disk) joined to prompts by id; '' = the rubric "
+        "columns of the data rows themselves."
+    )
+    fields: dict = opt({}, "Field mapping for the rubric rows (id, positive_rubrics, negative_rubrics).")
+    max_rejected_fraction: float = opt(
+        0.5, "Fail the stage when more than this fraction of prompts ends up without usable rubrics."
+    )
+    generation_endpoint: str = opt(
+        "", "OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1) used to write rubrics for rows that "
+        "have none; '' = off (such rows are quarantined as 'missing_rubrics')."
+    )
+    generation_model: str = opt("", "Model name sent to the generation endpoint.")
+    generation_api_key_env: str = opt(
+        "OPENAI_API_KEY", "Environment variable holding the endpoint's API key (unset = no Authorization header)."
+    )
+    generation_timeout_seconds: float = opt(60.0, "Per-request timeout; a timeout quarantines the row.")
+    generation_max_tokens: int = opt(1024, "max_tokens of each generation request.")
+    generation_temperature: float = opt(0.0, "Sampling temperature of each generation request.")
+    generation_cache: str = opt(
+        "", "Folder of the per-row answer cache (a rerun never pays twice); '' = <REFINER_HOME>/rubric-generation."
+    )
 
 
 @dataclass
@@ -123,11 +165,45 @@ class GRPOConfig:
 
 
 @dataclass
+class SFTConfig:
+    enabled: bool = opt(False, "Run the SFT warm start; GRPO policy and KL reference then start from its checkpoint.")
+    path: str = opt("", "SFT rows (same formats as data.path); '' = data.path. Rows without an answer are skipped.")
+    format: SourceFormat = opt("auto", "Format of sft.path (see data.format).")
+    fields: dict = opt({}, FIELDS_HELP)
+    split: str = opt("train", "Split to read from a save_to_disk DatasetDict or a hub dataset.")
+    hub_config: str = opt("", "Hub dataset configuration (subset) name; '' = the default one.")
+    max_prompt_tokens: int = opt(6144, "Tokens before the first assistant turn.")
+    prompt_policy: Literal["drop", "truncate"] = opt(
+        "drop", "Over max_prompt_tokens: 'drop' the example, or 'truncate' (keep the last tokens of the prompt)."
+    )
+    max_response_tokens: int = opt(1024, "Tokens from the first assistant turn to the end.")
+    response_policy: Literal["drop", "truncate"] = opt(
+        "drop", "Over max_response_tokens: 'drop' the example, or 'truncate' (keep the first tokens of the response)."
+    )
+    max_total_tokens: int = opt(8192, "Prompt plus response tokens.")
+    total_policy: Literal["drop", "truncate"] = opt(
+        "drop", "Over max_total_tokens (checked after the two limits above): 'drop', or 'truncate' the end."
+    )
+    pack_length: int = opt(8192, "Tokens per packed training sequence; examples longer than this are dropped.")
+    validation_fraction: float = opt(0.1, "Fraction of examples held out for validation loss (seeded, by content).")
+    epochs: int = opt(1, "Passes over the training packs.")
+    learning_rate: float = opt(1e-5, "AdamW learning rate (linear warmup, then constant).")
+    warmup_steps: int = opt(0, "Optimizer steps of linear learning-rate warmup.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).")
+    micro_batch_size: int = opt(1, "Packs per forward/backward pass.")
+    gradient_accumulation: int = opt(1, "Micro-batches per optimizer step.")
+    histogram_bins: int = opt(10, "Bins of the token-length histograms in the stats summary.")
+    max_rejected_fraction: float = opt(0.5, "Fail prepare-sft when more than this fraction of rows is rejected.")
+
+
+@dataclass
 class RecipeConfig:
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "Run identity, seed and retry policy."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Policy and reference models."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Stage 1: SFT data preparation."})
     rubrics: RubricConfig = field(default_factory=RubricConfig, metadata={"help": "Stage 2: rubric ingest."})
+    sft: SFTConfig = field(default_factory=SFTConfig, metadata={"help": "Optional SFT warm start before GRPO."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Stage 3: batched rollout."})
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "Stage 4: judge scoring."})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Stage 4: reward composition."})
@@ -158,6 +234,8 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
     if type_ is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
     if type_ is list and isinstance(value, list):
+        return value
+    if type_ is dict and isinstance(value, dict):
         return value
     raise ConfigError(f"{where}: expected {getattr(type_, '__name__', type_)}, got {value!r}")
 

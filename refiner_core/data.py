@@ -1,4 +1,8 @@
-"""Refiner rows: loading, validation with quarantine, prompt rendering and token limits."""
+"""Refiner rows: loading, validation with quarantine, prompt rendering and token limits.
+
+Two row shapes are accepted: refiner rows (id, question, reasoning, tool_output, answer?, rubrics?) and
+open-instruct style chat rows (id, messages, ground_truth?, dataset?).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,12 @@ from refiner_core.prompts import refiner_messages, render_prompt
 from refiner_core.rubrics import RubricError, instance_rubrics
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 RAW_LIMIT = 4096
+
+
+class TooManyRejected(RuntimeError):
+    pass
 
 
 @dataclass
@@ -66,19 +75,59 @@ def read_jsonl(path: Path) -> list[RawRow]:
 
 
 def content_hash(row: dict) -> str:
-    keys = ("question", "reasoning", "tool_output", "answer")
-    return hashlib.blake2b(json.dumps([row.get(k) for k in keys]).encode(), digest_size=12).hexdigest()
+    if is_chat_row(row):
+        material = [row.get("messages"), row.get("ground_truth")]
+    else:
+        material = [row.get(k) for k in ("question", "reasoning", "tool_output", "answer")]
+    return hashlib.blake2b(json.dumps(material, default=str).encode(), digest_size=12).hexdigest()
 
 
-def check_row(row: dict) -> tuple[str, str] | None:
-    """(reason, detail) when the row cannot be used, else None."""
-    for key in REQUIRED_TEXT_FIELDS:
+def is_chat_row(row: dict) -> bool:
+    """Open-instruct style: the conversation is in `messages` (refiner fields absent)."""
+    return "messages" in row and "question" not in row
+
+
+def _check_text_fields(row: dict, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    for key in keys:
         if key not in row or row[key] is None:
             return "missing_field", f"field {key!r} is missing"
         if not isinstance(row[key], str):
             return "wrong_type", f"field {key!r} must be a string, got {type(row[key]).__name__}"
         if not row[key].strip():
-            return "empty_field", f"field {key!r} is empty"
+            return ("empty_tool_output", "tool_output is empty") if key == "tool_output" else (
+                "empty_field", f"field {key!r} is empty")
+    return None
+
+
+def check_messages(messages) -> str | None:
+    """Why a chat conversation is unusable, or None."""
+    if not isinstance(messages, list) or not messages:
+        return f"'messages' must be a non-empty list, got {type(messages).__name__}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {i} is not an object"
+        if m.get("role") not in CHAT_ROLES:
+            return f"message {i} has role {m.get('role')!r}; expected one of {list(CHAT_ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"message {i} content must be a string, got {type(m.get('content')).__name__}"
+    prompt = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+    if not any(m["role"] == "user" and m["content"].strip() for m in prompt):
+        return "no non-empty user message before the final answer"
+    return None
+
+
+def check_row(row: dict) -> tuple[str, str] | None:
+    """(reason, detail) when the row cannot be used, else None. Missing rubrics are not checked here: the
+    rubric stage fills or quarantines them; malformed rubrics are rejected here."""
+    if is_chat_row(row):
+        problem = _check_text_fields(row, ("id",))
+        if problem:
+            return problem
+        why = check_messages(row["messages"])
+        return ("invalid_messages", why) if why else _check_rubrics(row)
+    problem = _check_text_fields(row, REQUIRED_TEXT_FIELDS)
+    if problem:
+        return problem
     ids = tool_snippet_ids(row["tool_output"])
     if not ids:
         return "no_snippets", "tool_output contains no <snippet id=...> blocks"
@@ -92,8 +141,12 @@ def check_row(row: dict) -> tuple[str, str] | None:
         check = check_citations(parsed, ids)
         if check.n_invalid:
             return "unknown_snippet_id", f"answer cites IDs absent from tool_output: {sorted(set(check.invalid_ids))}"
+    return _check_rubrics(row)
+
+
+def _check_rubrics(row: dict) -> tuple[str, str] | None:
     try:
-        instance_rubrics(row.get("positive_rubrics"), row.get("negative_rubrics"))
+        instance_rubrics(row.get("positive_rubrics"), row.get("negative_rubrics"), allow_empty=True)
     except RubricError as e:
         return "invalid_rubrics", str(e)
     return None
@@ -108,6 +161,8 @@ def validate_rows(raw_rows: list[RawRow]) -> Validated:
             reason, _, detail = raw.error.partition(": ")
             out.rejected.append(Rejection(raw.row_ref, reason, detail, raw.raw))
             continue
+        if isinstance(raw.data.get("id"), int) and not isinstance(raw.data["id"], bool):
+            raw.data["id"] = str(raw.data["id"])  # integer IDs (common in Parquet/hub data) are fine
         problem = check_row(raw.data)
         if problem is None and raw.data["id"] in seen_ids:
             problem = ("duplicate_id", f"id {raw.data['id']!r} already seen")
@@ -123,6 +178,13 @@ def validate_rows(raw_rows: list[RawRow]) -> Validated:
     return out
 
 
+def accepted_raw_rows(raw_rows: list[RawRow]) -> list[RawRow]:
+    """The rows validate_rows accepts, as RawRows: later stages that re-read the source (rubric ingest) see
+    exactly the rows prepare-data kept, even when an ID also appears on an earlier, rejected line."""
+    kept = {r["row_ref"] for r in validate_rows(raw_rows).rows}
+    return [r for r in raw_rows if r.row_ref in kept]
+
+
 def split_of(prompt_id: str, validation_fraction: float, seed: int) -> str:
     """Deterministic per-row split: stable when rows are added or removed."""
     if validation_fraction <= 0:
@@ -131,13 +193,48 @@ def split_of(prompt_id: str, validation_fraction: float, seed: int) -> str:
     return "validation" if (h % 10_000) / 10_000 < validation_fraction else "train"
 
 
+def check_rejected_fraction(rejected: list[Rejection], total: int, max_fraction: float, where: str,
+                            n_rejected: int | None = None) -> None:
+    """Fail only above the configured fraction, naming the first rows and their reasons. `n_rejected`
+    overrides len(rejected) when only some rejections count against `total` (e.g. prompts left without rubrics)."""
+    n_rejected = len(rejected) if n_rejected is None else n_rejected
+    fraction = n_rejected / max(total, 1)
+    if fraction <= max_fraction:
+        return
+    counts: dict[str, int] = {}
+    for r in rejected:
+        counts[r.reason] = counts.get(r.reason, 0) + 1
+    first = "; ".join(f"{r.row_ref}: {r.reason} ({r.detail})" for r in rejected[:5])
+    raise TooManyRejected(
+        f"{n_rejected}/{total} rows rejected ({fraction:.0%} > max_rejected_fraction {max_fraction:.0%}); "
+        f"reasons {counts}. First: {first}. Every rejected row is in {where} (table 'quarantine')."
+    )
+
+
+def prompt_fields(row: dict) -> dict:
+    """The prompt-side view of either row shape: chat messages up to the answer plus refiner fields."""
+    if not is_chat_row(row):
+        return {"messages": refiner_messages(row["question"], row["reasoning"], row["tool_output"]),
+                "question": row["question"], "reasoning": row["reasoning"], "tool_output": row["tool_output"],
+                "answer": row.get("answer") or ""}
+    messages = row["messages"]
+    ends_with_answer = messages[-1]["role"] == "assistant"
+    prompt = messages[:-1] if ends_with_answer else messages
+    truth = row.get("ground_truth")
+    answer = truth if isinstance(truth, str) else (messages[-1]["content"] if ends_with_answer else "")
+    return {"messages": prompt, "question": [m for m in prompt if m["role"] == "user"][-1]["content"],
+            "reasoning": "", "tool_output": "\n".join(m["content"] for m in prompt if m["role"] == "tool"),
+            "answer": answer}
+
+
 def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: int, max_reference_tokens: int,
                     validation_fraction: float, seed: int) -> tuple[list[dict], list[Rejection]]:
     """Render chat prompts and drop rows over the token limits (each drop is a counted, recorded rejection)."""
     prompts, rejected = [], []
     for row in rows:
-        text, ids = render_prompt(tokenizer, refiner_messages(row["question"], row["reasoning"], row["tool_output"]))
-        answer = row.get("answer") or ""
+        view = prompt_fields(row)
+        text, ids = render_prompt(tokenizer, view["messages"])
+        answer = view["answer"]
         ref_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"]) if answer else 0
         raw = json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")})
         if len(ids) > max_prompt_tokens:
@@ -150,8 +247,8 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
             continue
         prompts.append({
             "run": run, "prompt_id": row["id"], "split": split_of(row["id"], validation_fraction, seed),
-            "question": row["question"], "reasoning": row["reasoning"], "tool_output": row["tool_output"],
-            "snippet_ids": tool_snippet_ids(row["tool_output"]), "reference_answer": answer,
+            "question": view["question"], "reasoning": view["reasoning"], "tool_output": view["tool_output"],
+            "snippet_ids": tool_snippet_ids(view["tool_output"]), "reference_answer": answer,
             "prompt_text": text, "prompt_token_ids": ids, "prompt_tokens": len(ids),
             "reference_tokens": ref_tokens, "content_hash": row["content_hash"],
         })

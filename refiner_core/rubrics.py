@@ -10,6 +10,10 @@ class RubricError(ValueError):
     pass
 
 
+class MissingRubrics(RubricError):
+    pass
+
+
 def normalise_rubric(item, kind: str, index: int) -> dict:
     """A rubric is a non-empty string or {description, weight?, title?}; returns a full rubric dict."""
     prefix = "pos" if kind == "positive" else "neg"
@@ -33,8 +37,9 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
             "description": description.strip(), "weight": float(weight)}
 
 
-def instance_rubrics(positive, negative) -> list[dict]:
-    """Parse a row's rubric lists (lists, or JSON strings of lists)."""
+def instance_rubrics(positive, negative, allow_empty: bool = False) -> list[dict]:
+    """Parse a row's rubric lists (lists, or JSON strings of lists). Both missing or empty is an error unless
+    `allow_empty` (the rubric stage may still generate them)."""
     out = []
     for kind, items in (("positive", positive), ("negative", negative)):
         if items is None:
@@ -47,8 +52,8 @@ def instance_rubrics(positive, negative) -> list[dict]:
         if not isinstance(items, list):
             raise RubricError(f"{kind}_rubrics: expected a list, got {type(items).__name__}")
         out.extend(normalise_rubric(item, kind, i) for i, item in enumerate(items))
-    if not out:
-        raise RubricError("row has no positive or negative rubrics")
+    if not out and not allow_empty:
+        raise MissingRubrics("row has no positive or negative rubrics")
     return out
 
 
@@ -62,3 +67,71 @@ def load_static_rubrics(path: Path) -> list[dict]:
         out.append({"rubric_id": item["rubric_id"], "kind": kind, "source": "static", "title": item["title"],
                     "description": item["description"], "weight": float(item.get("weight", 1.0))})
     return out
+
+
+def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], separate_source: bool,
+                 generate=None) -> tuple[dict[str, list[dict]], list]:
+    """Instance rubrics per prompt ID (plus the static set) and the rejections.
+
+    `source_rows` are RawRows whose data carry id / positive_rubrics / negative_rubrics. With
+    `separate_source` they come from a rubric file of their own, so unreadable rows, unknown IDs and
+    duplicates are rejected here; otherwise they are the data rows, already vetted by prepare-data.
+    `generate(prompt) -> rubrics` (may raise RubricGenerationError) fills prompts that have none.
+    """
+    from refiner_core.data import Rejection
+    from refiner_core.rubric_gen import RubricGenerationError
+
+    by_id = {p["prompt_id"]: p for p in prompts}
+    found: dict[str, list[dict]] = {}
+    source_of: dict[str, object] = {}  # the RawRow each prompt's rubrics came from
+    invalid: set[str] = set()
+    rejected: list[Rejection] = []
+    for raw in source_rows:
+        if raw.data is None:
+            if separate_source:
+                reason, _, detail = raw.error.partition(": ")
+                rejected.append(Rejection(raw.row_ref, reason, detail, raw.raw))
+            continue
+        pid = raw.data.get("id")
+        pid = str(pid) if isinstance(pid, int) and not isinstance(pid, bool) else pid
+        if pid not in by_id:
+            if separate_source:
+                reason, detail = (("missing_field", "field 'id' is missing") if pid is None else
+                                  ("unknown_prompt_id", f"id {pid!r} is not a prepared prompt"))
+                rejected.append(Rejection(raw.row_ref, reason, detail, raw.raw))
+            continue
+        if pid in source_of:
+            if separate_source:
+                rejected.append(Rejection(raw.row_ref, "duplicate_id", f"rubrics for {pid!r} already seen", raw.raw))
+            continue
+        source_of[pid] = raw
+        try:
+            found[pid] = instance_rubrics(raw.data.get("positive_rubrics"), raw.data.get("negative_rubrics"),
+                                          allow_empty=True)
+        except RubricError as e:
+            invalid.add(pid)
+            rejected.append(Rejection(raw.row_ref, "invalid_rubrics", str(e), raw.raw))
+    out: dict[str, list[dict]] = {}
+    for pid, prompt in by_id.items():
+        if pid in invalid:
+            continue
+        rubrics = found.get(pid, [])
+        origin = source_of.get(pid)
+        ref = origin.row_ref if origin is not None else f"id {pid}"
+        raw_text = origin.raw if origin is not None else json.dumps(_prompt_view(prompt), default=str)
+        if not rubrics and generate is not None:
+            try:
+                rubrics = generate(prompt)
+            except RubricGenerationError as e:
+                rejected.append(Rejection(ref, e.reason, e.detail, raw_text))
+                continue
+        if not rubrics:
+            rejected.append(Rejection(ref, "missing_rubrics", "no positive or negative rubrics and no generation "
+                                      "endpoint configured (rubrics.generation_endpoint)", raw_text))
+            continue
+        out[pid] = rubrics + static
+    return out, rejected
+
+
+def _prompt_view(prompt: dict) -> dict:
+    return {k: prompt.get(k) for k in ("prompt_id", "question", "reference_answer")}

@@ -190,8 +190,62 @@ QUARANTINE = Table(
     ),
 )
 
+SFT_EXAMPLES = Table(
+    "sft_examples",
+    "One row per SFT example after limits and dedupe: token IDs, assistant-only loss mask and its place in a pack.",
+    ("run", "example_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("example_id", S, "Content hash of the rendered conversation (dedupe key)."),
+        _c("split", S, "'train' or 'validation' (seeded, by content)."),
+        _c("source_ref", S, "Row number in the source ('line 3', 'row 0')."),
+        _c("source_id", S, "Row ID in the source."),
+        _c("input_ids", pa.list_(pa.int32()), "Token IDs of the chat-template rendering (after truncation)."),
+        _c("loss_mask", pa.list_(B), "Per token: true for assistant tokens (the loss applies), false otherwise."),
+        _c("prompt_tokens", I, "Tokens before the first assistant token."),
+        _c("response_tokens", I, "Tokens from the first assistant token to the end."),
+        _c("assistant_tokens", I, "Tokens with loss_mask true."),
+        _c("total_tokens", I, "len(input_ids)."),
+        _c("truncated", S, "Truncations applied ('prompt_truncated', 'response_truncated', 'total_truncated'), NULL if none."),
+        _c("pack_id", I, "Pack (training row) index within the split."),
+        _c("pack_offset", I, "Token offset of the example inside its pack."),
+    ),
+)
+
+SFT_STATS = Table(
+    "sft_stats",
+    "SFT preparation summary, one number per row: counts, drops and truncations per reason, packing, histograms.",
+    ("run", "kind", "name"),
+    (
+        _c("run", S, "Run name."),
+        _c("kind", S, "'count', 'dropped', 'truncated', 'packing' or 'histogram'."),
+        _c("name", S, "Counter, reason, packing figure or histogram name ('prompt_tokens', ...)."),
+        _c("split", S, "'train' / 'validation' for packing rows, NULL otherwise."),
+        _c("bin_low", F, "Histogram bin lower edge (inclusive); NULL for other kinds."),
+        _c("bin_high", F, "Histogram bin upper edge; NULL for other kinds."),
+        _c("value", F, "The number (a count, or the packing efficiency in [0, 1])."),
+    ),
+)
+
+SFT_METRICS = Table(
+    "sft_metrics",
+    "SFT warm-start training curve: train loss per optimizer step, validation loss before training and per epoch.",
+    ("run", "split", "step"),
+    (
+        _c("run", S, "Run name."),
+        _c("split", S, "'train' (one optimizer step) or 'validation' (full evaluation)."),
+        _c("step", I, "Optimizer steps done when measured (0 = before training)."),
+        _c("epoch", F, "Epochs done when measured (fractional within an epoch)."),
+        _c("loss", F, "Token-mean cross-entropy over assistant tokens."),
+        _c("tokens", I, "Assistant tokens the loss averages over."),
+        _c("lr", F, "Learning rate of the step (NULL for validation)."),
+        _c("grad_norm", F, "Gradient norm before clipping (NULL for validation)."),
+    ),
+)
+
 ALL_TABLES: dict[str, Table] = {
-    t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARDS, STEPS, QUARANTINE)
+    t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARDS, STEPS, QUARANTINE, SFT_EXAMPLES,
+                        SFT_STATS, SFT_METRICS)
 }
 
 _DUCKDB_TYPES = {

@@ -21,3 +21,12 @@ def publish_catalog(*, run_dir: str, manifests: list[dict]) -> dict:
     counts = build_catalog(db, files)
     get_run_logger().info("catalog %s: %s", db, ", ".join(f"{k}={v}" for k, v in counts.items()))
     return {"catalog": str(db), "counts": counts}
+
+
+def publish_quarantine(run_dir: str, manifests: list[dict]) -> str:
+    """Called when a stage fails on too many rejected rows: a catalog holding at least the quarantine, so
+    `refiner sql RUN_DIR "SELECT * FROM quarantine"` shows which rows and why."""
+    files = [m["quarantine"]["path"] for m in manifests if isinstance(m.get("quarantine"), dict)]
+    db = Path(run_dir) / "catalog.duckdb"
+    build_catalog(db, {"quarantine": files})
+    return str(db)

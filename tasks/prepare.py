@@ -4,22 +4,23 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.data import prepare_prompts, read_jsonl, validate_rows
+from refiner_core.data import TooManyRejected, check_rejected_fraction, prepare_prompts, validate_rows
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import PROMPTS, QUARANTINE
+from refiner_core.sources import load_rows
 from refiner_core.storage import write_table
+from tasks.catalog import publish_quarantine
 from tasks.stage import stage
 
-
-class TooManyRejected(RuntimeError):
-    pass
+__all__ = ["TooManyRejected", "prepare_data"]
 
 
 @stage("prepare-data")
 def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: int, policy: dict) -> dict:
     """Stage 1: validate refiner rows, render chat prompts, apply token limits -> prompts + quarantine."""
     log = get_run_logger()
-    raw = read_jsonl(Path(data_file))
+    raw = load_rows(data_file, data.get("format", "auto"), data.get("fields"), data.get("split", "train"),
+                    data.get("hub_config", ""))
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     prompts, dropped = prepare_prompts(
@@ -42,11 +43,9 @@ def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: in
         "train_ids": sorted(p["prompt_id"] for p in prompts if p["split"] == "train"),
     }
     log.info("prepare-data: %d rows in, %d prompts out, rejected %s", len(raw), len(prompts), counts or "none")
-    fraction = len(rejected) / max(len(raw), 1)
-    if fraction > data["max_rejected_fraction"]:
-        first = "; ".join(f"{r.row_ref}: {r.reason} ({r.detail})" for r in rejected[:5])
-        raise TooManyRejected(
-            f"{len(rejected)}/{len(raw)} rows rejected ({fraction:.0%} > max_rejected_fraction "
-            f"{data['max_rejected_fraction']:.0%}). First: {first}. All reasons are in {out / 'quarantine.parquet'}."
-        )
+    try:
+        check_rejected_fraction(rejected, len(raw), data["max_rejected_fraction"], str(out / "quarantine.parquet"))
+    except TooManyRejected as e:
+        raise TooManyRejected(f"{e} Query it: refiner sql {run_dir} \"SELECT * FROM quarantine\"; catalog "
+                              f"{publish_quarantine(run_dir, [manifest])}") from None
     return manifest

@@ -1,31 +1,74 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.data import read_jsonl
-from refiner_core.rubrics import instance_rubrics, load_static_rubrics
-from refiner_core.schema import RUBRICS
+from refiner_core.data import TooManyRejected, accepted_raw_rows, check_rejected_fraction
+from refiner_core.models import refiner_home
+from refiner_core.rubric_gen import GenerationSettings, RubricGenerationError, generate_rubrics
+from refiner_core.rubrics import join_rubrics, load_static_rubrics
+from refiner_core.schema import QUARANTINE, RUBRICS
+from refiner_core.sources import load_rows
 from refiner_core.storage import read_rows, write_table
+from tasks.catalog import publish_quarantine
 from tasks.stage import stage
 
 
 @stage("ingest-rubrics")
-def ingest_rubrics(*, run_dir: str, run: str, data_file: str, static_rubrics_file: str, prompts: dict,
-                   instance_rubrics_only: bool) -> dict:
-    """Stage 2: per-instance rubrics of every prepared prompt plus the static set -> rubrics."""
+def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric_file: str, rubric_cfg: dict,
+                   static_rubrics_file: str, prompts: dict) -> dict:
+    """Stage 2: per-instance rubrics joined to the prepared prompts by ID (generated for rows that have none
+    when an endpoint is configured) plus the static set -> rubrics, quarantine, usable train IDs."""
     log = get_run_logger()
-    prompt_ids = {p["prompt_id"] for p in read_rows(prompts["prompts"]["path"])}
-    static = [] if instance_rubrics_only else load_static_rubrics(Path(static_rubrics_file))
-    rows = []
-    for raw in read_jsonl(Path(data_file)):
-        if raw.data is None or raw.data.get("id") not in prompt_ids:
-            continue  # rejected rows are already in quarantine from prepare-data
-        pid = raw.data["id"]
-        prompt_ids.discard(pid)  # first occurrence wins, as in prepare-data
-        for rubric in instance_rubrics(raw.data.get("positive_rubrics"), raw.data.get("negative_rubrics")) + static:
-            rows.append({"run": run, "prompt_id": pid, **rubric})
-    path = Path(run_dir) / "data" / "rubrics.parquet"
-    log.info("ingest-rubrics: %d rubrics (%d static per prompt)", len(rows), len(static))
-    return {"rubrics": {"path": str(path), "hash": write_table(RUBRICS, rows, path)}, "rows": len(rows)}
+    prompt_rows = read_rows(prompts["prompts"]["path"])
+    static = [] if rubric_cfg["instance_rubrics_only"] else load_static_rubrics(Path(static_rubrics_file))
+    if rubric_file:
+        source, source_rows = rubric_file, load_rows(rubric_file, "auto", rubric_cfg.get("fields"))
+    else:
+        source = data_file
+        source_rows = accepted_raw_rows(load_rows(data_file, data.get("format", "auto"), data.get("fields"),
+                                                  data.get("split", "train"), data.get("hub_config", "")))
+    generated = {"calls": 0, "cached": 0, "failed_calls": 0}  # answers paid for, served from cache, no answer
+    generate = None
+    if rubric_cfg.get("generation_endpoint"):
+        settings = GenerationSettings(
+            endpoint=rubric_cfg["generation_endpoint"], model=rubric_cfg["generation_model"],
+            cache_dir=Path(rubric_cfg["generation_cache"] or refiner_home() / "rubric-generation"),
+            api_key=os.environ.get(rubric_cfg["generation_api_key_env"], ""),
+            timeout_seconds=rubric_cfg["generation_timeout_seconds"], max_tokens=rubric_cfg["generation_max_tokens"],
+            temperature=rubric_cfg["generation_temperature"],
+        )
+
+        def generate(prompt: dict) -> list[dict]:
+            try:
+                rubrics, cached = generate_rubrics(prompt["question"], prompt["tool_output"],
+                                                   prompt["reference_answer"], settings)
+            except RubricGenerationError as e:
+                generated["failed_calls" if not e.answered else "cached" if e.from_cache else "calls"] += 1
+                raise
+            generated["cached" if cached else "calls"] += 1
+            return rubrics
+
+    joined, rejected = join_rubrics(prompt_rows, source_rows, static, separate_source=bool(rubric_file),
+                                    generate=generate)
+    rows = [{"run": run, "prompt_id": pid, **rubric} for pid, rubrics in joined.items() for rubric in rubrics]
+    out = Path(run_dir) / "data"
+    quarantine = [r.as_quarantine(run, "rubrics", source) for r in rejected]
+    log.info("ingest-rubrics: %d rubrics for %d/%d prompts (%d static per prompt), generated %s, rejected %d",
+             len(rows), len(joined), len(prompt_rows), len(static), generated, len(rejected))
+    manifest = {
+        "rubrics": {"path": str(out / "rubrics.parquet"), "hash": write_table(RUBRICS, rows, out / "rubrics.parquet")},
+        "quarantine": {"path": str(out / "rubrics_quarantine.parquet"),
+                       "hash": write_table(QUARANTINE, quarantine, out / "rubrics_quarantine.parquet")},
+        "rows": len(rows), "generated": generated,
+        "train_ids": [pid for pid in prompts["train_ids"] if pid in joined],
+    }
+    try:
+        check_rejected_fraction(rejected, len(prompt_rows), rubric_cfg["max_rejected_fraction"],
+                                manifest["quarantine"]["path"], n_rejected=len(prompt_rows) - len(joined))
+    except TooManyRejected as e:
+        raise TooManyRejected(f"{e} Query it: refiner sql {run_dir} \"SELECT * FROM quarantine\"; catalog "
+                              f"{publish_quarantine(run_dir, [prompts, manifest])}") from None
+    return manifest

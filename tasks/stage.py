@@ -12,15 +12,19 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from refiner_core import code_version
-from refiner_core.storage import file_hash, json_hash
+from refiner_core.data import TooManyRejected
+from refiner_core.storage import dir_hash, file_hash, json_hash
 
 CODE_VERSION = code_version()
 
 
 def _content(value: Any, key: str) -> Any:
-    """Parameters named *_file enter the key by content, so an edited input file invalidates the stage."""
+    """Parameters named *_file enter the key by content, so an edited input file (or a save_to_disk folder)
+    invalidates the stage."""
     if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_file():
         return {"path": value, "content": file_hash(value)}
+    if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_dir():
+        return {"path": value, "content": dir_hash(value)}
     return value
 
 
@@ -48,6 +52,11 @@ def inject_faults(stage_name: str, step: int | None, run_dir: str) -> None:
         raise RuntimeError(f"injected fault in stage {stage_name!r} (step {step}) from {variable}")
 
 
+def retry_unless_bad_data(task, task_run, state) -> bool:
+    """Retries help with flaky resources, not with rejected input: the same rows would fail again."""
+    return not isinstance(getattr(state, "data", None), TooManyRejected)
+
+
 def stage(name: str) -> Callable:
     """A cached, retryable pipeline stage. The wrapped function returns a JSON-able manifest."""
 
@@ -68,6 +77,7 @@ def stage(name: str) -> Callable:
             persist_result=True,
             retries=2,
             retry_delay_seconds=2,
+            retry_condition_fn=retry_unless_bad_data,
             task_run_name=_run_name(name),
         )
 

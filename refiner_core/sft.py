@@ -1,0 +1,267 @@
+"""SFT data preparation: chat rendering with assistant-only loss masks, token limits, dedupe, split, packing, stats.
+
+Assistant spans are found by rendering prefixes of the conversation with the tokenizer's own chat template
+(conversation up to turn k with the generation prompt = where the assistant's text starts; up to and including
+turn k = where it ends) and mapping those character offsets onto the tokens of the full rendering. No special
+token is searched for, so any template that renders prefixes consistently works; one that does not (e.g. it
+rewrites earlier turns) is reported instead of producing a wrong mask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refiner_core.data import Rejection, is_chat_row, split_of
+from refiner_core.packing import pack_sequences, packing_efficiency
+from refiner_core.prompts import refiner_messages
+
+
+class TemplateError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SFTLimits:
+    max_prompt_tokens: int = 6144
+    prompt_policy: str = "drop"
+    max_response_tokens: int = 1024
+    response_policy: str = "drop"
+    max_total_tokens: int = 8192
+    total_policy: str = "drop"
+    pack_length: int = 8192
+
+    @classmethod
+    def from_config(cls, sft: dict) -> "SFTLimits":
+        return cls(**{k: sft[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Rendered:
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens before the first assistant token."""
+        return next((i for i, m in enumerate(self.loss_mask) if m), len(self.loss_mask))
+
+
+def sft_messages(row: dict) -> list[dict] | None:
+    """The conversation to learn from: a refiner row's prompt plus its answer, or a chat row's messages.
+    None when there is nothing to learn (no answer, no assistant turn)."""
+    if is_chat_row(row):
+        messages = row["messages"]
+        return messages if any(m["role"] == "assistant" for m in messages) else None
+    answer = row.get("answer")
+    if not isinstance(answer, str) or not answer.strip():
+        return None
+    return refiner_messages(row["question"], row["reasoning"], row["tool_output"]) + [
+        {"role": "assistant", "content": answer}]
+
+
+def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    if not messages:
+        return ""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character span of every assistant turn in it. The span ends
+    after the template's end-of-turn marker; trailing whitespace the template adds between turns is excluded."""
+    full = _template(tokenizer, messages, False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _template(tokenizer, messages[:k], True)
+        through = _template(tokenizer, messages[: k + 1], False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise TemplateError(f"chat template does not render turn {k} as a prefix of the conversation")
+        end = len(through.rstrip())
+        if end <= len(before):
+            raise TemplateError(f"assistant turn {k} renders to nothing")
+        spans.append((len(before), end))
+    return full, spans
+
+
+def render_with_mask(tokenizer, messages: list[dict]) -> Rendered:
+    """Token IDs of the rendered conversation and, per token, whether it is assistant text (loss applies).
+    A token belongs to a span when its first character does."""
+    full, spans = assistant_char_spans(tokenizer, messages)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [any(s <= start < e for s, e in spans) for start, _ in encoded["offset_mapping"]]
+    return Rendered(list(encoded["input_ids"]), mask)
+
+
+def apply_limits(rendered: Rendered, limits: SFTLimits) -> tuple[Rendered | None, str | None, list[str]]:
+    """(kept example or None, drop reason, truncations applied). Prompt truncation keeps the prompt's last
+    tokens (nearest the answer); response and total truncation cut the end."""
+    ids, mask = rendered.input_ids, rendered.loss_mask
+    truncated: list[str] = []
+    if not any(mask):
+        return None, "no_assistant_tokens", truncated
+    prompt = rendered.prompt_tokens
+    if prompt > limits.max_prompt_tokens:
+        if limits.prompt_policy == "drop":
+            return None, "prompt_too_long", truncated
+        cut = prompt - limits.max_prompt_tokens
+        ids, mask, prompt = ids[cut:], mask[cut:], limits.max_prompt_tokens
+        truncated.append("prompt_truncated")
+    if len(ids) - prompt > limits.max_response_tokens:
+        if limits.response_policy == "drop":
+            return None, "response_too_long", truncated
+        ids, mask = ids[: prompt + limits.max_response_tokens], mask[: prompt + limits.max_response_tokens]
+        truncated.append("response_truncated")
+    if len(ids) > limits.max_total_tokens:
+        if limits.total_policy == "drop":
+            return None, "total_too_long", truncated
+        ids, mask = ids[: limits.max_total_tokens], mask[: limits.max_total_tokens]
+        truncated.append("total_truncated")
+    if len(ids) > limits.pack_length:
+        return None, "longer_than_pack_length", truncated
+    if not any(mask):
+        return None, "no_assistant_tokens", truncated
+    return Rendered(ids, mask), None, truncated
+
+
+def messages_hash(messages: list[dict]) -> str:
+    material = [[m["role"], m["content"]] for m in messages]
+    return hashlib.blake2b(json.dumps(material).encode(), digest_size=12).hexdigest()
+
+
+def assign_splits(hashes: list[str], validation_fraction: float, seed: int) -> list[str]:
+    """Seeded per-example split by content hash; with a positive fraction and at least two examples, at
+    least one lands in validation so validation loss always exists."""
+    splits = [split_of(h, validation_fraction, seed) for h in hashes]
+    if validation_fraction > 0 and len(hashes) >= 2 and "validation" not in splits:
+        score = [hashlib.blake2b(f"{seed}:{h}".encode(), digest_size=8).hexdigest() for h in hashes]
+        splits[score.index(min(score))] = "validation"
+    return splits
+
+
+@dataclass
+class PreparedSFT:
+    examples: list[dict] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, validation_fraction: float, seed: int,
+                histogram_bins: int = 10) -> PreparedSFT:
+    """Validated rows (from data.validate_rows) -> packed SFT examples, rejections and a stats summary."""
+    out = PreparedSFT()
+    seen: set[str] = set()
+    kept: list[tuple[dict, Rendered, str, list[str]]] = []
+    skipped_no_answer = 0
+    truncations: dict[str, int] = {}
+    for row in rows:
+        raw = json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")}, default=str)
+        messages = sft_messages(row)
+        if messages is None:
+            skipped_no_answer += 1  # a valid GRPO prompt, just nothing to imitate
+            continue
+        digest = messages_hash(messages)
+        if digest in seen:
+            out.rejected.append(Rejection(row["row_ref"], "duplicate_example",
+                                          "renders the same conversation as an earlier row", raw))
+            continue
+        seen.add(digest)
+        try:
+            rendered = render_with_mask(tokenizer, messages)
+        except TemplateError as e:
+            out.rejected.append(Rejection(row["row_ref"], "template_error", str(e), raw))
+            continue
+        limited, reason, truncated = apply_limits(rendered, limits)
+        if limited is None:
+            out.rejected.append(Rejection(row["row_ref"], reason, _limit_detail(reason, rendered, limits), raw))
+            continue
+        for t in truncated:
+            truncations[t] = truncations.get(t, 0) + 1
+        kept.append((row, limited, digest, truncated))
+
+    splits = assign_splits([d for _, _, d, _ in kept], validation_fraction, seed)
+    for (row, rendered, digest, truncated), split in zip(kept, splits):
+        prompt = rendered.prompt_tokens
+        out.examples.append({
+            "run": run, "example_id": digest, "split": split, "source_ref": row["row_ref"], "source_id": row["id"],
+            "input_ids": rendered.input_ids, "loss_mask": rendered.loss_mask, "prompt_tokens": prompt,
+            "response_tokens": len(rendered.input_ids) - prompt, "assistant_tokens": sum(rendered.loss_mask),
+            "total_tokens": len(rendered.input_ids), "truncated": ",".join(truncated) or None, "pack_id": -1,
+            "pack_offset": 0,
+        })
+    packing = {}
+    for split in ("train", "validation"):
+        idx = [i for i, e in enumerate(out.examples) if e["split"] == split]
+        lengths = [out.examples[i]["total_tokens"] for i in idx]
+        packs = pack_sequences(lengths, limits.pack_length)
+        for p, pack in enumerate(packs):
+            offset = 0
+            for k in pack:
+                example = out.examples[idx[k]]
+                example["pack_id"], example["pack_offset"] = p, offset
+                offset += example["total_tokens"]
+        packing[split] = {"packs": len(packs), "tokens": sum(lengths),
+                          "efficiency": packing_efficiency(lengths, packs, limits.pack_length)}
+    out.examples.sort(key=lambda e: (e["split"], e["pack_id"], e["pack_offset"]))
+
+    dropped: dict[str, int] = {}
+    for r in out.rejected:
+        dropped[r.reason] = dropped.get(r.reason, 0) + 1
+    out.stats = {
+        "rows_in": len(rows), "examples_out": len(out.examples), "skipped_no_answer": skipped_no_answer,
+        "dropped": dropped, "truncated": truncations,
+        "train_examples": sum(e["split"] == "train" for e in out.examples),
+        "validation_examples": sum(e["split"] == "validation" for e in out.examples),
+        "packing": {**packing, "pack_length": limits.pack_length},
+        "histograms": {name: token_histogram([e[name] for e in out.examples], histogram_bins)
+                       for name in ("prompt_tokens", "response_tokens", "total_tokens")},
+    }
+    return out
+
+
+def _limit_detail(reason: str, rendered: Rendered, limits: SFTLimits) -> str:
+    prompt, total = rendered.prompt_tokens, len(rendered.input_ids)
+    return {
+        "prompt_too_long": f"{prompt} prompt tokens > max_prompt_tokens {limits.max_prompt_tokens}",
+        "response_too_long": f"{total - prompt} response tokens > max_response_tokens {limits.max_response_tokens}",
+        "total_too_long": f"{total} tokens > max_total_tokens {limits.max_total_tokens}",
+        "longer_than_pack_length": f"{total} tokens > pack_length {limits.pack_length}",
+        "no_assistant_tokens": "no assistant token left to learn from",
+    }.get(reason, reason)
+
+
+def token_histogram(values: list[int], bins: int) -> dict:
+    """{'edges': [...], 'counts': [...]} plus summary numbers; empty input gives empty lists."""
+    if not values:
+        return {"edges": [], "counts": [], "min": 0, "max": 0, "mean": 0.0}
+    counts, edges = np.histogram(np.asarray(values), bins=max(1, bins))
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts], "min": int(min(values)),
+            "max": int(max(values)), "mean": float(np.mean(values))}
+
+
+def stats_rows(run: str, stats: dict) -> list[dict]:
+    """The stats summary as long rows for the sft_stats table (one number per row)."""
+    rows = []
+
+    def add(kind: str, name: str, value: float, split: str | None = None, low: float | None = None,
+            high: float | None = None) -> None:
+        rows.append({"run": run, "kind": kind, "name": name, "split": split, "bin_low": low, "bin_high": high,
+                     "value": float(value)})
+
+    for name in ("rows_in", "examples_out", "skipped_no_answer", "train_examples", "validation_examples"):
+        add("count", name, stats[name])
+    for reason, n in stats["dropped"].items():
+        add("dropped", reason, n)
+    for reason, n in stats["truncated"].items():
+        add("truncated", reason, n)
+    for split in ("train", "validation"):
+        for key in ("packs", "tokens", "efficiency"):
+            add("packing", key, stats["packing"][split][key], split)
+    for name, hist in stats["histograms"].items():
+        for low, high, count in zip(hist["edges"], hist["edges"][1:], hist["counts"]):
+            add("histogram", name, count, None, low, high)
+    return rows

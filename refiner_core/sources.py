@@ -1,0 +1,127 @@
+"""Row sources: JSONL, Parquet, a `datasets.save_to_disk` folder or a hub dataset, with a field mapping.
+
+Every source yields `RawRow`s: rows that could not be read (non-UTF-8 bytes, broken JSON, ...) carry an error
+instead of data, so they reach the quarantine rather than crash the stage.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from refiner_core.data import RawRow, read_jsonl
+
+FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
+
+
+class SourceError(ValueError):
+    pass
+
+
+def detect_format(path: str, fmt: str = "auto") -> str:
+    if fmt != "auto":
+        if fmt not in FORMATS:
+            raise SourceError(f"unknown source format {fmt!r}; expected one of {list(FORMATS)}")
+        return fmt
+    p = Path(path)
+    if not p.exists():
+        # A missing local path is only a hub name when asked for explicitly: no surprise downloads.
+        raise SourceError(f"{path!r} does not exist (set format: hub to load a hub dataset by name)")
+    if p.is_dir():
+        return "disk"
+    if p.suffix == ".jsonl":
+        return "jsonl"
+    if p.suffix in (".parquet", ".pq"):
+        return "parquet"
+    raise SourceError(f"cannot tell the format of {path!r}: set format to jsonl, parquet or disk")
+
+
+def load_rows(path: str, fmt: str = "auto", fields: dict | None = None, split: str = "train",
+              hub_config: str = "") -> list[RawRow]:
+    """Read every row of a source and rename its columns through `fields` ({canonical: source column})."""
+    kind = detect_format(path, fmt)
+    if kind == "jsonl":
+        rows = read_jsonl(Path(path))
+    elif kind == "parquet":
+        rows = _read_parquet(Path(path))
+    elif kind == "disk":
+        rows = _read_dataset(_load_from_disk(Path(path), split))
+    else:
+        rows = _read_dataset(_load_hub(path, split, hub_config))
+    return [apply_field_mapping(r, fields or {}) for r in rows]
+
+
+def apply_field_mapping(row: RawRow, fields: dict) -> RawRow:
+    """Canonical names read from mapped columns; columns already named canonically stay unless remapped."""
+    if row.data is None or not fields:
+        return row
+    bad = [k for k, v in fields.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise SourceError(f"field mapping must map names to column names, got {fields!r}")
+    data = {k: v for k, v in row.data.items() if k not in fields or fields.get(k) == k}
+    for canonical, column in fields.items():
+        if column in row.data:
+            data[canonical] = row.data[column]
+        else:
+            data.pop(canonical, None)  # mapped but absent: the validator reports a missing field
+    return RawRow(row.row_ref, row.raw, data, row.error)
+
+
+def _read_parquet(path: Path) -> list[RawRow]:
+    import pyarrow.parquet as pq
+
+    return _rows_from_records(pq.read_table(path).to_pylist())
+
+
+def _rows_from_records(records) -> list[RawRow]:
+    out = []
+    for n, record in enumerate(records):
+        bad = _undecodable_field(record)
+        raw = json.dumps(record, default=_show_bytes, ensure_ascii=False)
+        if bad is not None:
+            out.append(RawRow(f"row {n}", raw, None, f"non_utf8: field {bad!r} holds bytes that are not UTF-8"))
+            continue
+        out.append(RawRow(f"row {n}", raw, _decode_bytes(record)))
+    return out
+
+
+def _undecodable_field(record: dict) -> str | None:
+    """Binary columns are accepted when they decode as UTF-8 text; otherwise the row is unreadable."""
+    for key, value in record.items():
+        if isinstance(value, bytes):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError:
+                return key
+    return None
+
+
+def _decode_bytes(record: dict) -> dict:
+    return {k: v.decode("utf-8") if isinstance(v, bytes) else v for k, v in record.items()}
+
+
+def _show_bytes(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _load_from_disk(path: Path, split: str):
+    from datasets import DatasetDict, load_from_disk
+
+    loaded = load_from_disk(str(path))
+    if isinstance(loaded, DatasetDict):
+        if split not in loaded:
+            raise SourceError(f"{path}: no split {split!r}; available: {sorted(loaded)}")
+        return loaded[split]
+    return loaded
+
+
+def _load_hub(name: str, split: str, config: str):
+    from datasets import load_dataset
+
+    return load_dataset(name, config or None, split=split)
+
+
+def _read_dataset(dataset) -> list[RawRow]:
+    return _rows_from_records(iter(dataset))

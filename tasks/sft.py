@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from prefect import get_run_logger
+
+from refiner_core.data import TooManyRejected, check_rejected_fraction, validate_rows
+from refiner_core.models import load_model, load_tokenizer
+from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
+from refiner_core.sft import SFTLimits, prepare_sft as prepare_sft_core, stats_rows
+from refiner_core.sft_train import SFTSettings, packed_rows, train_sft
+from refiner_core.sources import load_rows
+from refiner_core.storage import dir_hash, read_rows, write_json, write_table
+from tasks.catalog import publish_quarantine
+from tasks.stage import stage
+
+
+@stage("prepare-sft")
+def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: int, policy: dict) -> dict:
+    """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
+    sft_stats, quarantine (+ stats.json)."""
+    log = get_run_logger()
+    raw = load_rows(sft_file, sft_cfg["format"], sft_cfg["fields"], sft_cfg["split"], sft_cfg["hub_config"])
+    checked = validate_rows(raw)
+    tokenizer = load_tokenizer(policy["path"])
+    prepared = prepare_sft_core(checked.rows, tokenizer, run, SFTLimits.from_config(sft_cfg),
+                                sft_cfg["validation_fraction"], seed, sft_cfg["histogram_bins"])
+    rejected = checked.rejected + prepared.rejected
+    stats = {**prepared.stats, "rows_in": len(raw), "invalid_rows": len(checked.rejected)}
+    out = Path(run_dir) / "sft"
+    manifest = {
+        "sft_examples": {"path": str(out / "sft_examples.parquet"),
+                         "hash": write_table(SFT_EXAMPLES, prepared.examples, out / "sft_examples.parquet")},
+        "sft_stats": {"path": str(out / "sft_stats.parquet"),
+                      "hash": write_table(SFT_STATS, stats_rows(run, stats), out / "sft_stats.parquet")},
+        "quarantine": {"path": str(out / "quarantine.parquet"), "hash": write_table(
+            QUARANTINE, [r.as_quarantine(run, "prepare-sft", sft_file) for r in rejected], out / "quarantine.parquet")},
+        "stats_json": {"path": str(out / "stats.json"), "hash": write_json(stats, out / "stats.json")},
+        "examples": len(prepared.examples), "packing": stats["packing"], "dropped": stats["dropped"],
+    }
+    log.info("prepare-sft: %d rows in, %d examples (%d train / %d validation), %d rejected %s, packing "
+             "efficiency train %.1f%%", len(raw), len(prepared.examples), stats["train_examples"],
+             stats["validation_examples"], len(rejected), stats["dropped"],
+             100 * stats["packing"]["train"]["efficiency"])
+    try:
+        check_rejected_fraction(rejected, len(raw), sft_cfg["max_rejected_fraction"], manifest["quarantine"]["path"])
+    except TooManyRejected as e:
+        raise TooManyRejected(f"{e} Query it: refiner sql {run_dir} \"SELECT * FROM quarantine\"; catalog "
+                              f"{publish_quarantine(run_dir, [manifest])}") from None
+    if not stats["train_examples"]:
+        raise ValueError(f"prepare-sft: no training examples left from {sft_file} (see {out / 'stats.json'})")
+    return manifest
+
+
+@stage("sft-train")
+def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: dict, seed: int,
+              dtype: str) -> dict:
+    """SFT warm start on the packed examples -> HF checkpoint (the GRPO starting point) + sft_metrics."""
+    import torch
+
+    log = get_run_logger()
+    examples = read_rows(sft_data["sft_examples"]["path"])
+    train = packed_rows([e for e in examples if e["split"] == "train"])
+    validation = packed_rows([e for e in examples if e["split"] == "validation"])
+    tokenizer = load_tokenizer(policy["path"])
+    torch.manual_seed(seed)
+    model = load_model(policy["path"], dtype, trainable=True)
+    history = train_sft(model, train, validation, tokenizer.pad_token_id, SFTSettings.from_config(sft_cfg, seed))
+
+    final = Path(run_dir) / "checkpoints" / "sft"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=".build-sft-", dir=final.parent))
+    model.save_pretrained(build)
+    tokenizer.save_pretrained(build)
+    if final.exists():
+        shutil.rmtree(final)  # a recomputed stage replaces its own checkpoint
+    build.rename(final)
+
+    rows = [{"run": run, **h} for h in history]
+    path = Path(run_dir) / "sft" / "sft_metrics.parquet"
+    val = [h["loss"] for h in history if h["split"] == "validation"]
+    log.info("sft-train: %d packs, %d steps, validation loss %s", len(train),
+             sum(h["split"] == "train" for h in history), " -> ".join(f"{v:.4f}" for v in val) or "n/a")
+    return {
+        "policy": {"path": str(final), "hash": dir_hash(final)},
+        "sft_metrics": {"path": str(path), "hash": write_table(SFT_METRICS, rows, path)},
+        "validation_loss": val,
+    }

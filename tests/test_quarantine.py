@@ -1,0 +1,165 @@
+"""The malformed-row corpus: every bad row is quarantined with its reason, every valid row survives, nothing
+crashes, and a stage fails only above max_rejected_fraction with a message naming the rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from refiner_core.data import (RawRow, TooManyRejected, accepted_raw_rows, check_rejected_fraction, prepare_prompts,
+                               validate_rows)
+from refiner_core.sources import load_rows
+
+DATA = Path(__file__).parent / "data"
+CORPUS = DATA / "malformed.jsonl"
+EXPECTED = json.loads((DATA / "malformed.expected.json").read_text())
+
+
+def run_checks(raw_rows, tokenizer):
+    checked = validate_rows(raw_rows)
+    prompts, dropped = prepare_prompts(checked.rows, tokenizer, "test", max_prompt_tokens=2000,
+                                       max_reference_tokens=1024, validation_fraction=0.0, seed=0)
+    return prompts, checked.rejected + dropped
+
+
+def test_corpus_covers_at_least_fifteen_kinds():
+    assert len(EXPECTED["rejected"]) >= 15
+    assert len({reason for reason, _ in EXPECTED["rejected"].values()}) >= 15
+    assert b"caf\xe9 au lait" in CORPUS.read_bytes()  # a real non-UTF-8 byte, not an escape
+
+
+def test_every_malformed_jsonl_row_is_quarantined_with_its_reason(tiny_tokenizer):
+    prompts, rejected = run_checks(load_rows(str(CORPUS)), tiny_tokenizer)
+    got = {r.row_ref: (r.reason, r.detail) for r in rejected}
+    assert set(got) == set(EXPECTED["rejected"]), "exactly the malformed rows are rejected"
+    for ref, (reason, detail_part) in EXPECTED["rejected"].items():
+        assert got[ref][0] == reason, f"{ref}: {got[ref]}"
+        assert detail_part in got[ref][1], f"{ref}: {got[ref]}"
+    assert [p["prompt_id"] for p in prompts] == EXPECTED["valid_ids"]
+    assert all(r.raw for r in rejected), "the raw text is kept for every rejected row"
+
+
+def test_valid_rows_come_out_the_same_with_or_without_malformed_neighbours(tiny_tokenizer, tmp_path):
+    lines = CORPUS.read_bytes().splitlines()
+    clean = tmp_path / "clean.jsonl"
+    clean.write_bytes(b"\n".join(l for n, l in enumerate(lines, 1) if f"line {n}" not in EXPECTED["rejected"]))
+    clean_prompts, clean_rejected = run_checks(load_rows(str(clean)), tiny_tokenizer)
+    mixed_prompts, _ = run_checks(load_rows(str(CORPUS)), tiny_tokenizer)
+    assert clean_rejected == []
+    assert clean_prompts == mixed_prompts
+
+
+def _corpus_as_parquet(path: Path) -> dict[str, str]:
+    """The corpus rows whose fields fit Parquet columns (question stored as bytes, rubrics as JSON text), plus
+    a row whose question bytes are not UTF-8. Returns the expected reason per 'row N'."""
+    records, expected = [], {}
+    lines = CORPUS.read_bytes().splitlines()
+    for n, line in enumerate(lines, 1):
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if not isinstance(obj, dict) or "messages" in obj:
+            continue
+        if not all(isinstance(obj.get(k), (str, type(None))) for k in ("id", "question", "reasoning", "tool_output", "answer")):
+            continue  # wrong-type rows cannot share a typed column
+        record = {k: obj.get(k) for k in ("id", "reasoning", "tool_output", "answer")}
+        record["question"] = obj["question"].encode() if isinstance(obj.get("question"), str) else None
+        for k in ("positive_rubrics", "negative_rubrics"):
+            record[k] = None if k not in obj else obj[k] if isinstance(obj[k], str) else json.dumps(obj[k])
+        if f"line {n}" in EXPECTED["rejected"]:
+            expected[f"row {len(records)}"] = EXPECTED["rejected"][f"line {n}"][0]
+        records.append(record)
+    bad = dict(records[0], id="bad-bytes", question=b"caf\xe9?")
+    expected[f"row {len(records)}"] = "non_utf8"
+    records.append(bad)
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return expected
+
+
+def test_parquet_variant_is_quarantined_the_same_way(tiny_tokenizer, tmp_path):
+    path = tmp_path / "malformed.parquet"
+    expected = _corpus_as_parquet(path)
+    assert len(set(expected.values())) >= 12
+    prompts, rejected = run_checks(load_rows(str(path)), tiny_tokenizer)
+    assert {r.row_ref: r.reason for r in rejected} == expected
+    refiner_valid = [i for i in EXPECTED["valid_ids"] if i != "ok-chat"]
+    assert [p["prompt_id"] for p in prompts] == refiner_valid
+
+
+def test_run_fails_only_above_the_configured_fraction_and_names_the_rows(tiny_tokenizer):
+    raw = load_rows(str(CORPUS))
+    _, rejected = run_checks(raw, tiny_tokenizer)
+    fraction = len(rejected) / len(raw)
+    check_rejected_fraction(rejected, len(raw), fraction, "q.parquet")  # exactly at the limit: passes
+    with pytest.raises(TooManyRejected) as err:
+        check_rejected_fraction(rejected, len(raw), fraction - 0.01, "q.parquet")
+    message = str(err.value)
+    assert f"{len(rejected)}/{len(raw)} rows rejected" in message
+    assert "line 2: non_utf8" in message and "line 3: invalid_json" in message
+    assert "'unknown_snippet_id': 1" in message
+
+
+def _run_counts(flow_state) -> dict[str, int]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=50)
+    return {r.name: r.run_count for r in runs}
+
+
+def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, tiny_model_path, tmp_path):
+    from prefect import flow
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from refiner_core.config import DataConfig
+    import dataclasses
+    from tasks.prepare import prepare_data
+
+    policy = {"path": str(tiny_model_path), "hash": "tiny"}
+
+    @flow
+    def prepare_only(data: dict, run_dir: str):
+        return prepare_data.with_options(retries=2, retry_delay_seconds=0)(run_dir=run_dir, run="q", data_file=str(CORPUS), data=data,
+                                                    seed=0, policy=policy)
+
+    data = {**dataclasses.asdict(DataConfig()), "max_prompt_tokens": 2000, "max_rejected_fraction": 0.9}
+    manifest = prepare_only(data, str(tmp_path / "ok"))
+    assert manifest["rows_out"] == len(EXPECTED["valid_ids"])
+    from refiner_core.storage import build_catalog
+
+    build_catalog(tmp_path / "ok" / "catalog.duckdb", {"quarantine": [manifest["quarantine"]["path"]]})
+    result = CliRunner().invoke(app, ["sql", str(tmp_path / "ok"), "SELECT row_ref, reason, stage FROM quarantine "
+                                      "WHERE reason = 'non_utf8'", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == [{"row_ref": "line 2", "reason": "non_utf8", "stage": "prepare"}]
+
+    # Above the limit the stage fails, says which rows and why, and the quarantine is still queryable.
+    state = prepare_only({**data, "max_rejected_fraction": 0.2}, str(tmp_path / "bad"), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(TooManyRejected, match=r"line 2: non_utf8 \(.*\).*refiner sql"):
+        state.result()
+    assert _run_counts(state) == {"prepare-data": 1}, "rejected data is not retried"
+    result = CliRunner().invoke(app, ["sql", str(tmp_path / "bad"), "SELECT count(*) AS n FROM quarantine",
+                                      "--format", "json"])
+    assert json.loads(result.stdout) == [{"n": len(EXPECTED["rejected"])}]
+
+
+def test_later_stages_see_the_row_prepare_kept_when_an_id_repeats():
+    lines = [line for line in (DATA.parent.parent / "data" / "refiner" / "samples.jsonl").read_text().splitlines()[:2]]
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    broken = {**first, "question": 42, "positive_rubrics": ["from the rejected line"]}
+    good = {**second, "id": first["id"]}
+    raw = [RawRow("line 1", json.dumps(broken), broken), RawRow("line 2", json.dumps(good), good)]
+    kept = accepted_raw_rows(raw)
+    assert [r.row_ref for r in kept] == ["line 2"]
+    assert kept[0].data["positive_rubrics"] == second["positive_rubrics"]

@@ -1,0 +1,171 @@
+"""SFT preparation (assistant-only masks, limits, dedupe, split, stats) and the SFT warm-start stage."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from refiner_core.data import validate_rows
+from refiner_core.sft import (SFTLimits, TemplateError, prepare_sft, render_with_mask, stats_rows)
+from refiner_core.sources import load_rows
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Who discovered penicillin?"},
+    {"role": "assistant", "content": "<answer>Alexander Fleming, in 1928.</answer>"},
+    {"role": "user", "content": "And the Nobel Prize?"},
+    {"role": "assistant", "content": "In 1945, shared with Chain and Florey."},
+]
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
+    # The expected rendering, built piece by piece: template text (no loss) and assistant text + end-of-turn (loss).
+    pieces = [
+        ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWho discovered penicillin?<|im_end|>\n"
+         "<|im_start|>assistant\n", False),
+        ("<answer>Alexander Fleming, in 1928.</answer><|im_end|>", True),
+        ("\n<|im_start|>user\nAnd the Nobel Prize?<|im_end|>\n<|im_start|>assistant\n", False),
+        ("In 1945, shared with Chain and Florey.<|im_end|>", True),
+        ("\n", False),
+    ]
+    expected_ids, expected_mask = [], []
+    for text, is_assistant in pieces:
+        ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        expected_ids += ids
+        expected_mask += [is_assistant] * len(ids)
+    rendered = render_with_mask(tiny_tokenizer, CONVERSATION)
+    assert rendered.input_ids == expected_ids
+    for k, (token, got, want) in enumerate(zip(rendered.input_ids, rendered.loss_mask, expected_mask)):
+        assert got == want, f"token {k} {tiny_tokenizer.decode([token])!r}: mask {got}, expected {want}"
+    masked = tiny_tokenizer.decode([t for t, m in zip(rendered.input_ids, rendered.loss_mask) if m])
+    assert masked == "<answer>Alexander Fleming, in 1928.</answer><|im_end|>In 1945, shared with Chain and Florey.<|im_end|>"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_reported_not_mismasked(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    # Renders the turn count first, so a shorter conversation is not a prefix of the longer one.
+    tokenizer.chat_template = "{{ messages | length }}" + tiny_tokenizer.chat_template
+    with pytest.raises(TemplateError, match="prefix"):
+        render_with_mask(tokenizer, CONVERSATION)
+
+
+def _rows():
+    return validate_rows(load_rows(str(SAMPLES))).rows
+
+
+def test_limits_drop_or_truncate_with_counts_per_reason(tiny_tokenizer):
+    rows = _rows()
+    limits = SFTLimits(max_prompt_tokens=600, max_response_tokens=60, max_total_tokens=650, pack_length=2048)
+    dropped = prepare_sft(rows, tiny_tokenizer, "t", limits, 0.0, 0)
+    kept = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(**{**limits.__dict__, "prompt_policy": "truncate",
+                                                               "response_policy": "truncate",
+                                                               "total_policy": "truncate"}), 0.0, 0)
+    assert sum(dropped.stats["dropped"].values()) == len(dropped.rejected) > 0
+    assert set(dropped.stats["dropped"]) <= {"prompt_too_long", "response_too_long", "total_too_long"}
+    assert kept.rejected == [] and len(kept.examples) == len(rows)
+    assert sum(kept.stats["truncated"].values()) >= len(dropped.rejected)
+    for e in kept.examples:
+        assert e["prompt_tokens"] <= 600 and e["response_tokens"] <= 60 and e["total_tokens"] <= 650
+        assert any(e["loss_mask"]) and e["assistant_tokens"] == sum(e["loss_mask"])
+    for e in dropped.examples:
+        assert e["truncated"] is None
+
+
+def test_dedupe_split_packing_and_stats(tiny_tokenizer):
+    rows = _rows()
+    duplicate = {**rows[0], "id": "copy-of-first", "row_ref": "line 99"}
+    limits = SFTLimits(max_prompt_tokens=2000, max_response_tokens=1024, max_total_tokens=2048, pack_length=2048)
+    out = prepare_sft(rows + [duplicate], tiny_tokenizer, "t", limits, 0.25, seed=3, histogram_bins=5)
+    assert [(r.row_ref, r.reason) for r in out.rejected] == [("line 99", "duplicate_example")]
+    assert len(out.examples) == len(rows)
+    splits = {e["source_id"]: e["split"] for e in out.examples}
+    again = prepare_sft(list(reversed(rows)), tiny_tokenizer, "t", limits, 0.25, seed=3)
+    assert {e["source_id"]: e["split"] for e in again.examples} == splits  # seeded and order-independent
+    other_seed = prepare_sft(rows, tiny_tokenizer, "t", limits, 0.25, seed=4)
+    assert {e["source_id"]: e["split"] for e in other_seed.examples} != splits
+    assert 0 < sum(s == "validation" for s in splits.values()) < len(rows)
+
+    stats = out.stats
+    assert stats["train_examples"] + stats["validation_examples"] == len(out.examples)
+    for name in ("prompt_tokens", "response_tokens", "total_tokens"):
+        hist = stats["histograms"][name]
+        assert sum(hist["counts"]) == len(out.examples) and len(hist["edges"]) == 6
+    for split in ("train", "validation"):
+        members = [e for e in out.examples if e["split"] == split]
+        packs = {e["pack_id"] for e in members}
+        assert stats["packing"][split]["packs"] == len(packs)
+        used = sum(e["total_tokens"] for e in members)
+        assert stats["packing"][split]["efficiency"] == pytest.approx(used / (len(packs) * 2048))
+        for p in packs:  # offsets tile each pack without overlap
+            inside = sorted((e["pack_offset"], e["total_tokens"]) for e in members if e["pack_id"] == p)
+            assert all(a + n == b for (a, n), (b, _) in zip(inside, inside[1:])) and inside[0][0] == 0
+    rows_out = stats_rows("t", stats)
+    assert {"count", "packing", "histogram", "dropped"} <= {r["kind"] for r in rows_out}
+
+
+def _task_states(flow_state) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=200)
+    return {r.name: r.state.name for r in runs}
+
+
+def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, tiny_model_path, tmp_path):
+    from flows.refiner import refiner_pipeline
+    from refiner_core.config import load_recipe
+    from refiner_core.storage import query
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-sft.yaml", ["run.retries=0"]).to_dict()
+    run_dir = str(tmp_path / "run")
+    first = refiner_pipeline(recipe=recipe, run_dir=run_dir, return_state=True)
+    assert first.is_completed(), first.message
+    states = _task_states(first)
+    assert states["prepare-sft"] == "Completed" and states["sft-train"] == "Completed"
+
+    db = Path(run_dir) / "catalog.duckdb"
+    _, val = query(db, "SELECT step, loss FROM sft_metrics WHERE split = 'validation' ORDER BY step")
+    assert len(val) == recipe["sft"]["epochs"] + 1
+    assert val[-1][1] < val[0][1] - 0.5, f"validation loss did not drop: {val}"
+    _, train_tokens = query(db, "SELECT min(tokens) FROM sft_metrics WHERE split = 'train'")
+    assert train_tokens[0][0] > 0
+    # GRPO sampled from the SFT checkpoint.
+    _, policies = query(db, "SELECT DISTINCT policy FROM rollouts")
+    assert policies == [(str(Path(run_dir) / "checkpoints" / "sft"),)]
+    assert (Path(run_dir) / "checkpoints" / "sft" / "config.json").exists()
+    # The KL reference is the SFT checkpoint too: before the first update policy == reference, so KL is 0
+    # (against the untrained base it would be large after a 3-epoch warm start).
+    _, kl = query(db, "SELECT kl FROM steps WHERE step = 0")
+    assert kl[0][0] == pytest.approx(0.0, abs=1e-6)
+    _, efficiency = query(db, "SELECT value FROM sft_stats WHERE kind = 'packing' AND name = 'efficiency' "
+                              "AND split = 'train'")
+    assert 0 < efficiency[0][0] <= 1
+    stats = json.loads((Path(run_dir) / "sft" / "stats.json").read_text())
+    assert stats["examples_out"] == stats["train_examples"] + stats["validation_examples"] > 0
+
+    second = refiner_pipeline(recipe=recipe, run_dir=run_dir, return_state=True)
+    assert second.is_completed()
+    states = _task_states(second)
+    assert states["prepare-sft"] == "Cached" and states["sft-train"] == "Cached"
+    assert states["ingest-rubrics"] == "Cached"  # re-ingesting the same file is a no-op
+
+
+def test_open_instruct_chat_rows_become_sft_examples(tiny_tokenizer):
+    rows = [{"id": "c1", "messages": CONVERSATION, "row_ref": "line 1", "content_hash": "h1"},
+            {"id": "c2", "messages": CONVERSATION[:2], "row_ref": "line 2", "content_hash": "h2"}]  # no answer
+    out = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(pack_length=2048), 0.0, 0)
+    assert out.stats["skipped_no_answer"] == 1 and out.rejected == []
+    [example] = out.examples
+    assert example["input_ids"] == render_with_mask(tiny_tokenizer, CONVERSATION).input_ids
+    assert example["assistant_tokens"] == sum(render_with_mask(tiny_tokenizer, CONVERSATION).loss_mask)
+    assert example["split"] == "train" and example["source_ref"] == "line 1"
