@@ -68,7 +68,7 @@ def run(
     typer.echo(f"\ncatalog: {db}\nexample queries:")
     for sql in EXAMPLE_SQL[:2]:
         typer.echo(f'  refiner sql {folder} "{sql}"')
-    typer.echo(f"or open it directly: duckdb {db}")
+    typer.echo(f"or from Python: duckdb.connect(\"{db}\", read_only=True)")
 
 
 @app.command()

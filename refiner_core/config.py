@@ -120,6 +120,8 @@ class JudgeConfig:
         "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable, much faster).",
     )
     max_new_tokens: int = opt(16, "Tokens the judge may write; it is asked for JSON {\"score\": 0|1|2}.")
+    prefill: bool = opt(True, "json mode: start the judge's reply with '{\"score\":' (recorded in raw_output), "
+                              "so small judges answer in the format.")
     batch_size: int = opt(16, "Judge prompts generated together.")
     max_response_chars: int = opt(2000, "The response shown to the judge is cut to this many characters.")
     on_failure: Literal["zero", "skip"] = opt(

@@ -27,22 +27,26 @@ SCORE_PREFIX = '{"score":'
 
 @dataclass
 class TransformersJudge:
-    """In-process judge. mode 'json' generates greedily and the reply is parsed; 'expected_score' reads the
+    """In-process judge. mode 'json' generates greedily and the reply is parsed (with `prefill`, the reply is
+    started as '{"score":' so small models stay in the format); 'expected_score' reads the
     next-token probabilities of 0/1/2 after '{"score":' (one forward pass, never unparseable) and reports
     the probability-weighted score as JSON with the distribution."""
 
     engine: HFRolloutEngine
     max_new_tokens: int
     mode: str = "json"
+    prefill: bool = True
     name: str = "transformers"
 
     def complete(self, conversations: list[list[dict]]) -> list[str]:
         prompts = [render_prompt(self.engine.tokenizer, msgs)[1] for msgs in conversations]
         if self.mode == "expected_score":
             return self._expected_scores(prompts)
+        prefix = SCORE_PREFIX if self.prefill else ""
+        prefix_ids = self.engine.tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=("}",))
-        gens = self.engine.generate(prompts, params, desc="judge")
-        return [g.text for g in sorted(gens, key=lambda g: g.prompt_index)]
+        gens = self.engine.generate([p + prefix_ids for p in prompts], params, desc="judge")
+        return [prefix + g.text for g in sorted(gens, key=lambda g: g.prompt_index)]
 
     def _score_tokens(self) -> tuple[list[int], list[int]]:
         """Context tokens to append and the token id of each digit after them (tokenizer-agnostic)."""
@@ -89,7 +93,8 @@ def _transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> J
     from refiner_core.models import load_model, load_tokenizer
 
     engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=cfg["batch_size"])
-    return TransformersJudge(engine, cfg["max_new_tokens"], mode=cfg["mode"], name=f"transformers:{cfg['mode']}")
+    return TransformersJudge(engine, cfg["max_new_tokens"], mode=cfg["mode"], prefill=cfg.get("prefill", True),
+                             name=f"transformers:{cfg['mode']}")
 
 
 JUDGES: dict[str, Callable[..., Judge]] = {"transformers": _transformers_judge}
