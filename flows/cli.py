@@ -65,9 +65,10 @@ def run(
         typer.secho("fix the cause and run the same command again: finished stages are cached", err=True)
         raise typer.Exit(1)
     db = folder / "catalog.duckdb"
+    me = sys.argv[0] if Path(sys.argv[0]).name == "refiner" else "refiner"
     typer.echo(f"\ncatalog: {db}\nexample queries:")
     for sql in EXAMPLE_SQL[:2]:
-        typer.echo(f'  refiner sql {folder} "{sql}"')
+        typer.echo(f'  {me} sql {folder} "{sql}"')
     typer.echo(f"or from Python: duckdb.connect(\"{db}\", read_only=True)")
 
 

@@ -10,6 +10,7 @@ def plot_steps(steps: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     x = [s["step"] for s in steps]
     panels = [("reward_mean", "reward (mean ± std)"), ("kl", "KL to reference"), ("loss", "loss"),
@@ -23,6 +24,7 @@ def plot_steps(steps: list[dict], path: Path) -> Path:
             ax.fill_between(x, [a - b for a, b in zip(y, std)], [a + b for a, b in zip(y, std)], alpha=0.2)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     fig.suptitle(f"run {steps[0]['run']}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,10 @@ def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> di
         try:
             for name, table in ALL_TABLES.items():
                 con.execute(duckdb_ddl(table))
-                files = [str(p) for p in parquet_files.get(name, ()) if Path(p).exists()]
+                files = [str(p) for p in parquet_files.get(name, ())]
+                missing = [f for f in files if not Path(f).exists()]
+                if missing:  # never publish a catalog that silently lacks rows
+                    raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
                 if files:
                     con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [files])
                 counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]

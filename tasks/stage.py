@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.exceptions import MissingContextError
 from prefect.context import TaskRunContext
 
 from refiner_core import code_version
@@ -28,8 +30,17 @@ def _content(value: Any, key: str) -> Any:
     return value
 
 
+def _without_timings(value: Any) -> Any:
+    """Upstream manifests enter the key by their content hashes, not by how long the stage took."""
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k != "seconds"}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
 def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    material = {k: _content(v, k) for k, v in sorted(parameters.items())}
+    material = {k: _content(_without_timings(v), k) for k, v in sorted(parameters.items())}
     return f"{context.task.name}-{json_hash([CODE_VERSION, material])}"
 
 
@@ -57,10 +68,56 @@ def retry_unless_bad_data(task, task_run, state) -> bool:
     return not isinstance(getattr(state, "data", None), TooManyRejected)
 
 
-def stage(name: str) -> Callable:
-    """A cached, retryable pipeline stage. The wrapped function returns a JSON-able manifest."""
+def damaged_outputs(manifest: dict) -> list[str]:
+    """Output files or folders of a manifest that are missing or no longer hash to what the stage wrote."""
+    damaged = []
+    for entry in manifest.values():
+        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry):
+            continue
+        path = Path(entry["path"])
+        actual = dir_hash(path) if path.is_dir() else file_hash(path) if path.is_file() else None
+        if actual != entry["hash"]:
+            damaged.append(str(path))
+    return damaged
 
-    def decorate(fn: Callable) -> Callable:
+
+class Stage:
+    """A cached, retryable Prefect task whose cache hits are only trusted while their files are intact.
+
+    A cached manifest names files; if they were deleted or changed since (a wiped run folder, a hand-edited
+    Parquet file), the stage is recomputed instead of handing downstream stages a dangling manifest."""
+
+    def __init__(self, prefect_task):
+        self.task = prefect_task
+        self.name = prefect_task.name
+
+    def with_options(self, **options) -> "Stage":
+        return Stage(self.task.with_options(**options))
+
+    def __call__(self, **kwargs) -> dict:
+        state = self.task(**kwargs, return_state=True)
+        manifest = state.result()  # raises the stage's exception when it failed
+        if state.name == "Cached":
+            damaged = damaged_outputs(manifest)
+            if damaged:
+                _logger().warning("%s: cached result refers to missing or changed files (%s); recomputing",
+                                  self.name, ", ".join(damaged[:3]))
+                manifest = self.task.with_options(refresh_cache=True)(**kwargs)
+        return manifest
+
+
+def _logger():
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("refiner")
+
+
+def stage(name: str) -> Callable[[Callable], Stage]:
+    """Decorator for a pipeline stage. The wrapped function takes keyword arguments (with `run_dir`) and
+    returns a JSON-able manifest whose {path, hash} entries are the stage's outputs."""
+
+    def decorate(fn: Callable) -> Stage:
         @functools.wraps(fn)
         def run(*args, **kwargs):
             inject_faults(name, kwargs.get("step"), kwargs["run_dir"])
@@ -70,7 +127,7 @@ def stage(name: str) -> Callable:
             manifest["stage"] = name
             return manifest
 
-        return task(
+        return Stage(task(
             run,
             name=name,
             cache_key_fn=stage_cache_key,
@@ -79,7 +136,7 @@ def stage(name: str) -> Callable:
             retry_delay_seconds=2,
             retry_condition_fn=retry_unless_bad_data,
             task_run_name=_run_name(name),
-        )
+        ))
 
     return decorate
 

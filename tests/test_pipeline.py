@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,3 +184,16 @@ def test_killed_process_resumes(tmp_path):
     assert "Task run 'judge[step=1]' - Finished in state Completed" in log
     assert "catalog:" in log
     assert _counts(run_dir)["steps"] == 2
+
+
+def test_deleted_outputs_are_recomputed_not_trusted(finished_run):
+    """Cache hits whose files are gone or edited are recomputed; nothing downstream sees a dangling manifest."""
+    recipe, run_dir, _ = finished_run
+    before = _counts(run_dir)
+    (run_dir / "rollouts" / "step=1" / "rollouts.parquet").unlink()
+    shutil.rmtree(run_dir / "data")
+    state, tasks = _run(recipe, run_dir)
+    assert state.is_completed(), state.message
+    assert tasks["prepare-data"][0] == "Completed" and tasks["rollout[step=1]"][0] == "Completed"
+    assert tasks["rollout[step=0]"][0] == "Cached"  # its file is intact
+    assert _counts(run_dir) == before
