@@ -117,7 +117,7 @@ class JudgeConfig:
     mode: Literal["json", "expected_score"] = opt(
         "json",
         "'json': the judge writes {\"score\": 0|1|2}, parsed (failures recorded). 'expected_score': one forward "
-        "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable, much faster).",
+        "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable; graded even from a weak judge).",
     )
     max_new_tokens: int = opt(16, "Tokens the judge may write; it is asked for JSON {\"score\": 0|1|2}.")
     prefill: bool = opt(True, "json mode: start the judge's reply with '{\"score\":' (recorded in raw_output), "
@@ -143,6 +143,7 @@ class RewardConfig:
 @dataclass
 class GRPOConfig:
     steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.")
+    learner: str = opt("torch", "Learner implementation: 'torch' (one process, CPU or one GPU).")
     learning_rate: float = opt(5e-6, "AdamW learning rate (constant).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     adam_betas: list = opt([0.9, 0.999], "AdamW betas.")

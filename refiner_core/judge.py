@@ -46,7 +46,7 @@ class TransformersJudge:
         prefix_ids = self.engine.tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=("}",))
         gens = self.engine.generate([p + prefix_ids for p in prompts], params, desc="judge")
-        return [prefix + g.text for g in sorted(gens, key=lambda g: g.prompt_index)]
+        return [prefix + g.text for g in gens]
 
     def _score_tokens(self) -> tuple[list[int], list[int]]:
         """Context tokens to append and the token id of each digit after them (tokenizer-agnostic)."""
@@ -71,9 +71,12 @@ class TransformersJudge:
 
         context, digits = self._score_tokens()
         model, pad = self.engine.model, self.engine.tokenizer.pad_token_id
-        out = []
-        for start in range(0, len(prompts), self.engine.batch_size):
-            chunk = [p + context for p in prompts[start : start + self.engine.batch_size]]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if self.engine.sort_by_length \
+            else list(range(len(prompts)))
+        out: list[str] = [""] * len(prompts)
+        for start in range(0, len(order), self.engine.batch_size):
+            rows = order[start : start + self.engine.batch_size]
+            chunk = [prompts[i] + context for i in rows]
             width = max(map(len, chunk))
             ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             attention = torch.zeros_like(ids)
@@ -83,9 +86,9 @@ class TransformersJudge:
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].float()
             probs = torch.softmax(logits[:, digits], dim=-1)
-            for p in probs.tolist():
-                expected = 2 * (0.5 * p[1] + 1.0 * p[2])  # on the 0-2 scale, so SCORE_MAP-compatible
-                out.append(json.dumps({"score": round(expected, 4), "p": [round(x, 4) for x in p]}))
+            for i, p in zip(rows, probs.tolist()):
+                expected = 2 * (0.5 * p[1] + 1.0 * p[2])  # on the judge's 0-2 scale
+                out[i] = json.dumps({"score": round(expected, 4), "p": [round(x, 4) for x in p]})
         return out
 
 

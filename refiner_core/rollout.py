@@ -63,6 +63,7 @@ class HFRolloutEngine:
     model: object
     tokenizer: object
     batch_size: int = 16
+    sort_by_length: bool = True
     name: str = "hf"
     eos_ids: set[int] = field(default_factory=set)
 
@@ -74,7 +75,9 @@ class HFRolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         import torch
 
-        jobs = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
+        # Longest prompts first: batches hold similar lengths, so little compute goes to left padding.
+        order = sorted(range(len(prompts)), key=lambda p: -len(prompts[p])) if self.sort_by_length else range(len(prompts))
+        jobs = [(p, s) for p in order for s in range(params.n)]
         out: list[Generation] = []
         pad = self.tokenizer.pad_token_id
         bar = tqdm(total=len(jobs), desc=desc or "rollout", unit="seq", disable=None, leave=False)
@@ -128,7 +131,7 @@ class HFRolloutEngine:
                 )
             bar.update(len(chunk))
         bar.close()
-        return out
+        return sorted(out, key=lambda g: (g.prompt_index, g.sample_idx))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

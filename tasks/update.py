@@ -28,7 +28,9 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
     samples, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
     settings = learner_settings(grpo_cfg, temperature)
     tokenizer = load_tokenizer(policy["path"])
-    learner = LEARNERS["torch"](policy["path"], reference["path"], tokenizer, settings,
+    if grpo_cfg["learner"] not in LEARNERS:
+        raise ValueError(f"unknown learner {grpo_cfg['learner']!r}; available: {sorted(LEARNERS)}")
+    learner = LEARNERS[grpo_cfg["learner"]](policy["path"], reference["path"], tokenizer, settings,
                                 Path(policy["path"]) / "optimizer.pt", dtype)
     metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
 
