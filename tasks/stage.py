@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,10 +46,13 @@ def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
 
 
 def inject_faults(stage_name: str, step: int | None, run_dir: str) -> None:
-    """Deliberate failures for exercising recovery: REFINER_FAIL_ONCE raises once, REFINER_KILL_ONCE kills
-    the process once (no cleanup, like SIGKILL). Both take comma-separated 'stage' or 'stage@step'."""
+    """Deliberate failures for exercising recovery, each firing once per run folder:
+    REFINER_FAIL_ONCE raises an exception; REFINER_INTERRUPT_ONCE delivers SIGINT (what Ctrl-C sends);
+    REFINER_KILL_ONCE ends the process at once with no cleanup, like SIGKILL.
+    Each takes comma-separated 'stage' or 'stage@step'."""
     here = {stage_name, f"{stage_name}@{step}"}
-    for variable, action in (("REFINER_FAIL_ONCE", "raise"), ("REFINER_KILL_ONCE", "kill")):
+    for variable, action in (("REFINER_FAIL_ONCE", "raise"), ("REFINER_INTERRUPT_ONCE", "interrupt"),
+                             ("REFINER_KILL_ONCE", "kill")):
         wanted = {s.strip() for s in os.environ.get(variable, "").split(",") if s.strip()}
         hit = wanted & here
         if not hit:
@@ -60,6 +64,9 @@ def inject_faults(stage_name: str, step: int | None, run_dir: str) -> None:
         marker.touch()
         if action == "kill":
             os._exit(137)
+        if action == "interrupt":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt lands here
         raise RuntimeError(f"injected fault in stage {stage_name!r} (step {step}) from {variable}")
 
 

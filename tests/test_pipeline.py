@@ -165,18 +165,24 @@ def _cli_run(cmd: list[str], env: dict, log_path: Path, cwd: Path) -> tuple[int,
     return code, log_path.read_text()
 
 
-def test_killed_process_resumes(tmp_path):
-    """A hard kill (no cleanup) in the judge of step 1; the same command then finishes the run."""
+def test_interrupted_and_killed_process_resumes(tmp_path):
+    """Ctrl-C (SIGINT) in the rollout of step 1, then a hard kill (no cleanup) in its judge; each time the
+    same command picks up where the last one stopped, and the third finishes the run."""
     repo = Path(__file__).parents[1]
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "flows.cli", "run", str(repo / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir)]
-    env = {**os.environ, "REFINER_KILL_ONCE": "judge@1", "PREFECT_LOGGING_LEVEL": "INFO",
-           "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "REFINER_INTERRUPT_ONCE": "rollout@1", "REFINER_KILL_ONCE": "judge@1",
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_HOME": str(tmp_path / "prefect-home")}
     code, log = _cli_run(cmd, env, tmp_path / "first.log", repo)
-    assert code == 137, log[-2000:]
-    assert (run_dir / "scores" / "step=0" / "rewards.parquet").exists()
-    assert not (run_dir / "scores" / "step=1").exists()
+    assert code == 130, log[-2000:]
+    assert "run the same command again to resume" in log
+    assert (run_dir / "checkpoints" / "step_0001").exists() and not (run_dir / "rollouts" / "step=1").exists()
     code, log = _cli_run(cmd, env, tmp_path / "second.log", repo)
+    assert code == 137, log[-2000:]
+    assert "Task run 'grpo-update[step=0]' - Finished in state Cached" in log
+    assert "Task run 'rollout[step=1]' - Finished in state Completed" in log
+    assert not (run_dir / "scores" / "step=1").exists()
+    code, log = _cli_run(cmd, env, tmp_path / "third.log", repo)
     assert code == 0, log[-3000:]
     for name in ("prepare-data", "ingest-rubrics", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]",
                  "rollout[step=1]"):
