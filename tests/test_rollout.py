@@ -1,0 +1,48 @@
+"""The rollout engine's records must be trainable as they are: logprobs agree with the learner's."""
+
+from __future__ import annotations
+
+import torch
+
+from refiner_core.learner import TrainSample, collate, token_logprobs
+from refiner_core.models import load_model
+from refiner_core.rollout import HFRolloutEngine, SamplingParams, first_stop
+
+
+def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer):
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
+    prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"]
+               for t in ("<|im_start|>user\nshort<|im_end|>\n<|im_start|>assistant\n",
+                         "<|im_start|>user\na much longer question about rivers and bridges<|im_end|>\n"
+                         "<|im_start|>assistant\n")]
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=5)
+    gens = engine.generate(prompts, params)
+    assert [(g.prompt_index, g.sample_idx) for g in gens] == [(p, s) for p in range(2) for s in range(3)]
+    samples = [TrainSample(prompts[g.prompt_index], g.token_ids, 0.0, g.logprobs) for g in gens]
+    batch = collate(samples, tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        learner_lp = token_logprobs(model, batch, temperature=0.7)
+    mask = batch["mask"].bool()
+    torch.testing.assert_close(learner_lp[mask], batch["rollout_logprobs"][mask], atol=2e-4, rtol=1e-4)
+    # and a different temperature would not match: the learner really uses the sampler's temperature
+    with torch.no_grad():
+        other = token_logprobs(model, batch, temperature=1.0)
+    assert (other[mask] - batch["rollout_logprobs"][mask]).abs().max() > 1e-2
+
+
+def test_same_seed_same_samples(tiny_model_path, tiny_tokenizer):
+    engine = HFRolloutEngine(load_model(tiny_model_path), tiny_tokenizer, batch_size=4)
+    prompt = [tiny_tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]]
+    a = engine.generate(prompt, SamplingParams(n=4, max_new_tokens=8, seed=11))
+    b = engine.generate(prompt, SamplingParams(n=4, max_new_tokens=8, seed=11))
+    c = engine.generate(prompt, SamplingParams(n=4, max_new_tokens=8, seed=12))
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.token_ids for g in a] != [g.token_ids for g in c]
+
+
+def test_first_stop_keeps_eos_and_cuts_at_stop_string():
+    decode = lambda ids: "".join(chr(96 + i) for i in ids)  # noqa: E731  1->a, 2->b, ...
+    assert first_stop([1, 2, 9, 3], {9}, (), decode) == (3, True)
+    assert first_stop([1, 2, 3, 4, 5], set(), ("cd",), decode) == (4, True)  # 'abcd' is the shortest prefix
+    assert first_stop([1, 2, 3], set(), ("zz",), decode) == (3, False)
