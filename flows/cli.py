@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -41,8 +42,6 @@ def run(
         _fail(str(e))
     folder = (run_dir or Path(cfg.run.run_root) / cfg.run.name).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    import os
-
     if refresh:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     import torch

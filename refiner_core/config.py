@@ -232,6 +232,8 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
         return value
     if type_ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if type_ is float and isinstance(value, str) and _looks_like_float(value):
+        return float(value)  # YAML 1.1 reads '1e-5' (no dot) as a string
     if type_ is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if type_ is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -263,13 +265,11 @@ def _build(cls: type, data: dict, where: str) -> Any:
 
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """'grpo.learning_rate=1e-5' -> (['grpo', 'learning_rate'], 1e-05); the value is parsed as YAML."""
+    """'grpo.steps=4' -> (['grpo', 'steps'], 4); the value is parsed as YAML and typed by the field later."""
     if "=" not in assignment:
         raise ConfigError(f"--set expects section.field=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
     value = yaml.safe_load(raw) if raw.strip() else ""
-    if isinstance(value, str) and _looks_like_float(raw):
-        value = float(raw)  # YAML 1.1 reads '1e-5' as a string
     return key.strip().split("."), value
 
 
@@ -298,15 +298,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
 
 
 def recipe_from_dict(data: dict) -> RecipeConfig:
-    return _build(RecipeConfig, _normalise_floats(data), "")
-
-
-def _normalise_floats(node: Any) -> Any:
-    if isinstance(node, dict):
-        return {k: _normalise_floats(v) for k, v in node.items()}
-    if isinstance(node, str) and _looks_like_float(node) and not node.strip().lstrip("-").isdigit():
-        return float(node)
-    return node
+    return _build(RecipeConfig, data, "")
 
 
 def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str, str]]:

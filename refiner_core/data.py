@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,14 +257,14 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
 
 
 def step_prompt_ids(train_ids: list[str], step: int, per_step: int, seed: int) -> list[str]:
-    """Prompts for a GRPO step: a seeded shuffle per epoch, cycled, so every prompt is seen equally."""
-    if not train_ids:
-        raise ValueError("no training prompts")
-    out: list[str] = []
-    start = step * per_step
-    for k in range(start, start + per_step):
-        epoch, pos = divmod(k, len(train_ids))
-        order = sorted(train_ids)
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(order[pos])
-    return out
+    """Prompts for a GRPO step: each epoch is a seeded shuffle cut into steps, so every prompt is seen once per
+    epoch and a step never holds the same prompt twice (that would merge two GRPO groups). The last, short step
+    of an epoch is topped up from the start of the same epoch's order."""
+    if not 0 < per_step <= len(train_ids):
+        raise ValueError(f"prompts per step must be in 1..{len(train_ids)} (the training prompts), got {per_step}")
+    steps_per_epoch = math.ceil(len(train_ids) / per_step)
+    epoch, index = divmod(step, steps_per_epoch)
+    order = sorted(train_ids)
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    chosen = order[index * per_step : (index + 1) * per_step]
+    return chosen + order[: per_step - len(chosen)]

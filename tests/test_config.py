@@ -39,5 +39,11 @@ def test_bad_overrides_are_clear_errors(override, message):
         load_recipe(None, [override])
 
 
-def test_parse_override_reads_scientific_notation():
-    assert parse_override("grpo.learning_rate=5e-6") == (["grpo", "learning_rate"], 5e-6)
+def test_scientific_notation_is_a_float_only_where_a_float_is_wanted(tmp_path):
+    assert parse_override("grpo.steps=4") == (["grpo", "steps"], 4)
+    cfg = load_recipe(None, ["grpo.learning_rate=5e-6", "run.name=1e3"])
+    assert cfg.grpo.learning_rate == 5e-6 and cfg.run.name == "1e3"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("grpo:\n  learning_rate: 3e-4\nrun:\n  name: 2e5\n")  # YAML 1.1 reads both as strings
+    cfg = load_recipe(recipe)
+    assert cfg.grpo.learning_rate == 3e-4 and cfg.run.name == "2e5"

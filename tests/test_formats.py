@@ -52,3 +52,4 @@ def test_no_citation_scores_zero():
     parsed = parse_answer("<answer>Plain text with no citations.</answer>")
     assert parsed.well_formed
     assert check_citations(parsed, ["a1b2c3"]).score == 0.0
+
