@@ -18,7 +18,8 @@ from refiner_core.judge import _transformers_judge
 
 def main() -> None:
     args, path, conversations = setup(default_pairs=48)
-    judge = _transformers_judge(path, {"batch_size": 8, "max_new_tokens": 4, "mode": "expected_score"})
+    judge = _transformers_judge(path, {"batch_size": 8, "max_new_tokens": 4, "mode": "expected_score",
+                                       "share_prefix": False})  # plain batches: the order is what is measured
     judge.complete(conversations[:2])  # warm-up
     seconds, scores = {}, {}
     for label, sort in (("arrival", False), ("sorted", True)):

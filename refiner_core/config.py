@@ -120,6 +120,8 @@ class JudgeConfig:
         "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable; graded even from a weak judge).",
     )
     max_new_tokens: int = opt(16, "Tokens the judge may write; it is asked for JSON {\"score\": 0|1|2}.")
+    share_prefix: bool = opt(True, "expected_score mode: read the prompt part shared by one response's rubrics "
+                                   "once and reuse its KV cache for every rubric.")
     prefill: bool = opt(True, "json mode: start the judge's reply with '{\"score\":' (recorded in raw_output), "
                               "so small judges answer in the format.")
     batch_size: int = opt(16, "Judge prompts generated together.")

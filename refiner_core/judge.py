@@ -36,6 +36,7 @@ class TransformersJudge:
     max_new_tokens: int
     mode: str = "json"
     prefill: bool = True
+    share_prefix: bool = True
     name: str = "transformers"
 
     def complete(self, conversations: list[list[dict]]) -> list[str]:
@@ -65,31 +66,95 @@ class TransformersJudge:
         raise ValueError(f"digits 0/1/2 are not single tokens for this judge tokenizer: {tails}")
 
     def _expected_scores(self, prompts: list[list[int]]) -> list[str]:
-        import json
+        context, digits = self._score_tokens()
+        full = [p + context for p in prompts]
+        if self.share_prefix:
+            probs = self._digit_probs_shared_prefix(full, digits)
+        else:
+            probs = self._digit_probs_batched(full, digits)
+        return [_expected_json(p) for p in probs]
 
+    def _digit_probs_batched(self, prompts: list[list[int]], digits: list[int]) -> list[list[float]]:
         import torch
 
-        context, digits = self._score_tokens()
         model, pad = self.engine.model, self.engine.tokenizer.pad_token_id
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if self.engine.sort_by_length \
             else list(range(len(prompts)))
-        out: list[str] = [""] * len(prompts)
+        out: list[list[float]] = [[] for _ in prompts]
         for start in range(0, len(order), self.engine.batch_size):
             rows = order[start : start + self.engine.batch_size]
-            chunk = [prompts[i] + context for i in rows]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
             attention = torch.zeros_like(ids)
-            for row, p in enumerate(chunk):  # left padding: the last position is every row's next token
-                ids[row, width - len(p):] = torch.tensor(p)
-                attention[row, width - len(p):] = 1
+            for row, i in enumerate(rows):  # left padding: the last position is every row's next token
+                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                attention[row, width - len(prompts[i]):] = 1
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].float()
-            probs = torch.softmax(logits[:, digits], dim=-1)
-            for i, p in zip(rows, probs.tolist()):
-                expected = 2 * (0.5 * p[1] + 1.0 * p[2])  # on the judge's 0-2 scale
-                out[i] = json.dumps({"score": round(expected, 4), "p": [round(x, 4) for x in p]})
+            for i, p in zip(rows, torch.softmax(logits[:, digits], dim=-1).tolist()):
+                out[i] = p
         return out
+
+    def _digit_probs_shared_prefix(self, prompts: list[list[int]], digits: list[int]) -> list[list[float]]:
+        """The rubrics of one response share everything up to the criterion: read that prefix once, then
+        score every rubric's suffix against a copy of its KV cache (right-padded, last real token read)."""
+        import torch
+
+        model, pad = self.engine.model, self.engine.tokenizer.pad_token_id
+        out: list[list[float]] = [[] for _ in prompts]
+        for group in prefix_groups(prompts):
+            members = [prompts[i] for i in group]
+            shared = common_prefix_length(members) - 1  # every suffix keeps at least one token
+            for start in range(0, len(group), self.engine.batch_size):
+                rows = group[start : start + self.engine.batch_size]
+                suffixes = [prompts[i][shared:] for i in rows]
+                width = max(map(len, suffixes))
+                ids = torch.full((len(rows), width), pad, dtype=torch.long)
+                attention = torch.zeros((len(rows), shared + width), dtype=torch.long)
+                attention[:, :shared] = 1
+                for row, suffix in enumerate(suffixes):
+                    ids[row, : len(suffix)] = torch.tensor(suffix)
+                    attention[row, shared : shared + len(suffix)] = 1
+                with torch.no_grad():
+                    cache = model(input_ids=torch.tensor([members[0][:shared]]), use_cache=True).past_key_values
+                    cache.batch_repeat_interleave(len(rows))
+                    positions = torch.arange(shared, shared + width).unsqueeze(0).expand(len(rows), -1)
+                    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                                   past_key_values=cache, use_cache=True).logits.float()
+                last = torch.tensor([len(s) - 1 for s in suffixes])
+                picked = logits[torch.arange(len(rows)), last][:, digits]
+                for i, p in zip(rows, torch.softmax(picked, dim=-1).tolist()):
+                    out[i] = p
+        return out
+
+
+def _expected_json(p: list[float]) -> str:
+    import json
+
+    expected = 2 * (0.5 * p[1] + 1.0 * p[2])  # on the judge's 0-2 scale
+    return json.dumps({"score": round(expected, 4), "p": [round(x, 4) for x in p]})
+
+
+def common_prefix_length(sequences: list[list[int]]) -> int:
+    first = sequences[0]
+    n = min(map(len, sequences))
+    for k in range(n):
+        if any(seq[k] != first[k] for seq in sequences[1:]):
+            return k
+    return n
+
+
+def prefix_groups(prompts: list[list[int]], min_shared: float = 0.5) -> list[list[int]]:
+    """Consecutive prompts that share at least `min_shared` of their tokens with the group's first one."""
+    groups: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if groups:
+            head = prompts[groups[-1][0]]
+            if common_prefix_length([head, p]) >= min_shared * len(p):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def _transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> Judge:
@@ -97,6 +162,7 @@ def _transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> J
 
     engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=cfg["batch_size"])
     return TransformersJudge(engine, cfg["max_new_tokens"], mode=cfg["mode"], prefill=cfg.get("prefill", True),
+                             share_prefix=cfg.get("share_prefix", True),
                              name=f"transformers:{cfg['mode']}")
 
 

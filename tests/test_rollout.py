@@ -46,3 +46,26 @@ def test_first_stop_keeps_eos_and_cuts_at_stop_string():
     assert first_stop([1, 2, 9, 3], {9}, (), decode) == (3, True)
     assert first_stop([1, 2, 3, 4, 5], set(), ("cd",), decode) == (4, True)  # 'abcd' is the shortest prefix
     assert first_stop([1, 2, 3], set(), ("zz",), decode) == (3, False)
+
+
+def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
+    """Reusing the KV cache of a response's shared prompt prefix must not change any rubric's score."""
+    from refiner_core.judge import _transformers_judge, prefix_groups
+    from refiner_core.prompts import judge_messages
+
+    judge = _transformers_judge(str(tiny_model_path), {"batch_size": 3, "max_new_tokens": 4, "mode": "expected_score"})
+    conversations = [judge_messages(q, r, c) for q, r in (("Who built it?", "Eiffel's company built it."),
+                                                         ("When?", "In 1889, for the fair, after two years."))
+                     for c in ("Names the builder.", "Gives a date.", "Avoids padding and tangents entirely.",
+                               "Cites snippets.")]
+    judge.share_prefix = True
+    shared = judge.complete(conversations)
+    judge.share_prefix = False
+    plain = judge.complete(conversations)
+    import json
+
+    for a, b in zip(shared, plain):
+        assert abs(json.loads(a)["score"] - json.loads(b)["score"]) < 1e-3, (a, b)
+    head_a, head_b = list(range(100, 140)), list(range(200, 240))
+    tokens = [head_a + [1, 2], head_a + [3], head_b + [4, 5], head_b + [6], head_a + [7]]
+    assert prefix_groups(tokens) == [[0, 1], [2, 3], [4]]
