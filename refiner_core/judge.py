@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from refiner_core.config import RewardConfig
 from refiner_core.formats import parse_answer
 from refiner_core.prompts import judge_messages, render_prompt
-from refiner_core.config import RewardConfig
 from refiner_core.rewards import compose_reward, format_parts, orient, parse_judge_output, rubric_score
 from refiner_core.rollout import HFRolloutEngine, SamplingParams
 
@@ -27,10 +27,12 @@ SCORE_PREFIX = '{"score":'
 
 @dataclass
 class TransformersJudge:
-    """In-process judge. mode 'json' generates greedily and the reply is parsed (with `prefill`, the reply is
-    started as '{"score":' so small models stay in the format); 'expected_score' reads the
-    next-token probabilities of 0/1/2 after '{"score":' (one forward pass, never unparseable) and reports
-    the probability-weighted score as JSON with the distribution."""
+    """In-process judge.
+
+    'json' generates greedily and the reply is parsed; with `prefill` the reply is started as '{"score":' so
+    small models stay in the format. 'expected_score' reads the next-token probabilities of 0/1/2 after
+    '{"score":' in one forward pass (never unparseable) and reports the probability-weighted score as JSON with
+    the distribution; with `share_prefix` the prompt part shared by one response's rubrics is read once."""
 
     engine: HFRolloutEngine
     max_new_tokens: int
