@@ -51,6 +51,11 @@ def load_rows(path: str, fmt: str = "auto", fields: dict | None = None, split: s
     return [apply_field_mapping(r, fields or {}) for r in rows]
 
 
+def load_source(path: str, section: dict) -> list[RawRow]:
+    """load_rows with the source fields of a config section (data, sft: format, fields, split, hub_config)."""
+    return load_rows(path, section["format"], section["fields"], section["split"], section["hub_config"])
+
+
 def apply_field_mapping(row: RawRow, fields: dict) -> RawRow:
     """Canonical names read from mapped columns; columns already named canonically stay unless remapped."""
     if row.data is None or not fields:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import duckdb
 import pyarrow as pa
@@ -21,6 +23,22 @@ def atomic_path(path: Path) -> tuple[Path, Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     return Path(tmp), path
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a fresh folder beside `final`; on success it replaces `final` (a recomputed stage replaces its
+    own output), on failure it is removed, so `final` is never half written."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield build
+        if final.exists():
+            shutil.rmtree(final)
+        build.rename(final)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
 
 
 def write_table(table: Table, rows: list[dict], path: Path) -> str:

@@ -4,12 +4,12 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.data import TooManyRejected, check_rejected_fraction, prepare_prompts, validate_rows
+from refiner_core.data import TooManyRejected, prepare_prompts, validate_rows
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import PROMPTS, QUARANTINE
-from refiner_core.sources import load_rows
+from refiner_core.sources import load_source
 from refiner_core.storage import write_table
-from tasks.catalog import publish_quarantine
+from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
 
 __all__ = ["TooManyRejected", "prepare_data"]
@@ -19,8 +19,7 @@ __all__ = ["TooManyRejected", "prepare_data"]
 def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: int, policy: dict) -> dict:
     """Stage 1: validate refiner rows, render chat prompts, apply token limits -> prompts + quarantine."""
     log = get_run_logger()
-    raw = load_rows(data_file, data.get("format", "auto"), data.get("fields"), data.get("split", "train"),
-                    data.get("hub_config", ""))
+    raw = load_source(data_file, data)
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     prompts, dropped = prepare_prompts(
@@ -43,9 +42,5 @@ def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: in
         "train_ids": sorted(p["prompt_id"] for p in prompts if p["split"] == "train"),
     }
     log.info("prepare-data: %d rows in, %d prompts out, rejected %s", len(raw), len(prompts), counts or "none")
-    try:
-        check_rejected_fraction(rejected, len(raw), data["max_rejected_fraction"], str(out / "quarantine.parquet"))
-    except TooManyRejected as e:
-        raise TooManyRejected(f"{e} Query it: refiner sql {run_dir} \"SELECT * FROM quarantine\"; catalog "
-                              f"{publish_quarantine(run_dir, [manifest])}") from None
+    fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), data["max_rejected_fraction"])
     return manifest

@@ -5,14 +5,14 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.data import TooManyRejected, accepted_raw_rows, check_rejected_fraction
+from refiner_core.data import accepted_raw_rows
 from refiner_core.models import refiner_home
 from refiner_core.rubric_gen import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics import join_rubrics, load_static_rubrics
 from refiner_core.schema import QUARANTINE, RUBRICS
-from refiner_core.sources import load_rows
+from refiner_core.sources import load_rows, load_source
 from refiner_core.storage import read_rows, write_table
-from tasks.catalog import publish_quarantine
+from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
 
 
@@ -28,8 +28,7 @@ def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric
         source, source_rows = rubric_file, load_rows(rubric_file, "auto", rubric_cfg.get("fields"))
     else:
         source = data_file
-        source_rows = accepted_raw_rows(load_rows(data_file, data.get("format", "auto"), data.get("fields"),
-                                                  data.get("split", "train"), data.get("hub_config", "")))
+        source_rows = accepted_raw_rows(load_source(data_file, data))
     generated = {"calls": 0, "cached": 0, "failed_calls": 0}  # answers paid for, served from cache, no answer
     generate = None
     if rubric_cfg.get("generation_endpoint"):
@@ -65,10 +64,6 @@ def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric
         "rows": len(rows), "generated": generated,
         "train_ids": [pid for pid in prompts["train_ids"] if pid in joined],
     }
-    try:
-        check_rejected_fraction(rejected, len(prompt_rows), rubric_cfg["max_rejected_fraction"],
-                                manifest["quarantine"]["path"], n_rejected=len(prompt_rows) - len(joined))
-    except TooManyRejected as e:
-        raise TooManyRejected(f"{e} Query it: refiner sql {run_dir} \"SELECT * FROM quarantine\"; catalog "
-                              f"{publish_quarantine(run_dir, [prompts, manifest])}") from None
+    fail_if_too_many_rejected(run_dir, [prompts, manifest], rejected, len(prompt_rows),
+                              rubric_cfg["max_rejected_fraction"], n_rejected=len(prompt_rows) - len(joined))
     return manifest

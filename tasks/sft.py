@@ -1,19 +1,17 @@
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.data import TooManyRejected, check_rejected_fraction, validate_rows
+from refiner_core.data import validate_rows
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
 from refiner_core.sft import SFTLimits, prepare_sft as prepare_sft_core, stats_rows
 from refiner_core.sft_train import SFTSettings, packed_rows, train_sft
-from refiner_core.sources import load_rows
-from refiner_core.storage import dir_hash, read_rows, write_json, write_table
-from tasks.catalog import publish_quarantine
+from refiner_core.sources import load_source
+from refiner_core.storage import atomic_dir, dir_hash, read_rows, write_json, write_table
+from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
 
 
@@ -22,7 +20,7 @@ def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: i
     """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
     sft_stats, quarantine (+ stats.json)."""
     log = get_run_logger()
-    raw = load_rows(sft_file, sft_cfg["format"], sft_cfg["fields"], sft_cfg["split"], sft_cfg["hub_config"])
+    raw = load_source(sft_file, sft_cfg)
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     prepared = prepare_sft_core(checked.rows, tokenizer, run, SFTLimits.from_config(sft_cfg),
@@ -44,11 +42,7 @@ def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: i
              "efficiency train %.1f%%", len(raw), len(prepared.examples), stats["train_examples"],
              stats["validation_examples"], len(rejected), stats["dropped"],
              100 * stats["packing"]["train"]["efficiency"])
-    try:
-        check_rejected_fraction(rejected, len(raw), sft_cfg["max_rejected_fraction"], manifest["quarantine"]["path"])
-    except TooManyRejected as e:
-        raise TooManyRejected(f"{e} Query it: refiner sql {run_dir} \"SELECT * FROM quarantine\"; catalog "
-                              f"{publish_quarantine(run_dir, [manifest])}") from None
+    fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), sft_cfg["max_rejected_fraction"])
     if not stats["train_examples"]:
         raise ValueError(f"prepare-sft: no training examples left from {sft_file} (see {out / 'stats.json'})")
     return manifest
@@ -70,13 +64,9 @@ def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: 
     history = train_sft(model, train, validation, tokenizer.pad_token_id, SFTSettings.from_config(sft_cfg, seed))
 
     final = Path(run_dir) / "checkpoints" / "sft"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    build = Path(tempfile.mkdtemp(prefix=".build-sft-", dir=final.parent))
-    model.save_pretrained(build)
-    tokenizer.save_pretrained(build)
-    if final.exists():
-        shutil.rmtree(final)  # a recomputed stage replaces its own checkpoint
-    build.rename(final)
+    with atomic_dir(final) as build:
+        model.save_pretrained(build)
+        tokenizer.save_pretrained(build)
 
     rows = [{"run": run, **h} for h in history]
     path = Path(run_dir) / "sft" / "sft_metrics.parquet"

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +9,7 @@ from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learner import LEARNERS
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import STEPS
-from refiner_core.storage import dir_hash, read_rows, write_table
+from refiner_core.storage import atomic_dir, dir_hash, read_rows, write_table
 from tasks.stage import stage
 
 
@@ -35,13 +33,9 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
     metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
 
     final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    build = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
-    learner.save(build)
-    tokenizer.save_pretrained(build)
-    if final.exists():
-        shutil.rmtree(final)  # a retried or recomputed step replaces its own checkpoint
-    build.rename(final)
+    with atomic_dir(final) as build:
+        learner.save(build)
+        tokenizer.save_pretrained(build)
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
     row = {
