@@ -6,6 +6,7 @@ same pieces as cached stages with files in between.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -58,7 +59,7 @@ def grpo_loop(
     history = []
     for step in range(steps):
         chosen = [(step * prompts_per_step + k) % len(prompts) for k in range(prompts_per_step)]
-        step_params = SamplingParams(**{**params.__dict__, "seed": params.seed + step})
+        step_params = dataclasses.replace(params, seed=params.seed + step)
         gens = engine.generate([prompts[i] for i in chosen], step_params)
         # Rows in the same shape the pipeline stores, so the same advantage code serves both.
         rollouts = [{"prompt_id": str(chosen[g.prompt_index]), "sample_idx": g.sample_idx,

@@ -13,7 +13,7 @@ from refiner_core.config import RewardConfig
 from refiner_core.formats import parse_answer
 from refiner_core.prompts import judge_messages, render_prompt
 from refiner_core.rewards import compose_reward, format_parts, orient, parse_judge_output, rubric_score
-from refiner_core.rollout import HFRolloutEngine, SamplingParams
+from refiner_core.rollout import HFRolloutEngine, SamplingParams, left_padded
 
 
 class Judge(Protocol):
@@ -80,17 +80,11 @@ class TransformersJudge:
         import torch
 
         model, pad = self.engine.model, self.engine.tokenizer.pad_token_id
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if self.engine.sort_by_length \
-            else list(range(len(prompts)))
+        order = self.engine.batch_order(prompts)
         out: list[list[float]] = [[] for _ in prompts]
         for start in range(0, len(order), self.engine.batch_size):
             rows = order[start : start + self.engine.batch_size]
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            attention = torch.zeros_like(ids)
-            for row, i in enumerate(rows):  # left padding: the last position is every row's next token
-                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                attention[row, width - len(prompts[i]):] = 1
+            ids, attention = left_padded([prompts[i] for i in rows], pad)
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].float()
             for i, p in zip(rows, torch.softmax(logits[:, digits], dim=-1).tolist()):

@@ -56,6 +56,19 @@ def first_stop(token_ids: list[int], eos_ids: set[int], stop: tuple[str, ...], d
     return len(token_ids), False
 
 
+def left_padded(sequences: list[list[int]], pad_id: int):
+    """[B, max_len] input ids and attention mask, left-padded so every row's next token is at the last column."""
+    import torch
+
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.tensor(seq)
+        attention[row, width - len(seq) :] = 1
+    return ids, attention
+
+
 @dataclass
 class HFRolloutEngine:
     """transformers `generate`, left-padded batches; log-probs come from the processed (tempered) scores."""
@@ -75,22 +88,14 @@ class HFRolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         import torch
 
-        # Longest prompts first: batches hold similar lengths, so little compute goes to left padding.
-        order = sorted(range(len(prompts)), key=lambda p: -len(prompts[p])) if self.sort_by_length else range(len(prompts))
-        jobs = [(p, s) for p in order for s in range(params.n)]
+        jobs = [(p, s) for p in self.batch_order(prompts) for s in range(params.n)]
         out: list[Generation] = []
         pad = self.tokenizer.pad_token_id
         bar = tqdm(total=len(jobs), desc=desc or "rollout", unit="seq", disable=None, leave=False)
         self.model.eval()
         for start in range(0, len(jobs), self.batch_size):
             chunk = jobs[start : start + self.batch_size]
-            width = max(len(prompts[p]) for p, _ in chunk)
-            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attention = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, (p, _) in enumerate(chunk):
-                ids = prompts[p]
-                input_ids[row, width - len(ids) :] = torch.tensor(ids)
-                attention[row, width - len(ids) :] = 1
+            input_ids, attention = left_padded([prompts[p] for p, _ in chunk], pad)
             sample = params.temperature > 0
             # One seed per batch: reruns of a step reproduce its samples.
             torch.manual_seed(params.seed + start)
@@ -109,7 +114,7 @@ class HFRolloutEngine:
                     return_dict_in_generate=True,
                     pad_token_id=pad,
                 )
-            new_tokens = result.sequences[:, width:]
+            new_tokens = result.sequences[:, input_ids.shape[1] :]
             logprobs = torch.stack(
                 [torch.log_softmax(s.float(), -1).gather(-1, new_tokens[:, t : t + 1]).squeeze(-1)
                  for t, s in enumerate(result.scores)],
@@ -132,6 +137,12 @@ class HFRolloutEngine:
             bar.update(len(chunk))
         bar.close()
         return sorted(out, key=lambda g: (g.prompt_index, g.sample_idx))
+
+    def batch_order(self, prompts: list[list[int]]) -> list[int]:
+        """Longest prompts first: batches then hold similar lengths, so little compute goes to padding."""
+        if not self.sort_by_length:
+            return list(range(len(prompts)))
+        return sorted(range(len(prompts)), key=lambda p: -len(prompts[p]))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
