@@ -13,12 +13,12 @@ import time
 
 from common import setup
 
-from refiner_core.judge import _transformers_judge
+from refiner_core.judges.transformers_judge import make_transformers_judge
 
 
 def main() -> None:
     args, path, conversations = setup(default_pairs=48)
-    judge = _transformers_judge(path, {"batch_size": 8, "max_new_tokens": 4, "mode": "expected_score",
+    judge = make_transformers_judge(path, {"batch_size": 8, "max_new_tokens": 4, "mode": "expected_score",
                                        "share_prefix": False})  # plain batches: the order is what is measured
     judge.complete(conversations[:2])  # warm-up
     seconds, scores = {}, {}

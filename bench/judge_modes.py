@@ -12,14 +12,14 @@ import time
 
 from common import setup
 
-from refiner_core.judge import _transformers_judge
+from refiner_core.judges.transformers_judge import make_transformers_judge
 
 
 def main() -> None:
     args, path, conversations = setup(default_pairs=32)
     seconds = {}
     for mode in ("json", "expected_score"):
-        judge = _transformers_judge(path, {"batch_size": 16, "max_new_tokens": 8, "mode": mode})
+        judge = make_transformers_judge(path, {"batch_size": 16, "max_new_tokens": 8, "mode": mode})
         judge.complete(conversations[:2])  # warm-up
         t0 = time.perf_counter()
         judge.complete(conversations)

@@ -12,12 +12,12 @@ import time
 
 from common import setup
 
-from refiner_core.judge import _transformers_judge
+from refiner_core.judges.transformers_judge import make_transformers_judge
 
 
 def main() -> None:
     args, path, conversations = setup(default_pairs=56)
-    judge = _transformers_judge(path, {"batch_size": 16, "max_new_tokens": 4, "mode": "expected_score"})
+    judge = make_transformers_judge(path, {"batch_size": 16, "max_new_tokens": 4, "mode": "expected_score"})
     judge.complete(conversations[:2])  # warm-up
     seconds, scores = {}, {}
     for label, share in (("plain", False), ("shared", True)):

@@ -12,8 +12,8 @@ from typing import Callable
 import numpy as np
 
 from refiner_core.advantages import compute_advantages, zero_std_groups
-from refiner_core.learner import LearnerSettings, TrainSample
-from refiner_core.rollout import Generation, RolloutEngine, SamplingParams
+from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
 
 def learner_settings(grpo: dict, temperature: float) -> LearnerSettings:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.judge import JUDGES, score_rollouts
+from refiner_core.judges.base import make_judge, score_rollouts
 from refiner_core.config import RewardConfig
 from refiner_core.schema import JUDGE_SCORES, REWARDS
 from refiner_core.storage import read_rows, write_table
@@ -20,9 +20,7 @@ def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: di
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
-    if judge_cfg["engine"] not in JUDGES:
-        raise ValueError(f"unknown judge engine {judge_cfg['engine']!r}; available: {sorted(JUDGES)}")
-    scorer = JUDGES[judge_cfg["engine"]](judge_model["path"], judge_cfg, dtype)
+    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype)
     scores, rewards = score_rollouts(
         read_rows(rollouts["rollouts"]["path"]), prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
         judge_cfg["on_failure"], judge_cfg["max_response_chars"],

@@ -6,7 +6,7 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.data import step_prompt_ids
-from refiner_core.rollout import SamplingParams, make_engine
+from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.schema import ROLLOUTS
 from refiner_core.storage import read_rows, write_table
 from tasks.stage import stage

@@ -6,7 +6,7 @@ import numpy as np
 from prefect import get_run_logger
 
 from refiner_core.grpo import build_train_samples, learner_settings
-from refiner_core.learner import LEARNERS
+from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import STEPS
 from refiner_core.storage import atomic_dir, dir_hash, read_rows, write_table
@@ -26,10 +26,8 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
     samples, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
     settings = learner_settings(grpo_cfg, temperature)
     tokenizer = load_tokenizer(policy["path"])
-    if grpo_cfg["learner"] not in LEARNERS:
-        raise ValueError(f"unknown learner {grpo_cfg['learner']!r}; available: {sorted(LEARNERS)}")
-    learner = LEARNERS[grpo_cfg["learner"]](policy["path"], reference["path"], tokenizer, settings,
-                                Path(policy["path"]) / "optimizer.pt", dtype)
+    learner = make_learner(grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings,
+                           Path(policy["path"]) / "optimizer.pt", dtype)
     metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
 
     final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"

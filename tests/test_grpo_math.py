@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from refiner_core.advantages import compute_advantages, zero_std_groups
-from refiner_core.learner import LearnerSettings, TorchLearner, TrainSample, collate
+from refiner_core.learners.base import LearnerSettings, TrainSample, collate
+from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
 
 

@@ -7,9 +7,10 @@ import torch
 
 from refiner_core.config import GRPOConfig
 from refiner_core.grpo import grpo_loop, learner_settings
-from refiner_core.learner import TorchLearner
+from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
-from refiner_core.rollout import HFRolloutEngine, SamplingParams
+from refiner_core.rollout.base import SamplingParams
+from refiner_core.rollout.hf_engine import HFRolloutEngine
 
 
 def _run(tiny_model_path, tiny_tokenizer, reward_fn, steps, **grpo_overrides):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from refiner_core.learner import TrainSample, collate, token_logprobs
+from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.models import load_model
-from refiner_core.rollout import HFRolloutEngine, SamplingParams, first_stop
+from refiner_core.rollout.base import SamplingParams, first_stop
+from refiner_core.rollout.hf_engine import HFRolloutEngine
 
 
 def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer):
@@ -50,10 +51,10 @@ def test_first_stop_keeps_eos_and_cuts_at_stop_string():
 
 def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
     """Reusing the KV cache of a response's shared prompt prefix must not change any rubric's score."""
-    from refiner_core.judge import _transformers_judge, prefix_groups
+    from refiner_core.judges.transformers_judge import make_transformers_judge, prefix_groups
     from refiner_core.prompts import judge_messages
 
-    judge = _transformers_judge(str(tiny_model_path), {"batch_size": 3, "max_new_tokens": 4, "mode": "expected_score"})
+    judge = make_transformers_judge(str(tiny_model_path), {"batch_size": 3, "max_new_tokens": 4, "mode": "expected_score"})
     conversations = [judge_messages(q, r, c) for q, r in (("Who built it?", "Eiffel's company built it."),
                                                          ("When?", "In 1889, for the fair, after two years."))
                      for c in ("Names the builder.", "Gives a date.", "Avoids padding and tangents entirely.",

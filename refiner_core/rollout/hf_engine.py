@@ -1,72 +1,12 @@
-"""Rollout engines: batched sampling that keeps token ids, sampled-token log-probs and finish reasons.
-
-An engine maps token-id prompts to Generations. 'hf' (transformers generate) runs anywhere; other engines
-(vLLM) register in ENGINES with the same interface.
-"""
+"""The 'hf' rollout engine: transformers `generate` on CPU or one GPU."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
 
 from tqdm.auto import tqdm
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    seed: int = 0
-
-
-@dataclass
-class Generation:
-    prompt_index: int
-    sample_idx: int
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str  # 'stop' | 'length'
-
-
-class RolloutEngine(Protocol):
-    name: str
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]: ...
-
-
-def first_stop(token_ids: list[int], eos_ids: set[int], stop: tuple[str, ...], decode) -> tuple[int, bool]:
-    """Length to keep and whether a stop condition was met: first EOS (kept), else the shortest prefix
-    whose text contains a stop string (found by bisection: containment is monotone in the prefix)."""
-    for i, t in enumerate(token_ids):
-        if t in eos_ids:
-            return i + 1, True
-    if stop and any(s in decode(token_ids) for s in stop):
-        lo, hi = 1, len(token_ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if any(s in decode(token_ids[:mid]) for s in stop):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo, True
-    return len(token_ids), False
-
-
-def left_padded(sequences: list[list[int]], pad_id: int):
-    """[B, max_len] input ids and attention mask, left-padded so every row's next token is at the last column."""
-    import torch
-
-    width = max(map(len, sequences))
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :] = torch.tensor(seq)
-        attention[row, width - len(seq) :] = 1
-    return ids, attention
+from refiner_core.rollout.base import Generation, SamplingParams, first_stop, left_padded
 
 
 @dataclass
@@ -148,16 +88,8 @@ class HFRolloutEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _hf_engine(model_path: str, batch_size: int, dtype: str = "float32") -> HFRolloutEngine:
+def make_hf_engine(model_path: str, batch_size: int, dtype: str = "float32") -> HFRolloutEngine:
     from refiner_core.models import load_model, load_tokenizer
 
     return HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size)
 
-
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"hf": _hf_engine}
-
-
-def make_engine(kind: str, model_path: str, batch_size: int, dtype: str = "float32") -> RolloutEngine:
-    if kind not in ENGINES:
-        raise ValueError(f"unknown rollout engine {kind!r}; available: {sorted(ENGINES)}")
-    return ENGINES[kind](model_path, batch_size, dtype)

@@ -1,26 +1,12 @@
-"""Judge scoring: format/citation checks plus an LLM rubric judge, composed into rewards.
-
-A judge turns chat-message lists into raw text completions. 'transformers' runs a model in-process
-(greedy); an OpenAI-compatible HTTP judge registers in JUDGES with the same interface.
-"""
+"""The 'transformers' judge: the judge model in-process, generating JSON or reading score probabilities."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
 
-from refiner_core.config import RewardConfig
-from refiner_core.formats import parse_answer
-from refiner_core.prompts import judge_messages, render_prompt
-from refiner_core.rewards import compose_reward, format_parts, orient, parse_judge_output, rubric_score
-from refiner_core.rollout import HFRolloutEngine, SamplingParams, left_padded
-
-
-class Judge(Protocol):
-    name: str
-
-    def complete(self, conversations: list[list[dict]]) -> list[str]: ...
-
+from refiner_core.prompts import render_prompt
+from refiner_core.rollout.base import SamplingParams, left_padded
+from refiner_core.rollout.hf_engine import HFRolloutEngine
 
 SCORE_PREFIX = '{"score":'
 
@@ -153,7 +139,7 @@ def prefix_groups(prompts: list[list[int]], min_shared: float = 0.5) -> list[lis
     return groups
 
 
-def _transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> Judge:
+def make_transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> TransformersJudge:
     from refiner_core.models import load_model, load_tokenizer
 
     engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=cfg["batch_size"])
@@ -161,58 +147,3 @@ def _transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> J
                              share_prefix=cfg.get("share_prefix", True),
                              name=f"transformers:{cfg['mode']}")
 
-
-JUDGES: dict[str, Callable[..., Judge]] = {"transformers": _transformers_judge}
-
-
-def score_rollouts(
-    rollouts: list[dict],
-    prompts: dict[str, dict],
-    rubrics: dict[str, list[dict]],
-    judge: Judge,
-    weights: RewardConfig,
-    on_failure: str,
-    max_response_chars: int,
-) -> tuple[list[dict], list[dict]]:
-    """Judge every (rollout, rubric) pair and compose rewards. Returns (judge_score rows, reward rows)."""
-    pairs = []
-    conversations = []
-    for r in rollouts:
-        prompt = prompts[r["prompt_id"]]
-        answer = judged_text(r["response_text"])[:max_response_chars]
-        for rubric in rubrics.get(r["prompt_id"], []):
-            pairs.append((r, rubric))
-            conversations.append(judge_messages(prompt["question"], answer, rubric["description"]))
-    outputs = judge.complete(conversations) if conversations else []
-
-    score_rows = []
-    per_rollout: dict[tuple, list[tuple[float | None, float]]] = {}
-    for (r, rubric), raw in zip(pairs, outputs, strict=True):
-        parsed = parse_judge_output(raw)
-        oriented = None if parsed.score is None else orient(parsed.score, rubric["kind"])
-        key = (r["prompt_id"], r["sample_idx"])
-        per_rollout.setdefault(key, []).append((oriented, rubric["weight"]))
-        score_rows.append({
-            "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
-            "rubric_id": rubric["rubric_id"], "kind": rubric["kind"], "weight": rubric["weight"],
-            "judge": judge.name, "raw_output": raw, "raw_score": parsed.raw_score, "score": parsed.score,
-            "oriented_score": oriented, "failure": parsed.failure,
-        })
-
-    reward_rows = []
-    for r in rollouts:
-        key = (r["prompt_id"], r["sample_idx"])
-        rubric, scored, failed = rubric_score(per_rollout.get(key, []), on_failure)
-        parts = format_parts(r["response_text"], prompts[r["prompt_id"]]["snippet_ids"])
-        composed = compose_reward(parts, rubric, r["finish_reason"], weights)
-        reward_rows.append({
-            "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
-            **composed, "rubrics_scored": scored, "rubrics_failed": failed,
-        })
-    return score_rows, reward_rows
-
-
-def judged_text(response_text: str) -> str:
-    """What the judge sees: the text inside <answer> when present, else the whole response."""
-    parsed = parse_answer(response_text)
-    return parsed.answer_text if parsed.has_answer else response_text

@@ -1,0 +1,1 @@
+"""Rubric judges: the interface and reward scoring in base.py, one file per backend."""

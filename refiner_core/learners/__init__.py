@@ -1,0 +1,1 @@
+"""GRPO learners: the interface in base.py, one file per backend."""

@@ -1,0 +1,1 @@
+"""Rollout engines: the interface in base.py, one file per backend."""
