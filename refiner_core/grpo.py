@@ -16,10 +16,12 @@ from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
 
-def learner_settings(grpo: dict, temperature: float) -> LearnerSettings:
-    """The learner's view of the GRPO config; the sampling temperature comes from the rollout config."""
-    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in ("temperature", "adam_betas")}
-    return LearnerSettings(**fields, adam_betas=tuple(grpo["adam_betas"]), temperature=temperature)
+def learner_settings(grpo: dict, temperature: float, precision: str) -> LearnerSettings:
+    """The learner's view of the GRPO config; the sampling temperature comes from the rollout config and the
+    compute precision from the model config."""
+    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo["adam_betas"])}
+    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in given}
+    return LearnerSettings(**fields, **given)
 
 
 def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -> tuple[list[TrainSample], dict]:
@@ -54,8 +56,10 @@ def grpo_loop(
     steps: int,
     prompts_per_step: int,
     on_step: Callable[[int, dict], None] | None = None,
+    sync: Callable[[], None] | None = None,
 ) -> list[dict]:
-    """Plain GRPO: the engine must sample from the learner's live weights (e.g. share the model object)."""
+    """Plain GRPO. The engine samples from the learner's live weights: by sharing the model object (hf), or
+    through `sync`, called after every update to push them (vllm: `lambda: engine.load_weights(learner.policy)`)."""
     history = []
     for step in range(steps):
         chosen = [(step * prompts_per_step + k) % len(prompts) for k in range(prompts_per_step)]
@@ -69,6 +73,8 @@ def grpo_loop(
                    for r, g in zip(rollouts, gens)]
         samples, stats = build_train_samples(rollouts, rewards, grpo)
         metrics = learner.train_step(samples) if samples else {}
+        if sync and samples:
+            sync()
         record = {"step": step, "reward_mean": float(np.mean([r["reward"] for r in rewards])), **stats, **metrics}
         history.append(record)
         if on_step:

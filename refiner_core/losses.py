@@ -36,24 +36,30 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-# --- Aggregations of a [B, T] per-token loss under a response mask ---
-def token_mean(loss: Tensor, mask: Tensor, constant: float) -> Tensor:
+# --- Aggregations as per-token weights: the batch loss is sum(loss * weights) ---
+# Each takes the response mask, the response-token count of every token's own sequence (rows may hold several
+# packed sequences), and totals over the whole optimizer batch, so micro-batches accumulate to the exact
+# batch aggregate whatever their layout.
+def token_mean(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
+               constant: float) -> Tensor:
     # Every response token weighs the same: long answers are not down-weighted (DAPO/open-instruct).
-    return (loss * mask).sum() / mask.sum().clamp(min=1)
+    return mask / max(batch_tokens, 1.0)
 
 
-def sequence_mean(loss: Tensor, mask: Tensor, constant: float) -> Tensor:
+def sequence_mean(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
+                  constant: float) -> Tensor:
     # Original GRPO: mean over sequences of per-sequence token means (has a length bias).
-    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    return per_seq.mean()
+    return mask / (sequence_tokens.clamp(min=1) * batch_sequences)
 
 
-def sum_constant(loss: Tensor, mask: Tensor, constant: float) -> Tensor:
-    # Dr.GRPO: a fixed divisor, so neither length nor batch composition rescales a token's gradient.
-    return (loss * mask).sum() / constant
+def sum_constant(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
+                 constant: float) -> Tensor:
+    # Dr.GRPO: sum / (sequences x constant), as TRL's dr_grpo and verl's seq-mean-token-sum-norm; no length
+    # normalisation, and dividing by the sequence count lets the learning rate carry across batch sizes.
+    return mask / (batch_sequences * constant)
 
 
-AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float, int, float], Tensor]] = {
     "token_mean": token_mean,
     "sequence_mean": sequence_mean,
     "sum_constant": sum_constant,
@@ -73,14 +79,14 @@ def grpo_token_loss(
     kl_clamp: float = 10.0,
     is_weights: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Per-token GRPO loss on [B, T] tensors; advantages are [B] (one per sequence).
+    """Per-token GRPO loss on [B, T] tensors; advantages are per token ([B, T], each token carries its own
+    sequence's advantage) or anything that broadcasts to it.
 
     loss = max(-A*rho, -A*clip(rho, 1-eps_low, 1+eps_high)) [* is_weight] + beta * KL
     """
     ratio = torch.exp(logp - old_logp)
-    adv = advantages.unsqueeze(-1)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     pg = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         pg = pg * is_weights

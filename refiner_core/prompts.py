@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 REFINER_SYSTEM_PROMPT = (
     "You are a research refiner. You receive a question, a search agent's reasoning and the raw output of a "
     "search tool. Write exactly one <answer>...</answer> block that answers the question. Wrap every factual "
@@ -20,10 +23,105 @@ def refiner_messages(question: str, reasoning: str, tool_output: str) -> list[di
     return [{"role": "system", "content": REFINER_SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
+class UnsafeTemplateError(ValueError):
+    """The chat template rewrites message contents, so untrusted text cannot be told apart from its structure."""
+
+
+# Private-use characters: never in real data, and survive any template that copies content verbatim.
+_SLOT = "\ue000refiner-slot-{}\ue001"
+_SLOT_RE = re.compile("\ue000refiner-slot-(\\d+)\ue001")
+
+
+@dataclass
+class RenderedChat:
+    text: str  # exactly what apply_chat_template renders
+    input_ids: list[int]
+    offsets: list[tuple[int, int]]  # character span of each token in `text`
+    content_spans: list[tuple[int, int]]  # where message contents (untrusted text) lie in `text`
+
+
+def _special_pattern(tokenizer) -> re.Pattern | None:
+    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
+                      reverse=True)  # longest first: leftmost-longest, as the tokenizer itself matches
+    return re.compile("|".join(map(re.escape, specials))) if specials else None
+
+
+def _layout(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[str, bool]]]:
+    """The rendering and its pieces as (text, is_content). Renders once with a marker in place of each message's
+    content to learn where the template puts contents, then checks that putting them back gives the real
+    rendering (a template that strips or rewrites content fails the check)."""
+    real = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    masked = [{**m, "content": _SLOT.format(i)} if isinstance(m.get("content"), str) else m
+              for i, m in enumerate(messages)]
+    skeleton = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    pieces: list[tuple[str, bool]] = []
+    cursor = 0
+    for match in _SLOT_RE.finditer(skeleton):
+        pieces.append((skeleton[cursor:match.start()], False))
+        pieces.append((messages[int(match.group(1))]["content"], True))
+        cursor = match.end()
+    pieces.append((skeleton[cursor:], False))
+    if "".join(text for text, _ in pieces) != real:
+        raise UnsafeTemplateError("chat template does not copy message contents verbatim; cannot keep "
+                                   "untrusted text out of special tokens")
+    return real, pieces
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> RenderedChat:
+    """Render a conversation and tokenize it so that only the template's own structure can become special
+    tokens: message contents (questions, reasoning, tool output, responses: untrusted text from the web or the
+    policy) are tokenized as plain text even where they spell '<|im_end|>' or '<|endoftext|>'.
+
+    The rendering is cut at the special tokens found in the template's structure pieces; each chunk between
+    them (structure text and content together, as the tokenizer itself would see it) is tokenized with
+    split_special_tokens=True. For content without special-token strings this is exactly what
+    tokenizer(text, add_special_tokens=False) gives, so benign prompts keep their token ids."""
+    pattern = _special_pattern(tokenizer)
+    try:
+        text, pieces = _layout(tokenizer, messages, add_generation_prompt)
+    except UnsafeTemplateError:
+        # A template that rewrites contents: still safe when no content spells a special token.
+        if pattern is not None and any(isinstance(m.get("content"), str) and pattern.search(m["content"])
+                                       for m in messages):
+            raise
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return RenderedChat(text, list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]], [])
+    cuts: list[tuple[int, int]] = []  # [start, end) of each structure special token in `text`
+    content_spans: list[tuple[int, int]] = []
+    pos = 0
+    for piece, is_content in pieces:
+        if is_content:
+            content_spans.append((pos, pos + len(piece)))
+        elif pattern is not None:
+            cuts.extend((pos + m.start(), pos + m.end()) for m in pattern.finditer(piece))
+        pos += len(piece)
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+
+    def plain(start: int, end: int) -> None:
+        if start == end:
+            return
+        enc = tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True,
+                        return_offsets_mapping=True)
+        ids.extend(enc["input_ids"])
+        offsets.extend((start + a, start + b) for a, b in enc["offset_mapping"])
+
+    cursor = 0
+    for start, end in cuts:
+        plain(cursor, start)
+        ids.append(tokenizer.convert_tokens_to_ids(text[start:end]))
+        offsets.append((start, end))
+        cursor = end
+    plain(cursor, len(text))
+    return RenderedChat(text, ids, offsets, content_spans)
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text, list(ids)
+    """The prompt text (with the generation prompt) and its token ids; message contents never become special
+    tokens (see render_chat)."""
+    rendered = render_chat(tokenizer, messages, add_generation_prompt=True)
+    return rendered.text, rendered.input_ids
 
 
 JUDGE_SYSTEM_PROMPT = (

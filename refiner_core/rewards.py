@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from refiner_core.config import RewardConfig
 from refiner_core.formats import check_citations, parse_answer
+from refiner_core.ground_truth import Verdict
 
 _JSON_OBJ_RE = re.compile(r"\{[^{}]*\}")
 
@@ -88,20 +89,30 @@ def format_parts(response_text: str, valid_ids: list[str]) -> dict:
     }
 
 
-def compose_reward(parts: dict, rubric: float, finish_reason: str, w: RewardConfig) -> dict:
-    """reward = verification_reward * (rubric_weight*rubric + citation_weight*citation) + format_weight*format.
+def compose_reward(parts: dict, rubric: float, finish_reason: str, w: RewardConfig,
+                   verdict: Verdict | None = None) -> dict:
+    """reward = verification_reward * judged + format_weight * format, where judged is
+    rubric_weight*rubric + citation_weight*citation for judged prompts and the 0/1 correctness for prompts
+    verified by their ground truth (`verdict`).
 
     Gating zeroes the judged part on bad format; the non-stop penalty replaces the whole reward.
     The same formula is the `rewards_recomputed` view in the catalog.
     """
     gated = w.gate_judge_score_with_format_bonus and not parts["format_ok"]
-    judged = 0.0 if gated else w.rubric_weight * rubric + w.citation_weight * parts["citation_score"]
+    verified = verdict.score if verdict is not None else None
+    judged = (0.0 if gated else verified if verified is not None
+              else w.rubric_weight * rubric + w.citation_weight * parts["citation_score"])
     reward = w.verification_reward * judged + w.format_weight * parts["format_score"]
     penalized = w.non_stop_penalty and finish_reason != "stop"
     if penalized:
         reward = w.non_stop_penalty_value
     return {
         **parts,
+        "verifier": "judge" if verdict is None else "ground_truth",
+        "correct": verified,
+        "extracted_answer": None if verdict is None else verdict.extracted,
+        "verify_method": None if verdict is None else verdict.method,
+        "verify_detail": None if verdict is None else verdict.detail,
         "rubric_score": rubric,
         "finish_reason": finish_reason,
         "verification_reward": w.verification_reward,

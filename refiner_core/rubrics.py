@@ -76,7 +76,8 @@ def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], sep
     `source_rows` are RawRows whose data carry id / positive_rubrics / negative_rubrics. With
     `separate_source` they come from a rubric file of their own, so unreadable rows, unknown IDs and
     duplicates are rejected here; otherwise they are the data rows, already vetted by prepare-data.
-    `generate(prompt) -> rubrics` (may raise RubricGenerationError) fills prompts that have none.
+    A prompt with neither rubrics nor a ground truth gets them from `generate(prompt) -> rubrics` (may raise
+    RubricGenerationError); a prompt with a ground truth and no rubrics maps to [] (verified, not judged).
     """
     from refiner_core.data import Rejection
     from refiner_core.rubric_gen import RubricGenerationError
@@ -119,6 +120,9 @@ def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], sep
         origin = source_of.get(pid)
         ref = origin.row_ref if origin is not None else f"id {pid}"
         raw_text = origin.raw if origin is not None else json.dumps(_prompt_view(prompt), default=str)
+        if not rubrics and prompt.get("ground_truth") is not None:
+            out[pid] = []  # judged by its ground truth, not by rubrics (and not by the refiner's static set)
+            continue
         if not rubrics and generate is not None:
             try:
                 rubrics = generate(prompt)
@@ -126,8 +130,8 @@ def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], sep
                 rejected.append(Rejection(ref, e.reason, e.detail, raw_text))
                 continue
         if not rubrics:
-            rejected.append(Rejection(ref, "missing_rubrics", "no positive or negative rubrics and no generation "
-                                      "endpoint configured (rubrics.generation_endpoint)", raw_text))
+            rejected.append(Rejection(ref, "missing_rubrics", "no positive or negative rubrics, no ground_truth, and "
+                                      "no generation endpoint configured (rubrics.generation_endpoint)", raw_text))
             continue
         out[pid] = rubrics + static
     return out, rejected

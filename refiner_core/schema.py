@@ -50,6 +50,7 @@ PROMPTS = Table(
         _c("tool_output", S, "Raw search-tool output with <snippet id=...> blocks."),
         _c("snippet_ids", pa.list_(S), "IDs of the snippets present in tool_output."),
         _c("reference_answer", S, "Reference refined answer in the target format (may be empty)."),
+        _c("ground_truth", S, "Chat rows: the answer a ground-truth verifier checks responses against; NULL otherwise."),
         _c("prompt_text", S, "The chat-template rendering fed to the policy."),
         _c("prompt_token_ids", pa.list_(pa.int32()), "Token IDs of prompt_text."),
         _c("prompt_tokens", I, "len(prompt_token_ids)."),
@@ -115,7 +116,16 @@ JUDGE_SCORES = Table(
         _c("raw_score", F, "Parsed score on the judge's 0-2 scale; NULL when parsing failed."),
         _c("score", F, "raw_score / 2: 0/1/2 map to 0/0.5/1; NULL when parsing failed."),
         _c("oriented_score", F, "score for positive rubrics, 1 - score for negative; NULL on failure."),
-        _c("failure", S, "NULL when parsed; otherwise why ('unparseable: ...', 'out_of_range: ...', 'non_numeric: ...')."),
+        _c("failure", S, "NULL when parsed; otherwise why ('unparseable: ...', 'out_of_range: ...', 'non_numeric: ...', "
+                         "or a transport failure after retries: 'timeout: ...', 'http_500: ...', 'refused: ...', "
+                         "'budget_exhausted: ...')."),
+        _c("latency_seconds", F, "Seconds the answer took (openai: the successful request, 0 on a cache hit; "
+                                 "transformers: the batch's time / its pairs)."),
+        _c("attempts", I, "HTTP requests made for this pair (1 + retries; 0 on a cache hit; 1 in-process)."),
+        _c("cache_hit", B, "The answer came from the judge cache (no request)."),
+        _c("judge_model", S, "The judge model: the served model name (openai) or the checkpoint path (in-process)."),
+        _c("prompt_hash", S, "Hash of the exact judge prompt (chat messages); with the model and sampling settings "
+                             "it keys the judge cache."),
     ),
 )
 
@@ -134,6 +144,11 @@ REWARDS = Table(
         _c("n_citations", I, "Cited IDs (multi-ID citations count each ID)."),
         _c("n_invalid_citations", I, "Cited IDs not present in the prompt's tool output."),
         _c("citation_score", F, "Fraction of cited IDs that are valid (0 with no answer or no citation)."),
+        _c("verifier", S, "'judge' (rubrics judged by an LLM) or 'ground_truth' (final answer checked against the prompt's ground truth)."),
+        _c("correct", F, "ground_truth verifier: 1.0 when the final answer matches, else 0.0; NULL for the judge."),
+        _c("extracted_answer", S, "ground_truth verifier: the response's final answer (last \\boxed{}, <answer> text or the whole response)."),
+        _c("verify_method", S, "ground_truth verifier: 'math_verify', 'normalized_match' (with the reason in verify_detail) or 'no_answer'."),
+        _c("verify_detail", S, "Why math-verify did not decide, when the normalised match was used instead."),
         _c("rubric_score", F, "Weighted mean of oriented rubric scores over scored rubrics."),
         _c("rubrics_scored", I, "Rubrics with a usable score."),
         _c("rubrics_failed", I, "Rubrics whose judge output failed to parse."),
@@ -167,11 +182,13 @@ STEPS = Table(
         _c("grad_norm", F, "Gradient norm before clipping."),
         _c("lr", F, "Learning rate used."),
         _c("response_tokens", I, "Response tokens trained on."),
+        _c("packing_efficiency", F, "Real tokens / tokens computed in the update (1.0 = no padding)."),
         _c("response_length_mean", F, "Mean response length in tokens."),
         _c("rollout_seconds", F, "Wall time of the rollout stage."),
         _c("judge_seconds", F, "Wall time of the judge stage."),
         _c("update_seconds", F, "Wall time of the update stage."),
-        _c("checkpoint", S, "Path of the checkpoint written by this step."),
+        _c("checkpoint", S, "Path of the checkpoint written by this step (removed later unless run.keep_last / keep_every keep it)."),
+        _c("checkpoint_bytes", I, "Bytes written for this step's checkpoint (weights, tokenizer, optimizer state)."),
     ),
 )
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from refiner_core.data import Rejection, is_chat_row, split_of
 from refiner_core.packing import pack_sequences, packing_efficiency
-from refiner_core.prompts import refiner_messages
+from refiner_core.prompts import refiner_messages, render_chat
 
 
 class TemplateError(ValueError):
@@ -92,9 +92,11 @@ def render_with_mask(tokenizer, messages: list[dict]) -> Rendered:
     """Token IDs of the rendered conversation and, per token, whether it is assistant text (loss applies).
     A token belongs to a span when its first character does."""
     full, spans = assistant_char_spans(tokenizer, messages)
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [any(s <= start < e for s, e in spans) for start, _ in encoded["offset_mapping"]]
-    return Rendered(list(encoded["input_ids"]), mask)
+    encoded = render_chat(tokenizer, messages, add_generation_prompt=False)  # contents never become special tokens
+    if encoded.text != full:
+        raise TemplateError("chat template renders the conversation differently on a second call")
+    mask = [any(s <= start < e for s, e in spans) for start, _ in encoded.offsets]
+    return Rendered(encoded.input_ids, mask)
 
 
 def apply_limits(rendered: Rendered, limits: SFTLimits) -> tuple[Rendered | None, str | None, list[str]]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from refiner_core.data import RawRow, read_jsonl
+from refiner_core.data import RawRow, check_row, read_jsonl
 
 FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
 
 
 class SourceError(ValueError):
@@ -25,8 +26,10 @@ def detect_format(path: str, fmt: str = "auto") -> str:
         return fmt
     p = Path(path)
     if not p.exists():
-        # A missing local path is only a hub name when asked for explicitly: no surprise downloads.
-        raise SourceError(f"{path!r} does not exist (set format: hub to load a hub dataset by name)")
+        # A missing local path is only a hub name when asked for explicitly: no surprise downloads. A path
+        # with a file suffix is a missing file, not a hub name.
+        hint = "" if p.suffix in FILE_SUFFIXES else " (set format: hub to load a hub dataset by name)"
+        raise SourceError(f"{path!r} does not exist{hint}")
     if p.is_dir():
         return "disk"
     if p.suffix == ".jsonl":
@@ -69,6 +72,13 @@ def apply_field_mapping(row: RawRow, fields: dict) -> RawRow:
             data[canonical] = row.data[column]
         else:
             data.pop(canonical, None)  # mapped but absent: the validator reports a missing field
+    absent = {c: column for c, column in fields.items() if column not in row.data}
+    problem = check_row(data) if absent else None
+    for canonical, column in absent.items():
+        if problem == ("missing_field", f"field {canonical!r} is missing"):
+            # The quarantine names the user's column too, so that it explains the mapping.
+            return RawRow(row.row_ref, row.raw, None,
+                          f"missing_field: field {canonical!r} (mapped from column {column!r}) is missing")
     return RawRow(row.row_ref, row.raw, data, row.error)
 
 

@@ -78,11 +78,12 @@ def file_hash(path: Path | str) -> str:
     return digest.hexdigest()
 
 
-def dir_hash(path: Path | str) -> str:
-    """Content hash of every file below a folder (names and bytes), independent of mtimes."""
+def dir_hash(path: Path | str, ignore: tuple[str, ...] = ()) -> str:
+    """Content hash of every file below a folder (names and bytes), independent of mtimes; top-level files or
+    folders named in `ignore` do not count (a checkpoint's optimizer state is not part of the policy it holds)."""
     digest = hashlib.blake2b(digest_size=16)
     root = Path(path)
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in ignore):
         digest.update(file.relative_to(root).as_posix().encode())
         digest.update(file_hash(file).encode())
     return digest.hexdigest()
@@ -128,6 +129,7 @@ CREATE VIEW rewards_recomputed AS
 SELECT run, step, prompt_id, sample_idx,
   CASE WHEN non_stop_penalized THEN non_stop_penalty
        ELSE verification_reward * CASE WHEN gated THEN 0
+                                       WHEN verifier = 'ground_truth' THEN correct
                                        ELSE rubric_weight * rubric_score + citation_weight * citation_score END
             + format_weight * format_score
   END AS reward_sql,

@@ -13,22 +13,26 @@ from tasks.stage import stage
 
 @stage("judge")
 def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: dict, judge_model: dict,
-          judge_cfg: dict, reward_cfg: dict, dtype: str) -> dict:
+          judge_cfg: dict, reward_cfg: dict, dtype: str, precision: str) -> dict:
     """Stage 4: format/citation checks + rubric judge -> judge_scores and rewards for the step."""
     log = get_run_logger()
     prompt_rows = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
-    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype)
+    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)
     scores, rewards = score_rollouts(
         read_rows(rollouts["rollouts"]["path"]), prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
         judge_cfg["on_failure"], judge_cfg["max_response_chars"],
     )
     out = Path(run_dir) / "scores" / f"step={step}"
     failed = sum(s["failure"] is not None for s in scores)
-    log.info("judge step %d: %d rubric scores (%d unparseable), reward mean %.3f", step, len(scores), failed,
-             sum(r["reward"] for r in rewards) / max(len(rewards), 1))
+    log.info("judge step %d: %d rubric scores (%d failed: unparseable or no answer), reward mean %.3f", step,
+             len(scores), failed, sum(r["reward"] for r in rewards) / max(len(rewards), 1))
+    if judge_cfg["engine"] != "transformers":
+        log.info("judge step %d: %d from the judge cache, %d requests, %d pairs retried", step,
+                 sum(bool(s["cache_hit"]) for s in scores), sum(s["attempts"] or 0 for s in scores),
+                 sum((s["attempts"] or 0) > 1 for s in scores))
     return {
         "judge_scores": {"path": str(out / "judge_scores.parquet"),
                          "hash": write_table(JUDGE_SCORES, scores, out / "judge_scores.parquet")},

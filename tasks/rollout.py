@@ -14,19 +14,23 @@ from tasks.stage import stage
 
 @stage("rollout")
 def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, rollout_cfg: dict, seed: int,
-            dtype: str) -> dict:
+            dtype: str, precision: str) -> dict:
     """Stage 3: sample G responses for each of the step's prompts -> rollouts/step=N/rollouts.parquet."""
     log = get_run_logger()
     by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     train_ids = prompts["train_ids"]
     per_step = min(rollout_cfg["prompts_per_step"], len(train_ids))
     chosen = step_prompt_ids(train_ids, step, per_step, seed)
-    engine = make_engine(rollout_cfg["engine"], policy["path"], rollout_cfg["batch_size"], dtype)
+    # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
+    engine = make_engine(rollout_cfg["engine"], policy["path"], rollout_cfg["batch_size"], dtype, precision,
+                         tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
+                         gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
     params = SamplingParams(
         n=rollout_cfg["samples_per_prompt"], temperature=rollout_cfg["temperature"], top_p=rollout_cfg["top_p"],
         max_new_tokens=rollout_cfg["max_new_tokens"], stop=tuple(rollout_cfg["stop"]), seed=seed * 100_003 + step,
     )
     generations = engine.generate([by_id[p]["prompt_token_ids"] for p in chosen], params, desc=f"rollout step {step}")
+    engine.close()  # free the engine's memory before the judge and learner stages
     now = datetime.now(timezone.utc)
     rows = [{
         "run": run, "step": step, "prompt_id": chosen[g.prompt_index], "sample_idx": g.sample_idx,

@@ -15,7 +15,11 @@ from prefect.exceptions import MissingContextError
 from prefect.context import TaskRunContext
 
 from refiner_core import code_version
+from refiner_core.checkpoints import TRAINING_STATE_FILES, pruned_paths
+from refiner_core.config import ConfigError
 from refiner_core.data import TooManyRejected
+from refiner_core.rubrics import RubricError
+from refiner_core.sources import SourceError
 from refiner_core.storage import dir_hash, file_hash, json_hash
 
 CODE_VERSION = code_version()
@@ -70,19 +74,32 @@ def inject_faults(stage_name: str, step: int | None, run_dir: str) -> None:
         raise RuntimeError(f"injected fault in stage {stage_name!r} (step {step}) from {variable}")
 
 
+# Errors a retry cannot fix: the same rows, files or settings would fail again.
+NOT_RETRYABLE = (TooManyRejected, SourceError, ConfigError, RubricError, FileNotFoundError)
+
+
 def retry_unless_bad_data(task, task_run, state) -> bool:
-    """Retries help with flaky resources, not with rejected input: the same rows would fail again."""
-    return not isinstance(getattr(state, "data", None), TooManyRejected)
+    """Retries help with flaky resources, not with rejected input, missing files or impossible settings."""
+    try:
+        state.result()
+    except NOT_RETRYABLE:
+        return False
+    except BaseException:
+        return True
+    return True
 
 
-def damaged_outputs(manifest: dict) -> list[str]:
-    """Output files or folders of a manifest that are missing or no longer hash to what the stage wrote."""
+def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
+    """Output files or folders of a manifest that are missing or no longer hash to what the stage wrote.
+    Checkpoints removed by the retention policy are not damaged: they were pruned on purpose."""
     damaged = []
+    pruned = pruned_paths(Path(run_dir) / "checkpoints")
     for entry in manifest.values():
-        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry):
+        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or entry["path"] in pruned:
             continue
         path = Path(entry["path"])
-        actual = dir_hash(path) if path.is_dir() else file_hash(path) if path.is_file() else None
+        actual = (dir_hash(path, TRAINING_STATE_FILES) if path.is_dir() else file_hash(path) if path.is_file()
+                  else None)
         if actual != entry["hash"]:
             damaged.append(str(path))
     return damaged
@@ -105,7 +122,7 @@ class Stage:
         state = self.task(**kwargs, return_state=True)
         manifest = state.result()  # raises the stage's exception when it failed
         if state.name == "Cached":
-            damaged = damaged_outputs(manifest)
+            damaged = damaged_outputs(manifest, kwargs["run_dir"])
             if damaged:
                 _logger().warning("%s: cached result refers to missing or changed files (%s); recomputing",
                                   self.name, ", ".join(damaged[:3]))

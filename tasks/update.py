@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
+from refiner_core.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
@@ -15,7 +16,7 @@ from tasks.stage import stage
 
 @stage("grpo-update")
 def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: dict, policy: dict, reference: dict,
-                grpo_cfg: dict, temperature: float, dtype: str, seed: int) -> dict:
+                grpo_cfg: dict, temperature: float, dtype: str, precision: str, seed: int) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics."""
     import torch
 
@@ -24,38 +25,44 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
     rollout_rows = read_rows(rollouts["rollouts"]["path"])
     reward_rows = read_rows(scores["rewards"]["path"])
     samples, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
-    settings = learner_settings(grpo_cfg, temperature)
+    settings = learner_settings(grpo_cfg, temperature, precision)
     tokenizer = load_tokenizer(policy["path"])
+    optimizer_state = Path(policy["path"]) / "optimizer.pt"
+    if step > 0 and not any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES):
+        log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
     learner = make_learner(grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings,
-                           Path(policy["path"]) / "optimizer.pt", dtype)
+                           optimizer_state, dtype)
     metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
 
     final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
     with atomic_dir(final) as build:
         learner.save(build)
         tokenizer.save_pretrained(build)
+    forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
     row = {
         "run": run, "step": step, **{k: metrics[k] for k in ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm",
-                                                            "lr", "response_tokens", "update_seconds")},
+                                                            "lr", "response_tokens", "packing_efficiency",
+                                                            "update_seconds")},
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         "advantage_abs_mean": adv_stats["advantage_abs_mean"],
         "zero_std_group_fraction": adv_stats["zero_std_group_fraction"],
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
         "rollout_seconds": rollouts["seconds"], "judge_seconds": scores["seconds"], "checkpoint": str(final),
+        "checkpoint_bytes": folder_bytes(final),
     }
     metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
     log.info("grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%%", step,
              row["loss"], row["kl"], row["clip_fraction"], row["reward_mean"], row["reward_std"],
              100 * row["zero_std_group_fraction"])
     return {
-        "policy": {"path": str(final), "hash": dir_hash(final)},
+        "policy": {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)},
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
     }
 
 
 def _no_signal_metrics(settings) -> dict:
-    """Every group was filtered out (all-equal rewards): the policy is saved unchanged."""
+    """Every group was filtered out (all-equal rewards): the policy is saved unchanged, nothing was computed."""
     return {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0,
-            "lr": settings.learning_rate, "response_tokens": 0, "update_seconds": 0.0}
+            "lr": settings.learning_rate, "response_tokens": 0, "packing_efficiency": 0.0, "update_seconds": 0.0}

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -14,8 +18,11 @@ os.environ["REFINER_HOME"] = str(_SESSION_HOME)
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_HOME / "prefect-results")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU in the test environment: no accelerator probing
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SESSION_HOME / "inductor"))
+# DeepSpeed compiles its CPU shared-memory op (~100 s) on first use: keep the build across test sessions.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "refiner-grpo" / "torch_extensions"))
 
 import torch  # noqa: E402
 
@@ -53,3 +60,25 @@ def tiny_recipe() -> dict:
     from refiner_core.config import load_recipe
 
     return load_recipe(REPO / "recipes" / "tiny.yaml").to_dict()
+
+
+def run_cli(args: list[str], tmp_path: Path, env: dict | None = None, timeout: int = 600) -> tuple[int, str, str, float]:
+    """`refiner ARGS` in a child process (Prefect's logging and server are per process), in its own process group
+    so that a temporary Prefect server a hard-killed run leaves behind is reaped. Output goes to files, not pipes:
+    such a leftover would hold a pipe open. Returns (exit code, stdout, stderr, seconds)."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO", **(env or {})}
+    fd, name = tempfile.mkstemp(prefix="cli-", dir=tmp_path)
+    os.close(fd)
+    out_path, err_path = Path(name + ".out"), Path(name + ".err")
+    t0 = time.time()
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=err, text=True, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return code, out_path.read_text(), err_path.read_text(), time.time() - t0

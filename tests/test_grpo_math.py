@@ -71,8 +71,9 @@ def test_clipped_loss_matches_float64_reference():
     ref = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)
     adv = torch.tensor([1.5, -0.7, 0.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
-    out = grpo_token_loss(logp, old, adv, eps_low=0.2, eps_high=0.28, ref_logp=ref, beta=0.05, kl_estimator="k3")
-    got = AGGREGATIONS["token_mean"](out["loss"], mask, 1.0).item()
+    out = grpo_token_loss(logp, old, adv[:, None], eps_low=0.2, eps_high=0.28, ref_logp=ref, beta=0.05,
+                          kl_estimator="k3")
+    got = _aggregate("token_mean", out["loss"], mask, 1.0).item()
     want = _reference_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, 0.05)
     assert math.isclose(got, want, rel_tol=1e-12)
     assert 0 < (out["clipped"] * mask).sum() < mask.sum()  # the case exercises both branches
@@ -92,12 +93,28 @@ def test_clip_hand_case_and_gradient_vanishes_when_clipped():
     assert math.isclose(logp2.grad.item(), -2.0 * 1.1, rel_tol=1e-6)  # d(-A*rho)/dlogp = -A*rho
 
 
+def _aggregate(name, loss, mask, constant):
+    """The aggregate of a padded batch with one sequence per row."""
+    weights = AGGREGATIONS[name](mask, mask.sum(-1, keepdim=True).expand_as(mask), mask.sum().item(), mask.shape[0],
+                                 constant)
+    return (loss * weights).sum()
+
+
 def test_aggregations_hand_computed():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert AGGREGATIONS["token_mean"](loss, mask, 1.0).item() == pytest.approx(10 / 4)
-    assert AGGREGATIONS["sequence_mean"](loss, mask, 1.0).item() == pytest.approx((2 + 4) / 2)
-    assert AGGREGATIONS["sum_constant"](loss, mask, 8.0).item() == pytest.approx(10 / 8)
+    assert _aggregate("token_mean", loss, mask, 1.0).item() == pytest.approx(10 / 4)
+    assert _aggregate("sequence_mean", loss, mask, 1.0).item() == pytest.approx((2 + 4) / 2)
+    assert _aggregate("sum_constant", loss, mask, 8.0).item() == pytest.approx(10 / (2 * 8))
+
+
+def test_dr_grpo_divides_by_sequences_times_constant():
+    """TRL dr_grpo / verl seq-mean-token-sum-norm: 4 sequences x 10 unit losses, constant 10 -> 40 / (4 x 10)."""
+    ones = torch.ones(4, 10)
+    assert _aggregate("sum_constant", ones, ones, 10.0).item() == pytest.approx(1.0)
+    # Packed layout: two rows holding 3 + 1 sequences give the same value (only the sequence count matters).
+    assert (ones[:2] * AGGREGATIONS["sum_constant"](ones[:2], ones[:2], 20.0, 4, 10.0)).sum().item() == pytest.approx(
+        0.5)
 
 
 def test_collate_masks_only_response_positions():
@@ -107,12 +124,18 @@ def test_collate_masks_only_response_positions():
     assert batch["targets"][0].tolist() == [6, 7, 8, 9]
     assert batch["mask"][1].tolist() == [1, 0, 0, 0]
     assert batch["rollout_logprobs"][0].tolist() == pytest.approx([0, 0, -0.1, -0.2])
+    assert batch["advantages"][0].tolist() == [0, 0, 1, 1] and batch["advantages"][1].tolist() == [-1, 0, 0, 0]
+    assert batch["sequence_tokens"].tolist() == [[0, 0, 2, 2], [1, 0, 0, 0]]
+    # the padding tail restarts its positions so it forms no sequence with the real tokens
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]]
+    assert int(batch["real_tokens"]) == 7 and int(batch["sequences"]) == 2
 
 
 def _settings(**kw):
     base = dict(learning_rate=1e-2, weight_decay=0.0, adam_betas=(0.9, 0.999), max_grad_norm=0.0, beta=0.01,
                 kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
-                loss_constant=64.0, micro_batch_size=8, minibatches=1, tis_cap=0.0, temperature=0.7)
+                loss_constant=64.0, micro_batch_size=8, minibatches=1, tis_cap=0.0, pack_length=0, precision="fp32",
+                temperature=0.7)
     base.update(kw)
     return LearnerSettings(**base)
 
@@ -136,3 +159,18 @@ def test_micro_batching_equals_full_batch(tiny_model_path, aggregation):
         assert metrics["response_tokens"] == sum(len(s.response_ids) for s in samples)
     assert params[0].abs().max() > 0
     torch.testing.assert_close(params[0], params[1], rtol=1e-4, atol=1e-7)
+
+
+def test_dr_grpo_gradient_does_not_grow_with_batch_size(tiny_model_path):
+    """Under sum_constant the same sequences twice over give the same gradient: the lr carries across batch sizes."""
+    from refiner_core.models import load_model
+
+    samples = [TrainSample([1, 2, 3], list(range(10, 14 + k)), adv, [-1.0] * (4 + k))
+               for k, adv in enumerate([1.0, -0.5, 0.3])]
+    grads = []
+    for batch in (samples, samples + samples):
+        policy = load_model(tiny_model_path, trainable=True)
+        TorchLearner(policy, None, 0, _settings(beta=0.0, loss_aggregation="sum_constant")).train_step(batch)
+        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)

@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from refiner_core.config import GRPOConfig
@@ -13,26 +14,27 @@ from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 
 
-def _run(tiny_model_path, tiny_tokenizer, reward_fn, steps, **grpo_overrides):
+def _run(tiny_model_path, tiny_tokenizer, reward_fn, steps, precision="fp32", **grpo_overrides):
     torch.manual_seed(0)
     policy = load_model(tiny_model_path, trainable=True)
     reference = load_model(tiny_model_path)
     grpo = dataclasses.asdict(GRPOConfig(micro_batch_size=32, **grpo_overrides))
-    learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, learner_settings(grpo, 1.0))
-    engine = HFRolloutEngine(policy, tiny_tokenizer, batch_size=64)  # samples from the live weights
+    learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, learner_settings(grpo, 1.0, precision))
+    engine = HFRolloutEngine(policy, tiny_tokenizer, batch_size=64, precision=precision)  # the live weights
     prompts = [tiny_tokenizer(f"<|im_start|>user\nquestion {i}<|im_end|>\n<|im_start|>assistant\n",
                               add_special_tokens=False)["input_ids"] for i in range(8)]
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=16, seed=1)
     return grpo_loop(engine, learner, prompts, reward_fn, grpo, params, steps=steps, prompts_per_step=4)
 
 
-def test_reward_rises_on_toy_task(tiny_model_path, tiny_tokenizer):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reward_rises_on_toy_task(tiny_model_path, tiny_tokenizer, precision):
     target = set(range(3, 203))  # ~10% of the vocabulary: reward = fraction of tokens drawn from it
 
     def reward(gen):
         return sum(t in target for t in gen.token_ids) / max(len(gen.token_ids), 1)
 
-    history = _run(tiny_model_path, tiny_tokenizer, reward, steps=30, learning_rate=1e-2, beta=0.0)
+    history = _run(tiny_model_path, tiny_tokenizer, reward, steps=30, learning_rate=1e-2, beta=0.0, precision=precision)
     rewards = [h["reward_mean"] for h in history]
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     assert first < 0.25, f"toy task should start hard, got {first:.3f}"

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
 import pytest
 from safetensors.torch import load_file
 
+from conftest import REPO, run_cli
 from refiner_core.config import recipe_from_dict
 
 STAGES = ("prepare-data", "ingest-rubrics", "rollout", "judge", "grpo-update")
@@ -89,6 +86,23 @@ def test_e2e_tables_and_weights(finished_run, tiny_model_path):
         assert state == "Completed"
 
 
+def test_every_readme_and_cli_query_runs_on_a_real_catalog(finished_run):
+    """The README's `refiner sql` examples and the queries the CLI prints run unchanged against a run's catalog."""
+    import re
+
+    from flows.cli import EXAMPLE_SQL
+    from refiner_core.storage import query
+
+    _, run_dir, _ = finished_run
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    queries = re.findall(r'refiner sql \S+ "([^"]+)"', readme)
+    assert len(queries) >= 10
+    for sql in queries + list(EXAMPLE_SQL):
+        columns, _ = query(run_dir / "catalog.duckdb", sql)
+        assert columns, sql
+    assert query(run_dir / "catalog.duckdb", queries[0])[1], "the first example (steps) returns rows"
+
+
 def test_checkpoint_loads_with_automodel(finished_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -111,6 +125,34 @@ def test_rerun_after_success_is_all_cached(finished_run):
     assert set(stage_states.values()) == {"Cached"}, stage_states
     assert _counts(run_dir) == before
     assert (run_dir / "rollouts" / "step=0" / "rollouts.parquet").stat().st_mtime_ns == mtime
+
+
+def test_extending_or_shortening_a_run_keeps_finished_steps_cached(finished_run):
+    """"Train one more step" reuses every finished step; going back to fewer steps is all Cached."""
+    recipe, run_dir, _ = finished_run
+    longer = {**recipe, "grpo": {**recipe["grpo"], "steps": 3}}
+    state, tasks = _run(longer, run_dir)
+    assert state.is_completed(), state.message
+    for step in (0, 1):
+        for name in ("rollout", "judge", "grpo-update"):
+            assert tasks[f"{name}[step={step}]"][0] == "Cached", (name, step, tasks)
+    assert {tasks[f"{n}[step=2]"][0] for n in ("rollout", "judge", "grpo-update")} == {"Completed"}
+    assert _counts(run_dir)["steps"] == 3
+    state, tasks = _run(recipe, run_dir)
+    assert {s for name, (s, _) in tasks.items() if name.split("[")[0] in STAGES} == {"Cached"}
+    assert _counts(run_dir)["steps"] == 2
+
+
+def test_a_setting_a_stage_does_not_read_leaves_it_cached(finished_run):
+    """A looser prompt limit reruns prepare-data; its output is the same, so everything after it stays Cached.
+    The SFT section is read by no stage of a run without SFT."""
+    recipe, run_dir, _ = finished_run
+    changed = {**recipe, "data": {**recipe["data"], "max_prompt_tokens": recipe["data"]["max_prompt_tokens"] + 1},
+               "sft": {**recipe["sft"], "epochs": 7, "learning_rate": 0.5}}
+    state, tasks = _run(changed, run_dir)
+    assert state.is_completed(), state.message
+    assert tasks["prepare-data"][0] == "Completed"
+    assert {s for name, (s, _) in tasks.items() if name.split("[")[0] in STAGES[1:]} == {"Cached"}
 
 
 def test_changed_config_recomputes_only_downstream(finished_run, tmp_path):
@@ -150,39 +192,27 @@ def test_failed_run_resumes_at_failed_stage(prefect_server, tiny_recipe, tmp_pat
     assert (tmp_path / "checkpoints" / "step_0002" / "model.safetensors").exists()
 
 
-def _cli_run(cmd: list[str], env: dict, log_path: Path, cwd: Path) -> tuple[int, str]:
-    """Run the CLI in its own process group; after it exits, reap whatever it left behind (a hard-killed
-    process leaves Prefect's temporary server running, which would otherwise hold the log open)."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
-        try:
-            code = proc.wait(timeout=600)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return code, log_path.read_text()
-
-
 def test_interrupted_and_killed_process_resumes(tmp_path):
     """Ctrl-C (SIGINT) in the rollout of step 1, then a hard kill (no cleanup) in its judge; each time the
     same command picks up where the last one stopped, and the third finishes the run."""
-    repo = Path(__file__).parents[1]
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(repo / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir)]
-    env = {**os.environ, "REFINER_INTERRUPT_ONCE": "rollout@1", "REFINER_KILL_ONCE": "judge@1",
-           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    code, log = _cli_run(cmd, env, tmp_path / "first.log", repo)
+    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir)]
+    env = {"REFINER_INTERRUPT_ONCE": "rollout@1", "REFINER_KILL_ONCE": "judge@1"}
+
+    def cli() -> tuple[int, str]:
+        code, out, err, _ = run_cli(args, tmp_path, env)
+        return code, out + err
+
+    code, log = cli()
     assert code == 130, log[-2000:]
     assert "run the same command again to resume" in log
     assert (run_dir / "checkpoints" / "step_0001").exists() and not (run_dir / "rollouts" / "step=1").exists()
-    code, log = _cli_run(cmd, env, tmp_path / "second.log", repo)
+    code, log = cli()
     assert code == 137, log[-2000:]
     assert "Task run 'grpo-update[step=0]' - Finished in state Cached" in log
     assert "Task run 'rollout[step=1]' - Finished in state Completed" in log
     assert not (run_dir / "scores" / "step=1").exists()
-    code, log = _cli_run(cmd, env, tmp_path / "third.log", repo)
+    code, log = cli()
     assert code == 0, log[-3000:]
     for name in ("prepare-data", "ingest-rubrics", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]",
                  "rollout[step=1]"):

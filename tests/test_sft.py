@@ -159,6 +159,13 @@ def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, 
     assert states["prepare-sft"] == "Cached" and states["sft-train"] == "Cached"
     assert states["ingest-rubrics"] == "Cached"  # re-ingesting the same file is a no-op
 
+    # Training settings are not read by prepare-sft: a longer warm start reuses the prepared packs.
+    longer = {**recipe, "sft": {**recipe["sft"], "epochs": recipe["sft"]["epochs"] + 1}}
+    third = refiner_pipeline(recipe=longer, run_dir=run_dir, return_state=True)
+    assert third.is_completed()
+    states = _task_states(third)
+    assert states["prepare-sft"] == "Cached" and states["sft-train"] == "Completed"
+
 
 def test_open_instruct_chat_rows_become_sft_examples(tiny_tokenizer):
     rows = [{"id": "c1", "messages": CONVERSATION, "row_ref": "line 1", "content_hash": "h1"},

@@ -65,7 +65,7 @@ def test_field_mapping_reads_refiner_rows_with_other_column_names(tmp_path, tiny
     assert [r.reason for r in unmapped.rejected] == ["missing_field"] * 3
     # A mapped column that does not exist is reported as missing, not silently taken from elsewhere.
     broken = validate_rows(load_rows(str(path), fields={**mapping, "question": "no_such_column"}))
-    assert {r.detail for r in broken.rejected} == {"field 'question' is missing"}
+    assert {r.detail for r in broken.rejected} == {"field 'question' (mapped from column 'no_such_column') is missing"}
 
 
 def test_open_instruct_style_rows_become_prompts(tmp_path, tiny_tokenizer):
@@ -92,8 +92,10 @@ def test_open_instruct_style_rows_become_prompts(tmp_path, tiny_tokenizer):
 
 
 def test_a_missing_path_is_not_taken_for_a_hub_name(tmp_path):
-    with pytest.raises(SourceError, match="format: hub"):
+    with pytest.raises(SourceError, match="does not exist"):
         load_rows(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(SourceError, match="format: hub"):  # a name without a suffix may be meant for the hub
+        load_rows(str(tmp_path / "nope"))
     (tmp_path / "rows.csv").write_text("a,b\n")
     with pytest.raises(SourceError, match="cannot tell the format"):
         load_rows(str(tmp_path / "rows.csv"))

@@ -41,8 +41,27 @@ def test_damaged_outputs(tmp_path):
     path = tmp_path / "steps.parquet"
     row = {c: None for c in STEPS.column_names} | {"run": "r", "step": 0}
     manifest = {"steps": {"path": str(path), "hash": write_table(STEPS, [row], path)}, "rows": 1}
-    assert damaged_outputs(manifest) == []
+    assert damaged_outputs(manifest, str(tmp_path)) == []
     write_table(STEPS, [row | {"loss": 1.0}], path)  # edited after the stage wrote it
-    assert damaged_outputs(manifest) == [str(path)]
+    assert damaged_outputs(manifest, str(tmp_path)) == [str(path)]
     path.unlink()
-    assert damaged_outputs(manifest) == [str(path)]
+    assert damaged_outputs(manifest, str(tmp_path)) == [str(path)]
+
+
+def test_pruned_checkpoints_and_dropped_optimizer_state_are_not_damage(tmp_path):
+    from refiner_core.checkpoints import prune
+    from refiner_core.storage import dir_hash
+
+    manifests = []
+    for step in (1, 2, 3):
+        folder = tmp_path / "checkpoints" / f"step_{step:04d}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([step]) * 8)
+        (folder / "optimizer.pt").write_bytes(b"adam")
+        manifests.append({"policy": {"path": str(folder), "hash": dir_hash(folder, ("optimizer.pt",))}})
+    prune(tmp_path / "checkpoints", newest=3, keep_last=2, keep_every=0)
+    assert not (tmp_path / "checkpoints" / "step_0001").exists()
+    assert not (tmp_path / "checkpoints" / "step_0002" / "optimizer.pt").exists()
+    assert all(damaged_outputs(m, str(tmp_path)) == [] for m in manifests)
+    (tmp_path / "checkpoints" / "step_0002" / "model.safetensors").write_bytes(b"edited")
+    assert damaged_outputs(manifests[1], str(tmp_path)) == [manifests[1]["policy"]["path"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from refiner_core.learners.base import autocast
 from refiner_core.prompts import render_prompt
 from refiner_core.rollout.base import SamplingParams, left_padded
 from refiner_core.rollout.hf_engine import HFRolloutEngine
@@ -71,7 +72,7 @@ class TransformersJudge:
         for start in range(0, len(order), self.engine.batch_size):
             rows = order[start : start + self.engine.batch_size]
             ids, attention = left_padded([prompts[i] for i in rows], pad)
-            with torch.no_grad():
+            with torch.no_grad(), autocast(self.engine.precision, model.device):
                 logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].float()
             for i, p in zip(rows, torch.softmax(logits[:, digits], dim=-1).tolist()):
                 out[i] = p
@@ -97,7 +98,7 @@ class TransformersJudge:
                 for row, suffix in enumerate(suffixes):
                     ids[row, : len(suffix)] = torch.tensor(suffix)
                     attention[row, shared : shared + len(suffix)] = 1
-                with torch.no_grad():
+                with torch.no_grad(), autocast(self.engine.precision, model.device):
                     cache = model(input_ids=torch.tensor([members[0][:shared]]), use_cache=True).past_key_values
                     cache.batch_repeat_interleave(len(rows))
                     positions = torch.arange(shared, shared + width).unsqueeze(0).expand(len(rows), -1)
@@ -139,10 +140,12 @@ def prefix_groups(prompts: list[list[int]], min_shared: float = 0.5) -> list[lis
     return groups
 
 
-def make_transformers_judge(model_path: str, cfg: dict, dtype: str = "float32") -> TransformersJudge:
+def make_transformers_judge(model_path: str, cfg: dict, dtype: str = "float32",
+                            precision: str = "fp32") -> TransformersJudge:
     from refiner_core.models import load_model, load_tokenizer
 
-    engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=cfg["batch_size"])
+    engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=cfg["batch_size"],
+                             precision=precision)
     return TransformersJudge(engine, cfg["max_new_tokens"], mode=cfg["mode"], prefill=cfg.get("prefill", True),
                              share_prefix=cfg.get("share_prefix", True),
                              name=f"transformers:{cfg['mode']}")

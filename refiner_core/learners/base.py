@@ -5,11 +5,13 @@ Learners register in LEARNERS by "module:factory" string: 'torch' runs one proce
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
+from refiner_core.packing import pack_sequences
 from refiner_core.registry import resolve
 
 
@@ -37,7 +39,14 @@ class LearnerSettings:
     micro_batch_size: int
     minibatches: int
     tis_cap: float
+    pack_length: int
+    precision: str
     temperature: float
+    # How the 'deepspeed' learner launches its ranks; the one-process learners ignore them.
+    world_size: int = 1
+    zero_stage: int = 3
+    hostfile: str = ""
+    deepspeed_offload_optimizer: bool = False
 
 
 class Learner(Protocol):
@@ -46,40 +55,77 @@ class Learner(Protocol):
     def save(self, path: Path) -> None: ...
 
 
-def collate(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded [prompt | response] rows. `response_mask[b, t]` marks positions whose *next* token is a
-    response token, so logits[:, t] score token t+1 and the prompt and padding never enter the loss."""
+def pack_rows(samples: list[TrainSample], pack_length: int) -> list[list[int]]:
+    """Sample indices per training row: one sequence per row when pack_length is 0, else first-fit-decreasing
+    packs of at most pack_length tokens; a longer sequence gets a row of its own rather than failing the step."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    if pack_length <= 0:
+        return [[i] for i in range(len(samples))]
+    fits = [i for i, n in enumerate(lengths) if n <= pack_length]
+    alone = [[i] for i, n in enumerate(lengths) if n > pack_length]
+    return alone + [[fits[k] for k in pack] for pack in pack_sequences([lengths[i] for i in fits], pack_length)]
+
+
+def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows of concatenated [prompt | response] sequences. Position IDs restart at 0 for every
+    sequence and for the padding tail, which is how transformers isolates packed sequences (block-diagonal
+    causal mask, no attention_mask passed). `mask[r, t]` marks positions whose *next* token is a response token,
+    so logits[:, t] score token t+1 and prompts, padding and sequence boundaries never enter the loss. Every
+    position carries its own sequence's advantage, rollout logprob and response length."""
+    lengths = [sum(len(s.prompt_ids) + len(s.response_ids) for s in row) for row in rows]
     width = max(lengths)
-    B = len(samples)
-    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, width), dtype=torch.long)
-    targets = torch.zeros((B, width - 1), dtype=torch.long)
-    mask = torch.zeros((B, width - 1), dtype=torch.float32)
-    rollout_lp = torch.zeros((B, width - 1), dtype=torch.float32)
-    for b, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        input_ids[b, : len(seq)] = torch.tensor(seq)
-        attention[b, : len(seq)] = 1
-        targets[b, : len(seq) - 1] = torch.tensor(seq[1:])
-        start, end = len(s.prompt_ids) - 1, len(seq) - 1
-        mask[b, start:end] = 1.0
-        rollout_lp[b, start:end] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return {"input_ids": input_ids, "attention_mask": attention, "targets": targets, "mask": mask,
-            "rollout_logprobs": rollout_lp, "advantages": advantages}
+    R = len(rows)
+    input_ids = torch.full((R, width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((R, width), dtype=torch.long)
+    targets = torch.zeros((R, width - 1), dtype=torch.long)
+    per_token = {k: torch.zeros((R, width - 1), dtype=torch.float32)
+                 for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")}
+    for r, row in enumerate(rows):
+        offset = 0
+        for s in row:
+            seq = s.prompt_ids + s.response_ids
+            end = offset + len(seq)
+            input_ids[r, offset:end] = torch.tensor(seq)
+            position_ids[r, offset:end] = torch.arange(len(seq))
+            targets[r, offset : end - 1] = torch.tensor(seq[1:])
+            response = slice(offset + len(s.prompt_ids) - 1, end - 1)
+            per_token["mask"][r, response] = 1.0
+            per_token["rollout_logprobs"][r, response] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            per_token["advantages"][r, response] = s.advantage
+            per_token["sequence_tokens"][r, response] = float(len(s.response_ids))
+            offset = end
+        position_ids[r, offset:] = torch.arange(width - offset)
+    return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, **per_token,
+            "sequences": torch.tensor(sum(len(row) for row in rows)), "real_tokens": torch.tensor(sum(lengths))}
 
 
-def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    """log pi(token_{t+1} | <= t) under the same temperature the sampler used; [B, T-1]."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+def collate(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """One sequence per row, right-padded."""
+    return collate_rows([[s] for s in samples], pad_id)
+
+
+def autocast(precision: str, device: torch.device):
+    """'bf16': bfloat16 autocast over the forward pass; weights, gradients and optimizer state stay as loaded."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    raise ValueError(f"unknown precision {precision!r}; choose from ['bf16', 'fp32']")
+
+
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32") -> torch.Tensor:
+    """log pi(token_{t+1} | <= t) under the same temperature the sampler used; [R, T-1], computed in fp32."""
+    with autocast(precision, model.device):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    logits = logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     picked = logits.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-LEARNERS: dict[str, str] = {"torch": "refiner_core.learners.torch_learner:make_torch_learner"}
+LEARNERS: dict[str, str] = {"torch": "refiner_core.learners.torch_learner:make_torch_learner",
+                             "deepspeed": "refiner_core.learners.deepspeed_learner:make_deepspeed_learner"}
 
 
 def make_learner(kind: str, policy_path, reference_path, tokenizer, settings: LearnerSettings, optimizer_state,

@@ -1,4 +1,5 @@
-"""The 'torch' learner: one process on CPU or one GPU; the clipped surrogate with KL, gradient accumulation, AdamW."""
+"""The 'torch' learner: one process on CPU or one GPU; the clipped surrogate with KL, gradient accumulation over
+padded or packed micro-batches, optional bf16 autocast, AdamW."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from refiner_core.learners.base import LearnerSettings, TrainSample, collate, token_logprobs
+from refiner_core.learners.base import LearnerSettings, TrainSample, collate_rows, pack_rows, token_logprobs
 from refiner_core.losses import AGGREGATIONS, grpo_token_loss
 
 
@@ -28,16 +29,24 @@ class TorchLearner:
             for group in self.optimizer.param_groups:  # the recipe's lr wins over the saved one
                 group["lr"] = settings.learning_rate
 
-    def _micro_batches(self, samples: list[TrainSample]):
-        m = self.s.micro_batch_size
-        for i in range(0, len(samples), m):
-            yield i, collate(samples[i : i + m], self.pad_id)
+    def _layout(self, samples: list[TrainSample]) -> list[list[dict[str, torch.Tensor]]]:
+        """Optimizer steps (`minibatches` of them), each a list of micro-batches of `micro_batch_size` rows; a
+        row is one sequence, or one pack of sequences when pack_length > 0 (packed within its optimizer step)."""
+        s = self.s
+        per_step = math.ceil(len(samples) / s.minibatches)
+        steps = []
+        for start in range(0, len(samples), per_step):
+            chunk = samples[start : start + per_step]
+            rows = [[chunk[i] for i in row] for row in pack_rows(chunk, s.pack_length)]
+            m = s.micro_batch_size
+            steps.append([collate_rows(rows[i : i + m], self.pad_id) for i in range(0, len(rows), m)])
+        return steps
 
     @torch.no_grad()
-    def _frozen_logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
+    def _frozen_logprobs(self, model, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         was_training = model.training
         model.eval()
-        out = [token_logprobs(model, b, self.s.temperature) for _, b in self._micro_batches(samples)]
+        out = [token_logprobs(model, b, self.s.temperature, self.s.precision) for b in batches]
         model.train(was_training)
         return out
 
@@ -45,25 +54,28 @@ class TorchLearner:
         """One rollout batch -> `minibatches` optimizer steps. Returns aggregated metrics."""
         t0 = time.time()
         s = self.s
-        ref_lp = self._frozen_logprobs(self.reference, samples) if s.beta > 0 and self.reference is not None else None
+        layout = self._layout(samples)
+        # Aggregation normalisers span the whole optimizer step (all ranks), so accumulated micro-batch
+        # gradients equal the gradient of the step's aggregate.
+        normalisers = [(sum(b["mask"].sum().item() for b in step), sum(int(b["sequences"]) for b in step))
+                       for step in layout]
+        layout = self._local_layout(layout)
+        flat = [batch for step in layout for batch in step]
+        ref_lp = self._frozen_logprobs(self.reference, flat) if s.beta > 0 and self.reference is not None else None
         # pi_old: with a single optimizer step the policy has not moved yet, so rho = 1 exactly and the
         # detached current log-probs serve; with several, freeze them before the first step.
-        old_lp = self._frozen_logprobs(self.policy, samples) if s.minibatches > 1 else None
-        n_tokens = sum(len(x.response_ids) for x in samples)
+        old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
-        micro = list(self._micro_batches(samples))
-        per_mb = math.ceil(len(micro) / s.minibatches)
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0}
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0,
+                  "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
+                  "computed_tokens": float(sum(b["input_ids"].numel() for b in flat))}
         grad_norms = []
-        bar = tqdm(total=len(micro), desc="update", unit="mb", disable=None, leave=False)
-        for group_start in range(0, len(micro), per_mb):
-            group = list(range(group_start, min(group_start + per_mb, len(micro))))
-            group_tokens = sum(micro[k][1]["mask"].sum().item() for k in group)
-            group_seqs = sum(micro[k][1]["mask"].shape[0] for k in group)
-            self.optimizer.zero_grad(set_to_none=True)
-            for k in group:
-                _, batch = micro[k]
-                logp = token_logprobs(self.policy, batch, s.temperature)
+        bar = tqdm(total=len(flat), desc="update", unit="mb", disable=None, leave=False)
+        k = 0
+        for step, (step_tokens, step_sequences) in zip(layout, normalisers):
+            self._zero_grad()
+            for batch in step:
+                logp = token_logprobs(self.policy, batch, s.temperature, s.precision)
                 old = old_lp[k] if old_lp is not None else logp.detach()
                 is_w = None
                 if s.tis_cap > 0:
@@ -74,40 +86,51 @@ class TorchLearner:
                     kl_estimator=s.kl_estimator, kl_clamp=s.kl_clamp, is_weights=is_w,
                 )
                 mask = batch["mask"]
-                # Scale each micro-batch so the accumulated gradient equals the aggregation over the whole group.
-                loss = aggregate(out["loss"], mask, s.loss_constant) * self._share(mask, group_tokens, group_seqs)
-                loss.backward()
+                weights = aggregate(mask, batch["sequence_tokens"], step_tokens, step_sequences, s.loss_constant)
+                loss = (out["loss"] * weights).sum()
+                self._backward(loss)
                 totals["loss"] += loss.item()
                 totals["pg_loss"] += (out["pg"] * mask).sum().item()
                 totals["kl"] += (out["kl"] * mask).sum().item()
                 totals["clipped"] += (out["clipped"] * mask).sum().item()
                 totals["tokens"] += mask.sum().item()
+                k += 1
                 bar.update(1)
-            params = [p for p in self.policy.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm if s.max_grad_norm > 0 else float("inf"))
-            grad_norms.append(float(norm))
-            self.optimizer.step()
+            grad_norms.append(self._optimizer_step())
         bar.close()
+        totals = self._reduce(totals)
         tokens = max(totals["tokens"], 1.0)
         return {
-            "loss": totals["loss"] / s.minibatches,
+            "loss": totals["loss"] / len(layout),
             "pg_loss": totals["pg_loss"] / tokens,
             "kl": totals["kl"] / tokens,
             "clip_fraction": totals["clipped"] / tokens,
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": s.learning_rate,
-            "response_tokens": n_tokens,
+            "response_tokens": sum(len(x.response_ids) for x in samples),
+            "packing_efficiency": totals["real_tokens"] / totals["computed_tokens"],
             "update_seconds": time.time() - t0,
         }
 
-    def _share(self, mask: torch.Tensor, group_tokens: float, group_seqs: int) -> float:
-        """Fraction of the group's aggregate this micro-batch's own aggregate represents."""
-        agg = self.s.loss_aggregation
-        if agg == "token_mean":
-            return mask.sum().item() / max(group_tokens, 1.0)
-        if agg == "sequence_mean":
-            return mask.shape[0] / group_seqs
-        return 1.0  # sum_constant is already additive
+    # Hooks a distributed learner overrides; here one process runs every micro-batch.
+    def _local_layout(self, layout: list[list[dict[str, torch.Tensor]]]) -> list[list[dict[str, torch.Tensor]]]:
+        return layout
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _optimizer_step(self) -> float:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = self.s.max_grad_norm if self.s.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        return float(norm)
+
+    def _reduce(self, totals: dict) -> dict:
+        return totals
 
     def save(self, path: Path) -> None:
         path = Path(path)

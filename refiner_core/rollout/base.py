@@ -6,7 +6,7 @@ only the chosen one is imported: 'hf' (transformers generate) runs anywhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from refiner_core.registry import resolve
@@ -36,6 +36,9 @@ class RolloutEngine(Protocol):
     name: str
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]: ...
+
+    def close(self) -> None:
+        """Free the engine's memory before the next stage needs it."""
 
 
 def first_stop(token_ids: list[int], eos_ids: set[int], stop: tuple[str, ...], decode) -> tuple[int, bool]:
@@ -69,8 +72,15 @@ def left_padded(sequences: list[list[int]], pad_id: int):
     return ids, attention
 
 
-ENGINES: dict[str, str] = {"hf": "refiner_core.rollout.hf_engine:make_hf_engine"}
+ENGINES: dict[str, str] = {
+    "hf": "refiner_core.rollout.hf_engine:make_hf_engine",
+    "vllm": "refiner_core.rollout.vllm_engine:make_vllm_engine",
+}
 
 
-def make_engine(kind: str, model_path: str, batch_size: int, dtype: str = "float32") -> RolloutEngine:
-    return resolve(ENGINES, "rollout engine", kind)(model_path, batch_size, dtype)
+def make_engine(kind: str, model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32",
+                tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9) -> RolloutEngine:
+    """The engine `kind` over a checkpoint folder; the GPU settings matter to engines that manage GPU memory."""
+    return resolve(ENGINES, "rollout engine", kind)(model_path, batch_size, dtype, precision=precision,
+                                                    tensor_parallel_size=tensor_parallel_size,
+                                                    gpu_memory_utilization=gpu_memory_utilization)

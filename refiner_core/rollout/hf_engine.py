@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from refiner_core.learners.base import autocast
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, left_padded
 
 
@@ -17,6 +18,7 @@ class HFRolloutEngine:
     tokenizer: object
     batch_size: int = 16
     sort_by_length: bool = True
+    precision: str = "fp32"  # 'bf16': generate under bfloat16 autocast; log-probs still from fp32 scores
     name: str = "hf"
     eos_ids: set[int] = field(default_factory=set)
 
@@ -39,7 +41,7 @@ class HFRolloutEngine:
             sample = params.temperature > 0
             # One seed per batch: reruns of a step reproduce its samples.
             torch.manual_seed(params.seed + start)
-            with torch.no_grad():
+            with torch.no_grad(), autocast(self.precision, self.model.device):
                 result = self.model.generate(
                     input_ids=input_ids,
                     attention_mask=attention,
@@ -78,6 +80,9 @@ class HFRolloutEngine:
         bar.close()
         return sorted(out, key=lambda g: (g.prompt_index, g.sample_idx))
 
+    def close(self) -> None:
+        self.model = None
+
     def batch_order(self, prompts: list[list[int]]) -> list[int]:
         """Longest prompts first: batches then hold similar lengths, so little compute goes to padding."""
         if not self.sort_by_length:
@@ -88,8 +93,11 @@ class HFRolloutEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def make_hf_engine(model_path: str, batch_size: int, dtype: str = "float32") -> HFRolloutEngine:
+def make_hf_engine(model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32",
+                   tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9) -> HFRolloutEngine:
+    """One device, memory as the model needs: the parallelism and GPU-memory settings do not apply."""
     from refiner_core.models import load_model, load_tokenizer
 
-    return HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size)
+    return HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size,
+                           precision=precision)
 

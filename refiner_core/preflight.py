@@ -1,0 +1,208 @@
+"""Checks of a resolved recipe that need no stage to run: impossible values, missing files and models, field
+mappings against the columns the source really has. Each check returns problems as one-line sentences, so that
+the CLI can report every mistake at once, before any Prefect server starts."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Callable
+
+from refiner_core import REPO_ROOT
+from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig
+from refiner_core.models import SMOLLM2, TINY_QWEN3
+from refiner_core.sources import SourceError, detect_format
+
+REQUIRED_REFINER = ("id", "question", "reasoning", "tool_output")
+REQUIRED_CHAT = ("id", "messages")
+JSONL_SAMPLE_LINES = 1000  # column names of a JSONL file are read from its first lines only
+
+Rule = tuple[Callable[[float], bool], str]
+AT_LEAST_1: Rule = (lambda v: v >= 1, "must be at least 1")
+NON_NEGATIVE: Rule = (lambda v: v >= 0, "must be >= 0")
+POSITIVE: Rule = (lambda v: v > 0, "must be > 0")
+FRACTION: Rule = (lambda v: 0 <= v <= 1, "must be between 0 and 1")
+HOLDOUT: Rule = (lambda v: 0 <= v < 1, "must be in [0, 1) (1 would hold out every row)")
+# GRPO compares the samples of one prompt: with a single sample every advantage is 0 and nothing is learned.
+GROUP: Rule = (lambda v: v >= 2, "must be at least 2 (GRPO learns from differences within a group)")
+
+VALUE_RULES: dict[str, Rule] = {
+    "run.retries": NON_NEGATIVE, "run.retry_delay_seconds": NON_NEGATIVE, "run.num_threads": NON_NEGATIVE,
+    "model.max_position_embeddings": AT_LEAST_1,
+    "data.max_prompts": NON_NEGATIVE, "data.validation_fraction": HOLDOUT, "data.max_prompt_tokens": AT_LEAST_1,
+    "data.max_reference_tokens": AT_LEAST_1, "data.max_rejected_fraction": FRACTION,
+    "rubrics.max_rejected_fraction": FRACTION, "rubrics.generation_timeout_seconds": POSITIVE,
+    "rubrics.generation_max_tokens": AT_LEAST_1,
+    "rollout.samples_per_prompt": GROUP, "rollout.prompts_per_step": AT_LEAST_1, "rollout.temperature": POSITIVE,
+    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"), "rollout.max_new_tokens": AT_LEAST_1,
+    "rollout.batch_size": AT_LEAST_1,
+    "judge.max_new_tokens": AT_LEAST_1, "judge.batch_size": AT_LEAST_1, "judge.max_response_chars": AT_LEAST_1,
+    "judge.concurrency": AT_LEAST_1, "judge.timeout_seconds": POSITIVE, "judge.max_retries": NON_NEGATIVE,
+    "judge.request_budget": NON_NEGATIVE, "judge.backoff_seconds": NON_NEGATIVE,
+    "grpo.steps": AT_LEAST_1, "grpo.learning_rate": POSITIVE, "grpo.weight_decay": NON_NEGATIVE,
+    "grpo.max_grad_norm": NON_NEGATIVE, "grpo.beta": NON_NEGATIVE, "grpo.kl_clamp": POSITIVE,
+    "grpo.clip_eps_low": NON_NEGATIVE, "grpo.clip_eps_high": NON_NEGATIVE, "grpo.advantage_eps": NON_NEGATIVE,
+    "grpo.loss_constant": POSITIVE, "grpo.micro_batch_size": AT_LEAST_1, "grpo.minibatches": AT_LEAST_1,
+    "grpo.tis_cap": NON_NEGATIVE, "grpo.pack_length": NON_NEGATIVE,
+    "sft.max_prompt_tokens": AT_LEAST_1, "sft.max_response_tokens": AT_LEAST_1, "sft.max_total_tokens": AT_LEAST_1,
+    "sft.pack_length": AT_LEAST_1, "sft.validation_fraction": HOLDOUT, "sft.epochs": AT_LEAST_1,
+    "sft.learning_rate": POSITIVE, "sft.warmup_steps": NON_NEGATIVE, "sft.weight_decay": NON_NEGATIVE,
+    "sft.max_grad_norm": NON_NEGATIVE, "sft.micro_batch_size": AT_LEAST_1, "sft.gradient_accumulation": AT_LEAST_1,
+    "sft.histogram_bins": AT_LEAST_1, "sft.max_rejected_fraction": FRACTION,
+}
+
+
+def check_recipe(cfg: RecipeConfig) -> list[str]:
+    """Every problem of the recipe that is knowable without running a stage; [] when it looks runnable."""
+    problems = check_values(cfg) + check_models(cfg)
+    problems += check_source("data", cfg.data.path, cfg.data.format, cfg.data.fields, cfg.data.split,
+                             REFINER_FIELDS + CHAT_FIELDS, shape=True)
+    if cfg.sft.enabled:
+        where, path, fmt = ("sft", cfg.sft.path, cfg.sft.format) if cfg.sft.path else ("data", cfg.data.path,
+                                                                                         cfg.data.format)
+        if cfg.sft.path or cfg.sft.fields:  # data.path with data's own mapping is checked above
+            problems += check_source(where, path, fmt, cfg.sft.fields, cfg.sft.split, REFINER_FIELDS + CHAT_FIELDS,
+                                     shape=True, fields_where="sft.fields")
+    if cfg.rubrics.path:
+        problems += check_source("rubrics", cfg.rubrics.path, "auto", cfg.rubrics.fields, "train", RUBRIC_FIELDS)
+    if not cfg.rubrics.instance_rubrics_only and not resolve(cfg.rubrics.static_rubrics).is_file():
+        problems.append(f"rubrics.static_rubrics: {_shown(cfg.rubrics.static_rubrics)} does not exist")
+    return problems
+
+
+def check_values(cfg: RecipeConfig) -> list[str]:
+    conf = cfg.to_dict()
+    problems = []
+    for name, (ok, requirement) in VALUE_RULES.items():
+        section, key = name.split(".")
+        value = conf[section][key]
+        if not ok(value):
+            problems.append(f"{name} = {value!r}: {requirement}")
+    if cfg.model.dtype not in ("float32", "bfloat16"):
+        problems.append(f"model.dtype = {cfg.model.dtype!r}: must be 'float32' or 'bfloat16'")
+    return problems
+
+
+def check_models(cfg: RecipeConfig) -> list[str]:
+    problems = []
+    for where, spec in (("model.policy", cfg.model.policy), ("model.reference", cfg.model.reference),
+                        ("judge.model", cfg.judge.model)):
+        if not spec or spec in (TINY_QWEN3, SMOLLM2):
+            continue
+        path = Path(spec)
+        if not path.is_absolute():  # as models.resolve_model: from the repo when it is there, else from here
+            path = (REPO_ROOT / path) if (REPO_ROOT / path).exists() else path.resolve()
+        if not (path / "config.json").is_file():
+            why = f"{path} has no config.json" if path.is_dir() else f"there is no folder {path}"
+            problems.append(f"{where}: {spec!r} is not {TINY_QWEN3!r} or {SMOLLM2!r}, and {why}")
+    return problems
+
+
+def resolve(path: str) -> Path:
+    """Local source paths resolve from the repo, as the flow resolves them."""
+    p = Path(path)
+    return p if p.is_absolute() else (REPO_ROOT / p).resolve()
+
+
+def _shown(path: str) -> str:
+    return path if Path(path).is_absolute() else f"{path} (resolved to {resolve(path)})"
+
+
+def check_source(where: str, path: str, fmt: str, fields: dict, split: str, canonical: tuple[str, ...],
+                 shape: bool = False, fields_where: str = "") -> list[str]:
+    """The source exists, its mapping names canonical fields and existing columns, and (with `shape`) its rows
+    will have the fields a refiner or chat row needs."""
+    fields_where = fields_where or f"{where}.fields"
+    problems = check_mapping_keys(fields_where, fields, canonical)
+    if fmt == "hub":  # only the hub knows; loading it is the stage's job
+        return problems
+    local = resolve(path)
+    if not local.exists():
+        return problems + [f"{where}.path: {_shown(path)} does not exist"]
+    try:
+        kind = detect_format(str(local), fmt)
+    except SourceError as e:
+        return problems + [f"{where}.path: {e}"]
+    found = source_columns(local, kind, split)
+    if isinstance(found, str):
+        return problems + [f"{where}.path: {found}"]
+    if found is None or problems:
+        return problems
+    columns, sample = found
+    listing = f"its columns{sample}: {', '.join(columns) or 'none'}"
+    absent = {k: v for k, v in fields.items() if v not in columns}
+    for canonical_name, column in absent.items():
+        close = difflib.get_close_matches(column, columns, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append(f"{fields_where}: {canonical_name} -> {column!r}: no such column in {path}{hint}; {listing}")
+    if shape and not absent:
+        problems += _check_shape(where, path, columns, fields, listing, fields_where)
+    return problems
+
+
+def check_mapping_keys(where: str, fields: dict, canonical: tuple[str, ...]) -> list[str]:
+    names = list(dict.fromkeys(canonical))
+    problems = []
+    for key, column in fields.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{where}: {key!r} is not a field name{hint}; names: {', '.join(names)}")
+        elif not isinstance(column, str):
+            problems.append(f"{where}.{key}: expected a column name, got {column!r}")
+    return problems
+
+
+def _check_shape(where: str, path: str, columns: list[str], fields: dict, listing: str, fields_where: str) -> list[str]:
+    """Mirror of sources.apply_field_mapping: which canonical names the mapped rows will carry."""
+    have = {c for c in columns if c not in fields or fields[c] == c} | set(fields)
+    required = REQUIRED_CHAT if "messages" in have and "question" not in have else REQUIRED_REFINER
+    missing = [n for n in required if n not in have]
+    if not missing:
+        return []
+    return [f"{where}.path: rows of {path} have no {', '.join(map(repr, missing))} (refiner rows need "
+            f"{', '.join(REQUIRED_REFINER)}; chat rows need {', '.join(REQUIRED_CHAT)}); {listing}; map them with "
+            f"{fields_where}, e.g. {{{missing[0]}: <column>}}"]
+
+
+def source_columns(path: Path, kind: str, split: str) -> tuple[list[str], str] | str | None:
+    """(column names, how they were sampled) read cheaply, a problem sentence, or None when not knowable."""
+    if kind == "jsonl":
+        columns: dict[str, None] = {}
+        with open(path, "rb") as f:
+            for n, line in enumerate(f):
+                if n >= JSONL_SAMPLE_LINES:
+                    return list(columns), f" (in its first {JSONL_SAMPLE_LINES} lines)"
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue  # unreadable lines are the quarantine's business
+                if isinstance(obj, dict):
+                    columns.update(dict.fromkeys(obj))
+        return list(columns), ""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.read_schema(path).names), ""
+        except Exception as e:  # noqa: BLE001 - any unreadable file is reported, not raised
+            return f"{path} is not a readable Parquet file ({e})"
+    if kind == "disk":
+        return _saved_dataset_columns(path, split)
+    return None
+
+
+def _saved_dataset_columns(path: Path, split: str) -> tuple[list[str], str] | str | None:
+    """Column names of a datasets.save_to_disk folder from its JSON metadata, without loading the dataset."""
+    splits_file = path / "dataset_dict.json"
+    if splits_file.is_file():
+        splits = json.loads(splits_file.read_text()).get("splits", [])
+        if split not in splits:
+            return f"{path} has no split {split!r}; its splits: {', '.join(splits)}"
+        path = path / split
+    info = path / "dataset_info.json"
+    if not info.is_file():
+        return None
+    features = json.loads(info.read_text()).get("features") or {}
+    return list(features), ""

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from refiner_core.checkpoints import prune
+
+
+@task(name="prune-checkpoints", cache_policy=None, persist_result=False, retries=1)
+def prune_checkpoints(*, run_dir: str, newest_step: int, keep_last: int, keep_every: int) -> list[str]:
+    """Apply the retention policy once step `newest_step`'s checkpoint is written.
+
+    Not cached: it is cheap, and a changed keep_last must apply to a rerun whose updates are all cached."""
+    removed = prune(Path(run_dir) / "checkpoints", newest_step, keep_last, keep_every)
+    if removed:
+        get_run_logger().info("prune-checkpoints: removed %s", ", ".join(Path(p).name for p in removed))
+    return removed

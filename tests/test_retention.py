@@ -1,0 +1,47 @@
+"""Bounded checkpoints on a real 5-step run: what stays on disk, cache hits over pruned folders, a kill mid-update."""
+
+from __future__ import annotations
+
+import duckdb
+
+from conftest import REPO, run_cli
+
+
+def _steps(run_dir) -> list[tuple]:
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute("SELECT step, checkpoint_bytes FROM steps ORDER BY step").fetchall()
+    finally:
+        con.close()
+
+
+def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir), "--set", "grpo.steps=5",
+            "--set", "run.keep_last=2", "--set", "rollout.max_new_tokens=8"]
+    code, out, err, _ = run_cli(args, tmp_path, {"REFINER_KILL_ONCE": "grpo-update@3"})
+    assert code == 137, err[-2000:]
+    assert not (run_dir / "checkpoints" / "step_0004").exists()  # the killed update published nothing
+
+    code, out, err, _ = run_cli(args, tmp_path)
+    assert code == 0, err[-3000:]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_0004", "step_0005"]
+    assert (checkpoints / "step_0005" / "optimizer.pt").exists()  # what a resume needs
+    assert not (checkpoints / "step_0004" / "optimizer.pt").exists()
+    steps = _steps(run_dir)
+    assert [s for s, _ in steps] == [0, 1, 2, 3, 4]  # the same rows as an uninterrupted run
+    assert all(size > 0 for _, size in steps)
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*), count(DISTINCT (step, prompt_id, sample_idx)) FROM rollouts").fetchone() \
+        == (5 * 4 * 4, 5 * 4 * 4)
+    con.close()
+
+    # The updates of steps 0-2 point at pruned folders: that is retention, not damage, so all stay Cached.
+    code, out, err, _ = run_cli(args, tmp_path)
+    assert code == 0, err[-3000:]
+    log = out + err
+    for step in range(5):
+        for name in ("rollout", "judge", "grpo-update"):
+            assert f"Task run '{name}[step={step}]' - Finished in state Cached" in log, (name, step)
+    assert "recomputing" not in log
