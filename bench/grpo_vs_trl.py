@@ -5,9 +5,9 @@
 
 One step = 4 prompts x 8 samples x 64 new tokens (temperature 1, beta = 0, lr 5e-6): sampling, a cheap
 word-count reward (bench/peer_trl_grpo.py:reward_text, the same on both sides), one optimizer step.
-Ours: refiner_core.grpo.grpo_loop in this process, the hf engine sampling from the learner's live policy object,
-once per (precision, pack_length) combination that LearnerSettings has (bf16 also runs generation under bf16
-autocast). TRL: bench/peer_trl_grpo.py in its own venv (created with pip on first use), bf16=True, use_cpu=True,
+Ours: refiner_core.grpo.grpo_loop in this process, once per (engine, precision, pack_length) combination: the hf
+engine samples from the learner's live policy object (under bf16 autocast with bf16), the vllm engine from its own
+copy that load_weights refreshes after every update. TRL: bench/peer_trl_grpo.py in its own venv (created with pip on first use), bf16=True, use_cpu=True,
 gradient checkpointing off (TRL's default is on; --trl-grad-ckpt keeps it).
 Prints per-step JSON lines, then a table of median step seconds over steps 2..N, completion tokens/s, ours/TRL,
 and the median process CPU seconds per step with its ratio (steadier than wall time on a shared machine), then
@@ -38,7 +38,6 @@ from refiner_core import REPO_ROOT  # noqa: E402
 from refiner_core.config import GRPOConfig  # noqa: E402
 from refiner_core.data import read_jsonl  # noqa: E402
 from refiner_core.grpo import grpo_loop, learner_settings  # noqa: E402
-from refiner_core.learners.base import LearnerSettings  # noqa: E402
 from refiner_core.learners.torch_learner import TorchLearner  # noqa: E402
 from refiner_core.models import load_model, load_tokenizer, resolve_model  # noqa: E402
 from refiner_core.rollout.base import SamplingParams  # noqa: E402
@@ -85,8 +84,9 @@ def summarise(name: str, steps: list[dict]) -> dict:
 
 
 def our_combinations(pack_length: int) -> list[dict]:
-    """Every (precision, pack_length) setting of ours: fp32/bf16 x padded/packed."""
-    return [{"precision": p, "pack_length": n} for p in ("fp32", "bf16") for n in (0, pack_length)]
+    """Our settings: the hf engine in fp32/bf16 x padded/packed updates, and the vllm engine with bf16 updates."""
+    return ([{"engine": "hf", "precision": p, "pack_length": n} for p in ("fp32", "bf16") for n in (0, pack_length)]
+            + [{"engine": "vllm", "precision": "bf16", "pack_length": n} for n in (0, pack_length)])
 
 
 def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> list[dict]:
@@ -97,7 +97,15 @@ def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> l
     grpo = dataclasses.asdict(GRPOConfig(beta=0.0, learning_rate=5e-6, pack_length=combo["pack_length"],
                                          micro_batch_size=1 if packed else args.micro_batch_size))
     learner = TorchLearner(policy, None, tokenizer.pad_token_id, learner_settings(grpo, 1.0, combo["precision"]))
-    engine = HFRolloutEngine(policy, tokenizer, batch_size=GENERATIONS * PROMPTS_PER_STEP, precision=combo["precision"])
+    sync = None
+    if combo["engine"] == "vllm":  # its own copy of the weights, refreshed after every update
+        from refiner_core.rollout.vllm_engine import make_vllm_engine
+
+        engine = make_vllm_engine(str(model_path), GENERATIONS * PROMPTS_PER_STEP, "float32", progress=False)
+        sync = lambda: engine.load_weights(policy)  # noqa: E731
+    else:
+        engine = HFRolloutEngine(policy, tokenizer, batch_size=GENERATIONS * PROMPTS_PER_STEP,
+                                 precision=combo["precision"])
     params = SamplingParams(n=GENERATIONS, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=1)
     steps, last = [], [time.perf_counter(), time.process_time()]
     name = "ours " + " ".join(f"{k}={v}" for k, v in combo.items())
@@ -112,7 +120,8 @@ def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> l
         last[:] = [now, cpu]
 
     grpo_loop(engine, learner, prompts, lambda g: reward_text(g.text), grpo, params, steps=args.steps,
-              prompts_per_step=PROMPTS_PER_STEP, on_step=on_step)
+              prompts_per_step=PROMPTS_PER_STEP, on_step=on_step, sync=sync)
+    engine.close()
     return steps
 
 
@@ -150,8 +159,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny Qwen3 from a config: a smoke test")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="our rows per pass when padded")
     parser.add_argument("--pack-length", type=int, default=1024, help="our tokens per packed row (1 row per pass)")
-    parser.add_argument("--combos", default="", help="ours to run, e.g. 'bf16:1024,fp32:0' (precision:pack_length); "
-                        "default: every combination LearnerSettings has, fp32 first")
+    parser.add_argument("--combos", default="", help="ours to run, e.g. 'hf:bf16:0,vllm:bf16:1024' "
+                        "(engine:precision:pack_length); default: all of our_combinations()")
     parser.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with its default gradient checkpointing")
     parser.add_argument("--trl-venv", default="/tmp/venv-trl", help="TRL's own venv, created if missing")
     args = parser.parse_args()
@@ -173,9 +182,8 @@ def main() -> None:
     if args.only != "trl":
         combos = our_combinations(args.pack_length)
         if args.combos:
-            wanted = [dict(zip(("precision", "pack_length"), (c.split(":")[0], int(c.split(":")[1]))))
-                      for c in args.combos.split(",")]
-            combos = [{k: v for k, v in w.items() if k in LearnerSettings.__dataclass_fields__} for w in wanted]
+            combos = [{"engine": e, "precision": p, "pack_length": int(n)}
+                      for e, p, n in (c.split(":") for c in args.combos.split(","))]
         for combo in combos:
             results.append(summarise("ours " + " ".join(f"{k}={v}" for k, v in combo.items()),
                                      run_ours(model_path, prompts, combo, args)))

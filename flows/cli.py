@@ -20,8 +20,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO post-tr
 
 EXAMPLE_SQL = [
     "SELECT step, round(reward_mean, 3) AS reward, round(kl, 5) AS kl, round(loss, 4) AS loss FROM steps ORDER BY step",
-    "SELECT rubric_id, avg(oriented_score) AS mean, count(*) FILTER (WHERE failure IS NOT NULL) AS failures "
-    "FROM judge_scores GROUP BY rubric_id ORDER BY rubric_id",
+    "SELECT r.source, r.title, round(avg(s.oriented_score), 3) AS mean, count(*) FILTER (WHERE s.failure IS NOT "
+    "NULL) AS failures FROM judge_scores s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2",
     "SELECT prompt_id, sample_idx, reward, left(response_text, 60) AS response FROM rewards JOIN rollouts "
     "USING (run, step, prompt_id, sample_idx) WHERE step = 0 ORDER BY reward DESC LIMIT 5",
 ]

@@ -82,3 +82,14 @@ def run_cli(args: list[str], tmp_path: Path, env: dict | None = None, timeout: i
             except ProcessLookupError:
                 pass
     return code, out_path.read_text(), err_path.read_text(), time.time() - t0
+
+
+def learner_settings(**overrides):
+    """LearnerSettings for learner tests: fp32, k3 KL, token-mean, no clipping of the gradient norm."""
+    from refiner_core.learners.base import LearnerSettings
+
+    base = dict(learning_rate=1e-2, weight_decay=0.0, adam_betas=(0.9, 0.999), max_grad_norm=0.0, beta=0.01,
+                kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
+                loss_constant=64.0, micro_batch_size=8, minibatches=1, tis_cap=0.0, pack_length=0, precision="fp32",
+                temperature=0.7)
+    return LearnerSettings(**{**base, **overrides})

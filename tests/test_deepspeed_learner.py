@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from refiner_core.learners.base import LearnerSettings, TrainSample, make_learner
+from conftest import learner_settings
+from refiner_core.learners.base import TrainSample, make_learner
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
 
@@ -22,13 +23,8 @@ def _samples(seed: int = 0) -> list[TrainSample]:
             for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -0.3])]
 
 
-def _settings(**kw) -> dict:
-    base = dict(learning_rate=1e-3, weight_decay=0.01, adam_betas=(0.9, 0.999), max_grad_norm=1.0, beta=0.04,
-                kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
-                loss_constant=64.0, micro_batch_size=2, minibatches=1, tis_cap=2.0, pack_length=0, precision="fp32",
-                temperature=0.7)
-    base.update(kw)
-    return base
+def _settings(**kw):
+    return learner_settings(**{"learning_rate": 1e-3, "weight_decay": 0.01, "max_grad_norm": 1.0, "beta": 0.04, "micro_batch_size": 2, "tis_cap": 2.0, **kw})
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -45,13 +41,13 @@ def test_two_rank_zero3_equals_the_torch_learner_and_resumes(tiny_model_path, ti
     # The reference: the one-process torch learner, two train steps with its own optimizer.
     policy = load_model(tiny_model_path, trainable=True)
     torch_learner = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id,
-                                 LearnerSettings(**_settings()))
+                                 _settings())
     expected, expected_weights = [], []
     for batch in samples:
         expected.append(torch_learner.train_step(batch))
         expected_weights.append({k: v.detach().clone() for k, v in policy.state_dict().items()})
 
-    settings = LearnerSettings(**_settings(), world_size=2, zero_stage=3)
+    settings = _settings(world_size=2, zero_stage=3)
     checkpoint = Path(tiny_model_path)
     for step, batch in enumerate(samples):
         learner = make_learner("deepspeed", checkpoint, tiny_model_path, tiny_tokenizer, settings,

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import learner_settings
 from refiner_core.advantages import compute_advantages, zero_std_groups
-from refiner_core.learners.base import LearnerSettings, TrainSample, collate
+from refiner_core.learners.base import TrainSample, collate
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
 
@@ -132,12 +133,7 @@ def test_collate_masks_only_response_positions():
 
 
 def _settings(**kw):
-    base = dict(learning_rate=1e-2, weight_decay=0.0, adam_betas=(0.9, 0.999), max_grad_norm=0.0, beta=0.01,
-                kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
-                loss_constant=64.0, micro_batch_size=8, minibatches=1, tis_cap=0.0, pack_length=0, precision="fp32",
-                temperature=0.7)
-    base.update(kw)
-    return LearnerSettings(**base)
+    return learner_settings(**{"micro_batch_size": 8, **kw})
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sum_constant"])

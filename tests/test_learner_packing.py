@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from refiner_core.learners.base import LearnerSettings, TrainSample, collate, collate_rows, pack_rows, token_logprobs
+from conftest import learner_settings
+from refiner_core.learners.base import TrainSample, collate, collate_rows, pack_rows, token_logprobs
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
 
@@ -20,12 +21,7 @@ def _samples(n=7, seed=0):
 
 
 def _settings(**kw):
-    base = dict(learning_rate=1e-2, weight_decay=0.0, adam_betas=(0.9, 0.999), max_grad_norm=0.0, beta=0.05,
-                kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
-                loss_constant=16.0, micro_batch_size=2, minibatches=1, tis_cap=2.0, pack_length=0, precision="fp32",
-                temperature=0.7)
-    base.update(kw)
-    return LearnerSettings(**base)
+    return learner_settings(**{"beta": 0.05, "loss_constant": 16.0, "micro_batch_size": 2, "tis_cap": 2.0, **kw})
 
 
 def test_pack_rows_first_fit_decreasing_and_long_sequences_alone():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from refiner_core.learners.base import LearnerSettings, TrainSample
+from conftest import learner_settings
+from refiner_core.learners.base import TrainSample
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
 
@@ -16,12 +17,7 @@ def _samples():
 
 
 def _settings(**kw):
-    base = dict(learning_rate=1e-2, weight_decay=0.0, adam_betas=(0.9, 0.999), max_grad_norm=0.0, beta=0.01,
-                kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
-                loss_constant=64.0, micro_batch_size=4, minibatches=1, tis_cap=2.0, pack_length=0, precision="fp32",
-                temperature=0.7)
-    base.update(kw)
-    return LearnerSettings(**base)
+    return learner_settings(**{"micro_batch_size": 4, "tis_cap": 2.0, **kw})
 
 
 def test_bf16_loss_and_gradients_close_to_fp32(tiny_model_path):
