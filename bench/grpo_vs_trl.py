@@ -101,7 +101,8 @@ def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> l
     if combo["engine"] == "vllm":  # its own copy of the weights, refreshed after every update
         from refiner_core.rollout.vllm_engine import make_vllm_engine
 
-        engine = make_vllm_engine(str(model_path), GENERATIONS * PROMPTS_PER_STEP, "float32", progress=False)
+        engine = make_vllm_engine(str(model_path), GENERATIONS * PROMPTS_PER_STEP, "float32", combo["precision"],
+                                  progress=False)
         sync = lambda: engine.load_weights(policy)  # noqa: E731
     else:
         engine = HFRolloutEngine(policy, tokenizer, batch_size=GENERATIONS * PROMPTS_PER_STEP,

@@ -55,7 +55,7 @@ class ModelConfig:
         "rollout engine's and the transformers judge's forward passes under bfloat16 autocast with weights as "
         "loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge probabilities are "
         "computed in fp32 from the logits. About 3x faster on CPUs with AVX-512 BF16 and on GPUs. 'fp32' computes "
-        "everything in float32. The vllm engine samples in model.dtype."
+        "everything in float32. The vllm engine computes in bfloat16 under 'bf16' (its weights are cast), else in model.dtype."
     )
     max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
 

@@ -114,14 +114,24 @@ def autocast(precision: str, device: torch.device):
 
 
 def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32") -> torch.Tensor:
-    """log pi(token_{t+1} | <= t) under the same temperature the sampler used; [R, T-1], computed in fp32."""
+    """log pi(token_{t+1} | <= t) under the same temperature the sampler used; [R, T-1], computed in fp32.
+
+    Logits are computed only from the first position any row scores (`logits_to_keep`): the vocabulary
+    projection and log-softmax over the prompt part of padded rows would be thrown away. Positions before it are
+    0 and carry no mask."""
+    width = batch["targets"].shape[1]
+    scored = batch["mask"].any(0).nonzero()
+    start = int(scored[0]) if len(scored) else width
     with autocast(precision, model.device):
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                       logits_to_keep=width + 1 - start).logits
     logits = logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    picked = logits.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, batch["targets"][:, start:].unsqueeze(-1)).squeeze(-1)
+    out = torch.zeros(batch["targets"].shape, dtype=logits.dtype, device=logits.device)
+    out[:, start:] = picked - torch.logsumexp(logits, dim=-1)
+    return out
 
 
 LEARNERS: dict[str, str] = {"torch": "refiner_core.learners.torch_learner:make_torch_learner",

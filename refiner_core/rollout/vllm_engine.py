@@ -133,9 +133,9 @@ class VLLMRolloutEngine:
 def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32", *,
                      tensor_parallel_size: int = 1,
                      gpu_memory_utilization: float = 0.9, progress: bool = True) -> VLLMRolloutEngine:
-    """An in-process vLLM engine over an HF checkpoint folder; `dtype` is the run's model dtype (the learner's;
-    vLLM computes in it, so `precision` does not apply),
-    and `batch_size` caps the sequences vLLM schedules together (max_num_seqs)."""
+    """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
+    'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
+    sequences vLLM schedules together (max_num_seqs)."""
     import torch
 
     from refiner_core.models import load_tokenizer
@@ -151,7 +151,7 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
     llm = LLM(
         model=str(model_path),
         tokenizer=str(model_path),
-        dtype=dtype,
+        dtype="bfloat16" if precision == "bf16" else dtype,
         enforce_eager=not on_gpu,  # CUDA graphs on GPU; eager is required on CPU
         tensor_parallel_size=tensor_parallel_size,
         max_num_seqs=max(int(batch_size), 1),
