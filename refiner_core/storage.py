@@ -139,8 +139,9 @@ FROM rewards
 
 
 def query(db_path: Path | str, sql: str, params: list | None = None) -> tuple[list[str], list[tuple]]:
-    """Run SQL on a catalog read-only; returns (column names, rows)."""
-    con = duckdb.connect(str(db_path), read_only=True)
+    """Run SQL on a catalog read-only, with no access to files outside it (a `COPY ... TO`, `read_csv` or
+    `ATTACH` is refused); returns (column names, rows)."""
+    con = duckdb.connect(str(db_path), read_only=True, config={"enable_external_access": False})
     try:
         cur = con.execute(sql, params or [])
         columns = [d[0] for d in cur.description] if cur.description else []

@@ -43,6 +43,12 @@ def test_sql_is_read_only(catalog_dir):
     assert "read-only" in result.output.lower()
     con = duckdb.connect(str(catalog_dir / "catalog.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
+    outside = catalog_dir / "exported.csv"
+    for sql in (f"COPY steps TO '{outside}'", f"SELECT * FROM read_csv('{catalog_dir / 'steps.parquet'}')",
+                f"ATTACH '{catalog_dir / 'other.duckdb'}' AS other"):
+        result = runner.invoke(app, ["sql", str(catalog_dir), sql])
+        assert result.exit_code == 1, sql
+    assert not outside.exists() and not (catalog_dir / "other.duckdb").exists()
 
 
 def test_sql_errors_have_exit_codes(catalog_dir, tmp_path):
