@@ -13,6 +13,8 @@ import re
 import shutil
 from pathlib import Path
 
+from refiner_core.storage import write_json
+
 # Optimizer state beside a checkpoint's weights (torch learner; DeepSpeed's sharded folder): needed only to
 # continue training from that checkpoint, not to load the policy.
 TRAINING_STATE_FILES = ("optimizer.pt", "deepspeed")
@@ -58,7 +60,7 @@ def prune(folder: Path, newest: int, keep_last: int, keep_every: int) -> list[st
                 shutil.rmtree(state) if state.is_dir() else state.unlink(missing_ok=True)
     if removed:
         listed = pruned_paths(folder)
-        _write_list(folder / PRUNED_LIST, sorted(listed | set(removed)))
+        write_json(sorted(listed | set(removed)), folder / PRUNED_LIST)
     return removed
 
 
@@ -71,14 +73,9 @@ def forget_pruned(folder: Path, path: Path) -> None:
     """A pruned checkpoint was written again (a recomputed update): it is no longer pruned."""
     listed = pruned_paths(folder)
     if str(path) in listed:
-        _write_list(Path(folder) / PRUNED_LIST, sorted(listed - {str(path)}))
+        write_json(sorted(listed - {str(path)}), Path(folder) / PRUNED_LIST)
 
 
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
-
-def _write_list(path: Path, items: list[str]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(items, indent=1))
-    tmp.replace(path)

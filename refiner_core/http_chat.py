@@ -3,14 +3,12 @@ transport faults (timeouts, refused connections, HTTP 429 / 5xx, bodies that are
 with exponential backoff and full jitter. What the model wrote is never retried: a reply that is valid
 chat-completions JSON is the model's answer, whatever its content.
 
-Pure code (httpx), no Prefect. The judge uses it; refiner_core/rubric_gen.py could share `request_hash`,
-`ChatError` and `chat_with_retries` (it has its own urllib client today).
+Pure code (httpx), no Prefect. The judge uses it; refiner_core/rubric_gen.py could share `ChatError` and
+`chat_with_retries` (it has its own urllib client today).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import threading
 import time
@@ -36,11 +34,6 @@ class RetryPolicy:
     max_retries: int = 3  # attempts = 1 + max_retries at most
     backoff_seconds: float = 0.5  # the first retry waits up to this (full jitter), doubling each retry
     backoff_max_seconds: float = 30.0
-
-
-def request_hash(obj) -> str:
-    """Stable hash of a JSON-able request (sorted keys): the cache key of rubric generation and the judge."""
-    return hashlib.blake2b(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode(), digest_size=16).hexdigest()
 
 
 def backoff_delay(retry: int, policy: RetryPolicy, rng: random.Random, retry_after: float | None = None) -> float:

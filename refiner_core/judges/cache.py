@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from refiner_core.http_chat import request_hash
 from refiner_core.models import refiner_home
-from refiner_core.storage import write_json
+from refiner_core.storage import json_hash, write_json
 
 
 def default_cache_dir() -> Path:
@@ -24,11 +23,11 @@ def default_cache_dir() -> Path:
 
 def prompt_hash(messages: list[dict]) -> str:
     """Hash of the exact judge prompt (the chat messages)."""
-    return request_hash(messages)
+    return json_hash(messages)
 
 
 def cache_key(model: str, sampling: dict, prompt_digest: str) -> str:
-    return request_hash({"model": model, "sampling": sampling, "prompt": prompt_digest})
+    return json_hash({"model": model, "sampling": sampling, "prompt": prompt_digest})
 
 
 @dataclass
