@@ -8,6 +8,18 @@ want=$(cat requirements.lock pyproject.toml scripts/setup.sh | sha256sum | cut -
 if [[ -f $stamp && "$(cat $stamp)" == "$want" ]]; then
   exit 0
 fi
+# The agent's Python tool runs model-written code under bubblewrap. Install it where we may (root with apt);
+# elsewhere say so: stages that enable the tool then stop at start with the same advice, never unsandboxed.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (sandbox of the agent's Python tool)" >&2
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null; } \
+      || echo "[setup] warning: could not install bubblewrap; recipes with agent tools will refuse to start" >&2
+  else
+    echo "[setup] note: bubblewrap (bwrap) is missing and cannot be installed here (needs root and apt-get);" \
+         "recipes with agent tools will refuse to start until it is installed" >&2
+  fi
+fi
 echo "[setup] installing pinned packages into .venv (CPU torch)" >&2
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 pip=".venv/bin/python -m pip"

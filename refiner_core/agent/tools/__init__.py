@@ -1,0 +1,1 @@
+"""Tools the agent may call; each registers in TOOLS (tools/base.py)."""

@@ -1,0 +1,254 @@
+"""Escapes tried against the Python sandbox; each test fails if the escape succeeds."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from refiner_core.agent.tools.python_sandbox import (PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable,
+                                                     check_sandbox)
+
+LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=6.0, memory_bytes=512 << 20, max_processes=16,
+                       max_file_bytes=1 << 20, tmp_bytes=8 << 20, max_output_bytes=2048)
+
+
+@pytest.fixture(scope="module")
+def box():
+    check_sandbox()
+    sandbox = PythonSandbox(LIMITS, concurrency=2)
+    yield sandbox
+    sandbox.close()
+
+
+def processes_matching(marker: str) -> list[int]:
+    """Host PIDs whose command line contains `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def processes_of_uid(uids: set[int]) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            real_uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+            if real_uid in uids:
+                found.append(int(entry.name))
+    return found
+
+
+def test_runs_code_and_returns_output(box):
+    result = box.run("print(6 * 7)")
+    assert (result.status, result.exit_code, result.stdout) == ("ok", 0, "42\n")
+    failed = box.run("raise ValueError('bad input')")
+    assert failed.status == "error" and failed.exit_code == 1 and "ValueError: bad input" in failed.stderr
+
+
+def test_infinite_loop_is_stopped_by_the_cpu_limit(box):
+    result = box.run("while True:\n    pass")
+    assert result.status == "cpu_limit"
+    assert result.seconds < LIMITS.wall_seconds
+
+
+def test_sleeping_code_is_stopped_by_the_wall_clock(box):
+    t0 = time.monotonic()
+    result = box.run("import time\ntime.sleep(60)")
+    assert result.status == "timeout" and result.exit_code is None
+    assert time.monotonic() - t0 < LIMITS.wall_seconds + 3
+
+
+def test_fork_bomb_is_contained(box):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    t0 = time.monotonic()
+    result = box.run(code)
+    assert result.status in ("timeout", "cpu_limit")
+    assert time.monotonic() - t0 < LIMITS.wall_seconds + 5
+    if os.geteuid() == 0:  # the sandbox uids own no process once the call returned
+        assert processes_of_uid({61000, 61001}) == []
+    # The limit held: the sandbox can still run code, and this process can still fork.
+    assert box.run("print('alive')").stdout == "alive\n"
+
+
+def test_process_limit_refuses_forks_past_the_limit(box):
+    code = ("import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+            "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+            "    print('refused after', n, type(e).__name__)")
+    result = box.run(code)
+    assert "refused after" in result.stdout, result
+    assert int(result.stdout.split()[2]) < LIMITS.max_processes
+
+
+def test_memory_bomb_gets_memory_error(box):
+    result = box.run("chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))")
+    assert result.status == "error" and "MemoryError" in result.stderr
+    big = box.run("x = bytearray(4 << 30)")
+    assert big.status == "error" and "MemoryError" in big.stderr
+
+
+def test_no_connection_to_host_loopback(box):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept():
+        deadline = time.monotonic() + LIMITS.wall_seconds
+        while time.monotonic() < deadline:
+            try:
+                accepted.append(server.accept())
+            except socket.timeout:
+                continue
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    code = (f"import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
+            "    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e)")
+    result = box.run(code)
+    thread.join()
+    server.close()
+    assert "blocked" in result.stdout and "CONNECTED" not in result.stdout
+    assert accepted == []
+
+
+def test_no_connection_to_outside_addresses(box):
+    code = ("import socket\nfor host in ('1.1.1.1', '8.8.8.8'):\n    s = socket.socket()\n    s.settimeout(2)\n"
+            "    try:\n        s.connect((host, 53))\n        print('CONNECTED', host)\n    except OSError as e:\n"
+            "        print('blocked', host, e.errno)\ntry:\n    socket.getaddrinfo('pypi.org', 443)\n"
+            "    print('RESOLVED')\nexcept OSError:\n    print('no dns')")
+    result = box.run(code)
+    assert result.stdout.count("blocked") == 2 and "no dns" in result.stdout
+    assert "CONNECTED" not in result.stdout and "RESOLVED" not in result.stdout
+
+
+def test_writes_outside_tmp_fail_and_tmp_is_private(box, tmp_path):
+    target = tmp_path / "escaped.txt"
+    code = ("import os, sys\nfor path in ['/usr/escaped', '/escaped', sys.prefix + '/escaped', " + repr(str(target))
+            + "]:\n    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
+            "    except OSError as e:\n        print('refused', path)\nopen('/tmp/scratch', 'w').write('kept?')\n"
+            "print('tmp ok', os.listdir('/tmp'))")
+    result = box.run(code)
+    assert "WROTE" not in result.stdout and result.stdout.count("refused") == 4
+    assert "tmp ok ['scratch']" in result.stdout
+    assert not target.exists() and not Path(sys.prefix, "escaped").exists() and not Path("/escaped").exists()
+    # A fresh call starts from an empty /tmp.
+    assert box.run("import os\nprint(os.listdir('/tmp'))").stdout == "[]\n"
+
+
+def test_file_size_limit(box):
+    result = box.run("f = open('/tmp/big', 'wb')\nfor _ in range(64):\n    f.write(b'x' * (1 << 20))\n    f.flush()")
+    assert result.status in ("file_size_limit", "error")
+    assert result.status == "file_size_limit" or "File too large" in result.stderr or "No space" in result.stderr
+
+
+def test_environment_secrets_and_home_are_not_visible(box, monkeypatch):
+    secret = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("REFINER_TEST_API_KEY", secret)
+    home = Path.home()
+    probe = home / f".refiner-sandbox-probe-{uuid.uuid4().hex}"
+    probe.write_text(secret)
+    try:
+        code = ("import os, glob\nprint(dict(os.environ))\nfor pid in os.listdir('/proc'):\n"
+                "    if pid.isdigit():\n        try:\n            print(open(f'/proc/{pid}/environ').read())\n"
+                "        except OSError:\n            pass\n"
+                f"for path in [{str(probe)!r}, '/etc/shadow', '/proc/1/root/etc/hostname']:\n    try:\n"
+                "        print(open(path).read())\n    except OSError as e:\n        print('refused', path)\n"
+                f"print('home', sorted(os.listdir({str(home)!r})) if os.path.isdir({str(home)!r}) else None)")
+        result = box.run(code)
+    finally:
+        probe.unlink()
+    assert result.status == "ok", result
+    assert secret not in result.stdout and secret not in result.stderr
+    assert "REFINER_TEST_API_KEY" not in result.stdout
+    assert f"refused {probe}" in result.stdout and "refused /etc/shadow" in result.stdout
+    listing = next(line for line in result.stdout.splitlines() if line.startswith("home "))
+    assert probe.name not in listing  # the home folder's files are not there
+
+
+def test_huge_output_is_truncated(box):
+    result = box.run("import sys\nsys.stdout.write('x' * 10_000_000)\nsys.stderr.write('e' * 100_000)")
+    assert result.status == "ok"
+    assert result.stdout_bytes == 10_000_000 and result.stderr_bytes == 100_000 and result.truncated
+    assert len(result.stdout) < LIMITS.max_output_bytes + 200 and "output truncated" in result.stdout
+    flood = box.run("while True:\n    print('y' * 1000)")
+    assert flood.status in ("timeout", "cpu_limit") and len(flood.stdout) < LIMITS.max_output_bytes + 200
+
+
+def test_killing_the_parent_fails(box):
+    me = os.getpid()
+    code = (f"import os, signal\nfor pid in [{me}, os.getppid(), 1]:\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+            "        print('sent', pid)\n    except OSError as e:\n        print('refused', pid, type(e).__name__)\n"
+            "try:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print('broadcast refused')")
+    box.run(code)
+    # This process (the stage) survived, and the sandbox still works.
+    assert os.getpid() == me
+    assert box.run("print('still here')").stdout == "still here\n"
+
+
+def test_child_left_running_is_killed_with_the_call(box):
+    marker = f"sandbox-leftover-{uuid.uuid4().hex}"
+    code = ("import subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)  # {marker}'], "
+            "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\nprint('spawned')")
+    result = box.run(code)
+    assert result.stdout == "spawned\n"
+    time.sleep(0.5)
+    assert processes_matching(marker) == []
+    sleeper = f"sandbox-timeout-{uuid.uuid4().hex}"
+    code = ("import subprocess, sys, time\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)  # {sleeper}'], "
+            "start_new_session=True)\ntime.sleep(300)")
+    assert box.run(code).status == "timeout"
+    time.sleep(0.5)
+    assert processes_matching(sleeper) == []
+
+
+def test_calls_run_concurrently_and_bounded():
+    sandbox = PythonSandbox(SandboxLimits(wall_seconds=10.0), concurrency=2)
+    try:
+        t0 = time.monotonic()
+        results = sandbox.run_many(["import time\ntime.sleep(1.5)\nprint(%d)" % i for i in range(4)])
+        elapsed = time.monotonic() - t0
+    finally:
+        sandbox.close()
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]  # input order
+    assert 3.0 <= elapsed < 5.5  # two at a time: two rounds of 1.5 s, not one and not four
+
+
+def test_python_tool_reports_bad_arguments_without_running():
+    tool = PythonTool(PythonSandbox(LIMITS, concurrency=1))
+    try:
+        results = tool.run_many([{"code": "print(2 ** 10)"}, {"source": "print(1)"}, {"code": 5}])
+    finally:
+        tool.close()
+    assert results[0].status == "ok" and results[0].text == "1024"
+    assert results[1].status == "invalid_call" and results[1].failure.startswith("missing_argument")
+    assert results[2].status == "invalid_call" and results[2].failure.startswith("wrong_type")
+
+
+def test_missing_bubblewrap_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    sandbox = PythonSandbox(LIMITS, concurrency=1)
+    try:
+        with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+            sandbox.run("print(1)")
+    finally:
+        sandbox.close()
