@@ -7,11 +7,15 @@ from pathlib import Path
 import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from prefect import flow, get_run_logger
 
-from refiner_core.config import (FLOW_ONLY_GRPO_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop,
-                                  pick, recipe_from_dict)
+from flows.run_folder import holds_run_folder, resolve_run_dir
+
+from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS, SFT_PREPARE_FIELDS,
+                                  SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop, pick, recipe_from_dict)
+from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.preflight import resolve
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
+from tasks.eval import evaluate
 from tasks.judge import judge
 from tasks.model import locate_model
 from tasks.prepare import prepare_data
@@ -35,10 +39,11 @@ def _flow_run_name() -> str:
     from prefect.runtime import flow_run
 
     cfg = recipe_from_dict(flow_run.parameters["recipe"])
-    return f"{run_name(cfg.run.name, flow_run.parameters['run_dir'])}: steps 0-{cfg.grpo.steps - 1}"
+    return f"{run_name(cfg.run.name, resolve_run_dir(flow_run.parameters['run_dir']))}: steps 0-{cfg.grpo.steps - 1}"
 
 
 @flow(name="refiner-grpo", log_prints=True, flow_run_name=_flow_run_name)
+@holds_run_folder  # one run per folder; children of a killed earlier run are stopped
 def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     cfg = recipe_from_dict(recipe)
     conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
@@ -60,19 +65,34 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     manifests = [prompts, rubrics]
     grpo_prompts = {**prompts, "train_ids": rubrics["train_ids"]}  # prompts left without rubrics are not trained
 
+    evaluations: list[dict] = []
+    eval_at = eval_steps(cfg.grpo.steps, cfg.eval.every)
+
+    def evaluate_policy(policy: dict, step: int, phase: str) -> None:
+        evaluations.append(evaluate.with_options(**retry)(
+            **common, run=run, step=step, phase=phase, prompts=prompts, rubrics=rubrics, policy=policy,
+            judge_model=judge_model, eval_cfg=drop(conf["eval"], FLOW_ONLY_EVAL_FIELDS),
+            rollout_cfg=pick(conf["rollout"], EVAL_ROLLOUT_FIELDS), judge_cfg=conf["judge"], reward_cfg=conf["reward"],
+            seed=seed, dtype=dtype, precision=precision))
+        manifests.append(evaluations[-1])
+
+    if eval_at and cfg.sft.enabled:  # base -> SFT -> GRPO in one table
+        evaluate_policy(base, 0, "base")
     start = base
     if cfg.sft.enabled:  # warm start: GRPO policy and (default) KL reference begin at the SFT checkpoint
         sft_file = repo_path(cfg.sft.path, cfg.sft.format) if cfg.sft.path else data_file
         sft_data = prepare_sft.with_options(**retry)(
             **common, run=run, sft_file=sft_file, sft_cfg=pick(conf["sft"], SFT_PREPARE_FIELDS), seed=seed,
-            policy=base)
+            policy=base, prompts=prompts)
         warm = sft_train.with_options(**retry)(
             **common, run=run, sft_data=sft_data, policy=base, sft_cfg=pick(conf["sft"], SFT_TRAIN_FIELDS), seed=seed,
-            dtype=dtype)
+            dtype=dtype, precision=precision)
         start = warm["policy"]
         manifests += [sft_data, warm]
         publish_catalog(**common, manifests=manifests)
     reference = model(cfg.model.reference) if cfg.model.reference else start
+    if eval_at:
+        evaluate_policy(start, 0, "sft" if cfg.sft.enabled else "base")
 
     policy = start
     for step in range(cfg.grpo.steps):
@@ -87,9 +107,15 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             grpo_cfg=drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS), temperature=cfg.rollout.temperature, dtype=dtype,
             precision=precision, seed=seed)
         policy = updated["policy"]
+        if step + 1 in eval_at:
+            evaluate_policy(policy, step + 1, "grpo")
         prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every)
         manifests += [rolled, scored, updated]
         publish_catalog(**common, manifests=manifests)  # inspectable after every step
         log.info("step %d done: checkpoint %s", step, policy["path"])
 
-    return {"run_dir": run_dir, "catalog": str(Path(run_dir) / "catalog.duckdb"), "policy": policy["path"]}
+    summary = [row for evaluated in evaluations for row in evaluated["summary"]]
+    if summary:
+        log.info("held-out evaluation (refiner sql %s \"SELECT * FROM evals\"):\n%s", run_dir, format_table(summary))
+    return {"run_dir": run_dir, "catalog": str(Path(run_dir) / "catalog.duckdb"), "policy": policy["path"],
+            "evals": summary}

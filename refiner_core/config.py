@@ -51,8 +51,9 @@ class ModelConfig:
     reference: str = opt("", "Frozen KL reference; '' means the starting policy (base or SFT checkpoint).")
     dtype: str = opt("float32", "Parameter dtype for policy and reference ('float32' or 'bfloat16').")
     precision: Literal["fp32", "bf16"] = opt(
-        "bf16", "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the hf "
-        "rollout engine's and the transformers judge's forward passes under bfloat16 autocast with weights as "
+        "bf16", "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the SFT "
+        "warm start's, the hf rollout engine's and the transformers judge's forward passes under bfloat16 autocast "
+        "with weights as "
         "loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge probabilities are "
         "computed in fp32 from the logits. About 3x faster on CPUs with AVX-512 BF16 and on GPUs. 'fp32' computes "
         "everything in float32. The vllm engine computes in bfloat16 under 'bf16' (its weights are cast), else in model.dtype."
@@ -269,6 +270,25 @@ class SFTConfig:
     max_rejected_fraction: float = opt(0.5, "Fail prepare-sft when more than this fraction of rows is rejected.")
 
 
+@dataclass
+class EvalConfig:
+    every: int = opt(
+        0, "Evaluate on held-out prompts (the data.validation_fraction split) the starting policy (step 0; with SFT "
+        "on, also the base model before it), the policy after every `every` GRPO steps, and after the last one; "
+        "0 = no evaluation."
+    )
+    prompts: int = opt(16, "Held-out prompts evaluated: the first N of the validation split by prompt_id (0 = all).")
+    greedy: bool = opt(True, "One greedy (temperature 0) response per prompt, mode 'greedy'.")
+    samples: int = opt(0, "Sampled responses per prompt at eval.temperature, mode 'sampled' (for pass@k); 0 = none.")
+    temperature: float = opt(1.0, "Sampling temperature of the 'sampled' mode (top_p is rollout.top_p).")
+    pass_k: int = opt(0, "k of pass@k over the sampled responses (0 = eval.samples); greedy reports pass@1.")
+    pass_rubric_score: float = opt(
+        0.5, "A judged response passes when it is format-valid, cites at least one snippet and no unknown ID, and "
+        "its rubric score is at least this; a verified one when its answer is correct."
+    )
+    max_new_tokens: int = opt(0, "Response length limit of eval responses (0 = rollout.max_new_tokens).")
+
+
 # What each stage reads of a section. A stage's cache key holds only the settings it reads, so changing another
 # one (grpo.steps to extend a run, sft.epochs for prepare-sft, ...) leaves the stage Cached.
 SOURCE_FIELDS = ("path", "format", "fields", "split", "hub_config")
@@ -278,6 +298,9 @@ SFT_PREPARE_FIELDS = SOURCE_FIELDS + (
 SFT_TRAIN_FIELDS = ("epochs", "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "micro_batch_size",
                     "gradient_accumulation")
 FLOW_ONLY_GRPO_FIELDS = ("steps",)  # how many updates the flow runs; no single update reads it
+FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
+EVAL_ROLLOUT_FIELDS = ("engine", "top_p", "max_new_tokens", "stop", "batch_size", "tensor_parallel_size",
+                       "gpu_memory_utilization")
 
 
 def pick(section: dict, names: tuple[str, ...]) -> dict:
@@ -299,6 +322,7 @@ class RecipeConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig, metadata={"help": "Stage 4: judge scoring."})
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Stage 4: reward composition."})
     grpo: GRPOConfig = field(default_factory=GRPOConfig, metadata={"help": "Stage 5: GRPO update."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation of the policy."})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

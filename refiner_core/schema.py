@@ -260,9 +260,36 @@ SFT_METRICS = Table(
     ),
 )
 
+_EVAL_COLUMNS = (
+    _c("run", S, "Run name."),
+    _c("step", I, "GRPO updates applied to the evaluated policy (0 = the starting policy)."),
+    _c("phase", S, "'base' (the model before any training), 'sft' (after the SFT warm start) or 'grpo' (after "
+                   "`step` GRPO updates)."),
+    _c("mode", S, "'greedy' (one response at temperature 0) or 'sampled' (eval.samples responses, for pass@k)."),
+    _c("prompt_id", S, "Held-out prompt ID (validation split)."),
+    _c("sample_idx", I, "Index among the prompt's responses of this mode."),
+    _c("policy", S, "Checkpoint path of the evaluated policy."),
+    _c("policy_hash", S, "Content hash of the evaluated policy's weights."),
+    _c("temperature", F, "Sampling temperature (0 for greedy)."),
+    _c("response_text", S, "Decoded response."),
+    _c("response_tokens", I, "Response length in tokens."),
+)
+
+EVALS = Table(
+    "evals",
+    "One row per held-out evaluation response: the policy evaluated, the response, and every reward part, "
+    "scored by the same code as the training rewards.",
+    ("run", "step", "phase", "mode", "prompt_id", "sample_idx"),
+    _EVAL_COLUMNS + tuple(c for c in REWARDS.columns if c.name not in {e.name for e in _EVAL_COLUMNS}
+                          and c.name != "reward_version") + (
+        _c("passed", B, "A pass for pass@k: correct = 1 for verified prompts; for judged ones format_ok, at least "
+                        "one citation, none invalid, and rubric_score >= eval.pass_rubric_score."),
+    ),
+)
+
 ALL_TABLES: dict[str, Table] = {
     t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARDS, STEPS, QUARANTINE, SFT_EXAMPLES,
-                        SFT_STATS, SFT_METRICS)
+                        SFT_STATS, SFT_METRICS, EVALS)
 }
 
 _DUCKDB_TYPES = {

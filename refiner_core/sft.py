@@ -153,9 +153,11 @@ class PreparedSFT:
 
 
 def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, validation_fraction: float, seed: int,
-                histogram_bins: int = 10) -> PreparedSFT:
-    """Validated rows (from data.validate_rows) -> packed SFT examples, rejections and a stats summary."""
+                histogram_bins: int = 10, held_out: list[dict] = ()) -> PreparedSFT:
+    """Validated rows (from data.validate_rows) -> packed SFT examples, rejections and a stats summary.
+    Rows of the `held_out` prompts (the GRPO data's validation split) are left out: evaluation scores them."""
     out = PreparedSFT()
+    rows, held_out_rows = without_held_out(rows, held_out)
     seen: set[str] = set()
     kept: list[tuple[dict, Rendered, str, list[str]]] = []
     skipped_no_answer = 0
@@ -214,7 +216,8 @@ def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, valida
     for r in out.rejected:
         dropped[r.reason] = dropped.get(r.reason, 0) + 1
     out.stats = {
-        "rows_in": len(rows), "examples_out": len(out.examples), "skipped_no_answer": skipped_no_answer,
+        "rows_in": len(rows) + held_out_rows, "held_out_rows": held_out_rows, "examples_out": len(out.examples),
+        "skipped_no_answer": skipped_no_answer,
         "dropped": dropped, "truncated": truncations,
         "train_examples": sum(e["split"] == "train" for e in out.examples),
         "validation_examples": sum(e["split"] == "validation" for e in out.examples),
@@ -223,6 +226,15 @@ def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, valida
                        for name in ("prompt_tokens", "response_tokens", "total_tokens")},
     }
     return out
+
+
+def without_held_out(rows: list[dict], held_out: list[dict]) -> tuple[list[dict], int]:
+    """Rows that are not held-out prompts (same ID or same content), and how many were left out: the warm start
+    must not imitate the reference answer of a prompt the evaluation scores."""
+    ids = {p["prompt_id"] for p in held_out}
+    hashes = {p["content_hash"] for p in held_out}
+    kept = [r for r in rows if r["id"] not in ids and r["content_hash"] not in hashes]
+    return kept, len(rows) - len(kept)
 
 
 def _limit_detail(reason: str, rendered: Rendered, limits: SFTLimits) -> str:
@@ -256,6 +268,7 @@ def stats_rows(run: str, stats: dict) -> list[dict]:
 
     for name in ("rows_in", "examples_out", "skipped_no_answer", "train_examples", "validation_examples"):
         add("count", name, stats[name])
+    add("count", "held_out_rows", stats.get("held_out_rows", 0))
     for reason, n in stats["dropped"].items():
         add("dropped", reason, n)
     for reason, n in stats["truncated"].items():

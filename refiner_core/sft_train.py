@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refiner_core.learners.base import autocast
 from refiner_core.packing import IGNORE_INDEX, PackedRow, concat_pack
 
 
@@ -56,9 +57,11 @@ def collate_packed(rows: list[PackedRow], pad_id: int) -> dict[str, torch.Tensor
     return {"input_ids": ids, "position_ids": pos, "labels": labels}
 
 
-def summed_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over labelled positions, and their count."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+def summed_loss(model, batch: dict[str, torch.Tensor], precision: str = "fp32") -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over labelled positions, and their count. Under 'bf16' the forward pass
+    runs in bfloat16 autocast; the cross-entropy is computed in fp32."""
+    with autocast(precision, model.device):
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     targets = batch["labels"][:, 1:]
     loss = torch.nn.functional.cross_entropy(
         logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
@@ -67,21 +70,23 @@ def summed_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, in
 
 
 @torch.no_grad()
-def evaluate(model, rows: list[PackedRow], pad_id: int, micro_batch_size: int) -> tuple[float, int]:
+def evaluate(model, rows: list[PackedRow], pad_id: int, micro_batch_size: int,
+             precision: str = "fp32") -> tuple[float, int]:
     """Token-mean loss over every assistant token of `rows`."""
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
     for i in range(0, len(rows), micro_batch_size):
-        loss, n = summed_loss(model, collate_packed(rows[i : i + micro_batch_size], pad_id))
+        loss, n = summed_loss(model, collate_packed(rows[i : i + micro_batch_size], pad_id), precision)
         total, tokens = total + loss.item(), tokens + n
     model.train(was_training)
     return (total / tokens if tokens else float("nan")), tokens
 
 
 def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id: int, settings: SFTSettings,
-              on_step=None) -> list[dict]:
-    """Train in place; returns metric rows (split, step, epoch, loss, tokens, lr, grad_norm)."""
+              on_step=None, precision: str = "fp32") -> list[dict]:
+    """Train in place; returns metric rows (split, step, epoch, loss, tokens, lr, grad_norm). `precision` as
+    model.precision: 'bf16' autocasts forward passes, weights and AdamW state stay as loaded."""
     torch.manual_seed(settings.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -90,7 +95,7 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
 
     def validate(step: int, epoch: float) -> None:
         if validation:
-            loss, tokens = evaluate(model, validation, pad_id, settings.micro_batch_size)
+            loss, tokens = evaluate(model, validation, pad_id, settings.micro_batch_size, precision)
             history.append({"split": "validation", "step": step, "epoch": epoch, "loss": loss, "tokens": tokens,
                             "lr": None, "grad_norm": None})
 
@@ -115,7 +120,7 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for batch in micro:
-                loss, _ = summed_loss(model, batch)
+                loss, _ = summed_loss(model, batch, precision)
                 (loss / tokens).backward()  # token-mean over the whole optimizer step
                 total += loss.item()
             clip = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")

@@ -16,15 +16,17 @@ from tasks.stage import stage
 
 
 @stage("prepare-sft")
-def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: int, policy: dict) -> dict:
+def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: int, policy: dict,
+                prompts: dict) -> dict:
     """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
-    sft_stats, quarantine (+ stats.json)."""
+    sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out."""
     log = get_run_logger()
     raw = load_source(sft_file, sft_cfg)
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
+    held_out = [p for p in read_rows(prompts["prompts"]["path"]) if p["split"] == "validation"]
     prepared = prepare_sft_core(checked.rows, tokenizer, run, SFTLimits.from_config(sft_cfg),
-                                sft_cfg["validation_fraction"], seed, sft_cfg["histogram_bins"])
+                                sft_cfg["validation_fraction"], seed, sft_cfg["histogram_bins"], held_out)
     rejected = checked.rejected + prepared.rejected
     stats = {**prepared.stats, "rows_in": len(raw), "invalid_rows": len(checked.rejected)}
     out = Path(run_dir) / "sft"
@@ -38,9 +40,9 @@ def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: i
         "stats_json": {"path": str(out / "stats.json"), "hash": write_json(stats, out / "stats.json")},
         "examples": len(prepared.examples), "packing": stats["packing"], "dropped": stats["dropped"],
     }
-    log.info("prepare-sft: %d rows in, %d examples (%d train / %d validation), %d rejected %s, packing "
-             "efficiency train %.1f%%", len(raw), len(prepared.examples), stats["train_examples"],
-             stats["validation_examples"], len(rejected), stats["dropped"],
+    log.info("prepare-sft: %d rows in (%d held out for evaluation), %d examples (%d train / %d validation), %d "
+             "rejected %s, packing efficiency train %.1f%%", len(raw), stats["held_out_rows"], len(prepared.examples),
+             stats["train_examples"], stats["validation_examples"], len(rejected), stats["dropped"],
              100 * stats["packing"]["train"]["efficiency"])
     fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), sft_cfg["max_rejected_fraction"])
     if not stats["train_examples"]:
@@ -50,7 +52,7 @@ def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: i
 
 @stage("sft-train")
 def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: dict, seed: int,
-              dtype: str) -> dict:
+              dtype: str, precision: str) -> dict:
     """SFT warm start on the packed examples -> HF checkpoint (the GRPO starting point) + sft_metrics."""
     import torch
 
@@ -61,7 +63,8 @@ def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: 
     tokenizer = load_tokenizer(policy["path"])
     torch.manual_seed(seed)
     model = load_model(policy["path"], dtype, trainable=True)
-    history = train_sft(model, train, validation, tokenizer.pad_token_id, SFTSettings.from_config(sft_cfg, seed))
+    history = train_sft(model, train, validation, tokenizer.pad_token_id, SFTSettings.from_config(sft_cfg, seed),
+                        precision=precision)
 
     final = Path(run_dir) / "checkpoints" / "sft"
     with atomic_dir(final) as build:

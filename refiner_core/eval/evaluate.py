@@ -1,0 +1,174 @@
+"""Held-out evaluation of a policy checkpoint.
+
+The validation split of the prompts is answered by the recipe's own rollout engine (greedy, and/or k sampled
+responses for pass@k) and scored by the same code that computes training rewards, so an eval number and a
+training reward always mean the same thing. Every evaluation uses the same seed: two checkpoints differ only
+by their weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import comb
+
+from refiner_core.rollout.base import RolloutEngine, SamplingParams
+
+PHASES = ("base", "sft", "grpo")
+MODES = ("greedy", "sampled")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    prompts: int
+    greedy: bool
+    samples: int
+    temperature: float
+    top_p: float
+    pass_k: int
+    pass_rubric_score: float
+    max_new_tokens: int
+    stop: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, eval_cfg: dict, rollout_cfg: dict) -> "EvalSettings":
+        return cls(prompts=eval_cfg["prompts"], greedy=eval_cfg["greedy"], samples=eval_cfg["samples"],
+                   temperature=eval_cfg["temperature"], top_p=rollout_cfg["top_p"],
+                   pass_k=eval_cfg["pass_k"] or eval_cfg["samples"], pass_rubric_score=eval_cfg["pass_rubric_score"],
+                   max_new_tokens=eval_cfg["max_new_tokens"] or rollout_cfg["max_new_tokens"],
+                   stop=tuple(rollout_cfg["stop"]))
+
+    def sampling(self, seed: int) -> dict[str, SamplingParams]:
+        """The sampling parameters of each mode evaluated."""
+        modes = {}
+        if self.greedy:
+            modes["greedy"] = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=self.stop,
+                                             seed=seed)
+        if self.samples:
+            modes["sampled"] = SamplingParams(n=self.samples, temperature=self.temperature, top_p=self.top_p,
+                                              max_new_tokens=self.max_new_tokens, stop=self.stop, seed=seed)
+        return modes
+
+
+def eval_steps(total_steps: int, every: int) -> list[int]:
+    """GRPO updates after which the policy is evaluated: 0 (the starting policy), every `every`-th, and the
+    last; none when `every` is 0."""
+    if every <= 0:
+        return []
+    return sorted({0, *range(every, total_steps + 1, every), total_steps})
+
+
+def held_out_prompts(prompt_rows: list[dict], limit: int) -> list[dict]:
+    """The validation split in prompt_id order, the first `limit` of it (0 = all): the same prompts at every
+    evaluation of a run, and never trained on."""
+    held_out = sorted((p for p in prompt_rows if p["split"] == "validation"), key=lambda p: p["prompt_id"])
+    return held_out[:limit] if limit else held_out
+
+
+def generate_responses(engine: RolloutEngine, prompts: list[dict], settings: EvalSettings, seed: int) -> list[dict]:
+    """Rollout-shaped rows (with the eval `mode`) for every held-out prompt and mode."""
+    rows = []
+    for mode, params in settings.sampling(seed).items():
+        generations = engine.generate([p["prompt_token_ids"] for p in prompts], params, desc=f"eval {mode}")
+        for g in generations:
+            prompt = prompts[g.prompt_index]
+            rows.append({
+                "mode": mode, "prompt_id": prompt["prompt_id"], "sample_idx": g.sample_idx,
+                "temperature": params.temperature, "seed": params.seed, "engine": engine.name,
+                "prompt_token_ids": prompt["prompt_token_ids"], "response_token_ids": g.token_ids,
+                "response_logprobs": g.logprobs, "response_text": g.text, "response_tokens": len(g.token_ids),
+                "finish_reason": g.finish_reason, "max_new_tokens": params.max_new_tokens,
+            })
+    return rows
+
+
+def passed(reward_row: dict, pass_rubric_score: float) -> bool:
+    """A verified prompt passes when its answer is correct; a judged one when its answer is well formed, cites
+    at least one snippet, cites no unknown ID, and the judge's rubric score reaches the threshold."""
+    if reward_row["verifier"] != "judge":
+        return reward_row["correct"] == 1.0
+    return bool(reward_row["format_ok"] and reward_row["n_citations"] > 0 and reward_row["n_invalid_citations"] == 0
+                and reward_row["rubric_score"] >= pass_rubric_score)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n responses of which c passed: 1 - C(n-c, k) / C(n, k) (Chen et al., 2021)."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n; got n={n}, c={c}, k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def citation_validity(row: dict) -> float:
+    """Fraction of the response's cited IDs that exist in the tool output (0 without an answer or a citation)."""
+    return row["citation_valid_fraction"] if "citation_valid_fraction" in row else row["citation_score"]
+
+
+def summarize(rows: list[dict], pass_k: int) -> list[dict]:
+    """One row per (step, phase, mode): rates and means over the responses, pass@1 and pass@k over prompts."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["step"], PHASES.index(r["phase"]), r["phase"], r["mode"]), []).append(r)
+    summary = []
+    for (step, _, phase, mode), group in sorted(groups.items()):
+        by_prompt: dict[str, list[bool]] = {}
+        for r in group:
+            by_prompt.setdefault(r["prompt_id"], []).append(bool(r["passed"]))
+        n = len(group)
+        k = min(pass_k, *(len(v) for v in by_prompt.values())) if pass_k else 1
+        summary.append({
+            "step": step, "phase": phase, "mode": mode, "prompts": len(by_prompt), "responses": n,
+            "format_valid": sum(bool(r["format_ok"]) for r in group) / n,
+            "citation_valid": sum(citation_validity(r) for r in group) / n,
+            "judge_score": _mean([r["rubric_score"] for r in group if r["verifier"] == "judge"]),
+            "reward": sum(r["reward"] for r in group) / n,
+            "stopped": sum(r["finish_reason"] == "stop" for r in group) / n,
+            "pass_at_1": sum(pass_at_k(len(v), sum(v), 1) for v in by_prompt.values()) / len(by_prompt),
+            "k": k,
+            "pass_at_k": sum(pass_at_k(len(v), sum(v), k) for v in by_prompt.values()) / len(by_prompt),
+        })
+    return summary
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def format_table(summary: list[dict]) -> str:
+    """The summary as a fixed-width text table, one line per evaluated policy and mode."""
+    header = ("step", "policy", "mode", "prompts", "format-valid", "citations valid", "judge score", "reward",
+              "stopped", "pass@1", "pass@k")
+    lines = [header]
+    for s in summary:
+        judge = "-" if s["judge_score"] is None else f"{s['judge_score']:.3f}"
+        lines.append((str(s["step"]), s["phase"], s["mode"], str(s["prompts"]), f"{s['format_valid']:.0%}",
+                      f"{s['citation_valid']:.0%}", judge, f"{s['reward']:.2f}", f"{s['stopped']:.0%}",
+                      f"{s['pass_at_1']:.0%}", f"{s['pass_at_k']:.0%} (k={s['k']})"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def score_responses(responses: list[dict], prompts_by_id: dict[str, dict], rubrics_by_prompt: dict[str, list[dict]],
+                    judge, weights, on_failure: str, max_response_chars: int, *, run: str, step: int, phase: str,
+                    policy: dict, pass_rubric_score: float) -> list[dict]:
+    """Score eval responses with the training reward code and return `evals` rows. Modes are scored apart: a
+    greedy and a sampled response can share a sample index."""
+    from refiner_core.judges.base import score_rollouts
+    from refiner_core.schema import EVALS
+
+    rows = []
+    for mode in MODES:
+        batch = [{**r, "run": run, "step": step, "policy": policy["path"], "policy_hash": policy["hash"]}
+                 for r in responses if r["mode"] == mode]
+        if not batch:
+            continue
+        scored = score_rollouts(batch, prompts_by_id, rubrics_by_prompt, judge, weights, on_failure,
+                                max_response_chars, batch[0]["max_new_tokens"])
+        by_key = {(w["prompt_id"], w["sample_idx"]): w for w in scored.rewards}
+        for r in batch:
+            parts = by_key[(r["prompt_id"], r["sample_idx"])]
+            row = {"run": run, "step": step, "phase": phase, "mode": mode, "prompt_id": r["prompt_id"],
+                   "sample_idx": r["sample_idx"], "policy": policy["path"], "policy_hash": policy["hash"],
+                   "temperature": r["temperature"], "response_text": r["response_text"],
+                   "response_tokens": r["response_tokens"], "passed": passed(parts, pass_rubric_score)}
+            row.update({name: parts[name] for name in EVALS.column_names if name not in row})
+            rows.append(row)
+    return rows

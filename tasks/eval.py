@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger
+
+from refiner_core.config import ConfigError, RewardConfig
+from refiner_core.eval.evaluate import (EvalSettings, format_table, generate_responses, held_out_prompts,
+                                        score_responses, summarize)
+from refiner_core.judges.base import make_judge
+from refiner_core.rollout.base import make_engine
+from refiner_core.schema import EVALS
+from refiner_core.storage import read_rows, write_table
+from tasks.stage import stage
+
+
+@stage("eval")
+def evaluate(*, run_dir: str, run: str, step: int, phase: str, prompts: dict, rubrics: dict, policy: dict,
+             judge_model: dict, eval_cfg: dict, rollout_cfg: dict, judge_cfg: dict, reward_cfg: dict, seed: int,
+             dtype: str, precision: str) -> dict:
+    """Held-out prompts -> responses from the policy (the recipe's rollout engine) -> training reward code ->
+    evals/step=N/<phase>.parquet and a summary (format-valid rate, citation validity, judge score, pass@k)."""
+    log = get_run_logger()
+    settings = EvalSettings.from_config(eval_cfg, rollout_cfg)
+    prompt_rows = read_rows(prompts["prompts"]["path"])
+    chosen = held_out_prompts(prompt_rows, settings.prompts)
+    if not chosen:
+        raise ConfigError("eval.every > 0 needs held-out prompts, and the validation split is empty: set "
+                          "data.validation_fraction > 0 (e.g. 0.2)")
+    if not Path(policy["path"]).is_dir():
+        raise FileNotFoundError(f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
+                                "run.keep_last); keep it with run.keep_every, or evaluate a new run")
+    engine = make_engine(rollout_cfg["engine"], policy["path"], rollout_cfg["batch_size"], dtype, precision,
+                         tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
+                         gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
+    responses = generate_responses(engine, chosen, settings, seed)
+    engine.close()  # free the engine's memory before the judge loads
+
+    rubric_rows: dict[str, list[dict]] = {}
+    for r in read_rows(rubrics["rubrics"]["path"]):
+        rubric_rows.setdefault(r["prompt_id"], []).append(r)
+    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)
+    rows = score_responses(responses, {p["prompt_id"]: p for p in prompt_rows}, rubric_rows, scorer,
+                           RewardConfig(**reward_cfg), judge_cfg["on_failure"], judge_cfg["max_response_chars"],
+                           run=run, step=step, phase=phase, policy=policy,
+                           pass_rubric_score=settings.pass_rubric_score)
+    summary = summarize(rows, settings.pass_k)
+    log.info("eval step %d (%s policy), %d held-out prompts:\n%s", step, phase, len(chosen), format_table(summary))
+    path = Path(run_dir) / "evals" / f"step={step}" / f"{phase}.parquet"
+    return {"evals": {"path": str(path), "hash": write_table(EVALS, rows, path)}, "summary": summary}

@@ -1,0 +1,189 @@
+"""The eval stage: held-out prompts, the rollout engine and the training reward code -> the `evals` table."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from conftest import REPO
+from refiner_core.config import load_recipe
+from refiner_core.eval.evaluate import (eval_steps, format_table, held_out_prompts, pass_at_k, passed, summarize)
+
+
+@pytest.mark.parametrize("steps, every, expected", [
+    (2, 0, []),
+    (2, 1, [0, 1, 2]),
+    (5, 2, [0, 2, 4, 5]),  # the last step is always evaluated
+    (4, 2, [0, 2, 4]),
+    (3, 10, [0, 3]),
+])
+def test_eval_steps(steps, every, expected):
+    assert eval_steps(steps, every) == expected
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (1, 1, 1, 1.0), (1, 0, 1, 0.0),
+    (4, 1, 1, 0.25),
+    (4, 1, 2, 0.5),       # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (4, 2, 2, 5 / 6),     # 1 - C(2,2)/C(4,2) = 1 - 1/6
+    (5, 0, 3, 0.0),
+    (5, 3, 3, 1.0),       # C(2,3) = 0: every 3-subset holds a pass
+])
+def test_pass_at_k_by_hand(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError, match="0 < k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def test_held_out_prompts_are_the_validation_split_in_id_order():
+    rows = [{"prompt_id": p, "split": s} for p, s in
+            [("c", "validation"), ("a", "train"), ("d", "validation"), ("b", "validation")]]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 0)] == ["b", "c", "d"]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 2)] == ["b", "c"]
+
+
+def _judged(**kw):
+    row = {"verifier": "judge", "correct": None, "format_ok": True, "n_citations": 2, "n_invalid_citations": 0,
+           "rubric_score": 0.6}
+    return {**row, **kw}
+
+
+def test_passed_needs_valid_format_valid_citations_and_the_rubric_threshold():
+    assert passed(_judged(), 0.5)
+    assert not passed(_judged(rubric_score=0.4), 0.5)
+    assert not passed(_judged(format_ok=False), 0.5)
+    assert not passed(_judged(n_citations=0), 0.5)
+    assert not passed(_judged(n_invalid_citations=1), 0.5)
+    assert passed({"verifier": "ground_truth", "correct": 1.0}, 0.5)
+    assert not passed({"verifier": "ground_truth", "correct": 0.0}, 0.5)
+
+
+def test_summary_by_hand():
+    def row(prompt, idx, ok, citation, rubric, passed_, reward, finish="stop", mode="sampled"):
+        return {"step": 3, "phase": "grpo", "mode": mode, "prompt_id": prompt, "sample_idx": idx,
+                "format_ok": ok, "citation_valid_fraction": citation, "verifier": "judge", "rubric_score": rubric,
+                "passed": passed_, "reward": reward, "finish_reason": finish}
+
+    rows = [row("p", 0, True, 1.0, 0.8, True, 9.0), row("p", 1, False, 0.0, 0.2, False, 2.0, "length"),
+            row("q", 0, True, 0.5, 0.6, False, 6.0), row("q", 1, False, 0.0, 0.4, False, 4.0)]
+    rows.append(row("p", 0, True, 1.0, 0.5, True, 7.0, mode="greedy"))
+    greedy, sampled = summarize(rows, pass_k=2)
+    assert (greedy["mode"], greedy["responses"], greedy["pass_at_1"], greedy["k"]) == ("greedy", 1, 1.0, 1)
+    assert sampled["prompts"] == 2 and sampled["responses"] == 4
+    assert sampled["format_valid"] == 0.5
+    assert sampled["citation_valid"] == pytest.approx(1.5 / 4)
+    assert sampled["judge_score"] == pytest.approx(2.0 / 4)
+    assert sampled["reward"] == pytest.approx(21.0 / 4)
+    assert sampled["stopped"] == 0.75
+    assert sampled["pass_at_1"] == pytest.approx((0.5 + 0.0) / 2)  # p: 1 of 2 passed, q: none
+    assert sampled["pass_at_k"] == pytest.approx((1.0 + 0.0) / 2)  # p: any of 2 passed
+    table = format_table([greedy, sampled]).splitlines()
+    assert table[0].split()[:3] == ["step", "policy", "mode"]
+    assert table[2].split()[:5] == ["3", "grpo", "sampled", "2", "50%"]
+
+
+def _eval_states(flow_run_id) -> list[tuple[str, str]]:
+    """(task run name, state name) of every eval task run of a flow run, in start order."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+    return [(r.name, r.state.name) for r in runs if r.name.startswith("eval")]
+
+
+def _run(recipe: dict, run_dir):
+    from flows.refiner import refiner_pipeline
+
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    return state.result(), _eval_states(state.state_details.flow_run_id)
+
+
+EVAL_OVERRIDES = ["data.validation_fraction=0.25", "grpo.steps=2", "eval.every=2", "eval.prompts=3",
+                  "eval.samples=2", "eval.max_new_tokens=16"]
+
+
+@pytest.fixture(scope="module")
+def sft_eval_run(prefect_server, tiny_model_path, tmp_path_factory):
+    recipe = load_recipe(REPO / "recipes" / "tiny-sft.yaml", EVAL_OVERRIDES).to_dict()
+    run_dir = tmp_path_factory.mktemp("eval")
+    result, states = _run(recipe, run_dir)
+    return recipe, run_dir, result, states
+
+
+def _query(run_dir, sql):
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def test_eval_rows_for_base_sft_and_last_step(sft_eval_run):
+    recipe, run_dir, result, states = sft_eval_run
+    evaluated = _query(run_dir, "SELECT step, phase, mode, count(*), count(DISTINCT prompt_id) FROM evals "
+                                "GROUP BY ALL ORDER BY step, phase, mode")
+    # step 1 is skipped (eval.every=2); greedy: 1 response per prompt, sampled: 2
+    assert evaluated == [(0, "base", "greedy", 3, 3), (0, "base", "sampled", 6, 3),
+                         (0, "sft", "greedy", 3, 3), (0, "sft", "sampled", 6, 3),
+                         (2, "grpo", "greedy", 3, 3), (2, "grpo", "sampled", 6, 3)]
+    # held-out prompts: validation split, never rolled out for training
+    assert _query(run_dir, "SELECT DISTINCT p.split FROM evals e JOIN prompts p USING (run, prompt_id)") == [
+        ("validation",)]
+    assert _query(run_dir, "SELECT count(*) FROM evals e JOIN rollouts r USING (run, prompt_id)") == [(0,)]
+    # nor imitated by the SFT warm start
+    held_out = _query(run_dir, "SELECT count(*) FROM prompts WHERE split = 'validation'")[0][0]
+    assert _query(run_dir, "SELECT value FROM sft_stats WHERE name = 'held_out_rows'") == [(float(held_out),)]
+    assert _query(run_dir, "SELECT count(*) FROM sft_examples s JOIN prompts p ON p.prompt_id = s.source_id "
+                           "WHERE p.split = 'validation'") == [(0,)]
+    # the policy evaluated at each point: base model, SFT checkpoint, GRPO step 2 checkpoint
+    policies = dict(_query(run_dir, "SELECT DISTINCT phase, policy FROM evals"))
+    assert policies["sft"].endswith("checkpoints/sft") and policies["grpo"].endswith("checkpoints/step_0002")
+    assert "checkpoints" not in policies["base"]
+    # greedy responses are deterministic: the same policy twice would give the same text; temperature recorded
+    assert _query(run_dir, "SELECT DISTINCT mode, temperature FROM evals ORDER BY 1") == [("greedy", 0.0),
+                                                                                        ("sampled", 1.0)]
+    assert _query(run_dir, "SELECT max(response_tokens) <= 16 FROM evals") == [(True,)]
+    # the printed summary covers every evaluated policy and mode
+    assert [(s["step"], s["phase"], s["mode"]) for s in result["evals"]] == [
+        (0, "base", "greedy"), (0, "base", "sampled"), (0, "sft", "greedy"), (0, "sft", "sampled"),
+        (2, "grpo", "greedy"), (2, "grpo", "sampled")]
+    assert [name for name, _ in states] == ["eval[step=0]", "eval[step=0]", "eval[step=2]"]
+    assert {state for _, state in states} == {"Completed"}
+
+
+def test_eval_reward_parts_match_the_training_reward_code(sft_eval_run):
+    from refiner_core.rewards import format_parts
+    from refiner_core.eval.evaluate import passed as passes
+
+    _, run_dir, _, _ = sft_eval_run
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        cur = con.execute("SELECT e.*, p.snippet_ids FROM evals e JOIN prompts p USING (run, prompt_id)")
+        names = [d[0] for d in cur.description]
+        rows = [dict(zip(names, r)) for r in cur.fetchall()]
+    finally:
+        con.close()
+    for row in rows:
+        parts = format_parts(row["response_text"], row["snippet_ids"])
+        assert {k: row[k] for k in parts} == parts
+        assert row["passed"] == passes(row, 0.5)
+        assert row["reward"] == pytest.approx(row["verification_reward"] * (
+            row["rubric_weight"] * row["rubric_score"] + row["citation_weight"] * row["citation_score"])
+            + row["format_weight"] * row["format_score"])
+
+
+def test_cached_rerun_does_not_reevaluate(sft_eval_run):
+    recipe, run_dir, first, _ = sft_eval_run
+    files = sorted((run_dir / "evals").rglob("*.parquet"))
+    before = {f: f.stat().st_mtime_ns for f in files}
+    result, states = _run(recipe, run_dir)
+    assert states == [("eval[step=0]", "Cached"), ("eval[step=0]", "Cached"), ("eval[step=2]", "Cached")]
+    assert {f: f.stat().st_mtime_ns for f in files} == before
+    assert result["evals"] == first["evals"]
