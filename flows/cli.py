@@ -89,6 +89,10 @@ def run(
         _run_failed(_describe(error) if isinstance(error, BaseException) else f"{state.name}: {state.message}",
                     failures, log_file, debug)
     db = folder / "catalog.duckdb"
+    if state.result().get("evals"):
+        from refiner_core.eval.evaluate import format_table
+
+        typer.echo(f"\nheld-out evaluation (SELECT * FROM evals):\n{format_table(state.result()['evals'])}")
     me = sys.argv[0] if Path(sys.argv[0]).name == "refiner" else "refiner"
     typer.echo(f"\ncatalog: {db}\nexample queries:")
     for sql in EXAMPLE_SQL[:2]:
@@ -223,8 +227,8 @@ def plot(
     run_dir: Path = typer.Argument(..., help="Run folder."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG path (default: RUN_DIR/curves.png)."),
 ) -> None:
-    """Plot reward, KL, loss and response length per step to a PNG."""
-    from refiner_core.plots import plot_steps
+    """Plot reward, KL, loss and response length per step (and held-out eval curves when the run has them) to a PNG."""
+    from refiner_core.plots import eval_summary, plot_steps
     from refiner_core.storage import query as run_query
 
     db = run_dir / "catalog.duckdb"
@@ -234,7 +238,7 @@ def plot(
     if not rows:
         _fail("the run has no finished steps yet", code=1)
     out = output or run_dir / "curves.png"
-    plot_steps([dict(zip(columns, r)) for r in rows], out)
+    plot_steps([dict(zip(columns, r)) for r in rows], out, evals=eval_summary(db))
     typer.echo(str(out))
 
 

@@ -1,33 +1,84 @@
-"""Training curves as a PNG."""
+"""Training and held-out evaluation curves as a PNG."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+# Held-out eval panels: (summary key, title); rates are drawn as percentages.
+EVAL_PANELS = [("format_valid", "eval: format-valid (%)"), ("citation_valid", "eval: citations valid (%)"),
+               ("judge_score", "eval: judge rubric score"), ("pass_at_k", "eval: pass@k (%)")]
+RATES = {"format_valid", "citation_valid", "pass_at_k"}
 
-def plot_steps(steps: list[dict], path: Path) -> Path:
+
+def plot_steps(steps: list[dict], path: Path, evals: list[dict] | None = None) -> Path:
+    """Reward, KL, loss and response length per step; with `evals` (eval summary rows, see
+    refiner_core.eval.evaluate.summarize) a second row of held-out curves, one line per mode. The base model
+    before SFT is drawn as a separate marker at step 0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    x = [s["step"] for s in steps]
     panels = [("reward_mean", "reward (mean ± std)"), ("kl", "KL to reference"), ("loss", "loss"),
               ("response_length_mean", "response tokens (mean)")]
-    fig, axes = plt.subplots(2, 2, figsize=(9, 6), constrained_layout=True)
-    for ax, (key, title) in zip(axes.flat, panels):
+    if evals:  # training curves on the first row, held-out curves on the second
+        fig, axes = plt.subplots(2, 4, figsize=(16, 6), constrained_layout=True)
+        step_axes, eval_axes = list(axes[0]), list(axes[1])
+    else:
+        fig, axes = plt.subplots(2, 2, figsize=(9, 6), constrained_layout=True)
+        step_axes, eval_axes = list(axes.flat), []
+    x = [s["step"] for s in steps]
+    for ax, (key, title) in zip(step_axes, panels):
         y = [s[key] for s in steps]
         ax.plot(x, y, marker="o")
         if key == "reward_mean":
             std = [s["reward_std"] for s in steps]
             ax.fill_between(x, [a - b for a, b in zip(y, std)], [a + b for a, b in zip(y, std)], alpha=0.2)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"run {steps[0]['run']}")
+        _style(ax, title)
+    for ax, (key, title) in zip(eval_axes, EVAL_PANELS):
+        _eval_panel(ax, evals, key)
+        _style(ax, title)
+    run = steps[0]["run"] if steps else ""
+    fig.suptitle(f"run {run}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def _eval_panel(ax, evals: list[dict], key: str) -> None:
+    scale = 100.0 if key in RATES else 1.0
+    for mode in sorted({e["mode"] for e in evals}):
+        trained = [e for e in evals if e["mode"] == mode and e["phase"] != "base"] or \
+                  [e for e in evals if e["mode"] == mode]
+        points = [(e["step"], e[key] * scale) for e in trained if e[key] is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=mode)
+        base = [e for e in evals if e["mode"] == mode and e["phase"] == "base" and e[key] is not None]
+        if base and len(trained) != len(base):
+            ax.scatter([0], [base[0][key] * scale], marker="x", s=60, label=f"{mode}, base model")
+    ax.legend(fontsize=7)
+
+
+def _style(ax, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
+def eval_summary(db_path: Path | str) -> list[dict]:
+    """The eval summary of a run's catalog ([] when it holds no evaluation, or predates the evals table);
+    pass@k over every sampled response of a prompt."""
+    import duckdb
+
+    from refiner_core.eval.evaluate import summarize
+    from refiner_core.storage import query
+
+    try:
+        columns, rows = query(db_path, "SELECT * FROM evals")
+    except duckdb.CatalogException:
+        return []
+    return summarize([dict(zip(columns, r)) for r in rows], pass_k=1 << 30)

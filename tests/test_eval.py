@@ -187,3 +187,19 @@ def test_cached_rerun_does_not_reevaluate(sft_eval_run):
     assert states == [("eval[step=0]", "Cached"), ("eval[step=0]", "Cached"), ("eval[step=2]", "Cached")]
     assert {f: f.stat().st_mtime_ns for f in files} == before
     assert result["evals"] == first["evals"]
+
+
+def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
+    from conftest import run_cli
+    from refiner_core.plots import eval_summary
+
+    _, run_dir, result, _ = sft_eval_run
+    summary = eval_summary(run_dir / "catalog.duckdb")
+    assert [(s["step"], s["phase"], s["mode"], s["format_valid"]) for s in summary] == [
+        (s["step"], s["phase"], s["mode"], s["format_valid"]) for s in result["evals"]]
+    code, out, err, _ = run_cli(["plot", str(run_dir), "-o", str(tmp_path / "curves.png")], tmp_path)
+    assert code == 0, err
+    from PIL import Image
+
+    with Image.open(tmp_path / "curves.png") as png:  # two rows of four panels: training and held-out curves
+        assert png.size == (1600, 600)
