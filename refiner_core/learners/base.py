@@ -21,6 +21,9 @@ class TrainSample:
     response_ids: list[int]
     advantage: float
     rollout_logprobs: list[float]
+    # Per response token: True where the policy sampled it. Tokens a tool-calling loop inserted (tool output,
+    # template framing) are False and carry no loss. None: every response token was sampled.
+    loss_mask: list[bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ def pack_rows(samples: list[TrainSample], pack_length: int) -> list[list[int]]:
 def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded rows of concatenated [prompt | response] sequences. Position IDs restart at 0 for every
     sequence and for the padding tail, which is how transformers isolates packed sequences (block-diagonal
-    causal mask, no attention_mask passed). `mask[r, t]` marks positions whose *next* token is a response token,
-    so logits[:, t] score token t+1 and prompts, padding and sequence boundaries never enter the loss. Every
+    causal mask, no attention_mask passed). `mask[r, t]` marks positions whose *next* token is a sampled response
+    token (the sample's loss_mask), so logits[:, t] score token t+1 and prompts, tool output, padding and sequence
+    boundaries never enter the loss. Every
     position carries its own sequence's advantage, rollout logprob and response length."""
     lengths = [sum(len(s.prompt_ids) + len(s.response_ids) for s in row) for row in rows]
     width = max(lengths)
@@ -89,10 +93,12 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
             position_ids[r, offset:end] = torch.arange(len(seq))
             targets[r, offset : end - 1] = torch.tensor(seq[1:])
             response = slice(offset + len(s.prompt_ids) - 1, end - 1)
-            per_token["mask"][r, response] = 1.0
+            trained = (torch.ones(len(s.response_ids)) if s.loss_mask is None
+                       else torch.tensor(s.loss_mask, dtype=torch.float32))
+            per_token["mask"][r, response] = trained
             per_token["rollout_logprobs"][r, response] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
             per_token["advantages"][r, response] = s.advantage
-            per_token["sequence_tokens"][r, response] = float(len(s.response_ids))
+            per_token["sequence_tokens"][r, response] = float(trained.sum())
             offset = end
         position_ids[r, offset:] = torch.arange(width - offset)
     return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, **per_token,

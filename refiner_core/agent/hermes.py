@@ -1,0 +1,76 @@
+"""Hermes tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks in an assistant turn.
+
+A block that cannot become a call (bad JSON, not an object, no name, unknown tool, arguments not an object,
+an unclosed block) is still returned, with `failure` saying why: the loop feeds that back to the model as the
+tool's answer and records it, so a malformed call never crashes a stage.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from refiner_core.agent.tools.base import ToolResult
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    name: str | None
+    arguments: dict | None
+    raw: str  # the block's text between the tags
+    failure: str | None = None  # 'bad_json: ...', 'unknown_tool: ...', ...
+
+
+def parse_tool_calls(text: str, known_tools: set[str] | dict) -> list[ToolCall]:
+    """Every tool-call block of one assistant turn, in order."""
+    calls = [_parse_block(m.group(1), known_tools) for m in _BLOCK.finditer(text)]
+    tail = text[text.rfind(CLOSE) + len(CLOSE):] if CLOSE in text else text
+    if OPEN in tail:  # cut off before its closing tag (length limit), or never closed
+        raw = tail[tail.index(OPEN) + len(OPEN):]
+        calls.append(ToolCall(None, None, raw, f"unclosed_tool_call: no {CLOSE} after {OPEN}"))
+    return calls
+
+
+def _parse_block(raw: str, known_tools) -> ToolCall:
+    try:
+        payload = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return ToolCall(None, None, raw, f"bad_json: {e.msg} at line {e.lineno} column {e.colno}")
+    if not isinstance(payload, dict):
+        return ToolCall(None, None, raw, f"not_an_object: expected {{\"name\": ..., \"arguments\": ...}}, got "
+                                         f"{type(payload).__name__}")
+    name = payload.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall(None, None, raw, "missing_name: the call has no \"name\" string")
+    if name not in known_tools:
+        return ToolCall(name, None, raw, f"unknown_tool: {name!r}; available: {', '.join(sorted(known_tools))}")
+    if "arguments" not in payload:
+        return ToolCall(name, None, raw, "missing_arguments: the call has no \"arguments\" object")
+    arguments = payload["arguments"]
+    if isinstance(arguments, str):  # OpenAI-style: arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            return ToolCall(name, None, raw, f"bad_json: arguments string: {e.msg}")
+    if not isinstance(arguments, dict):
+        return ToolCall(name, None, raw, f"bad_arguments: expected an object, got {type(arguments).__name__}")
+    return ToolCall(name, arguments, raw)
+
+
+def invalid_call_result(call: ToolCall) -> ToolResult:
+    return ToolResult(text=f"error: {call.failure}", status="invalid_call", failure=call.failure)
+
+
+def hermes_system_prompt(instructions: str, tool_schemas: list[dict]) -> str:
+    """A system message that lists the tools and the call format (Qwen's Hermes wording), for models whose chat
+    template takes no `tools` argument."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tool_schemas)
+    return (f"{instructions}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
