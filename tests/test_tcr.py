@@ -1,0 +1,45 @@
+"""TCR and the DAPO overlong penalty against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from refiner_core.agent.tcr import overlong_penalty, tool_call_reward
+
+
+@pytest.mark.parametrize("rounds, expected", [(0, -1.0), (1, -0.9), (2, -0.8), (3, -0.7), (4, -0.6), (5, -0.6),
+                                              (16, -0.6)])
+def test_wrong_answers_rise_by_a_tenth_per_tool_round_up_to_the_cap(rounds, expected):
+    assert tool_call_reward(False, rounds) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2, 4, 9])
+def test_correct_answers_score_one_whatever_the_rounds(rounds):
+    assert tool_call_reward(True, rounds) == 1.0
+
+
+def test_tool_use_orders_wrong_answers_but_never_reaches_a_right_one():
+    wrong = [tool_call_reward(False, k) for k in range(8)]
+    assert wrong == sorted(wrong) and max(wrong) < tool_call_reward(True, 0)
+    with pytest.raises(ValueError):
+        tool_call_reward(False, -1)
+
+
+# The published setting: L_max 10480, buffer 3000, factor 1.0 -> the penalty starts after 7480 tokens.
+@pytest.mark.parametrize("length, expected", [
+    (0, 0.0), (7479, 0.0), (7480, 0.0),               # up to L_max - B: nothing
+    (7481, -1 / 3000), (7780, -0.1), (8980, -0.5),    # linear in the buffer
+    (10479, -2999 / 3000), (10480, -1.0),              # -f at L_max
+    (10481, -1.0), (20000, -1.0),                      # held at -f beyond
+])
+def test_overlong_penalty_published_setting(length, expected):
+    assert overlong_penalty(length, 10480, 3000, 1.0) == pytest.approx(expected, abs=1e-12)
+
+
+def test_overlong_penalty_scales_with_the_factor_and_rejects_bad_buffers():
+    assert overlong_penalty(90, 100, 20, 0.5) == pytest.approx(-0.25)  # 10 of 20 buffer tokens, half of 0.5
+    assert overlong_penalty(80, 100, 20, 0.5) == 0.0
+    with pytest.raises(ValueError):
+        overlong_penalty(10, 100, 0)
+    with pytest.raises(ValueError):
+        overlong_penalty(10, 100, 101)
