@@ -23,7 +23,7 @@ EXAMPLE_SQL = [
     "SELECT r.source, r.title, round(avg(s.oriented_score), 3) AS mean, count(*) FILTER (WHERE s.failure IS NOT "
     "NULL) AS failures FROM judge_scores s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2",
     "SELECT prompt_id, sample_idx, reward, left(response_text, 60) AS response FROM rewards JOIN rollouts "
-    "USING (run, step, prompt_id, sample_idx) WHERE step = 0 ORDER BY reward DESC LIMIT 5",
+    "USING (run, step, prompt_id, sample_idx) WHERE step = 0 AND reward_version = 'train' ORDER BY reward DESC LIMIT 5",
 ]
 
 
@@ -240,6 +240,37 @@ def plot(
     out = output or run_dir / "curves.png"
     plot_steps([dict(zip(columns, r)) for r in rows], out, evals=eval_summary(db))
     typer.echo(str(out))
+
+
+@app.command()
+def rescore(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run folder with scored steps."),
+    overrides: list[str] = typer.Option([], "--set", help="A reward setting: reward.field=value, grpo.advantage*, "
+                                        "judge.on_failure (repeatable)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Version name (default: derived from the settings)."),
+) -> None:
+    """Recompute rewards and advantages of every scored step with new reward settings, without calling the judge.
+
+    The new version is written beside training's ('train') under RUN_DIR/rescores/ and into the catalog's
+    rewards, reward_weights and advantages tables (column reward_version); step_rewards compares versions.
+    Settings that need new judgments are refused (exit 2) with what would be re-judged."""
+    from refiner_core.rescore import RescoreError, rescore_run
+
+    recipe = run_dir / "recipe.yaml"
+    if not recipe.exists():
+        _fail(f"{run_dir} has no recipe.yaml: not a run folder")
+    try:
+        base = load_recipe(recipe)
+        new = load_recipe(recipe, overrides)
+        version, steps = rescore_run(run_dir.resolve(), base, new, name)
+    except (ConfigError, RescoreError) as e:
+        _fail(str(e))
+    typer.echo(f"reward version {version!r}: {sum(s.rollouts for s in steps)} rollouts over {len(steps)} steps, "
+               "0 judge calls")
+    _print_table(["step", "rollouts", "reward_mean (train)", f"reward_mean ({version})", "changed"],
+                 [(s.step, s.rollouts, round(s.train_reward_mean, 4), round(s.reward_mean, 4), s.changed)
+                  for s in steps], 40)
+    typer.echo(f"\ncompare: refiner sql {run_dir} \"SELECT * FROM step_rewards ORDER BY step, reward_version\"")
 
 
 judge_app = typer.Typer(no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API.")

@@ -101,7 +101,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             seed=seed, dtype=dtype, precision=precision)
         scored = judge.with_options(**retry)(
             **common, step=step, rollouts=rolled, prompts=prompts, rubrics=rubrics, judge_model=judge_model,
-            judge_cfg=conf["judge"], reward_cfg=conf["reward"], dtype=dtype, precision=precision)
+            judge_cfg=conf["judge"], reward_cfg=conf["reward"], max_new_tokens=cfg.rollout.max_new_tokens, dtype=dtype,
+            precision=precision)
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
             grpo_cfg=drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS), temperature=cfg.rollout.temperature, dtype=dtype,

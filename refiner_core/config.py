@@ -53,8 +53,7 @@ class ModelConfig:
     precision: Literal["fp32", "bf16"] = opt(
         "bf16", "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the SFT "
         "warm start's, the hf rollout engine's and the transformers judge's forward passes under bfloat16 autocast "
-        "with weights as "
-        "loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge probabilities are "
+        "with weights as loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge probabilities are "
         "computed in fp32 from the logits. About 3x faster on CPUs with AVX-512 BF16 and on GPUs. 'fp32' computes "
         "everything in float32. The vllm engine computes in bfloat16 under 'bf16' (its weights are cast), else in model.dtype."
     )
@@ -174,9 +173,10 @@ class JudgeConfig:
                               "so small judges answer in the format.")
     batch_size: int = opt(16, "Judge prompts generated together.")
     max_response_chars: int = opt(2000, "The response shown to the judge is cut to this many characters.")
-    on_failure: Literal["zero", "skip", "fail"] = opt(
+    on_failure: Literal["zero", "skip", "drop", "fail"] = opt(
         "zero", "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
-        "(oriented), 'skip' leaves it out of the mean, 'fail' fails the judge stage (rows are not written)."
+        "(oriented), 'skip' leaves it out of the mean, 'drop' leaves the whole rollout out of the update (its "
+        "group's advantages come from the others), 'fail' fails the judge stage (rows are not written)."
     )
 
 
@@ -189,6 +189,17 @@ class RewardConfig:
     gate_judge_score_with_format_bonus: bool = opt(False, "Zero the judged part when the format is invalid.")
     non_stop_penalty: bool = opt(False, "Replace the reward of responses that hit the length limit.")
     non_stop_penalty_value: float = opt(0.0, "The reward given to such responses when non_stop_penalty is on.")
+    citation_score: Literal["valid_ids", "f1", "dr_tulu"] = opt(
+        "valid_ids", "The citation score in the judged part: 'valid_ids' = fraction of cited IDs present in the "
+        "tool output (no judge call); 'f1' = claim-level F1 of citation support, each cited claim judged against "
+        "its cited snippets (one judge call per cited claim, written to citation_claims); 'dr_tulu' = 0.6 F1 + "
+        "0.4 valid-ID fraction.")
+    overlong_buffer: int = opt(0, "DAPO overlong penalty buffer B in tokens (0 = off): a response of L tokens "
+                               "gets min(0, -(L - (L_max - B)) / B * overlong_factor), L_max = "
+                               "rollout.max_new_tokens.")
+    overlong_factor: float = opt(1.0, "DAPO overlong penalty factor f (the penalty at L_max).")
+    verifier: str = opt("ground_truth", "Scores prompts that have no rubrics (prompts with rubrics are judged): "
+                        "'ground_truth' checks the final answer against the prompt's ground_truth (math-verify).")
 
 
 @dataclass

@@ -10,7 +10,7 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # Accept id=a,b / id="a,b" / id='a, b'; IDs are split on commas so a multi-ID citation keeps every ID.
 _SNIPPET_OPEN_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>")
 _SNIPPET_CLOSE = "</snippet>"
-_SNIPPET_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>(.*?)</snippet>", re.DOTALL)
+SNIPPET_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>(.*?)</snippet>", re.DOTALL)
 _ANY_TAG_RE = re.compile(r"</?snippet\b[^>]*>")
 
 
@@ -53,7 +53,7 @@ def parse_answer(text: str) -> ParsedAnswer:
         return ParsedAnswer(False, "", problems=("expected exactly one <answer>...</answer> block",))
     body = blocks[0]
     citations = []
-    for match in _SNIPPET_RE.finditer(body):
+    for match in SNIPPET_RE.finditer(body):
         ids, claim = split_ids(match.group(1)), match.group(2).strip()
         if not ids:
             problems.append("snippet tag with no id")

@@ -21,6 +21,7 @@ class Verdict:
     extracted: str | None  # the response's final answer; None when it has none
     method: str  # 'math_verify' | 'normalized_match' | 'no_answer'
     detail: str | None = None  # why math-verify did not decide, when it did not
+    correct: float | None = None  # set by verifiers whose score is not the correctness itself (None: = score)
 
 
 def last_boxed(text: str) -> str | None:

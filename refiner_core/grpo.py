@@ -24,26 +24,45 @@ def learner_settings(grpo: dict, temperature: float, precision: str) -> LearnerS
     return LearnerSettings(**fields, **given)
 
 
-def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -> tuple[list[TrainSample], dict]:
-    """Join rewards to rollouts, compute group advantages, optionally drop all-equal groups."""
-    reward_of = {(r["prompt_id"], r["sample_idx"]): r["reward"] for r in rewards}
-    missing = [(r["prompt_id"], r["sample_idx"]) for r in rollouts if (r["prompt_id"], r["sample_idx"]) not in reward_of]
-    if missing:
-        raise ValueError(f"{len(missing)} rollouts have no reward, e.g. {missing[:3]}")
-    values = [reward_of[(r["prompt_id"], r["sample_idx"])] for r in rollouts]
-    groups = [r["prompt_id"] for r in rollouts]
-    adv = compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"])
+def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]:
+    """Per reward row (keyed by prompt_id, sample_idx): its group-relative advantage and whether it is trained.
+
+    Rows marked `dropped` (a failed judgment under judge.on_failure 'drop') take no part: their group's
+    advantages come from the other samples. All-equal groups are untrained under grpo.filter_zero_std_groups."""
+    kept = [r for r in rewards if not r.get("dropped")]
+    values = [r["reward"] for r in kept]
+    groups = [r["prompt_id"] for r in kept]
+    adv = compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"]) if kept else np.array([])
     flat = zero_std_groups(values, groups)
-    samples = [
-        TrainSample(list(r["prompt_token_ids"]), list(r["response_token_ids"]), float(a), list(r["response_logprobs"]))
-        for r, a in zip(rollouts, adv)
-        if r["response_token_ids"] and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat)
-    ]
+    advantage_of = {(r["prompt_id"], r["sample_idx"]): float(a) for r, a in zip(kept, adv)}
+    rows = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": r["reward"],
+             "advantage": advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0),
+             "trained": not r.get("dropped") and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat)}
+            for r in rewards]
     stats = {
         "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
         "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),
     }
-    return samples, stats
+    return rows, stats
+
+
+def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -> tuple[list[TrainSample], list[dict], dict]:
+    """Join rewards to rollouts and compute group advantages -> (train samples, advantage rows, stats)."""
+    keys = {(r["prompt_id"], r["sample_idx"]) for r in rewards}
+    missing = [(r["prompt_id"], r["sample_idx"]) for r in rollouts if (r["prompt_id"], r["sample_idx"]) not in keys]
+    if missing:
+        raise ValueError(f"{len(missing)} rollouts have no reward, e.g. {missing[:3]}")
+    advantages, stats = group_advantages(rewards, grpo)
+    by_key = {(a["prompt_id"], a["sample_idx"]): a for a in advantages}
+    for r in rollouts:  # an empty response has no token to train on
+        if not r["response_token_ids"]:
+            by_key[(r["prompt_id"], r["sample_idx"])]["trained"] = False
+    samples = [
+        TrainSample(list(r["prompt_token_ids"]), list(r["response_token_ids"]), a["advantage"],
+                    list(r["response_logprobs"]))
+        for r in rollouts if (a := by_key[(r["prompt_id"], r["sample_idx"])])["trained"]
+    ]
+    return samples, advantages, stats
 
 
 def grpo_loop(
@@ -71,7 +90,7 @@ def grpo_loop(
                      "response_logprobs": g.logprobs} for g in gens]
         rewards = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": reward_fn(g)}
                    for r, g in zip(rollouts, gens)]
-        samples, stats = build_train_samples(rollouts, rewards, grpo)
+        samples, _, stats = build_train_samples(rollouts, rewards, grpo)
         metrics = learner.train_step(samples) if samples else {}
         if sync and samples:
             sync()

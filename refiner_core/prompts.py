@@ -134,3 +134,17 @@ JUDGE_SYSTEM_PROMPT = (
 def judge_messages(question: str, response: str, criterion: str) -> list[dict]:
     user = f"Question:\n{question}\n\nResponse:\n{response}\n\nCriterion:\n{criterion}\n\nJSON:"
     return [{"role": "system", "content": JUDGE_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+CLAIM_SUPPORT_SYSTEM_PROMPT = (
+    "You are a strict fact checker. Read a claim and the source text it cites. Decide how well the sources "
+    'support the claim: 0 = not at all (or off-topic), 1 = partially, 2 = fully. Reply with JSON only: '
+    '{"score": 0}, {"score": 1} or {"score": 2}.'
+)
+
+
+def claim_support_messages(claim: str, sources: list[tuple[str, str]]) -> list[dict]:
+    """The judge prompt rating one claim against the text of its cited snippets ((id, text) pairs)."""
+    cited = "\n\n".join(f"[{sid}] {text}" for sid, text in sources)
+    user = f"Sources:\n{cited}\n\nClaim:\n{claim}\n\nJSON:"
+    return [{"role": "system", "content": CLAIM_SUPPORT_SYSTEM_PROMPT}, {"role": "user", "content": user}]

@@ -1,4 +1,4 @@
-"""Judge-output parsing, rubric orientation and reward composition (pure functions)."""
+"""Judge-output parsing, rubric orientation, format facts, and the one SQL definition of the reward."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from refiner_core.config import RewardConfig
 from refiner_core.formats import check_citations, parse_answer
-from refiner_core.ground_truth import Verdict
 
 _JSON_OBJ_RE = re.compile(r"\{[^{}]*\}")
 
@@ -55,27 +54,8 @@ def orient(score: float, kind: str) -> float:
     raise ValueError(f"rubric kind must be 'positive' or 'negative', got {kind!r}")
 
 
-def rubric_score(scores: list[tuple[float | None, float]], on_failure: str) -> tuple[float, int, int]:
-    """Weighted mean of oriented scores. Items are (oriented score or None on failure, weight).
-
-    on_failure='zero' counts a failed rubric as 0; 'skip' leaves it out. Returns (score, scored, failed).
-    """
-    num = den = 0.0
-    scored = failed = 0
-    for value, weight in scores:
-        if value is None:
-            failed += 1
-            if on_failure == "skip":
-                continue
-            value = 0.0
-        else:
-            scored += 1
-        num += weight * value
-        den += weight
-    return (num / den if den > 0 else 0.0), scored, failed
-
-
 def format_parts(response_text: str, valid_ids: list[str]) -> dict:
+    """Format and citation-validity facts of one response (reward_inputs columns)."""
     parsed = parse_answer(response_text)
     check = check_citations(parsed, valid_ids)
     format_ok = parsed.has_answer and parsed.well_formed
@@ -85,42 +65,92 @@ def format_parts(response_text: str, valid_ids: list[str]) -> dict:
         "format_score": 1.0 if format_ok else 0.0,
         "n_citations": check.n_citations,
         "n_invalid_citations": check.n_invalid,
-        "citation_score": check.score if parsed.has_answer else 0.0,
+        "citation_valid_fraction": check.score if parsed.has_answer else 0.0,
     }
 
 
-def compose_reward(parts: dict, rubric: float, finish_reason: str, w: RewardConfig,
-                   verdict: Verdict | None = None) -> dict:
-    """reward = verification_reward * judged + format_weight * format, where judged is
-    rubric_weight*rubric + citation_weight*citation for judged prompts and the 0/1 correctness for prompts
-    verified by their ground truth (`verdict`).
-
-    Gating zeroes the judged part on bad format; the non-stop penalty replaces the whole reward.
-    The same formula is the `rewards_recomputed` view in the catalog.
-    """
-    gated = w.gate_judge_score_with_format_bonus and not parts["format_ok"]
-    verified = verdict.score if verdict is not None else None
-    judged = (0.0 if gated else verified if verified is not None
-              else w.rubric_weight * rubric + w.citation_weight * parts["citation_score"])
-    reward = w.verification_reward * judged + w.format_weight * parts["format_score"]
-    penalized = w.non_stop_penalty and finish_reason != "stop"
-    if penalized:
-        reward = w.non_stop_penalty_value
+def weight_row(run: str, step: int, version: str, weights: RewardConfig, on_failure: str) -> dict:
+    """One reward_weights row: the settings a reward version is computed with."""
     return {
-        **parts,
-        "verifier": "judge" if verdict is None else "ground_truth",
-        "correct": verified,
-        "extracted_answer": None if verdict is None else verdict.extracted,
-        "verify_method": None if verdict is None else verdict.method,
-        "verify_detail": None if verdict is None else verdict.detail,
-        "rubric_score": rubric,
-        "finish_reason": finish_reason,
-        "verification_reward": w.verification_reward,
-        "rubric_weight": w.rubric_weight,
-        "citation_weight": w.citation_weight,
-        "format_weight": w.format_weight,
-        "gated": gated,
-        "non_stop_penalized": penalized,
-        "non_stop_penalty": w.non_stop_penalty_value,
-        "reward": reward,
+        "run": run, "step": step, "reward_version": version,
+        "verification_reward": weights.verification_reward, "rubric_weight": weights.rubric_weight,
+        "citation_weight": weights.citation_weight, "citation_score_kind": weights.citation_score,
+        "format_weight": weights.format_weight,
+        "gate_judge_score_with_format_bonus": weights.gate_judge_score_with_format_bonus,
+        "non_stop_penalty": weights.non_stop_penalty, "non_stop_penalty_value": weights.non_stop_penalty_value,
+        "overlong_buffer": weights.overlong_buffer, "overlong_factor": weights.overlong_factor,
+        "on_failure": on_failure,
     }
+
+
+# The one definition of the reward. Reads three relations: reward_inputs (per rollout), judge_scores (per
+# rollout and rubric) and reward_weights (per step and version); yields one row per (rollout, version). The
+# judge stage runs it in memory over the step's rows, `refiner rescore` over stored ones with new weights, and
+# the catalog's rewards_recomputed view over everything — so a SELECT shows exactly why a rollout got its reward.
+REWARD_SQL = """
+WITH rubric AS (
+  SELECT s.run, s.step, s.prompt_id, s.sample_idx, w.reward_version,
+         count(s.oriented_score) AS rubrics_scored,
+         count(*) - count(s.oriented_score) AS rubrics_failed,
+         CASE WHEN w.on_failure IN ('skip', 'drop')
+              THEN sum(s.weight * s.oriented_score)
+                   / nullif(sum(CASE WHEN s.oriented_score IS NOT NULL THEN s.weight END), 0)
+              ELSE sum(s.weight * coalesce(s.oriented_score, 0)) / nullif(sum(s.weight), 0)
+         END AS rubric_score
+  FROM judge_scores s JOIN reward_weights w ON s.run = w.run AND s.step = w.step
+  GROUP BY s.run, s.step, s.prompt_id, s.sample_idx, w.reward_version, w.on_failure
+),
+parts AS (
+  SELECT i.*, w.* EXCLUDE (run, step),
+         coalesce(r.rubric_score, 0.0) AS rubric_score,
+         coalesce(r.rubrics_scored, 0) AS rubrics_scored,
+         coalesce(r.rubrics_failed, 0) AS rubrics_failed,
+         CASE w.citation_score_kind
+              WHEN 'valid_ids' THEN i.citation_valid_fraction
+              WHEN 'f1' THEN coalesce(i.citation_f1, 0.0)
+              WHEN 'dr_tulu' THEN 0.6 * coalesce(i.citation_f1, 0.0) + 0.4 * i.citation_valid_fraction
+         END AS citation_score,
+         w.gate_judge_score_with_format_bonus AND NOT i.format_ok AS gated,
+         w.non_stop_penalty AND i.finish_reason <> 'stop' AS non_stop_penalized,
+         CASE WHEN w.overlong_buffer > 0
+              THEN least(0.0, -(i.response_tokens - (i.max_new_tokens - w.overlong_buffer))
+                              / w.overlong_buffer * w.overlong_factor)
+              ELSE 0.0 END AS overlong_penalty,
+         w.on_failure = 'drop' AND coalesce(r.rubrics_failed, 0) > 0 AS dropped
+  FROM reward_inputs i
+  JOIN reward_weights w ON i.run = w.run AND i.step = w.step
+  LEFT JOIN rubric r ON r.run = i.run AND r.step = i.step AND r.prompt_id = i.prompt_id
+                    AND r.sample_idx = i.sample_idx AND r.reward_version = w.reward_version
+),
+judged AS (
+  SELECT *,
+         CASE WHEN gated THEN 0.0
+              WHEN verifier <> 'judge' THEN verifier_score
+              ELSE rubric_weight * rubric_score + citation_weight * citation_score
+         END AS judged_score
+  FROM parts
+)
+SELECT *,
+       CASE WHEN non_stop_penalized THEN non_stop_penalty_value
+            ELSE verification_reward * judged_score + format_weight * format_score + overlong_penalty
+       END AS reward
+FROM judged
+ORDER BY run, step, reward_version, prompt_id, sample_idx
+"""
+
+
+def compute_rewards(inputs: list[dict], scores: list[dict], weights: list[dict]) -> list[dict]:
+    """REWARD_SQL over in-memory rows (reward_inputs, judge_scores, reward_weights) -> rewards rows."""
+    import duckdb
+
+    from refiner_core.schema import JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, to_arrow
+
+    con = duckdb.connect()
+    try:
+        relations = {"reward_inputs": to_arrow(REWARD_INPUTS, inputs), "judge_scores": to_arrow(JUDGE_SCORES, scores),
+                     "reward_weights": to_arrow(REWARD_WEIGHTS, weights)}
+        for name, table in relations.items():
+            con.register(name, table)
+        return con.sql(REWARD_SQL).to_arrow_table().select(REWARDS.column_names).to_pylist()
+    finally:
+        con.close()

@@ -15,6 +15,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from refiner_core.rewards import REWARD_SQL
 from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, to_arrow
 
 
@@ -114,6 +115,7 @@ def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> di
                     con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [files])
                 counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
             con.execute(_REWARD_RECOMPUTE_VIEW)
+            con.execute(_STEP_REWARDS_VIEW)
         finally:
             con.close()
         os.replace(tmp, final)
@@ -123,19 +125,42 @@ def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> di
     return counts
 
 
-# The reward of every rollout recomputed from its stored components and weights; must equal rewards.reward.
-_REWARD_RECOMPUTE_VIEW = """
+# Every reward version recomputed by the one reward definition from the stored inputs: equals rewards.reward.
+_REWARD_RECOMPUTE_VIEW = f"""
 CREATE VIEW rewards_recomputed AS
-SELECT run, step, prompt_id, sample_idx,
-  CASE WHEN non_stop_penalized THEN non_stop_penalty
-       ELSE verification_reward * CASE WHEN gated THEN 0
-                                       WHEN verifier = 'ground_truth' THEN correct
-                                       ELSE rubric_weight * rubric_score + citation_weight * citation_score END
-            + format_weight * format_score
-  END AS reward_sql,
-  reward
-FROM rewards
+SELECT run, step, prompt_id, sample_idx, reward_version, recomputed.reward AS reward_sql, stored.reward
+FROM ({REWARD_SQL}) recomputed
+JOIN rewards stored USING (run, step, prompt_id, sample_idx, reward_version)
 """
+
+# The reward figures of `steps`, per reward version: training's and each rescore's, side by side.
+_STEP_REWARDS_VIEW = """
+CREATE VIEW step_rewards AS
+SELECT run, step, reward_version, avg(r.reward) AS reward_mean, stddev_pop(r.reward) AS reward_std,
+       avg(abs(a.advantage)) AS advantage_abs_mean, count(*) AS rollouts,
+       count(*) FILTER (WHERE a.trained) AS trained_rollouts, count(*) FILTER (WHERE r.dropped) AS dropped_rollouts
+FROM rewards r LEFT JOIN advantages a USING (run, step, prompt_id, sample_idx, reward_version)
+GROUP BY run, step, reward_version
+"""
+
+
+def replace_version_rows(db_path: Path, files: dict[str, list[str]], version: str) -> None:
+    """Swap one reward version's rows of a published catalog for the given Parquet files (atomically: a copy is
+    changed, then renamed over the catalog)."""
+    tmp, final = atomic_path(Path(db_path))
+    shutil.copyfile(final, tmp)
+    try:
+        con = duckdb.connect(str(tmp))
+        try:
+            for name, paths in files.items():
+                con.execute(f'DELETE FROM "{ALL_TABLES[name].name}" WHERE reward_version = ?', [version])
+                con.execute(f'INSERT INTO "{ALL_TABLES[name].name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
+        finally:
+            con.close()
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+        Path(str(tmp) + ".wal").unlink(missing_ok=True)
 
 
 def query(db_path: Path | str, sql: str, params: list | None = None) -> tuple[list[str], list[tuple]]:

@@ -18,6 +18,8 @@ def publish_catalog(*, run_dir: str, manifests: list[dict]) -> dict:
         for table, entry in manifest.items():
             if isinstance(entry, dict) and "path" in entry and str(entry["path"]).endswith(".parquet"):
                 files.setdefault(table, []).append(entry["path"])
+    for path in sorted(Path(run_dir).glob("rescores/*/step=*/*.parquet")):  # `refiner rescore` versions
+        files.setdefault(path.stem, []).append(str(path))
     db = Path(run_dir) / "catalog.duckdb"
     counts = build_catalog(db, files)
     get_run_logger().info("catalog %s: %s", db, ", ".join(f"{k}={v}" for k, v in counts.items()))

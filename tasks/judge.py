@@ -6,36 +6,41 @@ from prefect import get_run_logger
 
 from refiner_core.judges.base import make_judge, score_rollouts
 from refiner_core.config import RewardConfig
-from refiner_core.schema import JUDGE_SCORES, REWARDS
+from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.storage import read_rows, write_table
 from tasks.stage import stage
 
 
 @stage("judge")
 def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: dict, judge_model: dict,
-          judge_cfg: dict, reward_cfg: dict, dtype: str, precision: str) -> dict:
-    """Stage 4: format/citation checks + rubric judge -> judge_scores and rewards for the step."""
+          judge_cfg: dict, reward_cfg: dict, max_new_tokens: int, dtype: str, precision: str) -> dict:
+    """Stage 4: format/citation checks, rubric judge and verifiers -> judge_scores, reward inputs and (by SQL)
+    rewards for the step."""
     log = get_run_logger()
     prompt_rows = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
     scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)
-    scores, rewards = score_rollouts(
+    scored = score_rollouts(
         read_rows(rollouts["rollouts"]["path"]), prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
-        judge_cfg["on_failure"], judge_cfg["max_response_chars"],
+        judge_cfg["on_failure"], judge_cfg["max_response_chars"], max_new_tokens,
     )
+    scores, rewards = scored.judge_scores, scored.rewards
     out = Path(run_dir) / "scores" / f"step={step}"
     failed = sum(s["failure"] is not None for s in scores)
     log.info("judge step %d: %d rubric scores (%d failed: unparseable or no answer), reward mean %.3f", step,
              len(scores), failed, sum(r["reward"] for r in rewards) / max(len(rewards), 1))
+    if scored.citation_claims:
+        log.info("judge step %d: %d claims, mean citation F1 %.3f", step, len(scored.citation_claims),
+                 sum(r["citation_f1"] or 0.0 for r in scored.reward_inputs) / max(len(scored.reward_inputs), 1))
     if judge_cfg["engine"] != "transformers":
         log.info("judge step %d: %d from the judge cache, %d requests, %d pairs retried", step,
                  sum(bool(s["cache_hit"]) for s in scores), sum(s["attempts"] or 0 for s in scores),
                  sum((s["attempts"] or 0) > 1 for s in scores))
-    return {
-        "judge_scores": {"path": str(out / "judge_scores.parquet"),
-                         "hash": write_table(JUDGE_SCORES, scores, out / "judge_scores.parquet")},
-        "rewards": {"path": str(out / "rewards.parquet"), "hash": write_table(REWARDS, rewards, out / "rewards.parquet")},
-        "judge_failures": failed,
-    }
+    tables = {"judge_scores": (JUDGE_SCORES, scores), "citation_claims": (CITATION_CLAIMS, scored.citation_claims),
+              "reward_inputs": (REWARD_INPUTS, scored.reward_inputs),
+              "reward_weights": (REWARD_WEIGHTS, scored.reward_weights), "rewards": (REWARDS, rewards)}
+    manifest = {name: {"path": str(out / f"{name}.parquet"), "hash": write_table(table, rows, out / f"{name}.parquet")}
+                for name, (table, rows) in tables.items()}
+    return {**manifest, "judge_failures": failed}

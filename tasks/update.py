@@ -9,7 +9,7 @@ from refiner_core.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
-from refiner_core.schema import STEPS
+from refiner_core.schema import ADVANTAGES, STEPS
 from refiner_core.storage import atomic_dir, dir_hash, read_rows, write_table
 from tasks.stage import stage
 
@@ -23,8 +23,8 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
     log = get_run_logger()
     torch.manual_seed(seed * 7919 + step)
     rollout_rows = read_rows(rollouts["rollouts"]["path"])
-    reward_rows = read_rows(scores["rewards"]["path"])
-    samples, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
+    reward_rows = [r for r in read_rows(scores["rewards"]["path"]) if r["reward_version"] == "train"]
+    samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
     settings = learner_settings(grpo_cfg, temperature, precision)
     tokenizer = load_tokenizer(policy["path"])
     optimizer_state = Path(policy["path"]) / "optimizer.pt"
@@ -53,12 +53,15 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
         "checkpoint_bytes": folder_bytes(final),
     }
     metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
+    advantages_path = metrics_path.with_name("advantages.parquet")
+    advantage_rows = [{"run": run, "step": step, "reward_version": "train", **a} for a in advantages]
     log.info("grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%%", step,
              row["loss"], row["kl"], row["clip_fraction"], row["reward_mean"], row["reward_std"],
              100 * row["zero_std_group_fraction"])
     return {
         "policy": {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)},
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
+        "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
     }
 
 

@@ -62,12 +62,14 @@ def test_correct_answer_gets_the_verification_reward(tiny_model_path):
 
     prompt = {"prompt_id": "p", "question": "What is 6 times 7?", "snippet_ids": [], "ground_truth": "42"}
     rollouts = [{"run": "r", "step": 0, "prompt_id": "p", "sample_idx": i, "response_text": text,
-                 "finish_reason": "stop"} for i, text in enumerate([r"6*7 = \boxed{42}", r"\boxed{41}", ""])]
+                 "finish_reason": "stop", "response_tokens": 8}
+                for i, text in enumerate([r"6*7 = \boxed{42}", r"\boxed{41}", ""])]
     judge = make_transformers_judge(str(tiny_model_path), {"batch_size": 4, "max_new_tokens": 4,
                                                            "mode": "expected_score"})
-    scores, rewards = score_rollouts(rollouts, {"p": prompt}, {"p": []}, judge,
-                                     RewardConfig(verification_reward=10.0, format_weight=0.0), "zero", 2000)
-    assert scores == []
+    scored = score_rollouts(rollouts, {"p": prompt}, {"p": []}, judge,
+                            RewardConfig(verification_reward=10.0, format_weight=0.0), "zero", 2000, 64)
+    rewards = scored.rewards
+    assert scored.judge_scores == []
     assert [r["reward"] for r in rewards] == [10.0, 0.0, 0.0]
     assert [r["extracted_answer"] for r in rewards] == ["42", "41", None]
     assert [r["verify_method"] for r in rewards][2] == "no_answer"

@@ -4,12 +4,8 @@ are cached (a second pass makes no request), the request budget and on_failure='
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -21,86 +17,7 @@ from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
 from refiner_core.schema import JUDGE_SCORES
 from refiner_core.storage import read_rows, write_table
 
-CLIENT_TIMEOUT = 0.5
-FAULTS = 25  # the prompt's hash mod FAULTS picks its behaviour: 6 of 25 (24 %) misbehave
-
-
-class FaultServer:
-    """Chat-completions on loopback. Per prompt (hash of the messages), deterministically:
-    0 sleeps past the client timeout once, 1 answers 500 once, 2 answers 429 once, 3 answers a junk body once,
-    4 answers 503 while `permanent_faults` is on, 5 always answers prose (not score JSON); others a score.
-    `latency` is added to every reply (a remote judge). Counts every request it receives."""
-
-    def __init__(self, latency: float = 0.0, faults: bool = True):
-        self.latency, self.faults, self.permanent_faults = latency, faults, True
-        self.requests, self.seen, self.auth = 0, {}, set()
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):  # noqa: N802
-                self._send(200, {"object": "list", "data": [{"id": "fault-judge", "object": "model"}]})
-
-            def _send(self, code, obj=None, raw=None):
-                body = raw if raw is not None else json.dumps(obj).encode()
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                key = hashlib.sha256(json.dumps(body["messages"], sort_keys=True).encode()).hexdigest()
-                with outer.lock:
-                    outer.requests += 1
-                    n = outer.seen[key] = outer.seen.get(key, 0) + 1
-                    outer.auth.add(self.headers.get("Authorization", ""))
-                kind = int(key, 16) % FAULTS if outer.faults else -1
-                if outer.latency:
-                    time.sleep(outer.latency)
-                if kind == 0 and n == 1:
-                    time.sleep(CLIENT_TIMEOUT * 3)
-                    return self._send(200, _reply('{"score": 2}'))
-                if kind == 1 and n == 1:
-                    return self._send(500, {"error": "internal"})
-                if kind == 2 and n == 1:
-                    return self._send(429, {"error": "slow down"})
-                if kind == 3 and n == 1:
-                    return self._send(200, raw=b"<html>not json")
-                if kind == 4 and outer.permanent_faults:
-                    return self._send(503, {"error": "overloaded"})
-                if kind == 5:
-                    return self._send(200, _reply("The response is good, I would say."))
-                return self._send(200, _reply(json.dumps({"score": int(key, 16) % 3})))
-
-        ThreadingHTTPServer.request_queue_size = 128  # accept every concurrent connection at once
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def _reply(content: str) -> dict:
-    return {"id": "x", "object": "chat.completion", "model": "fault-judge",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+from fault_server import CLIENT_TIMEOUT, FaultServer
 
 
 def make_batch(n_prompts: int = 10, samples: int = 4, n_rubrics: int = 3, step: int = 0):
@@ -113,6 +30,7 @@ def make_batch(n_prompts: int = 10, samples: int = 4, n_rubrics: int = 3, step: 
                          "description": f"Criterion {k} for {pid}"} for k in range(n_rubrics)]
         for s in range(samples):
             rollouts.append({"run": "t", "step": step, "prompt_id": pid, "sample_idx": s, "finish_reason": "stop",
+                             "response_tokens": 12,
                              "response_text": f"<answer><snippet id=a1>Fact {p} variant {s}.</snippet></answer>"})
     return rollouts, prompts, rubrics
 
@@ -125,7 +43,8 @@ def _judge(server: FaultServer, cache_dir, **kw) -> OpenAIJudge:
 
 
 def _score(judge, batch, on_failure="zero"):
-    return score_rollouts(*batch, judge, RewardConfig(), on_failure, 2000)
+    scored = score_rollouts(*batch, judge, RewardConfig(), on_failure, 2000, 64)
+    return scored.judge_scores, scored.rewards
 
 
 def test_faults_become_rows_retries_are_counted_and_rescoring_makes_no_request(tmp_path):
@@ -195,7 +114,7 @@ def test_refused_connection_is_retried_then_recorded(tmp_path):
                         progress=False)
     scores, rewards = _score(judge, make_batch(n_prompts=1, samples=2, n_rubrics=2))
     assert all(s["failure"].startswith("refused") and s["attempts"] == 3 for s in scores)
-    assert all(r["rubric_score"] == 0.0 for r in rewards) if "rubric_score" in rewards[0] else True
+    assert all(r["rubric_score"] == 0.0 and r["rubrics_failed"] == 2 for r in rewards)
     assert len(JudgeCache(tmp_path)) == 0  # failures are not cached
 
 
@@ -224,6 +143,7 @@ def test_transformers_judge_fills_the_new_columns(tiny_model_path):
 
     cfg = {"mode": "expected_score", "max_new_tokens": 4, "batch_size": 8, "share_prefix": True, "prefill": True}
     judge = make_judge("transformers", str(tiny_model_path), cfg)
-    scores, _ = score_rollouts(*make_batch(n_prompts=1, samples=2, n_rubrics=2), judge, RewardConfig(), "zero", 2000)
+    scores = score_rollouts(*make_batch(n_prompts=1, samples=2, n_rubrics=2), judge, RewardConfig(), "zero", 2000,
+                            64).judge_scores
     assert all(s["attempts"] == 1 and s["cache_hit"] is False and s["judge_model"] == str(tiny_model_path)
                and s["latency_seconds"] > 0 and len(s["prompt_hash"]) == 32 for s in scores)

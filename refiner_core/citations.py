@@ -1,0 +1,78 @@
+"""Claim-level citation scoring (DR Tulu's citation reward, with its multi-ID and precision bugs fixed).
+
+Claims: every `<snippet id=…>` span of the answer (all of its IDs kept), plus every uncited factual sentence
+outside the spans (a claim with no IDs). The judge rates how well each cited claim is supported by the text of
+its cited snippets: full 1 / partial 0.5 / none 0; a claim whose IDs are all invented is unsupported without a
+judge call. Then
+
+    precision = mean support over the cited claims       (are the citations right?)
+    recall    = summed support / all claims              (is what the answer says backed by a citation?)
+    F1        = 2PR / (P + R), 0 when both are 0; a response without an answer block scores 0.
+
+One judge call per cited claim rates support, which here stands for both DR Tulu's support (recall) and
+relevance (precision) questions: the precision of a citation is whether its text supports its claim.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from refiner_core.formats import SNIPPET_RE, parse_answer, split_ids
+
+_SENTENCE_RE = re.compile(r"[^.!?\n]+[.!?]?")
+_MIN_CLAIM_CHARS = 12  # shorter leftovers ("and", "In short,") are connectives, not claims
+
+
+@dataclass(frozen=True)
+class Claim:
+    text: str
+    cited_ids: tuple[str, ...]
+    valid_ids: tuple[str, ...]
+
+
+def extract_claims(response_text: str, snippet_ids: list[str]) -> list[Claim] | None:
+    """The claims of a response, in order; None when it has no answer block."""
+    parsed = parse_answer(response_text)
+    if not parsed.has_answer:
+        return None
+    valid = set(snippet_ids)
+    claims = []
+    body, cursor = parsed.answer_text, 0
+    for match in SNIPPET_RE.finditer(body):
+        claims += _uncited(body[cursor:match.start()])
+        ids = split_ids(match.group(1))
+        claims.append(Claim(match.group(2).strip(), ids, tuple(i for i in ids if i in valid)))
+        cursor = match.end()
+    claims += _uncited(body[cursor:])
+    return claims
+
+
+def _uncited(text: str) -> list[Claim]:
+    text = re.sub(r"</?snippet\b[^>]*>", " ", text)  # stray tags of a malformed answer are not claim text
+    return [Claim(s.strip(), (), ()) for s in _SENTENCE_RE.findall(text)
+            if len(s.strip()) >= _MIN_CLAIM_CHARS and re.search(r"[A-Za-z0-9]", s)]
+
+
+def snippet_texts(tool_output: str) -> dict[str, str]:
+    """Snippet ID -> its text in the raw tool output (a multi-ID block maps each of its IDs)."""
+    texts: dict[str, str] = {}
+    for match in SNIPPET_RE.finditer(tool_output):
+        for sid in split_ids(match.group(1)):
+            texts.setdefault(sid, match.group(2).strip())
+    return texts
+
+
+def citation_scores(supports: list[float | None], cited: list[bool]) -> dict:
+    """Precision, recall and F1 from per-claim supports (None = judgment failed: counts 0) and whether each
+    claim is cited. No claims at all (an empty answer) scores 0."""
+    n_claims = len(supports)
+    cited_support = [s or 0.0 for s, c in zip(supports, cited, strict=True) if c]
+    precision = sum(cited_support) / len(cited_support) if cited_support else 0.0
+    recall = sum(cited_support) / n_claims if n_claims else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+    return {"claims": n_claims, "citation_precision": precision, "citation_recall": recall, "citation_f1": f1}
+
+
+NO_ANSWER_SCORES = {"claims": 0, "citation_precision": 0.0, "citation_recall": 0.0, "citation_f1": 0.0}
+NOT_JUDGED_SCORES = {"claims": None, "citation_precision": None, "citation_recall": None, "citation_f1": None}

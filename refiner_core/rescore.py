@@ -1,0 +1,119 @@
+"""Rescoring: new reward weights over a finished run's stored judgments, with no judge call.
+
+Every reward version is REWARD_SQL over the same reward_inputs and judge_scores; only reward_weights differ.
+A version lands beside training's ('train') under RUN_DIR/rescores/<version>/step=N/ and in the catalog, so
+`SELECT ... GROUP BY reward_version` compares them. Settings that would need new judgments (judge.*, a citation
+score whose claims were never judged, another verifier) are refused with the list of what would be re-judged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from refiner_core.config import RecipeConfig, RewardConfig
+from refiner_core.grpo import group_advantages
+from refiner_core.rewards import compute_rewards, weight_row
+from refiner_core.schema import ADVANTAGES, REWARD_WEIGHTS, REWARDS
+from refiner_core.storage import json_hash, read_rows, replace_version_rows, write_table
+
+RESCORABLE_GRPO = ("advantage", "advantage_eps", "filter_zero_std_groups")
+RESCORABLE_JUDGE = ("on_failure",)
+NEEDS_JUDGE_REWARD = ("verifier",)
+
+
+class RescoreError(ValueError):
+    """The requested change cannot be made from stored judgments."""
+
+
+@dataclass
+class StepRescore:
+    step: int
+    rollouts: int
+    train_reward_mean: float
+    reward_mean: float
+    changed: int  # rollouts whose reward differs from training's
+
+
+def changed_settings(base: RecipeConfig, new: RecipeConfig) -> list[str]:
+    """Dotted names of the settings that differ."""
+    a, b = base.to_dict(), new.to_dict()
+    return sorted(f"{section}.{name}" for section in b for name in b[section]
+                  if a.get(section, {}).get(name) != b[section][name])
+
+
+def check_rescorable(base: RecipeConfig, new: RecipeConfig, judged_pairs: int, steps_without_claims: list[int]) -> None:
+    """Refuse changes that stored judgments cannot answer, saying what would have to be judged again."""
+    changed = changed_settings(base, new)
+    allowed = ({f"reward.{n}" for n in RewardConfig.__dataclass_fields__ if n not in NEEDS_JUDGE_REWARD}
+               | {f"grpo.{n}" for n in RESCORABLE_GRPO} | {f"judge.{n}" for n in RESCORABLE_JUDGE} | {"run.name"})
+    problems = []
+    judge = [c for c in changed if c.startswith("judge.") and c not in allowed]
+    if judge:
+        problems.append(f"{', '.join(judge)} change the judgments themselves: {judged_pairs} (rollout, rubric) "
+                        "pairs would be re-judged; run the pipeline with these settings instead (`refiner run`).")
+    verifier = [c for c in changed if c.startswith("reward.") and c not in allowed]
+    if verifier:
+        problems.append(f"{', '.join(verifier)} changes how rollouts are verified; run the pipeline instead.")
+    if new.reward.citation_score != "valid_ids" and steps_without_claims:
+        problems.append(f"reward.citation_score={new.reward.citation_score!r} needs claim judgments that steps "
+                        f"{steps_without_claims} do not have (they were scored with 'valid_ids'); run the pipeline "
+                        "with it instead.")
+    other = [c for c in changed if c.split(".")[0] not in ("reward", "grpo", "judge", "run")
+             or (c.startswith("grpo.") and c not in allowed) or (c.startswith("run.") and c not in allowed)]
+    if other:
+        problems.append(f"{', '.join(other)} would change training, not its rewards: rescoring only changes "
+                        f"reward.*, {', '.join('grpo.' + n for n in RESCORABLE_GRPO)} and judge.on_failure.")
+    if problems:
+        raise RescoreError("\n".join(problems))
+
+
+def version_name(new: RecipeConfig) -> str:
+    """A name derived from the settings a version is computed with, so the same settings give the same name."""
+    grpo = {n: getattr(new.grpo, n) for n in RESCORABLE_GRPO}
+    return "v-" + json_hash([new.to_dict()["reward"], new.judge.on_failure, grpo])[:8]
+
+
+def scored_steps(run_dir: Path) -> list[int]:
+    """Steps whose judge stage finished (their reward inputs exist), in order."""
+    steps = [int(p.parent.name.split("=")[1]) for p in run_dir.glob("scores/step=*/reward_inputs.parquet")]
+    return sorted(steps)
+
+
+def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: str | None = None) -> tuple[str, list[StepRescore]]:
+    """Write reward version `version` (default: derived from the settings) for every scored step."""
+    steps = scored_steps(run_dir)
+    if not steps:
+        raise RescoreError(f"{run_dir} has no scored step (no scores/step=*/reward_inputs.parquet)")
+    score_files = {s: run_dir / "scores" / f"step={s}" for s in steps}
+    without_claims = [s for s in steps if not read_rows(score_files[s] / "citation_claims.parquet")]
+    pairs = sum(len(read_rows(score_files[s] / "judge_scores.parquet")) for s in steps)
+    check_rescorable(base, new, pairs, without_claims)
+    version = version or version_name(new)
+    if version == "train":
+        raise RescoreError("'train' is the version training used; choose another name")
+    grpo = {n: getattr(new.grpo, n) for n in RESCORABLE_GRPO}
+    out_root, written, summary = run_dir / "rescores" / version, {"rewards": [], "reward_weights": [], "advantages": []}, []
+    for step in steps:
+        inputs = read_rows(score_files[step] / "reward_inputs.parquet")
+        scores = read_rows(score_files[step] / "judge_scores.parquet")
+        trained = {(r["prompt_id"], r["sample_idx"]): r["reward"]
+                   for r in read_rows(score_files[step] / "rewards.parquet") if r["reward_version"] == "train"}
+        run = inputs[0]["run"] if inputs else new.run.name
+        weights = [weight_row(run, step, version, new.reward, new.judge.on_failure)]
+        rewards = compute_rewards(inputs, scores, weights)
+        advantages, _ = group_advantages(rewards, grpo)
+        advantage_rows = [{"run": run, "step": step, "reward_version": version, **a} for a in advantages]
+        out = out_root / f"step={step}"
+        for name, table, rows in (("rewards", REWARDS, rewards), ("reward_weights", REWARD_WEIGHTS, weights),
+                                  ("advantages", ADVANTAGES, advantage_rows)):
+            write_table(table, rows, out / f"{name}.parquet")
+            written[name].append(str(out / f"{name}.parquet"))
+        changed = sum(1 for r in rewards if (key := (r["prompt_id"], r["sample_idx"])) not in trained
+                      or abs(r["reward"] - trained[key]) > 1e-12)
+        summary.append(StepRescore(step, len(rewards), sum(trained.values()) / max(len(trained), 1),
+                                   sum(r["reward"] for r in rewards) / max(len(rewards), 1), changed))
+    catalog = run_dir / "catalog.duckdb"
+    if catalog.exists():
+        replace_version_rows(catalog, written, version)
+    return version, summary

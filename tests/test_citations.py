@@ -1,0 +1,100 @@
+"""Claim-level citation scoring: claims and their IDs, hand-computed precision/recall/F1, and the judge stage's
+claim judgments (a rule-based judge: a claim is fully supported when its text appears in the cited sources)."""
+
+import math
+
+from refiner_core.citations import citation_scores, extract_claims, snippet_texts
+from refiner_core.config import RewardConfig
+from refiner_core.judges.base import score_rollouts
+
+TOOL = ("<snippet id=s1>Title: A\nText: Fleming found penicillin in 1928.</snippet>\n"
+        "<snippet id=s2>Title: B\nText: The prize came in 1945.</snippet>\n"
+        "<snippet id=s3>Title: C\nText: Unrelated engineering news.</snippet>")
+IDS = ["s1", "s2", "s3"]
+
+
+class SourceMatchJudge:
+    """Rates a claim 2 when its text is in the cited sources, 1 when its first word is, else 0; rubrics 2."""
+
+    name = "source-match"
+    model_name = "source-match"
+
+    def __init__(self):
+        self.calls = 0
+
+    def complete(self, conversations):
+        self.calls += len(conversations)
+        out = []
+        for messages in conversations:
+            user = messages[-1]["content"]
+            if not user.startswith("Sources:"):
+                out.append('{"score": 2}')
+                continue
+            sources, claim = user.split("\n\nClaim:\n")
+            claim = claim.removesuffix("\n\nJSON:").rstrip(".")
+            score = 2 if claim in sources else 1 if claim.split()[0] in sources else 0
+            out.append(f'{{"score": {score}}}')
+        return out
+
+
+def test_claims_keep_every_id_of_a_multi_id_citation_and_uncited_sentences():
+    text = ("<answer>Some context sentence here. <snippet id=s1, s2>Fleming found penicillin in 1928</snippet> "
+            "and <snippet id=zz9>an invented fact</snippet>. A final uncited remark.</answer>")
+    claims = extract_claims(text, IDS)
+    assert [(c.text, c.cited_ids, c.valid_ids) for c in claims] == [
+        ("Some context sentence here.", (), ()),
+        ("Fleming found penicillin in 1928", ("s1", "s2"), ("s1", "s2")),
+        ("an invented fact", ("zz9",), ()),
+        ("A final uncited remark.", (), ()),
+    ]
+    assert extract_claims("no answer block", IDS) is None
+    assert snippet_texts(TOOL)["s2"] == "Title: B\nText: The prize came in 1945."
+
+
+def test_precision_recall_f1_hand_computed():
+    # cited supports 1, 0.5, 0 and one uncited claim: P = 1.5/3, R = 1.5/4, F1 = 2PR/(P+R)
+    out = citation_scores([1.0, 0.5, 0.0, None], [True, True, True, False])
+    p, r = 0.5, 0.375
+    assert math.isclose(out["citation_precision"], p) and math.isclose(out["citation_recall"], r)
+    assert math.isclose(out["citation_f1"], 2 * p * r / (p + r)) and out["claims"] == 4
+    assert citation_scores([None, None], [False, False])["citation_f1"] == 0.0  # nothing cited
+    assert citation_scores([], [])["citation_f1"] == 0.0  # empty answer
+    assert citation_scores([None], [True])["citation_precision"] == 0.0  # a failed judgment counts 0
+
+
+def _rollout(i, text):
+    return {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": i, "response_text": text, "finish_reason": "stop",
+            "response_tokens": 20}
+
+
+def test_judge_stage_scores_claims_and_the_reward_uses_f1():
+    prompt = {"prompt_id": "p", "question": "Who found penicillin?", "snippet_ids": IDS, "tool_output": TOOL,
+              "ground_truth": None}
+    rubrics = {"p": [{"rubric_id": "pos-0", "kind": "positive", "weight": 1.0, "description": "Names Fleming."}]}
+    texts = [
+        "<answer><snippet id=s1>Fleming found penicillin in 1928</snippet></answer>",  # supported: P = R = 1
+        "<answer><snippet id=s3,s1>Fleming won a prize</snippet>. Penicillin changed medicine forever.</answer>",
+        "<answer><snippet id=bad1>Fleming found penicillin in 1928</snippet></answer>",  # invented ID: no call
+        "no answer at all",
+    ]
+    judge = SourceMatchJudge()
+    scored = score_rollouts([_rollout(i, t) for i, t in enumerate(texts)], {"p": prompt}, rubrics, judge,
+                            RewardConfig(citation_score="f1", citation_weight=1.0, rubric_weight=0.0,
+                                         verification_reward=1.0), "zero", 2000, 64)
+    assert judge.calls == 4 + 2  # 4 rubric pairs + 2 cited claims with a valid ID
+    f1 = [r["citation_f1"] for r in scored.reward_inputs]
+    # second: one cited claim half supported ('Fleming' is in s1), one uncited: P = 0.5, R = 0.25
+    assert f1 == [1.0, 2 * 0.5 * 0.25 / 0.75, 0.0, 0.0]
+    assert [r["reward"] for r in scored.rewards] == f1
+    claims = [(c["sample_idx"], c["cited_ids"], c["support"]) for c in scored.citation_claims]
+    assert claims == [(0, ["s1"], 1.0), (1, ["s3", "s1"], 0.5), (1, [], None), (2, ["bad1"], 0.0)]
+    assert scored.citation_claims[3]["raw_output"] is None  # decided without a judge call
+
+
+def test_valid_ids_makes_no_claim_calls():
+    prompt = {"prompt_id": "p", "question": "Q?", "snippet_ids": IDS, "tool_output": TOOL, "ground_truth": None}
+    rubrics = {"p": [{"rubric_id": "pos-0", "kind": "positive", "weight": 1.0, "description": "C."}]}
+    judge = SourceMatchJudge()
+    scored = score_rollouts([_rollout(0, "<answer><snippet id=s1>x y z</snippet></answer>")], {"p": prompt}, rubrics,
+                            judge, RewardConfig(), "zero", 2000, 64)
+    assert judge.calls == 1 and scored.citation_claims == [] and scored.reward_inputs[0]["citation_f1"] is None
