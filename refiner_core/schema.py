@@ -1,0 +1,419 @@
+"""Every table of the pipeline, defined once. Parquet schemas and DuckDB DDL are derived from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    doc: str
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    doc: str
+    key: tuple[str, ...]
+    columns: tuple[Column, ...]
+
+    @property
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([pa.field(c.name, c.type, nullable=c.name not in self.key) for c in self.columns])
+
+    @property
+    def column_names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+
+def _c(name: str, type_: pa.DataType, doc: str) -> Column:
+    return Column(name, type_, doc)
+
+
+S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+TS = pa.timestamp("us", tz="UTC")
+
+PROMPTS = Table(
+    "prompts",
+    "One row per training prompt after SFT-data preparation: rendered chat prompt and reference answer.",
+    ("run", "prompt_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("prompt_id", S, "Stable row ID from the source data."),
+        _c("split", S, "'train' or 'validation'."),
+        _c("question", S, "The user's research question."),
+        _c("reasoning", S, "The search agent's reasoning given to the refiner."),
+        _c("tool_output", S, "Raw search-tool output with <snippet id=...> blocks."),
+        _c("snippet_ids", pa.list_(S), "IDs of the snippets present in tool_output."),
+        _c("reference_answer", S, "Reference refined answer in the target format (may be empty)."),
+        _c("ground_truth", S, "Chat rows: the answer a ground-truth verifier checks responses against; NULL otherwise."),
+        _c("prompt_text", S, "The chat-template rendering fed to the policy."),
+        _c("prompt_token_ids", pa.list_(pa.int32()), "Token IDs of prompt_text."),
+        _c("prompt_tokens", I, "len(prompt_token_ids)."),
+        _c("reference_tokens", I, "Token count of the reference answer."),
+        _c("content_hash", S, "Hash of the source row's content (dedupe key)."),
+    ),
+)
+
+RUBRICS = Table(
+    "rubrics",
+    "Rubrics the judge scores each rollout against: per-instance positive/negative plus the static set.",
+    ("run", "prompt_id", "rubric_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("prompt_id", S, "Prompt the rubric belongs to."),
+        _c("rubric_id", S, "Unique within the prompt: 'pos-0', 'neg-1', 'static-citation-discipline', ..."),
+        _c("kind", S, "'positive' or 'negative' (negative scores are flipped: 1 - s)."),
+        _c("source", S, "'instance' or 'static'."),
+        _c("title", S, "Short title."),
+        _c("description", S, "The criterion the judge sees."),
+        _c("weight", F, "Weight in the rubric score."),
+    ),
+)
+
+ROLLOUTS = Table(
+    "rollouts",
+    "One row per sampled response, with everything needed to train on it without re-tokenizing.",
+    ("run", "step", "prompt_id", "sample_idx"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step that sampled this rollout (0-based)."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Index within the prompt's group (0..G-1)."),
+        _c("policy", S, "Checkpoint path of the sampling policy."),
+        _c("policy_hash", S, "Content hash of the sampling policy's weights."),
+        _c("engine", S, "Rollout engine that produced it ('hf', 'vllm', ...)."),
+        _c("temperature", F, "Sampling temperature."),
+        _c("seed", I, "Sampling seed of the batch."),
+        _c("prompt_token_ids", pa.list_(pa.int32()), "Prompt token IDs as fed to the engine."),
+        _c("response_token_ids", pa.list_(pa.int32()), "Sampled token IDs (EOS included when emitted)."),
+        _c("response_logprobs", pa.list_(pa.float32()), "Engine log-probability of each sampled token."),
+        _c("response_text", S, "Decoded response (special tokens removed)."),
+        _c("response_tokens", I, "len(response_token_ids)."),
+        _c("finish_reason", S, "'stop' (EOS or stop string) or 'length'."),
+        _c("created_at", TS, "When the rollout was written."),
+    ),
+)
+
+JUDGE_SCORES = Table(
+    "judge_scores",
+    "One row per (rollout, rubric): the judge's raw output, parsed score, and failure if any.",
+    ("run", "step", "prompt_id", "sample_idx", "rubric_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Sample index."),
+        _c("rubric_id", S, "Rubric ID (joins rubrics)."),
+        _c("kind", S, "'positive' or 'negative'."),
+        _c("weight", F, "Rubric weight."),
+        _c("judge", S, "Judge engine and model."),
+        _c("raw_output", S, "Verbatim judge output."),
+        _c("raw_score", F, "Parsed score on the judge's 0-2 scale; NULL when parsing failed."),
+        _c("score", F, "raw_score / 2: 0/1/2 map to 0/0.5/1; NULL when parsing failed."),
+        _c("oriented_score", F, "score for positive rubrics, 1 - score for negative; NULL on failure."),
+        _c("failure", S, "NULL when parsed; otherwise why ('unparseable: ...', 'out_of_range: ...', 'non_numeric: ...', "
+                         "or a transport failure after retries: 'timeout: ...', 'http_500: ...', 'refused: ...', "
+                         "'budget_exhausted: ...')."),
+        _c("latency_seconds", F, "Seconds the answer took (openai: the successful request, 0 on a cache hit; "
+                                 "transformers: the batch's time / its pairs)."),
+        _c("attempts", I, "HTTP requests made for this pair (1 + retries; 0 on a cache hit; 1 in-process)."),
+        _c("cache_hit", B, "The answer came from the judge cache (no request)."),
+        _c("judge_model", S, "The judge model: the served model name (openai) or the checkpoint path (in-process)."),
+        _c("prompt_hash", S, "Hash of the exact judge prompt (chat messages); with the model and sampling settings "
+                             "it keys the judge cache."),
+    ),
+)
+
+_ROLLOUT_KEY = (
+    _c("run", S, "Run name."),
+    _c("step", I, "GRPO step."),
+    _c("prompt_id", S, "Prompt ID."),
+    _c("sample_idx", I, "Sample index."),
+)
+
+# What was measured about each rollout, before any weight: the judge stage writes it once, and every reward
+# version (training's and each `refiner rescore`) is computed from it by SQL without calling the judge again.
+_REWARD_INPUT_COLUMNS = (
+    _c("verifier", S, "'judge' (rubrics judged by an LLM) or the verifier of a prompt without rubrics "
+                      "(reward.verifier: 'ground_truth', ...)."),
+    _c("verifier_score", F, "Verifier prompts: the verifier's score (ground_truth: 1.0 correct, 0.0 not); NULL for the judge."),
+    _c("correct", F, "Verifier prompts: 1.0 when the final answer matches the ground truth, else 0.0; NULL for the judge."),
+    _c("extracted_answer", S, "Verifier prompts: the response's final answer (last \\boxed{}, <answer> text or the whole response)."),
+    _c("verify_method", S, "Verifier prompts: 'math_verify', 'normalized_match' (with the reason in verify_detail) or 'no_answer'."),
+    _c("verify_detail", S, "Why math-verify did not decide, when the normalised match was used instead."),
+    _c("has_answer", B, "Exactly one <answer>...</answer> block."),
+    _c("format_ok", B, "Answer block present and snippet tags well formed."),
+    _c("format_score", F, "1.0 when format_ok else 0.0."),
+    _c("n_citations", I, "Cited IDs (multi-ID citations count each ID)."),
+    _c("n_invalid_citations", I, "Cited IDs not present in the prompt's tool output."),
+    _c("citation_valid_fraction", F, "Fraction of cited IDs that are valid (0 with no answer or no citation)."),
+    _c("claims", I, "Claims in the answer (cited spans + uncited factual sentences); NULL when claims were not judged."),
+    _c("citation_precision", F, "Mean support of the cited claims by their cited snippets (1 / 0.5 / 0 each); "
+                                "NULL when claims were not judged."),
+    _c("citation_recall", F, "Summed support of the cited claims / all claims (uncited ones count 0); NULL when "
+                             "claims were not judged."),
+    _c("citation_f1", F, "2PR / (P + R) (0 when both are 0); NULL when claims were not judged."),
+    _c("finish_reason", S, "Rollout finish reason."),
+    _c("response_tokens", I, "Response length in tokens."),
+    _c("max_new_tokens", I, "The rollout's length limit (L_max of the overlong penalty)."),
+)
+
+REWARD_INPUTS = Table(
+    "reward_inputs",
+    "One row per rollout: format checks, citation scores and verifier results, before any weight.",
+    ("run", "step", "prompt_id", "sample_idx"),
+    _ROLLOUT_KEY + _REWARD_INPUT_COLUMNS,
+)
+
+_REWARD_WEIGHT_COLUMNS = (
+    _c("verification_reward", F, "Multiplier applied to the judged part."),
+    _c("rubric_weight", F, "Weight of rubric_score in the judged part."),
+    _c("citation_weight", F, "Weight of citation_score in the judged part."),
+    _c("citation_score_kind", S, "Which citation score enters the reward: 'valid_ids', 'f1' or 'dr_tulu' "
+                                 "(0.6 F1 + 0.4 valid-ID fraction)."),
+    _c("format_weight", F, "Weight of format_score."),
+    _c("gate_judge_score_with_format_bonus", B, "Zero the judged part when the format is invalid."),
+    _c("non_stop_penalty", B, "Replace the reward of responses that hit the length limit."),
+    _c("non_stop_penalty_value", F, "The reward given instead when non_stop_penalized."),
+    _c("overlong_buffer", I, "DAPO overlong buffer B in tokens (0 = off)."),
+    _c("overlong_factor", F, "DAPO overlong factor f."),
+    _c("on_failure", S, "Treatment of failed judgments: 'zero', 'skip', 'drop' (rollout left out of the update) "
+                        "or 'fail'."),
+)
+
+REWARD_WEIGHTS = Table(
+    "reward_weights",
+    "The weights of each reward version, one row per (step, version): 'train' is what the update used; "
+    "`refiner rescore` adds versions.",
+    ("run", "step", "reward_version"),
+    (_c("run", S, "Run name."), _c("step", I, "GRPO step."), _c("reward_version", S, "Reward version."))
+    + _REWARD_WEIGHT_COLUMNS,
+)
+
+REWARDS = Table(
+    "rewards",
+    "One row per (rollout, reward version): every component, the weights used, and the total, computed by SQL "
+    "(refiner_core/rewards.py REWARD_SQL) from reward_inputs, judge_scores and reward_weights.",
+    ("run", "step", "prompt_id", "sample_idx", "reward_version"),
+    _ROLLOUT_KEY + (_c("reward_version", S, "'train' (used by the update) or a `refiner rescore` version."),)
+    + _REWARD_INPUT_COLUMNS + _REWARD_WEIGHT_COLUMNS + (
+        _c("rubric_score", F, "Weighted mean of oriented rubric scores (failed ones: 0 under 'zero', left out "
+                              "under 'skip' and 'drop')."),
+        _c("rubrics_scored", I, "Rubrics with a usable score."),
+        _c("rubrics_failed", I, "Rubrics whose judgment failed."),
+        _c("citation_score", F, "The citation score that enters the reward (per citation_score_kind)."),
+        _c("judged_score", F, "rubric_weight * rubric_score + citation_weight * citation_score for judged "
+                              "prompts, verifier_score for verified ones, 0 when gated."),
+        _c("gated", B, "True when the judged part was zeroed because format_ok is false (gating on)."),
+        _c("non_stop_penalized", B, "True when the reward was replaced by the non-stop penalty."),
+        _c("overlong_penalty", F, "min(0, -(L - (L_max - B)) / B * f), 0 when the buffer is off."),
+        _c("dropped", B, "Left out of the update: a judgment failed under on_failure 'drop'."),
+        _c("reward", F, "verification_reward * judged_score + format_weight * format_score + overlong_penalty, "
+                        "or non_stop_penalty_value when non_stop_penalized."),
+    ),
+)
+
+ADVANTAGES = Table(
+    "advantages",
+    "One row per (rollout, reward version): the reward, its group-relative advantage, and whether the update "
+    "trains on it.",
+    ("run", "step", "reward_version", "prompt_id", "sample_idx"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("reward_version", S, "'train' (what the update used) or a `refiner rescore` version."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Sample index."),
+        _c("reward", F, "The rollout's reward in this version."),
+        _c("advantage", F, "Group-relative advantage (grpo.advantage); 0 for dropped rollouts."),
+        _c("trained", B, "False when left out of the update: dropped, an all-equal group under "
+                         "grpo.filter_zero_std_groups, or an empty response."),
+    ),
+)
+
+CITATION_CLAIMS = Table(
+    "citation_claims",
+    "One row per claim of a judged answer (reward.citation_score 'f1' or 'dr_tulu'): the claim, its cited IDs, "
+    "and the judge's support rating.",
+    ("run", "step", "prompt_id", "sample_idx", "claim_idx"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Sample index."),
+        _c("claim_idx", I, "Position of the claim in the answer."),
+        _c("claim", S, "The claim's text."),
+        _c("cited_ids", pa.list_(S), "Snippet IDs the claim cites."),
+        _c("valid_ids", pa.list_(S), "Cited IDs present in the prompt's tool output."),
+        _c("support", F, "Judged support by the cited snippets: 1 full, 0.5 partial, 0 none (0 when it cites only "
+                         "invented IDs; NULL for uncited claims or a failed judgment)."),
+        _c("raw_output", S, "Verbatim judge output (NULL when no call was needed)."),
+        _c("failure", S, "NULL when parsed; otherwise why."),
+        _c("cache_hit", B, "The answer came from the judge cache (no request)."),
+        _c("prompt_hash", S, "Hash of the exact judge prompt."),
+    ),
+)
+
+STEPS = Table(
+    "steps",
+    "One row per GRPO step: optimisation and reward metrics.",
+    ("run", "step"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("loss", F, "Policy loss (aggregated as configured)."),
+        _c("pg_loss", F, "Clipped surrogate part of the loss."),
+        _c("kl", F, "Mean per-token KL estimate against the reference."),
+        _c("clip_fraction", F, "Fraction of response tokens whose ratio was clipped."),
+        _c("reward_mean", F, "Mean reward over the step's rollouts."),
+        _c("reward_std", F, "Std (ddof 0) of rewards over the step's rollouts."),
+        _c("advantage_abs_mean", F, "Mean |advantage| over rollouts."),
+        _c("zero_std_group_fraction", F, "Fraction of groups whose rewards were all equal (no signal)."),
+        _c("grad_norm", F, "Gradient norm before clipping."),
+        _c("lr", F, "Learning rate used."),
+        _c("response_tokens", I, "Response tokens trained on."),
+        _c("packing_efficiency", F, "Real tokens / tokens computed in the update (1.0 = no padding)."),
+        _c("response_length_mean", F, "Mean response length in tokens."),
+        _c("rollout_seconds", F, "Wall time of the rollout stage."),
+        _c("judge_seconds", F, "Wall time of the judge stage."),
+        _c("update_seconds", F, "Wall time of the update stage."),
+        _c("checkpoint", S, "Path of the checkpoint written by this step (removed later unless run.keep_last / keep_every keep it)."),
+        _c("checkpoint_bytes", I, "Bytes written for this step's checkpoint (weights, tokenizer, optimizer state)."),
+    ),
+)
+
+QUARANTINE = Table(
+    "quarantine",
+    "Rejected input rows: where they came from, which stage rejected them and why.",
+    ("run", "stage", "source", "row_ref"),
+    (
+        _c("run", S, "Run name."),
+        _c("stage", S, "Stage that rejected the row ('prepare', 'rubrics', ...)."),
+        _c("source", S, "Source file or dataset."),
+        _c("row_ref", S, "Row number or row ID in the source."),
+        _c("reason", S, "Machine-readable reason ('missing_field', 'unknown_snippet_id', ...)."),
+        _c("detail", S, "Human-readable explanation."),
+        _c("raw", S, "The raw row text (truncated to 4 kB)."),
+    ),
+)
+
+SFT_EXAMPLES = Table(
+    "sft_examples",
+    "One row per SFT example after limits and dedupe: token IDs, assistant-only loss mask and its place in a pack.",
+    ("run", "example_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("example_id", S, "Content hash of the rendered conversation (dedupe key)."),
+        _c("split", S, "'train' or 'validation' (seeded, by content)."),
+        _c("source_ref", S, "Row number in the source ('line 3', 'row 0')."),
+        _c("source_id", S, "Row ID in the source."),
+        _c("input_ids", pa.list_(pa.int32()), "Token IDs of the chat-template rendering (after truncation)."),
+        _c("loss_mask", pa.list_(B), "Per token: true for assistant tokens (the loss applies), false otherwise."),
+        _c("prompt_tokens", I, "Tokens before the first assistant token."),
+        _c("response_tokens", I, "Tokens from the first assistant token to the end."),
+        _c("assistant_tokens", I, "Tokens with loss_mask true."),
+        _c("total_tokens", I, "len(input_ids)."),
+        _c("truncated", S, "Truncations applied ('prompt_truncated', 'response_truncated', 'total_truncated'), NULL if none."),
+        _c("pack_id", I, "Pack (training row) index within the split."),
+        _c("pack_offset", I, "Token offset of the example inside its pack."),
+    ),
+)
+
+SFT_STATS = Table(
+    "sft_stats",
+    "SFT preparation summary, one number per row: counts, drops and truncations per reason, packing, histograms.",
+    ("run", "kind", "name"),
+    (
+        _c("run", S, "Run name."),
+        _c("kind", S, "'count', 'dropped', 'truncated', 'packing' or 'histogram'."),
+        _c("name", S, "Counter, reason, packing figure or histogram name ('prompt_tokens', ...)."),
+        _c("split", S, "'train' / 'validation' for packing rows, NULL otherwise."),
+        _c("bin_low", F, "Histogram bin lower edge (inclusive); NULL for other kinds."),
+        _c("bin_high", F, "Histogram bin upper edge; NULL for other kinds."),
+        _c("value", F, "The number (a count, or the packing efficiency in [0, 1])."),
+    ),
+)
+
+SFT_METRICS = Table(
+    "sft_metrics",
+    "SFT warm-start training curve: train loss per optimizer step, validation loss before training and per epoch.",
+    ("run", "split", "step"),
+    (
+        _c("run", S, "Run name."),
+        _c("split", S, "'train' (one optimizer step) or 'validation' (full evaluation)."),
+        _c("step", I, "Optimizer steps done when measured (0 = before training)."),
+        _c("epoch", F, "Epochs done when measured (fractional within an epoch)."),
+        _c("loss", F, "Token-mean cross-entropy over assistant tokens."),
+        _c("tokens", I, "Assistant tokens the loss averages over."),
+        _c("lr", F, "Learning rate of the step (NULL for validation)."),
+        _c("grad_norm", F, "Gradient norm before clipping (NULL for validation)."),
+    ),
+)
+
+_EVAL_COLUMNS = (
+    _c("run", S, "Run name."),
+    _c("step", I, "GRPO updates applied to the evaluated policy (0 = the starting policy)."),
+    _c("phase", S, "'base' (the model before any training), 'sft' (after the SFT warm start) or 'grpo' (after "
+                   "`step` GRPO updates)."),
+    _c("mode", S, "'greedy' (one response at temperature 0) or 'sampled' (eval.samples responses, for pass@k)."),
+    _c("prompt_id", S, "Held-out prompt ID (validation split)."),
+    _c("sample_idx", I, "Index among the prompt's responses of this mode."),
+    _c("policy", S, "Checkpoint path of the evaluated policy."),
+    _c("policy_hash", S, "Content hash of the evaluated policy's weights."),
+    _c("temperature", F, "Sampling temperature (0 for greedy)."),
+    _c("response_text", S, "Decoded response."),
+    _c("response_tokens", I, "Response length in tokens."),
+)
+
+EVALS = Table(
+    "evals",
+    "One row per held-out evaluation response: the policy evaluated, the response, and every reward part, "
+    "scored by the same code as the training rewards.",
+    ("run", "step", "phase", "mode", "prompt_id", "sample_idx"),
+    _EVAL_COLUMNS + tuple(c for c in REWARDS.columns if c.name not in {e.name for e in _EVAL_COLUMNS}
+                          and c.name != "reward_version") + (
+        _c("passed", B, "A pass for pass@k: correct = 1 for verified prompts; for judged ones format_ok, at least "
+                        "one citation, none invalid, and rubric_score >= eval.pass_rubric_score."),
+    ),
+)
+
+ALL_TABLES: dict[str, Table] = {
+    t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS,
+                        ADVANTAGES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS, EVALS)
+}
+
+_DUCKDB_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.int64(): "BIGINT",
+    pa.int32(): "INTEGER",
+    pa.float64(): "DOUBLE",
+    pa.float32(): "FLOAT",
+    pa.bool_(): "BOOLEAN",
+    TS: "TIMESTAMPTZ",
+}
+
+
+def duckdb_type(type_: pa.DataType) -> str:
+    if pa.types.is_list(type_):
+        return duckdb_type(type_.value_type) + "[]"
+    return _DUCKDB_TYPES[type_]
+
+
+def duckdb_ddl(table: Table) -> str:
+    cols = ",\n  ".join(f'"{c.name}" {duckdb_type(c.type)}' for c in table.columns)
+    return f'CREATE TABLE "{table.name}" (\n  {cols}\n)'
+
+
+def to_arrow(table: Table, rows: list[dict]) -> pa.Table:
+    """Build an Arrow table with the exact schema; missing or extra keys are errors, not silent drops."""
+    expected = set(table.column_names)
+    for i, row in enumerate(rows):
+        if set(row) != expected:
+            missing, extra = expected - set(row), set(row) - expected
+            raise ValueError(f"{table.name} row {i}: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    return pa.Table.from_pylist(rows, schema=table.arrow_schema)
