@@ -5,9 +5,10 @@
 
 One step = 4 prompts x 8 samples x 64 new tokens (temperature 1, beta = 0, lr 5e-6): sampling, a cheap
 word-count reward (bench/peer_trl_grpo.py:reward_text, the same on both sides), one optimizer step.
-Ours: refiner_core.grpo.grpo_loop in this process, once per (engine, precision, pack_length) combination: the hf
+Ours: refiner_core.grpo.grpo_loop in this process, once per (engine, precision, layout) combination: the hf
 engine samples from the learner's live policy object (under bf16 autocast with bf16), the vllm engine from its own
-copy that load_weights refreshes after every update. TRL: bench/peer_trl_grpo.py in its own venv (created with pip on first use), bf16=True, use_cpu=True,
+copy that load_weights refreshes after every update; the update lays sequences out padded, packed, or shared
+(each group's prompt read once, grpo.share_prompt). TRL: bench/peer_trl_grpo.py in its own venv (created with pip on first use), bf16=True, use_cpu=True,
 gradient checkpointing off (TRL's default is on; --trl-grad-ckpt keeps it).
 Prints per-step JSON lines, then a table of median step seconds over steps 2..N, completion tokens/s, ours/TRL,
 and the median process CPU seconds per step with its ratio (steadier than wall time on a shared machine), then
@@ -83,19 +84,24 @@ def summarise(name: str, steps: list[dict]) -> dict:
             "tokens_per_s": sum(s["completion_tokens"] for s in timed) / sum(seconds), "steps": len(steps)}
 
 
-def our_combinations(pack_length: int) -> list[dict]:
-    """Our settings: the hf engine in fp32/bf16 x padded/packed updates, and the vllm engine with bf16 updates."""
-    return ([{"engine": "hf", "precision": p, "pack_length": n} for p in ("fp32", "bf16") for n in (0, pack_length)]
-            + [{"engine": "vllm", "precision": "bf16", "pack_length": n} for n in (0, pack_length)])
+LAYOUTS = ("pad", "pack", "share")  # one padded sequence per row / packed rows / each group's prompt read once
+
+
+def our_combinations() -> list[dict]:
+    """Our settings: the hf engine in fp32 padded (the plain baseline) and bf16 packed or prompt-shared, and the
+    vllm engine with bf16 packed or prompt-shared updates."""
+    return ([{"engine": "hf", "precision": "fp32", "layout": "pad"}]
+            + [{"engine": e, "precision": "bf16", "layout": lay} for e in ("hf", "vllm") for lay in ("pack", "share")])
 
 
 def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> list[dict]:
     torch.manual_seed(0)
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path, trainable=True)
-    packed = combo["pack_length"] > 0
-    grpo = dataclasses.asdict(GRPOConfig(beta=0.0, learning_rate=5e-6, pack_length=combo["pack_length"],
-                                         micro_batch_size=1 if packed else args.micro_batch_size))
+    packed = combo["layout"] == "pack"
+    grpo = dataclasses.asdict(GRPOConfig(beta=0.0, learning_rate=5e-6, pack_length=args.pack_length if packed else 0,
+                                         micro_batch_size=1 if packed else args.micro_batch_size,
+                                         share_prompt=combo["layout"] == "share"))
     learner = TorchLearner(policy, None, tokenizer.pad_token_id, learner_settings(grpo, 1.0, combo["precision"]))
     sync = None
     if combo["engine"] == "vllm":  # its own copy of the weights, refreshed after every update
@@ -160,8 +166,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny Qwen3 from a config: a smoke test")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="our rows per pass when padded")
     parser.add_argument("--pack-length", type=int, default=1024, help="our tokens per packed row (1 row per pass)")
-    parser.add_argument("--combos", default="", help="ours to run, e.g. 'hf:bf16:0,vllm:bf16:1024' "
-                        "(engine:precision:pack_length); default: all of our_combinations()")
+    parser.add_argument("--combos", default="", help="ours to run, e.g. 'hf:bf16:pack,vllm:bf16:share' "
+                        f"(engine:precision:layout, layout one of {LAYOUTS}); default: all of our_combinations()")
     parser.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with its default gradient checkpointing")
     parser.add_argument("--trl-venv", default="/tmp/venv-trl", help="TRL's own venv, created if missing")
     args = parser.parse_args()
@@ -181,10 +187,12 @@ def main() -> None:
     if args.only != "ours":
         trl = summarise("TRL GRPOTrainer bf16", run_trl(model_path, prompt_texts, args))
     if args.only != "trl":
-        combos = our_combinations(args.pack_length)
+        combos = our_combinations()
         if args.combos:
-            combos = [{"engine": e, "precision": p, "pack_length": int(n)}
-                      for e, p, n in (c.split(":") for c in args.combos.split(","))]
+            combos = [{"engine": e, "precision": p, "layout": lay}
+                      for e, p, lay in (c.split(":") for c in args.combos.split(","))]
+            if any(c["layout"] not in LAYOUTS for c in combos):
+                parser.error(f"--combos: layout must be one of {LAYOUTS}")
         for combo in combos:
             results.append(summarise("ours " + " ".join(f"{k}={v}" for k, v in combo.items()),
                                      run_ours(model_path, prompts, combo, args)))

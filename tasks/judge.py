@@ -8,6 +8,7 @@ from refiner_core.judges.base import make_judge, score_rollouts
 from refiner_core.config import RewardConfig
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.storage import read_rows, write_table
+from tasks.judge_server import ensure_judge_server
 from tasks.stage import stage
 
 
@@ -21,6 +22,8 @@ def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: di
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
+    if judge_cfg["serve"]:
+        ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)
     scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)
     scored = score_rollouts(
         read_rows(rollouts["rollouts"]["path"]), prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),

@@ -22,6 +22,24 @@ def test_group_advantages_hand_computed():
     assert zero_std_groups(rewards, groups) == {"b"}
 
 
+def test_dropped_rollouts_leave_the_update_and_their_group_uses_the_others():
+    """judge.on_failure 'drop': a rollout whose judgment failed takes no part; the group's advantages are those of
+    the remaining samples, and an all-equal group is untrained under filter_zero_std_groups."""
+    from refiner_core.grpo import group_advantages
+
+    rewards = [{"prompt_id": "a", "sample_idx": i, "reward": r, "dropped": d}
+               for i, (r, d) in enumerate([(1.0, False), (3.0, False), (100.0, True)])]
+    rewards += [{"prompt_id": "b", "sample_idx": i, "reward": 2.0, "dropped": False} for i in range(2)]
+    rows, stats = group_advantages(rewards, {"advantage": "group_std", "advantage_eps": 1e-9,
+                                             "filter_zero_std_groups": True})
+    by = {(r["prompt_id"], r["sample_idx"]): r for r in rows}
+    # mean 2, std 1: the dropped 100 is ignored
+    assert by[("a", 0)]["advantage"] == pytest.approx(-1.0) and by[("a", 1)]["advantage"] == pytest.approx(1.0)
+    assert by[("a", 2)]["advantage"] == 0.0 and not by[("a", 2)]["trained"]
+    assert not by[("b", 0)]["trained"] and by[("a", 0)]["trained"]
+    assert stats["zero_std_group_fraction"] == 0.5
+
+
 def test_batch_std_and_dr_grpo():
     rewards = [3.0, 1.0, 0.0, 0.0]
     groups = [0, 0, 1, 1]

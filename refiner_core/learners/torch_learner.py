@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from refiner_core.learners.base import LearnerSettings, TrainSample, collate_rows, pack_rows, token_logprobs
+from refiner_core.learners.base import (LearnerSettings, TrainSample, collate_group, collate_rows, pack_rows,
+                                        prompt_groups, token_logprobs)
 from refiner_core.losses import AGGREGATIONS, grpo_token_loss
 
 
@@ -30,13 +31,17 @@ class TorchLearner:
                 group["lr"] = settings.learning_rate
 
     def _layout(self, samples: list[TrainSample]) -> list[list[dict[str, torch.Tensor]]]:
-        """Optimizer steps (`minibatches` of them), each a list of micro-batches of `micro_batch_size` rows; a
-        row is one sequence, or one pack of sequences when pack_length > 0 (packed within its optimizer step)."""
+        """Optimizer steps (`minibatches` of them), each a list of micro-batches: with share_prompt, one group
+        (its prompt read once) per micro-batch; else `micro_batch_size` rows, a row being one sequence, or one pack
+        of sequences when pack_length > 0 (packed within its optimizer step)."""
         s = self.s
         per_step = math.ceil(len(samples) / s.minibatches)
         steps = []
         for start in range(0, len(samples), per_step):
             chunk = samples[start : start + per_step]
+            if s.share_prompt:
+                steps.append([collate_group([chunk[i] for i in g], self.pad_id) for g in prompt_groups(chunk)])
+                continue
             rows = [[chunk[i] for i in row] for row in pack_rows(chunk, s.pack_length)]
             m = s.micro_batch_size
             steps.append([collate_rows(rows[i : i + m], self.pad_id) for i in range(0, len(rows), m)])
@@ -68,7 +73,7 @@ class TorchLearner:
         aggregate = AGGREGATIONS[s.loss_aggregation]
         totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0,
                   "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
-                  "computed_tokens": float(sum(b["input_ids"].numel() for b in flat))}
+                  "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat))}
         grad_norms = []
         bar = tqdm(total=len(flat), desc="update", unit="mb", disable=None, leave=False)
         k = 0

@@ -1,0 +1,38 @@
+"""The judge server a run starts itself (judge.serve): started by the first judge stage that needs it, reused
+by the next steps, stopped by the flow's end hooks (success, failure, crash, cancellation) or at exit."""
+
+from __future__ import annotations
+
+import atexit
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from refiner_core.judges.serve import JudgeServer, start_server, stop_server
+
+_SERVED: dict[str, JudgeServer] = {}  # base_url -> the server this process started
+
+
+def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> None:
+    """Start the judge server at judge.base_url unless this process already runs it."""
+    url = judge_cfg["base_url"]
+    running = _SERVED.get(url)
+    if running is not None and running.proc.poll() is None:
+        return
+    parts = urlsplit(url)
+    log_path = Path(run_dir) / "logs" / f"judge-server-{parts.port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("starting the judge server for this run: %s at %s (log %s)", model_path, url, log_path)
+    _SERVED[url] = start_server(model_path, host=parts.hostname, port=parts.port,
+                                served_name=judge_cfg["api_model"], startup_timeout=judge_cfg["serve_startup_timeout"],
+                                log_path=log_path)
+    log.info("judge server healthy: pid %d", _SERVED[url].pid)
+
+
+def stop_judge_servers(*_hook_args) -> None:
+    """Stop every judge server this process started (a Prefect flow state hook; also registered at exit)."""
+    while _SERVED:
+        _, server = _SERVED.popitem()
+        stop_server(server)
+
+
+atexit.register(stop_judge_servers)
