@@ -73,8 +73,8 @@ def test_e2e_tables_and_weights(finished_run, tiny_model_path):
     lengths_ok = con.execute("SELECT bool_and(len(response_token_ids) = len(response_logprobs) AND "
                              "response_tokens = len(response_token_ids)) FROM rollouts").fetchone()[0]
     con.close()
-    assert counts["prompts"] == 28 and counts["quarantine"] == 0
-    assert counts["rubrics"] > 28 * 3
+    assert counts["prompts"] == 69 and counts["quarantine"] == 0
+    assert counts["rubrics"] > 69 * 3
     assert counts["rollouts"] == 2 * 4 * 4 and distinct_prompts == 8
     assert counts["rewards"] == 32 and counts["steps"] == 2
     assert counts["judge_scores"] == rubrics_per_rollout
