@@ -235,7 +235,9 @@ class RewardConfig:
                                "rollout.max_new_tokens.")
     overlong_factor: float = opt(1.0, "DAPO overlong penalty factor f (the penalty at L_max).")
     verifier: str = opt("ground_truth", "Scores prompts that have no rubrics (prompts with rubrics are judged): "
-                        "'ground_truth' checks the final answer against the prompt's ground_truth (math-verify).")
+                        "'ground_truth' checks the final answer against the prompt's ground_truth (math-verify); "
+                        "'tcr' scores that outcome with the Tool Call Reward (+1 right; -1 wrong, +0.1 per tool "
+                        "round up to -0.6) for rollout.agent conversations.")
 
 
 @dataclass

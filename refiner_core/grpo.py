@@ -59,7 +59,8 @@ def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -
             by_key[(r["prompt_id"], r["sample_idx"])]["trained"] = False
     samples = [
         TrainSample(list(r["prompt_token_ids"]), list(r["response_token_ids"]), a["advantage"],
-                    list(r["response_logprobs"]))
+                    list(r["response_logprobs"]),
+                    list(r["response_mask"]) if r.get("response_mask") is not None else None)
         for r in rollouts if (a := by_key[(r["prompt_id"], r["sample_idx"])])["trained"]
     ]
     return samples, advantages, stats

@@ -94,7 +94,13 @@ ROLLOUTS = Table(
         _c("response_logprobs", pa.list_(pa.float32()), "Engine log-probability of each sampled token."),
         _c("response_text", S, "Decoded response (special tokens removed)."),
         _c("response_tokens", I, "len(response_token_ids)."),
-        _c("finish_reason", S, "'stop' (EOS or stop string) or 'length'."),
+        _c("finish_reason", S, "'stop' (EOS or stop string) or 'length'; agent rollouts also 'max_turns' (still "
+                               "calling tools at rollout.agent.max_turns); 'length' = out of token budget."),
+        _c("response_mask", pa.list_(B), "Per response token: true where the policy sampled it (the loss applies), "
+                                         "false for tokens the agent loop inserted (tool results, template framing)."),
+        _c("tool_rounds", I, "Agent rollouts: assistant turns whose tool calls ran (0 without tools)."),
+        _c("final_text", S, "The last assistant turn's text, where the final answer is read (agent rollouts); "
+                            "response_text otherwise."),
         _c("created_at", TS, "When the rollout was written."),
     ),
 )
@@ -382,9 +388,40 @@ EVALS = Table(
     ),
 )
 
+TURNS = Table(
+    "turns",
+    "Agent rollouts, one row per assistant turn and per tool call: what was said, run and answered, where its "
+    "tokens lie in the rollout's response_token_ids, and what went wrong.",
+    ("run", "step", "prompt_id", "sample_idx", "turn", "role", "call_idx"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Sample index."),
+        _c("turn", I, "Assistant turn (0-based); a tool row shares the turn of the assistant turn that called it."),
+        _c("role", S, "'assistant' (sampled text) or 'tool' (one call and its result)."),
+        _c("call_idx", I, "Tool rows: the call's position in its turn; 0 for assistant rows."),
+        _c("text", S, "Assistant: the turn's text. Tool: the result the model was shown."),
+        _c("token_start", I, "Start of the turn's tokens in response_token_ids (a turn's tool calls share one span)."),
+        _c("token_end", I, "End (exclusive); equal to token_start when the result was not appended (budget)."),
+        _c("tool_name", S, "Tool rows: the tool called (as written, even when unknown)."),
+        _c("arguments", S, "Tool rows: the arguments as JSON, or the raw call text when it did not parse."),
+        _c("status", S, "Tool rows: 'ok', 'error' (non-zero exit), 'timeout', 'cpu_limit', 'file_size_limit', "
+                        "'killed:SIG...' or 'invalid_call' (never ran; see failure)."),
+        _c("exit_code", I, "Tool rows: the process's exit code (NULL when it never ran or was timed out)."),
+        _c("stdout", S, "Tool rows: stdout excerpt."),
+        _c("stderr", S, "Tool rows: stderr excerpt."),
+        _c("seconds", F, "Tool rows: wall time of the call."),
+        _c("failure", S, "Tool rows: why the call could not run ('bad_json: ...', 'unknown_tool: ...', "
+                         "'missing_arguments: ...', 'missing_argument: ...', 'unclosed_tool_call: ...'); NULL if it ran."),
+        _c("finish_reason", S, "Assistant rows: 'tool_call', 'stop', 'length' (turn or total token budget) or "
+                               "'max_turns' (called a tool on the last allowed turn: not run)."),
+    ),
+)
+
 ALL_TABLES: dict[str, Table] = {
     t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS,
-                        ADVANTAGES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS, EVALS)
+                        ADVANTAGES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS, EVALS, TURNS)
 }
 
 _DUCKDB_TYPES = {

@@ -31,7 +31,8 @@ def ground_truth_verifier() -> Verifier:
     return verify_step
 
 
-VERIFIERS: dict[str, str] = {"ground_truth": "refiner_core.verifiers:ground_truth_verifier"}
+VERIFIERS: dict[str, str] = {"ground_truth": "refiner_core.verifiers:ground_truth_verifier",
+                             "tcr": "refiner_core.agent.tcr:tcr_verifier"}
 
 
 def make_verifier(name: str) -> Verifier:

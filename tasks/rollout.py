@@ -5,9 +5,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core.agent.rollout import agent_rollouts, rollout_row as agent_rollout_row, turn_rows as agent_turn_rows
 from refiner_core.data import step_prompt_ids
+from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
-from refiner_core.schema import ROLLOUTS
+from refiner_core.schema import ROLLOUTS, TURNS
 from refiner_core.storage import read_rows, write_table
 from tasks.stage import stage
 
@@ -29,19 +31,39 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
         n=rollout_cfg["samples_per_prompt"], temperature=rollout_cfg["temperature"], top_p=rollout_cfg["top_p"],
         max_new_tokens=rollout_cfg["max_new_tokens"], stop=tuple(rollout_cfg["stop"]), seed=seed * 100_003 + step,
     )
-    generations = engine.generate([by_id[p]["prompt_token_ids"] for p in chosen], params, desc=f"rollout step {step}")
+    prompt_ids = [by_id[p]["prompt_token_ids"] for p in chosen]
+    agent, turns = rollout_cfg["agent"], None
+    if agent["enabled"]:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
+        tokenizer = load_tokenizer(policy["path"])
+        conversations = agent_rollouts(engine, tokenizer, policy["path"], prompt_ids, chosen, params, agent,
+                                       budget=rollout_cfg["max_new_tokens"], desc=f"rollout step {step}")
+        outputs = [(c.prompt_index, c.sample_idx, agent_rollout_row(c, tokenizer)) for c in conversations]
+        turns = [row for c in conversations for row in agent_turn_rows(
+            c, {"run": run, "step": step, "prompt_id": chosen[c.prompt_index], "sample_idx": c.sample_idx})]
+    else:
+        outputs = [(g.prompt_index, g.sample_idx, {
+            "response_token_ids": g.token_ids, "response_logprobs": g.logprobs, "response_text": g.text,
+            "response_mask": [True] * len(g.token_ids), "response_tokens": len(g.token_ids),
+            "finish_reason": g.finish_reason, "tool_rounds": 0, "final_text": g.text,
+        }) for g in engine.generate(prompt_ids, params, desc=f"rollout step {step}")]
     engine.close()  # free the engine's memory before the judge and learner stages
     now = datetime.now(timezone.utc)
     rows = [{
-        "run": run, "step": step, "prompt_id": chosen[g.prompt_index], "sample_idx": g.sample_idx,
+        "run": run, "step": step, "prompt_id": chosen[p], "sample_idx": s,
         "policy": policy["path"], "policy_hash": policy["hash"], "engine": engine.name,
-        "temperature": params.temperature, "seed": params.seed,
-        "prompt_token_ids": by_id[chosen[g.prompt_index]]["prompt_token_ids"],
-        "response_token_ids": g.token_ids, "response_logprobs": g.logprobs, "response_text": g.text,
-        "response_tokens": len(g.token_ids), "finish_reason": g.finish_reason, "created_at": now,
-    } for g in generations]
+        "temperature": params.temperature, "seed": params.seed, "prompt_token_ids": prompt_ids[p],
+        **response, "created_at": now,
+    } for p, s, response in outputs]
     path = Path(run_dir) / "rollouts" / f"step={step}" / "rollouts.parquet"
     stopped = sum(r["finish_reason"] == "stop" for r in rows)
     log.info("rollout step %d: %d prompts x %d samples, %d/%d stopped, mean %.1f tokens", step, len(chosen),
              params.n, stopped, len(rows), sum(r["response_tokens"] for r in rows) / max(len(rows), 1))
-    return {"rollouts": {"path": str(path), "hash": write_table(ROLLOUTS, rows, path)}, "rows": len(rows)}
+    manifest = {"rollouts": {"path": str(path), "hash": write_table(ROLLOUTS, rows, path)}, "rows": len(rows)}
+    if turns is not None:
+        turns_path = path.with_name("turns.parquet")
+        manifest["turns"] = {"path": str(turns_path), "hash": write_table(TURNS, turns, turns_path)}
+        tool_rows = [t for t in turns if t["role"] == "tool"]
+        log.info("rollout step %d: %d tool calls (%d invalid, %d not ok), mean %.2f tool rounds", step,
+                 len(tool_rows), sum(t["failure"] is not None for t in tool_rows),
+                 sum(t["status"] != "ok" for t in tool_rows), sum(r["tool_rounds"] for r in rows) / max(len(rows), 1))
+    return manifest

@@ -28,3 +28,26 @@ def overlong_penalty(length: int, max_length: int, buffer: int, factor: float = 
     if length <= expected:
         return 0.0
     return max(-(length - expected) / buffer * factor, -factor)
+
+
+def tcr_verifier():
+    """reward.verifier 'tcr': the final answer (the last assistant turn) against the prompt's ground truth by
+    math-verify (ground_truth.verify), scored by tool_call_reward with the rollout's tool rounds. The verdict's
+    score is the TCR value; `correct` keeps the outcome."""
+    import dataclasses
+
+    from refiner_core.ground_truth import Verdict, verify
+
+    def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
+        verdicts = []
+        for r in rollouts:
+            truth = prompts[r["prompt_id"]].get("ground_truth")
+            if truth is None:
+                raise ValueError(f"prompt {r['prompt_id']!r} has no ground_truth: the 'tcr' verifier needs one")
+            text = r.get("final_text")
+            outcome = verify(text if text is not None else r["response_text"], truth)
+            score = tool_call_reward(outcome.score == 1.0, int(r.get("tool_rounds") or 0))
+            verdicts.append(dataclasses.replace(outcome, score=score, correct=outcome.score))
+        return verdicts
+
+    return verify_step

@@ -1,0 +1,65 @@
+"""The rollout stage's agent mode: one step's conversations as ROLLOUTS rows and TURNS rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from refiner_core import REPO_ROOT
+from refiner_core.agent.loop import AgentRollout, AgentSettings, model_scorer, run_agent
+from refiner_core.agent.tools.base import make_tool
+from refiner_core.rollout.base import RolloutEngine, SamplingParams
+
+
+def read_scripted(path: str | Path, chosen: list[str], samples: int) -> dict[tuple[int, int], list[str]]:
+    """Scripted conversations of this step's prompts: (prompt index, sample) -> assistant texts."""
+    path = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
+    index = {prompt_id: k for k, prompt_id in enumerate(chosen)}
+    scripted = {}
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns) or "sample_idx" not in row:
+            raise ValueError(f"{path} line {n}: expected {{prompt_id, sample_idx, turns: [text, ...]}}")
+        if str(row.get("prompt_id")) in index and 0 <= int(row["sample_idx"]) < samples:
+            scripted[(index[str(row["prompt_id"])], int(row["sample_idx"]))] = turns
+    return scripted
+
+
+def agent_rollouts(engine: RolloutEngine, tokenizer, policy_path: str, prompts: list[list[int]], chosen: list[str],
+                   params: SamplingParams, agent: dict, budget: int, desc: str = "") -> list[AgentRollout]:
+    """Run the agent loop over the step's prompts with the configured tools (closed afterwards); `budget` caps
+    each conversation's response tokens, sampled and inserted."""
+    tools = {name: make_tool(name, agent) for name in agent["tools"]}
+    scripted, score = {}, None
+    if agent["scripted_path"]:
+        scripted = read_scripted(agent["scripted_path"], chosen, params.n)
+        if scripted:
+            from refiner_core.models import load_model
+
+            score = model_scorer(load_model(policy_path), params.temperature)
+    if agent["max_turn_tokens"] > 0:
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, agent["max_turn_tokens"]))
+    settings = AgentSettings(max_turns=agent["max_turns"], max_response_tokens=budget)
+    try:
+        return run_agent(engine, tokenizer, prompts, params, tools, settings, desc=desc, scripted=scripted,
+                         score=score)
+    finally:
+        for tool in tools.values():
+            tool.close()
+
+
+def rollout_row(r: AgentRollout, tokenizer) -> dict:
+    """The agent-specific columns of a ROLLOUTS row."""
+    return {"response_token_ids": r.token_ids, "response_logprobs": r.logprobs, "response_mask": r.loss_mask,
+            "response_text": tokenizer.decode(r.token_ids, skip_special_tokens=True),
+            "response_tokens": len(r.token_ids), "finish_reason": r.finish_reason, "tool_rounds": r.tool_rounds,
+            "final_text": r.final_text}
+
+
+def turn_rows(r: AgentRollout, identity: dict) -> list[dict]:
+    """TURNS rows of one conversation; `identity` holds run, step, prompt_id, sample_idx."""
+    return [{**identity, **dataclasses.asdict(t)} for t in r.turns]
