@@ -1,11 +1,13 @@
-"""One GRPO update three ways, side by side: fp32 padded, bf16 autocast padded, bf16 autocast packed.
+"""One GRPO update four ways, side by side: fp32 padded, bf16 autocast padded, bf16 autocast packed, and bf16
+autocast with each group's prompt read once (grpo.share_prompt).
 
     .venv/bin/python bench/learner_speed.py [--model smollm2-135m-instruct|tiny-qwen3] [--sequences 16]
-        [--prompt-tokens 460] [--response-tokens 85] [--pack-length 2048] [--threads 2]
+        [--group-size 4] [--prompt-tokens 460] [--response-tokens 85] [--pack-length 2048] [--threads 2]
 
-Random token sequences with prompt and response lengths spread +-15% around the given means, beta > 0 so the
-reference pass is timed too. Prints seconds for each setting, the ratios to fp32 padded (> 1 means faster) and
-the padding efficiency; checks that the three losses agree.
+Random token sequences in GRPO groups of --group-size responses sharing one prompt (the main job's shape by
+default), prompt and response lengths spread +-15% around the given means, beta > 0 so the reference pass is
+timed too. Prints wall and process-CPU seconds for each setting (CPU seconds are steadier on a shared machine),
+the ratios to fp32 padded (> 1 means faster) and the tokens-per-computed-token efficiency; the losses agree.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct", help="tiny-qwen3, smollm2-135m-instruct or a folder")
     parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=4, help="responses per shared prompt")
     parser.add_argument("--prompt-tokens", type=int, default=460)
     parser.add_argument("--response-tokens", type=int, default=85)
     parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per pass when padded")
@@ -46,9 +49,10 @@ def main() -> None:
 
     samples = []
     for k in range(args.sequences):
+        if k % args.group_size == 0:
+            prompt = [rng.randrange(3, vocab) for _ in range(spread(args.prompt_tokens))]
         response = [rng.randrange(3, vocab) for _ in range(spread(args.response_tokens))]
-        samples.append(TrainSample([rng.randrange(3, vocab) for _ in range(spread(args.prompt_tokens))], response,
-                                   rng.uniform(-1.5, 1.5), [-2.0] * len(response)))
+        samples.append(TrainSample(prompt, response, rng.uniform(-1.5, 1.5), [-2.0] * len(response)))
     base = dict(learning_rate=1e-6, weight_decay=0.0, adam_betas=(0.9, 0.999), max_grad_norm=1.0, beta=0.001,
                 kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
                 loss_constant=1024.0, minibatches=1, tis_cap=0.0, temperature=1.0)
@@ -56,6 +60,7 @@ def main() -> None:
         "fp32_padded": dict(precision="fp32", pack_length=0, micro_batch_size=args.micro_batch_size),
         "bf16_padded": dict(precision="bf16", pack_length=0, micro_batch_size=args.micro_batch_size),
         "bf16_packed": dict(precision="bf16", pack_length=args.pack_length, micro_batch_size=1),
+        "bf16_shared": dict(precision="bf16", pack_length=0, micro_batch_size=1, share_prompt=True),
     }
     results = {}
     for label, chosen in settings.items():
@@ -66,17 +71,20 @@ def main() -> None:
         TorchLearner(policy, reference, 0, LearnerSettings(**{**base, "learning_rate": 0.0}, **chosen)).train_step(short)
         policy.zero_grad(set_to_none=True)
         learner = TorchLearner(policy, reference, 0, LearnerSettings(**base, **chosen))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         metrics = learner.train_step(samples)
-        results[label] = {"seconds": time.perf_counter() - t0, "loss": metrics["loss"],
-                          "packing_efficiency": metrics["packing_efficiency"]}
-        print(f"{label}: {results[label]['seconds']:.1f} s", file=sys.stderr, flush=True)
-    fp32 = results["fp32_padded"]["seconds"]
+        results[label] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+                          "loss": metrics["loss"], "packing_efficiency": metrics["packing_efficiency"]}
+        print(f"{label}: {results[label]['seconds']:.1f} s ({results[label]['cpu_seconds']:.1f} CPU s)",
+              file=sys.stderr, flush=True)
+    fp32, fp32_cpu = results["fp32_padded"]["seconds"], results["fp32_padded"]["cpu_seconds"]
     print(json.dumps({
         "model": args.model, "sequences": len(samples), "tokens": sum(len(s.prompt_ids) + len(s.response_ids)
                                                                      for s in samples),
         **{f"{k}_seconds": round(v["seconds"], 2) for k, v in results.items()},
         **{f"ratio_fp32_padded_over_{k}": round(fp32 / v["seconds"], 2) for k, v in results.items() if k != "fp32_padded"},
+        **{f"cpu_ratio_fp32_padded_over_{k}": round(fp32_cpu / v["cpu_seconds"], 2)
+           for k, v in results.items() if k != "fp32_padded"},
         **{f"{k}_efficiency": round(v["packing_efficiency"], 3) for k, v in results.items()},
         "losses": {k: round(v["loss"], 5) for k, v in results.items()},
     }))

@@ -172,14 +172,22 @@ def load_tokenizer(path: Path | str):
     return tokenizer
 
 
-def load_model(path: Path | str, dtype: str = "float32", trainable: bool = False):
+def default_device() -> str:
+    """Where in-process models compute: the GPU when there is one, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(path: Path | str, dtype: str = "float32", trainable: bool = False, device: str | None = None):
+    """An HF causal LM on `device` (default: default_device())."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load weight bars drown the pipeline's own progress
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device or default_device())
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)

@@ -60,6 +60,7 @@ def collate_packed(rows: list[PackedRow], pad_id: int) -> dict[str, torch.Tensor
 def summed_loss(model, batch: dict[str, torch.Tensor], precision: str = "fp32") -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over labelled positions, and their count. Under 'bf16' the forward pass
     runs in bfloat16 autocast; the cross-entropy is computed in fp32."""
+    batch = {k: v.to(model.device) for k, v in batch.items()}
     with autocast(precision, model.device):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     targets = batch["labels"][:, 1:]

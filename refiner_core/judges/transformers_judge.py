@@ -71,7 +71,7 @@ class TransformersJudge:
         out: list[list[float]] = [[] for _ in prompts]
         for start in range(0, len(order), self.engine.batch_size):
             rows = order[start : start + self.engine.batch_size]
-            ids, attention = left_padded([prompts[i] for i in rows], pad)
+            ids, attention = (t.to(model.device) for t in left_padded([prompts[i] for i in rows], pad))
             with torch.no_grad(), autocast(self.engine.precision, model.device):
                 logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].float()
             for i, p in zip(rows, torch.softmax(logits[:, digits], dim=-1).tolist()):
@@ -98,14 +98,16 @@ class TransformersJudge:
                 for row, suffix in enumerate(suffixes):
                     ids[row, : len(suffix)] = torch.tensor(suffix)
                     attention[row, shared : shared + len(suffix)] = 1
+                ids, attention = ids.to(model.device), attention.to(model.device)
                 with torch.no_grad(), autocast(self.engine.precision, model.device):
-                    cache = model(input_ids=torch.tensor([members[0][:shared]]), use_cache=True).past_key_values
+                    prefix = torch.tensor([members[0][:shared]], device=model.device)
+                    cache = model(input_ids=prefix, use_cache=True).past_key_values
                     cache.batch_repeat_interleave(len(rows))
-                    positions = torch.arange(shared, shared + width).unsqueeze(0).expand(len(rows), -1)
+                    positions = torch.arange(shared, shared + width, device=model.device).unsqueeze(0).expand(len(rows), -1)
                     logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
                                    past_key_values=cache, use_cache=True).logits.float()
-                last = torch.tensor([len(s) - 1 for s in suffixes])
-                picked = logits[torch.arange(len(rows)), last][:, digits]
+                last = torch.tensor([len(s) - 1 for s in suffixes], device=model.device)
+                picked = logits[torch.arange(len(rows), device=model.device), last][:, digits]
                 for i, p in zip(rows, torch.softmax(picked, dim=-1).tolist()):
                     out[i] = p
         return out

@@ -170,8 +170,8 @@ def main(job_dir: str) -> None:
     t0 = time.time()
     settings = LearnerSettings(**{**job["settings"], "adam_betas": tuple(job["settings"]["adam_betas"])})
     samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
-    policy = load_model(job["policy_path"], job["dtype"], trainable=True)
-    reference = load_model(job["reference_path"], job["dtype"]) if settings.beta > 0 else None
+    policy = load_model(job["policy_path"], job["dtype"], trainable=True, device="cpu")
+    reference = load_model(job["reference_path"], job["dtype"], device="cpu") if settings.beta > 0 else None
     if on_gpu:
         policy.to("cuda")
         reference = reference.to("cuda") if reference is not None else None

@@ -40,11 +40,12 @@ class TorchLearner:
         for start in range(0, len(samples), per_step):
             chunk = samples[start : start + per_step]
             if s.share_prompt:
-                steps.append([collate_group([chunk[i] for i in g], self.pad_id) for g in prompt_groups(chunk)])
-                continue
-            rows = [[chunk[i] for i in row] for row in pack_rows(chunk, s.pack_length)]
-            m = s.micro_batch_size
-            steps.append([collate_rows(rows[i : i + m], self.pad_id) for i in range(0, len(rows), m)])
+                batches = [collate_group([chunk[i] for i in g], self.pad_id) for g in prompt_groups(chunk)]
+            else:
+                rows = [[chunk[i] for i in row] for row in pack_rows(chunk, s.pack_length)]
+                m = s.micro_batch_size
+                batches = [collate_rows(rows[i : i + m], self.pad_id) for i in range(0, len(rows), m)]
+            steps.append([{k: v.to(self.policy.device) for k, v in b.items()} for b in batches])
         return steps
 
     @torch.no_grad()

@@ -37,7 +37,7 @@ class HFRolloutEngine:
         self.model.eval()
         for start in range(0, len(jobs), self.batch_size):
             chunk = jobs[start : start + self.batch_size]
-            input_ids, attention = left_padded([prompts[p] for p, _ in chunk], pad)
+            input_ids, attention = (t.to(self.model.device) for t in left_padded([prompts[p] for p, _ in chunk], pad))
             sample = params.temperature > 0
             # One seed per batch: reruns of a step reproduce its samples.
             torch.manual_seed(params.seed + start)
