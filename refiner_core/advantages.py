@@ -1,4 +1,8 @@
-"""Group-relative advantages. One function per normaliser, chosen through ADVANTAGES."""
+"""Group-relative advantages. One function per normaliser, chosen through ADVANTAGES.
+
+The std's `ddof` is a setting (grpo.advantage_std_ddof): 0 divides by G (population std, as open-instruct), 1 by
+G - 1 (sample std, as verl, which Co-rewarding builds on). A one-member group has std 0 under either.
+"""
 
 from __future__ import annotations
 
@@ -7,45 +11,51 @@ from typing import Callable, Sequence
 import numpy as np
 
 
-def _group_stats(rewards: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row mean and std (ddof 0, as open-instruct) of the row's group."""
+def _std(values: np.ndarray, ddof: int) -> float:
+    return float(values.std(ddof=ddof)) if len(values) > ddof else 0.0
+
+
+def _group_stats(rewards: np.ndarray, groups: np.ndarray, ddof: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row mean and std (with `ddof`) of the row's group."""
     mean, std = np.empty_like(rewards), np.empty_like(rewards)
     for g in np.unique(groups):
         members = groups == g
         mean[members] = rewards[members].mean()
-        std[members] = rewards[members].std()
+        std[members] = _std(rewards[members], ddof)
     return mean, std
 
 
-def group_std(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
+def group_std(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """A_i = (r_i - mean_group) / (std_group + eps): the original GRPO normaliser."""
-    mean, std = _group_stats(rewards, groups)
+    mean, std = _group_stats(rewards, groups, ddof)
     return (rewards - mean) / (std + eps)
 
 
-def batch_std(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
+def batch_std(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """Group-centred, batch-scaled: avoids blowing up near-constant groups."""
-    mean, _ = _group_stats(rewards, groups)
-    return (rewards - mean) / (rewards.std() + eps)
+    mean, _ = _group_stats(rewards, groups, ddof)
+    return (rewards - mean) / (_std(rewards, ddof) + eps)
 
 
-def mean_only(rewards: np.ndarray, groups: np.ndarray, eps: float) -> np.ndarray:
-    """Dr.GRPO: no std division (removes the difficulty bias of per-group scaling)."""
-    mean, _ = _group_stats(rewards, groups)
+def mean_only(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
+    """Dr.GRPO: no std division (removes the difficulty bias of per-group scaling); ddof does not apply."""
+    mean, _ = _group_stats(rewards, groups, ddof)
     return rewards - mean
 
 
-ADVANTAGES: dict[str, Callable[[np.ndarray, np.ndarray, float], np.ndarray]] = {
+ADVANTAGES: dict[str, Callable[..., np.ndarray]] = {
     "group_std": group_std,
     "batch_std": batch_std,
     "none": mean_only,
 }
 
 
-def compute_advantages(rewards: Sequence[float], groups: Sequence, kind: str, eps: float) -> np.ndarray:
+def compute_advantages(rewards: Sequence[float], groups: Sequence, kind: str, eps: float, ddof: int = 0) -> np.ndarray:
     if kind not in ADVANTAGES:
         raise ValueError(f"unknown advantage {kind!r}; choose from {sorted(ADVANTAGES)}")
-    return ADVANTAGES[kind](np.asarray(rewards, dtype=np.float64), np.asarray(groups), eps)
+    if ddof not in (0, 1):
+        raise ValueError(f"advantage std ddof must be 0 or 1, got {ddof!r}")
+    return ADVANTAGES[kind](np.asarray(rewards, dtype=np.float64), np.asarray(groups), eps, ddof)
 
 
 def zero_std_groups(rewards: Sequence[float], groups: Sequence) -> set:

@@ -263,7 +263,11 @@ class GRPOConfig:
     clip_eps_low: float = opt(0.2, "Lower ratio clip: rho >= 1 - eps_low.")
     clip_eps_high: float = opt(0.2, "Upper ratio clip: rho <= 1 + eps_high (0.28 for DAPO-style asymmetric).")
     advantage: Literal["group_std", "batch_std", "none"] = opt(
-        "group_std", "Advantage normaliser: group mean/std (ddof 0), group mean / batch std, or mean only (Dr.GRPO)."
+        "group_std", "Advantage normaliser: group mean/std, group mean / batch std, or mean only (Dr.GRPO)."
+    )
+    advantage_std_ddof: Literal[0, 1] = opt(
+        0, "Delta degrees of freedom of the advantage std: 0 divides by G (population std, as open-instruct), 1 by "
+        "G - 1 (sample std, as verl and Co-rewarding); a one-member group has std 0 either way."
     )
     advantage_eps: float = opt(1e-4, "Added to the std before dividing.")
     loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant"] = opt(

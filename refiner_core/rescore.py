@@ -17,7 +17,7 @@ from refiner_core.rewards import compute_rewards, weight_row
 from refiner_core.schema import ADVANTAGES, REWARD_WEIGHTS, REWARDS
 from refiner_core.storage import json_hash, read_rows, replace_version_rows, write_table
 
-RESCORABLE_GRPO = ("advantage", "advantage_eps", "filter_zero_std_groups")
+RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "filter_zero_std_groups")
 RESCORABLE_JUDGE = ("on_failure",)
 NEEDS_JUDGE_REWARD = ("verifier",)
 
