@@ -91,6 +91,10 @@ def check_values(cfg: RecipeConfig) -> list[str]:
 
     if cfg.reward.verifier not in VERIFIERS:
         problems.append(f"reward.verifier = {cfg.reward.verifier!r}: choose from {sorted(VERIFIERS)}")
+    if cfg.rollout.agent.enabled:
+        from refiner_core.agent.rollout import agent_problems
+
+        problems += agent_problems(cfg.rollout.agent)
     return problems
 
 

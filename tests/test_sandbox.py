@@ -252,3 +252,16 @@ def test_missing_bubblewrap_is_a_clear_error(monkeypatch):
             sandbox.run("print(1)")
     finally:
         sandbox.close()
+
+
+def test_recipe_with_the_python_tool_is_refused_before_running_without_bubblewrap(monkeypatch):
+    from refiner_core.config import load_recipe
+    from refiner_core.preflight import check_values
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "grpo-tcr.yaml"
+    cfg = load_recipe(recipe, ["model.policy=tiny-qwen3", "rollout.agent.tools=[python, browser]"])
+    assert [p for p in check_values(cfg) if "rollout.agent" in p] == [
+        "rollout.agent.tools = ['python', 'browser']: choose one or more of ['python']"]
+    monkeypatch.setenv("PATH", "/nonexistent")
+    problems = [p for p in check_values(load_recipe(recipe)) if "rollout.agent" in p]
+    assert len(problems) == 1 and "bubblewrap" in problems[0] and "apt-get install -y bubblewrap" in problems[0]

@@ -63,3 +63,30 @@ def rollout_row(r: AgentRollout, tokenizer) -> dict:
 def turn_rows(r: AgentRollout, identity: dict) -> list[dict]:
     """TURNS rows of one conversation; `identity` holds run, step, prompt_id, sample_idx."""
     return [{**identity, **dataclasses.asdict(t)} for t in r.turns]
+
+
+def agent_problems(agent) -> list[str]:
+    """What keeps rollout.agent (an AgentConfig) from running, known before any stage starts."""
+    from refiner_core.agent.tools.base import TOOLS
+    from refiner_core.agent.tools.python_sandbox import SandboxUnavailable, check_sandbox
+
+    problems = []
+    unknown = [t for t in agent.tools if t not in TOOLS]
+    if unknown or not agent.tools:
+        problems.append(f"rollout.agent.tools = {agent.tools!r}: choose one or more of {sorted(TOOLS)}")
+    for name in ("max_turns", "tool_concurrency", "sandbox_cpu_seconds", "sandbox_memory_mb",
+                 "sandbox_max_processes", "sandbox_max_file_mb", "sandbox_max_output_bytes"):
+        if getattr(agent, name) < 1:
+            problems.append(f"rollout.agent.{name} = {getattr(agent, name)!r}: must be at least 1")
+    if agent.sandbox_wall_seconds <= 0 or agent.max_turn_tokens < 0:
+        problems.append("rollout.agent: sandbox_wall_seconds must be positive and max_turn_tokens at least 0")
+    if agent.scripted_path:
+        path = Path(agent.scripted_path)
+        if not (path if path.is_absolute() else REPO_ROOT / path).is_file():
+            problems.append(f"rollout.agent.scripted_path: {agent.scripted_path} does not exist")
+    if "python" in agent.tools:
+        try:
+            check_sandbox()
+        except SandboxUnavailable as e:
+            problems.append(f"rollout.agent.tools: {e}")
+    return problems

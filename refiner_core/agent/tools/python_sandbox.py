@@ -240,7 +240,8 @@ _checked: dict[str, str] = {}
 
 def check_sandbox(interpreter: str = sys.executable) -> None:
     """Fail with the reason and the fix unless a sandboxed interpreter runs here (checked once per process)."""
-    if _checked.get(interpreter) == "ok":
+    key = f"{interpreter}|{shutil.which('bwrap')}"  # a changed PATH is checked again
+    if _checked.get(key) == "ok":
         return
     box = PythonSandbox(SandboxLimits(wall_seconds=60.0, cpu_seconds=30), interpreter=interpreter, concurrency=1)
     try:
@@ -256,7 +257,7 @@ def check_sandbox(interpreter: str = sys.executable) -> None:
             f"bubblewrap is installed but cannot create the sandbox here (status {result.status}): "
             f"{result.stderr.strip()[:500]}. It needs user or mount namespaces (run as root, or enable "
             "kernel.unprivileged_userns_clone); the Python tool never runs code unsandboxed.")
-    _checked[interpreter] = "ok"
+    _checked[key] = "ok"
 
 
 def python_tool_result(result: ExecResult) -> ToolResult:
