@@ -111,7 +111,8 @@ def test_rewards_are_tcr_plus_the_overlong_penalty(tcr_run):
             assert (correct, rounds) == (1.0, 1) and final.startswith("The result is \\boxed{")
     wrong_after_tool = [s for s in scored if s[7] == 2 and s[5] == 1 and s[1] == 0.0]
     assert all(s[2] == pytest.approx(-0.9) for s in wrong_after_tool)
-    by_rounds = rows(tcr_run, "SELECT o.tool_rounds, count(*), avg(w.reward) FROM rewards w JOIN rollouts o "
-                              "USING (run, step, prompt_id, sample_idx) GROUP BY ALL ORDER BY 1")
-    assert by_rounds[0][0] == 0 and by_rounds[-1][0] >= 1
+    by_rounds = rows(tcr_run, "SELECT o.tool_rounds, count(*) AS n, round(avg(w.reward), 3) AS reward, "
+                              "avg(w.correct) AS accuracy FROM rewards w JOIN rollouts o USING (run, step, "
+                              "prompt_id, sample_idx) GROUP BY 1 ORDER BY 1")  # as in the README
+    assert by_rounds[0][0] == 0 and by_rounds[-1][0] >= 1 and sum(n for _, n, _, _ in by_rounds) == 32
     assert rows(tcr_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
