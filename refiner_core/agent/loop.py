@@ -184,7 +184,8 @@ def _scripted_turns(scripted, turn, rollouts, prompts, tokenizer, eos, score) ->
         return {}
     if score is None:
         raise ValueError("scripted turns need a scorer for the policy's log-probs")
-    end = next(iter(sorted(eos)))
+    framing = tool_message_ids(tokenizer, ["."])  # starts with the template's end-of-turn token
+    end = framing[0] if framing and framing[0] in eos else tokenizer.eos_token_id
     completions = [tokenizer(scripted[(r.prompt_index, r.sample_idx)][turn], add_special_tokens=False,
                              split_special_tokens=True)["input_ids"] + [end] for r in todo]
     logprobs = score([prompts[r.prompt_index] + r.token_ids for r in todo], completions)
