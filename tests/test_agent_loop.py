@@ -208,3 +208,19 @@ def test_vllm_engine_drives_the_same_loop(tiny_model_path, tiny_tokenizer, pytho
         learner = token_logprobs(model, batch, temperature=1.0)
     mask = batch["mask"].bool()
     assert (learner[mask] - batch["rollout_logprobs"][mask]).abs().max().item() < 1e-4
+
+
+def test_collate_honours_the_loss_mask_padded_and_packed():
+    """Hand-laid rows: positions scoring a tool token carry no mask, in padded and in packed rows alike."""
+    from refiner_core.learners.base import collate_rows
+
+    a = TrainSample([1, 2], [10, 11, 12, 13, 14], 1.0, [-0.1, -0.2, 0.0, 0.0, -0.5], [True, True, False, False, True])
+    b = TrainSample([3], [20, 21], -1.0, [-0.3, -0.4])  # no mask: every response token was sampled
+    padded = collate([a, b], pad_id=0)
+    # Row 0: [1 2 | 10 11 12 13 14]; position t scores token t+1, so response tokens are scored at t = 1..5.
+    assert padded["mask"][0].tolist() == [0, 1, 1, 0, 0, 1]
+    assert padded["mask"][1].tolist() == [1, 1, 0, 0, 0, 0]
+    assert padded["sequence_tokens"][0].tolist() == [0, 3, 3, 3, 3, 3]  # sampled tokens, for sequence_mean
+    packed = collate_rows([[a, b]], pad_id=0)
+    assert packed["mask"][0].tolist() == [0, 1, 1, 0, 0, 1, 0, 1, 1]
+    assert packed["rollout_logprobs"][0].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0, -0.5, 0, -0.3, -0.4])
