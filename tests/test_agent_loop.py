@@ -136,7 +136,8 @@ def test_multi_turn_token_bookkeeping(tiny_model_path, tiny_tokenizer, python_to
 
     malformed = by_key[(0, 1)]
     bad = [t for t in malformed.turns if t.role == "tool"][0]
-    assert bad.status == "invalid_call" and bad.failure.startswith("bad_json") and bad.text.startswith("error: bad_json")
+    assert bad.status == "invalid_call" and bad.failure.startswith("bad_json")
+    assert bad.text.startswith("error: bad_json")
     assert malformed.tool_rounds == 0 and len([t for t in malformed.turns if t.role == "assistant"]) >= 2
 
     mixed = by_key[(1, 0)]

@@ -119,21 +119,20 @@ class _Capped:
         return text
 
 
+_LIMIT_SIGNALS = {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "file_size_limit"}
+
+
 def _status(code: int | None, timed_out: bool) -> str:
     if timed_out:
         return "timeout"
     if code == 0:
         return "ok"
     if code is not None and code > 128:  # bwrap reports a child killed by a signal as 128 + signal
-        sig = code - 128
-        if sig == signal.SIGXCPU or sig == signal.SIGKILL:
-            return "cpu_limit" if sig == signal.SIGXCPU else "killed:SIGKILL"
-        if sig == signal.SIGXFSZ:
-            return "file_size_limit"
         try:
-            return f"killed:{signal.Signals(sig).name}"
+            sig = signal.Signals(code - 128)
         except ValueError:
             return "error"
+        return _LIMIT_SIGNALS.get(sig, f"killed:{sig.name}")
     return "error"
 
 
@@ -231,7 +230,8 @@ def _interpreter_roots(interpreter: str) -> tuple[str, ...]:
     the interpreter finds pyvenv.cfg) and the base installation it runs from."""
     probe = subprocess.run([interpreter, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
                            capture_output=True, text=True, timeout=60, check=True)
-    prefixes = sorted({os.path.abspath(p) for p in probe.stdout.split()} | {os.path.realpath(p) for p in probe.stdout.split()}, key=len)
+    found = probe.stdout.splitlines()
+    prefixes = sorted({os.path.abspath(p) for p in found} | {os.path.realpath(p) for p in found}, key=len)
     return tuple(p for i, p in enumerate(prefixes) if not any(p == q or p.startswith(q + "/") for q in prefixes[:i]))
 
 
