@@ -50,6 +50,9 @@ VALUE_RULES: dict[str, Rule] = {
     "sft.learning_rate": POSITIVE, "sft.warmup_steps": NON_NEGATIVE, "sft.weight_decay": NON_NEGATIVE,
     "sft.max_grad_norm": NON_NEGATIVE, "sft.micro_batch_size": AT_LEAST_1, "sft.gradient_accumulation": AT_LEAST_1,
     "sft.histogram_bins": AT_LEAST_1, "sft.max_rejected_fraction": FRACTION,
+    "eval.every": NON_NEGATIVE, "eval.prompts": NON_NEGATIVE, "eval.samples": NON_NEGATIVE,
+    "eval.temperature": POSITIVE, "eval.pass_k": NON_NEGATIVE, "eval.pass_rubric_score": FRACTION,
+    "eval.max_new_tokens": NON_NEGATIVE,
 }
 
 
@@ -79,6 +82,13 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         value = conf[section][key]
         if not ok(value):
             problems.append(f"{name} = {value!r}: {requirement}")
+    if cfg.eval.every and not cfg.data.validation_fraction:
+        problems.append("eval.every > 0 evaluates held-out prompts, and data.validation_fraction = 0 holds out none: "
+                        "set it, e.g. 0.2")
+    if cfg.eval.every and not (cfg.eval.greedy or cfg.eval.samples):
+        problems.append("eval.every > 0 with eval.greedy false and eval.samples 0: nothing to evaluate")
+    if cfg.eval.pass_k > cfg.eval.samples:
+        problems.append(f"eval.pass_k = {cfg.eval.pass_k}: must be at most eval.samples ({cfg.eval.samples})")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         problems.append(f"model.dtype = {cfg.model.dtype!r}: must be 'float32' or 'bfloat16'")
     if cfg.judge.serve and cfg.judge.engine != "openai":

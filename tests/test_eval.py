@@ -203,3 +203,17 @@ def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
 
     with Image.open(tmp_path / "curves.png") as png:  # two rows of four panels: training and held-out curves
         assert png.size == (1600, 600)
+
+
+def test_readme_eval_query_runs_on_a_real_catalog(sft_eval_run):
+    import re
+
+    from refiner_core.storage import query
+
+    _, run_dir, _, _ = sft_eval_run
+    section = (REPO / "README.md").read_text().split("## Held-out evaluation", 1)[1].split("\n## ", 1)[0]
+    sql = re.search(r'refiner sql RUN_DIR "(SELECT [^"]+)"', section).group(1)
+    columns, rows = query(run_dir / "catalog.duckdb", sql)
+    assert columns[:3] == ["step", "phase", "mode"]
+    assert [r[:3] for r in rows] == [(0, "base", "greedy"), (0, "base", "sampled"), (0, "sft", "greedy"),
+                                     (0, "sft", "sampled"), (2, "grpo", "greedy"), (2, "grpo", "sampled")]
