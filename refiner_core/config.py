@@ -63,7 +63,7 @@ class ModelConfig:
 SOURCE_FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
 SourceFormat = Literal["auto", "jsonl", "parquet", "disk", "hub"]
 REFINER_FIELDS = ("id", "question", "reasoning", "tool_output", "answer", "positive_rubrics", "negative_rubrics")
-CHAT_FIELDS = ("id", "messages", "ground_truth", "dataset", "positive_rubrics", "negative_rubrics")
+CHAT_FIELDS = ("id", "messages", "ground_truth", "dataset", "positive_rubrics", "negative_rubrics", "twin_id")
 RUBRIC_FIELDS = ("id", "positive_rubrics", "negative_rubrics")
 FIELDS_HELP = (
     "Field mapping {canonical name: source column}; unmapped names are read from the column of the same name. "
@@ -237,7 +237,10 @@ class RewardConfig:
     verifier: str = opt("ground_truth", "Scores prompts that have no rubrics (prompts with rubrics are judged): "
                         "'ground_truth' checks the final answer against the prompt's ground_truth (math-verify); "
                         "'tcr' scores that outcome with the Tool Call Reward (+1 right; -1 wrong, +0.1 per tool "
-                        "round up to -0.6) for rollout.agent conversations.")
+                        "round up to -0.6) for rollout.agent conversations; 'majority_vote' rewards matching the "
+                        "majority \\boxed{} answer of the prompt's own rollouts; 'co_rewarding' the majority answer of "
+                        "its twin view's rollouts (Co-rewarding-I, data column twin_id). Pseudo-labels are columns of "
+                        "reward_inputs.")
 
 
 @dataclass

@@ -217,7 +217,7 @@ def prompt_fields(row: dict) -> dict:
     if not is_chat_row(row):
         return {"messages": refiner_messages(row["question"], row["reasoning"], row["tool_output"]),
                 "question": row["question"], "reasoning": row["reasoning"], "tool_output": row["tool_output"],
-                "answer": row.get("answer") or "", "ground_truth": None}
+                "answer": row.get("answer") or "", "ground_truth": None, "twin_id": None}
     messages = row["messages"]
     ends_with_answer = messages[-1]["role"] == "assistant"
     prompt = messages[:-1] if ends_with_answer else messages
@@ -225,9 +225,10 @@ def prompt_fields(row: dict) -> dict:
     truth = str(truth) if isinstance(truth, (int, float)) and not isinstance(truth, bool) else truth
     truth = truth if isinstance(truth, str) and truth.strip() else None
     answer = truth if truth is not None else (messages[-1]["content"] if ends_with_answer else "")
+    twin = row.get("twin_id")
     return {"messages": prompt, "question": [m for m in prompt if m["role"] == "user"][-1]["content"],
             "reasoning": "", "tool_output": "\n".join(m["content"] for m in prompt if m["role"] == "tool"),
-            "answer": answer, "ground_truth": truth}
+            "answer": answer, "ground_truth": truth, "twin_id": str(twin) if twin not in (None, "") else None}
 
 
 def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: int, max_reference_tokens: int,
@@ -248,21 +249,50 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
             rejected.append(Rejection(row["row_ref"], "reference_too_long",
                                       f"{ref_tokens} answer tokens > max_reference_tokens {max_reference_tokens}", raw))
             continue
+        pair_lead = min(row["id"], view["twin_id"]) if view["twin_id"] else row["id"]  # both views share a split
         prompts.append({
-            "run": run, "prompt_id": row["id"], "split": split_of(row["id"], validation_fraction, seed),
+            "run": run, "prompt_id": row["id"], "split": split_of(pair_lead, validation_fraction, seed),
             "question": view["question"], "reasoning": view["reasoning"], "tool_output": view["tool_output"],
             "snippet_ids": tool_snippet_ids(view["tool_output"]), "reference_answer": answer,
-            "ground_truth": view["ground_truth"],
+            "ground_truth": view["ground_truth"], "twin_id": view["twin_id"],
             "prompt_text": text, "prompt_token_ids": ids, "prompt_tokens": len(ids),
             "reference_tokens": ref_tokens, "content_hash": row["content_hash"],
         })
-    return prompts, rejected
+    return unpaired_twins(prompts, rows, rejected)
 
 
-def step_prompt_ids(train_ids: list[str], step: int, per_step: int, seed: int) -> list[str]:
+def unpaired_twins(prompts: list[dict], rows: list[dict], rejected: list[Rejection]) -> tuple[list[dict], list[Rejection]]:
+    """A prompt naming a twin (`twin_id`, its rephrased view) is kept only when that twin was prepared and names
+    it back: a view without its partner could never get a pseudo-label. The others are rejected as 'unknown_twin'."""
+    by_id = {p["prompt_id"]: p for p in prompts}
+    broken = {p["prompt_id"] for p in prompts if p["twin_id"] is not None and (
+        p["twin_id"] == p["prompt_id"] or by_id.get(p["twin_id"], {}).get("twin_id") != p["prompt_id"])}
+    if not broken:
+        return prompts, rejected
+    raw_of = {r["id"]: r for r in rows}
+    for pid in sorted(broken):
+        row = raw_of[pid]
+        twin = by_id[pid]["twin_id"]
+        why = ("names itself" if twin == pid else f"{twin!r} is not a prepared prompt" if twin not in by_id
+               else f"{twin!r} names {by_id[twin]['twin_id']!r} as its twin")
+        rejected.append(Rejection(row["row_ref"], "unknown_twin", f"twin_id {why}", json.dumps(
+            {k: v for k, v in row.items() if k not in ("content_hash", "row_ref")})))
+    return [p for p in prompts if p["prompt_id"] not in broken], rejected
+
+
+def step_prompt_ids(train_ids: list[str], step: int, per_step: int, seed: int,
+                    twin_of: dict[str, str] | None = None) -> list[str]:
     """Prompts for a GRPO step: each epoch is a seeded shuffle cut into steps, so every prompt is seen once per
     epoch and a step never holds the same prompt twice (that would merge two GRPO groups). The last, short step
-    of an epoch is topped up from the start of the same epoch's order."""
+    of an epoch is topped up from the start of the same epoch's order.
+
+    With `twin_of` (prompt ID -> its twin's, the question's other view), a question and its twin are one unit:
+    `per_step` counts questions (at most all of them), and each brings both views into the same step."""
+    if twin_of:
+        train = set(train_ids)
+        leads = [p for p in train_ids if not (twin_of.get(p) in train and twin_of[p] < p)]
+        chosen = step_prompt_ids(leads, step, min(per_step, len(leads)), seed)
+        return [q for p in chosen for q in (p, twin_of.get(p)) if q in train]
     if not 0 < per_step <= len(train_ids):
         raise ValueError(f"prompts per step must be in 1..{len(train_ids)} (the training prompts), got {per_step}")
     steps_per_epoch = math.ceil(len(train_ids) / per_step)

@@ -51,6 +51,8 @@ PROMPTS = Table(
         _c("snippet_ids", pa.list_(S), "IDs of the snippets present in tool_output."),
         _c("reference_answer", S, "Reference refined answer in the target format (may be empty)."),
         _c("ground_truth", S, "Chat rows: the answer a ground-truth verifier checks responses against; NULL otherwise."),
+        _c("twin_id", S, "The prompt ID of this question's other view (its rephrased twin, Co-rewarding-I); NULL "
+                         "when it has none. Both views share a split and are sampled in the same step."),
         _c("prompt_text", S, "The chat-template rendering fed to the policy."),
         _c("prompt_token_ids", pa.list_(pa.int32()), "Token IDs of prompt_text."),
         _c("prompt_tokens", I, "len(prompt_token_ids)."),
@@ -152,6 +154,14 @@ _REWARD_INPUT_COLUMNS = (
     _c("extracted_answer", S, "Verifier prompts: the response's final answer (last \\boxed{}, <answer> text or the whole response)."),
     _c("verify_method", S, "Verifier prompts: 'math_verify', 'normalized_match' (with the reason in verify_detail) or 'no_answer'."),
     _c("verify_detail", S, "Why math-verify did not decide, when the normalised match was used instead."),
+    _c("label_source", S, "Pseudo-label verifiers: whose rollouts voted the label ('self', 'twin' = the question's "
+                          "rephrased view, 'teacher' = the EMA teacher); NULL otherwise."),
+    _c("pseudo_label", S, "The majority-voted \\boxed{} answer the rollout was rewarded against; NULL when no "
+                          "rollout of the source voted (then the reward is 0)."),
+    _c("label_votes", I, "Votes for the pseudo-label."),
+    _c("label_voters", I, "Rollouts of the label source that voted (gave a \\boxed{} answer)."),
+    _c("label_tied", B, "The label won a tie (broken by the earliest vote, i.e. the lowest sample index)."),
+    _c("label_correct", F, "The pseudo-label against the ground truth (1.0 / 0.0); NULL without a ground truth or label."),
     _c("has_answer", B, "Exactly one <answer>...</answer> block."),
     _c("format_ok", B, "Answer block present and snippet tags well formed."),
     _c("format_score", F, "1.0 when format_ok else 0.0."),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from refiner_core.ground_truth import Verdict, verify
+from refiner_core.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
 from refiner_core.registry import resolve
 
 Verifier = Callable[[list[dict], dict[str, dict]], list[Verdict]]
@@ -31,7 +32,55 @@ def ground_truth_verifier() -> Verifier:
     return verify_step
 
 
+def self_majority_verifier() -> Verifier:
+    """Each prompt's pseudo-label is the majority \\boxed{} answer of its own rollouts (TTRL-style self-consistency)."""
+
+    def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
+        return label_rollouts(rollouts, votes_by_prompt(rollouts), prompts, "self")
+
+    return verify_step
+
+
+def twin_majority_verifier() -> Verifier:
+    """Co-rewarding-I: a prompt's pseudo-label is the majority \\boxed{} answer of its twin's rollouts (the
+    question's other view, `twin_id`, sampled in the same step); no twin in the step = empty label, reward 0."""
+
+    def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
+        votes = votes_by_prompt(rollouts)
+        label_of = {pid: votes[twin] for pid in votes if (twin := prompts[pid].get("twin_id")) in votes}
+        return label_rollouts(rollouts, label_of, prompts, "twin")
+
+    return verify_step
+
+
+def verdict_columns(verdict: Verdict | None) -> dict:
+    """The reward_inputs columns a verdict fills (all NULL for judged rollouts, label columns NULL for verifiers
+    without a pseudo-label)."""
+    labelled = isinstance(verdict, LabelledVerdict)
+    if verdict is None:
+        correct = None
+    elif labelled:
+        correct = verdict.correct  # agreement with the ground truth; None when the prompt has none
+    else:
+        correct = verdict.score if verdict.correct is None else verdict.correct
+    return {
+        "verifier_score": None if verdict is None else verdict.score,
+        "correct": correct,
+        "extracted_answer": None if verdict is None else verdict.extracted,
+        "verify_method": None if verdict is None else verdict.method,
+        "verify_detail": None if verdict is None else verdict.detail,
+        "label_source": verdict.label_source if labelled else None,
+        "pseudo_label": verdict.pseudo_label if labelled else None,
+        "label_votes": verdict.label_votes if labelled else None,
+        "label_voters": verdict.label_voters if labelled else None,
+        "label_tied": verdict.label_tied if labelled else None,
+        "label_correct": verdict.label_correct if labelled else None,
+    }
+
+
 VERIFIERS: dict[str, str] = {"ground_truth": "refiner_core.verifiers:ground_truth_verifier",
+                             "majority_vote": "refiner_core.verifiers:self_majority_verifier",
+                             "co_rewarding": "refiner_core.verifiers:twin_majority_verifier",
                              "tcr": "refiner_core.agent.tcr:tcr_verifier"}
 
 

@@ -22,7 +22,8 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
     by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     train_ids = prompts["train_ids"]
     per_step = min(rollout_cfg["prompts_per_step"], len(train_ids))
-    chosen = step_prompt_ids(train_ids, step, per_step, seed)
+    chosen = step_prompt_ids(train_ids, step, per_step, seed,  # a question's twin view joins it in the same step
+                             twin_of={p: row["twin_id"] for p, row in by_id.items() if row.get("twin_id")})
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
     engine = make_engine(rollout_cfg["engine"], policy["path"], rollout_cfg["batch_size"], dtype, precision,
                          tensor_parallel_size=rollout_cfg["tensor_parallel_size"],

@@ -48,7 +48,9 @@ def _inputs(text=None, *, sample_idx=0, finish_reason="stop", response_tokens=10
     """One reward_inputs row of a judged prompt (format facts from `text`)."""
     row = {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": sample_idx, "verifier": "judge",
            "verifier_score": None, "correct": None, "extracted_answer": None, "verify_method": None,
-           "verify_detail": None, **format_parts(GOOD if text is None else text, IDS), "claims": None,
+           "verify_detail": None, "label_source": None, "pseudo_label": None, "label_votes": None,
+           "label_voters": None, "label_tied": None, "label_correct": None,
+           **format_parts(GOOD if text is None else text, IDS), "claims": None,
            "citation_precision": None, "citation_recall": None, "citation_f1": None,
            "finish_reason": finish_reason, "response_tokens": response_tokens, "max_new_tokens": max_new_tokens}
     return {**row, **extra}

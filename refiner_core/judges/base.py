@@ -19,7 +19,7 @@ from refiner_core.citations import (NO_ANSWER_SCORES, NOT_JUDGED_SCORES, citatio
 from refiner_core.prompts import claim_support_messages, judge_messages
 from refiner_core.registry import resolve
 from refiner_core.rewards import compute_rewards, format_parts, orient, parse_judge_output, weight_row
-from refiner_core.verifiers import make_verifier
+from refiner_core.verifiers import make_verifier, verdict_columns
 
 
 class Judge(Protocol):
@@ -142,11 +142,7 @@ def score_rollouts(
         input_rows.append({
             "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
             "verifier": "judge" if verdict is None else weights.verifier,
-            "verifier_score": None if verdict is None else verdict.score,
-            "correct": None if verdict is None else (verdict.score if verdict.correct is None else verdict.correct),
-            "extracted_answer": None if verdict is None else verdict.extracted,
-            "verify_method": None if verdict is None else verdict.method,
-            "verify_detail": None if verdict is None else verdict.detail,
+            **verdict_columns(verdict),
             **format_parts(r["response_text"], prompts[r["prompt_id"]]["snippet_ids"]),
             **citation.get(key, NOT_JUDGED_SCORES),
             "finish_reason": r["finish_reason"], "response_tokens": r["response_tokens"],

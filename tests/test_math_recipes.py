@@ -1,0 +1,109 @@
+"""The math recipes end to end on the tiny model (GT-GRPO, Co-rewarding-I), and the generated data behind them."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from refiner_core.config import load_recipe
+from refiner_core.ground_truth import verify
+
+REPO = Path(__file__).resolve().parents[1]
+# The recipes hold GPU settings; these make them run on the tiny model in seconds.
+TINY = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048",
+        "rollout.engine=hf", "rollout.samples_per_prompt=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=12",
+        "rollout.batch_size=16", "grpo.learner=torch", "grpo.world_size=1", "grpo.steps=2", "grpo.learning_rate=1e-3",
+        "grpo.micro_batch_size=8", "eval.every=2", "eval.prompts=4", "eval.max_new_tokens=12", "judge.batch_size=8"]
+
+
+def _run(recipe: str, run_dir: Path, extra: list[str] = ()) -> Path:
+    from flows.refiner import refiner_pipeline
+
+    cfg = load_recipe(REPO / "recipes" / recipe, TINY + list(extra)).to_dict()
+    state = refiner_pipeline(recipe=cfg, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    return run_dir
+
+
+def _rows(run_dir: Path, sql: str) -> list[tuple]:
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def test_generated_math_data_is_seeded_paired_and_correct():
+    from scripts.make_math_data import build_rows, chain_sum_problems
+
+    train = [json.loads(line) for line in (REPO / "data/math/train.jsonl").read_text().splitlines()]
+    twins = [json.loads(line) for line in (REPO / "data/math/twins.jsonl").read_text().splitlines()]
+    again, again_twins, _ = build_rows(chain_sum_problems(len(train), 7), 7)
+    assert again == train and again_twins == twins  # the committed files are what the script writes
+    by_id = {r["id"]: r for r in twins}
+    assert len(twins) == 2 * len(train) and all(by_id[by_id[r["id"]]["twin_id"]]["twin_id"] == r["id"] for r in twins)
+    for row in twins:  # the answer is the expression's value, and both views ask for the same number
+        question = row["messages"][0]["content"]
+        assert "\\boxed" in question and by_id[row["twin_id"]]["ground_truth"] == row["ground_truth"]
+        if not row["id"].endswith("-r"):
+            expr = question.split("Give the final answer")[0]
+            expr = expr.replace("Compute", "").replace("What is", "").replace("Evaluate the expression", "")
+            assert eval(expr.strip().rstrip("?.")) == int(row["ground_truth"])  # noqa: S307 (digits and +/- only)
+    assert Counter(len(r["messages"]) for r in train) == {1: len(train)}
+
+
+@pytest.fixture(scope="module")
+def gt_run(prefect_server, tmp_path_factory):
+    return _run("gt-grpo-math.yaml", tmp_path_factory.mktemp("gt-grpo"))
+
+
+@pytest.fixture(scope="module")
+def co_run(prefect_server, tmp_path_factory):
+    return _run("co-rewarding-1.yaml", tmp_path_factory.mktemp("co-rewarding-1"))
+
+
+def test_gt_grpo_rewards_are_verified_correctness(gt_run):
+    rows = _rows(gt_run, "SELECT verifier, verify_method, correct, reward, verification_reward, response_text, "
+                         "ground_truth FROM rewards JOIN rollouts USING (run, step, prompt_id, sample_idx) "
+                         "JOIN prompts USING (run, prompt_id) WHERE reward_version = 'train'")
+    assert len(rows) == 2 * 2 * 4  # steps x prompts x samples
+    for verifier, method, correct, reward, multiplier, text, truth in rows:
+        assert verifier == "ground_truth" and method in ("math_verify", "normalized_match", "no_answer")
+        assert correct == verify(text, truth).score and reward == pytest.approx(multiplier * correct)
+    assert _rows(gt_run, "SELECT count(*) FROM judge_scores") == [(0,)]
+    assert _rows(gt_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
+    assert _rows(gt_run, "SELECT count(DISTINCT step), count(*) > 0 FROM evals") == [(2, True)]
+
+
+def test_co_rewarding_samples_both_views_and_records_labels(co_run):
+    steps = _rows(co_run, "SELECT step, list(DISTINCT prompt_id ORDER BY prompt_id) FROM rollouts GROUP BY step")
+    for _, prompt_ids in steps:
+        questions = {p.removesuffix("-r") for p in prompt_ids}
+        assert len(questions) == 2 and sorted(prompt_ids) == sorted(q + s for q in questions for s in ("", "-r"))
+    labels = _rows(co_run, """
+        SELECT i.step, i.prompt_id, any_value(i.label_source), any_value(i.pseudo_label), any_value(i.label_votes),
+               any_value(i.label_voters), any_value(i.label_correct), count(DISTINCT coalesce(i.pseudo_label, '∅'))
+        FROM reward_inputs i GROUP BY ALL""")
+    assert len(labels) == 2 * 4
+    for step, prompt_id, source, label, votes, voters, label_correct, distinct in labels:
+        assert source == "twin" and distinct == 1  # one label per view and step
+        twin = prompt_id.removesuffix("-r") if prompt_id.endswith("-r") else prompt_id + "-r"
+        twin_votes = _rows(co_run, f"SELECT response_text FROM rollouts WHERE step = {step} AND prompt_id = '{twin}' "
+                                   "ORDER BY sample_idx")
+        from refiner_core.pseudo_labels import majority_vote, vote_of
+
+        expected = majority_vote([vote_of(t) for (t,) in twin_votes])
+        assert (label, votes, voters) == (expected.label, expected.votes, expected.voters)
+        assert (label_correct is None) == (label is None)
+    # an empty label scores 0; a non-empty one scores the match; each view is its own group
+    assert _rows(co_run, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND (reward <> 0 OR "
+                         "verify_method <> 'no_label')") == [(0,)]
+    assert _rows(co_run, "SELECT count(*) FROM rewards WHERE verifier <> 'co_rewarding' OR correct IS NULL") == [(0,)]
+    groups = _rows(co_run, "SELECT step, prompt_id, round(sum(advantage), 9) FROM advantages GROUP BY ALL")
+    assert len(groups) == 2 * 4 and all(abs(total) < 1e-6 for _, _, total in groups)
+    assert _rows(co_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
+    assert _rows(co_run, "SELECT count(*) > 0, count(*) FILTER (WHERE label_source <> 'twin') FROM evals") == [(True, 0)]
