@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -49,7 +50,9 @@ def run(
     source lacks, impossible values) are all reported at once, exit code 2. A failed run (exit 1) prints its
     cause; its full log, tracebacks included, is in RUN_DIR/logs/. Prefect's run history is kept in
     RUN_DIR/.prefect (run.prefect_home: run, the default) or in PREFECT_HOME, shared by all runs
-    (--set run.prefect_home=shared)."""
+    (--set run.prefect_home=shared). One run per folder: a folder in use by another run is refused at once
+    (exit 3, naming its PID, host and start time). Ctrl-C exits 130, SIGTERM 143; processes the run started end
+    with it however it ends."""
     try:
         cfg = load_recipe(recipe, overrides)
     except (ConfigError, OSError) as e:
@@ -60,6 +63,36 @@ def run(
                            *problems]))
     folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
     folder.mkdir(parents=True, exist_ok=True)
+    from refiner_core.runlock import BUSY_EXIT_CODE, RunFolderBusy, acquire, release
+
+    try:
+        acquire(folder, command=f"refiner run {recipe}", warn=_warn)
+    except RunFolderBusy as e:
+        _fail(str(e), code=BUSY_EXIT_CODE)
+    previous_sigterm = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _run_in_folder(cfg, folder, refresh, debug)
+    except Terminated:
+        typer.secho("terminated: run the same command again to resume from the unfinished stage", err=True)
+        raise typer.Exit(143)
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        release(folder)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C so the run cleans up: its server stops, its lock is released."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def _warn(message: str) -> None:
+    typer.secho(f"warning: {message}", fg="yellow", err=True)
+
+
+def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
     if cfg.run.prefect_home == "run":  # read by prefect at import time, below
         os.environ["PREFECT_HOME"] = str(folder / ".prefect")
     if refresh:
@@ -72,18 +105,36 @@ def run(
 
     (folder / "recipe.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     log_file = folder / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    from flows.run_folder import PROCS_SUBDIR, stop_children_left_behind
+
+    stop_children_left_behind(folder, _warn)
     from flows.refiner import refiner_pipeline
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     failures = _route_logs(log_file, debug)
     typer.echo(f"run folder: {folder}\nlog: {log_file}", err=True)
+    server = None
     try:
-        state = refiner_pipeline(recipe=cfg.to_dict(), run_dir=str(folder), return_state=True)
+        api_url = PREFECT_API_URL.value()
+        if not api_url:  # Prefect's temporary server, but one that cannot outlive this process
+            from flows.prefect_server import start_temporary_server
+
+            server, api_url = start_temporary_server(folder / PROCS_SUBDIR)
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            state = refiner_pipeline(recipe=cfg.to_dict(), run_dir=str(folder), return_state=True)
+    except Terminated:
+        raise
     except KeyboardInterrupt:
         typer.secho("interrupted: run the same command again to resume from the unfinished stage", err=True)
         raise typer.Exit(130)
     except Exception as e:  # the flow did not get to run (e.g. Prefect's server did not start)
         logging.getLogger("refiner").error("run failed", exc_info=True)
         _run_failed(_describe(e), failures, log_file, debug)
+    finally:
+        if server is not None:
+            from flows.prefect_server import stop_temporary_server
+
+            stop_temporary_server(server, folder / PROCS_SUBDIR)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
         _run_failed(_describe(error) if isinstance(error, BaseException) else f"{state.name}: {state.message}",

@@ -1,0 +1,125 @@
+"""No orphans: processes a run starts end with it however it ends, or the next run on the folder stops them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from refiner_core.procs import process_identity, stop_leftovers
+from test_runlock import start_cli, wait_for_log
+
+SPAWN_AND_WAIT = textwrap.dedent("""
+    import subprocess, sys, time
+    from refiner_core.procs import spawn
+    child = spawn(["sleep", "300"], record_dir=sys.argv[1], stdout=subprocess.DEVNULL)
+    print(child.pid, flush=True)
+    time.sleep(300)
+""")
+
+SPAWN_PLAIN_AND_EXIT = textwrap.dedent("""
+    import subprocess, sys
+    from refiner_core.procs import record_child
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # no parent-death signal
+    record_child(sys.argv[1], child.pid, ["sleep", "300"], group=True)
+    print(child.pid, flush=True)
+""")
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """PIDs of live processes whose environment holds REFINER_TEST_TAG=tag (every descendant of a run inherits it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"REFINER_TEST_TAG={tag}".encode() in environ.split(b"\0") and process_identity(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+def wait_until_gone(pids_fn, timeout: float = 5.0) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        left = pids_fn()
+        if not left:
+            return []
+        time.sleep(0.2)
+    return pids_fn()
+
+
+def test_child_dies_with_its_sigkilled_parent(tmp_path):
+    parent = subprocess.Popen([sys.executable, "-c", SPAWN_AND_WAIT, str(tmp_path)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert process_identity(child) is not None
+    assert json.loads((tmp_path / f"{child}.json").read_text())["parent"] == parent.pid
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert wait_until_gone(lambda: [child] if process_identity(child) else []) == []
+
+
+def test_next_run_stops_recorded_leftovers(tmp_path):
+    """A recorded child that escaped the parent-death signal is stopped, group and all; a record whose PID now
+    belongs to another process is only dropped."""
+    out = subprocess.run([sys.executable, "-c", SPAWN_PLAIN_AND_EXIT, str(tmp_path)], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    leftover = int(out)
+    assert process_identity(leftover) is not None, "the plain child outlives its parent"
+    unrelated = subprocess.Popen(["sleep", "300"])
+    (tmp_path / f"{unrelated.pid}.json").write_text(json.dumps(
+        {"pid": unrelated.pid, "identity": "another-boot:1", "group": False, "host": os.uname().nodename,
+         "parent": 1, "started": "earlier", "cmd": ["sleep"]}))
+    try:
+        stopped = stop_leftovers(tmp_path)
+        assert [e["pid"] for e in stopped] == [leftover]
+        assert wait_until_gone(lambda: [leftover] if process_identity(leftover) else []) == []
+        assert unrelated.poll() is None, "a reused PID must not be signalled"
+        assert not list(tmp_path.glob("*.json"))
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+
+
+@pytest.mark.parametrize("how", ["SIGKILL from outside", "REFINER_KILL_ONCE"])
+def test_killed_run_leaves_no_process_behind(tmp_path, how):
+    """SIGKILL of `refiner run` (no cleanup code runs): its temporary Prefect server and anything else it started
+    are gone within seconds. The next run on the folder takes over the stale lock with a warning."""
+    tag = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir), "--set", "run.retries=0"]
+    env = {"REFINER_TEST_TAG": tag}
+    if how == "REFINER_KILL_ONCE":
+        env["REFINER_KILL_ONCE"] = "rollout@0"
+    proc, err = start_cli(args, tmp_path, "killed", env)
+    try:
+        if how == "REFINER_KILL_ONCE":
+            assert proc.wait(timeout=300) == 137, err.read_text()[-3000:]
+            assert "Task run 'prepare-data' - Finished" in err.read_text()
+        else:
+            wait_for_log(proc, err, "Beginning flow run")
+            assert len(tagged_processes(tag)) >= 2, "the run and its temporary Prefect server"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        assert wait_until_gone(lambda: tagged_processes(tag)) == [], "processes of the killed run still running"
+    finally:
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+    killed_pid = proc.pid
+
+    code, out, err_text, _ = run_cli(args, tmp_path, env={"REFINER_FAIL_ONCE": "rollout@0"})
+    assert code == 1, err_text[-3000:]
+    assert f"warning: run folder {run_dir.resolve()}: taking over a stale lock of PID {killed_pid}" in err_text

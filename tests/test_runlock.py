@@ -1,0 +1,157 @@
+"""One run per run folder: the lock file, its holder, stale locks, run folder templates, two real `refiner run`s."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from refiner_core.runlock import (BUSY_EXIT_CODE, LOCK_NAME, RunFolderBusy, acquire, format_run_dir, read_holder,
+                                  release, run_lock)
+
+HOLD_LOCK = textwrap.dedent("""
+    import sys, time
+    from refiner_core.runlock import acquire
+    acquire(sys.argv[1], command="holder for a test")
+    print("held", flush=True)
+    time.sleep(120)
+""")
+
+
+def _hold_in_child(run_dir: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_lock_is_taken_released_and_reentrant(tmp_path):
+    with run_lock(tmp_path, command="outer") as holder:
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        assert read_holder(tmp_path)["command"] == "outer"
+        with run_lock(tmp_path, command="inner"):  # the CLI holds it, then the flow it runs takes it again
+            pass
+        assert read_holder(tmp_path)["command"] == "outer", "an inner release must not drop the lock"
+    assert read_holder(tmp_path) is None and not (tmp_path / LOCK_NAME).exists()
+
+
+def test_second_process_is_refused_naming_the_holder(tmp_path):
+    holder = _hold_in_child(tmp_path)
+    try:
+        t0 = time.time()
+        with pytest.raises(RunFolderBusy) as err:
+            acquire(tmp_path)
+        assert time.time() - t0 < 2, "refused at once, not after waiting"
+        message = str(err.value)
+        assert f"in use by PID {holder.pid} on host {socket.gethostname()} since " in message
+        assert "(holder for a test)" in message
+        assert read_holder(tmp_path)["pid"] == holder.pid, "a refused acquire leaves the holder's lock alone"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stale_lock_of_a_killed_process_is_taken_over_with_a_warning(tmp_path):
+    holder = _hold_in_child(tmp_path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert read_holder(tmp_path)["pid"] == holder.pid  # SIGKILL left the lock behind
+    warnings = []
+    acquire(tmp_path, command="next run", warn=warnings.append)
+    try:
+        assert read_holder(tmp_path)["pid"] == os.getpid()
+        assert len(warnings) == 1 and f"stale lock of PID {holder.pid}" in warnings[0]
+    finally:
+        release(tmp_path)
+
+
+def test_reused_pid_does_not_keep_a_lock_alive(tmp_path):
+    """A recorded PID that now belongs to another process (its start time differs) is stale."""
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                                  "identity": "some-boot:123", "started": "earlier"}))
+    warnings = []
+    with run_lock(tmp_path, warn=warnings.append):
+        assert len(warnings) == 1
+
+
+def test_lock_of_another_host_is_refused_with_a_hint(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "other-machine", "identity": "x:1",
+                                                  "started": "2026-11-22T08:00:00+0000", "command": "refiner run"}))
+    with pytest.raises(RunFolderBusy, match="in use by PID 1 on host other-machine since 2026-11-22T08:00:00"
+                                            r"\+0000 \(refiner run\); if that run is gone, delete .*\.lock"):
+        acquire(tmp_path)
+
+
+def test_run_folder_template():
+    when = datetime.datetime(2026, 11, 22, 3, 4, 59, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
+    assert format_run_dir("runs/{deployment}/{date}-{flow_run_id}", "refiner-tiny", when,
+                          "0f3c2a9b-1111-2222-3333-444455556666") == "runs/refiner-tiny/20261122-0104-0f3c2a9b"
+    assert format_run_dir("runs/nightly", "d", when, "abc") == "runs/nightly"
+    assert format_run_dir("runs/{deployment}/{flow_run_id}", "", None, "") == "runs/manual/local"
+    with pytest.raises(ValueError, match=r"run_dir template 'runs/\{name\}'.*\{deployment\}, \{date\}, "
+                                         r"\{flow_run_id\}"):
+        format_run_dir("runs/{name}", "d", when, "abc")
+
+
+def start_cli(args: list[str], tmp_path: Path, name: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """`refiner ARGS` started in the background, its stderr in TMP/NAME.err."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO",
+           **(env or {})}
+    err = tmp_path / f"{name}.err"
+    with open(err, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+    return proc, err
+
+
+def wait_for_log(proc: subprocess.Popen, err: Path, text: str, timeout: float = 180) -> None:
+    """Until the process's stderr shows `text`; fails at once if it exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in err.read_text():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode} before logging {text!r}:\n{err.read_text()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {text!r} after {timeout} s:\n{err.read_text()[-3000:]}")
+
+
+def test_two_refiner_runs_on_one_folder(tmp_path):
+    """The second `refiner run` on a folder in use exits 3 at once naming the first; SIGTERM then ends the first
+    cleanly (exit 143): its lock is released and its temporary Prefect server stopped."""
+    run_dir = tmp_path / "run"
+    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir)]
+    first, first_err = start_cli(args, tmp_path, "first")
+    try:
+        wait_for_log(first, first_err, "Beginning flow run")
+        [server_record] = list((run_dir / ".procs").glob("*.json"))
+        server_pid = json.loads(server_record.read_text())["pid"]
+        assert read_holder(run_dir)["pid"] == first.pid
+
+        code, out, err, seconds = run_cli(args, tmp_path)
+        assert code == BUSY_EXIT_CODE, err[-2000:]
+        assert f"error: run folder {run_dir} is in use by PID {first.pid} on host {socket.gethostname()}" in err
+        assert f"(refiner run {REPO / 'recipes' / 'tiny.yaml'})" in err
+        assert seconds < 30 and "Flow run" not in err
+
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 143, first_err.read_text()[-2000:]
+        assert "terminated: run the same command again" in first_err.read_text()
+        assert read_holder(run_dir) is None
+        assert not list((run_dir / ".procs").glob("*.json"))
+        assert not Path(f"/proc/{server_pid}").exists()
+    finally:
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
