@@ -43,3 +43,24 @@ def test_overlong_penalty_scales_with_the_factor_and_rejects_bad_buffers():
         overlong_penalty(10, 100, 0)
     with pytest.raises(ValueError):
         overlong_penalty(10, 100, 101)
+
+
+def test_tcr_verifier_reads_the_last_assistant_turn_and_counts_tool_rounds():
+    from refiner_core.verifiers import make_verifier
+
+    verify_step = make_verifier("tcr")
+    prompts = {"p": {"prompt_id": "p", "ground_truth": "42"}}
+    transcript = "<tool_call>...</tool_call> tool: \\boxed{42} "  # the tool printed the right answer...
+    rollouts = [
+        {"prompt_id": "p", "response_text": transcript + "\\boxed{41}", "final_text": "\\boxed{41}", "tool_rounds": 2},
+        {"prompt_id": "p", "response_text": transcript + "\\boxed{42}", "final_text": "So \\boxed{42}.", "tool_rounds": 1},
+        {"prompt_id": "p", "response_text": "no answer", "final_text": "no answer", "tool_rounds": 0},
+        {"prompt_id": "p", "response_text": "\\boxed{7}", "final_text": "\\boxed{7}", "tool_rounds": 6},
+        {"prompt_id": "p", "response_text": "\\boxed{42}"},  # a single-turn rollout: no agent columns
+    ]
+    verdicts = verify_step(rollouts, prompts)
+    assert [v.score for v in verdicts] == pytest.approx([-0.8, 1.0, -1.0, -0.6, 1.0])
+    assert [v.correct for v in verdicts] == [0.0, 1.0, 0.0, 0.0, 1.0]  # ...but the final turn decides
+    assert verdicts[0].extracted == "41" and verdicts[1].extracted == "42"
+    with pytest.raises(ValueError, match="ground_truth"):
+        verify_step([{"prompt_id": "q", "response_text": "x"}], {"q": {"prompt_id": "q"}})
