@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,9 +118,32 @@ def check_messages(messages) -> str | None:
     return None
 
 
+# C0 controls but tab, newline and carriage return; DEL; C1 controls. NUL truncates text in C-based tools, and
+# escape sequences or stray controls in a prompt are noise the policy would learn to reproduce.
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def find_control_character(value, where: str = "row") -> str | None:
+    """Where the first control character (other than tab, newline, carriage return) in any text of a row is:
+    "field 'question' holds U+0000 at offset 12", or None."""
+    if isinstance(value, str):
+        found = _CONTROL_CHARACTERS.search(value)
+        return f"{where} holds U+{ord(found.group()):04X} at offset {found.start()}" if found else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"field {key!r}" if where == "row" else f"{where}[{key!r}]"
+        problem = find_control_character(item, inner)
+        if problem:
+            return problem
+    return None
+
+
 def check_row(row: dict) -> tuple[str, str] | None:
     """(reason, detail) when the row cannot be used, else None. Missing rubrics are not checked here: the
     rubric stage fills or quarantines them; malformed rubrics are rejected here."""
+    control = find_control_character(row)
+    if control:
+        return "control_characters", control
     if is_chat_row(row):
         problem = _check_text_fields(row, ("id",))
         if problem:

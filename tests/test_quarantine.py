@@ -163,3 +163,36 @@ def test_later_stages_see_the_row_prepare_kept_when_an_id_repeats():
     kept = accepted_raw_rows(raw)
     assert [r.row_ref for r in kept] == ["line 2"]
     assert kept[0].data["positive_rubrics"] == second["positive_rubrics"]
+
+
+@pytest.mark.parametrize("field,text,code,offset", [
+    ("question", "Who won?\x00", "U+0000", 8),                       # NUL
+    ("reasoning", "look \x1b[31mred", "U+001B", 5),                   # a terminal escape sequence
+    ("tool_output", None, "U+007F", None),                            # DEL inside the tool output
+    ("answer", "<answer>x\x85</answer>", "U+0085", 9),                # a C1 control (NEL)
+])
+def test_control_characters_are_quarantined_with_where_they_are(tiny_tokenizer, tmp_path, field, text, code, offset):
+    """Written as JSON escapes (how they arrive in real files) and read back by the real JSONL loader."""
+    good = json.loads((DATA.parent.parent / "data" / "refiner" / "samples.jsonl").read_text().splitlines()[0])
+    bad = dict(good, id="bad")
+    if field == "tool_output":
+        bad["tool_output"] = good["tool_output"].replace("<snippet", "\x7f<snippet", 1)
+        offset = good["tool_output"].index("<snippet")
+    else:
+        bad[field] = text
+    tabs = dict(good, id="tabs-and-newlines", question="Line one\n\tindented\r\nline two?")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (good, bad, tabs)) + "\n")  # json.dumps writes \u0000 etc.
+    assert "\\u00" in path.read_text()
+    prompts, rejected = run_checks(load_rows(str(path)), tiny_tokenizer)
+    assert [(r.row_ref, r.reason, r.detail) for r in rejected] == [
+        ("line 2", "control_characters", f"field {field!r} holds {code} at offset {offset}")]
+    assert [p["prompt_id"] for p in prompts] == [good["id"], "tabs-and-newlines"]
+    assert all(chr(int(code[2:], 16)) not in p["prompt_text"] for p in prompts)
+
+
+def test_control_characters_in_chat_messages_are_quarantined():
+    row = {"id": "c1", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4\x00"}]}
+    [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
+    assert (rejection.reason, rejection.detail) == (
+        "control_characters", "field 'messages'[1]['content'] holds U+0000 at offset 1")
