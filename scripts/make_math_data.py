@@ -1,13 +1,14 @@
 """Generate the offline math rows of the GT-GRPO and Co-rewarding recipes (seeded, no network).
 
 Problems come from reasoning-gym's `chain_sum` (sums and differences of small whole numbers); the prompt wording
-is this project's own. Two files are written, as open-instruct style chat rows (`id`, `messages`,
-`ground_truth`, `dataset`):
+is this project's own. Three files are written, as open-instruct style chat rows (`id`, `messages`,
+`ground_truth`, `dataset`; a system turn asks for the answer in \\boxed{}):
 
   data/math/train.jsonl  one row per question (GT-GRPO)
   data/math/twins.jsonl  each question twice: as worded in train.jsonl and rephrased in words ("Start from 12,
                          add 7, then take away 5 ..."), the two rows naming each other in `twin_id`
                          (Co-rewarding-I: the pseudo-label of one view is the majority answer of the other's)
+  data/math/easy.jsonl   the easiest level alone (two one-digit terms; bench/gt_grpo_math.py)
 
     .venv/bin/python scripts/make_math_data.py [--questions 240] [--seed 7] [--out data/math]
 
@@ -18,8 +19,8 @@ has one.
 The rephrased twins of the generated set are written by a template. To rephrase with a served LLM instead,
 `--rephrase-endpoint http://127.0.0.1:8000/v1 --rephrase-model NAME` asks any OpenAI-compatible server (e.g.
 `vllm serve`) for each question's rephrasing. Answers are cached per question under --rephrase-cache, so a rerun
-never pays twice; the key is read from OPENAI_API_KEY. An unusable answer (a number lost, no \\boxed{}
-instruction) falls back to the template, counted.
+never pays twice; the key is read from OPENAI_API_KEY. An unusable answer (a number lost) falls back to the
+template, counted.
 """
 
 from __future__ import annotations
@@ -35,12 +36,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-INSTRUCTION = "Give the final answer as \\boxed{N}."
-ORIGINAL_TEMPLATES = (
-    "Compute {expr}. {instruction}",
-    "What is {expr}? {instruction}",
-    "Evaluate the expression {expr}. {instruction}",
-)
+# The system turn asks for the answer format, with an example: a 135M model boxes its answer far more often so.
+SYSTEM = "Solve the arithmetic problem. End your reply with the result in \\boxed{}, for example \\boxed{12}."
+ORIGINAL_TEMPLATES = ("Compute {expr}.", "What is {expr}?", "Evaluate the expression {expr}.")
+LEVELS = ((2, 1), (2, 2), (3, 1))  # (terms, digits): mostly easy, so a small model gets some right before training
 OPERATION_WORDS = {"+": ("add {n}", "then add {n}", "plus {n}"), "-": ("take away {n}", "subtract {n}", "minus {n}")}
 REPHRASE_PROMPT = (
     "Rephrase the following math question so that it asks for exactly the same number in different words. "
@@ -49,12 +48,13 @@ REPHRASE_PROMPT = (
 )
 
 
-def chain_sum_problems(count: int, seed: int) -> list[dict]:
-    """`count` distinct problems with 2-3 terms of 1-2 digits (reasoning-gym chain_sum, seeded)."""
+def chain_sum_problems(count: int, seed: int, levels: tuple = LEVELS) -> list[dict]:
+    """Up to `count` distinct problems drawn from the (terms, digits) levels, shuffled (reasoning-gym chain_sum,
+    seeded)."""
     import reasoning_gym
 
     problems, seen = [], set()
-    for terms, digits in ((2, 1), (2, 2), (3, 1)):  # mostly easy: a 135M model gets some right before training
+    for terms, digits in levels:
         dataset = reasoning_gym.create_dataset("chain_sum", size=count * 2, seed=seed + 31 * terms + digits,
                                                min_terms=terms, max_terms=terms, min_digits=1, max_digits=digits)
         for item in dataset:
@@ -70,7 +70,7 @@ def verbal_rephrasing(expression: str, rng: random.Random) -> str:
     """'12 + 7 - 5' -> 'Start from 12, add 7, then take away 5. What number do you end up with? ...'"""
     tokens = expression.split()
     steps = [rng.choice(OPERATION_WORDS[op]).format(n=n) for op, n in zip(tokens[1::2], tokens[2::2])]
-    return f"Start from {tokens[0]}, {', '.join(steps)}. What number do you end up with? {INSTRUCTION}"
+    return f"Start from {tokens[0]}, {', '.join(steps)}. What number do you end up with?"
 
 
 def served_rephrasing(question: str, endpoint: str, model: str, cache_dir: Path, timeout: float) -> str | None:
@@ -101,8 +101,8 @@ def served_rephrasing(question: str, endpoint: str, model: str, cache_dir: Path,
 
 
 def usable_rephrasing(text: str | None, expression: str) -> bool:
-    """Every number of the expression still appears, and the answer format is still asked for."""
-    return bool(text) and "\\boxed" in text and all(n in text for n in expression.split()[::2])
+    """Every number of the expression still appears."""
+    return bool(text) and all(n in text for n in expression.split()[::2])
 
 
 def hub_problems(name: str, split: str, question_column: str, answer_column: str, rephrased_column: str) -> list[dict]:
@@ -130,18 +130,20 @@ def build_rows(problems: list[dict], seed: int, rephrase=None) -> tuple[list[dic
             question = p["question"]
             twin_text = p["rephrased"] or (rephrase(question) if rephrase else None)
         else:
-            question = rng.choice(ORIGINAL_TEMPLATES).format(expr=p["expression"], instruction=INSTRUCTION)
+            question = rng.choice(ORIGINAL_TEMPLATES).format(expr=p["expression"])
             twin_text = rephrase(question) if rephrase else None
             if not usable_rephrasing(twin_text, p["expression"]):
                 fallbacks += rephrase is not None
                 twin_text = verbal_rephrasing(p["expression"], rng)
-        row = {"id": qid, "messages": [{"role": "user", "content": question}], "ground_truth": p["answer"],
+        system = [] if "question" in p else [{"role": "system", "content": SYSTEM}]
+        row = {"id": qid, "messages": [*system, {"role": "user", "content": question}], "ground_truth": p["answer"],
                "dataset": p.get("dataset", "reasoning_gym/chain_sum")}
         train.append(row)
         if not twin_text:
             continue
         twins.append({**row, "twin_id": f"{qid}-r"})
-        twins.append({**row, "id": f"{qid}-r", "messages": [{"role": "user", "content": twin_text}], "twin_id": qid})
+        twins.append({**row, "id": f"{qid}-r", "messages": [*system, {"role": "user", "content": twin_text}],
+                      "twin_id": qid})
     return train, twins, fallbacks
 
 
@@ -180,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(train, args.out / "train.jsonl")
     if twins:
         write_jsonl(twins, args.out / "twins.jsonl")
+    if not args.hub:  # the easiest level alone: what the GT-GRPO demonstration trains SmolLM2-135M on
+        easy, _, _ = build_rows(chain_sum_problems(args.questions, args.seed + 1, ((2, 1),)), args.seed + 1)
+        write_jsonl([{**r, "id": r["id"].replace("math-", "easy-")} for r in easy], args.out / "easy.jsonl")
+        print(f"{len(easy)} easy questions (two one-digit terms) -> {args.out / 'easy.jsonl'}")
     print(f"{len(train)} questions -> {args.out / 'train.jsonl'}; {len(twins)} rows (both views) -> "
           f"{args.out / 'twins.jsonl'}" + (f"; {fallbacks} rephrasings fell back to the template" if rephrase else ""))
 

@@ -47,13 +47,12 @@ def test_generated_math_data_is_seeded_paired_and_correct():
     by_id = {r["id"]: r for r in twins}
     assert len(twins) == 2 * len(train) and all(by_id[by_id[r["id"]]["twin_id"]]["twin_id"] == r["id"] for r in twins)
     for row in twins:  # the answer is the expression's value, and both views ask for the same number
-        question = row["messages"][0]["content"]
-        assert "\\boxed" in question and by_id[row["twin_id"]]["ground_truth"] == row["ground_truth"]
+        system, question = (m["content"] for m in row["messages"])
+        assert "\\boxed{}" in system and by_id[row["twin_id"]]["ground_truth"] == row["ground_truth"]
         if not row["id"].endswith("-r"):
-            expr = question.split("Give the final answer")[0]
-            expr = expr.replace("Compute", "").replace("What is", "").replace("Evaluate the expression", "")
+            expr = question.replace("Compute", "").replace("What is", "").replace("Evaluate the expression", "")
             assert eval(expr.strip().rstrip("?.")) == int(row["ground_truth"])  # noqa: S307 (digits and +/- only)
-    assert Counter(len(r["messages"]) for r in train) == {1: len(train)}
+    assert Counter(len(r["messages"]) for r in train) == {2: len(train)}
 
 
 @pytest.fixture(scope="module")
