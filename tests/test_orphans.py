@@ -94,6 +94,38 @@ def test_next_run_stops_recorded_leftovers(tmp_path):
         unrelated.wait()
 
 
+TORCHRUN_PARENT = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    from refiner_core.procs import die_with_parent
+    # as the DeepSpeed learner launches its ranks: own session, SIGTERM when the parent dies
+    subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      sys.argv[2], sys.argv[1]], start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
+    time.sleep(300)
+""")
+
+
+def test_torchrun_and_its_ranks_end_with_a_sigkilled_parent(tmp_path):
+    tag = uuid.uuid4().hex
+    rank = tmp_path / "rank.py"
+    rank.write_text("import sys, time\nprint('rank up', flush=True)\ntime.sleep(300)\n")
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        parent = subprocess.Popen([sys.executable, "-c", TORCHRUN_PARENT, str(rank), str(29400 + os.getpid() % 500)],
+                                  cwd=REPO, env={**os.environ, "REFINER_TEST_TAG": tag}, stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while log.read_text().count("rank up") < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(tagged_processes(tag)) == 4, log.read_text()  # parent, torchrun, two ranks
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert wait_until_gone(lambda: tagged_processes(tag), timeout=15) == []
+    finally:
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("how", ["SIGKILL from outside", "REFINER_KILL_ONCE"])
 def test_killed_run_leaves_no_process_behind(tmp_path, how):
     """SIGKILL of `refiner run` (no cleanup code runs): its temporary Prefect server and anything else it started

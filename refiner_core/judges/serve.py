@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from refiner_core.procs import die_with_parent
+
 
 class ServerStartError(RuntimeError):
     pass
@@ -108,7 +110,7 @@ def start_server(model: str, host: str = "127.0.0.1", port: int = 0, served_name
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=run_env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
     server = JudgeServer(proc, host, port, served_name, log_path)
     try:
         wait_healthy(server, startup_timeout)

@@ -26,6 +26,7 @@ import weakref
 from pathlib import Path
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.procs import die_with_parent
 
 WORKER = "refiner_core.learners.deepspeed_worker"
 STATE_DIR = "deepspeed"  # as deepspeed_worker.STATE_DIR (not imported here: that module imports torch+deepspeed)
@@ -111,7 +112,7 @@ class DeepSpeedLearner:
         tail: collections.deque[str] = collections.deque(maxlen=60)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self._env(),
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
 
             def pump():
                 for line in proc.stdout:
