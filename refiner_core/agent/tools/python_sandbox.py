@@ -164,6 +164,8 @@ class PythonSandbox:
         try:
             return self._run(code, uid)
         finally:
+            if self.as_root:  # the killed namespace's processes are reaped asynchronously: reuse a clean uid
+                _wait_until_gone(uid)
             self._slots.put(uid)
 
     def command(self, code: str, uid: int) -> list[str]:
@@ -222,6 +224,24 @@ class PythonSandbox:
             proc.wait()
         return ExecResult(_status(code_, timed_out), code_, out.text(), err.text(), out.total, err.total,
                           time.monotonic() - t0)
+
+
+def _wait_until_gone(uid: int, timeout: float = 5.0) -> None:
+    """Wait (briefly) until no process of `uid` is left, so its process limit is whole for the next call."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _uid_has_processes(uid):
+        time.sleep(0.02)
+
+
+def _uid_has_processes(uid: int) -> bool:
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.stat(entry.path).st_uid == uid:
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 @lru_cache(maxsize=8)
