@@ -23,6 +23,7 @@ from tasks.prepare import prepare_data
 from tasks.rollout import rollout
 from tasks.rubrics import ingest_rubrics
 from tasks.sft import prepare_sft, sft_train
+from tasks.teacher import teacher_rollout, teacher_update
 from tasks.update import grpo_update
 
 
@@ -100,20 +101,29 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     if eval_at:
         evaluate_policy(start, 0, "sft" if cfg.sft.enabled else "base")
 
-    policy = start
+    policy = teacher = start  # the EMA teacher (Co-rewarding-II) starts as the starting policy
+    teaching = cfg.reward.verifier == "co_rewarding_teacher"
     for step in range(cfg.grpo.steps):
         rolled = rollout.with_options(**retry)(
             **common, run=run, step=step, prompts=grpo_prompts, policy=policy, rollout_cfg=conf["rollout"],
             seed=seed, dtype=dtype, precision=precision)
+        taught = teacher_rollout.with_options(**retry)(
+            **common, run=run, step=step, prompts=grpo_prompts, teacher=teacher, rollout_cfg=conf["rollout"],
+            seed=seed, dtype=dtype, precision=precision) if teaching else None
         scored = judge.with_options(**retry)(
             **common, step=step, rollouts=rolled, prompts=prompts, rubrics=rubrics, judge_model=judge_model,
             judge_cfg=conf["judge"], reward_cfg=conf["reward"], max_new_tokens=cfg.rollout.max_new_tokens, dtype=dtype,
-            precision=precision)
+            precision=precision, **({"teacher_rollouts": taught} if teaching else {}))
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
             grpo_cfg=drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS), temperature=cfg.rollout.temperature, dtype=dtype,
             precision=precision, seed=seed)
         policy = updated["policy"]
+        if teaching:
+            moved = teacher_update.with_options(**retry)(**common, run=run, step=step, teacher=teacher, policy=policy,
+                                                         teacher_cfg=conf["teacher"])
+            teacher = moved["teacher"]
+            manifests += [taught, moved]
         if step + 1 in eval_at:
             evaluate_policy(policy, step + 1, "grpo")
         prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every)

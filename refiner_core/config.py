@@ -239,8 +239,20 @@ class RewardConfig:
                         "'tcr' scores that outcome with the Tool Call Reward (+1 right; -1 wrong, +0.1 per tool "
                         "round up to -0.6) for rollout.agent conversations; 'majority_vote' rewards matching the "
                         "majority \\boxed{} answer of the prompt's own rollouts; 'co_rewarding' the majority answer of "
-                        "its twin view's rollouts (Co-rewarding-I, data column twin_id). Pseudo-labels are columns of "
-                        "reward_inputs.")
+                        "its twin view's rollouts (Co-rewarding-I, data column twin_id); 'co_rewarding_teacher' the "
+                        "majority answer of an EMA teacher's rollouts (Co-rewarding-II, section teacher). Pseudo-labels "
+                        "are columns of reward_inputs.")
+
+
+@dataclass
+class TeacherConfig:
+    alpha_start: float = opt(0.01, "Co-rewarding-II (reward.verifier 'co_rewarding_teacher'): EMA weight of the policy "
+                             "at step 0, teacher <- alpha * policy + (1 - alpha) * teacher.")
+    alpha_end: float = opt(1e-5, "EMA weight at step schedule_steps and after (cosine from alpha_start).")
+    schedule_steps: int = opt(100, "Steps over which alpha follows the cosine from alpha_start to alpha_end; set it to "
+                              "the planned run length (it is not grpo.steps, so extending a run keeps its teachers).")
+    update_interval: int = opt(1, "Update the teacher after every update_interval-th GRPO step; each update writes "
+                               "RUN_DIR/teacher/step_NNNN (weights only).")
 
 
 @dataclass
@@ -385,6 +397,8 @@ class RecipeConfig:
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Stage 4: reward composition."})
     grpo: GRPOConfig = field(default_factory=GRPOConfig, metadata={"help": "Stage 5: GRPO update."})
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation of the policy."})
+    teacher: TeacherConfig = field(default_factory=TeacherConfig, metadata={
+        "help": "Co-rewarding-II: the EMA teacher whose rollouts vote the policy's pseudo-labels."})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

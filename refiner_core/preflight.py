@@ -53,6 +53,8 @@ VALUE_RULES: dict[str, Rule] = {
     "eval.every": NON_NEGATIVE, "eval.prompts": NON_NEGATIVE, "eval.samples": NON_NEGATIVE,
     "eval.temperature": POSITIVE, "eval.pass_k": NON_NEGATIVE, "eval.pass_rubric_score": FRACTION,
     "eval.max_new_tokens": NON_NEGATIVE,
+    "teacher.alpha_start": FRACTION, "teacher.alpha_end": FRACTION, "teacher.schedule_steps": NON_NEGATIVE,
+    "teacher.update_interval": AT_LEAST_1,
 }
 
 

@@ -429,9 +429,34 @@ TURNS = Table(
     ),
 )
 
+TEACHER_ROLLOUTS = Table(
+    "teacher_rollouts",
+    "Co-rewarding-II: the EMA teacher's responses to the step's prompts (columns as in rollouts; `policy` is the "
+    "teacher checkpoint). Their majority-voted \\boxed{} answer is the pseudo-label of the policy's rollouts.",
+    ROLLOUTS.key,
+    ROLLOUTS.columns,
+)
+
+TEACHER_UPDATES = Table(
+    "teacher_updates",
+    "Co-rewarding-II: one row per GRPO step, after its update: the EMA weight alpha scheduled for it, whether the "
+    "teacher was updated (every teacher.update_interval steps), and the teacher the next step samples from.",
+    ("run", "step"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step whose update was just written (the teacher then follows policy step_{step+1})."),
+        _c("alpha", F, "Cosine-scheduled EMA weight of the policy at this step: teacher <- alpha * policy + "
+                       "(1 - alpha) * teacher."),
+        _c("updated", B, "Whether the teacher was updated after this step (every update_interval-th step)."),
+        _c("teacher", S, "The teacher checkpoint folder after this step."),
+        _c("teacher_hash", S, "Content hash of its weights."),
+    ),
+)
+
 ALL_TABLES: dict[str, Table] = {
     t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS,
-                        ADVANTAGES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS, EVALS, TURNS)
+                        ADVANTAGES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS, EVALS, TURNS,
+                        TEACHER_ROLLOUTS, TEACHER_UPDATES)
 }
 
 _DUCKDB_TYPES = {

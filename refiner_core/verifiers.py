@@ -53,6 +53,18 @@ def twin_majority_verifier() -> Verifier:
     return verify_step
 
 
+def teacher_majority_verifier() -> Verifier:
+    """Co-rewarding-II: a prompt's pseudo-label is the majority \\boxed{} answer of the EMA teacher's rollouts of it
+    (the judge stage hands them over as the prompt's `teacher_rollouts`); none = empty label, reward 0."""
+
+    def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
+        asked = {r["prompt_id"] for r in rollouts}
+        votes = votes_by_prompt([t for pid in asked for t in prompts[pid].get("teacher_rollouts") or ()])
+        return label_rollouts(rollouts, votes, prompts, "teacher")
+
+    return verify_step
+
+
 def verdict_columns(verdict: Verdict | None) -> dict:
     """The reward_inputs columns a verdict fills (all NULL for judged rollouts, label columns NULL for verifiers
     without a pseudo-label)."""
@@ -81,6 +93,7 @@ def verdict_columns(verdict: Verdict | None) -> dict:
 VERIFIERS: dict[str, str] = {"ground_truth": "refiner_core.verifiers:ground_truth_verifier",
                              "majority_vote": "refiner_core.verifiers:self_majority_verifier",
                              "co_rewarding": "refiner_core.verifiers:twin_majority_verifier",
+                             "co_rewarding_teacher": "refiner_core.verifiers:teacher_majority_verifier",
                              "tcr": "refiner_core.agent.tcr:tcr_verifier"}
 
 

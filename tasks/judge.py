@@ -14,11 +14,15 @@ from tasks.stage import stage
 
 @stage("judge")
 def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: dict, judge_model: dict,
-          judge_cfg: dict, reward_cfg: dict, max_new_tokens: int, dtype: str, precision: str) -> dict:
+          judge_cfg: dict, reward_cfg: dict, max_new_tokens: int, dtype: str, precision: str,
+          teacher_rollouts: dict | None = None) -> dict:
     """Stage 4: format/citation checks, rubric judge and verifiers -> judge_scores, reward inputs and (by SQL)
     rewards for the step."""
     log = get_run_logger()
     prompt_rows = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
+    if teacher_rollouts:  # Co-rewarding-II: the EMA teacher's responses vote each prompt's pseudo-label
+        for t in read_rows(teacher_rollouts["teacher_rollouts"]["path"]):
+            prompt_rows[t["prompt_id"]].setdefault("teacher_rollouts", []).append(t)
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)

@@ -1,0 +1,142 @@
+"""The EMA teacher of Co-rewarding-II: alpha schedule, EMA weights, and the recipe end to end with a kill."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import duckdb
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from refiner_core.ema import alpha_at, ema_checkpoint, is_update_step
+from refiner_core.pseudo_labels import majority_vote, vote_of
+
+from conftest import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("step, expected", [
+    (0, 0.5),
+    (1, 0.1 + 0.4 * (1 + math.cos(math.pi / 4)) / 2),  # 0.441421...
+    (2, 0.3),  # halfway: the mean of start and end
+    (3, 0.1 + 0.4 * (1 + math.cos(3 * math.pi / 4)) / 2),  # 0.158578...
+    (4, 0.1),
+    (9, 0.1),  # after the schedule: alpha_end
+])
+def test_alpha_follows_a_cosine_from_start_to_end(step, expected):
+    assert alpha_at(step, 0.5, 0.1, 4) == pytest.approx(expected, abs=1e-12)
+
+
+def test_alpha_with_the_published_range_and_update_steps():
+    assert alpha_at(0, 0.01, 1e-5, 100) == pytest.approx(0.01)
+    assert alpha_at(50, 0.01, 1e-5, 100) == pytest.approx((0.01 + 1e-5) / 2)
+    assert alpha_at(100, 0.01, 1e-5, 100) == pytest.approx(1e-5)
+    assert alpha_at(7, 0.01, 1e-5, 0) == 1e-5  # no schedule: alpha_end throughout
+    assert [s for s in range(1, 10) if is_update_step(s, 3)] == [3, 6, 9] and not is_update_step(0, 1)
+
+
+def _perturbed_copy(source: Path, target: Path, seed: int) -> Path:
+    """A policy checkpoint: the source folder with every weight moved by seeded noise, plus optimizer state."""
+    shutil.copytree(source, target)
+    weights = load_file(target / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    save_file({k: (v + 0.1 * torch.randn(v.shape, generator=g)).contiguous() for k, v in weights.items()},
+              str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "optimizer.pt").write_bytes(b"adam state")
+    return target
+
+
+def test_ema_weights_equal_a_hand_rolled_ema_of_the_saved_policies(tiny_model_path, tmp_path):
+    policies = [_perturbed_copy(tiny_model_path, tmp_path / f"policy_{k}", seed=k) for k in (1, 2, 3)]
+    alphas = [0.5, 0.25, 0.1]
+    teacher = Path(tiny_model_path)
+    expected = {k: v.double() for k, v in load_file(teacher / "model.safetensors").items()}
+    for k, (policy, alpha) in enumerate(zip(policies, alphas)):
+        out = tmp_path / f"teacher_{k}"
+        out.mkdir()
+        ema_checkpoint(teacher, policy, alpha, out)
+        teacher = out
+        p = load_file(policy / "model.safetensors")
+        expected = {name: alpha * p[name].double() + (1 - alpha) * expected[name] for name in expected}
+    got = load_file(teacher / "model.safetensors")
+    assert set(got) == set(expected)
+    for name, value in got.items():
+        torch.testing.assert_close(value.double(), expected[name], atol=1e-6, rtol=0)
+    # weights moved: the teacher is neither the start nor the last policy
+    last = load_file(policies[-1] / "model.safetensors")
+    assert any(not torch.equal(got[n], last[n]) for n in got)
+    assert (teacher / "config.json").exists() and not (teacher / "optimizer.pt").exists()
+    from refiner_core.models import load_model
+
+    load_model(teacher)  # an HF checkpoint the rollout engine can load
+
+
+def test_ema_refuses_another_model_and_alpha_outside_0_1(tiny_model_path, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"unrelated.weight": torch.zeros(2)}, str(other / "model.safetensors"))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="not the same model"):
+        ema_checkpoint(other, tiny_model_path, 0.5, tmp_path / "out")
+    with pytest.raises(ValueError, match="alpha"):
+        ema_checkpoint(tiny_model_path, tiny_model_path, 1.5, tmp_path / "out")
+
+
+TINY = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048", "rollout.engine=hf",
+        "rollout.samples_per_prompt=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=12",
+        "rollout.batch_size=16", "grpo.learner=torch", "grpo.world_size=1", "grpo.steps=2", "grpo.learning_rate=1e-2",
+        "grpo.micro_batch_size=8", "eval.every=0", "teacher.alpha_start=0.5", "teacher.alpha_end=0.1",
+        "teacher.schedule_steps=4", "teacher.update_interval=1"]
+
+
+def _rows(run_dir: Path, sql: str) -> list[tuple]:
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
+    """Killed right before the second teacher update, the rerun finishes it from the files on disk: the final
+    teacher is the hand-rolled EMA start -> step_0001 -> step_0002 with the scheduled alphas, and the catalog holds
+    the teacher's rollouts, alpha per step and the teacher-voted labels."""
+    run_dir = tmp_path / "co2"
+    args = ["run", "recipes/co-rewarding-2.yaml", "--run-dir", str(run_dir), *[x for o in TINY for x in ("--set", o)]]
+    code, out, err, _ = run_cli(args, tmp_path, env={"REFINER_KILL_ONCE": "teacher-update@1"})
+    assert code != 0 and not (run_dir / "teacher" / "step_0002").exists(), (out, err)
+    assert (run_dir / "teacher" / "step_0001").exists()
+    code, out, err, _ = run_cli(args, tmp_path)
+    assert code == 0, (out, err)
+
+    start = load_file(Path(_rows(run_dir, "SELECT policy FROM teacher_rollouts WHERE step = 0 LIMIT 1")[0][0])
+                      / "model.safetensors")
+    teacher = {k: v.double() for k, v in start.items()}
+    for step, alpha in ((1, alpha_at(1, 0.5, 0.1, 4)), (2, alpha_at(2, 0.5, 0.1, 4))):
+        policy = load_file(run_dir / "checkpoints" / f"step_{step:04d}" / "model.safetensors")
+        teacher = {k: alpha * policy[k].double() + (1 - alpha) * teacher[k] for k in teacher}
+    final = load_file(run_dir / "teacher" / "step_0002" / "model.safetensors")
+    for name, value in final.items():
+        torch.testing.assert_close(value.double(), teacher[name], atol=1e-6, rtol=0)
+
+    updates = _rows(run_dir, "SELECT step, alpha, updated, teacher FROM teacher_updates ORDER BY step")
+    assert [(s, round(a, 9), u, Path(t).name) for s, a, u, t in updates] == [
+        (0, round(alpha_at(1, 0.5, 0.1, 4), 9), True, "step_0001"), (1, 0.3, True, "step_0002")]
+    used = _rows(run_dir, "SELECT step, any_value(policy), count(*) FROM teacher_rollouts GROUP BY step ORDER BY step")
+    assert [(s, n) for s, _, n in used] == [(0, 8), (1, 8)] and Path(used[1][1]).name == "step_0001"
+    # the policy's labels are the majority of the teacher's answers to the same prompt at the same step
+    teacher_votes: dict = {}
+    for step, pid, text in _rows(run_dir, "SELECT step, prompt_id, response_text FROM teacher_rollouts "
+                                          "ORDER BY step, prompt_id, sample_idx"):
+        teacher_votes.setdefault((step, pid), []).append(vote_of(text))
+    labels = _rows(run_dir, "SELECT DISTINCT step, prompt_id, label_source, pseudo_label, label_votes, label_voters "
+                            "FROM reward_inputs")
+    assert len(labels) == 4 and {key for key in teacher_votes} == {(s, p) for s, p, *_ in labels}
+    for step, pid, source, label, votes, voters in labels:
+        expected = majority_vote(teacher_votes[(step, pid)])
+        assert source == "teacher" and (label, votes, voters) == (expected.label, expected.votes, expected.voters)
+    assert _rows(run_dir, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND reward <> 0") == [(0,)]
