@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -11,8 +12,11 @@ import pytest
 
 from refiner_core.config import load_recipe
 from refiner_core.ground_truth import verify
+from refiner_core.preflight import check_recipe
 
 REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+MATH_RECIPES = ("gt-grpo-math", "co-rewarding-1", "co-rewarding-2")
 # The recipes hold GPU settings; these make them run on the tiny model in seconds.
 TINY = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048",
         "rollout.engine=hf", "rollout.samples_per_prompt=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=12",
@@ -106,3 +110,57 @@ def test_co_rewarding_samples_both_views_and_records_labels(co_run):
     assert len(groups) == 2 * 4 and all(abs(total) < 1e-6 for _, _, total in groups)
     assert _rows(co_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
     assert _rows(co_run, "SELECT count(*) > 0, count(*) FILTER (WHERE label_source <> 'twin') FROM evals") == [(True, 0)]
+
+
+def _sets(text: str) -> list[str]:
+    return text.replace("--set ", "").split()
+
+
+def readme_math_line(name: str) -> list[str]:
+    """The README's scaled-down command for a math recipe: $math_cpu and the line's own --set overrides."""
+    shared = re.search(r'^math_cpu="([^"]*)"$', README, re.MULTILINE)
+    line = re.search(rf"^\.venv/bin/refiner run recipes/{name}\.yaml \$math_cpu(.*)$", README, re.MULTILINE)
+    assert shared and line, f"README has no math_cpu line or no scaled-down line for {name}"
+    return _sets(shared.group(1)) + _sets(line.group(1))
+
+
+@pytest.mark.parametrize("name", MATH_RECIPES)
+def test_readme_runs_each_math_recipe_scaled_down_and_it_passes_preflight(name):
+    assert check_recipe(load_recipe(REPO / "recipes" / f"{name}.yaml", readme_math_line(name))) == []
+
+
+def test_the_demonstration_is_the_readme_line():
+    from bench.gt_grpo_math import overrides
+
+    assert overrides(8, 0) == readme_math_line("gt-grpo-math")
+
+
+VERIFIER_OF = {"gt-grpo-math": "ground_truth", "co-rewarding-1": "co_rewarding", "co-rewarding-2": "co_rewarding_teacher"}
+
+
+@pytest.mark.parametrize("name, verifier", list(VERIFIER_OF.items()))
+def test_math_recipes_hold_the_gpu_settings(name, verifier):
+    cfg = load_recipe(REPO / "recipes" / f"{name}.yaml")
+    assert cfg.reward.verifier == verifier and cfg.reward.verification_reward == 1.0 and cfg.reward.format_weight == 0
+    assert (cfg.rollout.samples_per_prompt, cfg.grpo.beta, cfg.grpo.kl_estimator) == (8, 0.001, "k3")
+    assert (cfg.rollout.engine, cfg.grpo.learner, cfg.grpo.zero_stage, cfg.grpo.advantage_std_ddof) == (
+        "vllm", "deepspeed", 3, 1)
+    assert "knoveleng/open-rs" in (REPO / "recipes" / f"{name}.yaml").read_text() or name == "co-rewarding-2"
+    problems = check_recipe(cfg)  # the 4B checkpoint is a local folder this machine does not have
+    assert problems and all("Qwen3-4B-Base" in p for p in problems), problems
+    if name == "co-rewarding-2":
+        assert (cfg.teacher.alpha_start, cfg.teacher.alpha_end) == (0.01, 1e-5)
+
+
+PSEUDO_LABEL_QUERIES = [
+    "SELECT step, round(avg(label_correct), 3) AS label_accuracy, round(avg(correct), 3) AS accuracy, "
+    "round(avg(reward), 3) AS reward FROM rewards WHERE reward_version = 'train' GROUP BY step ORDER BY step",
+    "SELECT DISTINCT step, prompt_id, label_source, pseudo_label, label_votes, label_voters, label_tied, label_correct "
+    "FROM reward_inputs ORDER BY step, prompt_id",
+]
+
+
+@pytest.mark.parametrize("sql", PSEUDO_LABEL_QUERIES)
+def test_readme_pseudo_label_queries_run(co_run, sql):
+    assert f'refiner sql RUN_DIR "{sql}"' in README
+    assert _rows(co_run, sql)
