@@ -26,11 +26,14 @@ def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: di
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
-    if judge_cfg["serve"]:
+    rollout_rows = read_rows(rollouts["rollouts"]["path"])
+    # A step whose prompts are all verified (no rubrics) loads no judge model and starts no judge server.
+    needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
+    if judge_cfg["serve"] and needs_judge:
         ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)
-    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)
+    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision) if needs_judge else None
     scored = score_rollouts(
-        read_rows(rollouts["rollouts"]["path"]), prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
+        rollout_rows, prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
         judge_cfg["on_failure"], judge_cfg["max_response_chars"], max_new_tokens,
     )
     scores, rewards = scored.judge_scores, scored.rewards
