@@ -164,3 +164,47 @@ PSEUDO_LABEL_QUERIES = [
 def test_readme_pseudo_label_queries_run(co_run, sql):
     assert f'refiner sql RUN_DIR "{sql}"' in README
     assert _rows(co_run, sql)
+
+
+def test_rephrasing_through_an_openai_compatible_server_is_cached_and_checked(tmp_path):
+    """A loopback chat server rephrases: usable answers become the twins, cached per question (a second pass
+    sends no request); an answer that drops a number falls back to the template and is counted."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from scripts.make_math_data import build_rows, served_rephrasing
+
+    requests = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            question = body["messages"][0]["content"].split("Question: ")[1]
+            requests.append(question)
+            numbers = re.findall(r"\d+", question)
+            text = f"Take {numbers[0]} and combine it with {' and '.join(numbers[1:])} as asked." if "+" in question \
+                else "Some number."  # differences: an unusable answer without the numbers
+            reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        problems = [{"expression": "3 + 4", "answer": "7"}, {"expression": "9 - 2", "answer": "7"}]
+        rephrase = lambda q: served_rephrasing(q, url, "m", tmp_path / "cache", 5.0)  # noqa: E731
+        _, twins, fallbacks = build_rows(problems, 1, rephrase)
+        assert len(requests) == 2 and fallbacks == 1
+        assert twins[1]["messages"][-1]["content"] == "Take 3 and combine it with 4 as asked."
+        assert twins[3]["messages"][-1]["content"].startswith("Start from 9")  # the template
+        again = build_rows(problems, 1, rephrase)
+        assert again[1] == twins and len(requests) == 2  # from the cache: no new request
+    finally:
+        server.shutdown()
