@@ -7,7 +7,7 @@ autocast with each group's prompt read once (grpo.share_prompt).
 Random token sequences in GRPO groups of --group-size responses sharing one prompt (the main job's shape by
 default), prompt and response lengths spread +-15% around the given means, beta > 0 so the reference pass is
 timed too. Prints wall and process-CPU seconds for each setting (CPU seconds are steadier on a shared machine),
-the ratios to fp32 padded (> 1 means faster) and the tokens-per-computed-token efficiency; the losses agree.
+the ratios to the first setting run (fp32 padded unless --only; > 1 means faster) and the tokens-per-computed-token efficiency; the losses agree.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per pass when padded")
     parser.add_argument("--pack-length", type=int, default=2048, help="tokens per packed row (one row per pass)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--only", default="", help="comma-separated settings to run (the first is the baseline of "
+                        "the ratios), e.g. bf16_padded,bf16_shared; default: all four")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model, max_position_embeddings=2048)
@@ -62,6 +64,11 @@ def main() -> None:
         "bf16_packed": dict(precision="bf16", pack_length=args.pack_length, micro_batch_size=1),
         "bf16_shared": dict(precision="bf16", pack_length=0, micro_batch_size=1, share_prompt=True),
     }
+    if args.only:
+        unknown = set(args.only.split(",")) - set(settings)
+        if unknown:
+            parser.error(f"--only: unknown {sorted(unknown)}; choose from {sorted(settings)}")
+        settings = {k: settings[k] for k in args.only.split(",")}
     results = {}
     for label, chosen in settings.items():
         policy, reference = load_model(path, trainable=True), load_model(path)
@@ -77,14 +84,15 @@ def main() -> None:
                           "loss": metrics["loss"], "packing_efficiency": metrics["packing_efficiency"]}
         print(f"{label}: {results[label]['seconds']:.1f} s ({results[label]['cpu_seconds']:.1f} CPU s)",
               file=sys.stderr, flush=True)
-    fp32, fp32_cpu = results["fp32_padded"]["seconds"], results["fp32_padded"]["cpu_seconds"]
+    baseline = next(iter(results))
+    fp32, fp32_cpu = results[baseline]["seconds"], results[baseline]["cpu_seconds"]
     print(json.dumps({
         "model": args.model, "sequences": len(samples), "tokens": sum(len(s.prompt_ids) + len(s.response_ids)
                                                                      for s in samples),
         **{f"{k}_seconds": round(v["seconds"], 2) for k, v in results.items()},
-        **{f"ratio_fp32_padded_over_{k}": round(fp32 / v["seconds"], 2) for k, v in results.items() if k != "fp32_padded"},
-        **{f"cpu_ratio_fp32_padded_over_{k}": round(fp32_cpu / v["cpu_seconds"], 2)
-           for k, v in results.items() if k != "fp32_padded"},
+        **{f"ratio_{baseline}_over_{k}": round(fp32 / v["seconds"], 2) for k, v in results.items() if k != baseline},
+        **{f"cpu_ratio_{baseline}_over_{k}": round(fp32_cpu / v["cpu_seconds"], 2)
+           for k, v in results.items() if k != baseline},
         **{f"{k}_efficiency": round(v["packing_efficiency"], 3) for k, v in results.items()},
         "losses": {k: round(v["loss"], 5) for k, v in results.items()},
     }))

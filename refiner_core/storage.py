@@ -94,34 +94,45 @@ def json_hash(obj: Any) -> str:
     return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
-def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> dict[str, int]:
-    """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
-
-    Every table of the schema exists, even when empty, so queries never fail on a missing table.
-    """
+@contextmanager
+def _catalog_copy(db_path: Path, from_existing: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A connection to a temporary copy of the catalog (of the existing one, or a new empty database) that
+    replaces the catalog atomically when the block succeeds; on failure the catalog is left as it was."""
     tmp, final = atomic_path(Path(db_path))
-    tmp.unlink()  # DuckDB refuses to open an empty non-database file
-    counts: dict[str, int] = {}
+    if from_existing:
+        shutil.copyfile(final, tmp)
+    else:
+        tmp.unlink()  # DuckDB refuses to open an empty non-database file
     try:
         con = duckdb.connect(str(tmp))
         try:
-            for name, table in ALL_TABLES.items():
-                con.execute(duckdb_ddl(table))
-                files = [str(p) for p in parquet_files.get(name, ())]
-                missing = [f for f in files if not Path(f).exists()]
-                if missing:  # never publish a catalog that silently lacks rows
-                    raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
-                if files:
-                    con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [files])
-                counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
-            con.execute(_REWARD_RECOMPUTE_VIEW)
-            con.execute(_STEP_REWARDS_VIEW)
+            yield con
         finally:
             con.close()
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
         Path(str(tmp) + ".wal").unlink(missing_ok=True)
+
+
+def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> dict[str, int]:
+    """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
+
+    Every table of the schema exists, even when empty, so queries never fail on a missing table.
+    """
+    counts: dict[str, int] = {}
+    with _catalog_copy(db_path, from_existing=False) as con:
+        for name, table in ALL_TABLES.items():
+            con.execute(duckdb_ddl(table))
+            files = [str(p) for p in parquet_files.get(name, ())]
+            missing = [f for f in files if not Path(f).exists()]
+            if missing:  # never publish a catalog that silently lacks rows
+                raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
+            if files:
+                con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [files])
+            counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
+        con.execute(_REWARD_RECOMPUTE_VIEW)
+        con.execute(_STEP_REWARDS_VIEW)
     return counts
 
 
@@ -145,22 +156,11 @@ GROUP BY run, step, reward_version
 
 
 def replace_version_rows(db_path: Path, files: dict[str, list[str]], version: str) -> None:
-    """Swap one reward version's rows of a published catalog for the given Parquet files (atomically: a copy is
-    changed, then renamed over the catalog)."""
-    tmp, final = atomic_path(Path(db_path))
-    shutil.copyfile(final, tmp)
-    try:
-        con = duckdb.connect(str(tmp))
-        try:
-            for name, paths in files.items():
-                con.execute(f'DELETE FROM "{ALL_TABLES[name].name}" WHERE reward_version = ?', [version])
-                con.execute(f'INSERT INTO "{ALL_TABLES[name].name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
-        finally:
-            con.close()
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-        Path(str(tmp) + ".wal").unlink(missing_ok=True)
+    """Swap one reward version's rows of a published catalog for the given Parquet files, atomically."""
+    with _catalog_copy(db_path, from_existing=True) as con:
+        for name, paths in files.items():
+            con.execute(f'DELETE FROM "{ALL_TABLES[name].name}" WHERE reward_version = ?', [version])
+            con.execute(f'INSERT INTO "{ALL_TABLES[name].name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
 
 
 def query(db_path: Path | str, sql: str, params: list | None = None) -> tuple[list[str], list[tuple]]:
