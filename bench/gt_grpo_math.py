@@ -45,7 +45,7 @@ def query(run_dir: Path, sql: str) -> list[tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--eval-prompts", type=int, default=0, help="held-out questions evaluated (0 = all)")
     ap.add_argument("--run-dir", type=Path, default=REPO / "runs" / "gt-grpo-math-demo")
     ap.add_argument("--threads", type=int, default=2)

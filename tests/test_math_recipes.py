@@ -132,7 +132,7 @@ def test_readme_runs_each_math_recipe_scaled_down_and_it_passes_preflight(name):
 def test_the_demonstration_is_the_readme_line():
     from bench.gt_grpo_math import overrides
 
-    assert overrides(8, 0) == readme_math_line("gt-grpo-math")
+    assert overrides(4, 0) == readme_math_line("gt-grpo-math")
 
 
 VERIFIER_OF = {"gt-grpo-math": "ground_truth", "co-rewarding-1": "co_rewarding", "co-rewarding-2": "co_rewarding_teacher"}
