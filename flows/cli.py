@@ -203,25 +203,40 @@ def _run_failed(cause: str, failures: _Failures, log_file: Path, debug: bool) ->
 
 @app.command()
 def sql(
-    run_dir: Path = typer.Argument(..., help="Run folder (holding catalog.duckdb) or the catalog file itself."),
+    run_dirs: list[Path] = typer.Argument(..., help="Run folder(s) holding catalog.duckdb, or catalog files. With "
+                                                    "several, each table holds the rows of all of them (column run)."),
     query: str = typer.Argument(..., help="SQL to run, read-only. Tables: prompts, rubrics, rollouts, "
-                                          "judge_scores, rewards, steps, quarantine, sft_examples, sft_stats, "
-                                          "sft_metrics."),
+                                          "judge_scores, reward_inputs, rewards, steps, quarantine, sft_examples, "
+                                          "sft_stats, sft_metrics, … Views: reward_by_step, rubric_pass_rates, "
+                                          "citation_quality, length_vs_reward, judge_failures, quarantine_summary."),
     fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
     max_width: int = typer.Option(60, help="Cut table cells to this many characters (0 = no cut)."),
+    export_to: Optional[Path] = typer.Option(None, "--export", help="Write the result to this .parquet or .csv "
+                                                                     "file instead of printing it."),
 ) -> None:
-    """Run a read-only SQL query against a run's catalog."""
+    """Run a read-only SQL query against the catalogs of one or several runs (no file access from SQL)."""
     import duckdb
 
-    from refiner_core.storage import query as run_query
+    from refiner_core.run_sql import CatalogError, export, open_runs, run_query
 
-    db = run_dir if run_dir.suffix == ".duckdb" else run_dir / "catalog.duckdb"
-    if not db.exists():
-        _fail(f"no catalog at {db} (has the run finished a step?)")
+    if fmt not in ("table", "csv", "json"):
+        _fail(f"--format must be table, csv or json, not {fmt!r}")
     try:
-        columns, rows = run_query(db, query)
+        con = open_runs(run_dirs)
+    except CatalogError as e:
+        _fail(str(e))
+    try:
+        if export_to is not None:
+            n = export(con, query, export_to)
+            typer.echo(f"wrote {n} row{'s' if n != 1 else ''} to {export_to}", err=True)
+            return
+        columns, rows = run_query(con, query)
+    except CatalogError as e:
+        _fail(str(e))
     except duckdb.Error as e:
         _fail(str(e).splitlines()[0], code=1)
+    finally:
+        con.close()
     if fmt == "json":
         typer.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1))
     elif fmt == "csv":
@@ -230,10 +245,8 @@ def sql(
         writer = csv.writer(sys.stdout)
         writer.writerow(columns)
         writer.writerows(rows)
-    elif fmt == "table":
-        _print_table(columns, rows, max_width)
     else:
-        _fail(f"--format must be table, csv or json, not {fmt!r}")
+        _print_table(columns, rows, max_width)
 
 
 def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
@@ -251,6 +264,36 @@ def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
         table.add_row(*(cell(v) for v in r))
     Console(width=max(120, sum(len(c) + 3 for c in columns))).print(table)
     typer.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})", err=True)
+
+
+@app.command()
+def show(
+    run_dir: Path = typer.Argument(..., help="Run folder."),
+    width: int = typer.Option(100, help="Characters of the best and worst responses to show."),
+) -> None:
+    """A step-by-step summary of a run for the terminal: reward, KL, loss, length, stage seconds, and the best
+    and worst rollout of the last step."""
+    import duckdb
+
+    from refiner_core.run_sql import CatalogError, open_runs, run_summary
+
+    try:
+        con = open_runs([run_dir])
+        summary = run_summary(con)
+    except CatalogError as e:
+        _fail(str(e))
+    except duckdb.Error as e:
+        _fail(str(e).splitlines()[0], code=1)
+    if not summary["steps"]:
+        _fail("the run has no finished steps yet", code=1)
+    typer.echo(f"run {run_dir}: {len(summary['steps'])} step{'s' if len(summary['steps']) != 1 else ''}")
+    _print_table(summary["columns"], summary["steps"], 0)
+    for which in ("best", "worst"):
+        if which in summary:
+            r = summary[which]
+            text = " ".join((r["response_text"] or "").split())
+            typer.echo(f"{which} of step {r['step']}: reward {r['reward']} ({r['prompt_id']} #{r['sample_idx']}): "
+                       f"{text[:width]}{'…' if len(text) > width else ''}")
 
 
 @app.command()

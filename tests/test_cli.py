@@ -129,3 +129,119 @@ def test_failed_run_prints_its_cause_once_and_logs_the_traceback(tmp_path):
     assert "Traceback (most recent call last)" in text and "Task run 'prepare-data' - Finished" in text
     assert (run_dir / ".prefect" / "prefect.db").exists() and not (tmp_path / "prefect-home").exists()
     assert out == ""
+
+
+def _catalog(folder: Path, tables: dict[str, list[dict]]) -> Path:
+    """A catalog in FOLDER from a few hand-written rows per table (unnamed columns NULL)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, rows in tables.items():
+        path = folder / f"{name}.parquet"
+        write_table(ALL_TABLES[name], [{c: None for c in ALL_TABLES[name].column_names} | r for r in rows], path)
+        files[name] = [path]
+    build_catalog(folder / "catalog.duckdb", files)
+    return folder
+
+
+def _steps(run: str, n: int) -> list[dict]:
+    return [{"run": run, "step": s, "reward_mean": 0.5 * s, "reward_std": 0.1, "kl": 0.01, "loss": 0.2,
+             "response_length_mean": 10.0 + s, "rollout_seconds": 1.0, "judge_seconds": 2.0, "update_seconds": 3.0}
+            for s in range(n)]
+
+
+def test_sql_over_several_runs_has_a_run_column_and_stays_read_only(tmp_path):
+    a = _catalog(tmp_path / "run-a", {"steps": _steps("a", 3)})
+    b = _catalog(tmp_path / "run-b", {"steps": _steps("b", 2)})
+    result = runner.invoke(app, ["sql", str(a), str(b), "SELECT run, count(*) AS n, max(step) AS last FROM steps "
+                                 "GROUP BY run ORDER BY run", "-f", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == [{"run": "a", "n": 3, "last": 2}, {"run": "b", "n": 2, "last": 1}]
+    result = runner.invoke(app, ["sql", str(a), str(b), "SELECT run, step, reward_mean FROM reward_by_step "
+                                 "WHERE step = 1 ORDER BY run", "-f", "csv"])
+    assert result.stdout.splitlines() == ["run,step,reward_mean", "a,1,0.5", "b,1,0.5"]
+    outside = tmp_path / "copied.csv"
+    for sql in (f"COPY steps TO '{outside}'", f"ATTACH '{tmp_path / 'x.duckdb'}' AS x",
+                "SET enable_external_access = true", 'CREATE TABLE "run-a".main.t AS SELECT 1',
+                'DELETE FROM "run-b".main.steps', f"SELECT * FROM '{a}/steps.parquet'"):
+        result = runner.invoke(app, ["sql", str(a), str(b), sql])
+        assert result.exit_code == 1, (sql, result.output)
+    assert not outside.exists() and not (tmp_path / "x.duckdb").exists()
+    assert duckdb.connect(str(b / "catalog.duckdb"), read_only=True).execute("SELECT count(*) FROM steps").fetchone() \
+        == (2,)
+    same_name = _catalog(tmp_path / "other" / "run-a", {"steps": _steps("a2", 1)})
+    result = runner.invoke(app, ["sql", str(a), str(same_name), "SELECT 1"])
+    assert result.exit_code == 2 and "several run folders are named run-a" in result.output
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv"])
+def test_sql_export_writes_the_result_where_asked(catalog_dir, tmp_path, suffix):
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "exports" / f"steps{suffix}"
+    result = runner.invoke(app, ["sql", str(catalog_dir), "SELECT step, reward_mean FROM steps ORDER BY step",
+                                 "--export", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote 3 rows to {out}" in result.output
+    table = pq.read_table(out) if suffix == ".parquet" else pcsv.read_csv(out)
+    assert table.to_pydict() == {"step": [0, 1, 2], "reward_mean": [0.0, 0.5, 1.0]}
+    bad = runner.invoke(app, ["sql", str(catalog_dir), "SELECT 1", "--export", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and "must end in .parquet or .csv" in bad.output
+
+
+@pytest.fixture
+def judged_run(tmp_path):
+    """One run, two steps: rubrics, judge scores (one failed), rollouts, rewards, reward inputs, quarantine."""
+    key = lambda step, p, i: {"run": "r", "step": step, "prompt_id": p, "sample_idx": i}  # noqa: E731
+    rollouts = [key(s, p, i) | {"response_tokens": 10 * (i + 1), "response_text": f"answer {s}{p}{i}"}
+                for s in (0, 1) for p in ("p1", "p2") for i in (0, 1)]
+    rewards = [key(s, p, i) | {"reward_version": v, "reward": float(s + i) + (0.5 if p == "p2" else 0.0) + bonus}
+               for s in (0, 1) for p in ("p1", "p2") for i in (0, 1) for v, bonus in (("train", 0), ("rescored", 9))]
+    inputs = [key(0, "p1", i) | {"has_answer": True, "format_ok": i == 0, "n_citations": 2 * i,
+                                 "n_invalid_citations": i, "citation_valid_fraction": 0.5 * i} for i in (0, 1)]
+    rubrics = [{"run": "r", "prompt_id": "p1", "rubric_id": "pos-0", "source": "instance", "title": "Names it"}]
+    scores = [key(0, "p1", i) | {"rubric_id": "pos-0", "oriented_score": s, "failure": f}
+              for i, s, f in ((0, 1.0, None), (1, 0.5, None))] + [
+              key(1, "p1", 0) | {"rubric_id": "pos-0", "oriented_score": 0.0, "failure": "http_503: busy"}]
+    quarantine = [{"run": "r", "stage": "prepare", "source": "d.jsonl", "row_ref": f"line {n}",
+                   "reason": "control_characters"} for n in (3, 7)]
+    tables = {"steps": _steps("r", 2), "rollouts": rollouts, "rewards": rewards, "reward_inputs": inputs,
+              "rubrics": rubrics, "judge_scores": scores, "quarantine": quarantine}
+    return _catalog(tmp_path / "judged", {k: v for k, v in tables.items() if k in ALL_TABLES})
+
+
+def _json(run_dir, sql):
+    result = runner.invoke(app, ["sql", str(run_dir), sql, "-f", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_predefined_views_by_hand(judged_run):
+    assert _json(judged_run, "SELECT source, title, judged, mean_score, full_pass_rate, failed FROM "
+                             "rubric_pass_rates") == [{"source": "instance", "title": "Names it", "judged": 3,
+                                                       "mean_score": 0.5, "full_pass_rate": 1 / 3, "failed": 1}]
+    assert _json(judged_run, "SELECT step, failure_kind, n FROM judge_failures") == [
+        {"step": 1, "failure_kind": "http_503", "n": 1}]
+    assert _json(judged_run, "SELECT stage, reason, rows, example_row FROM quarantine_summary") == [
+        {"stage": "prepare", "reason": "control_characters", "rows": 2, "example_row": "line 3"}]
+    assert _json(judged_run, "SELECT step, rollouts, format_ok_rate, citations_mean, invalid_citations, "
+                             "valid_id_fraction FROM citation_quality") == [
+        {"step": 0, "rollouts": 2, "format_ok_rate": 0.5, "citations_mean": 1.0, "invalid_citations": 1,
+         "valid_id_fraction": 0.25}]
+    # step 0: four rollouts, so four deciles of one: length 10 (training rewards 0, 0.5), 20 (1, 1.5); the
+    # 'rescored' version (+9) is not the training reward and stays out
+    deciles = _json(judged_run, "SELECT length_decile, tokens_mean, reward_mean FROM length_vs_reward WHERE step = 0")
+    assert [d["length_decile"] for d in deciles] == [1, 2, 3, 4]
+    assert [(d["tokens_mean"], d["reward_mean"]) for d in deciles[:2]] in ([(10.0, 0.0), (10.0, 0.5)],
+                                                                          [(10.0, 0.5), (10.0, 0.0)])
+    assert sorted((d["tokens_mean"], d["reward_mean"]) for d in deciles[2:]) == [(20.0, 1.0), (20.0, 1.5)]
+
+
+def test_show_summarises_steps_and_the_best_and_worst_rollout(judged_run):
+    result = runner.invoke(app, ["show", str(judged_run)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"run {judged_run}: 2 steps")
+    assert "rollout_s" in result.output and "update_s" in result.output
+    assert "best of step 1: reward 2.5 (p2 #1): answer 1p21" in result.output
+    assert "worst of step 1: reward 1.0 (p1 #0): answer 1p10" in result.output
+    assert runner.invoke(app, ["show", str(judged_run.parent / "nothing")]).exit_code == 2

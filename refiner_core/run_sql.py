@@ -1,0 +1,150 @@
+"""Read-only SQL over the catalogs of one or several runs, with predefined views and exports.
+
+Several catalogs are attached read-only under their run folder's name and every table they hold becomes one view
+over all of them (`UNION ALL BY NAME`; each row keeps its `run` column), so the queries written for one run
+work across runs. File access is switched off before any query runs: a query can neither write (`COPY … TO`)
+nor read other files; `export` writes a result only where the caller asks, from Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+# name -> (what it shows, SQL). Defined on the session, not in the catalog: older catalogs get them too.
+VIEWS: dict[str, tuple[str, str]] = {
+    "reward_by_step": (
+        "Reward, KL, loss and response length per step.",
+        "SELECT run, step, reward_mean, reward_std, kl, loss, response_length_mean FROM steps ORDER BY run, step"),
+    "rubric_pass_rates": (
+        "Per rubric (source, title): judgments, mean oriented score, share fully met (1.0), failed judgments.",
+        "SELECT s.run, r.source, r.title, count(*) AS judged, avg(s.oriented_score) AS mean_score, "
+        "avg(CASE WHEN s.oriented_score >= 1 THEN 1.0 ELSE 0.0 END) AS full_pass_rate, "
+        "count(*) FILTER (WHERE s.failure IS NOT NULL) AS failed "
+        "FROM judge_scores s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2, 3"),
+    "citation_quality": (
+        "Per step: answers present, valid format, citations per response, share of cited IDs that exist.",
+        "SELECT run, step, count(*) AS rollouts, avg(has_answer::INT) AS answer_rate, avg(format_ok::INT) AS "
+        "format_ok_rate, avg(n_citations) AS citations_mean, sum(n_invalid_citations) AS invalid_citations, "
+        "avg(citation_valid_fraction) AS valid_id_fraction FROM reward_inputs GROUP BY ALL ORDER BY 1, 2"),
+    "length_vs_reward": (
+        "Per step and response-length decile: mean length and mean reward (the reward used for training).",
+        "WITH r AS (SELECT run, step, prompt_id, sample_idx, reward FROM rewards WHERE reward_version = 'train'), "
+        "j AS (SELECT o.run, o.step, o.response_tokens, r.reward, "
+        "ntile(10) OVER (PARTITION BY o.run, o.step ORDER BY o.response_tokens) AS length_decile "
+        "FROM rollouts o JOIN r USING (run, step, prompt_id, sample_idx)) "
+        "SELECT run, step, length_decile, count(*) AS rollouts, avg(response_tokens) AS tokens_mean, "
+        "avg(reward) AS reward_mean FROM j GROUP BY ALL ORDER BY 1, 2, 3"),
+    "judge_failures": (
+        "Failed judgments by step and failure kind (the text before ':'), with an example.",
+        "SELECT run, step, split_part(failure, ':', 1) AS failure_kind, count(*) AS n, any_value(failure) AS "
+        "example FROM judge_scores WHERE failure IS NOT NULL GROUP BY ALL ORDER BY 1, 2, 4 DESC"),
+    "quarantine_summary": (
+        "Rejected input rows per stage and reason, with an example row reference.",
+        "SELECT run, stage, reason, count(*) AS rows, min(row_ref) AS example_row FROM quarantine "
+        "GROUP BY ALL ORDER BY 1, 2, 4 DESC"),
+}
+
+
+class CatalogError(ValueError):
+    """A run folder without a catalog, or two runs with one name."""
+
+
+def catalog_path(run_dir: str | Path) -> Path:
+    path = Path(run_dir)
+    db = path if path.suffix == ".duckdb" else path / "catalog.duckdb"
+    if not db.exists():
+        raise CatalogError(f"no catalog at {db} (has the run finished a step?)")
+    return db
+
+
+def open_runs(run_dirs: list[str | Path]) -> duckdb.DuckDBPyConnection:
+    """A read-only session over the runs' catalogs, with file access off and the predefined views defined."""
+    dbs = [catalog_path(d) for d in run_dirs]
+    if len(dbs) == 1:
+        con = duckdb.connect(str(dbs[0]), read_only=True, config={"enable_external_access": False})
+    else:
+        names = [(db.parent.name if db.name == "catalog.duckdb" else db.stem) for db in dbs]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise CatalogError(f"several run folders are named {', '.join(repeated)}: each run is attached under "
+                               "its folder's name")
+        con = duckdb.connect(":memory:")
+        for name, db in zip(names, dbs):
+            con.execute(f"ATTACH '{_quote(str(db))}' AS \"{_ident(name)}\" (READ_ONLY)")
+        tables: dict[str, list[str]] = {}
+        for catalog, table in con.execute("SELECT table_catalog, table_name FROM information_schema.tables WHERE "
+                                          "table_schema = 'main' ORDER BY table_name").fetchall():
+            if catalog in names:
+                tables.setdefault(table, []).append(catalog)
+        for table, catalogs in tables.items():
+            union = " UNION ALL BY NAME ".join(f'SELECT * FROM "{_ident(c)}".main."{table}"' for c in catalogs)
+            con.execute(f'CREATE TEMP VIEW "{table}" AS {union}')
+        con.execute("SET enable_external_access = false")
+    for name, (_, sql) in VIEWS.items():
+        try:
+            con.execute(f'CREATE TEMP VIEW "{name}" AS {sql}')
+        except duckdb.Error:  # a catalog from before the tables it reads: the view is left out
+            pass
+    con.execute("SET lock_configuration = true")  # a query cannot switch file access back on
+    return con
+
+
+def _quote(text: str) -> str:
+    return text.replace("'", "''")
+
+
+def _ident(text: str) -> str:
+    return text.replace('"', '""')
+
+
+def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> tuple[list[str], list[tuple]]:
+    cur = con.execute(sql)
+    columns = [d[0] for d in cur.description] if cur.description else []
+    return columns, cur.fetchall()
+
+
+def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
+    """Write the query's result to PATH (.parquet or .csv); returns the row count."""
+    path = Path(path)
+    if path.suffix not in (".parquet", ".csv"):
+        raise CatalogError(f"--export {path}: the file name must end in .parquet or .csv")
+    relation = con.sql(sql)
+    if relation is None:
+        raise CatalogError("--export needs a query that returns rows (a SELECT)")
+    table: pa.Table = relation.to_arrow_table()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, tmp)
+    else:
+        import pyarrow.csv as pcsv
+
+        pcsv.write_csv(table, tmp)
+    tmp.replace(path)
+    return table.num_rows
+
+
+SHOW_STEPS = ("SELECT step, round(reward_mean, 3) AS reward, round(reward_std, 3) AS std, round(kl, 5) AS kl, "
+              "round(loss, 4) AS loss, round(response_length_mean, 1) AS length, round(rollout_seconds, 1) AS "
+              "rollout_s, round(judge_seconds, 1) AS judge_s, round(update_seconds, 1) AS update_s FROM steps "
+              "ORDER BY step")
+SHOW_EXTREMES = ("WITH r AS (SELECT step, prompt_id, sample_idx, reward FROM rewards WHERE reward_version = 'train') "
+                 "SELECT r.step, r.prompt_id, r.sample_idx, round(r.reward, 3) AS reward, o.response_text "
+                 "FROM r JOIN rollouts o USING (step, prompt_id, sample_idx) WHERE r.step = (SELECT max(step) FROM r) "
+                 "ORDER BY r.reward DESC, r.prompt_id, r.sample_idx")
+
+
+def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
+    """Steps (reward, KL, loss, length, stage seconds) and the best and worst rollout of the last step."""
+    columns, rows = run_query(con, SHOW_STEPS)
+    _, ranked = run_query(con, SHOW_EXTREMES)
+    extremes = {}
+    if ranked:
+        keys = ("step", "prompt_id", "sample_idx", "reward", "response_text")
+        extremes = {"best": dict(zip(keys, ranked[0])), "worst": dict(zip(keys, ranked[-1]))}
+    return {"columns": columns, "steps": rows, **extremes}
