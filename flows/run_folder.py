@@ -49,8 +49,15 @@ def holds_run_folder(fn):
         bound.arguments["run_dir"] = resolve_run_dir(bound.arguments["run_dir"])
         folder = Path(bound.arguments["run_dir"]).resolve()
         log = get_run_logger()
+        previous = os.environ.get(PROCS_DIR_ENV)
         with run_lock(folder, command=f"flow run {flow_run.name} ({flow_run.id})", warn=log.warning):
-            stop_children_left_behind(folder, log.warning)
-            return fn(*bound.args, **bound.kwargs)
+            try:
+                stop_children_left_behind(folder, log.warning)
+                return fn(*bound.args, **bound.kwargs)
+            finally:  # a process that runs several flows records each one's children in its own folder
+                if previous is None:
+                    os.environ.pop(PROCS_DIR_ENV, None)
+                else:
+                    os.environ[PROCS_DIR_ENV] = previous
 
     return wrapper

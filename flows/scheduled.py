@@ -1,0 +1,50 @@
+"""The flow that deployments schedule (prefect.yaml): run a recipe file in a run folder named by a template.
+
+The recipe is read when the run starts, so an edited recipe applies from the next scheduled run on. The run
+folder comes from `run_dir`, a template (see refiner_core.runlock.format_run_dir): the default,
+`runs/{deployment}/{date}-{flow_run_id}`, gives every scheduled run its own folder, and a retried flow run
+(`prefect flow-run retry ID`) keeps its ID and scheduled time, so it resumes its folder with finished stages
+`Cached`; a template without fields (`runs/nightly`) makes every run resume one folder.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
+from prefect import flow
+
+from flows.refiner import refiner_pipeline
+from flows.run_folder import resolve_run_dir
+from refiner_core.config import ConfigError, load_recipe
+from refiner_core.preflight import check_recipe, resolve
+
+DEFAULT_RUN_DIR = "runs/{deployment}/{date}-{flow_run_id}"
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    recipe = os.path.basename(flow_run.parameters["recipe_file"]).removesuffix(".yaml")
+    return f"{recipe}: {os.path.basename(resolve_run_dir(flow_run.parameters.get('run_dir', DEFAULT_RUN_DIR)))}"
+
+
+@flow(name="refiner-recipe", flow_run_name=_flow_run_name)
+def run_recipe(recipe_file: str, run_dir: str = DEFAULT_RUN_DIR, overrides: list[str] | None = None) -> dict:
+    """Run RECIPE_FILE (relative to the repository, or absolute) with `--set`-style OVERRIDES in the run folder
+    RUN_DIR names (a template: {deployment}, {date}, {flow_run_id})."""
+    cfg = load_recipe(resolve(recipe_file), overrides or [])
+    problems = check_recipe(cfg)
+    if problems:
+        raise ConfigError(f"{recipe_file}: {len(problems)} problem(s), nothing was run:\n  " + "\n  ".join(problems))
+    if cfg.run.num_threads:
+        import torch
+
+        torch.set_num_threads(cfg.run.num_threads)
+    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
+
+    # A worker imports prefect before this module: apply the results folder `refiner run` uses (tasks/__init__),
+    # so stage caches are shared between scheduled runs and `refiner run` on the same folder.
+    with temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH:
+                                     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]}):
+        return refiner_pipeline(recipe=cfg.to_dict(), run_dir=resolve_run_dir(run_dir))

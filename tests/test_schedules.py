@@ -1,0 +1,178 @@
+"""Scheduled runs on a real Prefect server: `prefect server start`, a process work pool, `prefect deploy --all`
+from the repository's prefect.yaml, `prefect worker start`; a scheduled run of the tiny recipe completes by itself
+in its own run folder, and `prefect flow-run retry` of a failed run reruns only its unfinished stages."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import httpx
+import pytest
+
+from conftest import REPO
+from refiner_core.procs import spawn, stop_group
+
+pytestmark = pytest.mark.slow
+PREFECT = str(Path(sys.executable).parent / "prefect")
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+OVERRIDES = ["grpo.steps=1", "run.retries=0"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prefect_stack(tmp_path):
+    """A real Prefect server on a free loopback port with its own PREFECT_HOME; yields (env, start) where
+    start(args, name) launches a long-running `prefect ARGS`. Every process started is stopped, group and all."""
+    url = f"http://127.0.0.1:{_free_port()}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": url,
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    started = []
+
+    def start(args: list[str], name: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")
+        proc = spawn([PREFECT, *args], record_dir=tmp_path / "procs", cwd=REPO, env=env, stdout=log,
+                     stderr=subprocess.STDOUT)
+        started.append(proc)
+        return proc
+
+    port = url.split(":")[2].split("/")[0]
+    server = start(["server", "start", "--host", "127.0.0.1", "--port", port], "server")
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("prefect server did not start")
+        yield env, start
+    finally:
+        for proc in reversed(started):
+            stop_group(proc.pid, group=True, grace=10)
+            proc.wait(timeout=30)
+
+
+def prefect_cli(args: list[str], env: dict, timeout: int = 180) -> str:
+    result = subprocess.run([PREFECT, "--no-prompt", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"prefect {' '.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def wait_final(client, flow_run_id, timeout: float = 420, after: datetime.datetime | None = None):
+    """The flow run once it is in a final state (and, with `after`, entered it after that time)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        run = client.read_flow_run(flow_run_id)
+        if run.state and run.state.type.value in FINAL and (after is None or run.state.timestamp > after):
+            return run
+        time.sleep(2)
+    raise AssertionError(f"flow run {flow_run_id} not finished after {timeout} s: {run.state}")
+
+
+def subflow_task_states(client, parent) -> dict[str, str]:
+    """Stage name -> state name in the latest pipeline (sub)flow run of a refiner-recipe flow run."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
+    latest = max(children, key=lambda r: r.created)
+    tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[latest.id])))
+    return {t.name: t.state.name for t in tasks if not t.name.startswith(("locate-model", "prune-checkpoints"))}
+
+
+def run_folder(runs: Path, run) -> Path:
+    date = run.expected_start_time.astimezone(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    return runs / "refiner-tiny" / f"{date}-{str(run.id)[:8]}"
+
+
+def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
+    from prefect.client.schemas.schedules import IntervalSchedule
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    env, start = prefect_stack
+    prefect_cli(["work-pool", "create", "refiner", "--type", "process"], env)
+    out = prefect_cli(["deploy", "--all"], env, timeout=300)
+    assert out.count("successfully created") == 7, out[-3000:]
+    runs = tmp_path / "runs"
+    parameters = {"run_dir": str(runs / "{deployment}" / "{date}-{flow_run_id}"), "overrides": OVERRIDES}
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        deployments = {d.name: d for d in client.read_deployments()}
+        assert set(deployments) == {"refiner-smollm2", "refiner-tiny", "refiner-answer-only",
+                                    "refiner-instance-rubric", "gt-grpo-math", "co-rewarding-1", "grpo-tcr"}
+        for d in deployments.values():
+            assert d.global_concurrency_limit.limit == 1, f"{d.name}: overlapping runs must wait"
+            assert d.work_pool_name == "refiner" and d.entrypoint == "flows/scheduled.py:run_recipe"
+            [schedule] = d.schedules
+            assert schedule.active == (d.name in ("refiner-smollm2", "refiner-tiny")), d.name
+        assert deployments["refiner-smollm2"].schedules[0].schedule.cron == "0 2 * * *"
+        tiny = deployments["refiner-tiny"]
+
+        # A short schedule (a run 20 s from now) with this test's run folder and a one-step run.
+        due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
+        client.create_deployment_schedules(tiny.id, [DeploymentScheduleCreate(
+            schedule=IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=due), active=True,
+            parameters=parameters)])
+        start(["worker", "start", "--pool", "refiner"], "worker")
+        deadline = time.time() + 120
+        scheduled = []
+        while not scheduled and time.time() < deadline:
+            scheduled = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(
+                id=DeploymentFilterId(any_=[tiny.id]))) if r.parameters.get("run_dir") == parameters["run_dir"]]
+            time.sleep(2)
+        assert scheduled, "the scheduler created no run"
+        first = min(scheduled, key=lambda r: r.expected_start_time)
+        assert abs((first.expected_start_time - due).total_seconds()) < 1
+        done = wait_final(client, first.id)
+        assert done.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+        folder = run_folder(runs, done)
+        with duckdb.connect(str(folder / "catalog.duckdb"), read_only=True) as con:
+            assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 1
+            rollouts_uninterrupted = con.execute("SELECT count(*) FROM rollouts").fetchone()[0]
+        assert rollouts_uninterrupted > 0
+        assert not (folder / ".lock").exists(), "the worker's run released its folder"
+
+        # A run that fails in judge (the fault fires once per run folder), then `prefect flow-run retry`.
+        failing = client.create_flow_run_from_deployment(
+            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}})
+        failed = wait_final(client, failing.id)
+        assert failed.state.type.value == "FAILED"
+        assert "injected fault in stage 'judge'" in failed.state.message
+        assert subflow_task_states(client, failed)["judge[step=0]"] == "Failed"
+        failed_at = failed.state.timestamp
+        prefect_cli(["flow-run", "retry", str(failing.id)], env)
+        retried = wait_final(client, failing.id, after=failed_at)
+        assert retried.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
+        states = subflow_task_states(client, retried)
+        assert {k: states[k] for k in ("prepare-data", "ingest-rubrics", "rollout[step=0]")} == {
+            "prepare-data": "Cached", "ingest-rubrics": "Cached", "rollout[step=0]": "Cached"}, states
+        assert states["judge[step=0]"] == "Completed" and states["grpo-update[step=0]"] == "Completed", states
+        retried_folder = run_folder(runs, retried)
+        assert retried_folder != folder and (retried_folder / ".faults" / "raise-judge@0").exists()
+        with duckdb.connect(str(retried_folder / "catalog.duckdb"), read_only=True) as con:
+            assert con.execute("SELECT count(*) FROM rollouts").fetchone()[0] == rollouts_uninterrupted
+            assert con.execute("SELECT count(*) FROM (SELECT DISTINCT run, step, prompt_id, sample_idx FROM rollouts)"
+                               ).fetchone()[0] == rollouts_uninterrupted
+        assert sorted(p.name for p in runs.joinpath("refiner-tiny").iterdir()) == sorted([folder.name,
+                                                                                          retried_folder.name])
