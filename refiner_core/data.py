@@ -282,10 +282,11 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
             "prompt_text": text, "prompt_token_ids": ids, "prompt_tokens": len(ids),
             "reference_tokens": ref_tokens, "content_hash": row["content_hash"],
         })
-    return unpaired_twins(prompts, rows, rejected)
+    return drop_unpaired_twins(prompts, rows, rejected)
 
 
-def unpaired_twins(prompts: list[dict], rows: list[dict], rejected: list[Rejection]) -> tuple[list[dict], list[Rejection]]:
+def drop_unpaired_twins(prompts: list[dict], rows: list[dict],
+                        rejected: list[Rejection]) -> tuple[list[dict], list[Rejection]]:
     """A prompt naming a twin (`twin_id`, its rephrased view) is kept only when that twin was prepared and names
     it back: a view without its partner could never get a pseudo-label. The others are rejected as 'unknown_twin'."""
     by_id = {p["prompt_id"]: p for p in prompts}

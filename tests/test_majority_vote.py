@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from refiner_core.config import RewardConfig
@@ -124,3 +126,25 @@ def test_both_views_of_a_question_are_sampled_in_the_same_step():
     assert first_epoch == {f"p{i}" for i in range(6)} | {"solo"}
     # more questions asked for than exist: all of them, each with its twin
     assert sorted(step_prompt_ids(sorted(ids), 0, 13, seed=5, twin_of=twin_of)) == sorted(ids)
+
+
+def test_twins_share_a_split_and_unpaired_views_are_quarantined(tiny_tokenizer):
+    from refiner_core.data import RawRow, prepare_prompts, validate_rows
+
+    def row(rid, twin):
+        return {"id": rid, "messages": [{"role": "user", "content": f"question {rid}"}], "ground_truth": "1",
+                "twin_id": twin}
+
+    rows = [row("a", "a-r"), row("a-r", "a"), row("c", "missing"), row("d", "d"), row("e", "a"), row("plain", None)]
+    raw = [RawRow(f"line {i + 1}", json.dumps(r), r) for i, r in enumerate(rows)]
+    prompts, rejected = prepare_prompts(validate_rows(raw).rows, tiny_tokenizer, "r", 512, 64, 0.5, seed=3)
+    assert sorted(p["prompt_id"] for p in prompts) == ["a", "a-r", "plain"]
+    assert {r.row_ref: r.reason for r in rejected} == {"line 3": "unknown_twin", "line 4": "unknown_twin",
+                                                       "line 5": "unknown_twin"}
+    assert "'missing' is not a prepared prompt" in rejected[0].detail and "names itself" in rejected[1].detail
+    by_id = {p["prompt_id"]: p for p in prompts}
+    assert by_id["a"]["twin_id"] == "a-r" and by_id["plain"]["twin_id"] is None
+    for seed in range(8):  # whatever the seed, both views land in the same split
+        again, _ = prepare_prompts(validate_rows(raw).rows, tiny_tokenizer, "r", 512, 64, 0.5, seed=seed)
+        splits = {p["prompt_id"]: p["split"] for p in again}
+        assert splits["a"] == splits["a-r"]
