@@ -20,10 +20,13 @@ VIEWS: dict[str, tuple[str, str]] = {
         "SELECT run, step, reward_mean, reward_std, kl, loss, response_length_mean FROM steps ORDER BY run, step"),
     "rubric_pass_rates": (
         "Per rubric (source, title): judgments, mean oriented score, share fully met (1.0), failed judgments.",
-        "SELECT s.run, r.source, r.title, count(*) AS judged, avg(s.oriented_score) AS mean_score, "
-        "avg(CASE WHEN s.oriented_score >= 1 THEN 1.0 ELSE 0.0 END) AS full_pass_rate, "
-        "count(*) FILTER (WHERE s.failure IS NOT NULL) AS failed "
-        "FROM judge_scores s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2, 3"),
+        # aggregated per rubric before the join: 2.5x faster than joining every judgment (bench/sql_scale.py)
+        "WITH s AS (SELECT run, prompt_id, rubric_id, count(*) AS judged, sum(oriented_score) AS total, "
+        "count(oriented_score) AS scored, count(*) FILTER (WHERE oriented_score >= 1) AS met, "
+        "count(*) FILTER (WHERE failure IS NOT NULL) AS failed FROM judge_scores GROUP BY ALL) "
+        "SELECT s.run, r.source, r.title, sum(judged) AS judged, sum(total) / sum(scored) AS mean_score, "
+        "sum(met) / sum(judged) AS full_pass_rate, sum(failed) AS failed "
+        "FROM s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2, 3"),
     "citation_quality": (
         "Per step: answers present, valid format, citations per response, share of cited IDs that exist.",
         "SELECT run, step, count(*) AS rollouts, avg(has_answer::INT) AS answer_rate, avg(format_ok::INT) AS "
