@@ -92,6 +92,23 @@ def test_lock_of_another_host_is_refused_with_a_hint(tmp_path):
         acquire(tmp_path)
 
 
+def test_the_flow_itself_refuses_a_folder_in_use(prefect_server, tiny_recipe, tmp_path):
+    """What a Prefect worker runs is the flow, not `refiner run`: the flow takes the lock too."""
+    from flows.refiner import refiner_pipeline
+
+    run_dir = tmp_path / "run"
+    holder = _hold_in_child(run_dir)
+    try:
+        state = refiner_pipeline(recipe=tiny_recipe, run_dir=str(run_dir), return_state=True)
+        assert state.is_failed()
+        with pytest.raises(RunFolderBusy, match=f"in use by PID {holder.pid} "):
+            state.result()
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME, LOCK_NAME + ".guard"], "no stage ran"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_run_folder_template():
     when = datetime.datetime(2026, 11, 22, 3, 4, 59, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
     assert format_run_dir("runs/{deployment}/{date}-{flow_run_id}", "refiner-tiny", when,
