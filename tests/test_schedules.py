@@ -144,6 +144,14 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert scheduled, "the scheduler created no run"
         first = min(scheduled, key=lambda r: r.expected_start_time)
         assert abs((first.expected_start_time - due).total_seconds()) < 1
+        deadline = time.time() + 180
+        while client.read_flow_run(first.id).state.type.value not in {"RUNNING", *FINAL}:
+            assert time.time() < deadline, "the scheduled run did not start"
+            time.sleep(1)
+        # Requested while the scheduled run is going: the deployment's concurrency limit makes it wait. It fails
+        # in judge (the fault fires once per run folder); `prefect flow-run retry` then finishes it below.
+        failing = client.create_flow_run_from_deployment(
+            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}})
         done = wait_final(client, first.id)
         assert done.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
         folder = run_folder(runs, done)
@@ -153,10 +161,8 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert rollouts_uninterrupted > 0
         assert not (folder / ".lock").exists(), "the worker's run released its folder"
 
-        # A run that fails in judge (the fault fires once per run folder), then `prefect flow-run retry`.
-        failing = client.create_flow_run_from_deployment(
-            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}})
         failed = wait_final(client, failing.id)
+        assert failed.start_time >= done.end_time, "two runs of one deployment overlapped"
         assert failed.state.type.value == "FAILED"
         assert "injected fault in stage 'judge'" in failed.state.message
         assert subflow_task_states(client, failed)["judge[step=0]"] == "Failed"
