@@ -155,3 +155,29 @@ def test_killed_run_leaves_no_process_behind(tmp_path, how):
     code, out, err_text, _ = run_cli(args, tmp_path, env={"REFINER_FAIL_ONCE": "rollout@0"})
     assert code == 1, err_text[-3000:]
     assert f"warning: run folder {run_dir.resolve()}: taking over a stale lock of PID {killed_pid}" in err_text
+
+
+@pytest.mark.slow
+def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
+    """judge.serve: the run's own vLLM judge server (and its engine process) ends when the run is SIGKILLed."""
+    import httpx
+
+    from refiner_core.judges.serve import free_port
+
+    tag, port = uuid.uuid4().hex, free_port()
+    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(tmp_path / "run"), "--set", "grpo.steps=1",
+            "--set", "judge.engine=openai", "--set", "judge.serve=true", "--set", "judge.mode=json",
+            "--set", f"judge.base_url=http://127.0.0.1:{port}/v1", "--set", "judge.api_model=tiny-judge"]
+    proc, err = start_cli(args, tmp_path, "served", {"REFINER_TEST_TAG": tag})
+    try:
+        wait_for_log(proc, err, "judge server healthy", timeout=420)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        assert len(tagged_processes(tag)) >= 3, "the run, its Prefect server and the vLLM server"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert wait_until_gone(lambda: tagged_processes(tag), timeout=30) == [], "the judge server outlived its run"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
