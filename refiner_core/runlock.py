@@ -6,6 +6,8 @@ is gone (its PID no longer runs on this host, or now belongs to another process)
 with a warning. The check and the write happen under an flock on `RUN_DIR/.lock.guard`, so two runs starting
 at the same moment cannot both win. Taking the lock again in the process holding it is allowed (the CLI takes
 it, then the flow it runs does), and only the outermost release removes it.
+
+`format_run_dir` names the folder of a scheduled run from a template (deployment, scheduled date, flow run ID).
 """
 
 from __future__ import annotations
