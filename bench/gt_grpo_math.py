@@ -62,7 +62,7 @@ def main() -> None:
     seconds = time.time() - t0
     evals = query(args.run_dir, """
         SELECT step, count(*) AS prompts, avg(correct) AS accuracy,
-               avg(CASE WHEN verify_method <> 'no_answer' AND response_text LIKE '%\\boxed{%' THEN 1 ELSE 0 END) AS boxed,
+               avg(CASE WHEN contains(response_text, '\\boxed{') THEN 1 ELSE 0 END) AS boxed,
                avg(response_tokens) AS tokens, avg(CASE WHEN finish_reason = 'stop' THEN 1 ELSE 0 END) AS stopped
         FROM evals WHERE mode = 'greedy' GROUP BY step ORDER BY step""")
     train = query(args.run_dir, "SELECT step, reward_mean, zero_std_group_fraction FROM steps ORDER BY step")
