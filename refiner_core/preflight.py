@@ -103,6 +103,9 @@ def check_values(cfg: RecipeConfig) -> list[str]:
 
     if cfg.reward.verifier not in VERIFIERS:
         problems.append(f"reward.verifier = {cfg.reward.verifier!r}: choose from {sorted(VERIFIERS)}")
+    if not 0 <= cfg.reward.overlong_buffer <= cfg.rollout.max_new_tokens:
+        problems.append(f"reward.overlong_buffer = {cfg.reward.overlong_buffer}: must be between 0 (off) and "
+                        f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), the length the penalty ends at")
     if cfg.rollout.agent.enabled:
         from refiner_core.agent.rollout import agent_problems
 

@@ -113,8 +113,8 @@ parts AS (
          w.gate_judge_score_with_format_bonus AND NOT i.format_ok AS gated,
          w.non_stop_penalty AND i.finish_reason <> 'stop' AS non_stop_penalized,
          CASE WHEN w.overlong_buffer > 0
-              THEN least(0.0, -(i.response_tokens - (i.max_new_tokens - w.overlong_buffer))
-                              / w.overlong_buffer * w.overlong_factor)
+              THEN greatest(-w.overlong_factor, least(0.0, -(i.response_tokens - (i.max_new_tokens - w.overlong_buffer))
+                                                          / w.overlong_buffer * w.overlong_factor))
               ELSE 0.0 END AS overlong_penalty,
          w.on_failure = 'drop' AND coalesce(r.rubrics_failed, 0) > 0 AS dropped
   FROM reward_inputs i

@@ -227,7 +227,7 @@ REWARDS = Table(
                               "prompts, verifier_score for verified ones, 0 when gated."),
         _c("gated", B, "True when the judged part was zeroed because format_ok is false (gating on)."),
         _c("non_stop_penalized", B, "True when the reward was replaced by the non-stop penalty."),
-        _c("overlong_penalty", F, "min(0, -(L - (L_max - B)) / B * f), 0 when the buffer is off."),
+        _c("overlong_penalty", F, "max(-f, min(0, -(L - (L_max - B)) / B * f)), 0 when the buffer is off."),
         _c("dropped", B, "Left out of the update: a judgment failed under on_failure 'drop'."),
         _c("reward", F, "verification_reward * judged_score + format_weight * format_score + overlong_penalty, "
                         "or non_stop_penalty_value when non_stop_penalized."),

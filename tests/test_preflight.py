@@ -111,6 +111,9 @@ def test_hub_sources_are_not_checked():
     ("sft.learning_rate=-1e-5", "sft.learning_rate = -1e-05: must be > 0"),
     ("run.retries=-1", "run.retries = -1: must be >= 0"),
     ("model.dtype=fp16", "model.dtype = 'fp16': must be 'float32' or 'bfloat16'"),
+    ("reward.overlong_buffer=100000", "reward.overlong_buffer = 100000: must be between 0 (off) and"),
+    ("reward.verifier=oracle", "reward.verifier = 'oracle': choose from"),
+    ("judge.serve=true", "judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai'"),
 ])
 def test_impossible_values(override, message):
     [p] = problems(override)

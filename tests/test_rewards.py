@@ -133,6 +133,19 @@ def test_overlong_penalty_at_the_buffer_edges(length, penalty):
     assert math.isclose(half["overlong_penalty"], penalty / 2, abs_tol=1e-12)
 
 
+# GRPO-TCR's published setting: L_max 10480, buffer 3000, factor 1.0 -> the penalty starts after 7480 tokens.
+@pytest.mark.parametrize("length, expected", [
+    (0, 0.0), (7479, 0.0), (7480, 0.0),               # up to L_max - B: nothing
+    (7481, -1 / 3000), (7780, -0.1), (8980, -0.5),    # linear in the buffer
+    (10479, -2999 / 3000), (10480, -1.0),              # -f at L_max
+    (10481, -1.0), (20000, -1.0),                      # held at -f beyond (a capped sampler never gets there)
+])
+def test_overlong_penalty_published_setting(length, expected):
+    out, = _rewards([_inputs(response_tokens=length, max_new_tokens=10480)], [_score_row(0.0)], overlong_buffer=3000,
+                    overlong_factor=1.0, citation_weight=0.0)
+    assert out["overlong_penalty"] == pytest.approx(expected, abs=1e-12)
+
+
 def test_verified_prompts_use_the_verifier_score():
     row = _inputs("The answer is \\boxed{42}", verifier="ground_truth", verifier_score=1.0, correct=1.0)
     out, = _rewards([row], [], verification_reward=10.0, format_weight=0.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refiner_core.agent.tcr import overlong_penalty, tool_call_reward
+from refiner_core.agent.tcr import tool_call_reward
 
 
 @pytest.mark.parametrize("rounds, expected", [(0, -1.0), (1, -0.9), (2, -0.8), (3, -0.7), (4, -0.6), (5, -0.6),
@@ -23,26 +23,6 @@ def test_tool_use_orders_wrong_answers_but_never_reaches_a_right_one():
     assert wrong == sorted(wrong) and max(wrong) < tool_call_reward(True, 0)
     with pytest.raises(ValueError):
         tool_call_reward(False, -1)
-
-
-# The published setting: L_max 10480, buffer 3000, factor 1.0 -> the penalty starts after 7480 tokens.
-@pytest.mark.parametrize("length, expected", [
-    (0, 0.0), (7479, 0.0), (7480, 0.0),               # up to L_max - B: nothing
-    (7481, -1 / 3000), (7780, -0.1), (8980, -0.5),    # linear in the buffer
-    (10479, -2999 / 3000), (10480, -1.0),              # -f at L_max
-    (10481, -1.0), (20000, -1.0),                      # held at -f beyond
-])
-def test_overlong_penalty_published_setting(length, expected):
-    assert overlong_penalty(length, 10480, 3000, 1.0) == pytest.approx(expected, abs=1e-12)
-
-
-def test_overlong_penalty_scales_with_the_factor_and_rejects_bad_buffers():
-    assert overlong_penalty(90, 100, 20, 0.5) == pytest.approx(-0.25)  # 10 of 20 buffer tokens, half of 0.5
-    assert overlong_penalty(80, 100, 20, 0.5) == 0.0
-    with pytest.raises(ValueError):
-        overlong_penalty(10, 100, 0)
-    with pytest.raises(ValueError):
-        overlong_penalty(10, 100, 101)
 
 
 def test_tcr_verifier_reads_the_last_assistant_turn_and_counts_tool_rounds():

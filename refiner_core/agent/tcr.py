@@ -1,12 +1,11 @@
-"""GRPO-TCR rewards: the Tool Call Reward on top of the outcome, and DAPO's overlong penalty. Pure functions.
+"""GRPO-TCR rewards: the Tool Call Reward on top of the outcome. Pure functions.
 
 TCR (as the public GRPO-TCR code): a correct answer scores +1; a wrong one -1, raised by 0.1 for every tool
 round (an assistant turn whose tool calls ran), capped at -0.6. A wrong answer that used the tool thus scores
 above one that did not, but never near a right one.
 
-Overlong penalty (DAPO): with max length L_max, buffer B and factor f, a response of L tokens gets
-min(0, -(L - (L_max - B)) / B * f): nothing up to L_max - B, falling linearly to -f at L_max (and held at -f
-beyond, which a length-capped sampler never produces).
+DAPO's overlong penalty, which the GRPO-TCR recipe adds, is part of the reward's SQL definition
+(refiner_core/rewards.py REWARD_SQL, reward.overlong_buffer / overlong_factor).
 """
 
 from __future__ import annotations
@@ -19,15 +18,6 @@ def tool_call_reward(correct: bool, tool_rounds: int, *, right: float = 1.0, wro
     if correct:
         return right
     return min(wrong + per_round * tool_rounds, wrong_cap)
-
-
-def overlong_penalty(length: int, max_length: int, buffer: int, factor: float = 1.0) -> float:
-    if buffer <= 0 or buffer > max_length:
-        raise ValueError(f"overlong buffer must be in 1..max_length ({max_length}), got {buffer}")
-    expected = max_length - buffer
-    if length <= expected:
-        return 0.0
-    return max(-(length - expected) / buffer * factor, -factor)
 
 
 def tcr_verifier():
