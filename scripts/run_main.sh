@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the main job: the refiner pipeline on SmolLM2-135M-Instruct, 2 GRPO steps.
+# Set up (if needed) and run the main job: the refiner pipeline on SmolLM2-135M-Instruct, an SFT warm start,
+# 2 GRPO steps, and the held-out eval table of the base model, the SFT checkpoint and the last step.
 # Extra arguments go to `refiner run`, e.g. --set grpo.steps=3 or --run-dir /tmp/my-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
