@@ -13,6 +13,7 @@ from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLO
                                   SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop, pick, recipe_from_dict)
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.preflight import resolve
+from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
 from tasks.eval import evaluate
@@ -129,6 +130,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every)
         manifests += [rolled, scored, updated]
         publish_catalog(**common, manifests=manifests)  # inspectable after every step
+        publish_step_artifacts(run_dir, run, step)
         log.info("step %d done: checkpoint %s", step, policy["path"])
 
     summary = [row for evaluated in evaluations for row in evaluated["summary"]]

@@ -57,6 +57,29 @@ def finished_run(prefect_server, tiny_model_path, tmp_path_factory):
     return recipe, run_dir, tasks
 
 
+def test_each_step_publishes_ui_artifacts(finished_run):
+    """A table of the steps, the step's best and worst rollout, a link to the curves: one version per step."""
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from tasks.artifacts import artifact_key
+
+    recipe, run_dir, _ = finished_run
+    steps = recipe["grpo"]["steps"]
+    with get_client(sync_client=True) as client:
+        found = {what: client.read_artifacts(artifact_filter=ArtifactFilter(
+                     key=ArtifactFilterKey(any_=[artifact_key(run_dir.name, what)])))
+                 for what in ("steps", "rollouts", "curves")}
+    assert {what: len(versions) for what, versions in found.items()} == {"steps": steps, "rollouts": steps,
+                                                                           "curves": steps}
+    tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in found["steps"]]
+    assert sorted(len(t) for t in tables) == list(range(1, steps + 1))  # the steps so far, each step
+    assert all("best" in a.data and "worst" in a.data for a in found["rollouts"])
+    assert (run_dir / "curves.png").exists() and (run_dir / "curves.png").as_uri() in found["curves"][0].data
+
+
 def test_e2e_tables_and_weights(finished_run, tiny_model_path):
     recipe, run_dir, tasks = finished_run
     cfg = recipe_from_dict(recipe)
