@@ -93,3 +93,14 @@ def learner_settings(**overrides):
                 loss_constant=64.0, micro_batch_size=8, minibatches=1, tis_cap=0.0, pack_length=0, precision="fp32",
                 temperature=0.7)
     return LearnerSettings(**{**base, **overrides})
+
+
+def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
+    """Rows of a query on a run's catalog, opened read-only."""
+    import duckdb
+
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import duckdb
 import pytest
 
+from conftest import catalog_rows
 from refiner_core.config import load_recipe
 from refiner_core.judges.base import score_rollouts
 from refiner_core.config import RewardConfig
@@ -25,34 +25,26 @@ def chat_run(prefect_server, tmp_path_factory):
     return run_dir
 
 
-def _rows(run_dir: Path, sql: str) -> list[tuple]:
-    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
-
 def test_ground_truth_rows_train_without_rubrics(chat_run):
-    assert _rows(chat_run, "SELECT count(*) FROM quarantine") == [(0,)]
-    assert _rows(chat_run, "SELECT count(*) FROM prompts WHERE ground_truth IS NOT NULL") == [(12,)]
+    assert catalog_rows(chat_run, "SELECT count(*) FROM quarantine") == [(0,)]
+    assert catalog_rows(chat_run, "SELECT count(*) FROM prompts WHERE ground_truth IS NOT NULL") == [(12,)]
     # Ground-truth prompts carry no rubrics (not even the static set); rubric rows keep theirs plus the static set.
-    assert _rows(chat_run, "SELECT count(*) FROM rubrics WHERE prompt_id LIKE 'chat-__'") == [(0,)]
-    assert _rows(chat_run, "SELECT count(DISTINCT prompt_id) FROM rubrics") == [(2,)]
-    assert _rows(chat_run, "SELECT count(*) FROM steps") == [(2,)]
+    assert catalog_rows(chat_run, "SELECT count(*) FROM rubrics WHERE prompt_id LIKE 'chat-__'") == [(0,)]
+    assert catalog_rows(chat_run, "SELECT count(DISTINCT prompt_id) FROM rubrics") == [(2,)]
+    assert catalog_rows(chat_run, "SELECT count(*) FROM steps") == [(2,)]
     assert (chat_run / "checkpoints" / "step_0002" / "model.safetensors").exists()
-    by_verifier = dict(_rows(chat_run, "SELECT verifier, count(*) FROM rewards GROUP BY verifier"))
+    by_verifier = dict(catalog_rows(chat_run, "SELECT verifier, count(*) FROM rewards GROUP BY verifier"))
     assert sum(by_verifier.values()) == 2 * 4 * 4
     assert by_verifier.get("ground_truth", 0) > 0
-    bad = _rows(chat_run, """
+    bad = catalog_rows(chat_run, """
         SELECT count(*) FROM rewards JOIN prompts USING (run, prompt_id)
         WHERE (prompts.ground_truth IS NOT NULL) != (verifier = 'ground_truth')
            OR (verifier = 'ground_truth' AND (correct IS NULL OR verify_method IS NULL
                                               OR abs(reward - verification_reward * correct) > 1e-9))
            OR (verifier = 'judge' AND correct IS NOT NULL)""")
     assert bad == [(0,)]
-    assert _rows(chat_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
-    judged = _rows(chat_run, "SELECT count(*) FROM judge_scores WHERE prompt_id LIKE 'chat-__'")
+    assert catalog_rows(chat_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
+    judged = catalog_rows(chat_run, "SELECT count(*) FROM judge_scores WHERE prompt_id LIKE 'chat-__'")
     assert judged == [(0,)]  # verified prompts cost no judge call
 
 

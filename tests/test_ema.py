@@ -6,15 +6,14 @@ import math
 import shutil
 from pathlib import Path
 
-import duckdb
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import catalog_rows, run_cli
 from refiner_core.ema import alpha_at, ema_checkpoint, is_update_step
 from refiner_core.pseudo_labels import majority_vote, vote_of
 
-from conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,14 +92,6 @@ TINY = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_em
         "teacher.schedule_steps=4", "teacher.update_interval=1"]
 
 
-def _rows(run_dir: Path, sql: str) -> list[tuple]:
-    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
-
-
 def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     """Killed right before the second teacher update, the rerun finishes it from the files on disk: the final
     teacher is the hand-rolled EMA start -> step_0001 -> step_0002 with the scheduled alphas, and the catalog holds
@@ -113,7 +104,7 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     code, out, err, _ = run_cli(args, tmp_path)
     assert code == 0, (out, err)
 
-    start = load_file(Path(_rows(run_dir, "SELECT policy FROM teacher_rollouts WHERE step = 0 LIMIT 1")[0][0])
+    start = load_file(Path(catalog_rows(run_dir, "SELECT policy FROM teacher_rollouts WHERE step = 0 LIMIT 1")[0][0])
                       / "model.safetensors")
     teacher = {k: v.double() for k, v in start.items()}
     for step, alpha in ((1, alpha_at(1, 0.5, 0.1, 4)), (2, alpha_at(2, 0.5, 0.1, 4))):
@@ -123,20 +114,20 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     for name, value in final.items():
         torch.testing.assert_close(value.double(), teacher[name], atol=1e-6, rtol=0)
 
-    updates = _rows(run_dir, "SELECT step, alpha, updated, teacher FROM teacher_updates ORDER BY step")
+    updates = catalog_rows(run_dir, "SELECT step, alpha, updated, teacher FROM teacher_updates ORDER BY step")
     assert [(s, round(a, 9), u, Path(t).name) for s, a, u, t in updates] == [
         (0, round(alpha_at(1, 0.5, 0.1, 4), 9), True, "step_0001"), (1, 0.3, True, "step_0002")]
-    used = _rows(run_dir, "SELECT step, any_value(policy), count(*) FROM teacher_rollouts GROUP BY step ORDER BY step")
+    used = catalog_rows(run_dir, "SELECT step, any_value(policy), count(*) FROM teacher_rollouts GROUP BY step ORDER BY step")
     assert [(s, n) for s, _, n in used] == [(0, 8), (1, 8)] and Path(used[1][1]).name == "step_0001"
     # the policy's labels are the majority of the teacher's answers to the same prompt at the same step
     teacher_votes: dict = {}
-    for step, pid, text in _rows(run_dir, "SELECT step, prompt_id, response_text FROM teacher_rollouts "
+    for step, pid, text in catalog_rows(run_dir, "SELECT step, prompt_id, response_text FROM teacher_rollouts "
                                           "ORDER BY step, prompt_id, sample_idx"):
         teacher_votes.setdefault((step, pid), []).append(vote_of(text))
-    labels = _rows(run_dir, "SELECT DISTINCT step, prompt_id, label_source, pseudo_label, label_votes, label_voters "
+    labels = catalog_rows(run_dir, "SELECT DISTINCT step, prompt_id, label_source, pseudo_label, label_votes, label_voters "
                             "FROM reward_inputs")
     assert len(labels) == 4 and {key for key in teacher_votes} == {(s, p) for s, p, *_ in labels}
     for step, pid, source, label, votes, voters in labels:
         expected = majority_vote(teacher_votes[(step, pid)])
         assert source == "teacher" and (label, votes, voters) == (expected.label, expected.votes, expected.voters)
-    assert _rows(run_dir, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND reward <> 0") == [(0,)]
+    assert catalog_rows(run_dir, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND reward <> 0") == [(0,)]

@@ -7,9 +7,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import duckdb
 import pytest
 
+from conftest import catalog_rows
 from refiner_core.config import load_recipe
 from refiner_core.ground_truth import verify
 from refiner_core.preflight import check_recipe
@@ -31,14 +31,6 @@ def _run(recipe: str, run_dir: Path, extra: list[str] = ()) -> Path:
     state = refiner_pipeline(recipe=cfg, run_dir=str(run_dir), return_state=True)
     assert state.is_completed(), state.message
     return run_dir
-
-
-def _rows(run_dir: Path, sql: str) -> list[tuple]:
-    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def test_generated_math_data_is_seeded_paired_and_correct():
@@ -70,24 +62,24 @@ def co_run(prefect_server, tmp_path_factory):
 
 
 def test_gt_grpo_rewards_are_verified_correctness(gt_run):
-    rows = _rows(gt_run, "SELECT verifier, verify_method, correct, reward, verification_reward, response_text, "
+    rows = catalog_rows(gt_run, "SELECT verifier, verify_method, correct, reward, verification_reward, response_text, "
                          "ground_truth FROM rewards JOIN rollouts USING (run, step, prompt_id, sample_idx) "
                          "JOIN prompts USING (run, prompt_id) WHERE reward_version = 'train'")
     assert len(rows) == 2 * 2 * 4  # steps x prompts x samples
     for verifier, method, correct, reward, multiplier, text, truth in rows:
         assert verifier == "ground_truth" and method in ("math_verify", "normalized_match", "no_answer")
         assert correct == verify(text, truth).score and reward == pytest.approx(multiplier * correct)
-    assert _rows(gt_run, "SELECT count(*) FROM judge_scores") == [(0,)]
-    assert _rows(gt_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
-    assert _rows(gt_run, "SELECT count(DISTINCT step), count(*) > 0 FROM evals") == [(2, True)]
+    assert catalog_rows(gt_run, "SELECT count(*) FROM judge_scores") == [(0,)]
+    assert catalog_rows(gt_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
+    assert catalog_rows(gt_run, "SELECT count(DISTINCT step), count(*) > 0 FROM evals") == [(2, True)]
 
 
 def test_co_rewarding_samples_both_views_and_records_labels(co_run):
-    steps = _rows(co_run, "SELECT step, list(DISTINCT prompt_id ORDER BY prompt_id) FROM rollouts GROUP BY step")
+    steps = catalog_rows(co_run, "SELECT step, list(DISTINCT prompt_id ORDER BY prompt_id) FROM rollouts GROUP BY step")
     for _, prompt_ids in steps:
         questions = {p.removesuffix("-r") for p in prompt_ids}
         assert len(questions) == 2 and sorted(prompt_ids) == sorted(q + s for q in questions for s in ("", "-r"))
-    labels = _rows(co_run, """
+    labels = catalog_rows(co_run, """
         SELECT i.step, i.prompt_id, any_value(i.label_source), any_value(i.pseudo_label), any_value(i.label_votes),
                any_value(i.label_voters), any_value(i.label_correct), count(DISTINCT coalesce(i.pseudo_label, '∅'))
         FROM reward_inputs i GROUP BY ALL""")
@@ -95,7 +87,7 @@ def test_co_rewarding_samples_both_views_and_records_labels(co_run):
     for step, prompt_id, source, label, votes, voters, label_correct, distinct in labels:
         assert source == "twin" and distinct == 1  # one label per view and step
         twin = prompt_id.removesuffix("-r") if prompt_id.endswith("-r") else prompt_id + "-r"
-        twin_votes = _rows(co_run, f"SELECT response_text FROM rollouts WHERE step = {step} AND prompt_id = '{twin}' "
+        twin_votes = catalog_rows(co_run, f"SELECT response_text FROM rollouts WHERE step = {step} AND prompt_id = '{twin}' "
                                    "ORDER BY sample_idx")
         from refiner_core.pseudo_labels import majority_vote, vote_of
 
@@ -103,13 +95,13 @@ def test_co_rewarding_samples_both_views_and_records_labels(co_run):
         assert (label, votes, voters) == (expected.label, expected.votes, expected.voters)
         assert (label_correct is None) == (label is None)
     # an empty label scores 0; a non-empty one scores the match; each view is its own group
-    assert _rows(co_run, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND (reward <> 0 OR "
+    assert catalog_rows(co_run, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND (reward <> 0 OR "
                          "verify_method <> 'no_label')") == [(0,)]
-    assert _rows(co_run, "SELECT count(*) FROM rewards WHERE verifier <> 'co_rewarding' OR correct IS NULL") == [(0,)]
-    groups = _rows(co_run, "SELECT step, prompt_id, round(sum(advantage), 9) FROM advantages GROUP BY ALL")
+    assert catalog_rows(co_run, "SELECT count(*) FROM rewards WHERE verifier <> 'co_rewarding' OR correct IS NULL") == [(0,)]
+    groups = catalog_rows(co_run, "SELECT step, prompt_id, round(sum(advantage), 9) FROM advantages GROUP BY ALL")
     assert len(groups) == 2 * 4 and all(abs(total) < 1e-6 for _, _, total in groups)
-    assert _rows(co_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
-    assert _rows(co_run, "SELECT count(*) > 0, count(*) FILTER (WHERE label_source <> 'twin') FROM evals") == [(True, 0)]
+    assert catalog_rows(co_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
+    assert catalog_rows(co_run, "SELECT count(*) > 0, count(*) FILTER (WHERE label_source <> 'twin') FROM evals") == [(True, 0)]
 
 
 def _sets(text: str) -> list[str]:
@@ -163,7 +155,7 @@ PSEUDO_LABEL_QUERIES = [
 @pytest.mark.parametrize("sql", PSEUDO_LABEL_QUERIES)
 def test_readme_pseudo_label_queries_run(co_run, sql):
     assert f'refiner sql RUN_DIR "{sql}"' in README
-    assert _rows(co_run, sql)
+    assert catalog_rows(co_run, sql)
 
 
 def test_rephrasing_through_an_openai_compatible_server_is_cached_and_checked(tmp_path):
