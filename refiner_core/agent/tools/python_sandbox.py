@@ -180,6 +180,8 @@ class PythonSandbox:
             elif os.path.isdir(link):
                 box += ["--ro-bind", link, link]
         box += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+        # The private /tmp first: an interpreter installed under /tmp (a checkout there) is bound on top of it.
+        box += ["--perms", "1777", "--size", str(lim.tmp_bytes), "--tmpfs", "/tmp"]
         made: set[str] = {"/", "/usr", "/etc", "/tmp"}
         for root in _interpreter_roots(self.interpreter):
             if root == "/usr" or root.startswith("/usr/"):
@@ -190,8 +192,7 @@ class PythonSandbox:
                     made.add(str(parent))
             box += ["--ro-bind", root, root]
             made.add(root)
-        box += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--size", str(lim.tmp_bytes), "--tmpfs", "/tmp",
-                "--chdir", "/tmp", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+        box += ["--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv",
                 "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
                 "--setenv", "LANG", "C.UTF-8"]
