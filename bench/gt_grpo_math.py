@@ -34,13 +34,9 @@ def overrides(steps: int, eval_prompts: int) -> list[str]:
 
 
 def query(run_dir: Path, sql: str) -> list[tuple]:
-    import duckdb
+    from refiner_core.storage import query as catalog_query
 
-    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return catalog_query(run_dir / "catalog.duckdb", sql)[1]
 
 
 def main() -> None:

@@ -19,20 +19,10 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
             dtype: str, precision: str) -> dict:
     """Stage 3: sample G responses for each of the step's prompts -> rollouts/step=N/rollouts.parquet."""
     log = get_run_logger()
-    by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
-    train_ids = prompts["train_ids"]
-    per_step = min(rollout_cfg["prompts_per_step"], len(train_ids))
-    chosen = step_prompt_ids(train_ids, step, per_step, seed,  # a question's twin view joins it in the same step
-                             twin_of={p: row["twin_id"] for p, row in by_id.items() if row.get("twin_id")})
+    chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
-    engine = make_engine(rollout_cfg["engine"], policy["path"], rollout_cfg["batch_size"], dtype, precision,
-                         tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
-                         gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
-    params = SamplingParams(
-        n=rollout_cfg["samples_per_prompt"], temperature=rollout_cfg["temperature"], top_p=rollout_cfg["top_p"],
-        max_new_tokens=rollout_cfg["max_new_tokens"], stop=tuple(rollout_cfg["stop"]), seed=seed * 100_003 + step,
-    )
-    prompt_ids = [by_id[p]["prompt_token_ids"] for p in chosen]
+    engine = rollout_engine(rollout_cfg, policy["path"], dtype, precision)
+    params = sampling_params(rollout_cfg, seed * 100_003 + step)
     agent, turns = rollout_cfg["agent"], None
     if agent["enabled"]:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
         tokenizer = load_tokenizer(policy["path"])
@@ -42,11 +32,8 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
         turns = [row for c in conversations for row in agent_turn_rows(
             c, {"run": run, "step": step, "prompt_id": chosen[c.prompt_index], "sample_idx": c.sample_idx})]
     else:
-        outputs = [(g.prompt_index, g.sample_idx, {
-            "response_token_ids": g.token_ids, "response_logprobs": g.logprobs, "response_text": g.text,
-            "response_mask": [True] * len(g.token_ids), "response_tokens": len(g.token_ids),
-            "finish_reason": g.finish_reason, "tool_rounds": 0, "final_text": g.text,
-        }) for g in engine.generate(prompt_ids, params, desc=f"rollout step {step}")]
+        outputs = [(g.prompt_index, g.sample_idx, response_columns(g))
+                   for g in engine.generate(prompt_ids, params, desc=f"rollout step {step}")]
     engine.close()  # free the engine's memory before the judge and learner stages
     now = datetime.now(timezone.utc)
     rows = [{
@@ -68,3 +55,32 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
                  len(tool_rows), sum(t["failure"] is not None for t in tool_rows),
                  sum(t["status"] != "ok" for t in tool_rows), sum(r["tool_rounds"] for r in rows) / max(len(rows), 1))
     return manifest
+
+
+def step_prompts(prompts: dict, step: int, rollout_cfg: dict, seed: int) -> tuple[list[str], list[list[int]]]:
+    """The step's prompt IDs and their token IDs: a question's twin view joins it in the same step, and every
+    sampler of the step (the policy, an EMA teacher) answers the same ones."""
+    by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
+    train_ids = prompts["train_ids"]
+    chosen = step_prompt_ids(train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed,
+                             twin_of={p: row["twin_id"] for p, row in by_id.items() if row.get("twin_id")})
+    return chosen, [by_id[p]["prompt_token_ids"] for p in chosen]
+
+
+def rollout_engine(rollout_cfg: dict, model_path: str, dtype: str, precision: str):
+    return make_engine(rollout_cfg["engine"], model_path, rollout_cfg["batch_size"], dtype, precision,
+                       tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
+                       gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
+
+
+def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:
+    return SamplingParams(n=rollout_cfg["samples_per_prompt"], temperature=rollout_cfg["temperature"],
+                          top_p=rollout_cfg["top_p"], max_new_tokens=rollout_cfg["max_new_tokens"],
+                          stop=tuple(rollout_cfg["stop"]), seed=seed)
+
+
+def response_columns(g) -> dict:
+    """The rollout columns of a single-turn Generation (every token sampled, no tool round)."""
+    return {"response_token_ids": g.token_ids, "response_logprobs": g.logprobs, "response_text": g.text,
+            "response_mask": [True] * len(g.token_ids), "response_tokens": len(g.token_ids),
+            "finish_reason": g.finish_reason, "tool_rounds": 0, "final_text": g.text}

@@ -8,11 +8,10 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.checkpoints import TRAINING_STATE_FILES
-from refiner_core.data import step_prompt_ids
 from refiner_core.ema import alpha_at, ema_checkpoint, is_update_step
-from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
-from refiner_core.storage import atomic_dir, dir_hash, read_rows, write_table
+from refiner_core.storage import atomic_dir, dir_hash, write_table
+from tasks.rollout import response_columns, rollout_engine, sampling_params, step_prompts
 from tasks.stage import stage
 
 TEACHER_SEED_OFFSET = 500_009  # the teacher's samples never repeat the policy's, even while their weights agree
@@ -23,19 +22,9 @@ def teacher_rollout(*, run_dir: str, run: str, step: int, prompts: dict, teacher
                     dtype: str, precision: str) -> dict:
     """G responses of the teacher to the same prompts the policy answers at this step -> teacher_rollouts."""
     log = get_run_logger()
-    by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
-    train_ids = prompts["train_ids"]
-    chosen = step_prompt_ids(train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed,
-                             twin_of={p: row["twin_id"] for p, row in by_id.items() if row.get("twin_id")})
-    engine = make_engine(rollout_cfg["engine"], teacher["path"], rollout_cfg["batch_size"], dtype, precision,
-                         tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
-                         gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
-    params = SamplingParams(
-        n=rollout_cfg["samples_per_prompt"], temperature=rollout_cfg["temperature"], top_p=rollout_cfg["top_p"],
-        max_new_tokens=rollout_cfg["max_new_tokens"], stop=tuple(rollout_cfg["stop"]),
-        seed=seed * 100_003 + step + TEACHER_SEED_OFFSET,
-    )
-    prompt_ids = [by_id[p]["prompt_token_ids"] for p in chosen]
+    chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
+    engine = rollout_engine(rollout_cfg, teacher["path"], dtype, precision)
+    params = sampling_params(rollout_cfg, seed * 100_003 + step + TEACHER_SEED_OFFSET)
     generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")
     engine.close()
     now = datetime.now(timezone.utc)
@@ -43,9 +32,7 @@ def teacher_rollout(*, run_dir: str, run: str, step: int, prompts: dict, teacher
         "run": run, "step": step, "prompt_id": chosen[g.prompt_index], "sample_idx": g.sample_idx,
         "policy": teacher["path"], "policy_hash": teacher["hash"], "engine": engine.name,
         "temperature": params.temperature, "seed": params.seed, "prompt_token_ids": prompt_ids[g.prompt_index],
-        "response_token_ids": g.token_ids, "response_logprobs": g.logprobs, "response_text": g.text,
-        "response_mask": [True] * len(g.token_ids), "response_tokens": len(g.token_ids),
-        "finish_reason": g.finish_reason, "tool_rounds": 0, "final_text": g.text, "created_at": now,
+        **response_columns(g), "created_at": now,
     } for g in generations]
     path = Path(run_dir) / "teacher_rollouts" / f"step={step}" / "teacher_rollouts.parquet"
     log.info("teacher-rollout step %d: %d prompts x %d samples from %s", step, len(chosen), params.n, teacher["path"])

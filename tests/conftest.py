@@ -97,10 +97,6 @@ def learner_settings(**overrides):
 
 def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
     """Rows of a query on a run's catalog, opened read-only."""
-    import duckdb
+    from refiner_core.storage import query
 
-    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return query(run_dir / "catalog.duckdb", sql)[1]
