@@ -2,7 +2,8 @@
 
 `holds_run_folder` wraps the pipeline flow so that every way of running it (`refiner run`, a Prefect worker, a
 scheduled or retried flow run) resolves the folder template, takes the folder's lock (refiner_core.runlock), and
-stops children that an earlier, killed run left behind (refiner_core.procs).
+stops children and removes unfinished writes that an earlier, killed run left behind (refiner_core.procs,
+refiner_core.storage).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from refiner_core.procs import PROCS_DIR_ENV, stop_leftovers
 from refiner_core.runlock import format_run_dir, run_lock
+from refiner_core.storage import remove_partial_writes
 
 PROCS_SUBDIR = ".procs"
 
@@ -36,6 +38,14 @@ def stop_children_left_behind(folder: Path, warn) -> None:
     os.environ[PROCS_DIR_ENV] = str(folder / PROCS_SUBDIR)
 
 
+def remove_writes_left_behind(folder: Path, warn) -> None:
+    """Temporary files of a writer that was killed mid-write were never visible; now they go."""
+    leftovers = remove_partial_writes(folder)
+    if leftovers:
+        warn(f"removed {len(leftovers)} unfinished write(s) left by an earlier run of {folder}: "
+             + ", ".join(str(p.relative_to(folder)) for p in leftovers[:5]))
+
+
 def holds_run_folder(fn):
     """Decorator for a flow function taking `run_dir`: the body runs on the resolved folder, holding its lock."""
     signature = inspect.signature(fn)
@@ -53,6 +63,7 @@ def holds_run_folder(fn):
         with run_lock(folder, command=f"flow run {flow_run.name} ({flow_run.id})", warn=log.warning):
             try:
                 stop_children_left_behind(folder, log.warning)
+                remove_writes_left_behind(folder, log.warning)
                 return fn(*bound.args, **bound.kwargs)
             finally:  # a process that runs several flows records each one's children in its own folder
                 if previous is None:

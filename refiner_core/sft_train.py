@@ -16,6 +16,7 @@ import torch
 
 from refiner_core.learners.base import autocast
 from refiner_core.packing import IGNORE_INDEX, PackedRow, concat_pack
+from refiner_core.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
     steps_per_epoch = math.ceil(len(train) / per_step) if train else 0
     step = 0
     generator = torch.Generator().manual_seed(settings.seed)
+    bar = progress_bar(steps_per_epoch * settings.epochs, "sft", "step")
     for epoch in range(settings.epochs):
         order = torch.randperm(len(train), generator=generator).tolist()
         for s in range(steps_per_epoch):
@@ -113,6 +115,7 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
             micro = [collate_packed(chunk[i : i + m], pad_id) for i in range(0, len(chunk), m)]
             tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro)
             if tokens == 0:
+                bar.update(1)
                 continue
             lr = settings.learning_rate * min(1.0, (step + 1) / settings.warmup_steps) if settings.warmup_steps \
                 else settings.learning_rate
@@ -128,11 +131,14 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
             norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
             optimizer.step()
             step += 1
+            bar.set_postfix(loss=f"{total / tokens:.3f}", refresh=False)
+            bar.update(1)
             record = {"split": "train", "step": step, "epoch": epoch + (s + 1) / steps_per_epoch,
                       "loss": total / tokens, "tokens": tokens, "lr": lr, "grad_norm": norm}
             history.append(record)
             if on_step:
                 on_step(record)
         validate(step, float(epoch + 1))
+    bar.close()
     return history
 

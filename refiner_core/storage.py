@@ -15,13 +15,17 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from refiner_core.faults import write_fault
 from refiner_core.rewards import REWARD_SQL
 from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, to_arrow
 
 
+PARTIAL_SUFFIX = ".partial"  # a write in progress: hidden, and removed by the next run if its writer died
+
+
 def atomic_path(path: Path) -> tuple[Path, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent)
     os.close(fd)
     return Path(tmp), path
 
@@ -32,14 +36,28 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     own output), on failure it is removed, so `final` is never half written."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=PARTIAL_SUFFIX, dir=final.parent))
     try:
         yield build
+        write_fault(final)
         if final.exists():
             shutil.rmtree(final)
         build.rename(final)
     finally:
         shutil.rmtree(build, ignore_errors=True)
+
+
+def remove_partial_writes(folder: Path) -> list[Path]:
+    """Remove what writers killed mid-write left in `folder` (their temporary files and folders); only safe while
+    no writer is running there, i.e. under the run folder's lock."""
+    leftovers = sorted(p for p in Path(folder).rglob(f".*{PARTIAL_SUFFIX}*")
+                       if p.name.endswith((PARTIAL_SUFFIX, f"{PARTIAL_SUFFIX}.wal")))
+    for path in leftovers:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return leftovers
 
 
 def write_table(table: Table, rows: list[dict], path: Path) -> str:
@@ -51,6 +69,7 @@ def write_arrow(data: pa.Table, path: Path) -> str:
     tmp, final = atomic_path(Path(path))
     try:
         pq.write_table(data, tmp)
+        write_fault(final)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
@@ -61,6 +80,7 @@ def write_json(obj: Any, path: Path) -> str:
     tmp, final = atomic_path(Path(path))
     try:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+        write_fault(final)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
@@ -109,6 +129,7 @@ def _catalog_copy(db_path: Path, from_existing: bool) -> Iterator[duckdb.DuckDBP
             yield con
         finally:
             con.close()
+        write_fault(final)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from refiner_core.data import Rejection, TooManyRejected, check_rejected_fraction
+from refiner_core.faults import stage_fault
 from refiner_core.storage import build_catalog
 
 
@@ -13,6 +14,7 @@ def publish_catalog(*, run_dir: str, manifests: list[dict]) -> dict:
     """Rebuild runs/<run>/catalog.duckdb from the Parquet files named in this run's manifests.
 
     Not cached: it is cheap and always reflects exactly the files of the current invocation."""
+    stage_fault("publish-catalog", None, Path(run_dir) / ".faults")
     files: dict[str, list[str]] = {}
     for manifest in manifests:
         for table, entry in manifest.items():

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -18,9 +16,11 @@ from refiner_core import code_version
 from refiner_core.checkpoints import TRAINING_STATE_FILES, pruned_paths
 from refiner_core.config import ConfigError
 from refiner_core.data import TooManyRejected
+from refiner_core.faults import stage_fault
 from refiner_core.rubrics import RubricError
 from refiner_core.sources import SourceError
 from refiner_core.storage import dir_hash, file_hash, json_hash
+from tasks.progress import ui_progress
 
 CODE_VERSION = code_version()
 
@@ -49,31 +49,6 @@ def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     return f"{context.task.name}-{json_hash([CODE_VERSION, material])}"
 
 
-def inject_faults(stage_name: str, step: int | None, run_dir: str) -> None:
-    """Deliberate failures for exercising recovery, each firing once per run folder:
-    REFINER_FAIL_ONCE raises an exception; REFINER_INTERRUPT_ONCE delivers SIGINT (what Ctrl-C sends);
-    REFINER_KILL_ONCE ends the process at once with no cleanup, like SIGKILL.
-    Each takes comma-separated 'stage' or 'stage@step'."""
-    here = {stage_name, f"{stage_name}@{step}"}
-    for variable, action in (("REFINER_FAIL_ONCE", "raise"), ("REFINER_INTERRUPT_ONCE", "interrupt"),
-                             ("REFINER_KILL_ONCE", "kill")):
-        wanted = {s.strip() for s in os.environ.get(variable, "").split(",") if s.strip()}
-        hit = wanted & here
-        if not hit:
-            continue
-        marker = Path(run_dir) / ".faults" / f"{action}-{sorted(hit)[0]}"
-        if marker.exists():
-            continue
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-        if action == "kill":
-            os._exit(137)
-        if action == "interrupt":
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)  # the KeyboardInterrupt lands here
-        raise RuntimeError(f"injected fault in stage {stage_name!r} (step {step}) from {variable}")
-
-
 # Errors a retry cannot fix: the same rows, files or settings would fail again.
 NOT_RETRYABLE = (TooManyRejected, SourceError, ConfigError, RubricError, FileNotFoundError)
 
@@ -93,9 +68,9 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
     """Output files or folders of a manifest that are missing or no longer hash to what the stage wrote.
     Checkpoints removed by the retention policy are not damaged: they were pruned on purpose."""
     damaged = []
-    pruned = pruned_paths(Path(run_dir) / "checkpoints")
     for entry in manifest.values():
-        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or entry["path"] in pruned:
+        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or \
+                entry["path"] in pruned_paths(Path(entry["path"]).parent):
             continue
         path = Path(entry["path"])
         actual = (dir_hash(path, TRAINING_STATE_FILES) if path.is_dir() else file_hash(path) if path.is_file()
@@ -144,9 +119,12 @@ def stage(name: str) -> Callable[[Callable], Stage]:
     def decorate(fn: Callable) -> Stage:
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            inject_faults(name, kwargs.get("step"), kwargs["run_dir"])
+            step, markers = kwargs.get("step"), Path(kwargs["run_dir"]) / ".faults"
+            stage_fault(name, step, markers)
             t0 = time.time()
-            manifest = fn(*args, **kwargs)
+            with ui_progress(name):  # the stage's bars, also in the UI
+                manifest = fn(*args, **kwargs)
+            stage_fault(name, step, markers, phase="end")
             manifest["seconds"] = round(time.time() - t0, 3)
             manifest["stage"] = name
             return manifest

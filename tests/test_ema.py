@@ -114,6 +114,7 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     for name, value in final.items():
         torch.testing.assert_close(value.double(), teacher[name], atol=1e-6, rtol=0)
 
+    _rerun_keeping_one_checkpoint(args, run_dir, tmp_path)
     updates = catalog_rows(run_dir, "SELECT step, alpha, updated, teacher FROM teacher_updates ORDER BY step")
     assert [(s, round(a, 9), u, Path(t).name) for s, a, u, t in updates] == [
         (0, round(alpha_at(1, 0.5, 0.1, 4), 9), True, "step_0001"), (1, 0.3, True, "step_0002")]
@@ -131,3 +132,15 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
         expected = majority_vote(teacher_votes[(step, pid)])
         assert source == "teacher" and (label, votes, voters) == (expected.label, expected.votes, expected.voters)
     assert catalog_rows(run_dir, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND reward <> 0") == [(0,)]
+
+
+def _rerun_keeping_one_checkpoint(args: list[str], run_dir: Path, tmp_path: Path) -> None:
+    """run.keep_last=1 on the finished run: the older policy and teacher checkpoints go, every stage that named
+    them stays Cached (pruned on purpose, not damaged)."""
+    code, out, err, _ = run_cli([*args, "--set", "run.keep_last=1"], tmp_path)
+    assert code == 0, (out, err)
+    assert sorted(p.name for p in (run_dir / "teacher").glob("step_*")) == ["step_0002"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0002"]
+    for name in ("rollout[step=1]", "teacher-rollout[step=1]", "teacher-update[step=0]", "teacher-update[step=1]"):
+        assert f"Task run '{name}' - Finished in state Cached" in err, name
+    assert "recomputing" not in err

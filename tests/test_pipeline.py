@@ -80,6 +80,31 @@ def test_each_step_publishes_ui_artifacts(finished_run):
     assert (run_dir / "curves.png").exists() and (run_dir / "curves.png").as_uri() in found["curves"][0].data
 
 
+def test_long_stages_report_progress_to_the_ui(finished_run):
+    """Each rollout, judge and update task run carries a progress artifact that ended at 100 %, naming its bar."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType,
+                                                FlowRunFilter, FlowRunFilterId, FlowRunFilterName)
+
+    recipe, run_dir, _ = finished_run
+    cfg = recipe_from_dict(recipe)
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=[f"{run_dir.name}: steps 0-{cfg.grpo.steps - 1}"])))[0]
+        task_names = {r.id: r.name for r in client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])), limit=200)}
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            type=ArtifactFilterType(any_=["progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+    progress = {task_names[a.task_run_id]: (float(a.data), a.description) for a in artifacts}
+    sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    for step in range(cfg.grpo.steps):
+        assert progress[f"rollout[step={step}]"] == (100.0, f"rollout: rollout step {step} {sequences}/{sequences} seq")
+        assert progress[f"judge[step={step}]"][0] == 100.0 and "judge:" in progress[f"judge[step={step}]"][1]
+        assert progress[f"grpo-update[step={step}]"][0] == 100.0
+        assert progress[f"grpo-update[step={step}]"][1].startswith("grpo-update: update ")
+    assert "prepare-data" not in progress  # quick stages draw no bar, so they get no artifact
+
+
 def test_e2e_tables_and_weights(finished_run, tiny_model_path):
     recipe, run_dir, tasks = finished_run
     cfg = recipe_from_dict(recipe)

@@ -1,11 +1,14 @@
-"""Stage plumbing: cache keys from content, not timings or paths alone; damaged outputs are detected."""
+"""Stage plumbing: cache keys from content, not timings or paths alone; damaged outputs are detected; progress
+bars reach listeners; a write killed mid-way is never visible."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
+from conftest import REPO
 from refiner_core.schema import STEPS
 from refiner_core.storage import write_table
 from tasks.stage import damaged_outputs, stage_cache_key
@@ -65,3 +68,35 @@ def test_pruned_checkpoints_and_dropped_optimizer_state_are_not_damage(tmp_path)
     assert all(damaged_outputs(m, str(tmp_path)) == [] for m in manifests)
     (tmp_path / "checkpoints" / "step_0002" / "model.safetensors").write_bytes(b"edited")
     assert damaged_outputs(manifests[1], str(tmp_path)) == [manifests[1]["policy"]["path"]]
+
+
+def test_bars_report_to_listeners_even_when_not_drawn():
+    from refiner_core.progress import listening, progress_bar
+
+    seen = []
+    with listening(lambda label, done, total, unit: seen.append((label, done, total, unit))):
+        bar = progress_bar(5, "rollout step 0", "seq", disable=True)  # as off a terminal
+        bar.update(2)
+        bar.update(3)
+        bar.close()
+    progress_bar(1, "after", "seq", disable=True).update(1)  # nobody listens any more
+    assert seen == [("rollout step 0", 0, 5, "seq"), ("rollout step 0", 2, 5, "seq"), ("rollout step 0", 5, 5, "seq")]
+
+
+def test_a_write_killed_before_its_rename_leaves_only_a_hidden_partial_file(tmp_path):
+    """REFINER_KILL_ONCE=write:PATH ends the writer between writing and renaming; the destination never appears
+    half written, the leftover is removed by remove_partial_writes, and the fault fires once."""
+    final = tmp_path / "scores" / "step=1" / "rewards.parquet"
+    script = ("import sys; from pathlib import Path; from refiner_core.schema import STEPS; "
+              "from refiner_core.storage import write_table; write_table(STEPS, [], Path(sys.argv[1]))")
+    env = {**os.environ, "REFINER_KILL_ONCE": "write:step=1/rewards.parquet"}
+    first = subprocess.run([sys.executable, "-c", script, str(final)], env=env, cwd=REPO)
+    assert first.returncode == 137 and not final.exists()
+    [leftover] = final.parent.glob(".rewards.parquet.*.partial")
+    assert leftover.stat().st_size > 0
+    from refiner_core.storage import remove_partial_writes
+
+    assert remove_partial_writes(tmp_path) == [leftover] and not leftover.exists()
+    second = subprocess.run([sys.executable, "-c", script, str(final)], env=env, cwd=REPO)
+    assert second.returncode == 0 and final.exists()  # fired once: its marker is beside the destination
+    assert remove_partial_writes(tmp_path) == []

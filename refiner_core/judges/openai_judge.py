@@ -106,9 +106,9 @@ class OpenAIJudge:
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
+    from refiner_core.progress import progress_bar
 
-    return tqdm(total=total, desc="judge", unit="pair", disable=not enabled or total == 0, dynamic_ncols=True)
+    return progress_bar(total, "judge", "pair", disable=not enabled or total == 0)
 
 
 def api_key_from_env(name: str) -> str:

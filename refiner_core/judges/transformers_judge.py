@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refiner_core.learners.base import autocast
+from refiner_core.progress import progress_bar
 from refiner_core.prompts import render_prompt
 from refiner_core.rollout.base import SamplingParams, left_padded
 from refiner_core.rollout.hf_engine import HFRolloutEngine
@@ -57,13 +58,15 @@ class TransformersJudge:
     def _expected_scores(self, prompts: list[list[int]]) -> list[str]:
         context, digits = self._score_tokens()
         full = [p + context for p in prompts]
+        bar = progress_bar(len(full), "judge", "pair")
         if self.share_prefix:
-            probs = self._digit_probs_shared_prefix(full, digits)
+            probs = self._digit_probs_shared_prefix(full, digits, bar)
         else:
-            probs = self._digit_probs_batched(full, digits)
+            probs = self._digit_probs_batched(full, digits, bar)
+        bar.close()
         return [_expected_json(p) for p in probs]
 
-    def _digit_probs_batched(self, prompts: list[list[int]], digits: list[int]) -> list[list[float]]:
+    def _digit_probs_batched(self, prompts: list[list[int]], digits: list[int], bar) -> list[list[float]]:
         import torch
 
         model, pad = self.engine.model, self.engine.tokenizer.pad_token_id
@@ -76,9 +79,10 @@ class TransformersJudge:
                 logits = model(input_ids=ids, attention_mask=attention).logits[:, -1].float()
             for i, p in zip(rows, torch.softmax(logits[:, digits], dim=-1).tolist()):
                 out[i] = p
+            bar.update(len(rows))
         return out
 
-    def _digit_probs_shared_prefix(self, prompts: list[list[int]], digits: list[int]) -> list[list[float]]:
+    def _digit_probs_shared_prefix(self, prompts: list[list[int]], digits: list[int], bar) -> list[list[float]]:
         """The rubrics of one response share everything up to the criterion: read that prefix once, then
         score every rubric's suffix against a copy of its KV cache (right-padded, last real token read)."""
         import torch
@@ -110,6 +114,7 @@ class TransformersJudge:
                 picked = logits[torch.arange(len(rows), device=model.device), last][:, digits]
                 for i, p in zip(rows, torch.softmax(picked, dim=-1).tolist()):
                     out[i] = p
+                bar.update(len(rows))
         return out
 
 

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from refiner_core.learners.base import (LearnerSettings, TrainSample, collate_group, collate_rows, pack_rows,
                                         prompt_groups, token_logprobs)
 from refiner_core.losses import AGGREGATIONS, grpo_token_loss
+from refiner_core.progress import progress_bar
 
 
 class TorchLearner:
@@ -76,7 +76,7 @@ class TorchLearner:
                   "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
                   "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat))}
         grad_norms = []
-        bar = tqdm(total=len(flat), desc="update", unit="mb", disable=None, leave=False)
+        bar = progress_bar(len(flat), "update", "mb")
         k = 0
         for step, (step_tokens, step_sequences) in zip(layout, normalisers):
             self._zero_grad()

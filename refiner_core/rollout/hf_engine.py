@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
-
 from refiner_core.learners.base import autocast
+from refiner_core.progress import progress_bar
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, left_padded
 
 
@@ -33,7 +32,7 @@ class HFRolloutEngine:
         jobs = [(p, s) for p in self.batch_order(prompts) for s in range(params.n)]
         out: list[Generation] = []
         pad = self.tokenizer.pad_token_id
-        bar = tqdm(total=len(jobs), desc=desc or "rollout", unit="seq", disable=None, leave=False)
+        bar = progress_bar(len(jobs), desc or "rollout", "seq")
         self.model.eval()
         for start in range(0, len(jobs), self.batch_size):
             chunk = jobs[start : start + self.batch_size]

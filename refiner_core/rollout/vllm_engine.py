@@ -33,14 +33,27 @@ def request_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 2**16)  # room for vLLM's seed + sample_idx
 
 
+class _Discard:
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
 def _progress(desc: str):
-    """vLLM's `use_tqdm` hook: one bar per generate call, named after the stage; vLLM's other bars stay off."""
+    """vLLM's `use_tqdm` hook: one bar per generate call, named after the stage; vLLM's other bars stay off.
+    vLLM divides by the bar's elapsed time, 0 for a disabled tqdm, so off a terminal the bar runs and draws into
+    nothing: the progress listeners still see it."""
     from tqdm.auto import tqdm
+
+    from refiner_core.progress import ProgressBar
 
     def bar(*args, **kwargs):
         if "postfix" not in kwargs:  # the 'Rendering prompts' pass over the inputs
             return tqdm(*args, **{**kwargs, "disable": True})
-        return tqdm(*args, **{**kwargs, "desc": desc or "rollout (vllm)", "leave": False})
+        where = {} if sys.stderr.isatty() else {"file": _Discard()}
+        return ProgressBar(*args, **{**kwargs, "desc": desc or "rollout (vllm)", "leave": False, **where})
 
     return bar
 
@@ -77,8 +90,7 @@ class VLLMRolloutEngine:
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
             requests,
-            # vLLM's bar divides by its elapsed time, 0 for a disabled bar: show one only on a terminal, as hf does
-            use_tqdm=_progress(desc) if self.progress and sys.stderr.isatty() else False,
+            use_tqdm=_progress(desc) if self.progress else False,
         )
         out: list[Generation] = []
         for p, result in enumerate(outputs):  # vLLM returns results in the prompts' order
