@@ -97,6 +97,11 @@ def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
         os.environ["PREFECT_HOME"] = str(folder / ".prefect")
     if refresh:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
+    from flows.prefect_server import launch_temporary_server, start_temporary_server, stop_temporary_server
+    from flows.run_folder import PROCS_SUBDIR, stop_children_left_behind
+
+    # Prefect's temporary server takes seconds to start: it does while this process imports torch and prefect.
+    launched = None if "PREFECT_API_URL" in os.environ else launch_temporary_server(folder / PROCS_SUBDIR)
     import torch
 
     if cfg.run.num_threads:
@@ -105,8 +110,6 @@ def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
 
     (folder / "recipe.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     log_file = folder / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    from flows.run_folder import PROCS_SUBDIR, stop_children_left_behind
-
     stop_children_left_behind(folder, _warn)
     from flows.refiner import refiner_pipeline
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -117,9 +120,9 @@ def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
     try:
         api_url = PREFECT_API_URL.value()
         if not api_url:  # Prefect's temporary server, but one that cannot outlive this process
-            from flows.prefect_server import start_temporary_server
-
-            server, api_url = start_temporary_server(folder / PROCS_SUBDIR)
+            server, api_url = start_temporary_server(folder / PROCS_SUBDIR, launched=launched)
+        elif launched:  # the API URL came from a Prefect profile
+            stop_temporary_server(launched[0], folder / PROCS_SUBDIR)
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             state = refiner_pipeline(recipe=cfg.to_dict(), run_dir=str(folder), return_state=True)
     except Terminated:
@@ -132,8 +135,6 @@ def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
         _run_failed(_describe(e), failures, log_file, debug)
     finally:
         if server is not None:
-            from flows.prefect_server import stop_temporary_server
-
             stop_temporary_server(server, folder / PROCS_SUBDIR)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)

@@ -33,19 +33,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_temporary_server(record_dir: Path, timeout: float | None = None) -> tuple[subprocess.Popen, str]:
-    """Start the server and wait for GET /api/health; returns (process, API URL)."""
-    timeout = timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
+def launch_temporary_server(record_dir: Path) -> tuple[subprocess.Popen, str]:
+    """Start the server process without waiting for it (it takes seconds: the caller can import meanwhile);
+    returns (process, API URL) for `start_temporary_server(..., launched=)`."""
     app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false")}
+    port = _free_port()
+    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
+           "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "error", "--lifespan", "on"]
+    proc = spawn(cmd, record_dir=record_dir, env=env, stdin=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}/api"
+
+
+def start_temporary_server(record_dir: Path, timeout: float | None = None,
+                           launched: tuple[subprocess.Popen, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Wait for GET /api/health of the server `launched` earlier, or of a new one; returns (process, API URL)."""
+    timeout = timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
     deadline = time.monotonic() + timeout
     while True:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
-               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "error", "--lifespan", "on"]
-        proc = spawn(cmd, record_dir=record_dir, env=env, stdin=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}/api"
+        proc, url = launched or launch_temporary_server(record_dir)
+        launched = None  # a retry after a port clash launches anew
         try:
             code = _wait_healthy(proc, url, deadline)
         except BaseException:  # timed out, or interrupted while waiting

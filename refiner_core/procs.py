@@ -121,9 +121,18 @@ def stop_group(pid: int, group: bool = True, grace: float = 10.0) -> None:
             return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
+            _reap(pid)
             if process_identity(pid) is None and not (group and _group_alive(pid)):
                 return
             time.sleep(0.1)
+
+
+def _reap(pid: int) -> None:
+    """A child of ours that has exited stays a zombie (still 'running' to kill(pid, 0)) until it is waited for."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child: its own parent reaps it
+        pass
 
 
 def _group_alive(pgid: int) -> bool:

@@ -2,8 +2,10 @@
 source give, and a rollout is rewarded for matching it, with no ground truth involved.
 
 - A vote is the content of a response's last `\\boxed{}`; a response without one casts no vote.
-- Votes are counted by normalised text (ground_truth.normalize: case, spaces, `$`, thousands separators,
-  trailing zeros), so `14`, `14.0` and `$14$` are one answer; the label is the first-cast text of the winner.
+- Votes are counted by the equivalence a rollout is later matched to its label with: the same normalised text
+  (ground_truth.normalize: case, spaces, `$`, thousands separators, trailing zeros), else math-verify, so `14`,
+  `14.0` and `$14$` are one answer, and so are `0.5` and `\\frac{1}{2}`. A vote joins the first answer it equals,
+  in voting order; the label is the first-cast text of the winner.
 - Ties are broken deterministically: among equally voted answers, the one cast first (lowest sample index) wins;
   `label_tied` records that a tie was broken.
 - No vote at all gives an empty label (NULL), and every rollout it would label gets reward 0.
@@ -35,17 +37,23 @@ def vote_of(response: str) -> str | None:
 
 def majority_vote(votes: list[str | None]) -> Vote:
     """Majority over votes given in sample order (None = no vote); ties go to the answer cast first."""
-    tally: dict[str, list] = {}  # normalised answer -> [count, first position, text as first cast]
+    tally: list[list] = []  # one [count, first position, text as first cast] per distinct answer
     for position, vote in enumerate(votes):
         if vote is None or not normalize(vote):
             continue
-        entry = tally.setdefault(normalize(vote), [0, position, vote])
-        entry[0] += 1
+        entry = next((e for e in tally if same_answer(vote, e[2])), None)
+        if entry is None:
+            tally.append([1, position, vote])
+        else:
+            entry[0] += 1
     if not tally:
         return Vote(None, 0, 0, False)
-    best = max(tally.values(), key=lambda e: (e[0], -e[1]))
-    return Vote(best[2], best[0], sum(e[0] for e in tally.values()),
-                sum(e[0] == best[0] for e in tally.values()) > 1)
+    best = max(tally, key=lambda e: (e[0], -e[1]))
+    return Vote(best[2], best[0], sum(e[0] for e in tally), sum(e[0] == best[0] for e in tally) > 1)
+
+
+def same_answer(vote: str, other: str) -> bool:
+    return normalize(vote) == normalize(other) or verify(vote, other).score == 1.0
 
 
 @dataclass(frozen=True)

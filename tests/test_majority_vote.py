@@ -19,6 +19,8 @@ from refiner_core.verifiers import make_verifier, verdict_columns
     (["7", "8", "9"], Vote("7", 1, 3, True)),  # all different: a three-way tie, the first vote wins
     (["14.0", "$14$", "15"], Vote("14.0", 2, 3, False)),  # counted by normalised text, reported as first cast
     (["-4", "4", "4"], Vote("4", 2, 3, False)),  # the sign is part of the answer
+    (["\\frac{1}{2}", "3", "0.5"], Vote("\\frac{1}{2}", 2, 3, False)),  # equal by math-verify: one answer
+    (["0.5", "3", "3", "1/2"], Vote("0.5", 2, 4, True)),  # 2-2 tie of equivalence classes: first cast wins
     ([None, None], Vote(None, 0, 0, False)),  # no vote: empty label
     ([], Vote(None, 0, 0, False)),
 ])
