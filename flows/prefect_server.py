@@ -91,8 +91,8 @@ def stop_temporary_server(proc: subprocess.Popen, record_dir: Path) -> None:
 
         for worker in (APILogWorker, EventsWorker):
             worker.drain_all(timeout=10)
-    # uvicorn's graceful shutdown waits on the server's background services (15 s measured); SQLite survives a
-    # kill, so the temporary server gets 3 s, as Prefect gives its own 5 s.
+    # It exits on SIGTERM in well under a second; SQLite survives a kill should it hang, so it gets 3 s, as
+    # Prefect gives its own 5 s.
     stop_group(proc.pid, group=True, grace=3.0)
     proc.poll()
     forget_child(proc.pid, record_dir)

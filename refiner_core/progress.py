@@ -42,10 +42,10 @@ class ProgressBar(tqdm):
                 logging.getLogger(__name__).debug("progress listener failed", exc_info=True)
 
 
-def progress_bar(total: int | None, desc: str, unit: str, **kwargs) -> ProgressBar:
-    """The bar for long loops: drawn on a terminal, silent elsewhere, always reported to listeners."""
-    return ProgressBar(total=total, desc=desc, unit=unit, disable=kwargs.pop("disable", None), leave=False,
-                       dynamic_ncols=True, **kwargs)
+def progress_bar(total: int | None, desc: str, unit: str, disable: bool | None = None) -> ProgressBar:
+    """The bar for long loops: drawn on a terminal (disable=None), always (False) or never (True), and always
+    reported to listeners."""
+    return ProgressBar(total=total, desc=desc, unit=unit, disable=disable, leave=False, dynamic_ncols=True)
 
 
 @contextmanager

@@ -25,7 +25,7 @@ class UIProgress:
     def listen(self, label: str, done: int, total: int | None, unit: str) -> None:
         self.latest = (label, done, total, unit)
 
-    def send(self) -> None:
+    def _send(self) -> None:
         latest = self.latest
         if latest is None or latest == self.sent:
             return
@@ -42,11 +42,12 @@ class UIProgress:
 
     def loop(self) -> None:
         while not self.stopped.wait(self.interval):
-            self._send_quietly()
-
-    def _send_quietly(self) -> None:
-        try:
             self.send()
+
+    def send(self) -> None:
+        """The latest counts to the UI, if they changed; a failure is logged at debug level, never raised."""
+        try:
+            self._send()
         except Exception:
             logging.getLogger("refiner").debug("progress artifact update failed", exc_info=True)
 
@@ -65,4 +66,4 @@ def ui_progress(stage: str, interval: float = 2.0) -> Iterator[UIProgress]:
         finally:
             progress.stopped.set()
             sender.join()
-            progress._send_quietly()  # the final counts
+            progress.send()  # the final counts
