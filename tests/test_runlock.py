@@ -147,7 +147,8 @@ def test_two_refiner_runs_on_one_folder(tmp_path):
     """The second `refiner run` on a folder in use exits 3 at once naming the first; SIGTERM then ends the first
     cleanly (exit 143): its lock is released and its temporary Prefect server stopped."""
     run_dir = tmp_path / "run"
-    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir)]
+    # enough steps that the first run is still working when the second is refused and SIGTERM arrives
+    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir), "--set", "grpo.steps=40"]
     first, first_err = start_cli(args, tmp_path, "first")
     try:
         wait_for_log(first, first_err, "Beginning flow run")
