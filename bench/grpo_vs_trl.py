@@ -8,8 +8,10 @@ word-count reward (bench/peer_trl_grpo.py:reward_text, the same on both sides), 
 Ours: refiner_core.grpo.grpo_loop in this process, once per (engine, precision, layout) combination: the hf
 engine samples from the learner's live policy object (under bf16 autocast with bf16), the vllm engine from its own
 copy that load_weights refreshes after every update; the update lays sequences out padded, packed, or shared
-(each group's prompt read once, grpo.share_prompt). TRL: bench/peer_trl_grpo.py in its own venv (created with pip on first use), bf16=True, use_cpu=True,
-gradient checkpointing off (TRL's default is on; --trl-grad-ckpt keeps it).
+(each group's prompt read once, grpo.share_prompt). TRL: bench/peer_trl_grpo.py in its own venv (created with pip on
+first use), use_cpu=True, gradient checkpointing off (TRL's default is on; --trl-grad-ckpt keeps it).
+Each side gets its best precision on this CPU, printed first: ours model.precision 'auto', TRL bf16=True where the
+CPU computes bf16 natively (AVX-512 BF16 or AMX), else fp32 (emulated bf16 is ~100x slower per matmul).
 Prints per-step JSON lines, then a table of median step seconds over steps 2..N, completion tokens/s, ours/TRL,
 and the median process CPU seconds per step with its ratio (steadier than wall time on a shared machine), then
 "best ours / TRL" on wall time (target <= 0.5). --quick swaps in the tiny Qwen3 built from a config.
@@ -39,6 +41,7 @@ from refiner_core import REPO_ROOT  # noqa: E402
 from refiner_core.config import GRPOConfig  # noqa: E402
 from refiner_core.data import read_jsonl  # noqa: E402
 from refiner_core.grpo import grpo_loop, learner_settings  # noqa: E402
+from refiner_core.hardware import native_bf16, resolve_precision  # noqa: E402
 from refiner_core.learners.torch_learner import TorchLearner  # noqa: E402
 from refiner_core.models import load_model, load_tokenizer, resolve_model  # noqa: E402
 from refiner_core.rollout.base import SamplingParams  # noqa: E402
@@ -88,10 +91,11 @@ LAYOUTS = ("pad", "pack", "share")  # one padded sequence per row / packed rows 
 
 
 def our_combinations() -> list[dict]:
-    """Our settings: the hf engine in fp32 padded (the plain baseline) and bf16 packed or prompt-shared, and the
-    vllm engine with bf16 packed or prompt-shared updates."""
+    """Our settings: the hf engine in fp32 padded (the plain baseline) and, in model.precision 'auto' (bf16 where
+    native), packed or prompt-shared, and the vllm engine with packed or prompt-shared updates."""
+    best = resolve_precision("auto")
     return ([{"engine": "hf", "precision": "fp32", "layout": "pad"}]
-            + [{"engine": e, "precision": "bf16", "layout": lay} for e in ("hf", "vllm") for lay in ("pack", "share")])
+            + [{"engine": e, "precision": best, "layout": lay} for e in ("hf", "vllm") for lay in ("pack", "share")])
 
 
 def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> list[dict]:
@@ -132,7 +136,7 @@ def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> l
     return steps
 
 
-def run_trl(model_path: Path, prompt_texts: list[str], args) -> list[dict]:
+def run_trl(model_path: Path, prompt_texts: list[str], args, bf16: bool) -> list[dict]:
     python = ensure_trl_venv(Path(args.trl_venv))
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompts.json"
@@ -140,6 +144,8 @@ def run_trl(model_path: Path, prompt_texts: list[str], args) -> list[dict]:
         cmd = [str(python), str(BENCH / "peer_trl_grpo.py"), "--model", str(model_path), "--prompts",
                str(prompt_file), "--steps", str(args.steps), "--threads", str(args.threads),
                "--output-dir", str(Path(tmp) / "out")] + (["--grad-ckpt"] if args.trl_grad_ckpt else [])
+        if not bf16:
+            cmd.append("--fp32")
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": "", "PYTHONWARNINGS": "ignore::FutureWarning"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -166,8 +172,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny Qwen3 from a config: a smoke test")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="our rows per pass when padded")
     parser.add_argument("--pack-length", type=int, default=1024, help="our tokens per packed row (1 row per pass)")
-    parser.add_argument("--combos", default="", help="ours to run, e.g. 'hf:bf16:pack,vllm:bf16:share' "
-                        f"(engine:precision:layout, layout one of {LAYOUTS}); default: all of our_combinations()")
+    parser.add_argument("--combos", default="", help="ours to run, e.g. 'hf:auto:pack,vllm:bf16:share' "
+                        f"(engine:precision:layout, precision auto/bf16/fp32, layout one of {LAYOUTS}); default: all "
+                        "of our_combinations()")
     parser.add_argument("--trl-grad-ckpt", action="store_true", help="TRL with its default gradient checkpointing")
     parser.add_argument("--trl-venv", default="/tmp/venv-trl", help="TRL's own venv, created if missing")
     args = parser.parse_args()
@@ -181,15 +188,19 @@ def main() -> None:
     print(f"model {model_path}; {args.steps} steps x {PROMPTS_PER_STEP} prompts x {GENERATIONS} samples x "
           f"{NEW_TOKENS} new tokens, beta 0, {args.threads} threads; prompt tokens "
           f"{min(map(len, prompts))}-{max(map(len, prompts))}", flush=True)
+    trl_bf16, why = native_bf16("cpu")  # TRL runs with use_cpu=True
+    print(f"precision: ours {resolve_precision('auto')} (auto), TRL {'bf16' if trl_bf16 else 'fp32'}: {why} "
+          f"(torch CPU capability {torch.backends.cpu.get_cpu_capability()})", flush=True)
 
     results = []
     trl = None
     if args.only != "ours":
-        trl = summarise("TRL GRPOTrainer bf16", run_trl(model_path, prompt_texts, args))
+        trl = summarise(f"TRL GRPOTrainer {'bf16' if trl_bf16 else 'fp32'}",
+                        run_trl(model_path, prompt_texts, args, trl_bf16))
     if args.only != "trl":
         combos = our_combinations()
         if args.combos:
-            combos = [{"engine": e, "precision": p, "layout": lay}
+            combos = [{"engine": e, "precision": resolve_precision(p), "layout": lay}
                       for e, p, lay in (c.split(":") for c in args.combos.split(","))]
             if any(c["layout"] not in LAYOUTS for c in combos):
                 parser.error(f"--combos: layout must be one of {LAYOUTS}")

@@ -40,6 +40,14 @@ def loopback_server(latency: float) -> tuple[ThreadingHTTPServer, list[int]]:
         def log_message(self, *args):
             pass
 
+        def do_GET(self):  # noqa: N802  (GET /models: the judge cache keys answers by the listed model)
+            body = json.dumps({"object": "list", "data": [{"id": "bench-judge", "object": "model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def do_POST(self):  # noqa: N802
             self.rfile.read(int(self.headers["Content-Length"]))
             count[0] += 1

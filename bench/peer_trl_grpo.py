@@ -3,7 +3,8 @@
     /tmp/venv-trl/bin/python bench/peer_trl_grpo.py --model DIR --prompts prompts.json [--steps 5] [--threads 2]
 
 Runs in its own venv (trl, transformers, accelerate; not the project's). prompts.json is a list of prompt strings
-already rendered by the chat template; each step takes 4 of them x 8 samples x 64 new tokens, beta = 0, bf16.
+already rendered by the chat template; each step takes 4 of them x 8 samples x 64 new tokens, beta = 0, bf16=True
+unless --fp32 (bench/grpo_vs_trl.py passes it where the CPU lacks native bf16: emulated bf16 is far slower).
 Prints {"side": "trl", "step": k, "seconds": s, "cpu_seconds": c, "completion_tokens": n} per step; the step runs from
 on_step_begin to on_step_end, so it holds generation, reward, the loss forward/backward and the optimizer step.
 Named peer_*, not trl*: a script named trl*.py would shadow the trl package.
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--output-dir", default="/tmp/peer-trl-grpo-out")
-    parser.add_argument("--fp32", action="store_true", help="bf16=False")
+    parser.add_argument("--fp32", action="store_true", help="bf16=False (for CPUs without AVX-512 BF16 or AMX)")
     parser.add_argument("--grad-ckpt", action="store_true", help="keep TRL's default gradient checkpointing (off here: "
                         "it recomputes activations, slower, and 135M params need no memory saving)")
     args = parser.parse_args()
@@ -70,7 +71,8 @@ def main() -> None:
     dropped = sorted(k for k in wanted if k not in known)
     config = GRPOConfig(**{k: v for k, v in wanted.items() if k in known})
     print(json.dumps({"side": "trl", "info": f"trl {trl.__version__}, transformers {transformers.__version__}, "
-                      f"torch {torch.__version__}, threads {torch.get_num_threads()}, bf16 {config.bf16}, "
+                      f"torch {torch.__version__} (CPU {torch.backends.cpu.get_cpu_capability()}), "
+                      f"threads {torch.get_num_threads()}, bf16 {config.bf16}, "
                       f"gradient_checkpointing {config.gradient_checkpointing}",
                       "dropped_config_keys": dropped}), flush=True)
 

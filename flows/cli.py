@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ import typer
 
 from refiner_core.config import ConfigError, describe, load_recipe
 from refiner_core.preflight import check_recipe
+from refiner_core.text_safety import visible
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO post-training pipeline for LLM policies.")
 
@@ -29,7 +29,7 @@ EXAMPLE_SQL = [
 
 
 def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg="red", err=True)
+    typer.secho(f"error: {visible(message)}", fg="red", err=True)  # messages quote data: no control characters
     raise typer.Exit(code)
 
 
@@ -89,7 +89,7 @@ def _terminate(signum, frame) -> None:
 
 
 def _warn(message: str) -> None:
-    typer.secho(f"warning: {message}", fg="yellow", err=True)
+    typer.secho(f"warning: {visible(message)}", fg="yellow", err=True)
 
 
 def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
@@ -98,7 +98,7 @@ def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
     if refresh:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     from flows.prefect_server import launch_temporary_server, start_temporary_server, stop_temporary_server
-    from flows.run_folder import PROCS_SUBDIR, stop_children_left_behind
+    from flows.run_folder import PROCS_SUBDIR, start_run_log, stop_children_left_behind
 
     # Prefect's temporary server takes seconds to start: it does while this process imports torch and prefect.
     launched = None if "PREFECT_API_URL" in os.environ else launch_temporary_server(folder / PROCS_SUBDIR)
@@ -106,15 +106,12 @@ def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
 
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
-    import yaml
-
-    (folder / "recipe.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    log_file = folder / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
     stop_children_left_behind(folder, _warn)
     from flows.refiner import refiner_pipeline
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    failures = _route_logs(log_file, debug)
+    log_file = start_run_log(folder)  # the flow writes into it too, and writes recipe.yaml (flows/run_folder.py)
+    failures = _route_logs(debug)
     typer.echo(f"run folder: {folder}\nlog: {log_file}", err=True)
     server = None
     try:
@@ -144,7 +141,7 @@ def _run_in_folder(cfg, folder: Path, refresh: bool, debug: bool) -> None:
     if state.result().get("evals"):
         from refiner_core.eval.evaluate import format_table
 
-        typer.echo(f"\nheld-out evaluation (SELECT * FROM evals):\n{format_table(state.result()['evals'])}")
+        typer.echo(f"\nheld-out evaluation (SELECT * FROM evals):\n{visible(format_table(state.result()['evals']))}")
     me = sys.argv[0] if Path(sys.argv[0]).name == "refiner" else "refiner"
     typer.echo(f"\ncatalog: {db}\nexample queries:")
     for sql in EXAMPLE_SQL[:2]:
@@ -171,22 +168,22 @@ class _Failures(logging.Filter):
         return self.show or not (record.exc_info or failed_state)
 
 
-def _route_logs(log_file: Path, debug: bool) -> _Failures:
-    """Every log line of the run (Prefect's included, with tracebacks) goes to log_file; the terminal gets
-    progress, and failure details only with --debug."""
+def _route_logs(debug: bool) -> _Failures:
+    """The terminal gets progress, and failure details only with --debug (the run log has every line)."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    root = logging.getLogger()
-    consoles = [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)]
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(log_file, encoding="utf-8")
-    if consoles:
-        to_file.setFormatter(consoles[0].formatter)
-    root.addHandler(to_file)
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
     failures = _Failures(show=debug)
     for console in consoles:
         console.addFilter(failures)
     return failures
+
+
+def _warn_stale_rescores(run_dirs: list[Path]) -> None:
+    from refiner_core.rescore import stale_rescore_warnings
+
+    for line in stale_rescore_warnings(run_dirs):
+        _warn(line)
 
 
 def _describe(error: BaseException) -> str:
@@ -195,7 +192,7 @@ def _describe(error: BaseException) -> str:
 
 def _run_failed(cause: str, failures: _Failures, log_file: Path, debug: bool) -> None:
     where = f" in {failures.task_runs[0]}" if failures.task_runs else ""
-    typer.secho(f"error: run failed{where}: {cause}", fg="red", err=True)
+    typer.secho(f"error: run failed{where}: {visible(cause)}", fg="red", err=True)
     if not debug:
         typer.secho(f"traceback and full log: {log_file} (or rerun with --debug)", err=True)
     typer.secho("fix the cause and run the same command again: finished stages are cached", err=True)
@@ -218,10 +215,11 @@ def sql(
     """Run a read-only SQL query against the catalogs of one or several runs (no file access from SQL)."""
     import duckdb
 
-    from refiner_core.run_sql import CatalogError, export, open_runs, run_query
+    from refiner_core.run_sql import CatalogError, QueryRefused, export, open_runs, run_query
 
     if fmt not in ("table", "csv", "json"):
         _fail(f"--format must be table, csv or json, not {fmt!r}")
+    _warn_stale_rescores(run_dirs)
     try:
         con = open_runs(run_dirs)
     except CatalogError as e:
@@ -234,8 +232,8 @@ def sql(
         columns, rows = run_query(con, query)
     except CatalogError as e:
         _fail(str(e))
-    except duckdb.Error as e:
-        _fail(str(e).splitlines()[0], code=1)
+    except (QueryRefused, duckdb.Error) as e:  # all of DuckDB's message: its hints and the caret under the error
+        _fail(str(e), code=1)
     finally:
         con.close()
     if fmt == "json":
@@ -243,27 +241,36 @@ def sql(
     elif fmt == "csv":
         import csv
 
+        # verbatim into a pipe or file; on a terminal, control characters are shown as escapes
+        shown = (lambda v: visible(v) if isinstance(v, str) else v) if sys.stdout.isatty() else (lambda v: v)
         writer = csv.writer(sys.stdout)
-        writer.writerow(columns)
-        writer.writerows(rows)
+        writer.writerow([shown(c) for c in columns])
+        writer.writerows([shown(v) for v in r] for r in rows)
     else:
         _print_table(columns, rows, max_width)
 
 
 def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
+    """Rows as a table as wide as the terminal (into a pipe or file: at least 120 columns, or the headers' width).
+    Cells are Text, never markup, with control characters shown as escapes."""
+    import shutil
+
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    def cell(v) -> str:
-        text = "NULL" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
-        return text if not max_width or len(text) <= max_width else text[: max_width - 1] + "…"
+    def cell(v) -> Text:
+        text = "NULL" if v is None else f"{v:.6g}" if isinstance(v, float) else visible(str(v))
+        return Text(text if not max_width or len(text) <= max_width else text[: max_width - 1] + "…")
 
     table = Table(show_lines=False)
     for c in columns:
-        table.add_column(c, overflow="fold")
+        table.add_column(Text(visible(c)), overflow="fold")
     for r in rows:
         table.add_row(*(cell(v) for v in r))
-    Console(width=max(120, sum(len(c) + 3 for c in columns))).print(table)
+    # COLUMNS, else the terminal's width; the fallback when stdout is no terminal
+    width = shutil.get_terminal_size((max(120, sum(len(c) + 3 for c in columns)), 24)).columns
+    Console(width=width).print(table)
     typer.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})", err=True)
 
 
@@ -280,21 +287,25 @@ def show(
 
     try:
         con = open_runs([run_dir])
-        summary = run_summary(con)
     except CatalogError as e:
         _fail(str(e))
+    try:
+        summary = run_summary(con)
     except duckdb.Error as e:
-        _fail(str(e).splitlines()[0], code=1)
+        _fail(str(e), code=1)
+    finally:
+        con.close()
     if not summary["steps"]:
         _fail("the run has no finished steps yet", code=1)
+    _warn_stale_rescores([run_dir])
     typer.echo(f"run {run_dir}: {len(summary['steps'])} step{'s' if len(summary['steps']) != 1 else ''}")
     _print_table(summary["columns"], summary["steps"], 0)
     for which in ("best", "worst"):
         if which in summary:
             r = summary[which]
-            text = " ".join((r["response_text"] or "").split())
-            typer.echo(f"{which} of step {r['step']}: reward {r['reward']} ({r['prompt_id']} #{r['sample_idx']}): "
-                       f"{text[:width]}{'…' if len(text) > width else ''}")
+            text = " ".join(visible(r["response_text"] or "").split())
+            typer.echo(f"{which} of step {r['step']}: reward {r['reward']} ({visible(str(r['prompt_id']))} "
+                       f"#{r['sample_idx']}): {text[:width]}{'…' if len(text) > width else ''}")
 
 
 @app.command()
@@ -377,7 +388,8 @@ def judge_serve(
     model: str = typer.Argument(..., help="Model spec as model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder."),
     port: int = typer.Option(8000, "--port", help="Port (0 = a free one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    name: str = typer.Option("", "--name", help="Served model name (default: the spec, or the folder's name)."),
+    name: str = typer.Option("", "--name", help="Served model name's prefix (default: the spec, or the folder's "
+                             "name); the checkpoint's content hash follows it: NAME-1a2b3c4d5e6f."),
     startup_timeout: float = typer.Option(600.0, "--startup-timeout", help="Seconds to wait for GET /health."),
     log: Optional[Path] = typer.Option(None, "--log", help="Server log file (default: a temporary file)."),
 ) -> None:

@@ -11,7 +11,9 @@ from flows.run_folder import holds_run_folder, resolve_run_dir
 
 from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS, SFT_PREPARE_FIELDS,
                                   SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop, pick, recipe_from_dict)
+from refiner_core.data import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
+from refiner_core.hardware import resolved_recipe
 from refiner_core.preflight import resolve
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
@@ -53,9 +55,11 @@ _END_HOOKS = dict(on_completion=[stop_judge_servers], on_failure=[stop_judge_ser
 @flow(name="refiner-grpo", log_prints=True, flow_run_name=_flow_run_name, **_END_HOOKS)
 @holds_run_folder  # one run per folder; children of a killed earlier run are stopped
 def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
-    cfg = recipe_from_dict(recipe)
+    # model.precision 'auto' resolved on the machine that computes, before any cache key sees it
+    cfg, precision_line = resolved_recipe(recipe_from_dict(recipe))
     conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
     log = get_run_logger()
+    log.info(precision_line)
     retry = {"retries": cfg.run.retries, "retry_delay_seconds": cfg.run.retry_delay_seconds}
     run, seed, dtype, precision = run_name(cfg.run.name, run_dir), cfg.run.seed, cfg.model.dtype, cfg.model.precision
     model = lambda spec: locate_model(spec, cfg.model.max_position_embeddings, seed)  # noqa: E731
@@ -136,5 +140,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     summary = [row for evaluated in evaluations for row in evaluated["summary"]]
     if summary:
         log.info("held-out evaluation (refiner sql %s \"SELECT * FROM evals\"):\n%s", run_dir, format_table(summary))
+    if quarantined := quarantine_warning(run_dir):
+        log.warning(quarantined)
     return {"run_dir": run_dir, "catalog": str(Path(run_dir) / "catalog.duckdb"), "policy": policy["path"],
             "evals": summary}

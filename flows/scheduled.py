@@ -4,7 +4,8 @@ The recipe is read when the run starts, so an edited recipe applies from the nex
 folder comes from `run_dir`, a template (see refiner_core.runlock.format_run_dir): the default,
 `runs/{deployment}/{date}-{flow_run_id}`, gives every scheduled run its own folder, and a retried flow run
 (`prefect flow-run retry ID`) keeps its ID and scheduled time, so it resumes its folder with finished stages
-`Cached`; a template without fields (`runs/nightly`) makes every run resume one folder.
+`Cached`; a template without fields (`runs/nightly`) makes every run resume one folder. A failed run logs the
+command that retries it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 
 import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
-from prefect import flow
+from prefect import flow, get_run_logger
 
 from flows.refiner import refiner_pipeline
 from flows.run_folder import resolve_run_dir
@@ -20,6 +21,7 @@ from refiner_core.config import ConfigError, load_recipe
 from refiner_core.preflight import check_recipe, resolve
 
 DEFAULT_RUN_DIR = "runs/{deployment}/{date}-{flow_run_id}"
+ENTRYPOINT = "flows/scheduled.py:run_recipe"
 
 
 def _flow_run_name() -> str:
@@ -29,10 +31,27 @@ def _flow_run_name() -> str:
     return f"{recipe}: {os.path.basename(resolve_run_dir(flow_run.parameters.get('run_dir', DEFAULT_RUN_DIR)))}"
 
 
+def retry_command() -> str:
+    """The command that reruns this flow run with its ID, parameters and scheduled time, so in its own folder."""
+    from prefect.runtime import deployment, flow_run
+
+    entrypoint = "" if deployment.id else f" --entrypoint {ENTRYPOINT}"  # a flow run started without a deployment
+    return f"prefect flow-run retry {flow_run.id}{entrypoint}"
+
+
 @flow(name="refiner-recipe", flow_run_name=_flow_run_name)
 def run_recipe(recipe_file: str, run_dir: str = DEFAULT_RUN_DIR, overrides: list[str] | None = None) -> dict:
     """Run RECIPE_FILE (relative to the repository, or absolute) with `--set`-style OVERRIDES in the run folder
     RUN_DIR names (a template: {deployment}, {date}, {flow_run_id})."""
+    try:
+        return _run_recipe(recipe_file, run_dir, overrides)
+    except Exception:
+        get_run_logger().error("the run failed; once its cause is fixed (an edited recipe file applies), retry it in "
+                               "its run folder, finished stages cached: %s", retry_command())
+        raise
+
+
+def _run_recipe(recipe_file: str, run_dir: str, overrides: list[str] | None) -> dict:
     cfg = load_recipe(resolve(recipe_file), overrides or [])
     problems = check_recipe(cfg)
     if problems:

@@ -1,7 +1,9 @@
-"""Group-relative advantages. One function per normaliser, chosen through ADVANTAGES.
+"""Group-relative advantages. One function per normaliser, chosen through ADVANTAGES; docs/grpo.md compares
+them with the peers' options.
 
 The std's `ddof` is a setting (grpo.advantage_std_ddof): 0 divides by G (population std, as open-instruct), 1 by
-G - 1 (sample std, as verl, which Co-rewarding builds on). A one-member group has std 0 under either.
+G - 1 (sample std, as verl, which Co-rewarding builds on). A one-member group has std 0 under either. Batch
+statistics count each response once (verl's REINFORCE++ whitens per token, weighting responses by length).
 """
 
 from __future__ import annotations
@@ -26,27 +28,59 @@ def _group_stats(rewards: np.ndarray, groups: np.ndarray, ddof: int) -> tuple[np
 
 
 def group_std(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
-    """A_i = (r_i - mean_group) / (std_group + eps): the original GRPO normaliser."""
+    """A_i = (r_i - mean_group) / (std_group + eps): the original GRPO normaliser. TRL scale_rewards 'group'
+    (ddof 1, eps 1e-4), verl `grpo` (ddof 1, eps 1e-6), open-instruct advantage_normalization_type 'standard'
+    (ddof 0, eps 1e-8)."""
     mean, std = _group_stats(rewards, groups, ddof)
     return (rewards - mean) / (std + eps)
 
 
 def batch_std(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
-    """Group-centred, batch-scaled: avoids blowing up near-constant groups."""
+    """(r - mean_group) / (std of the batch's rewards + eps): avoids blowing up near-constant groups. TRL
+    scale_rewards 'batch' (ddof 1, eps 1e-4)."""
     mean, _ = _group_stats(rewards, groups, ddof)
     return (rewards - mean) / (_std(rewards, ddof) + eps)
 
 
 def mean_only(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
-    """Dr.GRPO: no std division (removes the difficulty bias of per-group scaling); ddof does not apply."""
+    """Dr.GRPO: r - mean_group, no std division (removes the difficulty bias of per-group scaling); ddof does not
+    apply. TRL scale_rewards 'none', verl norm_adv_by_std_in_grpo False, open-instruct 'centered'."""
     mean, _ = _group_stats(rewards, groups, ddof)
     return rewards - mean
+
+
+def rloo(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
+    """RLOO: A_i = r_i - mean of the other G - 1 rewards of the group = G/(G-1) (r_i - mean); a one-member group
+    gets 0. TRL RLOOTrainer (normalize_advantages False), verl `rloo` (which leaves a one-member group's reward
+    as its advantage); eps and ddof do not apply."""
+    mean, _ = _group_stats(rewards, groups, ddof)
+    sizes = np.array([np.count_nonzero(groups == g) for g in groups], dtype=np.float64)
+    return np.where(sizes > 1, (rewards - mean) * sizes / np.maximum(sizes - 1, 1), 0.0)
+
+
+def reinforce_pp(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
+    """REINFORCE++: no group baseline, A = (r - batch mean) / (batch std + eps). verl `reinforce_plus_plus` (gamma
+    1, outcome reward) whitens per token instead: equal when every response has one token, with ddof 1 and
+    eps 0 (verl adds 1e-8 to the variance)."""
+    return (rewards - rewards.mean()) / (_std(rewards, ddof) + eps)
+
+
+def reinforce_pp_baseline(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
+    """REINFORCE++ with baseline: c = r - group mean, A = c / (batch std of c + eps) (c's batch mean is 0 by
+    construction). verl `reinforce_plus_plus_baseline`, which whitens c per token: equal for one-token responses,
+    ddof 1, eps 0, and groups of two or more (verl keeps a one-member group's raw reward as c)."""
+    mean, _ = _group_stats(rewards, groups, ddof)
+    centred = rewards - mean
+    return centred / (_std(centred, ddof) + eps)
 
 
 ADVANTAGES: dict[str, Callable[..., np.ndarray]] = {
     "group_std": group_std,
     "batch_std": batch_std,
     "none": mean_only,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
 }
 
 

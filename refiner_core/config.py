@@ -50,12 +50,16 @@ class ModelConfig:
     )
     reference: str = opt("", "Frozen KL reference; '' means the starting policy (base or SFT checkpoint).")
     dtype: str = opt("float32", "Parameter dtype for policy and reference ('float32' or 'bfloat16').")
-    precision: Literal["fp32", "bf16"] = opt(
-        "bf16", "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the SFT "
+    precision: Literal["auto", "fp32", "bf16"] = opt(
+        "auto", "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the SFT "
         "warm start's, the hf rollout engine's and the transformers judge's forward passes under bfloat16 autocast "
-        "with weights as loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge probabilities are "
-        "computed in fp32 from the logits. About 3x faster on CPUs with AVX-512 BF16 and on GPUs. 'fp32' computes "
-        "everything in float32. The vllm engine computes in bfloat16 under 'bf16' (its weights are cast), else in model.dtype."
+        "with weights as loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge "
+        "probabilities are computed in fp32 from the logits. About 3x faster on CPUs with AVX-512 BF16 and on GPUs, "
+        "far slower where bf16 is emulated (matmuls ~100x slower on an AVX2-only CPU). 'fp32' computes everything in "
+        "float32. 'auto' picks bf16 where the hardware computes it natively (a GPU with bf16, a CPU with AVX-512 BF16 "
+        "or AMX), else fp32; it is resolved once when the run starts, logged ('precision: bf16 (auto: CPU has AVX-512 "
+        "BF16)') and recorded in RUN_DIR/recipe.yaml. The vllm engine computes in bfloat16 under 'bf16' (its weights "
+        "are cast), else in model.dtype."
     )
     max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
 
@@ -181,7 +185,8 @@ class JudgeConfig:
                       "it (by PID) when the run ends, on success or failure. Its log: RUN_DIR/logs/judge-server-PORT.log.")
     serve_startup_timeout: float = opt(900.0, "judge.serve: seconds the server may take to become healthy.")
     api_model: str = opt("", "engine 'openai': the model name sent in requests; '' = the first model the server "
-                         "lists at GET /v1/models.")
+                         "lists at GET /v1/models. With judge.serve it is the served name's prefix ('' = the judge "
+                         "folder's name), followed by the checkpoint's content hash: NAME-1a2b3c4d5e6f.")
     api_key_env: str = opt("", "engine 'openai': NAME of the environment variable holding the API key ('' = no "
                            "key). The key itself is never written to recipes, manifests or the catalog.")
     concurrency: int = opt(8, "engine 'openai': requests in flight at once.")
@@ -194,8 +199,13 @@ class JudgeConfig:
     request_budget: int = opt(0, "engine 'openai': at most this many requests (retries included) per judge stage; "
                               "0 = unlimited. Pairs left when it runs out are recorded failures, not a crash.")
     temperature: float = opt(0.0, "engine 'openai': sampling temperature (max_tokens is judge.max_new_tokens).")
-    cache: bool = opt(True, "engine 'openai': reuse answers from the judge cache, keyed by (model, sampling "
-                      "settings, exact prompt hash); failures are never cached.")
+    cache: bool = opt(True, "engine 'openai': reuse answers from the judge cache, keyed by (judge identity, "
+                      "sampling settings, exact prompt hash); failures are never cached. The identity is the base "
+                      "URL, the served name, what the server reports for it at GET /v1/models (vLLM: the folder it "
+                      "loaded) and judge.cache_namespace; a server that does not list the name is not cached.")
+    cache_namespace: str = opt("", "engine 'openai': any text, part of every judge-cache key: change it when the "
+                               "weights behind the same URL and name changed (a third-party endpoint that swapped its "
+                               "model), so earlier answers are not reused.")
     cache_path: str = opt("", "Judge cache folder; '' = $REFINER_HOME/judge-cache (shared by runs).")
     mode: Literal["json", "expected_score"] = opt(
         "json",
@@ -273,12 +283,36 @@ class GRPOConfig:
     adam_betas: list = opt([0.9, 0.999], "AdamW betas.")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).")
     beta: float = opt(0.001, "KL coefficient against the frozen reference (0 = no reference model is loaded).")
-    kl_estimator: Literal["k1", "k2", "k3", "ratio_k1"] = opt("k3", "Per-token KL estimator (see README).")
+    kl_estimator: Literal["k1", "k2", "k3", "ratio_k1", "k1+", "k2+", "k3+"] = opt(
+        "k3", "Per-token KL estimator, d = logpi - logpi_ref: k1 = d (expected gradient 0), k2 = d^2/2 (gradient of "
+        "KL(pi||ref)), k3 = exp(-d) - 1 + d (gradient of KL(ref||pi)), ratio_k1 = rho*d with rho = pi/pi_old in the "
+        "graph (gradient of KL(pi||ref) on- and off-policy; earlier versions detached rho, which pulled nowhere), "
+        "kN+ = kN's value with k2's gradient (verl's straight-through). docs/grpo.md."
+    )
     kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.")
     clip_eps_low: float = opt(0.2, "Lower ratio clip: rho >= 1 - eps_low.")
-    clip_eps_high: float = opt(0.2, "Upper ratio clip: rho <= 1 + eps_high (0.28 for DAPO-style asymmetric).")
-    advantage: Literal["group_std", "batch_std", "none"] = opt(
-        "group_std", "Advantage normaliser: group mean/std, group mean / batch std, or mean only (Dr.GRPO)."
+    clip_eps_high: float = opt(0.2, "Upper ratio clip: rho <= 1 + eps_high (0.28 for DAPO-style asymmetric); "
+                               "'cispo' caps its weight at 1 + eps_high.")
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo"] = opt(
+        "ppo_clip", "Policy-gradient surrogate: 'ppo_clip' max(-A rho, -A clip(rho)); 'dual_clip' also bounds it by "
+        "-A * dual_clip_c where A < 0 (verl clip_ratio_c); 'gspo' clips the sequence ratio exp(mean log rho) (verl "
+        "gspo, TRL importance_sampling_level sequence; pair with loss_aggregation sequence_mean to equal them); "
+        "'cispo' -sg[min(rho, 1 + clip_eps_high)] A logpi; 'sapo' -A sigmoid(tau (rho - 1)) 4/tau. docs/grpo.md."
+    )
+    dual_clip_c: float = opt(3.0, "policy_loss 'dual_clip': the bound c > 1 of -A * c for negative advantages "
+                             "(verl clip_ratio_c, default 3.0).")
+    sapo_tau_pos: float = opt(1.0, "policy_loss 'sapo': gate temperature where A > 0 (TRL sapo_temperature_pos, verl "
+                              "tau_pos).")
+    sapo_tau_neg: float = opt(1.05, "policy_loss 'sapo': gate temperature where A <= 0 (TRL sapo_temperature_neg, "
+                              "verl tau_neg).")
+    entropy_coef: float = opt(0.0, "Entropy bonus: loss -= entropy_coef * token entropy of the policy (aggregated "
+                              "like the loss; verl entropy_coeff, TRL entropy_coef). 0 = off, and no entropy is "
+                              "computed.")
+    advantage: Literal["group_std", "batch_std", "none", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = opt(
+        "group_std", "Advantage: group mean/std; group mean / batch std of the rewards; mean only (Dr.GRPO); 'rloo' "
+        "r - mean of the group's other rewards; 'reinforce_pp' (r - batch mean) / batch std (REINFORCE++); "
+        "'reinforce_pp_baseline' group mean subtracted, then divided by the batch std of the result. Batch "
+        "statistics count each response once. docs/grpo.md."
     )
     advantage_std_ddof: Literal[0, 1] = opt(
         0, "Delta degrees of freedom of the advantage std: 0 divides by G (population std, as open-instruct), 1 by "
@@ -286,9 +320,10 @@ class GRPOConfig:
     )
     advantage_eps: float = opt(1e-4, "Added to the std before dividing.")
     loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant"] = opt(
-        "token_mean", "How per-token losses become one number: over all tokens, mean of per-sequence means, or "
-        "sum / (sequences x loss_constant) (Dr.GRPO, as TRL dr_grpo and verl seq-mean-token-sum-norm); the sequence "
-        "count is that of the optimizer step."
+        "token_mean", "How per-token losses become one number: sum / tokens (TRL dapo, verl token-mean), mean of "
+        "per-sequence means (TRL grpo, verl seq-mean-token-mean), or sum / (sequences x loss_constant) (Dr.GRPO, TRL "
+        "dr_grpo; not verl seq-mean-token-sum-norm, which divides by the constant alone); counts are those of the "
+        "optimizer step."
     )
     loss_constant: float = opt(1024.0, "Per-sequence divisor for 'sum_constant' (Dr.GRPO uses the max response length).")
     micro_batch_size: int = opt(
@@ -307,8 +342,16 @@ class GRPOConfig:
         "~85 % of its tokens)."
     )
     minibatches: int = opt(1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).")
-    tis_cap: float = opt(0.0, "Truncated importance sampling cap on pi_old / pi_rollout per token (0 = off).")
-    filter_zero_std_groups: bool = opt(False, "Drop groups whose rewards are all equal (they carry no signal).")
+    tis_cap: float = opt(0.0, "Importance sampling against the rollout engine: upper bound on pi_old / pi_rollout "
+                         "(0 = off; any value > 0 turns the correction on).")
+    tis_floor: float = opt(0.0, "Lower bound on pi_old / pi_rollout under tis_cap > 0 (0 = none).")
+    tis_level: Literal["token", "sequence"] = opt(
+        "token", "tis_cap: one ratio per token, or per sequence (the product of its tokens' ratios, on all of them).")
+    tis_mode: Literal["truncate", "mask"] = opt(
+        "truncate", "tis_cap: 'truncate' clamps the ratio into [tis_floor, tis_cap]; 'mask' keeps it inside and "
+        "drops the token (or the whole sequence) outside (TRL vllm_importance_sampling_mode *_truncate / *_mask).")
+    filter_zero_std_groups: bool = opt(False, "Drop groups whose rewards are all equal (they carry no signal, "
+                                       "except under advantage 'reinforce_pp', which has no group baseline).")
 
 
 @dataclass

@@ -14,13 +14,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refiner_core.formats import check_citations, parse_answer, tool_snippet_ids
+from refiner_core.formats import check_citations, parse_answer, render_snippets, tool_snippet_ids
 from refiner_core.prompts import refiner_messages, render_prompt
 from refiner_core.rubrics import RubricError, instance_rubrics
+from refiner_core.storage import query
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 RAW_LIMIT = 4096
+UTF8_BOM = b"\xef\xbb\xbf"  # some editors start UTF-8 files with it; it is not part of line 1's JSON
 
 
 class TooManyRejected(RuntimeError):
@@ -55,25 +57,23 @@ class Validated:
 
 def read_jsonl(path: Path) -> list[RawRow]:
     """Read JSONL bytes line by line; undecodable or unparseable lines become RawRows with an error."""
-    rows = []
-    for n, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            rows.append(RawRow(f"line {n}", line.decode("utf-8", errors="replace"), None, f"non_utf8: {e.reason}"))
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            rows.append(RawRow(f"line {n}", text, None, f"invalid_json: {e.msg} at char {e.pos}"))
-            continue
-        if not isinstance(obj, dict):
-            rows.append(RawRow(f"line {n}", text, None, f"not_an_object: got {type(obj).__name__}"))
-            continue
-        rows.append(RawRow(f"line {n}", text, obj))
-    return rows
+    lines = Path(path).read_bytes().removeprefix(UTF8_BOM).splitlines()
+    return [parse_jsonl_line(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+
+
+def parse_jsonl_line(n: int, line: bytes) -> RawRow:
+    """Line `n` of a JSONL file (without the file's BOM) as a RawRow, with an error when it is unusable."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RawRow(f"line {n}", line.decode("utf-8", errors="replace"), None, f"non_utf8: {e.reason}")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return RawRow(f"line {n}", text, None, f"invalid_json: {e.msg} at char {e.pos}")
+    if not isinstance(obj, dict):
+        return RawRow(f"line {n}", text, None, f"not_an_object: got {type(obj).__name__}")
+    return RawRow(f"line {n}", text, obj)
 
 
 def content_hash(row: dict) -> str:
@@ -177,6 +177,20 @@ def _check_rubrics(row: dict) -> tuple[str, str] | None:
     return None
 
 
+def normalise_row(row: dict) -> tuple[str, str] | None:
+    """Bring the shapes real data sets use into the canonical one, in place: integer IDs (common in Parquet and
+    hub data) become text, a tool output given as a list of snippet objects is rendered as snippet markup.
+    (reason, detail) when that is impossible."""
+    if isinstance(row.get("id"), int) and not isinstance(row["id"], bool):
+        row["id"] = str(row["id"])
+    if isinstance(row.get("tool_output"), list) and not is_chat_row(row):
+        try:
+            row["tool_output"] = render_snippets(row["tool_output"])
+        except ValueError as e:
+            return "invalid_tool_output", str(e)
+    return None
+
+
 def validate_rows(raw_rows: list[RawRow]) -> Validated:
     out = Validated()
     seen_ids: set[str] = set()
@@ -186,9 +200,7 @@ def validate_rows(raw_rows: list[RawRow]) -> Validated:
             reason, _, detail = raw.error.partition(": ")
             out.rejected.append(Rejection(raw.row_ref, reason, detail, raw.raw))
             continue
-        if isinstance(raw.data.get("id"), int) and not isinstance(raw.data["id"], bool):
-            raw.data["id"] = str(raw.data["id"])  # integer IDs (common in Parquet/hub data) are fine
-        problem = check_row(raw.data)
+        problem = normalise_row(raw.data) or check_row(raw.data)
         if problem is None and raw.data["id"] in seen_ids:
             problem = ("duplicate_id", f"id {raw.data['id']!r} already seen")
         digest = content_hash(raw.data) if problem is None else ""
@@ -236,6 +248,27 @@ def check_rejected_fraction(rejected: list[Rejection], total: int, max_fraction:
     )
 
 
+def quarantine_counts(catalog: Path | str) -> dict[tuple[str, str], int]:
+    """Rows in a run catalog's quarantine table per (stage, reason), e.g. {('prepare', 'non_utf8'): 2}."""
+    _, rows = query(catalog, "SELECT stage, reason, count(*) FROM quarantine GROUP BY ALL ORDER BY ALL")
+    return {(stage, reason): n for stage, reason, n in rows}
+
+
+def quarantine_warning(run_dir: Path | str) -> str | None:
+    """The end-of-run warning when the run's catalog holds quarantined rows (how many, per stage and reason, and
+    how to see them); None when no row was quarantined."""
+    catalog = Path(run_dir) / "catalog.duckdb"
+    counts = quarantine_counts(catalog) if catalog.is_file() else {}
+    if not counts:
+        return None
+    stages: dict[str, list[str]] = {}
+    for (stage, reason), n in counts.items():
+        stages.setdefault(stage, []).append(f"{reason} {n}")
+    by_stage = "; ".join(f"{stage}: {', '.join(reasons)}" for stage, reasons in stages.items())
+    return (f"{sum(counts.values())} rows quarantined ({by_stage}); see them: "
+            f"refiner sql {run_dir} \"SELECT * FROM quarantine\"")
+
+
 def prompt_fields(row: dict) -> dict:
     """The prompt-side view of either row shape: chat messages up to the answer plus refiner fields."""
     if not is_chat_row(row):
@@ -259,12 +292,26 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
                     validation_fraction: float, seed: int) -> tuple[list[dict], list[Rejection]]:
     """Render chat prompts and drop rows over the token limits (each drop is a counted, recorded rejection)."""
     prompts, rejected = [], []
+    chars_per_token = max_chars_per_token(tokenizer)
     for row in rows:
         view = prompt_fields(row)
-        text, ids = render_prompt(tokenizer, view["messages"])
         answer = view["answer"]
-        ref_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"]) if answer else 0
         raw = json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")})
+        # A row far over a limit is rejected before tokenizing it: a multi-megabyte row would take seconds and
+        # gigabytes to tokenize only to be dropped.
+        prompt_chars = sum(kept_chars(m["content"]) for m in view["messages"])
+        if prompt_chars > max_prompt_tokens * chars_per_token:
+            rejected.append(Rejection(row["row_ref"], "prompt_too_long", f"{prompt_chars} characters besides "
+                                      f"whitespace: more than max_prompt_tokens {max_prompt_tokens} tokens can hold",
+                                      raw))
+            continue
+        if kept_chars(answer) > max_reference_tokens * chars_per_token:
+            rejected.append(Rejection(row["row_ref"], "reference_too_long", f"{kept_chars(answer)} answer "
+                                      f"characters besides whitespace: more than max_reference_tokens "
+                                      f"{max_reference_tokens} tokens can hold", raw))
+            continue
+        text, ids = render_prompt(tokenizer, view["messages"])
+        ref_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"]) if answer else 0
         if len(ids) > max_prompt_tokens:
             rejected.append(Rejection(row["row_ref"], "prompt_too_long",
                                       f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}", raw))
@@ -283,6 +330,19 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
             "reference_tokens": ref_tokens, "content_hash": row["content_hash"],
         })
     return drop_unpaired_twins(prompts, rows, rejected)
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: the length of the longest vocabulary entry (a byte-level
+    token spells one character per byte, a SentencePiece piece one per character, byte-fallback tokens like
+    '<0x41>' stand for fewer than they spell). Text with more than N times this many characters needs more than
+    N tokens."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def kept_chars(text: str) -> int:
+    """Characters of `text` that no tokenizer drops: whitespace does not count, as some tokenizers collapse it."""
+    return len(text) - sum(text.count(c) for c in " \t\n\r")
 
 
 def drop_unpaired_twins(prompts: list[dict], rows: list[dict],

@@ -37,6 +37,44 @@ def split_ids(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
+SNIPPET_FIELDS = (("title", "Title"), ("url", "URL"), ("text", "Text"))
+_PLAIN_ID_RE = re.compile(r"[^\s,\"'<>]+")
+
+
+def render_snippets(snippets: list) -> str:
+    """Tool output given as a list of snippet objects {id, text, title?, url?}, in the text form the prompts and
+    the citation checks read: one <snippet id=ID>Title: ...\nURL: ...\nText: ...</snippet> block per snippet.
+    Raises ValueError naming the first snippet that cannot be rendered faithfully."""
+    blocks = []
+    for i, snippet in enumerate(snippets):
+        if not isinstance(snippet, dict):
+            raise ValueError(f"snippet {i}: expected an object {{id, text, title?, url?}}, got "
+                             f"{type(snippet).__name__}")
+        unknown = set(snippet) - {"id", *(key for key, _ in SNIPPET_FIELDS)}
+        if unknown:
+            raise ValueError(f"snippet {i}: unknown keys {sorted(unknown)}; expected id, text, title, url")
+        sid = snippet.get("id")
+        sid = str(sid) if isinstance(sid, int) and not isinstance(sid, bool) else sid
+        if not isinstance(sid, str) or not _PLAIN_ID_RE.fullmatch(sid):
+            raise ValueError(f"snippet {i}: 'id' must be a non-empty ID without spaces, commas, quotes or angle "
+                             f"brackets, got {sid!r}")
+        wrong = [key for key, _ in SNIPPET_FIELDS if not isinstance(snippet.get(key), (str, type(None)))]
+        if wrong:
+            raise ValueError(f"snippet {i} ({sid}): {wrong[0]!r} must be a string")
+        if not (snippet.get("text") or "").strip():
+            raise ValueError(f"snippet {i} ({sid}): 'text' is empty")
+        body = "\n".join(f"{label}: {snippet[key]}" for key, label in SNIPPET_FIELDS if snippet.get(key))
+        if _ANY_TAG_RE.search(body):
+            raise ValueError(f"snippet {i} ({sid}): its text holds snippet tags")
+        blocks.append(f"<snippet id={sid}>{body}</snippet>")
+    return "\n".join(blocks)
+
+
+def has_empty_id(raw: str) -> bool:
+    """An ID list with an empty entry ('a, ,b', 'a,', ',a'): a citation that lost an ID, not a shorter one."""
+    return any(not part.strip() for part in raw.split(","))
+
+
 def tool_snippet_ids(tool_output: str) -> list[str]:
     """IDs of the snippets in raw search-tool output, in order of appearance, without duplicates."""
     seen: dict[str, None] = {}
@@ -57,6 +95,8 @@ def parse_answer(text: str) -> ParsedAnswer:
         ids, claim = split_ids(match.group(1)), match.group(2).strip()
         if not ids:
             problems.append("snippet tag with no id")
+        elif has_empty_id(match.group(1)):
+            problems.append(f"empty id in snippet id list {match.group(1)!r}")
         if not claim:
             problems.append("snippet with empty claim")
         if "<snippet" in claim:

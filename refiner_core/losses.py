@@ -1,7 +1,11 @@
-"""GRPO per-token loss: clipped surrogate + beta * KL, then aggregation. One function per variant."""
+"""GRPO per-token loss: a policy-gradient surrogate [* importance weight] + beta * KL - entropy_coef * entropy,
+then aggregation. One function per variant, chosen by name through POLICY_LOSSES, KL_ESTIMATORS, TIS_LEVELS,
+TIS_MODES and AGGREGATIONS; each docstring states its formula and the peer option it equals (docs/grpo.md has
+the table, with the peer commits it was checked against)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -9,23 +13,80 @@ import torch
 Tensor = torch.Tensor
 
 
+class Sequences:
+    """The sequences of a batch seen per token (a row may hold several packed sequences): `index[r, t]` numbers
+    the sequence whose response token (r, t) is, and `mask` marks the trained tokens. Prompt and padding
+    positions carry a spare index whose sums are 0."""
+
+    def __init__(self, index: Tensor, mask: Tensor):
+        self.index, self.mask = index, mask
+        self.count = int(index.max()) + 1 if index.numel() else 1
+
+    @classmethod
+    def one_per_row(cls, mask: Tensor) -> "Sequences":
+        index = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1).expand_as(mask)
+        return cls(index, mask)
+
+    def sum(self, values: Tensor) -> Tensor:
+        """Per token: the sum of `values` over the trained tokens of its sequence."""
+        flat = (values * self.mask).flatten()
+        totals = torch.zeros(self.count, dtype=flat.dtype, device=flat.device).index_add(0, self.index.flatten(), flat)
+        return totals[self.index]
+
+    def mean(self, values: Tensor) -> Tensor:
+        """Per token: the mean of `values` over the trained tokens of its sequence (0 for an untrained one)."""
+        return self.sum(values) / self.sum(torch.ones_like(values)).clamp(min=1)
+
+
 # --- KL estimators of KL(pi_theta || pi_ref) per token, d = logp - ref_logp (Schulman's k1/k2/k3) ---
+# Values estimate KL(pi || ref) under samples from pi; gradients differ. The docstrings give the expected
+# gradient on-policy (samples from pi_old = pi), checked on an exact vocabulary in tests/test_policy_variants.py.
 def kl_k1(d: Tensor, ratio: Tensor) -> Tensor:
+    """k1 = d. Expected gradient E_pi[grad log pi] = 0: as a loss it pulls nowhere. verl `k1`/`kl`,
+    open-instruct kl_estimator 0."""
     return d
 
 
 def kl_k2(d: Tensor, ratio: Tensor) -> Tensor:
+    """k2 = d^2 / 2; gradient d * grad log pi, expected gradient grad KL(pi || ref). verl `k2`/`mse`,
+    open-instruct kl_estimator 1."""
     return 0.5 * d * d
 
 
 def kl_k3(d: Tensor, ratio: Tensor) -> Tensor:
-    # exp(-d) - 1 + d >= 0 with low variance: the GRPO default.
+    """k3 = exp(-d) - 1 + d >= 0 (low variance, the GRPO default); gradient (1 - exp(-d)) grad log pi, expected
+    gradient grad KL(ref || pi), the reverse KL's. TRL's estimator (beta), verl `k3`/`low_var_kl` (which also
+    clamps d to +-20 and k3 to <= 10), open-instruct kl_estimator 2."""
     return torch.exp(-d) - 1.0 + d
 
 
 def kl_ratio_k1(d: Tensor, ratio: Tensor) -> Tensor:
-    # Importance-weighted k1 for off-policy passes (rho * d); rho is detached so it only reweights.
-    return ratio.detach() * d
+    """rho * d with rho = pi / pi_old kept in the graph: gradient rho (1 + d) grad log pi, whose expectation under
+    pi_old is grad KL(pi || ref) exactly, on- and off-policy. open-instruct kl_estimator 3."""
+    return ratio * d
+
+
+def _k2_gradient(d: Tensor, value: Tensor) -> Tensor:
+    """Straight through: the value of `value`, the gradient of k2 (expected gradient grad KL(pi || ref))."""
+    k2 = kl_k2(d, d)
+    return k2 - k2.detach() + value.detach()
+
+
+def kl_k1_plus(d: Tensor, ratio: Tensor) -> Tensor:
+    """k1's value, k2's gradient. verl `k1+` (as documented; at verl b178a3c every `+` name raises
+    NotImplementedError, fixed by verl PR #6058)."""
+    return _k2_gradient(d, kl_k1(d, ratio))
+
+
+def kl_k2_plus(d: Tensor, ratio: Tensor) -> Tensor:
+    """k2's value and gradient (k2 itself, through the straight-through path). verl `k2+`."""
+    return _k2_gradient(d, kl_k2(d, ratio))
+
+
+def kl_k3_plus(d: Tensor, ratio: Tensor) -> Tensor:
+    """k3's value (non-negative, low variance), k2's gradient: expected gradient grad KL(pi || ref) instead of
+    k3's grad KL(ref || pi). verl `k3+`/`low_var_kl+`."""
+    return _k2_gradient(d, kl_k3(d, ratio))
 
 
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
@@ -33,29 +94,153 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k2": kl_k2,
     "k3": kl_k3,
     "ratio_k1": kl_ratio_k1,
+    "k1+": kl_k1_plus,
+    "k2+": kl_k2_plus,
+    "k3+": kl_k3_plus,
 }
+
+
+# --- Policy-gradient surrogates: per token (loss, clipped indicator), rho = exp(logp - old_logp) ---
+@dataclass(frozen=True)
+class SurrogateParams:
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float = 3.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, p: SurrogateParams) -> tuple[Tensor, Tensor]:
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - p.eps_low, 1.0 + p.eps_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def ppo_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
+             sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+    """max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)). TRL loss_type grpo/dapo/dr_grpo/bnpo (the
+    aggregation is ours), open-instruct loss_fn dapo; verl `vanilla` with clip_ratio_c large enough never to bind
+    (verl's default 3.0 applies the dual clip: see `dual_clip`)."""
+    return _clipped_surrogate(torch.exp(logp - old_logp), advantages, p)
+
+
+def dual_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
+              sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+    """ppo_clip, then for A < 0 also bounded by -A * c (c = dual_clip_c > 1): min(ppo_clip, -A c), so a token whose
+    ratio grew far on a negative advantage stops pushing. verl `vanilla` with clip_ratio_c = c (verl clamps the
+    log-ratio to +-20 first)."""
+    pg, clipped = ppo_clip(logp, old_logp, advantages, p, sequences)
+    bound = -advantages * p.dual_clip_c
+    lower = (advantages < 0) & (pg > bound)
+    return torch.where(advantages < 0, torch.minimum(pg, bound), pg), torch.maximum(clipped, lower.float())
+
+
+def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
+         sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+    """GSPO: the ppo_clip surrogate on the sequence ratio s = exp(mean over the sequence's trained tokens of
+    (logp - old_logp)), applied per token as s_t = sg[s] * pi_t / sg[pi_t] (value s, gradient s grad log pi_t),
+    log s_t clamped at 10. verl `gspo`; TRL importance_sampling_level 'sequence' (loss_type grpo). Both average
+    per sequence: with loss_aggregation 'sequence_mean' the loss and gradient equal theirs."""
+    if sequences is None:
+        raise ValueError("policy_loss 'gspo' needs the batch's sequences")
+    sequence_log_ratio = sequences.mean(logp - old_logp).detach()
+    ratio = torch.exp(torch.clamp(logp - logp.detach() + sequence_log_ratio, max=10.0))
+    return _clipped_surrogate(ratio, advantages, p)
+
+
+def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
+          sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+    """CISPO: -sg[min(rho, 1 + eps_high)] * A * logp: every token keeps a gradient, its weight clipped instead.
+    open-instruct loss_fn cispo (clip_higher = eps_high); TRL loss_type cispo with epsilon_high = 1 + eps_high
+    (TRL's epsilon_high is the cap itself); verl `cispo` with clip_ratio_low = 1 (verl also clips from below at
+    1 - clip_ratio_low)."""
+    ratio = torch.exp(logp - old_logp)
+    cap = 1.0 + p.eps_high
+    return -torch.clamp(ratio, max=cap).detach() * advantages * logp, (ratio > cap).float()
+
+
+def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
+         sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+    """SAPO: -A * sigmoid(tau (rho - 1)) * 4 / tau, tau = sapo_tau_pos where A > 0 else sapo_tau_neg: a smooth gate
+    in place of the hard clip (its gradient at rho = 1 is -A, as the clipped surrogate's). TRL loss_type sapo
+    (sapo_temperature_pos/neg), verl `sapo` (tau_pos/tau_neg; verl clamps the log-ratio to +-20). No clipping:
+    the clipped indicator is 0."""
+    ratio = torch.exp(logp - old_logp)
+    tau = torch.where(advantages > 0, ratio.new_tensor(p.sapo_tau_pos), ratio.new_tensor(p.sapo_tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    return -gate * advantages, torch.zeros_like(ratio)
+
+
+POLICY_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor, SurrogateParams, Sequences | None],
+                                  tuple[Tensor, Tensor]]] = {
+    "ppo_clip": ppo_clip,
+    "dual_clip": dual_clip,
+    "gspo": gspo,
+    "cispo": cispo,
+    "sapo": sapo,
+}
+
+
+# --- Truncated / masked importance sampling against the rollout engine (pi_old / pi_rollout), detached ---
+def tis_token(log_ratio: Tensor, sequences: Sequences) -> Tensor:
+    """One ratio per token. TRL vllm_importance_sampling_mode token_*, verl rollout_is 'token'."""
+    return log_ratio
+
+
+def tis_sequence(log_ratio: Tensor, sequences: Sequences) -> Tensor:
+    """One ratio per sequence, the product of its trained tokens' ratios, on each of them. TRL
+    vllm_importance_sampling_mode sequence_*, verl rollout_is 'sequence'."""
+    return sequences.sum(log_ratio)
+
+
+def tis_truncate(ratio: Tensor, floor: float, cap: float) -> Tensor:
+    """clamp(ratio, floor, cap) (floor 0: no lower bound). TRL *_truncate (clip_min, clip_max); verl rollout_is
+    with rollout_is_threshold = cap and no lower bound; open-instruct rho_clamp_lower/upper_bound."""
+    return torch.clamp(ratio, min=floor if floor > 0 else None, max=cap)
+
+
+def tis_mask(ratio: Tensor, floor: float, cap: float) -> Tensor:
+    """ratio where floor <= ratio <= cap, else 0 (the token, or the whole sequence, leaves the loss). TRL
+    *_mask (clip_min, clip_max)."""
+    return torch.where((ratio >= floor) & (ratio <= cap), ratio, torch.zeros_like(ratio))
+
+
+TIS_LEVELS: dict[str, Callable[[Tensor, Sequences], Tensor]] = {"token": tis_token, "sequence": tis_sequence}
+TIS_MODES: dict[str, Callable[[Tensor, float, float], Tensor]] = {"truncate": tis_truncate, "mask": tis_mask}
+
+
+def importance_weights(old_logp: Tensor, rollout_logp: Tensor, sequences: Sequences, *, level: str, mode: str,
+                       floor: float, cap: float) -> Tensor:
+    """Per-token weights on the policy-gradient term correcting for the rollout engine's numerics (detached)."""
+    log_ratio = TIS_LEVELS[level](old_logp.detach() - rollout_logp, sequences)
+    return TIS_MODES[mode](torch.exp(log_ratio), floor, cap) * sequences.mask
 
 
 # --- Aggregations as per-token weights: the batch loss is sum(loss * weights) ---
 # Each takes the response mask, the response-token count of every token's own sequence (rows may hold several
 # packed sequences), and totals over the whole optimizer batch, so micro-batches accumulate to the exact
-# batch aggregate whatever their layout.
+# batch aggregate whatever their layout. N = sequences in the optimizer step, |y_i| = trained tokens of
+# sequence i, l = per-token loss.
 def token_mean(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
                constant: float) -> Tensor:
-    # Every response token weighs the same: long answers are not down-weighted (DAPO/open-instruct).
+    """sum_i,t l / sum_i |y_i|: every response token weighs the same, long answers are not down-weighted. TRL
+    loss_type dapo (global token count), verl token-mean, open-instruct loss_denominator 'token'."""
     return mask / max(batch_tokens, 1.0)
 
 
 def sequence_mean(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
                   constant: float) -> Tensor:
-    # Original GRPO: mean over sequences of per-sequence token means (has a length bias).
+    """(1/N) sum_i (1/|y_i|) sum_t l: original GRPO (has a length bias). TRL loss_type grpo (N counts a sequence
+    with no trained token; TRL averages per micro-batch, equal for equal micro-batches); verl
+    seq-mean-token-mean (whose N leaves such a sequence out)."""
     return mask / (sequence_tokens.clamp(min=1) * batch_sequences)
 
 
 def sum_constant(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
                  constant: float) -> Tensor:
-    # Dr.GRPO: sum / (sequences x constant), as TRL's dr_grpo and verl's seq-mean-token-sum-norm; no length
-    # normalisation, and dividing by the sequence count lets the learning rate carry across batch sizes.
+    """sum_i,t l / (N * C), C = loss_constant: Dr.GRPO without length normalisation; dividing by N lets the
+    learning rate carry across batch sizes. TRL loss_type dr_grpo (C = max_completion_length). Not verl's
+    seq-mean-token-sum-norm, which is sum / C per micro-batch, scaled by 1/grad_accum by its dp_actor."""
     return mask / (batch_sequences * constant)
 
 
@@ -78,25 +263,35 @@ def grpo_token_loss(
     kl_estimator: str = "k3",
     kl_clamp: float = 10.0,
     is_weights: Tensor | None = None,
+    policy_loss: str = "ppo_clip",
+    dual_clip_c: float = 3.0,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    sequences: Sequences | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> dict[str, Tensor]:
     """Per-token GRPO loss on [B, T] tensors; advantages are per token ([B, T], each token carries its own
     sequence's advantage) or anything that broadcasts to it.
 
-    loss = max(-A*rho, -A*clip(rho, 1-eps_low, 1+eps_high)) [* is_weight] + beta * KL
+    loss = POLICY_LOSSES[policy_loss] [* is_weight] + beta * KL_ESTIMATORS[kl_estimator] - entropy_coef * entropy
     """
     ratio = torch.exp(logp - old_logp)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    pg = torch.maximum(unclipped, clipped)
+    params = SurrogateParams(eps_low, eps_high, dual_clip_c, sapo_tau_pos, sapo_tau_neg)
+    pg, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, params, sequences)
     if is_weights is not None:
         pg = pg * is_weights
-    out = {"pg": pg, "ratio": ratio, "clipped": (clipped > unclipped).float()}
+    out = {"pg": pg, "ratio": ratio, "clipped": clipped}
+    loss = pg
     if beta > 0.0 and ref_logp is not None:
         d = torch.clamp(logp - ref_logp, -kl_clamp, kl_clamp)
-        kl = KL_ESTIMATORS[kl_estimator](d, ratio)
-        out["kl"] = kl
-        out["loss"] = pg + beta * kl
+        out["kl"] = KL_ESTIMATORS[kl_estimator](d, ratio)
+        loss = loss + beta * out["kl"]
     else:
         out["kl"] = torch.zeros_like(pg)
-        out["loss"] = pg
+    if entropy is not None:
+        out["entropy"] = entropy
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * entropy
+    out["loss"] = loss
     return out

@@ -1,24 +1,76 @@
-"""Training and held-out evaluation curves as a PNG."""
+"""Training and held-out evaluation curves as a PNG, and as a data: URI for pages that cannot reach the run
+folder (the Prefect UI)."""
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 
 # Held-out eval panels: (summary key, title); rates are drawn as percentages.
 EVAL_PANELS = [("format_valid", "eval: format-valid (%)"), ("citation_valid", "eval: citations valid (%)"),
                ("judge_score", "eval: judge rubric score"), ("pass_at_k", "eval: pass@k (%)")]
 RATES = {"format_valid", "citation_valid", "pass_at_k"}
+DPI = 100
+# A data: URI is stored in every version of its artifact (one per step): past this many PNG bytes the embedded
+# copy is drawn at a lower resolution (RUN_DIR/curves.png keeps DPI).
+EMBEDDED_PNG_BYTES = 150_000
+MIN_EMBEDDED_DPI = 40
 
 
 def plot_steps(steps: list[dict], path: Path, evals: list[dict] | None = None) -> Path:
     """Reward, KL, loss and response length per step; with `evals` (eval summary rows, see
     refiner_core.eval.evaluate.summarize) a second row of held-out curves, one line per mode. The base model
     before SFT is drawn as a separate marker at step 0."""
+    plt = _pyplot()
+    fig = _draw(steps, evals)
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return Path(path)
+
+
+def plot_steps_embedded(steps: list[dict], path: Path, evals: list[dict] | None = None,
+                        max_bytes: int = EMBEDDED_PNG_BYTES) -> str:
+    """plot_steps, and the same figure as a `data:image/png;base64,` URI of at most max_bytes PNG bytes (drawn at
+    a lower resolution when needed; never below MIN_EMBEDDED_DPI)."""
+    plt = _pyplot()
+    fig = _draw(steps, evals)
+    try:
+        _save(fig, path)
+        dpi = DPI
+        png = _png(fig, dpi)
+        while len(png) > max_bytes and dpi > MIN_EMBEDDED_DPI:  # PNG bytes grow about with the pixel count
+            dpi = max(MIN_EMBEDDED_DPI, int(dpi * 0.95 * (max_bytes / len(png)) ** 0.5))
+            png = _png(fig, dpi)
+    finally:
+        plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _save(fig, path: Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+
+
+def _png(fig, dpi: int) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _draw(steps: list[dict], evals: list[dict] | None):
+    plt = _pyplot()
     panels = [("reward_mean", "reward (mean ± std)"), ("kl", "KL to reference"), ("loss", "loss"),
               ("response_length_mean", "response tokens (mean)")]
     if evals:  # training curves on the first row, held-out curves on the second
@@ -40,10 +92,7 @@ def plot_steps(steps: list[dict], path: Path, evals: list[dict] | None = None) -
         _style(ax, title)
     run = steps[0]["run"] if steps else ""
     fig.suptitle(f"run {run}")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return fig
 
 
 def _eval_panel(ax, evals: list[dict], key: str) -> None:

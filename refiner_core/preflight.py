@@ -11,12 +11,30 @@ from typing import Callable
 
 from refiner_core import REPO_ROOT
 from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig
+from refiner_core.data import UTF8_BOM, parse_jsonl_line
 from refiner_core.models import SMOLLM2, TINY_QWEN3
 from refiner_core.sources import SourceError, detect_format
 
 REQUIRED_REFINER = ("id", "question", "reasoning", "tool_output")
 REQUIRED_CHAT = ("id", "messages")
 JSONL_SAMPLE_LINES = 1000  # column names of a JSONL file are read from its first lines only
+
+# Kinds of value (see value_kinds) each canonical field accepts, and how to say so; other fields accept any.
+_RUBRIC_KINDS = ({"string", "list", "list of string", "list of object", "object"},
+                 "a list of rubrics (strings or {description, weight?, title?} objects), an object "
+                 "{positive: [...], negative: [...]}, or the JSON text of either")
+FIELD_KINDS: dict[str, tuple[set[str], str]] = {
+    "id": ({"string", "integer"}, "a string or an integer"),
+    "question": ({"string"}, "a string"),
+    "reasoning": ({"string"}, "a string"),
+    "answer": ({"string"}, "a string"),
+    "tool_output": ({"string", "list of object"}, "a string with <snippet id=...> blocks or a list of snippet "
+                                                  "objects {id, text, title?, url?}"),
+    "messages": ({"list of object"}, "a list of {role, content} objects"),
+    "ground_truth": ({"string", "integer", "number"}, "a string or a number"),
+    "positive_rubrics": _RUBRIC_KINDS,
+    "negative_rubrics": _RUBRIC_KINDS,
+}
 
 Rule = tuple[Callable[[float], bool], str]
 AT_LEAST_1: Rule = (lambda v: v >= 1, "must be at least 1")
@@ -165,15 +183,37 @@ def check_source(where: str, path: str, fmt: str, fields: dict, split: str, cano
         return problems + [f"{where}.path: {found}"]
     if found is None or problems:
         return problems
-    columns, sample = found
+    kinds, sample = found
+    columns = list(kinds)
     listing = f"its columns{sample}: {', '.join(columns) or 'none'}"
     absent = {k: v for k, v in fields.items() if v not in columns}
     for canonical_name, column in absent.items():
         close = difflib.get_close_matches(column, columns, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         problems.append(f"{fields_where}: {canonical_name} -> {column!r}: no such column in {path}{hint}; {listing}")
-    if shape and not absent:
+    if absent:
+        return problems
+    problems += _check_kinds(where, path, kinds, sample, fields, canonical, fields_where)
+    if shape:
         problems += _check_shape(where, path, columns, fields, listing, fields_where)
+    return problems
+
+
+def _check_kinds(where: str, path: str, kinds: dict[str, set[str]], sample: str, fields: dict,
+                 canonical: tuple[str, ...], fields_where: str) -> list[str]:
+    """Columns the rows will read a canonical field from hold values of a kind that field accepts. A JSONL
+    column is reported only when none of its sampled values fits (single bad rows are the quarantine's)."""
+    problems = []
+    for name in dict.fromkeys(canonical):
+        column = fields.get(name, name)
+        if name not in FIELD_KINDS or column not in kinds:
+            continue
+        found = kinds[column] - {"null"}
+        accepted, wanted = FIELD_KINDS[name]
+        if found and not found & accepted:
+            where_from = f"{fields_where}: {name} -> {column!r}" if name in fields else f"{where}.path"
+            problems.append(f"{where_from}: column {column!r} of {path} holds {' / '.join(sorted(found))}"
+                            f"{sample}; {name} must be {wanted}")
     return problems
 
 
@@ -202,35 +242,70 @@ def _check_shape(where: str, path: str, columns: list[str], fields: dict, listin
             f"{fields_where}, e.g. {{{missing[0]}: <column>}}"]
 
 
-def source_columns(path: Path, kind: str, split: str) -> tuple[list[str], str] | str | None:
-    """(column names, how they were sampled) read cheaply, a problem sentence, or None when not knowable."""
+def source_columns(path: Path, kind: str, split: str) -> tuple[dict[str, set[str]], str] | str | None:
+    """({column name: the kinds of value it holds (see value_kind)}, how they were sampled) read cheaply, a
+    problem sentence, or None when not knowable."""
     if kind == "jsonl":
-        columns: dict[str, None] = {}
-        with open(path, "rb") as f:
-            for n, line in enumerate(f):
-                if n >= JSONL_SAMPLE_LINES:
-                    return list(columns), f" (in its first {JSONL_SAMPLE_LINES} lines)"
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue  # unreadable lines are the quarantine's business
-                if isinstance(obj, dict):
-                    columns.update(dict.fromkeys(obj))
-        return list(columns), ""
+        return _jsonl_columns(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
 
         try:
-            return list(pq.read_schema(path).names), ""
+            schema, rows = pq.read_schema(path), pq.read_metadata(path).num_rows
         except Exception as e:  # noqa: BLE001 - any unreadable file is reported, not raised
             return f"{path} is not a readable Parquet file ({e})"
+        if not rows:
+            return f"{path} has no rows"
+        return {field.name: {arrow_kind(field.type)} for field in schema}, ""
     if kind == "disk":
         return _saved_dataset_columns(path, split)
     return None
 
 
-def _saved_dataset_columns(path: Path, split: str) -> tuple[list[str], str] | str | None:
-    """Column names of a datasets.save_to_disk folder from its JSON metadata, without loading the dataset."""
+def _jsonl_columns(path: Path) -> tuple[dict[str, set[str]], str] | str:
+    columns: dict[str, set[str]] = {}
+    seen_text = False
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            if n > JSONL_SAMPLE_LINES:
+                return columns, f" (in its first {JSONL_SAMPLE_LINES} lines)"
+            line = line.removeprefix(UTF8_BOM) if n == 1 else line
+            seen_text = seen_text or bool(line.strip())
+            row = parse_jsonl_line(n, line)  # unreadable lines are the quarantine's business
+            for column, value in (row.data or {}).items():
+                columns.setdefault(column, set()).update(value_kinds(value))
+    return (columns, "") if seen_text else f"{path} is an empty file (no rows)"
+
+
+def value_kinds(value) -> set[str]:
+    """The kinds of a JSON value, as arrow_kind names column types: 'string', 'list of object', ... A list of
+    mixed items has one kind per item kind."""
+    if isinstance(value, list):
+        items = set().union(*(value_kinds(v) for v in value if v is not None))
+        return {f"list of {k}" for k in items} if items else {"list"}
+    kinds = ((type(None), "null"), (bool, "bool"), (int, "integer"), (float, "number"), (str, "string"),
+             (dict, "object"))
+    return {next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)}
+
+
+def arrow_kind(data_type) -> str:
+    """A column type in value_kinds' words; binary columns count as strings (sources decode them as UTF-8)."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_string(data_type) or t.is_large_string(data_type) or t.is_binary(data_type) or t.is_large_binary(
+            data_type) or t.is_string_view(data_type):
+        return "string"
+    if t.is_list(data_type) or t.is_large_list(data_type) or t.is_fixed_size_list(data_type):
+        inner = arrow_kind(data_type.value_type)
+        return "list" if inner == "null" else f"list of {inner}"
+    checks = ((t.is_null, "null"), (t.is_boolean, "bool"), (t.is_integer, "integer"), (t.is_floating, "number"),
+              (t.is_struct, "object"))
+    return next((name for check, name in checks if check(data_type)), str(data_type))
+
+
+def _saved_dataset_columns(path: Path, split: str) -> tuple[dict[str, set[str]], str] | str | None:
+    """Column names and kinds of a datasets.save_to_disk folder from its JSON metadata, without loading the data."""
     splits_file = path / "dataset_dict.json"
     if splits_file.is_file():
         splits = json.loads(splits_file.read_text()).get("splits", [])
@@ -241,4 +316,7 @@ def _saved_dataset_columns(path: Path, split: str) -> tuple[list[str], str] | st
     if not info.is_file():
         return None
     features = json.loads(info.read_text()).get("features") or {}
-    return list(features), ""
+    from datasets import Features
+
+    schema = Features.from_dict(features).arrow_schema
+    return {field.name: {arrow_kind(field.type)} for field in schema}, ""

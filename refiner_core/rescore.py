@@ -4,18 +4,25 @@ Every reward version is REWARD_SQL over the same reward_inputs and judge_scores;
 A version lands beside training's ('train') under RUN_DIR/rescores/<version>/step=N/ and in the catalog, so
 `SELECT ... GROUP BY reward_version` compares them. Settings that would need new judgments (judge.*, a citation
 score whose claims were never judged, another verifier) are refused with the list of what would be re-judged.
+Each version records, per step, a hash of the rows it was computed from (table rescores): when a later run of the
+folder changes a step's judgments, the catalog's step_rewards marks the version stale there and `refiner sql` /
+`refiner show` say which command brings it up to date.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
+
 from refiner_core.config import RecipeConfig, RewardConfig
-from refiner_core.grpo import group_advantages
 from refiner_core.rewards import compute_rewards, weight_row
-from refiner_core.schema import ADVANTAGES, REWARD_WEIGHTS, REWARDS
-from refiner_core.storage import json_hash, read_rows, replace_version_rows, write_table
+from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
+from refiner_core.storage import (STEP_INPUTS_HASH_SQL, json_hash, query, read_rows, replace_version_rows,
+                                  write_table)
 
 RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "filter_zero_std_groups")
 RESCORABLE_JUDGE = ("on_failure",)
@@ -74,6 +81,31 @@ def version_name(new: RecipeConfig) -> str:
     return "v-" + json_hash([new.to_dict()["reward"], new.judge.on_failure, grpo])[:8]
 
 
+def settings_flags(base: RecipeConfig, new: RecipeConfig) -> str:
+    """The `--set` flags that turn the run's recipe into `new`, as one shell-quoted line."""
+    recipe, flags = new.to_dict(), []
+    for setting in changed_settings(base, new):
+        section, name = setting.split(".")
+        value = recipe[section][name]
+        flags += ["--set", f"{setting}={value if isinstance(value, str) else json.dumps(value)}"]
+    return shlex.join(flags)
+
+
+def inputs_hash(score_dir: Path) -> str:
+    """STEP_INPUTS_HASH_SQL over one step's stored reward_inputs and judge_scores, loaded into the catalog's table
+    types, so that it equals what the catalog computes from the same rows."""
+    con = duckdb.connect()
+    try:
+        for table in (REWARD_INPUTS, JUDGE_SCORES):
+            con.execute(duckdb_ddl(table))
+            con.execute(f'INSERT INTO "{table.name}" BY NAME SELECT * FROM read_parquet(?)',
+                        [str(score_dir / f"{table.name}.parquet")])
+        [(digest,)] = con.execute(f"SELECT inputs_hash FROM ({STEP_INPUTS_HASH_SQL})").fetchall()
+        return digest
+    finally:
+        con.close()
+
+
 def scored_steps(run_dir: Path) -> list[int]:
     """Steps whose judge stage finished (their reward inputs exist), in order."""
     steps = [int(p.parent.name.split("=")[1]) for p in run_dir.glob("scores/step=*/reward_inputs.parquet")]
@@ -92,8 +124,12 @@ def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: s
     version = version or version_name(new)
     if version == "train":
         raise RescoreError("'train' is the version training used; choose another name")
+    from refiner_core.grpo import group_advantages  # imports torch: not loaded for `refiner sql`'s stale check
+
     grpo = {n: getattr(new.grpo, n) for n in RESCORABLE_GRPO}
-    out_root, written, summary = run_dir / "rescores" / version, {"rewards": [], "reward_weights": [], "advantages": []}, []
+    settings = settings_flags(base, new)
+    out_root, summary = run_dir / "rescores" / version, []
+    written: dict[str, list[str]] = {"rewards": [], "reward_weights": [], "advantages": [], "rescores": []}
     for step in steps:
         inputs = read_rows(score_files[step] / "reward_inputs.parquet")
         scores = read_rows(score_files[step] / "judge_scores.parquet")
@@ -104,9 +140,11 @@ def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: s
         rewards = compute_rewards(inputs, scores, weights)
         advantages, _ = group_advantages(rewards, grpo)
         advantage_rows = [{"run": run, "step": step, "reward_version": version, **a} for a in advantages]
+        source = [{"run": run, "step": step, "reward_version": version, "settings": settings,
+                   "inputs_hash": inputs_hash(score_files[step])}]
         out = out_root / f"step={step}"
         for name, table, rows in (("rewards", REWARDS, rewards), ("reward_weights", REWARD_WEIGHTS, weights),
-                                  ("advantages", ADVANTAGES, advantage_rows)):
+                                  ("advantages", ADVANTAGES, advantage_rows), ("rescores", RESCORES, source)):
             write_table(table, rows, out / f"{name}.parquet")
             written[name].append(str(out / f"{name}.parquet"))
         changed = sum(1 for r in rewards if (key := (r["prompt_id"], r["sample_idx"])) not in trained
@@ -117,3 +155,38 @@ def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: s
     if catalog.exists():
         replace_version_rows(catalog, written, version)
     return version, summary
+
+
+def stale_rescore_warnings(run_dirs: list[Path]) -> list[str]:
+    """One line per rescore version that a later run made stale (its steps' judgments changed), with the command
+    that recomputes it. Opens each catalog on its own: call it while no other connection to them is open. Missing
+    catalogs, and catalogs from before step_rewards.stale, give none."""
+    warnings = []
+    for run_dir in run_dirs:
+        db = run_dir if run_dir.suffix == ".duckdb" else run_dir / "catalog.duckdb"
+        if not db.exists():
+            continue
+        try:
+            _, stale = query(db, "SELECT s.reward_version, list(s.step ORDER BY s.step), any_value(v.settings) "
+                                 "FROM step_rewards s JOIN rescores v USING (run, step, reward_version) "
+                                 "WHERE s.stale GROUP BY ALL ORDER BY 1")
+        except (duckdb.CatalogException, duckdb.BinderException):  # no rescores table, or no stale column
+            continue
+        for version, steps, settings in stale:
+            command = " ".join(filter(None, [shlex.join(["refiner", "rescore", str(db.parent), "--name", version]),
+                                             settings]))
+            warnings.append(f"rescore version {version} is stale for {_step_ranges(steps)} (a later run changed "
+                            f"their judgments): rerun `{command}`")
+    return warnings
+
+
+def _step_ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 5] -> 'steps 1-3, 5'; [4] -> 'step 4'."""
+    ranges: list[list[int]] = []
+    for step in steps:
+        if ranges and step == ranges[-1][1] + 1:
+            ranges[-1][1] = step
+        else:
+            ranges.append([step, step])
+    text = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges)
+    return f"step{'s' if len(steps) > 1 else ''} {text}"

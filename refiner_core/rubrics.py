@@ -39,22 +39,41 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
 
 def instance_rubrics(positive, negative, allow_empty: bool = False) -> list[dict]:
     """Parse a row's rubric lists (lists, or JSON strings of lists). Both missing or empty is an error unless
-    `allow_empty` (the rubric stage may still generate them)."""
+    `allow_empty` (the rubric stage may still generate them).
+
+    Either field may instead hold one object {"positive": [...], "negative": [...]} (or its JSON text) with both
+    lists: a data set's single rubric column, mapped to positive_rubrics, negative_rubrics or both."""
+    lists = {"positive": _parsed(positive, "positive"), "negative": _parsed(negative, "negative")}
+    objects = [value for value in lists.values() if isinstance(value, dict)]
+    if objects:
+        both = objects[0]
+        unknown = set(both) - {"positive", "negative"}
+        if unknown:
+            raise RubricError(f"rubrics: expected a list or an object {{positive: [...], negative: [...]}}, got an "
+                              f"object with keys {sorted(both)}")
+        if any(value not in (None, both) for value in lists.values()):
+            raise RubricError("positive_rubrics and negative_rubrics: one holds an object of both lists, the other "
+                              "something else; give both lists in the object, or two lists")
+        lists = {kind: both.get(kind) for kind in lists}
     out = []
-    for kind, items in (("positive", positive), ("negative", negative)):
-        if items is None:
-            items = []
-        if isinstance(items, str):
-            try:
-                items = json.loads(items)
-            except json.JSONDecodeError as e:
-                raise RubricError(f"{kind}_rubrics: invalid JSON ({e.msg} at char {e.pos})") from None
+    for kind, items in lists.items():
+        items = [] if items is None else items
         if not isinstance(items, list):
             raise RubricError(f"{kind}_rubrics: expected a list, got {type(items).__name__}")
         out.extend(normalise_rubric(item, kind, i) for i, item in enumerate(items))
     if not out and not allow_empty:
         raise MissingRubrics("row has no positive or negative rubrics")
     return out
+
+
+def _parsed(value, kind: str):
+    """A rubric field's value, with JSON text decoded."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise RubricError(f"{kind}_rubrics: invalid JSON ({e.msg} at char {e.pos})") from None
 
 
 def load_static_rubrics(path: Path) -> list[dict]:

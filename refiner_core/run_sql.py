@@ -1,13 +1,17 @@
 """Read-only SQL over the catalogs of one or several runs, with predefined views and exports.
 
-Several catalogs are attached read-only under their run folder's name and every table they hold becomes one view
-over all of them (`UNION ALL BY NAME`; each row keeps its `run` column), so the queries written for one run
-work across runs. File access is switched off before any query runs: a query can neither write (`COPY … TO`)
-nor read other files; `export` writes a result only where the caller asks, from Python.
+The first catalog is the session's database, opened read-only, which makes DuckDB attach every other database
+read-only too; further catalogs are attached under their run folder's name and every table they hold becomes
+one view over all of them (`UNION ALL BY NAME`; each row keeps its `run` column), so the queries written for one
+run work across runs. Then file access is switched off and the configuration locked, and `run_query` and
+`export` run SELECT statements only: a query can neither write (`DELETE`, `COPY … TO`), attach, detach, change
+a setting nor read other files, whether the session holds one run or several. `export` writes a result only
+where the caller asks, from Python.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import duckdb
@@ -55,6 +59,10 @@ class CatalogError(ValueError):
     """A run folder without a catalog, or two runs with one name."""
 
 
+class QueryRefused(ValueError):
+    """A statement that is not a SELECT: the session only reads."""
+
+
 def catalog_path(run_dir: str | Path) -> Path:
     path = Path(run_dir)
     db = path if path.suffix == ".duckdb" else path / "catalog.duckdb"
@@ -64,39 +72,75 @@ def catalog_path(run_dir: str | Path) -> Path:
 
 
 def open_runs(run_dirs: list[str | Path]) -> duckdb.DuckDBPyConnection:
-    """A read-only session over the runs' catalogs, with file access off and the predefined views defined."""
+    """A read-only session over the runs' catalogs, with file access off, the configuration locked and the
+    predefined views defined. The same for one run and for several."""
     dbs = [catalog_path(d) for d in run_dirs]
-    if len(dbs) == 1:
-        con = duckdb.connect(str(dbs[0]), read_only=True, config={"enable_external_access": False})
-    else:
-        names = [(db.parent.name if db.name == "catalog.duckdb" else db.stem) for db in dbs]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            raise CatalogError(f"several run folders are named {', '.join(repeated)}: each run is attached under "
-                               "its folder's name")
-        con = duckdb.connect(":memory:")
-        for name, db in zip(names, dbs):
-            con.execute(f"ATTACH '{_quote(str(db))}' AS \"{_ident(name)}\" (READ_ONLY)")
+    names = [(db.parent.name if db.name == "catalog.duckdb" else db.stem) for db in dbs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise CatalogError(f"several run folders are named {', '.join(repeated)}: each run is attached under "
+                           "its folder's name")
+    con = duckdb.connect(str(dbs[0]), read_only=True)
+    try:
+        _define_session(con, names, dbs)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def _define_session(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[Path]) -> None:
+    catalogs = {con.execute("SELECT current_database()").fetchone()[0], *names[1:]}
+    for name, db in zip(names[1:], dbs[1:]):
+        try:
+            con.execute(f'ATTACH ? AS "{_ident(name)}" (READ_ONLY)', [str(db)])
+        except duckdb.BinderException as e:  # a folder named like the first catalog's file, or 'temp', 'system'
+            raise CatalogError(f"cannot attach {db} as {name!r}: {e}") from e
+    if len(dbs) > 1:
         tables: dict[str, list[str]] = {}
         for catalog, table in con.execute("SELECT table_catalog, table_name FROM information_schema.tables WHERE "
                                           "table_schema = 'main' ORDER BY table_name").fetchall():
-            if catalog in names:
+            if catalog in catalogs:
                 tables.setdefault(table, []).append(catalog)
-        for table, catalogs in tables.items():
-            union = " UNION ALL BY NAME ".join(f'SELECT * FROM "{_ident(c)}".main."{table}"' for c in catalogs)
-            con.execute(f'CREATE TEMP VIEW "{table}" AS {union}')
-        con.execute("SET enable_external_access = false")
+        for table, in_catalogs in tables.items():
+            union = " UNION ALL BY NAME ".join(f'SELECT * FROM "{_ident(c)}".main."{_ident(table)}"'
+                                               for c in in_catalogs)
+            con.execute(f'CREATE TEMP VIEW "{_ident(table)}" AS {union}')
+    con.execute("SET enable_external_access = false")  # only the attached catalogs stay readable
     for name, (_, sql) in VIEWS.items():
         try:
             con.execute(f'CREATE TEMP VIEW "{name}" AS {sql}')
         except duckdb.Error:  # a catalog from before the tables it reads: the view is left out
             pass
     con.execute("SET lock_configuration = true")  # a query cannot switch file access back on
-    return con
 
 
-def _quote(text: str) -> str:
-    return text.replace("'", "''")
+def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Raise QueryRefused unless every statement of SQL is a SELECT (SHOW, DESCRIBE, SUMMARIZE, and PIVOT with
+    an IN list, are) or an EXPLAIN of one. A syntax error is raised as DuckDB reports it."""
+    for statement in con.extract_statements(sql):
+        if statement.type == duckdb.StatementType.SELECT or _explains_a_select(con, statement):
+            continue
+        text = " ".join(statement.query.split())
+        raise QueryRefused(f"refused: the catalog is read-only and only SELECT statements run (SHOW, DESCRIBE, "
+                           f"SUMMARIZE and EXPLAIN SELECT too), not {statement.type.name}: "
+                           f"{text[:80]}{'…' if len(text) > 80 else ''}")
+
+
+_EXPLAIN = re.compile(r"EXPLAIN\s+(ANALYZE\s+)?", re.IGNORECASE)
+
+
+def _explains_a_select(con: duckdb.DuckDBPyConnection, statement) -> bool:
+    # EXPLAIN ANALYZE runs what it explains: only a plain SELECT may follow. Options such as
+    # `EXPLAIN (FORMAT json)` are not read, so such statements are refused.
+    prefix = _EXPLAIN.match(statement.query) if statement.type == duckdb.StatementType.EXPLAIN else None
+    if prefix is None:
+        return False
+    try:
+        explained = con.extract_statements(statement.query[prefix.end():])
+    except duckdb.Error:
+        return False
+    return len(explained) == 1 and explained[0].type == duckdb.StatementType.SELECT
 
 
 def _ident(text: str) -> str:
@@ -104,6 +148,8 @@ def _ident(text: str) -> str:
 
 
 def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> tuple[list[str], list[tuple]]:
+    """Columns and rows of SQL's last statement; QueryRefused for anything but SELECT statements."""
+    check_read_only(con, sql)
     cur = con.execute(sql)
     columns = [d[0] for d in cur.description] if cur.description else []
     return columns, cur.fetchall()
@@ -114,6 +160,7 @@ def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
     path = Path(path)
     if path.suffix not in (".parquet", ".csv"):
         raise CatalogError(f"--export {path}: the file name must end in .parquet or .csv")
+    check_read_only(con, sql)
     relation = con.sql(sql)
     if relation is None:
         raise CatalogError("--export needs a query that returns rows (a SELECT)")

@@ -252,6 +252,21 @@ ADVANTAGES = Table(
     ),
 )
 
+RESCORES = Table(
+    "rescores",
+    "One row per (step, version) that `refiner rescore` wrote: its settings, and a hash of the rows it was computed "
+    "from; step_rewards.stale compares that hash with the step's current rows.",
+    ("run", "step", "reward_version"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step."),
+        _c("reward_version", S, "The `refiner rescore` version."),
+        _c("settings", S, "The settings that differ from the run's recipe, as `--set` flags."),
+        _c("inputs_hash", S, "Hash of the step's reward_inputs and judge_scores rows the version was computed from "
+                             "(refiner_core.storage.STEP_INPUTS_HASH_SQL)."),
+    ),
+)
+
 CITATION_CLAIMS = Table(
     "citation_claims",
     "One row per claim of a judged answer (reward.citation_score 'f1' or 'dr_tulu'): the claim, its cited IDs, "
@@ -423,7 +438,9 @@ TURNS = Table(
         _c("stderr", S, "Tool rows: stderr excerpt."),
         _c("seconds", F, "Tool rows: wall time of the call."),
         _c("failure", S, "Tool rows: why the call could not run ('bad_json: ...', 'unknown_tool: ...', "
-                         "'missing_arguments: ...', 'missing_argument: ...', 'unclosed_tool_call: ...'); NULL if it ran."),
+                         "'missing_arguments: ...', 'missing_argument: ...', 'wrong_type: ...', 'unclosed_tool_call: "
+                         "...', 'bad_code: ...' (a NUL or an unpaired surrogate in the code), 'code_too_long: "
+                         "...'); NULL if it ran."),
         _c("finish_reason", S, "Assistant rows: 'tool_call', 'stop', 'length' (turn or total token budget) or "
                                "'max_turns' (called a tool on the last allowed turn: not run)."),
     ),
@@ -455,8 +472,8 @@ TEACHER_UPDATES = Table(
 
 ALL_TABLES: dict[str, Table] = {
     t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS,
-                        ADVANTAGES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS, EVALS, TURNS,
-                        TEACHER_ROLLOUTS, TEACHER_UPDATES)
+                        ADVANTAGES, RESCORES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS,
+                        EVALS, TURNS, TEACHER_ROLLOUTS, TEACHER_UPDATES)
 }
 
 _DUCKDB_TYPES = {

@@ -51,6 +51,9 @@ def load_rows(path: str, fmt: str = "auto", fields: dict | None = None, split: s
         rows = _read_dataset(_load_from_disk(Path(path), split))
     else:
         rows = _read_dataset(_load_hub(path, split, hub_config))
+    if not rows:  # nothing to validate: say so, rather than fail later on a missing column or an empty table
+        raise SourceError(f"{path} is an empty file (no rows)" if kind in ("jsonl", "parquet") else
+                          f"{path} has no rows in split {split!r}")
     return [apply_field_mapping(r, fields or {}) for r in rows]
 
 
@@ -124,6 +127,10 @@ def _show_bytes(value):
 def _load_from_disk(path: Path, split: str):
     from datasets import DatasetDict, load_from_disk
 
+    state = (path / split if (path / "dataset_dict.json").is_file() else path) / "state.json"
+    if state.is_file() and not json.loads(state.read_text()).get("_data_files", True):
+        # datasets saves an empty dataset without data files and then fails to load it (IndexError)
+        raise SourceError(f"{path} has no rows in split {split!r}")
     loaded = load_from_disk(str(path))
     if isinstance(loaded, DatasetDict):
         if split not in loaded:

@@ -165,21 +165,40 @@ FROM ({REWARD_SQL}) recomputed
 JOIN rewards stored USING (run, step, prompt_id, sample_idx, reward_version)
 """
 
-# The reward figures of `steps`, per reward version: training's and each rescore's, side by side.
-_STEP_REWARDS_VIEW = """
+# What a step's rewards are computed from, one hash per (run, step): its reward_inputs and judge_scores rows
+# (without how a judgment was obtained: latency, attempts, cache hit). A `refiner rescore` version records it.
+STEP_INPUTS_HASH_SQL = """
+SELECT run, step, hash(list(row_hash ORDER BY row_hash))::VARCHAR AS inputs_hash FROM (
+  SELECT run, step, hash(i) AS row_hash FROM reward_inputs i
+  UNION ALL
+  SELECT run, step, hash(s) FROM (SELECT * EXCLUDE (latency_seconds, attempts, cache_hit) FROM judge_scores) s
+) GROUP BY run, step
+"""
+
+# The reward figures of `steps`, per reward version: training's and each rescore's, side by side. `stale`: a
+# rescore version computed from rows that a later run of the folder replaced (NULL: a version that recorded none).
+_STEP_REWARDS_VIEW = f"""
 CREATE VIEW step_rewards AS
-SELECT run, step, reward_version, avg(r.reward) AS reward_mean, stddev_pop(r.reward) AS reward_std,
-       avg(abs(a.advantage)) AS advantage_abs_mean, count(*) AS rollouts,
-       count(*) FILTER (WHERE a.trained) AS trained_rollouts, count(*) FILTER (WHERE r.dropped) AS dropped_rollouts
-FROM rewards r LEFT JOIN advantages a USING (run, step, prompt_id, sample_idx, reward_version)
-GROUP BY run, step, reward_version
+WITH figures AS (
+  SELECT run, step, reward_version, avg(r.reward) AS reward_mean, stddev_pop(r.reward) AS reward_std,
+         avg(abs(a.advantage)) AS advantage_abs_mean, count(*) AS rollouts,
+         count(*) FILTER (WHERE a.trained) AS trained_rollouts, count(*) FILTER (WHERE r.dropped) AS dropped_rollouts
+  FROM rewards r LEFT JOIN advantages a USING (run, step, prompt_id, sample_idx, reward_version)
+  GROUP BY run, step, reward_version
+), current_inputs AS ({STEP_INPUTS_HASH_SQL})
+SELECT f.*, CASE WHEN f.reward_version = 'train' THEN false WHEN v.reward_version IS NULL THEN NULL
+                 ELSE v.inputs_hash IS DISTINCT FROM c.inputs_hash END AS stale
+FROM figures f LEFT JOIN rescores v USING (run, step, reward_version) LEFT JOIN current_inputs c USING (run, step)
 """
 
 
 def replace_version_rows(db_path: Path, files: dict[str, list[str]], version: str) -> None:
     """Swap one reward version's rows of a published catalog for the given Parquet files, atomically."""
     with _catalog_copy(db_path, from_existing=True) as con:
+        present = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         for name, paths in files.items():
+            if name not in present:  # a catalog published before the table existed
+                con.execute(duckdb_ddl(ALL_TABLES[name]))
             con.execute(f'DELETE FROM "{ALL_TABLES[name].name}" WHERE reward_version = ?', [version])
             con.execute(f'INSERT INTO "{ALL_TABLES[name].name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
 

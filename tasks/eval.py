@@ -11,6 +11,7 @@ from refiner_core.judges.base import make_judge
 from refiner_core.rollout.base import make_engine
 from refiner_core.schema import EVALS
 from refiner_core.storage import read_rows, write_table
+from tasks.judge_server import ensure_judge_server
 from tasks.stage import stage
 
 
@@ -39,6 +40,8 @@ def evaluate(*, run_dir: str, run: str, step: int, phase: str, prompts: dict, ru
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
+    if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
+        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
     scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)
     rows = score_responses(responses, {p["prompt_id"]: p for p in prompt_rows}, rubric_rows, scorer,
                            RewardConfig(**reward_cfg), judge_cfg["on_failure"], judge_cfg["max_response_chars"],

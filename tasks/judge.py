@@ -30,7 +30,7 @@ def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: di
     # A step whose prompts are all verified (no rubrics) loads no judge model and starts no judge server.
     needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
     if judge_cfg["serve"] and needs_judge:
-        ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)
+        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
     scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision) if needs_judge else None
     scored = score_rollouts(
         rollout_rows, prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
@@ -48,6 +48,8 @@ def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: di
         log.info("judge step %d: %d from the judge cache, %d requests, %d pairs retried", step,
                  sum(bool(s["cache_hit"]) for s in scores), sum(s["attempts"] or 0 for s in scores),
                  sum((s["attempts"] or 0) > 1 for s in scores))
+    if getattr(scorer, "cache_off_reason", ""):
+        log.warning("judge step %d: %s", step, scorer.cache_off_reason)
     tables = {"judge_scores": (JUDGE_SCORES, scores), "citation_claims": (CITATION_CLAIMS, scored.citation_claims),
               "reward_inputs": (REWARD_INPUTS, scored.reward_inputs),
               "reward_weights": (REWARD_WEIGHTS, scored.reward_weights), "rewards": (REWARDS, rewards)}

@@ -1,5 +1,7 @@
 """The judge server a run starts itself (judge.serve): started by the first judge stage that needs it, reused
-by the next steps, stopped by the flow's end hooks (success, failure, crash, cancellation) or at exit."""
+by the next steps, stopped by the flow's end hooks (success, failure, crash, cancellation) or at exit. It serves
+the judge checkpoint as `PREFIX-HASH` (judge.api_model or the folder's name, then the content hash): the judge
+stage sends that name."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from refiner_core.judges.serve import JudgeServer, start_server, stop_server
 _SERVED: dict[str, JudgeServer] = {}  # base_url -> the server this process started
 
 
-def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> None:
-    """Start the judge server at judge.base_url unless this process already runs it."""
+def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> str:
+    """Start the judge server at judge.base_url unless this process already runs it; the served model name."""
     url = judge_cfg["base_url"]
     running = _SERVED.get(url)
     if running is not None and running.proc.poll() is None:
-        return
+        return running.model_name
     parts = urlsplit(url)
     log_path = Path(run_dir) / "logs" / f"judge-server-{parts.port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -25,7 +27,8 @@ def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> 
     _SERVED[url] = start_server(model_path, host=parts.hostname, port=parts.port,
                                 served_name=judge_cfg["api_model"], startup_timeout=judge_cfg["serve_startup_timeout"],
                                 log_path=log_path)
-    log.info("judge server healthy: pid %d", _SERVED[url].pid)
+    log.info("judge server healthy: pid %d, model %s", _SERVED[url].pid, _SERVED[url].model_name)
+    return _SERVED[url].model_name
 
 
 def stop_judge_servers(*_hook_args) -> None:

@@ -12,7 +12,28 @@ CLIENT_TIMEOUT = 0.5
 FAULTS = 25  # the prompt's hash mod FAULTS picks its behaviour: 6 of 25 (24 %) misbehave
 
 
-class FaultServer:
+class LoopbackServer:
+    """A threaded HTTP server on 127.0.0.1 serving `handler`, started and stopped as a context manager."""
+
+    def listen(self, handler, port: int = 0) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FaultServer(LoopbackServer):
     """Chat-completions on loopback. Per prompt (hash of the messages), deterministically:
     0 sleeps past the client timeout once, 1 answers 500 once, 2 answers 429 once, 3 answers a junk body once,
     4 answers 503 while `permanent_faults` is on, 5 always answers prose (not score JSON); others a score.
@@ -68,21 +89,8 @@ class FaultServer:
                 return self._send(200, _reply(json.dumps({"score": int(key, 16) % 3})))
 
         ThreadingHTTPServer.request_queue_size = 128  # accept every concurrent connection at once
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.listen(Handler)
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def _reply(content: str) -> dict:

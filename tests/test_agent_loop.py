@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import duckdb
 import pytest
 import torch
 
-from refiner_core.agent.hermes import hermes_system_prompt, parse_tool_calls
+from refiner_core.agent.hermes import TOO_DEEP, hermes_system_prompt, parse_tool_calls
 from refiner_core.agent.loop import AgentSettings, model_scorer, run_agent, tool_message_ids
+from refiner_core.agent.rollout import turn_rows
 from refiner_core.agent.tools.base import tool_schema
 from refiner_core.agent.tools.python_sandbox import PythonSandbox, PythonTool, SandboxLimits, check_sandbox
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
@@ -17,6 +19,8 @@ from refiner_core.models import load_model
 from refiner_core.prompts import render_prompt
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.rollout.base import SamplingParams
+from refiner_core.schema import TURNS
+from refiner_core.storage import write_table
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
 TWO_CALLS = ('<tool_call>{"name": "python", "arguments": {"code": "print(2 + 3)"}}</tool_call>'
@@ -24,6 +28,10 @@ TWO_CALLS = ('<tool_call>{"name": "python", "arguments": {"code": "print(2 + 3)"
 BAD_JSON = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"</tool_call>'
 UNKNOWN = '<tool_call>{"name": "browser", "arguments": {"url": "x"}}</tool_call>'
 MISSING = '<tool_call>{"name": "python", "arguments": {"source": "print(1)"}}</tool_call>'
+# JSON escapes a model may write: a NUL and an unpaired surrogate in the code, a surrogate in the tool's name.
+NUL_CODE = r'<tool_call>{"name": "python", "arguments": {"code": "print(\u0000)"}}</tool_call>'
+SURROGATE_CODE = r'<tool_call>{"name": "python", "arguments": {"code": "x = \"\ud800\""}}</tool_call>'
+SURROGATE_NAME = r'<tool_call>{"name": "py\ud800", "arguments": {"code": "1"}}</tool_call>'
 
 
 class RecordingEngine:
@@ -64,6 +72,10 @@ def test_parse_tool_calls_well_formed_and_malformed():
     as_string = parse_tool_calls('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>',
                                  tools)
     assert as_string[0].arguments == {"code": "1"}
+    deep = "[" * 100_000  # a model's run of brackets: past the parser's recursion limit
+    assert parse_tool_calls(f"<tool_call>{deep}</tool_call>", tools)[0].failure == TOO_DEEP
+    deep_string = json.dumps({"name": "python", "arguments": deep})
+    assert parse_tool_calls(f"<tool_call>{deep_string}</tool_call>", tools)[0].failure == TOO_DEEP
     assert parse_tool_calls("no calls here", tools) == []
 
 
@@ -177,6 +189,34 @@ def test_token_budget_ends_conversations(tiny_model_path, tiny_tokenizer, python
     assert scripted.tool_rounds == 1
     if scripted.finish_reason == "length":  # the sampled follow-up ran into the budget
         assert len(scripted.token_ids) == budget or scripted.turns[-1].role in ("assistant", "tool")
+
+
+def test_calls_the_tool_cannot_take_are_recorded_and_stored(tiny_model_path, tiny_tokenizer, python_tool, tmp_path):
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=1)
+    prompt = render_prompt(tiny_tokenizer, [{"role": "user", "content": "What is 6 * 7?"}])[1]
+    scripted = {(0, 0): [NUL_CODE + SURROGATE_CODE, SURROGATE_NAME + CALL, "Done: \\boxed{42}"]}
+    [rollout] = run_agent(engine, tiny_tokenizer, [prompt], SamplingParams(n=1, max_new_tokens=8, seed=0),
+                          {"python": python_tool}, AgentSettings(max_turns=4, max_response_tokens=600),
+                          scripted=scripted, score=model_scorer(model, 1.0))
+    calls = [(t.turn, t.status, t.failure and t.failure.split(":")[0], t.text) for t in rollout.turns
+             if t.role == "tool"]
+    assert calls == [(0, "invalid_call", "bad_code", "error: bad_code: the code holds a NUL character (at index 6)"),
+                     (0, "invalid_call", "bad_code", "error: bad_code: the code holds '\\ud800', an unpaired "
+                                                     "surrogate that UTF-8 cannot encode (at index 5)"),
+                     (1, "invalid_call", "unknown_tool", "error: unknown_tool: 'py\\ud800'; available: python"),
+                     (1, "ok", None, "42")]
+    assert rollout.finish_reason == "stop" and rollout.final_text == "Done: \\boxed{42}"
+    assert rollout.tool_rounds == 1  # the first turn's calls never ran
+    # The turns table holds the calls as written: the arguments are the same JSON, the name escaped.
+    path = tmp_path / "turns.parquet"
+    write_table(TURNS, turn_rows(rollout, {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": 0}), path)
+    stored = duckdb.execute("SELECT tool_name, arguments, status FROM read_parquet(?) WHERE role = 'tool' "
+                            "ORDER BY turn, call_idx", [str(path)]).fetchall()
+    assert [json.loads(arguments) for _, arguments, _ in stored[:2]] == [{"code": "print(\x00)"},
+                                                                       {"code": 'x = "\ud800"'}]
+    assert [(name, status) for name, _, status in stored] == [
+        ("python", "invalid_call"), ("python", "invalid_call"), ("py\\ud800", "invalid_call"), ("python", "ok")]
 
 
 @pytest.mark.slow

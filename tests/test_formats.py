@@ -53,3 +53,23 @@ def test_no_citation_scores_zero():
     assert parsed.well_formed
     assert check_citations(parsed, ["a1b2c3"]).score == 0.0
 
+
+
+def test_empty_id_inside_a_citation_list_is_a_format_error():
+    from refiner_core.data import check_row
+    from refiner_core.rewards import format_parts
+
+    for ids in ("P1, ,P2", "P1,,P2", "P1,", ",P1"):
+        parsed = parse_answer(f"<answer><snippet id={ids}>Both say so.</snippet></answer>")
+        assert not parsed.well_formed, ids
+        assert parsed.problems == (f"empty id in snippet id list {ids!r}",)
+    # The IDs that are there still count as citations: 2 cited, none invalid, but the format score is 0.
+    assert format_parts("<answer><snippet id=P1, ,P2>Both say so.</snippet></answer>", ["P1", "P2"]) == {
+        "has_answer": True, "format_ok": False, "format_score": 0.0, "n_citations": 2, "n_invalid_citations": 0,
+        "citation_valid_fraction": 1.0}
+    assert parse_answer("<answer><snippet id=P1, P2>Both say so.</snippet></answer>").well_formed
+    # A reference answer with an empty ID is quarantined, not trained on.
+    row = {"id": "r1", "question": "q?", "reasoning": "r", "tool_output": TOOL,
+           "answer": "<answer><snippet id=a1b2c3, ,d4e5f6>x</snippet></answer>"}
+    assert check_row(row) == ("bad_answer_format", "empty id in snippet id list 'a1b2c3, ,d4e5f6'")
+    assert check_row({**row, "answer": "<answer><snippet id=a1b2c3,d4e5f6>x</snippet></answer>"}) is None

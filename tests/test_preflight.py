@@ -140,3 +140,77 @@ def test_quarantine_names_the_mapped_column():
         ("missing_field", "field 'question' (mapped from column 'qery') is missing")}
     # a mapped column that exists changes nothing
     assert len(validate_rows(load_rows(str(SAMPLES), fields={"question": "question"})).rows) == 69
+
+
+def test_a_utf8_bom_does_not_hide_line_ones_columns(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + SAMPLES.read_bytes().splitlines()[0] + b"\n")
+    assert problems(f"data.path={path}") == []
+
+
+@pytest.mark.parametrize("name,content", [("empty.jsonl", b""), ("blank.jsonl", b"\n \n")])
+def test_an_empty_file_says_so(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert problems(f"data.path={path}") == [f"data.path: {path} is an empty file (no rows)"]
+    parquet = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({c: pa.array([], pa.string()) for c in COLUMNS.split(", ")}), parquet)
+    assert problems(f"data.path={parquet}") == [f"data.path: {parquet} has no rows"]
+
+
+def _sample_table(**columns) -> pa.Table:
+    rows = [json.loads(line) for line in SAMPLES.read_text().splitlines()[:2]]
+    table = pa.table({k: [r[k] for r in rows] for k in ("id", "question", "reasoning", "tool_output", "answer")})
+    for name, values in columns.items():
+        table = table.drop_columns([name]) if name in table.column_names else table
+        table = table.append_column(name, values)
+    return table
+
+
+TOOL_OUTPUT_MUST = ("tool_output must be a string with <snippet id=...> blocks or a list of snippet objects "
+                    "{id, text, title?, url?}")
+
+
+def test_a_column_of_the_wrong_type_is_reported_at_once(tmp_path):
+    path = tmp_path / "rows.parquet"
+    pq.write_table(_sample_table(tool_output=pa.array([["s1 text", "s2 text"], ["s3 text"]])), path)
+    assert problems(f"data.path={path}") == [
+        f"data.path: column 'tool_output' of {path} holds list of string; {TOOL_OUTPUT_MUST}"]
+    # A mapped column names the mapping; an ID column of numbers is fine, of floats it is not.
+    pq.write_table(_sample_table(search=pa.array([1, 2]), id=pa.array([1.5, 2.5])), path)
+    assert problems(f"data.path={path}", "data.fields={tool_output: search}") == [
+        f"data.path: column 'id' of {path} holds number; id must be a string or an integer",
+        f"data.fields: tool_output -> 'search': column 'search' of {path} holds integer; {TOOL_OUTPUT_MUST}"]
+    pq.write_table(_sample_table(id=pa.array([1, 2]), positive_rubrics=pa.array([1, 2])), path)
+    [p] = problems(f"data.path={path}")
+    assert p.startswith(f"data.path: column 'positive_rubrics' of {path} holds integer; positive_rubrics must be "
+                        "a list of rubrics")
+
+
+def test_a_list_of_snippet_structs_and_a_rubric_object_pass(tmp_path):
+    snippets = [[{"id": "a1", "title": "T", "url": "u", "text": "x"}], [{"id": "b2", "title": None, "url": None,
+                                                                        "text": "y"}]]
+    path = tmp_path / "rows.parquet"
+    rubrics = pa.array([{"positive": ["a"], "negative": ["b"]}] * 2)
+    pq.write_table(_sample_table(tool_output=pa.array(snippets), rubrics=rubrics), path)
+    assert problems(f"data.path={path}", "data.fields={positive_rubrics: rubrics, negative_rubrics: rubrics}") == []
+
+
+def test_jsonl_types_are_read_from_the_first_rows(tmp_path):
+    rows = [json.loads(line) for line in SAMPLES.read_text().splitlines()[:3]]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({**r, "question": {"text": r["question"]}}) + "\n" for r in rows))
+    assert problems(f"data.path={path}") == [
+        f"data.path: column 'question' of {path} holds object; question must be a string"]
+    # One bad row among good ones is the quarantine's business, not a reason to refuse the run.
+    path.write_text("".join(json.dumps({**r, "question": 7} if n == 1 else r) + "\n" for n, r in enumerate(rows)))
+    assert problems(f"data.path={path}") == []
+
+
+def test_save_to_disk_column_types(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"id": ["1"], "question": [["q", "r"]], "reasoning": ["r"], "tool_output": ["<snippet id=a>"
+                       "x</snippet>"]}).save_to_disk(str(tmp_path / "ds"))
+    assert problems(f"data.path={tmp_path / 'ds'}") == [
+        f"data.path: column 'question' of {tmp_path / 'ds'} holds list of string; question must be a string"]

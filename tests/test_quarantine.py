@@ -196,3 +196,69 @@ def test_control_characters_in_chat_messages_are_quarantined():
     [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
     assert (rejection.reason, rejection.detail) == (
         "control_characters", "field 'messages'[1]['content'] holds U+0000 at offset 1")
+
+
+class CountingTokenizer:
+    """The real tokenizer, recording the length of every text it is asked to tokenize or render."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.lengths: list[int] = []
+
+    def __call__(self, text, *args, **kwargs):
+        self.lengths.append(len(text))
+        return self._tokenizer(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages, *args, **kwargs):
+        self.lengths.append(sum(len(m["content"]) for m in messages))
+        return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_huge_row_is_rejected_without_tokenizing_it(tiny_tokenizer):
+    samples = [json.loads(line) for line in (DATA.parent.parent / "data" / "refiner" / "samples.jsonl")
+               .read_text().splitlines()[:2]]
+    huge = dict(samples[1], id="huge", reasoning="word " * 1_000_000)  # 5 MB
+    long_answer = dict(samples[1], id="long-answer", answer="<answer>" + "x" * 2_000_000 + "</answer>")
+    raw = [RawRow(f"line {n}", json.dumps(r), r) for n, r in enumerate([samples[0], huge, long_answer], 1)]
+    counting = CountingTokenizer(tiny_tokenizer)
+    prompts, rejected = prepare_prompts(validate_rows(raw).rows, counting, "t", 2000, 1024, 0.0, 0)
+    assert [p["prompt_id"] for p in prompts] == [samples[0]["id"]]
+    assert [(r.row_ref, r.reason) for r in rejected] == [("line 2", "prompt_too_long"),
+                                                         ("line 3", "reference_too_long")]
+    chars, _, rest = rejected[0].detail.partition(" ")
+    assert 4_000_000 < int(chars) < 4_010_000  # the reasoning's 4 MB of non-space text, plus the other fields
+    assert rest == "characters besides whitespace: more than max_prompt_tokens 2000 tokens can hold"
+    assert counting.lengths and max(counting.lengths) < 100_000, "the huge rows were never tokenized"
+
+
+def test_the_length_precheck_never_rejects_a_row_that_fits(tiny_tokenizer):
+    """At a limit of exactly its token count a row is kept; one token less, the real count rejects it."""
+    row = json.loads((DATA.parent.parent / "data" / "refiner" / "samples.jsonl").read_text().splitlines()[0])
+    rows = validate_rows([RawRow("line 1", json.dumps(row), row)]).rows
+    [prompt], _ = prepare_prompts(rows, tiny_tokenizer, "t", 100_000, 100_000, 0.0, 0)
+    n = prompt["prompt_tokens"]
+    assert prepare_prompts(rows, tiny_tokenizer, "t", n, prompt["reference_tokens"], 0.0, 0)[1] == []
+    [too_long] = prepare_prompts(rows, tiny_tokenizer, "t", n - 1, 100_000, 0.0, 0)[1]
+    assert (too_long.reason, too_long.detail) == ("prompt_too_long", f"{n} prompt tokens > max_prompt_tokens {n - 1}")
+
+
+def test_a_run_that_quarantined_rows_ends_with_a_warning(tmp_path):
+    from refiner_core.data import Rejection, quarantine_warning
+    from refiner_core.schema import QUARANTINE
+    from refiner_core.storage import build_catalog, write_table
+
+    prepare = [Rejection("line 2", "non_utf8", "d", "x"), Rejection("line 3", "invalid_json", "d", "x"),
+               Rejection("line 9", "non_utf8", "d", "x")]
+    rubrics = [Rejection("id r1", "missing_rubrics", "d", "x")]
+    write_table(QUARANTINE, [r.as_quarantine("q", "prepare", "c.jsonl") for r in prepare], tmp_path / "q1.parquet")
+    write_table(QUARANTINE, [r.as_quarantine("q", "rubrics", "c.jsonl") for r in rubrics], tmp_path / "q2.parquet")
+    build_catalog(tmp_path / "catalog.duckdb", {"quarantine": [tmp_path / "q1.parquet", tmp_path / "q2.parquet"]})
+    assert quarantine_warning(tmp_path) == (
+        "4 rows quarantined (prepare: invalid_json 1, non_utf8 2; rubrics: missing_rubrics 1); "
+        f"see them: refiner sql {tmp_path} \"SELECT * FROM quarantine\"")
+    build_catalog(tmp_path / "catalog.duckdb", {"quarantine": []})
+    assert quarantine_warning(tmp_path) is None
+    assert quarantine_warning(tmp_path / "no-catalog-yet") is None

@@ -1,5 +1,6 @@
 """`refiner rescore`: a finished run (judged over HTTP by a loopback server that counts requests) gets a new
-reward version from new weights, equal to a hand computation from the stored components, with no request."""
+reward version from new weights, equal to a hand computation from the stored components, with no request; a
+later run that changes the judged steps marks the version stale, and `refiner sql` / `show` say how to redo it."""
 
 from __future__ import annotations
 
@@ -26,17 +27,17 @@ def _rows(run_dir, sql):
 def served_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rescore")
     with FaultServer(faults=False) as server:
-        code, out, err, _ = run_cli(
-            ["run", "recipes/tiny.yaml", "--run-dir", str(tmp / "run"), "--set", "judge.engine=openai",
-             "--set", f"judge.base_url={server.base_url}", "--set", "judge.mode=json",
-             "--set", f"judge.cache_path={tmp / 'cache'}", "--set", "grpo.steps=2"], tmp)
+        command = ["run", "recipes/tiny.yaml", "--run-dir", str(tmp / "run"), "--set", "judge.engine=openai",
+                   "--set", f"judge.base_url={server.base_url}", "--set", "judge.mode=json",
+                   "--set", f"judge.cache_path={tmp / 'cache'}", "--set", "grpo.steps=2"]
+        code, out, err, _ = run_cli(command, tmp)
         assert code == 0, out + err
         judged = server.requests
-        yield tmp / "run", server, judged
+        yield tmp / "run", server, judged, command
 
 
 def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
-    run_dir, server, judged = served_run
+    run_dir, server, judged, _ = served_run
     assert judged > 0
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "reward.citation_weight=0.5",
                                  "--set", "reward.verification_reward=3", "--name", "cw05"], tmp_path)
@@ -71,7 +72,7 @@ def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
 
 
 def test_settings_that_need_new_judgments_are_refused(served_run, tmp_path):
-    run_dir, server, judged = served_run
+    run_dir, server, judged, _ = served_run
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "judge.max_new_tokens=4"], tmp_path)
     assert code == 2 and "would be re-judged" in err and "judge.max_new_tokens" in err
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "reward.citation_score=f1"], tmp_path)
@@ -79,3 +80,57 @@ def test_settings_that_need_new_judgments_are_refused(served_run, tmp_path):
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "rollout.temperature=0.3"], tmp_path)
     assert code == 2 and "would change training" in err
     assert server.requests == judged
+
+
+STALE_SQL = "SELECT step, reward_version, stale FROM step_rewards ORDER BY step, reward_version"
+
+
+def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, tmp_path):
+    """Runs last: it reruns the module's run (the tests above count its judge requests)."""
+    run_dir, server, _, command = served_run
+    rescore = ["rescore", str(run_dir), "--set", "reward.citation_weight=0.5", "--name", "cw05"]
+    code, out, err, _ = run_cli(rescore, tmp_path)
+    assert code == 0, out + err
+    assert _rows(run_dir, "SELECT DISTINCT settings FROM rescores WHERE reward_version = 'cw05'") == [
+        {"settings": "--set reward.citation_weight=0.5"}]
+
+    # A rerun that changes nothing (every stage cached) leaves the version current.
+    code, out, err, _ = run_cli(command, tmp_path)
+    assert code == 0, out + err
+    code, out, err, _ = run_cli(["sql", str(run_dir), STALE_SQL, "-f", "csv"], tmp_path)
+    assert code == 0 and "stale" not in err, err
+    assert out.split() == ["step,reward_version,stale", "0,cw05,False", "0,train,False", "1,cw05,False",
+                           "1,train,False"]
+
+    # Another learning rate: step 1 samples from another policy, so its judgments change; step 0's do not.
+    code, out, err, _ = run_cli([*command, "--set", "grpo.learning_rate=0.01"], tmp_path)
+    assert code == 0, out + err
+    assert [(r["step"], r["reward_version"], r["stale"]) for r in _rows(run_dir, STALE_SQL)] == [
+        (0, "cw05", False), (0, "train", False), (1, "cw05", True), (1, "train", False)]
+    redo = f"refiner rescore {run_dir} --name cw05 --set reward.citation_weight=0.5"
+    warning = f"rescore version cw05 is stale for step 1 (a later run changed their judgments): rerun `{redo}`"
+    code, out, err, _ = run_cli(["sql", str(run_dir), "SELECT count(*) FROM steps"], tmp_path)
+    assert code == 0 and warning in err, err
+    code, out, err, _ = run_cli(["show", str(run_dir)], tmp_path)
+    assert code == 0 and warning in err, err
+
+    # The stale rows are wrong where marked: a fresh rescore of the current judgments differs on step 1 only.
+    code, out, err, _ = run_cli([*rescore[:-1], "fresh"], tmp_path)
+    assert code == 0, out + err
+    assert _differing(run_dir)[0] == 0 and _differing(run_dir)[1] > 0
+
+    # The command the warning gives makes the version current again, equal to the fresh rescore.
+    code, out, err, _ = run_cli(redo.split()[1:], tmp_path)
+    assert code == 0, out + err
+    assert not any(r["stale"] for r in _rows(run_dir, STALE_SQL))
+    assert _differing(run_dir) == {0: 0, 1: 0}
+    code, out, err, _ = run_cli(["show", str(run_dir)], tmp_path)
+    assert code == 0 and "stale" not in err, err
+
+
+def _differing(run_dir) -> dict[int, int]:
+    """Per step: rollouts whose cw05 reward differs from the 'fresh' version's."""
+    rows = _rows(run_dir, "SELECT step, count(*) FILTER (WHERE abs(c.reward - f.reward) > 1e-12) AS n FROM rewards c "
+                          "JOIN rewards f USING (run, step, prompt_id, sample_idx) WHERE c.reward_version = 'cw05' "
+                          "AND f.reward_version = 'fresh' GROUP BY step")
+    return {r["step"]: r["n"] for r in rows}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -16,7 +18,9 @@ from refiner_core.agent.tools.python_sandbox import (PythonSandbox, PythonTool, 
                                                      check_sandbox)
 
 LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=5.0, memory_bytes=512 << 20, max_processes=16,
-                       max_file_bytes=1 << 20, tmp_bytes=8 << 20, max_output_bytes=2048)
+                       max_file_bytes=1 << 20, tmp_bytes=8 << 20, tmp_inodes=1000, max_output_bytes=2048)
+# Syscall numbers the probes call through ctypes: add_key, request_key, keyctl, shmget, msgget, unshare, clone.
+SYSCALLS = {"x86_64": (248, 249, 250, 29, 68, 272, 56), "aarch64": (217, 218, 219, 194, 186, 97, 220)}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +89,7 @@ def test_fork_bomb_is_contained(box):
     assert result.status in ("timeout", "cpu_limit")
     assert time.monotonic() - t0 < LIMITS.wall_seconds + 5
     if os.geteuid() == 0:  # the sandbox uids own no process once the call returned
-        assert processes_of_uid({61000, 61001}) == []
+        assert processes_of_uid(set(box.uids)) == []
     # The limit held: the sandbox can still run code, and this process can still fork.
     assert box.run("print('alive')").stdout == "alive\n"
 
@@ -153,7 +157,8 @@ def test_writes_outside_tmp_fail_and_tmp_is_private(box, tmp_path):
     assert "WROTE" not in result.stdout and result.stdout.count("refused") == 4
     # The private /tmp holds only what the code wrote, plus the read-only interpreter folders of a checkout that
     # lives under /tmp itself (bound there so the interpreter runs).
-    interpreter_dirs = sorted({p.parts[2] for p in map(Path, {sys.prefix, sys.base_prefix}) if p.parts[1:2] == ("tmp",)})
+    interpreter_dirs = sorted({p.parts[2] for p in map(Path, {sys.prefix, sys.base_prefix})
+                               if p.parts[1:2] == ("tmp",)})
     assert f"tmp ok {sorted(['scratch'] + interpreter_dirs)}" in result.stdout
     assert not target.exists() and not Path(sys.prefix, "escaped").exists() and not Path("/escaped").exists()
     # A fresh call starts from an empty /tmp.
@@ -272,3 +277,152 @@ def test_recipe_with_the_python_tool_is_refused_before_running_without_bubblewra
     monkeypatch.setenv("PATH", "/nonexistent")
     problems = [p for p in check_values(load_recipe(recipe)) if "rollout.agent" in p]
     assert len(problems) == 1 and "bubblewrap" in problems[0] and "apt-get install -y bubblewrap" in problems[0]
+
+
+def test_code_the_interpreter_cannot_be_given_is_an_invalid_call():
+    tool = PythonTool(PythonSandbox(LIMITS, concurrency=1))
+    try:
+        results = tool.run_many([{"code": "print('a\x00b')"}, {"code": "x = '\ud800'"},
+                                 {"code": "#" * (LIMITS.max_code_bytes + 1)}, {"code": "print('still runs')"}])
+    finally:
+        tool.close()
+    assert [r.status for r in results] == ["invalid_call"] * 3 + ["ok"]
+    assert results[0].failure == "bad_code: the code holds a NUL character (at index 8)"
+    assert results[1].failure.startswith("bad_code: the code holds '\\ud800'")
+    limit = LIMITS.max_code_bytes
+    assert results[2].failure == f"code_too_long: {limit + 1} bytes, the limit is {limit}"
+    assert all(r.text == f"error: {r.failure}" for r in results[:3])
+    assert all(r.text.encode() for r in results)  # what the model is shown encodes: no NUL, no lone surrogate
+    assert "\x00" not in results[0].text and results[3].text == "still runs"
+
+
+# ctypes calls of the raw syscalls; each prints '<name> <result or -errno>'.
+SYSCALL_PROBE = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+                 f"ADD_KEY, REQUEST_KEY, KEYCTL, SHMGET, MSGGET, UNSHARE, CLONE = {SYSCALLS!r}[os.uname().machine]\n"
+                 "def call(name, nr, *args):\n"
+                 "    ret = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) if isinstance(a, int) else a "
+                 "for a in args])\n"
+                 "    print(name, ret if ret >= 0 else -ctypes.get_errno())\n    return ret\n")
+KEY_USER_KEYRING, KEYCTL_GET_KEYRING_ID, KEYCTL_READ = -4, 0, 11
+STORE_KEY = SYSCALL_PROBE + (f"call('add_key', ADD_KEY, b'user', b'refiner-probe', b'secret-payload', 14, "
+                             f"{KEY_USER_KEYRING})")
+READ_KEY = SYSCALL_PROBE + (
+    f"call('keyctl', KEYCTL, {KEYCTL_GET_KEYRING_ID}, {KEY_USER_KEYRING}, 0)\n"
+    "key = call('request_key', REQUEST_KEY, b'user', b'refiner-probe', None, 0)\n"
+    f"if key > 0:\n    buf = ctypes.create_string_buffer(64)\n    call('read', KEYCTL, {KEYCTL_READ}, key, buf, 64)\n"
+    "    print(buf.value)")
+HOLD_MEMORY = SYSCALL_PROBE + (
+    "def attempt(name, action):\n    try:\n        action()\n        print(name, 'held')\n"
+    "    except OSError as e:\n        print(name, 'refused', e.errno)\n"
+    "attempt('memfd', lambda: os.memfd_create('held'))\n"
+    "ipc_private, create = 0, 0o1600  # IPC_CREAT | 0600\n"
+    "call('shmget', SHMGET, ipc_private, 1 << 20, create)\ncall('msgget', MSGGET, ipc_private, create)\n"
+    "attempt('dev_shm', lambda: open('/dev/shm/held', 'wb').write(b'x'))\n"
+    "attempt('dev', lambda: open('/dev/held', 'wb').write(b'x'))\n"
+    "attempt('root', lambda: open('/held', 'wb').write(b'x'))\n"
+    "from multiprocessing import shared_memory\n"
+    "attempt('posix_shm', lambda: shared_memory.SharedMemory(create=True, size=1 << 20))")
+CLONE_NEWUSER, SIGCHLD = 0x10000000, 17
+# A user namespace of its own would give the code the capabilities to mount a tmpfs of any size.
+NEW_USER_NAMESPACE = SYSCALL_PROBE + (
+    f"call('unshare', UNSHARE, {CLONE_NEWUSER})\nif call('clone', CLONE, {CLONE_NEWUSER | SIGCHLD}, 0, 0, 0, 0) == 0:\n"
+    "    os._exit(0)\nimport subprocess\n"
+    "print('unshare_tool', subprocess.run(['unshare', '-Urm', 'true'], stderr=subprocess.DEVNULL).returncode)")
+FILL_TMP = ("import os\nn = 0\ntry:\n    while n < 20000:\n        open(f'/tmp/f{n}', 'w').close()\n        n += 1\n"
+            "    print('created', n)\nexcept OSError as e:\n    print('created', n, 'then errno', e.errno)")
+EPERM, ENOSPC = 1, 28
+
+
+def probe_results(stdout: str) -> dict[str, str]:
+    return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in stdout.splitlines() if " " in line}
+
+
+def test_kernel_keyring_is_closed(box):
+    stored, read = box.run(STORE_KEY), box.run(READ_KEY)
+    assert probe_results(stored.stdout) == {"add_key": f"-{EPERM}"}, stored
+    assert probe_results(read.stdout) == {"keyctl": f"-{EPERM}", "request_key": f"-{EPERM}"}, read
+    assert "secret-payload" not in read.stdout
+
+
+def test_memory_outside_the_address_space_limit_cannot_be_held(box):
+    result = box.run(HOLD_MEMORY)
+    found = probe_results(result.stdout)
+    assert found["shmget"] == found["msgget"] == f"-{EPERM}", result
+    assert [name for name, outcome in found.items() if outcome == "held"] == [], result
+    assert set(found) == {"memfd", "shmget", "msgget", "dev_shm", "dev", "root", "posix_shm"}
+
+
+def test_no_user_namespace_of_its_own(box):
+    result = box.run(NEW_USER_NAMESPACE)
+    assert probe_results(result.stdout) == {"unshare": f"-{EPERM}", "clone": f"-{EPERM}", "unshare_tool": "1"}, result
+
+
+def test_tmp_inodes_are_capped(box):
+    t0 = time.monotonic()
+    result = box.run(FILL_TMP)
+    created = result.stdout.split()
+    assert created[2:] == ["then", "errno", str(ENOSPC)], result
+    assert int(created[1]) < LIMITS.tmp_inodes and time.monotonic() - t0 < LIMITS.wall_seconds
+    assert box.run(FILL_TMP).stdout == result.stdout  # each call starts with a whole budget
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids are assigned only when the stage runs as root")
+def test_another_runs_processes_do_not_use_up_this_runs_process_limit(box):
+    """Two sandboxes stand for two runs on one machine: each has its own uids, so one filling its process limit
+    leaves the other's forks alone."""
+    other_run = PythonSandbox(LIMITS, concurrency=2)
+    marker = f"fill-{uuid.uuid4().hex}"
+    fill = (f"import os, time  # {marker}\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+            "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError:\n"
+            "    print('full at', n)\n"
+            "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break")
+    filled = []
+    try:
+        filler = threading.Thread(target=lambda: filled.append(other_run.run(fill)))
+        filler.start()
+        deadline = time.monotonic() + 3
+        while len(processes_matching(marker)) < LIMITS.max_processes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        forked = box.run("import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\n"
+                         "print('forked')")
+        filler.join()
+    finally:
+        other_run.close()
+    assert filled[0].stdout.startswith("full at"), filled
+    assert forked.stdout == "forked\n", forked
+    assert set(box.uids).isdisjoint(other_run.uids)
+
+
+def readable_by_everyone(path: Path) -> bool:
+    return all(p.stat().st_mode & 0o005 == 0o005 for p in [path, *path.parents] if p.is_dir()) and (
+        path.is_dir() or path.stat().st_mode & 0o004)
+
+
+NOBODY = 65534
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not SYSTEM_PYTHON.exists() or not readable_by_everyone(REPO),
+                    reason="runs the sandbox as an unprivileged user: needs root to switch, a system Python and a "
+                           "repository every user can read")
+def test_without_root_dev_is_read_only_and_the_limits_hold():
+    """The stage run as an ordinary user: bwrap makes its own user namespace, and the code keeps that uid."""
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    if subprocess.run([*as_nobody, "bwrap", "--unshare-user", "--ro-bind", "/", "/", "true"]).returncode != 0:
+        pytest.skip("unprivileged user namespaces are disabled here")
+    script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\n"
+              "from refiner_core.agent.tools.python_sandbox import PythonSandbox, SandboxLimits\n"
+              "box = PythonSandbox(SandboxLimits(tmp_inodes=500), interpreter=sys.executable, concurrency=1)\n"
+              "print(json.dumps([box.as_root] + [box.run(code).stdout for code in sys.argv[2:]]))")
+    done = subprocess.run([*as_nobody, str(SYSTEM_PYTHON), "-I", "-B", "-c", script, str(REPO), HOLD_MEMORY,
+                           STORE_KEY, FILL_TMP, NEW_USER_NAMESPACE, "import os\nprint(os.getuid())"],
+                          capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    as_root, memory, key, tmp, namespace, uid = json.loads(done.stdout)
+    assert (as_root, uid) == (False, f"{NOBODY}\n")
+    assert [name for name, outcome in probe_results(memory).items() if outcome == "held"] == [], memory
+    assert probe_results(memory)["dev"].startswith("refused") and len(probe_results(memory)) == 7
+    assert probe_results(key) == {"add_key": f"-{EPERM}"}
+    assert tmp.split()[2:] == ["then", "errno", str(ENOSPC)] and int(tmp.split()[1]) < 500
+    assert probe_results(namespace) == {"unshare": f"-{EPERM}", "clone": f"-{EPERM}", "unshare_tool": "1"}

@@ -1,10 +1,13 @@
 """Scheduled runs on a real Prefect server: `prefect server start`, a process work pool, `prefect deploy --all`
 from the repository's prefect.yaml, `prefect worker start`; a scheduled run of the tiny recipe completes by itself
-in its own run folder, and `prefect flow-run retry` of a failed run reruns only its unfinished stages."""
+in its own run folder, and `prefect flow-run retry` of a failed run reruns only its unfinished stages. Called
+directly too, the flow that deployments run leaves a run folder like `refiner run`'s, and a failed run logs the
+command that retries it."""
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import subprocess
@@ -16,10 +19,9 @@ import duckdb
 import httpx
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_cli
 from refiner_core.procs import spawn, stop_group
 
-pytestmark = pytest.mark.slow
 PREFECT = str(Path(sys.executable).parent / "prefect")
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 OVERRIDES = ["grpo.steps=1", "run.retries=0"]
@@ -98,11 +100,70 @@ def subflow_task_states(client, parent) -> dict[str, str]:
     return {t.name: t.state.name for t in tasks if not t.name.startswith(("locate-model", "prune-checkpoints"))}
 
 
+def retry_logged(client, flow_run_id, timeout: float = 30) -> str:
+    """The retry command an error line of the flow run ends with (logs reach the server shortly after the state)."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        commands = [log.message[log.message.index("prefect flow-run retry"):] for log in logs
+                    if log.level == logging.ERROR and "prefect flow-run retry" in log.message]
+        if commands:
+            return commands[0]
+        time.sleep(1)
+    raise AssertionError(f"flow run {flow_run_id} logged no retry command")
+
+
 def run_folder(runs: Path, run) -> Path:
     date = run.expected_start_time.astimezone(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     return runs / "refiner-tiny" / f"{date}-{str(run.id)[:8]}"
 
 
+@pytest.fixture
+def info_logs():
+    """Prefect's INFO lines, as a worker logs them (the test session keeps WARNING; Prefect sets its loggers'
+    levels again from the setting while a flow runs)."""
+    from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
+
+    prefect_logger = logging.getLogger("prefect")
+    level = prefect_logger.level
+    with temporary_settings(updates={PREFECT_LOGGING_LEVEL: "INFO"}):
+        prefect_logger.setLevel(logging.INFO)
+        yield
+    prefect_logger.setLevel(level)
+
+
+def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_server, info_logs, tmp_path):
+    from flows.scheduled import run_recipe
+    from refiner_core.config import load_recipe
+    from refiner_core.hardware import resolved_recipe
+
+    run_recipe(recipe_file="recipes/tiny.yaml", run_dir=str(tmp_path / "{deployment}" / "run"), overrides=OVERRIDES)
+    folder = tmp_path / "manual" / "run"
+    ran_with, _ = resolved_recipe(load_recipe(REPO / "recipes" / "tiny.yaml", OVERRIDES))
+    assert load_recipe(folder / "recipe.yaml").to_dict() == ran_with.to_dict()
+    [log] = (folder / "logs").glob("run-*.log")
+    assert "step 0 done" in log.read_text() and "Task run 'grpo-update[step=0]'" in log.read_text()
+    for command in (["rescore", str(folder), "--set", "reward.citation_weight=0.5", "--name", "cw05"],
+                    ["show", str(folder)], ["plot", str(folder), "-o", str(tmp_path / "curves.png")],
+                    ["sql", str(folder), "SELECT DISTINCT reward_version FROM step_rewards ORDER BY 1", "-f", "csv"]):
+        code, out, err, _ = run_cli(command, tmp_path)
+        assert code == 0, f"refiner {command[0]}: {out}{err}"
+    assert out.split() == ["reward_version", "cw05", "train"]
+
+
+def test_a_failed_run_logs_the_command_that_retries_it(prefect_server, tmp_path, caplog):
+    from flows.scheduled import run_recipe
+
+    state = run_recipe(recipe_file="recipes/tiny.yaml", run_dir=str(tmp_path / "run"),
+                       overrides=[*OVERRIDES, "data.path=no/such/file.jsonl"], return_state=True)
+    assert state.is_failed() and "nothing was run" in state.message
+    command = f"prefect flow-run retry {state.state_details.flow_run_id} --entrypoint flows/scheduled.py:run_recipe"
+    assert [r.levelname for r in caplog.records if command in r.getMessage()] == ["ERROR"]
+
+
+@pytest.mark.slow
 def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentScheduleCreate
@@ -160,11 +221,14 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
             rollouts_uninterrupted = con.execute("SELECT count(*) FROM rollouts").fetchone()[0]
         assert rollouts_uninterrupted > 0
         assert not (folder / ".lock").exists(), "the worker's run released its folder"
+        [log] = (folder / "logs").glob("run-*.log")  # a run folder like `refiner run`'s
+        assert (folder / "recipe.yaml").exists() and "step 0 done" in log.read_text()
 
         failed = wait_final(client, failing.id)
         assert failed.start_time >= done.end_time, "two runs of one deployment overlapped"
         assert failed.state.type.value == "FAILED"
         assert "injected fault in stage 'judge'" in failed.state.message
+        assert retry_logged(client, failing.id) == f"prefect flow-run retry {failing.id}"
         assert subflow_task_states(client, failed)["judge[step=0]"] == "Failed"
         failed_at = failed.state.timestamp
         prefect_cli(["flow-run", "retry", str(failing.id)], env)
@@ -176,6 +240,8 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert states["judge[step=0]"] == "Completed" and states["grpo-update[step=0]"] == "Completed", states
         retried_folder = run_folder(runs, retried)
         assert retried_folder != folder and (retried_folder / ".faults" / "raise-judge@0").exists()
+        failed_log, retried_log = sorted((retried_folder / "logs").glob("run-*.log"))
+        assert "injected fault in stage 'judge'" in failed_log.read_text() and "step 0 done" in retried_log.read_text()
         with duckdb.connect(str(retried_folder / "catalog.duckdb"), read_only=True) as con:
             assert con.execute("SELECT count(*) FROM rollouts").fetchone()[0] == rollouts_uninterrupted
             assert con.execute("SELECT count(*) FROM (SELECT DISTINCT run, step, prompt_id, sample_idx FROM rollouts)"

@@ -113,3 +113,97 @@ def test_source_and_sft_config_fields_parse_and_reject_bad_values():
         recipe_from_dict({"sft": {"total_policy": "wrap"}})
     with pytest.raises(ConfigError, match="data.format"):
         recipe_from_dict({"data": {"format": "csv"}})
+
+
+def test_a_utf8_bom_does_not_break_line_one(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + SAMPLES.read_bytes())
+    checked = validate_rows(load_rows(str(path)))
+    assert checked.rejected == []
+    assert len(checked.rows) == 69 and checked.rows[0]["id"] == "ref-001"
+
+
+@pytest.mark.parametrize("name,content", [("empty.jsonl", b""), ("blank.jsonl", b"\n  \n\r\n"),
+                                          ("bom-only.jsonl", b"\xef\xbb\xbf")])
+def test_an_empty_jsonl_file_says_so(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(SourceError, match=r"is an empty file \(no rows\)$"):
+        load_rows(str(path))
+
+
+def test_an_empty_parquet_file_and_split_say_so(tmp_path):
+    from datasets import Dataset
+
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "question": pa.array([], pa.string())}), path)
+    with pytest.raises(SourceError, match=r"is an empty file \(no rows\)$"):
+        load_rows(str(path))
+    Dataset.from_dict({"id": [], "question": []}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(SourceError, match="has no rows in split 'train'"):
+        load_rows(str(tmp_path / "ds"))
+
+
+SNIPPETS = [
+    {"id": "a1", "title": "Discovery of penicillin", "url": "https://example.org/p", "text": "Fleming, 1928."},
+    {"id": "b2", "title": None, "url": None, "text": "The 1945 prize was shared."},
+]
+
+
+def test_tool_output_given_as_a_list_of_snippet_structs_is_rendered(tmp_path, tiny_tokenizer):
+    row = {**sample_rows(1)[0], "id": "s1", "answer": "<answer><snippet id=a1,b2>Fleming, 1928.</snippet></answer>",
+           "tool_output": SNIPPETS}
+    path = tmp_path / "snippets.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    assert pa.types.is_list(pq.read_schema(path).field("tool_output").type)
+    checked = validate_rows(load_rows(str(path)))
+    assert checked.rejected == []
+    assert checked.rows[0]["tool_output"] == (
+        "<snippet id=a1>Title: Discovery of penicillin\nURL: https://example.org/p\nText: Fleming, 1928.</snippet>\n"
+        "<snippet id=b2>Text: The 1945 prize was shared.</snippet>")
+    [prompt], dropped = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0)
+    assert dropped == [] and prompt["snippet_ids"] == ["a1", "b2"]
+    assert "Search tool output:\n<snippet id=a1>Title: Discovery of penicillin\n" in prompt["prompt_text"]
+
+
+@pytest.mark.parametrize("snippet,detail", [
+    ({"id": "", "text": "t"}, "snippet 1: 'id' must be a non-empty ID without spaces, commas, quotes or angle "
+                              "brackets, got ''"),
+    ({"id": "a 1", "text": "t"}, "got 'a 1'"),
+    ({"id": "c3", "text": " "}, "snippet 1 (c3): 'text' is empty"),
+    ({"id": "c3", "text": "see </snippet> here"}, "snippet 1 (c3): its text holds snippet tags"),
+    ({"id": "c3", "body": "t"}, "snippet 1: unknown keys ['body']; expected id, text, title, url"),
+    ("plain text", "snippet 1: expected an object {id, text, title?, url?}, got str"),
+])
+def test_unrenderable_snippet_lists_are_quarantined(snippet, detail):
+    from refiner_core.data import RawRow
+
+    row = {**sample_rows(1)[0], "answer": "", "tool_output": [SNIPPETS[0], snippet]}
+    [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
+    assert rejection.reason == "invalid_tool_output" and detail in rejection.detail
+
+
+def test_rubrics_given_as_one_object_of_both_lists(tmp_path):
+    from refiner_core.rubrics import RubricError, instance_rubrics
+
+    both = {"positive": ["Names Fleming.", {"description": "Gives 1928.", "weight": 2}], "negative": ["Says 1945."]}
+    expected = [("positive", "Names Fleming.", 1.0), ("positive", "Gives 1928.", 2.0), ("negative", "Says 1945.", 1.0)]
+    for positive, negative in ((both, both), (json.dumps(both), json.dumps(both)), (both, None), (None, both)):
+        got = instance_rubrics(positive, negative)
+        assert [(r["kind"], r["description"], r["weight"]) for r in got] == expected
+        assert [r["rubric_id"] for r in got] == ["pos-0", "pos-1", "neg-0"]
+    with pytest.raises(RubricError, match="one holds an object of both lists, the other something else"):
+        instance_rubrics(both, ["Another."])
+    with pytest.raises(RubricError, match=r"got an object with keys \['description'\]"):
+        instance_rubrics({"description": "Names Fleming."}, None)
+    # A Parquet struct column mapped to both fields: the rows validate with their rubrics.
+    rows = [{**r, "rubrics": {"positive": ["Names Fleming."], "negative": []}} for r in sample_rows(2)]
+    for r in rows:
+        del r["positive_rubrics"], r["negative_rubrics"]
+    path = tmp_path / "rubric-object.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    mapping = {"positive_rubrics": "rubrics", "negative_rubrics": "rubrics"}
+    checked = validate_rows(load_rows(str(path), fields=mapping))
+    assert checked.rejected == [] and len(checked.rows) == 2
+    assert instance_rubrics(checked.rows[0]["positive_rubrics"], checked.rows[0]["negative_rubrics"])[0][
+        "description"] == "Names Fleming."

@@ -15,6 +15,7 @@ from refiner_core.agent.tools.base import ToolResult
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
+TOO_DEEP = "bad_json: nested deeper than the JSON parser goes"
 
 
 @dataclass
@@ -40,6 +41,8 @@ def _parse_block(raw: str, known_tools) -> ToolCall:
         payload = json.loads(raw)
     except json.JSONDecodeError as e:
         return ToolCall(None, None, raw, f"bad_json: {e.msg} at line {e.lineno} column {e.colno}")
+    except RecursionError:
+        return ToolCall(None, None, raw, TOO_DEEP)
     if not isinstance(payload, dict):
         return ToolCall(None, None, raw, f"not_an_object: expected {{\"name\": ..., \"arguments\": ...}}, got "
                                          f"{type(payload).__name__}")
@@ -47,7 +50,8 @@ def _parse_block(raw: str, known_tools) -> ToolCall:
     if not isinstance(name, str) or not name:
         return ToolCall(None, None, raw, "missing_name: the call has no \"name\" string")
     if name not in known_tools:
-        return ToolCall(name, None, raw, f"unknown_tool: {name!r}; available: {', '.join(sorted(known_tools))}")
+        shown = repr(name) if len(name) <= 100 else f"{name[:100]!r}..."  # escaped: the model's text, shown back
+        return ToolCall(name, None, raw, f"unknown_tool: {shown}; available: {', '.join(sorted(known_tools))}")
     if "arguments" not in payload:
         return ToolCall(name, None, raw, "missing_arguments: the call has no \"arguments\" object")
     arguments = payload["arguments"]
@@ -56,6 +60,8 @@ def _parse_block(raw: str, known_tools) -> ToolCall:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
             return ToolCall(name, None, raw, f"bad_json: arguments string: {e.msg}")
+        except RecursionError:
+            return ToolCall(name, None, raw, TOO_DEEP)
     if not isinstance(arguments, dict):
         return ToolCall(name, None, raw, f"bad_arguments: expected an object, got {type(arguments).__name__}")
     return ToolCall(name, arguments, raw)

@@ -150,7 +150,7 @@ def run_agent(engine: RolloutEngine, tokenizer, prompts: list[list[int]], params
             start, end = r.add(ids, [0.0] * len(ids), sampled=False)
             for k, call, res in mine:
                 r.turns.append(_tool_turn(turn, k, call, res, start, end))
-            r.tool_rounds += any(call.failure is None for _, call, _ in mine)
+            r.tool_rounds += any(res.status != "invalid_call" for _, _, res in mine)
             follow.append(r)
         turn += 1
         if not follow:
@@ -214,10 +214,32 @@ def _execute(calls: list[tuple[AgentRollout, int, ToolCall]], tools: dict[str, T
 
 
 def _tool_turn(turn: int, k: int, call: ToolCall, res: ToolResult, start: int, end: int) -> Turn:
-    arguments = json.dumps(call.arguments, ensure_ascii=False) if call.arguments is not None else call.raw
-    return Turn(turn, "tool", k, res.text, start, end, tool_name=call.name, arguments=arguments,
+    if call.arguments is None:
+        arguments = _storable(call.raw)
+    else:
+        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        if not _encodes(arguments):  # an unpaired surrogate from a JSON escape: keep it escaped, the same JSON
+            arguments = json.dumps(call.arguments)
+    return Turn(turn, "tool", k, res.text, start, end, tool_name=_storable(call.name), arguments=arguments,
                 status=res.status, exit_code=res.exit_code, stdout=res.stdout[:EXCERPT_CHARS] or None,
                 stderr=res.stderr[:EXCERPT_CHARS] or None, seconds=res.seconds, failure=res.failure)
+
+
+def _encodes(text: str) -> bool:
+    """Whether UTF-8 (and so Parquet) can hold `text`: not when it has unpaired surrogates, which a model's JSON
+    escapes such as "\\ud800" produce."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _storable(text: str | None) -> str | None:
+    """`text`, with any unpaired surrogates written as backslash escapes."""
+    if text is None or _encodes(text):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def model_scorer(model, temperature: float) -> Callable[[list[list[int]], list[list[int]]], list[list[float]]]:

@@ -1,4 +1,8 @@
-"""The judge cache: one small JSON file per (judge model, sampling settings, exact prompt) key.
+"""The judge cache: one small JSON file per (judge identity, sampling settings, exact prompt) key.
+
+The judge identity says who answers, not only what the model is called: for a served judge the base URL, the
+served name, what the server reports about that name (vLLM's `root`, the folder it loaded) and
+`judge.cache_namespace`. It is plain JSON, hashed with sorted keys, so keys are the same in every process.
 
 Files are written atomically (temp file + rename), so two processes sharing the cache never see a partial entry;
 two writers of one key write the same answer and the last rename wins. Only answers are stored: transport
@@ -26,8 +30,8 @@ def prompt_hash(messages: list[dict]) -> str:
     return json_hash(messages)
 
 
-def cache_key(model: str, sampling: dict, prompt_digest: str) -> str:
-    return json_hash({"model": model, "sampling": sampling, "prompt": prompt_digest})
+def cache_key(judge_identity: dict, sampling: dict, prompt_digest: str) -> str:
+    return json_hash({"judge": judge_identity, "sampling": sampling, "prompt": prompt_digest})
 
 
 @dataclass

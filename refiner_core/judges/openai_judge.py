@@ -1,10 +1,12 @@
 """The 'openai' judge: an OpenAI-compatible server (`vllm serve`, `refiner judge serve`, any /v1/chat/completions).
 
 Pairs are judged concurrently (a thread pool of `concurrency` workers sharing one httpx connection pool), with a
-progress bar (judged / total, failures, cache hits). Each answer is cached by (model, sampling settings, exact
-prompt hash) before it is used, so re-scoring the same pair never calls the server again; transport failures
-(after retries) come back as failed rows and are not cached. The API key is read from the environment variable
-named by `judge.api_key_env` and kept only in memory.
+progress bar (judged / total, failures, cache hits). Each answer is cached by (judge identity, sampling settings,
+exact prompt hash) before it is used, so re-scoring the same pair never calls the server again; transport failures
+(after retries) come back as failed rows and are not cached. The identity is the base URL, the served name, what
+the server reports about that name at GET /models (read once per judge) and `judge.cache_namespace`; a server
+that does not list the name gets no caching, since nothing would tell its answers from another judge's. The API
+key is read from the environment variable named by `judge.api_key_env` and kept only in memory.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from refiner_core.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries, list_models
+from refiner_core.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries
 from refiner_core.judges.base import Completion
 from refiner_core.judges.cache import JudgeCache, cache_key, open_cache, prompt_hash
 from refiner_core.rewards import parse_judge_output
+
+# What a GET /models entry says about the weights behind a name (vLLM: `root` is the folder or hub id it loaded,
+# `parent` a LoRA adapter's base). Fields that change on every listing (vLLM's `created`, its permission ids)
+# stay out, so the same server gives the same key in every process.
+REPORTED_IDENTITY_FIELDS = ("root", "parent", "owned_by", "max_model_len")
 
 
 @dataclass
@@ -36,15 +43,39 @@ class OpenAIJudge:
     temperature: float = 0.0
     max_tokens: int = 16
     cache: JudgeCache | None = None
+    cache_namespace: str = ""
     progress: bool = True
     seed: int = 0
     name: str = "openai"
+    listed: list[dict] | None = field(default=None, repr=False)  # GET /models, when the factory already read it
 
     def __post_init__(self):
         self.budget = RequestBudget(self.request_budget)
         self.requests_made = 0  # attempts made by this judge (all complete calls), for logs and benchmarks
         self.model_name = self.model
         self.name = f"openai:{self.model}"
+        self.cache_off_reason = ""  # why this judge neither reads nor writes the cache, when it does not
+        self._identity: dict | None = None
+
+    def identity(self) -> dict | None:
+        """Who answers, as the cache key holds it; None (no caching) when the server does not list the served
+        name. The server is asked once per judge."""
+        if self._identity is None and not self.cache_off_reason:
+            try:
+                listed = self.listed if self.listed is not None else listed_models(
+                    self.base_url, self.api_key, self.timeout_seconds)
+            except ConnectionError as e:
+                self.cache_off_reason = f"judge cache off: {e}"
+                return None
+            card = next((m for m in listed if m.get("id") == self.model), None)
+            if card is None:
+                self.cache_off_reason = (f"judge cache off: the server at {self.base_url} does not list "
+                                         f"{self.model!r} at GET /models, so nothing identifies its weights")
+                return None
+            self._identity = {"base_url": self.base_url.rstrip("/"), "model": self.model,
+                              "reported": {k: card[k] for k in REPORTED_IDENTITY_FIELDS if card.get(k) is not None},
+                              "namespace": self.cache_namespace}
+        return self._identity
 
     @property
     def sampling(self) -> dict:
@@ -59,10 +90,12 @@ class OpenAIJudge:
     def complete_detailed(self, conversations: list[list[dict]]) -> list[Completion]:
         out: list[Completion | None] = [None] * len(conversations)
         todo = []
+        identity = self.identity() if self.cache is not None and conversations else None
+        cache = self.cache if identity is not None else None
         for i, messages in enumerate(conversations):
             digest = prompt_hash(messages)
-            key = cache_key(self.model, self.sampling, digest)
-            hit = self.cache.get(key) if self.cache is not None else None
+            key = cache_key(identity, self.sampling, digest) if cache is not None else ""
+            hit = cache.get(key) if cache is not None else None
             if hit is not None:
                 out[i] = Completion(hit["content"], None, 0.0, 0, True, self.model, digest)
             else:
@@ -74,15 +107,15 @@ class OpenAIJudge:
 
         def one(job) -> None:
             i, messages, digest, key = job
-            rng = random.Random(f"{self.seed}:{key}")  # reproducible jitter per pair
+            rng = random.Random(f"{self.seed}:{digest}")  # reproducible jitter per pair
             start = time.perf_counter()
             try:
                 content, attempts = chat_with_retries(
                     client, self.base_url, self.body(messages), api_key=self.api_key,
                     timeout_seconds=self.timeout_seconds, policy=self.policy, budget=self.budget, rng=rng)
                 done = Completion(content, None, time.perf_counter() - start, attempts, False, self.model, digest)
-                if self.cache is not None:
-                    self.cache.put(key, content, model=self.model, sampling=self.sampling, prompt_hash=digest)
+                if cache is not None:
+                    cache.put(key, content, judge=identity, sampling=self.sampling, prompt_hash=digest)
             except ChatError as e:
                 attempts = e.attempts
                 done = Completion(None, f"{e.kind}: {e.detail}"[:500], None, e.attempts, False, self.model, digest)
@@ -120,16 +153,20 @@ def api_key_from_env(name: str) -> str:
     return key
 
 
-def served_model(base_url: str, api_key: str, timeout_seconds: float) -> str:
-    """The first model the server lists; a clear error when the server cannot be reached."""
+def listed_models(base_url: str, api_key: str, timeout_seconds: float) -> list[dict]:
+    """The entries of GET {base_url}/models; ConnectionError when the server cannot be reached or answers
+    something else."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        models = list_models(base_url, api_key, timeout_seconds=min(timeout_seconds, 30.0))
-    except (httpx.HTTPError, ValueError) as e:
-        raise ConnectionError(f"judge server at {base_url} did not list its models (GET /models): {e}. Start one "
-                              f"with `refiner judge serve MODEL`, or set judge.api_model.") from None
-    if not models:
-        raise ConnectionError(f"judge server at {base_url} lists no models; set judge.api_model")
-    return models[0]
+        response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=min(timeout_seconds, 30.0))
+        response.raise_for_status()
+        entries = response.json().get("data", [])
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise ConnectionError(f"judge server at {base_url} did not list its models (GET /models): "
+                              f"{type(e).__name__}: {e}") from None
+    if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
+        raise ConnectionError(f"judge server at {base_url}: GET /models is not an OpenAI model list")
+    return entries
 
 
 def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> OpenAIJudge:
@@ -139,7 +176,15 @@ def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precis
     api_key = api_key_from_env(cfg.get("api_key_env", ""))
     base_url = cfg.get("base_url") or "http://127.0.0.1:8000/v1"
     timeout = float(cfg.get("timeout_seconds", 60.0))
-    model = cfg.get("api_model") or served_model(base_url, api_key, timeout)
+    model, listed = cfg.get("api_model", ""), None
+    if not model:  # the first model the server lists
+        try:
+            listed = listed_models(base_url, api_key, timeout)
+        except ConnectionError as e:
+            raise ConnectionError(f"{e}. Start one with `refiner judge serve MODEL`, or set judge.api_model.") from None
+        if not listed or "id" not in listed[0]:
+            raise ConnectionError(f"judge server at {base_url} lists no models; set judge.api_model")
+        model = listed[0]["id"]
     return OpenAIJudge(
         base_url=base_url, model=model, api_key=api_key, concurrency=int(cfg.get("concurrency", 8)),
         timeout_seconds=timeout,
@@ -148,4 +193,5 @@ def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precis
         request_budget=int(cfg.get("request_budget", 0)), temperature=float(cfg.get("temperature", 0.0)),
         max_tokens=int(cfg.get("max_new_tokens", 16)),
         cache=open_cache(cfg.get("cache_path", "")) if cfg.get("cache", True) else None,
+        cache_namespace=str(cfg.get("cache_namespace", "")), listed=listed,
     )

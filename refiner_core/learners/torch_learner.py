@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from refiner_core.learners.base import (LearnerSettings, TrainSample, collate_group, collate_rows, pack_rows,
-                                        prompt_groups, token_logprobs)
-from refiner_core.losses import AGGREGATIONS, grpo_token_loss
+                                        prompt_groups, token_logprobs, token_scores)
+from refiner_core.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
 from refiner_core.progress import progress_bar
 
 
@@ -72,7 +72,7 @@ class TorchLearner:
         # detached current log-probs serve; with several, freeze them before the first step.
         old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0,
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "tokens": 0.0,
                   "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
                   "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat))}
         grad_norms = []
@@ -81,17 +81,23 @@ class TorchLearner:
         for step, (step_tokens, step_sequences) in zip(layout, normalisers):
             self._zero_grad()
             for batch in step:
-                logp = token_logprobs(self.policy, batch, s.temperature, s.precision)
+                # token entropies only when they enter the loss: one more reduction over the logits
+                logp, entropy = token_scores(self.policy, batch, s.temperature, s.precision,
+                                             entropy=s.entropy_coef != 0)
                 old = old_lp[k] if old_lp is not None else logp.detach()
+                mask = batch["mask"]
+                sequences = Sequences(batch["sequence_index"], mask)
                 is_w = None
                 if s.tis_cap > 0:
-                    is_w = torch.clamp(torch.exp(old - batch["rollout_logprobs"]), max=s.tis_cap) * batch["mask"]
+                    is_w = importance_weights(old, batch["rollout_logprobs"], sequences, level=s.tis_level,
+                                              mode=s.tis_mode, floor=s.tis_floor, cap=s.tis_cap)
                 out = grpo_token_loss(
                     logp, old, batch["advantages"], eps_low=s.clip_eps_low, eps_high=s.clip_eps_high,
                     ref_logp=ref_lp[k] if ref_lp is not None else None, beta=s.beta,
-                    kl_estimator=s.kl_estimator, kl_clamp=s.kl_clamp, is_weights=is_w,
+                    kl_estimator=s.kl_estimator, kl_clamp=s.kl_clamp, is_weights=is_w, policy_loss=s.policy_loss,
+                    dual_clip_c=s.dual_clip_c, sapo_tau_pos=s.sapo_tau_pos, sapo_tau_neg=s.sapo_tau_neg,
+                    sequences=sequences, entropy=entropy, entropy_coef=s.entropy_coef,
                 )
-                mask = batch["mask"]
                 weights = aggregate(mask, batch["sequence_tokens"], step_tokens, step_sequences, s.loss_constant)
                 loss = (out["loss"] * weights).sum()
                 self._backward(loss)
@@ -99,6 +105,8 @@ class TorchLearner:
                 totals["pg_loss"] += (out["pg"] * mask).sum().item()
                 totals["kl"] += (out["kl"] * mask).sum().item()
                 totals["clipped"] += (out["clipped"] * mask).sum().item()
+                if entropy is not None:
+                    totals["entropy"] += (entropy * mask).sum().item()
                 totals["tokens"] += mask.sum().item()
                 k += 1
                 bar.update(1)
@@ -106,6 +114,7 @@ class TorchLearner:
         bar.close()
         totals = self._reduce(totals)
         tokens = max(totals["tokens"], 1.0)
+        entropy = {"entropy": totals["entropy"] / tokens} if s.entropy_coef != 0 else {}
         return {
             "loss": totals["loss"] / len(layout),
             "pg_loss": totals["pg_loss"] / tokens,
@@ -116,6 +125,7 @@ class TorchLearner:
             "response_tokens": sum(len(x.response_ids) if x.loss_mask is None else sum(x.loss_mask) for x in samples),
             "packing_efficiency": totals["real_tokens"] / totals["computed_tokens"],
             "update_seconds": time.time() - t0,
+            **entropy,
         }
 
     # Hooks a distributed learner overrides; here one process runs every micro-batch.

@@ -147,7 +147,11 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
                      gpu_memory_utilization: float = 0.9, progress: bool = True) -> VLLMRolloutEngine:
     """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
     'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
-    sequences vLLM schedules together (max_num_seqs)."""
+    sequences vLLM schedules together (max_num_seqs). `precision` must be resolved ('auto' is resolved per run, by
+    refiner_core.hardware)."""
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"vllm engine: unknown precision {precision!r}; choose from ['bf16', 'fp32'] "
+                         "(refiner_core.hardware.resolve_precision resolves 'auto')")
     import torch
 
     from refiner_core.models import load_tokenizer

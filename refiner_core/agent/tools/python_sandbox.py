@@ -5,15 +5,27 @@ Each call starts a fresh interpreter under `bwrap` with
   abstract Unix sockets and every outside address are unreachable);
 - a read-only root assembled from /usr (and the /bin, /lib, /sbin links to it), the loader cache and the
   interpreter's own installation (its prefix and, for a virtual environment, the base prefix). Nothing else of
-  the host exists inside: not the repository, not /home or /root, not /etc beyond the loader cache;
-- a private writable /tmp (tmpfs of `tmp_bytes`), the working folder, discarded after the call;
+  the host exists inside: not the repository, not /home or /root, not /etc beyond the loader cache. The folders
+  bwrap makes are read-only too, with or without root;
+- a /dev of null, zero, full, random, urandom and tty only, read-only: no /dev/shm (no POSIX shared memory), no
+  /dev/pts;
+- a private writable /tmp (tmpfs of `tmp_bytes` and at most `tmp_inodes` files and folders: bwrap's tmpfs caps
+  only bytes, so a launcher remounts it with an inode cap before the code starts), the working folder, discarded
+  after the call;
 - a scrubbed environment (PATH, HOME=/tmp, LANG only), no stdin, and private PID, IPC and UTS namespaces: the
   code sees only its own processes and cannot signal the host's;
 - rlimits set by `prlimit` before bwrap starts: CPU seconds (SIGXCPU, then SIGKILL one second later), address
   space, processes and the size of any file written;
-- when the parent runs as root, the code runs as an unprivileged uid (one per concurrent slot) with no
-  capabilities and no_new_privs: the kernel does not enforce RLIMIT_NPROC for root, and an unprivileged uid
-  cannot read root-only files even where they are visible;
+- a seccomp filter (classic BPF, built here) that fails with EPERM: the kernel keyring (add_key, request_key,
+  keyctl: a key stored there would outlive the call and be read by the next one), memory that the address-space
+  limit does not count (memfd_create, memfd_secret, SysV shmget/shmat and msgget), a user namespace of its own
+  (unshare, clone with CLONE_NEWUSER; clone3 gets ENOSYS: in one the code could mount a tmpfs of any size), and
+  every syscall of another ABI (i386 or x32 calls from an x86-64 process);
+- when the parent runs as root, the code runs as an unprivileged uid with no capabilities and no_new_privs: the
+  kernel does not enforce RLIMIT_NPROC for root, and an unprivileged uid cannot read root-only files even where
+  they are visible. Each sandbox object claims its own uids (one per concurrent slot) with lock files under
+  /run/refiner-sandbox-uids, skipping uids that are accounts or own processes, so two runs on one machine never
+  share a process limit; the claim ends with `close()` or the process;
 - a wall-clock timeout that kills bwrap's whole process group; with it dies the sandbox's PID namespace and
   every process left in it (a detached child cannot outlive the call);
 - stdout and stderr each kept up to `max_output_bytes` (the rest is read and dropped, and counted).
@@ -22,14 +34,20 @@ What it does NOT protect against (do not run it on a machine where these matter)
 - kernel bugs: the sandbox is namespaces + rlimits on a shared kernel, not a virtual machine;
 - CPU and memory contention: limits are per process; a call may still use up to `max_processes` processes,
   each with `cpu_seconds` of CPU and `memory_bytes` of address space, until the wall-clock timeout;
+- kernel memory no limit counts: pipe and socket buffers, up to the open-file limit of each process (no cgroup
+  memory limit is set);
 - disk space outside the rlimit: /tmp is RAM-backed (tmpfs, capped by `tmp_bytes`);
 - information readable in the bound paths: /usr and the Python installation are readable, including any
   secrets someone put there; the kernel's view (/proc/cpuinfo, uname) is not hidden;
 - timing side channels and covert channels between concurrent calls;
 - when the parent is not root: bwrap runs in an unprivileged user namespace, the code keeps the caller's uid,
-  and RLIMIT_NPROC counts every process of that user (set `max_processes` above what the user already runs);
-- nested user namespaces are not disabled when the parent is root (read-only bind mounts stay locked
-  read-only inside them).
+  and RLIMIT_NPROC counts every process of that user, other runs' sandboxes included (set `max_processes` above
+  what the user already runs);
+- other architectures than x86-64 and aarch64: there is no seccomp filter for them, and the sandbox refuses to
+  run there.
+
+Code the interpreter cannot be given (a NUL character, an unpaired surrogate that UTF-8 cannot encode, more than
+`max_code_bytes`) never runs: the tool answers with an 'invalid_call' naming the reason.
 
 Where bubblewrap is missing or cannot create namespaces (some containers forbid it), `check_sandbox` raises
 SandboxUnavailable with the reason and the fix; the tool never falls back to running code unsandboxed.
@@ -37,10 +55,14 @@ SandboxUnavailable with the reason and the fix; the tool never falls back to run
 
 from __future__ import annotations
 
+import fcntl
 import os
+import platform
+import pwd
 import queue
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -68,6 +90,7 @@ class SandboxLimits:
     max_processes: int = 32
     max_file_bytes: int = 16 << 20
     tmp_bytes: int = 64 << 20
+    tmp_inodes: int = 4096  # files and folders in /tmp
     max_output_bytes: int = 4096
     max_code_bytes: int = 64 << 10
 
@@ -121,6 +144,88 @@ class _Capped:
 
 _LIMIT_SIGNALS = {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "file_size_limit"}
 
+# Syscall numbers the seccomp filter looks at, by architecture, with its AUDIT_ARCH_* value.
+_SYSCALLS = {
+    "x86_64": (0xC000003E, {"add_key": 248, "request_key": 249, "keyctl": 250, "memfd_create": 319,
+                            "memfd_secret": 447, "shmget": 29, "shmat": 30, "msgget": 68, "unshare": 272,
+                            "clone": 56, "clone3": 435}),
+    "aarch64": (0xC00000B7, {"add_key": 217, "request_key": 218, "keyctl": 219, "memfd_create": 279,
+                             "memfd_secret": 447, "shmget": 194, "shmat": 196, "msgget": 186, "unshare": 97,
+                             "clone": 220, "clone3": 435}),
+}
+# Refused outright: the kernel keyring, memory the address-space limit does not count, new namespaces.
+DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "memfd_create", "memfd_secret", "shmget", "shmat", "msgget",
+                   "unshare")
+_X32_SYSCALL_BIT, _CLONE_NEWUSER = 0x40000000, 0x10000000
+_EPERM, _ENOSYS = 1, 38
+_SECCOMP_RET_ALLOW = 0x7FFF0000
+
+# Runs first inside the sandbox, with CAP_SYS_ADMIN: remount /tmp (keeping nosuid and nodev) with at most argv[1]
+# inodes, then exec the rest of argv. mount(2) directly: util-linux mount refuses remounts to a non-root uid.
+_LAUNCHER = """import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
+if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, b"nr_inodes=" + sys.argv[1].encode()):
+    sys.exit("sandbox launcher: cannot cap the inodes of /tmp: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+@lru_cache(maxsize=2)
+def seccomp_program(machine: str | None = None) -> bytes:
+    """A classic-BPF seccomp filter, as `bwrap --seccomp FD` reads it: EPERM for DENIED_SYSCALLS, for clone with
+    CLONE_NEWUSER (a user namespace of its own would give the code the capabilities to mount an uncapped tmpfs)
+    and for every call of another ABI than the machine's own; ENOSYS for clone3, whose flags a filter cannot read
+    (the C library then falls back to clone); everything else is allowed."""
+    machine = machine or platform.machine()
+    if machine not in _SYSCALLS:
+        raise SandboxUnavailable(f"the Python sandbox has no seccomp filter for {machine}: it runs on "
+                                 f"{' and '.join(_SYSCALLS)} only")
+    arch, number = _SYSCALLS[machine]
+    load, jump_eq, jump_ge, jump_set, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K
+    # seccomp_data: nr at offset 0, arch at 4, the low half of args[0] at 16. A string names the next instruction;
+    # jumps go forward only.
+    assembly = [
+        (load, 4), (jump_eq, arch, None, "deny"), (load, 0),
+        *([(jump_ge, _X32_SYSCALL_BIT, "deny", None)] if machine == "x86_64" else []),  # x32 calls set this bit
+        (jump_eq, number["clone3"], "enosys", None), (jump_eq, number["clone"], "clone", None),
+        *[(jump_eq, number[name], "deny", None) for name in DENIED_SYSCALLS],
+        (ret, _SECCOMP_RET_ALLOW),
+        "clone", (load, 16), (jump_set, _CLONE_NEWUSER, "deny", None), (ret, _SECCOMP_RET_ALLOW),
+        "deny", (ret, 0x00050000 | _EPERM),  # SECCOMP_RET_ERRNO | errno
+        "enosys", (ret, 0x00050000 | _ENOSYS),
+    ]
+    at, n = {}, 0
+    for entry in assembly:
+        if isinstance(entry, str):
+            at[entry] = n
+        else:
+            n += 1
+    program, n = [], 0
+    for entry in assembly:
+        if isinstance(entry, str):
+            continue
+        code, k, *targets = entry
+        jt, jf = (0 if label is None else at[label] - n - 1 for label in (targets or [None, None]))
+        program.append(struct.pack("=HBBI", code, jt, jf, k))
+        n += 1
+    return b"".join(program)
+
+
+def code_problem(code: str, max_bytes: int) -> str | None:
+    """Why `code` cannot be handed to the interpreter (argv holds no NUL, UTF-8 no lone surrogate), or None."""
+    nul = code.find("\0")
+    if nul >= 0:
+        return f"bad_code: the code holds a NUL character (at index {nul})"
+    try:
+        size = len(code.encode())
+    except UnicodeEncodeError as e:
+        return (f"bad_code: the code holds {code[e.start]!r}, an unpaired surrogate that UTF-8 cannot encode "
+                f"(at index {e.start})")
+    if size > max_bytes:
+        return f"code_too_long: {size} bytes, the limit is {max_bytes}"
+    return None
+
 
 def _status(code: int | None, timed_out: bool) -> str:
     if timed_out:
@@ -145,21 +250,28 @@ class PythonSandbox:
         self.interpreter = interpreter
         self.concurrency = max(1, concurrency)
         self.as_root = os.geteuid() == 0
+        # As root, each slot runs as a uid of its own; otherwise the code keeps the caller's uid.
+        self.uids, self._uid_locks = _claim_uids(uid_base, self.concurrency) if self.as_root else ((), [])
         self._slots: queue.Queue[int] = queue.Queue()
-        for slot in range(self.concurrency):
-            self._slots.put(uid_base + slot)
+        for slot in self.uids or range(self.concurrency):
+            self._slots.put(slot)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="sandbox")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for fd in self._uid_locks:
+            os.close(fd)
+        self._uid_locks = []
 
     def run_many(self, codes: list[str]) -> list[ExecResult]:
         """All calls of a step, `concurrency` at a time, results in input order."""
         return list(self._pool.map(self.run, codes))
 
     def run(self, code: str) -> ExecResult:
-        if len(code.encode()) > self.limits.max_code_bytes:
-            return ExecResult("error", None, "", f"code is longer than {self.limits.max_code_bytes} bytes", 0, 0, 0.0)
+        """Run one code string; code with a `code_problem` is refused with ValueError (PythonTool checks first)."""
+        problem = code_problem(code, self.limits.max_code_bytes)
+        if problem:
+            raise ValueError(problem)
         uid = self._slots.get()
         try:
             return self._run(code, uid)
@@ -168,7 +280,7 @@ class PythonSandbox:
                 _wait_until_gone(uid)
             self._slots.put(uid)
 
-    def command(self, code: str, uid: int) -> list[str]:
+    def command(self, code: str, uid: int, seccomp_fd: int) -> list[str]:
         lim = self.limits
         bwrap = _program("bwrap")  # first: the missing piece people are most likely to lack
         prlimit = [_program("prlimit"), f"--cpu={lim.cpu_seconds}:{lim.cpu_seconds + 1}", f"--as={lim.memory_bytes}",
@@ -192,24 +304,44 @@ class PythonSandbox:
                     made.add(str(parent))
             box += ["--ro-bind", root, root]
             made.add(root)
-        box += ["--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv",
-                "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-                "--setenv", "LANG", "C.UTF-8"]
+        # A /dev of the harmless devices only, read-only with the rest of the root (no /dev/shm, no /dev/pts).
+        # Not bwrap's --dev: without root it mounts devpts from a second user namespace, where the launcher
+        # could not remount /tmp.
+        box += ["--dir", "/dev"]
+        for device in ("null", "zero", "full", "random", "urandom", "tty"):
+            box += ["--dev-bind-try", f"/dev/{device}", f"/dev/{device}"]
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                             ("stderr", "/proc/self/fd/2")):
+            box += ["--symlink", target, f"/dev/{name}"]
+        box += ["--proc", "/proc", "--remount-ro", "/", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
+                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
+                "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+                "--setenv", "LANG", "C.UTF-8", "--seccomp", str(seccomp_fd),
+                "--cap-add", "CAP_SYS_ADMIN"]  # for the launcher's remount only
+        # bwrap's --size caps the bytes of /tmp but not its inodes: the launcher remounts it with an inode cap, then
+        # setpriv drops every capability before the interpreter starts.
+        launcher = [self.interpreter, "-I", "-S", "-B", "-c", _LAUNCHER, str(lim.tmp_inodes)]
+        drop = [_program("setpriv"), "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
         if self.as_root:
             # Root's processes are exempt from RLIMIT_NPROC: the code runs as an unprivileged uid instead.
-            box += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--",
-                    _program("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-                    "--bounding-set=-all", "--no-new-privs"]
-        else:
-            box += ["--unshare-user"]
-        return [*prlimit, *box, "--", self.interpreter, "-I", "-B", "-c", code]
+            box += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        else:  # the caller's uid inside its own user namespace; CAP_SETPCAP lets setpriv empty the bounding set
+            box += ["--unshare-user", "--cap-add", "CAP_SETPCAP"]
+        return [*prlimit, *box, "--", *launcher, *drop, "--", self.interpreter, "-I", "-B", "-c", code]
 
     def _run(self, code: str, uid: int) -> ExecResult:
         lim = self.limits
         t0 = time.monotonic()
-        proc = subprocess.Popen(self.command(code, uid), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env={}, start_new_session=True, close_fds=True)
+        seccomp_read, seccomp_write = os.pipe()  # the filter is a few hundred bytes: the pipe holds it whole
+        try:
+            with os.fdopen(seccomp_write, "wb") as pipe:
+                pipe.write(seccomp_program())
+            proc = subprocess.Popen(self.command(code, uid, seccomp_read), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True,
+                                    close_fds=True, pass_fds=(seccomp_read,))
+        finally:
+            os.close(seccomp_read)
         out, err = _Capped(proc.stdout, lim.max_output_bytes), _Capped(proc.stderr, lim.max_output_bytes)
         timed_out = False
         try:
@@ -225,6 +357,50 @@ class PythonSandbox:
             proc.wait()
         return ExecResult(_status(code_, timed_out), code_, out.text(), err.text(), out.total, err.total,
                           time.monotonic() - t0)
+
+
+UID_LOCK_DIR = "/run/refiner-sandbox-uids"
+UID_SEARCH_SPAN = 4096
+
+
+def _claim_uids(first: int, count: int) -> tuple[tuple[int, ...], list[int]]:
+    """`count` uids from `first` on that no other sandbox (of any process) holds, that are no account and own no
+    process; each held by an exclusive lock on its file, released when the returned descriptors close."""
+    try:
+        os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise SandboxUnavailable(f"cannot keep the sandbox uids' lock files in {UID_LOCK_DIR}: {e}") from e
+    uids, locks = [], []
+    for uid in range(first, first + UID_SEARCH_SPAN):
+        if len(uids) == count:
+            break
+        if _is_account(uid):
+            continue
+        fd = os.open(os.path.join(UID_LOCK_DIR, f"{uid}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another sandbox holds it
+            os.close(fd)
+            continue
+        if _uid_has_processes(uid):  # left over from a killed stage, or someone else's
+            os.close(fd)
+            continue
+        uids.append(uid)
+        locks.append(fd)
+    if len(uids) < count:
+        for fd in locks:
+            os.close(fd)
+        raise SandboxUnavailable(f"no {count} free sandbox uids in {first}..{first + UID_SEARCH_SPAN - 1}: too many "
+                                 "sandboxes run on this machine")
+    return tuple(uids), locks
+
+
+def _is_account(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
 
 
 def _wait_until_gone(uid: int, timeout: float = 5.0) -> None:
@@ -312,7 +488,7 @@ class PythonTool:
         self.sandbox = sandbox
 
     def run_many(self, arguments: list[dict]) -> list[ToolResult]:
-        bad = [_bad_arguments(a) for a in arguments]
+        bad = [_bad_arguments(a, self.sandbox.limits.max_code_bytes) for a in arguments]
         runnable = [a["code"] for a, why in zip(arguments, bad) if why is None]
         ran = iter(self.sandbox.run_many(runnable))
         return [ToolResult(f"error: {why}", "invalid_call", failure=why) if why else python_tool_result(next(ran))
@@ -322,12 +498,12 @@ class PythonTool:
         self.sandbox.close()
 
 
-def _bad_arguments(arguments: dict) -> str | None:
+def _bad_arguments(arguments: dict, max_code_bytes: int) -> str | None:
     if "code" not in arguments:
-        return f"missing_argument: 'code' (got {sorted(arguments)})"
+        return f"missing_argument: 'code' (got {sorted(arguments)[:10]})"
     if not isinstance(arguments["code"], str):
         return f"wrong_type: 'code' must be a string, got {type(arguments['code']).__name__}"
-    return None
+    return code_problem(arguments["code"], max_code_bytes)
 
 
 def make_python_tool(settings: dict) -> PythonTool:

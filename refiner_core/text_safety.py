@@ -1,0 +1,44 @@
+"""Text from the data (model and tool output, SQL results, error messages quoting them) made safe to show.
+
+On a terminal, control characters are commands: ESC starts sequences that set the window title, print hidden
+hyperlinks or move the cursor, and a carriage return overwrites what was printed. In the Prefect UI, markdown
+and raw HTML in a model's answer would be rendered: images fetched from anywhere, links, markup. The functions
+here keep every character visible instead of dropping it, so nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+import re
+
+# C0 but tab and newline, DEL, C1; and the bidirectional overrides and isolates, which reorder what follows them
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# Characters with a meaning in markdown (CommonMark's ASCII punctuation that changes rendering; ':' and '@' end
+# GitHub-flavoured bare links such as http://… and name@host)
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>:@])")
+
+
+def visible(text: str) -> str:
+    """TEXT with each control character but newline and tab written out as an escape (ESC as `\\x1b`, the
+    right-to-left override as `\\u202e`), so printing it cannot drive the terminal."""
+    return _CONTROL.sub(_escape_control, text)
+
+
+def _escape_control(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def markdown_inline(text: str) -> str:
+    """TEXT as literal markdown on one line: HTML characters as entities, markdown punctuation backslash-escaped,
+    line breaks as spaces; no link, image, emphasis or HTML survives."""
+    text = visible(" ".join(text.split())).replace("&", "&amp;").replace("<", "&lt;")
+    return _MARKDOWN_PUNCTUATION.sub(r"\\\1", text)
+
+
+def markdown_code_block(text: str) -> str:
+    """TEXT verbatim in a fenced code block: markdown and HTML inside are shown, not rendered. The fence is longer
+    than any run of backticks in TEXT, so TEXT cannot close it."""
+    text = visible(text)
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
