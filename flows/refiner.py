@@ -9,12 +9,16 @@ from prefect import flow, get_run_logger
 
 from flows.run_folder import holds_run_folder, resolve_run_dir
 
-from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS, SFT_PREPARE_FIELDS,
-                                  SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop, pick, recipe_from_dict)
+from refiner_core import live
+from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS,
+                                  FLOW_ONLY_ROLLOUT_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop,
+                                  pick, recipe_from_dict)
 from refiner_core.data import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
+from refiner_core.grpo import informative_prompt_ids
 from refiner_core.hardware import resolved_recipe
 from refiner_core.preflight import resolve
+from refiner_core.storage import read_rows
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
@@ -23,7 +27,7 @@ from tasks.judge import judge
 from tasks.judge_server import stop_judge_servers
 from tasks.model import locate_model
 from tasks.prepare import prepare_data
-from tasks.rollout import rollout
+from tasks.rollout import refill_prompts, rollout
 from tasks.rubrics import ingest_rubrics
 from tasks.sft import prepare_sft, sft_train
 from tasks.teacher import teacher_rollout, teacher_update
@@ -33,6 +37,11 @@ from tasks.update import grpo_update
 def repo_path(path: str, fmt: str = "auto") -> str:
     """Local paths resolve from the repo (as preflight checked them); a hub dataset name is passed through."""
     return path if not path or fmt == "hub" else str(resolve(path))
+
+
+def train_rewards(scores: list[dict]) -> list[dict]:
+    """The training reward rows of a step's judged sampling rounds."""
+    return [r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"]
 
 
 def run_name(name: str, run_dir: str) -> str:
@@ -47,9 +56,14 @@ def _flow_run_name() -> str:
     return f"{run_name(cfg.run.name, resolve_run_dir(flow_run.parameters['run_dir']))}: steps 0-{cfg.grpo.steps - 1}"
 
 
-# A judge server the run started (judge.serve) ends with the run, however the flow ends.
-_END_HOOKS = dict(on_completion=[stop_judge_servers], on_failure=[stop_judge_servers], on_crashed=[stop_judge_servers],
-                  on_cancellation=[stop_judge_servers])
+def close_live_engines(_flow, flow_run, _state) -> None:
+    """The engines the run kept alive across its steps (run.keep_engines) are closed with it."""
+    live.close_owned(str(flow_run.id))
+
+
+# A judge server the run started (judge.serve) and the engines it kept end with the run, however the flow ends.
+_ENDS = [stop_judge_servers, close_live_engines]
+_END_HOOKS = dict(on_completion=_ENDS, on_failure=_ENDS, on_crashed=_ENDS, on_cancellation=_ENDS)
 
 
 @flow(name="refiner-grpo", log_prints=True, flow_run_name=_flow_run_name, **_END_HOOKS)
@@ -60,6 +74,10 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
     log = get_run_logger()
     log.info(precision_line)
+    if cfg.run.keep_engines:  # engines live for the run (refiner_core.live) until the end hooks close them
+        from prefect.runtime import flow_run
+
+        live.open_run(run_dir, owner=str(flow_run.id))
     retry = {"retries": cfg.run.retries, "retry_delay_seconds": cfg.run.retry_delay_seconds}
     run, seed, dtype, precision = run_name(cfg.run.name, run_dir), cfg.run.seed, cfg.model.dtype, cfg.model.precision
     model = lambda spec: locate_model(spec, cfg.model.max_position_embeddings, seed)  # noqa: E731
@@ -108,21 +126,35 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
 
     policy = teacher = start  # the EMA teacher (Co-rewarding-II) starts as the starting policy
     teaching = cfg.reward.verifier == "co_rewarding_teacher"
+    rollout_cfg = drop(conf["rollout"], FLOW_ONLY_ROLLOUT_FIELDS)
+    grpo_cfg = drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS)
+    if cfg.rollout.dynamic_sampling:  # groups replaced by more sampling are left out of the update
+        grpo_cfg["filter_zero_std_groups"] = True
+    max_rounds = 1 + cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else 1
     for step in range(cfg.grpo.steps):
-        rolled = rollout.with_options(**retry)(
-            **common, run=run, step=step, prompts=grpo_prompts, policy=policy, rollout_cfg=conf["rollout"],
-            seed=seed, dtype=dtype, precision=precision)
         taught = teacher_rollout.with_options(**retry)(
-            **common, run=run, step=step, prompts=grpo_prompts, teacher=teacher, rollout_cfg=conf["rollout"],
+            **common, run=run, step=step, prompts=grpo_prompts, teacher=teacher, rollout_cfg=rollout_cfg,
             seed=seed, dtype=dtype, precision=precision) if teaching else None
-        scored = judge.with_options(**retry)(
-            **common, step=step, rollouts=rolled, prompts=prompts, rubrics=rubrics, judge_model=judge_model,
-            judge_cfg=conf["judge"], reward_cfg=conf["reward"], max_new_tokens=cfg.rollout.max_new_tokens, dtype=dtype,
-            precision=precision, **({"teacher_rollouts": taught} if teaching else {}))
+        rolled, scored = [], []  # one manifest per sampling round
+        for sampling_round in range(max_rounds):
+            fresh = None
+            if sampling_round:  # rollout.dynamic_sampling: fresh prompts in place of the all-equal groups
+                needed = len(rolled[0]["prompt_ids"]) - len(informative_prompt_ids(train_rewards(scored)))
+                used = [p for manifest in rolled for p in manifest["prompt_ids"]]
+                fresh = refill_prompts(grpo_prompts, step, sampling_round, used, needed, seed) if needed > 0 else []
+                if not fresh:  # the step is full, or the train split has no unused prompt left
+                    break
+            rolled.append(rollout.with_options(**retry)(
+                **common, run=run, step=step, prompts=grpo_prompts, policy=policy, rollout_cfg=rollout_cfg,
+                seed=seed, dtype=dtype, precision=precision, round=sampling_round, round_prompt_ids=fresh))
+            scored.append(judge.with_options(**retry)(
+                **common, step=step, rollouts=rolled[-1], prompts=prompts, rubrics=rubrics, judge_model=judge_model,
+                judge_cfg=conf["judge"], reward_cfg=conf["reward"], max_new_tokens=cfg.rollout.max_new_tokens,
+                dtype=dtype, precision=precision, round=sampling_round,
+                **({"teacher_rollouts": taught} if teaching else {})))
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
-            grpo_cfg=drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS), temperature=cfg.rollout.temperature, dtype=dtype,
-            precision=precision, seed=seed)
+            grpo_cfg=grpo_cfg, temperature=cfg.rollout.temperature, dtype=dtype, precision=precision, seed=seed)
         policy = updated["policy"]
         if teaching:
             moved = teacher_update.with_options(**retry)(**common, run=run, step=step, teacher=teacher, policy=policy,
@@ -132,7 +164,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         if step + 1 in eval_at:
             evaluate_policy(policy, step + 1, "grpo")
         prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every)
-        manifests += [rolled, scored, updated]
+        manifests += [*rolled, *scored, updated]
         publish_catalog(**common, manifests=manifests)  # inspectable after every step
         publish_step_artifacts(run_dir, run, step)
         log.info("step %d done: checkpoint %s", step, policy["path"])

@@ -39,6 +39,21 @@ class RunConfig:
         "step is written; only the newest keeps its optimizer state, which is all a resume needs."
     )
     keep_every: int = opt(0, "Also keep every keep_every-th step checkpoint (step_0010, step_0020, ... for 10; 0 = off).")
+    keep_engines: bool = opt(
+        True, "Keep the rollout engine, the torch learner (policy, reference, AdamW state) and the transformers "
+        "judge alive across the run's steps: the engine's weights are synced in place when the policy changes (from "
+        "the learner's memory, else the checkpoint), instead of every stage loading its models again. Checkpoints "
+        "are still written every step, so caching and resume are unchanged and the results are the same. An engine "
+        "that would leave its device less free memory than it holds (vLLM reserving most of a GPU) is still closed "
+        "after its stage. false: every stage builds its engines and closes them.")
+    report_to: list = opt(
+        ["tensorboard"], "Experiment trackers that get each step's metrics (the steps row), eval results and a sample "
+        "of rollouts: 'tensorboard' (event files in RUN_DIR/tensorboard), 'mlflow' (run.mlflow_tracking_uri), "
+        "'wandb' (RUN_DIR/wandb; offline unless WANDB_MODE says otherwise; needs the wandb package). [] = none. A "
+        "tracker that fails logs a warning; the run goes on.")
+    mlflow_tracking_uri: str = opt(
+        "", "report_to 'mlflow': tracking URI (a server's http://HOST:PORT, or sqlite:///PATH/mlflow.db); '' = a local "
+        "store in RUN_DIR/mlruns (SQLite mlflow.db and artifacts/). The MLflow experiment is named after the run.")
 
 
 @dataclass
@@ -169,6 +184,14 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, "vllm engine: GPUs one engine's model is split across (1 on CPU).")
     gpu_memory_utilization: float = opt(0.9, "vllm engine on GPU: fraction of GPU memory vLLM may take for weights "
                                              "and KV cache (lower it when the learner shares the GPU); unused on CPU.")
+    dynamic_sampling: bool = opt(
+        False, "Replace groups whose rewards are all equal (no signal) by sampling fresh train prompts, one round "
+        "(rollout + judge of the prompts still needed) at a time, until the step holds prompts_per_step informative "
+        "groups or dynamic_sampling_max_rounds extra rounds ran (DAPO filter_groups, verl algorithm.filter_groups, "
+        "open-instruct active_sampling). Implies grpo.filter_zero_std_groups. docs/grpo.md.")
+    dynamic_sampling_max_rounds: int = opt(
+        4, "dynamic_sampling: extra rounds after the step's first at most (0 = only drop the all-equal groups); a "
+        "step that still lacks groups trains on those it has (steps.informative_groups says how many).")
     agent: AgentConfig = field(default_factory=AgentConfig, metadata={
         "help": "Multi-turn tool calling (GRPO-TCR): the agent loop, its tools and their sandbox."})
 
@@ -416,6 +439,8 @@ SFT_TRAIN_FIELDS = ("epochs", "learning_rate", "warmup_steps", "weight_decay", "
                     "gradient_accumulation")
 FLOW_ONLY_GRPO_FIELDS = ("steps",)  # how many updates the flow runs; no single update reads it
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
+# How many rounds the flow samples a step in; one round samples the prompts it is given.
+FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 EVAL_ROLLOUT_FIELDS = ("engine", "top_p", "max_new_tokens", "stop", "batch_size", "tensor_parallel_size",
                        "gpu_memory_utilization")
 

@@ -386,3 +386,20 @@ def step_prompt_ids(train_ids: list[str], step: int, per_step: int, seed: int,
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
     chosen = order[index * per_step : (index + 1) * per_step]
     return chosen + order[: per_step - len(chosen)]
+
+
+def refill_prompt_ids(train_ids: list[str], used: list[str], count: int, step: int, sampling_round: int, seed: int,
+                      twin_of: dict[str, str] | None = None) -> list[str]:
+    """Fresh prompts for round `sampling_round` of a step (rollout.dynamic_sampling): `count` train prompts the
+    step has not used yet, in a seeded order of their own, so a rerun draws the same ones. Fewer when the train
+    split runs out. With `twin_of`, `count` counts questions and each brings its twin view, as in step_prompt_ids."""
+    taken = set(used)
+    if twin_of:
+        train = set(train_ids)
+        leads = [p for p in train_ids if not (twin_of.get(p) in train and twin_of[p] < p)]
+        chosen = refill_prompt_ids(leads, [p for p in leads if p in taken or twin_of.get(p) in taken], count,
+                                   step, sampling_round, seed)
+        return [q for p in chosen for q in (p, twin_of.get(p)) if q in train]
+    order = sorted(p for p in train_ids if p not in taken)
+    random.Random(f"refill {seed} {step} {sampling_round}").shuffle(order)  # a str seed hashes by SHA-512: stable
+    return order[:count]

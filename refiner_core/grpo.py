@@ -43,8 +43,18 @@ def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]
     stats = {
         "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
         "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),
+        "informative_groups": len(set(groups) - flat),
+        "dropped_groups": len(flat) if grpo["filter_zero_std_groups"] else 0,
     }
     return rows, stats
+
+
+def informative_prompt_ids(rewards: list[dict]) -> set[str]:
+    """Prompts whose group's rewards differ (rows of failed judgments under 'drop' left out): the groups that
+    carry a learning signal, which rollout.dynamic_sampling samples until the step has enough of."""
+    kept = [r for r in rewards if not r.get("dropped")]
+    groups = [r["prompt_id"] for r in kept]
+    return set(groups) - zero_std_groups([r["reward"] for r in kept], groups)
 
 
 def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -> tuple[list[TrainSample], list[dict], dict]:

@@ -54,7 +54,7 @@ VALUE_RULES: dict[str, Rule] = {
     "rubrics.generation_max_tokens": AT_LEAST_1,
     "rollout.samples_per_prompt": GROUP, "rollout.prompts_per_step": AT_LEAST_1, "rollout.temperature": POSITIVE,
     "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"), "rollout.max_new_tokens": AT_LEAST_1,
-    "rollout.batch_size": AT_LEAST_1,
+    "rollout.batch_size": AT_LEAST_1, "rollout.dynamic_sampling_max_rounds": NON_NEGATIVE,
     "judge.max_new_tokens": AT_LEAST_1, "judge.batch_size": AT_LEAST_1, "judge.max_response_chars": AT_LEAST_1,
     "judge.concurrency": AT_LEAST_1, "judge.timeout_seconds": POSITIVE, "judge.max_retries": NON_NEGATIVE,
     "judge.request_budget": NON_NEGATIVE, "judge.backoff_seconds": NON_NEGATIVE,
@@ -62,7 +62,10 @@ VALUE_RULES: dict[str, Rule] = {
     "grpo.max_grad_norm": NON_NEGATIVE, "grpo.beta": NON_NEGATIVE, "grpo.kl_clamp": POSITIVE,
     "grpo.clip_eps_low": NON_NEGATIVE, "grpo.clip_eps_high": NON_NEGATIVE, "grpo.advantage_eps": NON_NEGATIVE,
     "grpo.loss_constant": POSITIVE, "grpo.micro_batch_size": AT_LEAST_1, "grpo.minibatches": AT_LEAST_1,
-    "grpo.tis_cap": NON_NEGATIVE, "grpo.pack_length": NON_NEGATIVE,
+    "grpo.tis_cap": NON_NEGATIVE, "grpo.tis_floor": NON_NEGATIVE, "grpo.pack_length": NON_NEGATIVE,
+    "grpo.dual_clip_c": (lambda v: v > 1, "must be > 1 (the bound -A * c lies beyond the clipped ratio 1 + eps)"),
+    "grpo.sapo_tau_pos": POSITIVE, "grpo.sapo_tau_neg": POSITIVE,
+    "grpo.entropy_coef": (lambda v: v >= 0, "must be >= 0 (a bonus on entropy; a negative one would reward collapse)"),
     "sft.max_prompt_tokens": AT_LEAST_1, "sft.max_response_tokens": AT_LEAST_1, "sft.max_total_tokens": AT_LEAST_1,
     "sft.pack_length": AT_LEAST_1, "sft.validation_fraction": HOLDOUT, "sft.epochs": AT_LEAST_1,
     "sft.learning_rate": POSITIVE, "sft.warmup_steps": NON_NEGATIVE, "sft.weight_decay": NON_NEGATIVE,
@@ -124,10 +127,20 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if not 0 <= cfg.reward.overlong_buffer <= cfg.rollout.max_new_tokens:
         problems.append(f"reward.overlong_buffer = {cfg.reward.overlong_buffer}: must be between 0 (off) and "
                         f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), the length the penalty ends at")
+    if cfg.grpo.tis_cap > 0 and not cfg.grpo.tis_floor < cfg.grpo.tis_cap:
+        problems.append(f"grpo.tis_floor = {cfg.grpo.tis_floor!r}: must be below grpo.tis_cap ({cfg.grpo.tis_cap}), "
+                        "or every importance weight is the same constant")
+    if cfg.rollout.dynamic_sampling and cfg.reward.verifier == "co_rewarding_teacher":
+        problems.append("rollout.dynamic_sampling with reward.verifier 'co_rewarding_teacher': the EMA teacher "
+                        "samples only the step's first prompts, so fresh prompts would have no pseudo-label; turn "
+                        "one of them off")
     if cfg.rollout.agent.enabled:
         from refiner_core.agent.rollout import agent_problems
 
         problems += agent_problems(cfg.rollout.agent)
+    from refiner_core.tracking import tracker_problems
+
+    problems += tracker_problems(cfg.run.report_to)
     return problems
 
 

@@ -99,11 +99,21 @@ def inputs_hash(score_dir: Path) -> str:
         for table in (REWARD_INPUTS, JUDGE_SCORES):
             con.execute(duckdb_ddl(table))
             con.execute(f'INSERT INTO "{table.name}" BY NAME SELECT * FROM read_parquet(?)',
-                        [str(score_dir / f"{table.name}.parquet")])
+                        [[str(p) for p in round_files(score_dir, table.name)]])
         [(digest,)] = con.execute(f"SELECT inputs_hash FROM ({STEP_INPUTS_HASH_SQL})").fetchall()
         return digest
     finally:
         con.close()
+
+
+def round_files(score_dir: Path, name: str) -> list[Path]:
+    """A step's `name` files: its first sampling round's, then those of later rounds (rollout.dynamic_sampling)."""
+    later = sorted(score_dir.glob(f"round=*/{name}.parquet"), key=lambda p: int(p.parent.name.split("=")[1]))
+    return [score_dir / f"{name}.parquet", *later]
+
+
+def read_step(score_dir: Path, name: str) -> list[dict]:
+    return [row for path in round_files(score_dir, name) for row in read_rows(path)]
 
 
 def scored_steps(run_dir: Path) -> list[int]:
@@ -118,8 +128,8 @@ def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: s
     if not steps:
         raise RescoreError(f"{run_dir} has no scored step (no scores/step=*/reward_inputs.parquet)")
     score_files = {s: run_dir / "scores" / f"step={s}" for s in steps}
-    without_claims = [s for s in steps if not read_rows(score_files[s] / "citation_claims.parquet")]
-    pairs = sum(len(read_rows(score_files[s] / "judge_scores.parquet")) for s in steps)
+    without_claims = [s for s in steps if not read_step(score_files[s], "citation_claims")]
+    pairs = sum(len(read_step(score_files[s], "judge_scores")) for s in steps)
     check_rescorable(base, new, pairs, without_claims)
     version = version or version_name(new)
     if version == "train":
@@ -131,10 +141,10 @@ def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: s
     out_root, summary = run_dir / "rescores" / version, []
     written: dict[str, list[str]] = {"rewards": [], "reward_weights": [], "advantages": [], "rescores": []}
     for step in steps:
-        inputs = read_rows(score_files[step] / "reward_inputs.parquet")
-        scores = read_rows(score_files[step] / "judge_scores.parquet")
+        inputs = read_step(score_files[step], "reward_inputs")
+        scores = read_step(score_files[step], "judge_scores")
         trained = {(r["prompt_id"], r["sample_idx"]): r["reward"]
-                   for r in read_rows(score_files[step] / "rewards.parquet") if r["reward_version"] == "train"}
+                   for r in read_step(score_files[step], "rewards") if r["reward_version"] == "train"}
         run = inputs[0]["run"] if inputs else new.run.name
         weights = [weight_row(run, step, version, new.reward, new.judge.on_failure)]
         rewards = compute_rewards(inputs, scores, weights)

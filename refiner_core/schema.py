@@ -104,6 +104,8 @@ ROLLOUTS = Table(
         _c("final_text", S, "The last assistant turn's text, where the final answer is read (agent rollouts); "
                             "response_text otherwise."),
         _c("created_at", TS, "When the rollout was written."),
+        _c("round", I, "Sampling round of the step (0 = its first; rollout.dynamic_sampling adds rounds of fresh "
+                       "prompts in place of all-equal groups); NULL in rows written before rounds existed."),
     ),
 )
 
@@ -304,14 +306,23 @@ STEPS = Table(
         _c("reward_mean", F, "Mean reward over the step's rollouts."),
         _c("reward_std", F, "Std (ddof 0) of rewards over the step's rollouts."),
         _c("advantage_abs_mean", F, "Mean |advantage| over rollouts."),
-        _c("zero_std_group_fraction", F, "Fraction of groups whose rewards were all equal (no signal)."),
+        _c("zero_std_group_fraction", F, "Fraction of groups whose rewards were all equal (no signal), over every "
+                                         "sampling round of the step."),
+        _c("sampling_rounds", I, "Rounds of rollout + judge the step sampled (1 without rollout.dynamic_sampling)."),
+        _c("informative_groups", I, "Groups whose rewards differ, over all rounds (below rollout.prompts_per_step: "
+                                    "dynamic sampling hit its cap or ran out of fresh prompts)."),
+        _c("dropped_groups", I, "All-equal groups left out of the update (grpo.filter_zero_std_groups or "
+                                "rollout.dynamic_sampling; 0 otherwise)."),
+        _c("entropy", F, "Mean token entropy of the policy over trained tokens (NULL unless grpo.entropy_coef != 0)."),
+        _c("importance_weight_mean", F, "Mean importance weight pi_old / pi_rollout over trained tokens, after "
+                                        "truncation or masking (NULL unless grpo.tis_cap > 0)."),
         _c("grad_norm", F, "Gradient norm before clipping."),
         _c("lr", F, "Learning rate used."),
         _c("response_tokens", I, "Response tokens trained on."),
         _c("packing_efficiency", F, "Real tokens / tokens computed in the update (1.0 = no padding)."),
         _c("response_length_mean", F, "Mean response length in tokens."),
-        _c("rollout_seconds", F, "Wall time of the rollout stage."),
-        _c("judge_seconds", F, "Wall time of the judge stage."),
+        _c("rollout_seconds", F, "Wall time of the rollout stage (summed over sampling rounds)."),
+        _c("judge_seconds", F, "Wall time of the judge stage (summed over sampling rounds)."),
         _c("update_seconds", F, "Wall time of the update stage."),
         _c("checkpoint", S, "Path of the checkpoint written by this step (removed later unless run.keep_last / keep_every keep it)."),
         _c("checkpoint_bytes", I, "Bytes written for this step's checkpoint (weights, tokenizer, optimizer state)."),
@@ -451,7 +462,7 @@ TEACHER_ROLLOUTS = Table(
     "Co-rewarding-II: the EMA teacher's responses to the step's prompts (columns as in rollouts; `policy` is the "
     "teacher checkpoint). Their majority-voted \\boxed{} answer is the pseudo-label of the policy's rollouts.",
     ROLLOUTS.key,
-    ROLLOUTS.columns,
+    tuple(c for c in ROLLOUTS.columns if c.name != "round"),  # the teacher samples each step once
 )
 
 TEACHER_UPDATES = Table(

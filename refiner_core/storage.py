@@ -99,12 +99,17 @@ def file_hash(path: Path | str) -> str:
     return digest.hexdigest()
 
 
+DESCRIPTION_FILES = ("README.md",)  # a folder's card describes its content and is rewritten (evaluated checkpoints)
+
+
 def dir_hash(path: Path | str, ignore: tuple[str, ...] = ()) -> str:
     """Content hash of every file below a folder (names and bytes), independent of mtimes; top-level files or
-    folders named in `ignore` do not count (a checkpoint's optimizer state is not part of the policy it holds)."""
+    folders named in `ignore` do not count (a checkpoint's optimizer state is not part of the policy it holds),
+    nor does a top-level README.md (DESCRIPTION_FILES: a model card is not the model)."""
     digest = hashlib.blake2b(digest_size=16)
     root = Path(path)
-    for file in sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in ignore):
+    skipped = set(ignore) | set(DESCRIPTION_FILES)
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0] not in skipped):
         digest.update(file.relative_to(root).as_posix().encode())
         digest.update(file_hash(file).encode())
     return digest.hexdigest()
@@ -149,8 +154,9 @@ def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> di
             missing = [f for f in files if not Path(f).exists()]
             if missing:  # never publish a catalog that silently lacks rows
                 raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
-            if files:
-                con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [files])
+            if files:  # by name: files written before a column existed (rollouts.round) leave it NULL
+                con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?, union_by_name = true)',
+                            [files])
             counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
         con.execute(_REWARD_RECOMPUTE_VIEW)
         con.execute(_STEP_REWARDS_VIEW)

@@ -4,14 +4,15 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core import live
 from refiner_core.config import ConfigError, RewardConfig
 from refiner_core.eval.evaluate import (EvalSettings, format_table, generate_responses, held_out_prompts,
                                         score_responses, summarize)
 from refiner_core.judges.base import make_judge
-from refiner_core.rollout.base import make_engine
 from refiner_core.schema import EVALS
 from refiner_core.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
+from tasks.rollout import rollout_engine
 from tasks.stage import stage
 
 
@@ -31,18 +32,18 @@ def evaluate(*, run_dir: str, run: str, step: int, phase: str, prompts: dict, ru
     if not Path(policy["path"]).is_dir():
         raise FileNotFoundError(f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
                                 "run.keep_last); keep it with run.keep_every, or evaluate a new run")
-    engine = make_engine(rollout_cfg["engine"], policy["path"], rollout_cfg["batch_size"], dtype, precision,
-                         tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
-                         gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
+    engine, acquired = rollout_engine(run_dir, rollout_cfg, policy, dtype, precision)  # the run's live one
+    log.info("eval step %d: %s", step, acquired.describe())
     responses = generate_responses(engine, chosen, settings, seed)
-    engine.close()  # free the engine's memory before the judge loads
+    live.release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
 
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
     if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)
+    scorer = live.judge(run_dir, judge_cfg["engine"], judge_model, judge_cfg, dtype, precision,
+                        lambda: make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision))
     rows = score_responses(responses, {p["prompt_id"]: p for p in prompt_rows}, rubric_rows, scorer,
                            RewardConfig(**reward_cfg), judge_cfg["on_failure"], judge_cfg["max_response_chars"],
                            run=run, step=step, phase=phase, policy=policy,

@@ -4,20 +4,22 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core import live
 from refiner_core.judges.base import make_judge, score_rollouts
 from refiner_core.config import RewardConfig
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
+from tasks.rollout import round_folder
 from tasks.stage import stage
 
 
 @stage("judge")
 def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: dict, judge_model: dict,
           judge_cfg: dict, reward_cfg: dict, max_new_tokens: int, dtype: str, precision: str,
-          teacher_rollouts: dict | None = None) -> dict:
+          teacher_rollouts: dict | None = None, round: int = 0) -> dict:
     """Stage 4: format/citation checks, rubric judge and verifiers -> judge_scores, reward inputs and (by SQL)
-    rewards for the step."""
+    rewards for the step's rollouts of sampling round `round` (scores/step=N/, later rounds in round=R/)."""
     log = get_run_logger()
     prompt_rows = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     if teacher_rollouts:  # Co-rewarding-II: the EMA teacher's responses vote each prompt's pseudo-label
@@ -31,13 +33,14 @@ def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: di
     needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
     if judge_cfg["serve"] and needs_judge:
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    scorer = make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision) if needs_judge else None
+    scorer = live.judge(run_dir, judge_cfg["engine"], judge_model, judge_cfg, dtype, precision, lambda: make_judge(
+        judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)) if needs_judge else None
     scored = score_rollouts(
         rollout_rows, prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
         judge_cfg["on_failure"], judge_cfg["max_response_chars"], max_new_tokens,
     )
     scores, rewards = scored.judge_scores, scored.rewards
-    out = Path(run_dir) / "scores" / f"step={step}"
+    out = round_folder(Path(run_dir) / "scores" / f"step={step}", round)
     failed = sum(s["failure"] is not None for s in scores)
     log.info("judge step %d: %d rubric scores (%d failed: unparseable or no answer), reward mean %.3f", step,
              len(scores), failed, sum(r["reward"] for r in rewards) / max(len(rewards), 1))

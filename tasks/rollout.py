@@ -5,24 +5,29 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core import live
 from refiner_core.agent.rollout import agent_rollouts, rollout_row as agent_rollout_row, turn_rows as agent_turn_rows
-from refiner_core.data import step_prompt_ids
+from refiner_core.data import refill_prompt_ids, step_prompt_ids
 from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.schema import ROLLOUTS, TURNS
 from refiner_core.storage import read_rows, write_table
 from tasks.stage import stage
 
+ROUND_SEED_OFFSET = 1_000_033  # a later sampling round of a step draws other random numbers than its first
+
 
 @stage("rollout")
 def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, rollout_cfg: dict, seed: int,
-            dtype: str, precision: str) -> dict:
-    """Stage 3: sample G responses for each of the step's prompts -> rollouts/step=N/rollouts.parquet."""
+            dtype: str, precision: str, round: int = 0, round_prompt_ids: list[str] | None = None) -> dict:
+    """Stage 3: sample G responses for each of the step's prompts -> rollouts/step=N/rollouts.parquet; a later
+    sampling round (rollout.dynamic_sampling) samples the fresh prompts it is given -> rollouts/step=N/round=R/."""
     log = get_run_logger()
-    chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
+    chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed, round_prompt_ids)
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
-    engine = rollout_engine(rollout_cfg, policy["path"], dtype, precision)
-    params = sampling_params(rollout_cfg, seed * 100_003 + step)
+    engine, acquired = rollout_engine(run_dir, rollout_cfg, policy, dtype, precision)
+    log.info("rollout step %d: %s", step, acquired.describe())
+    params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
     agent, turns = rollout_cfg["agent"], None
     if agent["enabled"]:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
         tokenizer = load_tokenizer(policy["path"])
@@ -34,19 +39,20 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
     else:
         outputs = [(g.prompt_index, g.sample_idx, response_columns(g))
                    for g in engine.generate(prompt_ids, params, desc=f"rollout step {step}")]
-    engine.close()  # free the engine's memory before the judge and learner stages
+    live.release(run_dir, engine, acquired)  # kept for the next step, or closed to free memory for the learner
     now = datetime.now(timezone.utc)
     rows = [{
         "run": run, "step": step, "prompt_id": chosen[p], "sample_idx": s,
         "policy": policy["path"], "policy_hash": policy["hash"], "engine": engine.name,
         "temperature": params.temperature, "seed": params.seed, "prompt_token_ids": prompt_ids[p],
-        **response, "created_at": now,
+        **response, "created_at": now, "round": round,
     } for p, s, response in outputs]
-    path = Path(run_dir) / "rollouts" / f"step={step}" / "rollouts.parquet"
+    path = round_folder(Path(run_dir) / "rollouts" / f"step={step}", round) / "rollouts.parquet"
     stopped = sum(r["finish_reason"] == "stop" for r in rows)
-    log.info("rollout step %d: %d prompts x %d samples, %d/%d stopped, mean %.1f tokens", step, len(chosen),
-             params.n, stopped, len(rows), sum(r["response_tokens"] for r in rows) / max(len(rows), 1))
-    manifest = {"rollouts": {"path": str(path), "hash": write_table(ROLLOUTS, rows, path)}, "rows": len(rows)}
+    log.info("rollout step %d round %d: %d prompts x %d samples, %d/%d stopped, mean %.1f tokens", step, round,
+             len(chosen), params.n, stopped, len(rows), sum(r["response_tokens"] for r in rows) / max(len(rows), 1))
+    manifest = {"rollouts": {"path": str(path), "hash": write_table(ROLLOUTS, rows, path)}, "rows": len(rows),
+                "prompt_ids": chosen}
     if turns is not None:
         turns_path = path.with_name("turns.parquet")
         manifest["turns"] = {"path": str(turns_path), "hash": write_table(TURNS, turns, turns_path)}
@@ -57,20 +63,41 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
     return manifest
 
 
-def step_prompts(prompts: dict, step: int, rollout_cfg: dict, seed: int) -> tuple[list[str], list[list[int]]]:
-    """The step's prompt IDs and their token IDs: a question's twin view joins it in the same step, and every
-    sampler of the step (the policy, an EMA teacher) answers the same ones."""
+def step_prompts(prompts: dict, step: int, rollout_cfg: dict, seed: int,
+                 chosen: list[str] | None = None) -> tuple[list[str], list[list[int]]]:
+    """The step's prompt IDs (unless `chosen` names them) and their token IDs: a question's twin view joins it in
+    the same step, and every sampler of the step (the policy, an EMA teacher) answers the same ones."""
     by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     train_ids = prompts["train_ids"]
-    chosen = step_prompt_ids(train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed,
-                             twin_of={p: row["twin_id"] for p, row in by_id.items() if row.get("twin_id")})
+    if chosen is None:
+        chosen = step_prompt_ids(train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed,
+                                 twin_of=_twins(by_id))
     return chosen, [by_id[p]["prompt_token_ids"] for p in chosen]
 
 
-def rollout_engine(rollout_cfg: dict, model_path: str, dtype: str, precision: str):
-    return make_engine(rollout_cfg["engine"], model_path, rollout_cfg["batch_size"], dtype, precision,
-                       tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
-                       gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
+def refill_prompts(prompts: dict, step: int, round: int, used: list[str], count: int, seed: int) -> list[str]:
+    """The fresh train prompts sampling round `round` of a step samples (refill_prompt_ids)."""
+    by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
+    return refill_prompt_ids(prompts["train_ids"], used, count, step, round, seed, twin_of=_twins(by_id))
+
+
+def _twins(prompt_rows: dict[str, dict]) -> dict[str, str]:
+    return {p: row["twin_id"] for p, row in prompt_rows.items() if row.get("twin_id")}
+
+
+def round_folder(step_folder: Path, round: int) -> Path:
+    """Where a sampling round's files go: the step's folder for its first round, step=N/round=R/ for later ones."""
+    return step_folder / f"round={round}" if round else step_folder
+
+
+def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, precision: str):
+    """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.live), else
+    one built from the checkpoint. Hand it back with `live.release`."""
+    build = lambda path: make_engine(  # noqa: E731
+        rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision,
+        tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
+        gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
+    return live.rollout_engine(run_dir, live.engine_key(rollout_cfg, policy["path"], dtype, precision), policy, build)
 
 
 def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:

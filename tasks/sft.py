@@ -5,6 +5,7 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.data import validate_rows
+from refiner_core.model_card import write_model_card
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
 from refiner_core.sft import SFTLimits, prepare_sft as prepare_sft_core, stats_rows
@@ -70,6 +71,7 @@ def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: 
     with atomic_dir(final) as build:
         model.save_pretrained(build)
         tokenizer.save_pretrained(build)
+        write_model_card(build, run_dir, kind="sft", run=run, step=None, checkpoint=final)
 
     rows = [{"run": run, **h} for h in history]
     path = Path(run_dir) / "sft" / "sft_metrics.parquet"

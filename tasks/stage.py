@@ -147,7 +147,9 @@ def _run_name(name: str) -> Callable[[], str]:
     def render() -> str:
         from prefect.runtime import task_run
 
-        step = task_run.parameters.get("step")
-        return name if step is None else f"{name}[step={step}]"
+        step, sampling_round = task_run.parameters.get("step"), task_run.parameters.get("round")
+        if step is None:
+            return name
+        return f"{name}[step={step},round={sampling_round}]" if sampling_round else f"{name}[step={step}]"
 
     return render

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core import live
 from refiner_core.checkpoints import TRAINING_STATE_FILES
 from refiner_core.ema import alpha_at, ema_checkpoint, is_update_step
+from refiner_core.model_card import write_model_card
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
 from refiner_core.storage import atomic_dir, dir_hash, write_table
 from tasks.rollout import response_columns, rollout_engine, sampling_params, step_prompts
@@ -23,10 +25,11 @@ def teacher_rollout(*, run_dir: str, run: str, step: int, prompts: dict, teacher
     """G responses of the teacher to the same prompts the policy answers at this step -> teacher_rollouts."""
     log = get_run_logger()
     chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
-    engine = rollout_engine(rollout_cfg, teacher["path"], dtype, precision)
+    engine, acquired = rollout_engine(run_dir, rollout_cfg, teacher, dtype, precision)
+    log.info("teacher-rollout step %d: %s", step, acquired.describe())
     params = sampling_params(rollout_cfg, seed * 100_003 + step + TEACHER_SEED_OFFSET)
     generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")
-    engine.close()
+    live.release(run_dir, engine, acquired)
     now = datetime.now(timezone.utc)
     rows = [{
         "run": run, "step": step, "prompt_id": chosen[g.prompt_index], "sample_idx": g.sample_idx,
@@ -50,6 +53,8 @@ def teacher_update(*, run_dir: str, run: str, step: int, teacher: dict, policy: 
         final = Path(run_dir) / "teacher" / f"step_{done:04d}"
         with atomic_dir(final) as build:
             ema_checkpoint(Path(teacher["path"]), Path(policy["path"]), alpha, build)
+            write_model_card(build, run_dir, kind="teacher", run=run, step=done, checkpoint=final,
+                             parent=teacher["path"])
         teacher = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
     get_run_logger().info("teacher-update step %d: alpha %.3g, %s", step, alpha,
                           f"teacher now {teacher['path']}" if updated else "not an update step")

@@ -5,9 +5,11 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
+from refiner_core import live
 from refiner_core.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
+from refiner_core.model_card import write_model_card
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import ADVANTAGES, STEPS
 from refiner_core.storage import atomic_dir, dir_hash, read_rows, write_table
@@ -15,30 +17,39 @@ from tasks.stage import stage
 
 
 @stage("grpo-update")
-def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: dict, policy: dict, reference: dict,
-                grpo_cfg: dict, temperature: float, dtype: str, precision: str, seed: int) -> dict:
-    """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics."""
+def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scores: list[dict], policy: dict,
+                reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str, seed: int) -> dict:
+    """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
+    and `scores` hold one manifest per sampling round of the step; all rounds train together."""
     import torch
 
     log = get_run_logger()
     torch.manual_seed(seed * 7919 + step)
-    rollout_rows = read_rows(rollouts["rollouts"]["path"])
-    reward_rows = [r for r in read_rows(scores["rewards"]["path"]) if r["reward_version"] == "train"]
+    rollout_rows = [r for rolled in rollouts for r in read_rows(rolled["rollouts"]["path"])]
+    reward_rows = [r for scored in scores for r in read_rows(scored["rewards"]["path"])
+                   if r["reward_version"] == "train"]
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
     settings = learner_settings(grpo_cfg, temperature, precision)
     tokenizer = load_tokenizer(policy["path"])
     optimizer_state = Path(policy["path"]) / "optimizer.pt"
     if step > 0 and not any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES):
         log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
-    learner = make_learner(grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings,
-                           optimizer_state, dtype)
+    learner_key = live.learner_key(grpo_cfg["learner"], policy["path"], reference, settings, dtype)
+    learner = live.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
+    log.info("grpo-update step %d: %s", step, "learner kept in memory (policy, reference, AdamW state)" if learner
+             else f"learner loaded from {policy['path']}")
+    learner = learner or make_learner(grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings,
+                                      optimizer_state, dtype)
     metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
 
     final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
     with atomic_dir(final) as build:
         learner.save(build)
         tokenizer.save_pretrained(build)
+        write_model_card(build, run_dir, kind="grpo", run=run, step=step + 1, checkpoint=final)
     forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
+    saved = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
+    live.keep_learner(run_dir, learner_key, learner, saved["hash"])  # its weights are now this checkpoint's
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
     row = {
@@ -47,19 +58,22 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
                                                             "update_seconds")},
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         "advantage_abs_mean": adv_stats["advantage_abs_mean"],
-        "zero_std_group_fraction": adv_stats["zero_std_group_fraction"],
+        "zero_std_group_fraction": adv_stats["zero_std_group_fraction"], "sampling_rounds": len(rollouts),
+        "informative_groups": adv_stats["informative_groups"], "dropped_groups": adv_stats["dropped_groups"],
+        "entropy": metrics.get("entropy"), "importance_weight_mean": metrics.get("importance_weight_mean"),
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
-        "rollout_seconds": rollouts["seconds"], "judge_seconds": scores["seconds"], "checkpoint": str(final),
-        "checkpoint_bytes": folder_bytes(final),
+        "rollout_seconds": sum(m["seconds"] for m in rollouts), "judge_seconds": sum(m["seconds"] for m in scores),
+        "checkpoint": str(final), "checkpoint_bytes": folder_bytes(final),
     }
     metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
     advantages_path = metrics_path.with_name("advantages.parquet")
     advantage_rows = [{"run": run, "step": step, "reward_version": "train", **a} for a in advantages]
-    log.info("grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%%", step,
-             row["loss"], row["kl"], row["clip_fraction"], row["reward_mean"], row["reward_std"],
-             100 * row["zero_std_group_fraction"])
+    log.info("grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%% "
+             "(%d rounds, %d informative groups, %d dropped)", step, row["loss"], row["kl"], row["clip_fraction"],
+             row["reward_mean"], row["reward_std"], 100 * row["zero_std_group_fraction"], row["sampling_rounds"],
+             row["informative_groups"], row["dropped_groups"])
     return {
-        "policy": {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)},
+        "policy": saved,
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
         "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
     }
@@ -68,4 +82,5 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: dict, scores: di
 def _no_signal_metrics(settings) -> dict:
     """Every group was filtered out (all-equal rewards): the policy is saved unchanged, nothing was computed."""
     return {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0,
-            "lr": settings.learning_rate, "response_tokens": 0, "packing_efficiency": 0.0, "update_seconds": 0.0}
+            "lr": settings.learning_rate, "response_tokens": 0, "packing_efficiency": 0.0, "update_seconds": 0.0,
+            "entropy": None, "importance_weight_mean": None}  # no token: no entropy or weight to average

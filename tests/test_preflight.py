@@ -114,10 +114,32 @@ def test_hub_sources_are_not_checked():
     ("reward.overlong_buffer=100000", "reward.overlong_buffer = 100000: must be between 0 (off) and"),
     ("reward.verifier=oracle", "reward.verifier = 'oracle': choose from"),
     ("judge.serve=true", "judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai'"),
+    ("grpo.dual_clip_c=1", "grpo.dual_clip_c = 1.0: must be > 1"),
+    ("grpo.dual_clip_c=0.5", "grpo.dual_clip_c = 0.5: must be > 1"),
+    ("grpo.sapo_tau_pos=0", "grpo.sapo_tau_pos = 0.0: must be > 0"),
+    ("grpo.sapo_tau_neg=-1", "grpo.sapo_tau_neg = -1.0: must be > 0"),
+    ("grpo.entropy_coef=-0.01", "grpo.entropy_coef = -0.01: must be >= 0"),
+    ("grpo.tis_floor=-0.1", "grpo.tis_floor = -0.1: must be >= 0"),
+    ("rollout.dynamic_sampling_max_rounds=-1", "rollout.dynamic_sampling_max_rounds = -1: must be >= 0"),
 ])
 def test_impossible_values(override, message):
     [p] = problems(override)
     assert p.startswith(message)
+
+
+@pytest.mark.parametrize("floor,cap,ok", [(0.0, 0.0, True), (0.5, 0.0, True), (0.0, 2.0, True), (1.9, 2.0, True),
+                                          (2.0, 2.0, False), (3.0, 2.0, False)])
+def test_tis_floor_lies_below_the_cap_when_importance_sampling_is_on(floor, cap, ok):
+    found = problems(f"grpo.tis_floor={floor}", f"grpo.tis_cap={cap}")
+    assert found == [] if ok else found == [f"grpo.tis_floor = {floor!r}: must be below grpo.tis_cap ({cap}), or "
+                                            "every importance weight is the same constant"]
+
+
+def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zero_cap():
+    [p] = problems("rollout.dynamic_sampling=true", "model.policy=tiny-qwen3",
+                   recipe=REPO / "recipes" / "co-rewarding-2.yaml")
+    assert p.startswith("rollout.dynamic_sampling with reward.verifier 'co_rewarding_teacher'")
+    assert problems("rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_rounds=0") == []
 
 
 def test_every_problem_is_reported_at_once():

@@ -72,7 +72,8 @@ class TorchLearner:
         # detached current log-probs serve; with several, freeze them before the first step.
         old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "tokens": 0.0,
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "is_weight": 0.0,
+                  "tokens": 0.0,
                   "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
                   "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat))}
         grad_norms = []
@@ -107,6 +108,8 @@ class TorchLearner:
                 totals["clipped"] += (out["clipped"] * mask).sum().item()
                 if entropy is not None:
                     totals["entropy"] += (entropy * mask).sum().item()
+                if is_w is not None:  # already zero off the response mask
+                    totals["is_weight"] += is_w.sum().item()
                 totals["tokens"] += mask.sum().item()
                 k += 1
                 bar.update(1)
@@ -115,6 +118,7 @@ class TorchLearner:
         totals = self._reduce(totals)
         tokens = max(totals["tokens"], 1.0)
         entropy = {"entropy": totals["entropy"] / tokens} if s.entropy_coef != 0 else {}
+        is_weight = {"importance_weight_mean": totals["is_weight"] / tokens} if s.tis_cap > 0 else {}
         return {
             "loss": totals["loss"] / len(layout),
             "pg_loss": totals["pg_loss"] / tokens,
@@ -126,6 +130,7 @@ class TorchLearner:
             "packing_efficiency": totals["real_tokens"] / totals["computed_tokens"],
             "update_seconds": time.time() - t0,
             **entropy,
+            **is_weight,
         }
 
     # Hooks a distributed learner overrides; here one process runs every micro-batch.
@@ -147,6 +152,10 @@ class TorchLearner:
 
     def _reduce(self, totals: dict) -> dict:
         return totals
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's current weights, in memory (a live rollout engine copies them instead of reading disk)."""
+        return self.policy.state_dict()
 
     def save(self, path: Path) -> None:
         path = Path(path)

@@ -34,11 +34,29 @@ class Generation:
 
 class RolloutEngine(Protocol):
     name: str
+    weights_hash: str  # content hash of the checkpoint whose weights it holds ('' = unknown)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]: ...
 
+    def load_weights(self, weights) -> None:
+        """Replace the weights in place: a state dict with the checkpoint's tensor names, or a model."""
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(bytes the engine holds, bytes still free on its device)."""
+
     def close(self) -> None:
         """Free the engine's memory before the next stage needs it."""
+
+
+def free_bytes(device_type: str) -> int:
+    """Memory still available on a device: the GPU's free memory, or the machine's available RAM."""
+    if device_type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def first_stop(token_ids: list[int], eos_ids: set[int], stop: tuple[str, ...], decode) -> tuple[int, bool]:

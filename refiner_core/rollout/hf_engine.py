@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from refiner_core.learners.base import autocast
 from refiner_core.progress import progress_bar
-from refiner_core.rollout.base import Generation, SamplingParams, first_stop, left_padded
+from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
 
 
 @dataclass
@@ -20,6 +20,7 @@ class HFRolloutEngine:
     precision: str = "fp32"  # 'bf16': generate under bfloat16 autocast; log-probs still from fp32 scores
     name: str = "hf"
     eos_ids: set[int] = field(default_factory=set)
+    weights_hash: str = ""
 
     def __post_init__(self) -> None:
         gen_eos = self.model.generation_config.eos_token_id
@@ -78,6 +79,25 @@ class HFRolloutEngine:
             bar.update(len(chunk))
         bar.close()
         return sorted(out, key=lambda g: (g.prompt_index, g.sample_idx))
+
+    def load_weights(self, weights) -> None:
+        """Copy new weights into the model in place (same names as its state dict). A checkpoint leaves out tied
+        tensors (the output layer sharing the embeddings); any other missing or extra name is an error."""
+        import torch
+
+        state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        own = self.model.state_dict()
+        loaded = {own[name].data_ptr() for name in own if name in state}
+        untied = [name for name in missing if own[name].data_ptr() not in loaded]
+        if untied or unexpected:
+            raise ValueError(f"hf engine: weights do not fit the model: missing {untied[:3]}, unexpected "
+                             f"{unexpected[:3]}")
+
+    def memory_bytes(self) -> tuple[int, int]:
+        held = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        return held, free_bytes(self.model.device.type)
 
     def close(self) -> None:
         self.model = None

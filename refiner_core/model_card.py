@@ -1,0 +1,235 @@
+"""The model card (README.md, Hugging Face format) of every checkpoint a run writes: YAML metadata, then what the
+checkpoint is, how it was trained, on what data, how to reproduce it, its held-out evaluation and known notes.
+
+`model_card` is pure: plain values in (the resolved recipe as a dict, run, step, parent, metrics, evals), markdown
+out. `write_model_card` gathers those values from a run folder and writes the file. The card is not part of a
+checkpoint's content hash (refiner_core.storage.dir_hash), so it can be rewritten once the checkpoint is evaluated
+without invalidating any cached stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+MODEL_CARD = "README.md"
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe a run writes into its folder (flows/run_folder.py)
+
+# Model specs with a known Hub origin: (base_model id, license).
+KNOWN_BASES = {
+    "smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+}
+KINDS = {
+    "grpo": "GRPO policy checkpoint",
+    "sft": "SFT warm-start checkpoint (the GRPO starting point)",
+    "teacher": "EMA teacher checkpoint (Co-rewarding-II: teacher <- alpha * policy + (1 - alpha) * teacher)",
+}
+
+
+def model_card(recipe: dict, *, kind: str, run: str, step: int | None, checkpoint: str, parent: str,
+               metrics: dict | None = None, evals: list[dict] | None = None, data: dict | None = None) -> str:
+    """The markdown of a checkpoint's card. `recipe` is the resolved recipe (RecipeConfig.to_dict()); `kind` one of
+    KINDS; `step` the number of updates the checkpoint holds (None for SFT); `metrics` its steps row; `evals` the
+    eval summary rows of this checkpoint (refiner_core.eval.evaluate.summarize); `data` counts of the prepared
+    prompts ({'train', 'validation', 'quarantined'})."""
+    if kind not in KINDS:
+        raise ValueError(f"model card kind {kind!r}: one of {sorted(KINDS)}")
+    model, grpo = recipe["model"], recipe["grpo"]
+    base_model, license_ = KNOWN_BASES.get(model["policy"], (model["policy"], "other"))
+    tags = ["refiner-grpo", "sft"] if kind == "sft" else ["grpo", "refiner-grpo", "reinforcement-learning",
+                                                          grpo["policy_loss"].replace("_", "-")]
+    if kind == "teacher":
+        tags.append("ema-teacher")
+    metadata = {"base_model": base_model, "library_name": "transformers", "pipeline_tag": "text-generation",
+                "tags": tags, "datasets": [recipe["data"]["path"]], "license": license_}
+    where = f"step {step}" if step is not None else "before the first GRPO step"
+    sections = [
+        "---\n" + yaml.safe_dump(metadata, sort_keys=False) + "---",
+        f"# {run} — {checkpoint}",
+        f"{KINDS[kind]} written by refiner-grpo: run `{run}`, {where}, trained from `{parent}` "
+        f"(base model `{model['policy']}`).",
+        "## Training setup\n\n" + _table(_setup_rows(recipe, kind)),
+    ]
+    if metrics:
+        sections.append(f"## Metrics of step {step - 1}\n\n" + _table(
+            [(k, _value(v)) for k, v in metrics.items() if k not in ("run", "step", "checkpoint")], "metric"))
+    sections.append("## Data\n\n" + _table(_data_rows(recipe, data), "data"))
+    if evals:
+        sections.append("## Held-out evaluation\n\n" + _eval_table(evals))
+    sections.append(_reproduce(recipe, kind, step))
+    notes = known_notes(recipe, data)
+    if notes:
+        sections.append("## Known notes\n\n" + "\n".join(f"- {n}" for n in notes))
+    return "\n\n".join(sections) + "\n"
+
+
+def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
+    model, grpo, rollout, reward, judge = (recipe[k] for k in ("model", "grpo", "rollout", "reward", "judge"))
+    if kind == "sft":
+        sft = recipe["sft"]
+        return [("method", "supervised fine-tuning on assistant tokens, packed"),
+                ("data", sft["path"] or recipe["data"]["path"]),
+                ("epochs", sft["epochs"]), ("learning rate", sft["learning_rate"]),
+                ("warmup steps", sft["warmup_steps"]),
+                ("batch", f"{sft['micro_batch_size']} packs x {sft['gradient_accumulation']} accumulation steps, "
+                          f"pack length {sft['pack_length']}"),
+                ("max prompt / response / total tokens",
+                 f"{sft['max_prompt_tokens']} / {sft['max_response_tokens']} / {sft['max_total_tokens']}"),
+                ("precision", f"{model['precision']} (weights {model['dtype']})"), ("seed", recipe["run"]["seed"])]
+    judge_model = judge["model"] or f"{model['policy']} (the base policy model)"
+    judged = (f"{reward['verification_reward']} x ({reward['rubric_weight']} x rubric score + "
+              f"{reward['citation_weight']} x citation score [{reward['citation_score']}])")
+    if reward["format_weight"]:
+        judged += f" + {reward['format_weight']} x format score"
+    learner = grpo["learner"]
+    if learner == "deepspeed":
+        learner += f", ZeRO stage {grpo['zero_stage']}, {grpo['world_size']} rank(s)"
+        if grpo["deepspeed_offload_optimizer"]:
+            learner += ", optimizer offloaded to CPU"
+    rows = [
+        ("algorithm", f"GRPO, policy_loss {grpo['policy_loss']}, advantage {grpo['advantage']} "
+                      f"(std ddof {grpo['advantage_std_ddof']})"),
+        ("KL", f"kl_estimator {grpo['kl_estimator']}, beta {grpo['beta']}"
+               + (f", reference {model['reference']}" if model["reference"] else ", reference = starting policy")),
+        ("clip eps (low / high)", f"{grpo['clip_eps_low']} / {grpo['clip_eps_high']}"),
+        ("loss_aggregation", grpo["loss_aggregation"]),
+        ("reward (judged prompts)", judged),
+        ("reward (prompts without rubrics)", f"verifier {reward['verifier']}"),
+        ("judge", f"{judge['engine']}: {judge_model}, mode {judge['mode']}"),
+        ("batch shape", f"{rollout['prompts_per_step']} prompts x {rollout['samples_per_prompt']} samples per step, "
+                        f"{grpo['minibatches']} optimizer step(s) per batch, micro batch {grpo['micro_batch_size']}"),
+        ("learning rate", f"{grpo['learning_rate']} (AdamW, constant, weight decay {grpo['weight_decay']}, "
+                          f"max grad norm {grpo['max_grad_norm']})"),
+        ("max prompt / response tokens", f"{recipe['data']['max_prompt_tokens']} / {rollout['max_new_tokens']}"),
+        ("sampling", f"temperature {rollout['temperature']}, top_p {rollout['top_p']}, engine {rollout['engine']}"),
+        ("precision", f"{model['precision']} (weights {model['dtype']})"),
+        ("learner", learner),
+        ("seed", recipe["run"]["seed"]),
+    ]
+    if kind == "teacher":
+        teacher = recipe["teacher"]
+        rows.append(("EMA teacher", f"alpha {teacher['alpha_start']} -> {teacher['alpha_end']} over "
+                                    f"{teacher['schedule_steps']} steps, every {teacher['update_interval']} step(s)"))
+    return rows
+
+
+def _data_rows(recipe: dict, data: dict | None) -> list[tuple[str, str]]:
+    source = recipe["data"]
+    rows = [("source", f"{source['path']} (format {source['format']})"),
+            ("held out for evaluation", f"data.validation_fraction {source['validation_fraction']}")]
+    if data:
+        rows.append(("prompts", f"{data['train']} train, {data['validation']} validation"))
+        if data.get("quarantined") is not None:
+            rows.append(("quarantined rows", data["quarantined"]))
+    return rows
+
+
+def _eval_table(evals: list[dict]) -> str:
+    header = ("step", "policy", "mode", "prompts", "format-valid", "citations valid", "judge score", "reward",
+              "pass@1", "pass@k")
+    rows = [(e["step"], e["phase"], e["mode"], e["prompts"], f"{e['format_valid']:.0%}", f"{e['citation_valid']:.0%}",
+             "-" if e["judge_score"] is None else f"{e['judge_score']:.3f}", f"{e['reward']:.3f}",
+             f"{e['pass_at_1']:.0%}", f"{e['pass_at_k']:.0%} (k={e['k']})") for e in evals]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def _reproduce(recipe: dict, kind: str, step: int | None) -> str:
+    steps = f" --set grpo.steps={step}" if kind != "sft" and step else ""
+    what = ("this checkpoint is the SFT checkpoint of the new run" if kind == "sft" else
+            f"the new run's checkpoint of step {step} is this one" if kind == "grpo" else
+            f"the new run's teacher of step {step} is this one")
+    return (f"## Reproduce\n\nSave the resolved recipe below (every setting of the run) as `recipe.yaml`, then"
+            f"\n\n```bash\nrefiner run recipe.yaml{steps} --run-dir NEW_RUN_DIR\n```\n\n"
+            f"With the same seed, data and machine kind, {what}.\n\n"
+            f"```yaml\n{yaml.safe_dump(recipe, sort_keys=False)}```")
+
+
+def known_notes(recipe: dict, data: dict | None) -> list[str]:
+    """Limits a reader of the card should know, derived from the recipe."""
+    model, judge, grpo = recipe["model"], recipe["judge"], recipe["grpo"]
+    notes = []
+    if model["policy"] == "tiny-qwen3":
+        notes.append("tiny-qwen3 is a ~230k-parameter model with random initial weights, built from a config: "
+                     "this checkpoint exercises the pipeline; it is not a useful model.")
+    if judge["engine"] == "transformers" and judge["model"] in ("", model["policy"]):
+        notes.append(f"The judge is the base policy model itself ({model['policy']}), a small model: its rubric "
+                     "scores are weak, noisy evidence of quality"
+                     + (" (mode expected_score: a probability-weighted score, never a parse failure)."
+                        if judge["mode"] == "expected_score" else "; unparseable judgments count as judge.on_failure "
+                        f"'{judge['on_failure']}'."))
+    if grpo["beta"] == 0:
+        notes.append("beta = 0: no KL penalty, nothing holds the policy near its reference.")
+    if data and data.get("quarantined"):
+        notes.append(f"{data['quarantined']} input rows were quarantined (not trained on); see them with "
+                     "refiner sql RUN_DIR \"SELECT * FROM quarantine\".")
+    return notes
+
+
+def _table(rows: list[tuple[str, object]], what: str = "setting") -> str:
+    lines = [f"| {what} | value |", "|---|---|"]
+    return "\n".join(lines + [f"| {k} | {_cell(v)} |" for k, v in rows])
+
+
+def _cell(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _value(value: object) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def prompt_counts(run_dir: Path) -> dict | None:
+    """Train / validation prompts and quarantined rows of a run's prepared data; None before data is prepared."""
+    import pyarrow.parquet as pq
+
+    prompts, quarantine = Path(run_dir) / "data" / "prompts.parquet", Path(run_dir) / "data" / "quarantine.parquet"
+    if not prompts.is_file():
+        return None
+    splits = pq.read_table(prompts, columns=["split"]).column("split").to_pylist()
+    return {"train": splits.count("train"), "validation": splits.count("validation"),
+            "quarantined": pq.read_metadata(quarantine).num_rows if quarantine.is_file() else None}
+
+
+def parent_checkpoint(recipe: dict, kind: str, step: int | None) -> str:
+    """What a policy checkpoint was trained from: the previous step's checkpoint, else the SFT checkpoint when the
+    run warm-starts, else the base model spec."""
+    if kind == "grpo" and step and step > 1:
+        return f"checkpoints/step_{step - 1:04d}"
+    if kind == "grpo" and recipe["sft"]["enabled"]:
+        return "checkpoints/sft"
+    return recipe["model"]["policy"]
+
+
+def write_model_card(folder: Path, run_dir: Path | str, *, kind: str, run: str, step: int | None,
+                     checkpoint: Path | str | None = None, parent: str | None = None, metrics: dict | None = None,
+                     evals: list[dict] | None = None) -> Path | None:
+    """Write `folder`/README.md from the run folder's resolved recipe. `checkpoint` is the folder's final path
+    (default `folder`: a card written inside an atomic_dir names the folder it becomes); paths inside the run folder
+    are shown relative to it. `parent` defaults to parent_checkpoint. None (nothing written) when the run folder
+    holds no recipe.yaml (a stage run outside a pipeline run)."""
+    from refiner_core.storage import atomic_path
+
+    run_dir = Path(run_dir)
+    recipe_path = run_dir / RECIPE_FILE
+    if not recipe_path.is_file():
+        return None
+    recipe = yaml.safe_load(recipe_path.read_text())
+    text = model_card(recipe, kind=kind, run=run, step=step, checkpoint=_shown(checkpoint or folder, run_dir),
+                      parent=_shown(parent, run_dir) if parent else parent_checkpoint(recipe, kind, step),
+                      metrics=metrics, evals=evals, data=prompt_counts(run_dir))
+    tmp, path = atomic_path(Path(folder) / MODEL_CARD)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _shown(path: Path | str, run_dir: Path) -> str:
+    try:
+        return Path(path).resolve().relative_to(run_dir.resolve()).as_posix()
+    except ValueError:
+        return str(path)

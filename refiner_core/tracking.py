@@ -1,0 +1,178 @@
+"""Experiment trackers (run.report_to): each step's metrics (the steps row), eval results and a sample of rollouts
+go to TensorBoard, MLflow or Weights & Biases as well as to the catalog.
+
+One small class per backend; a backend's package is imported only when the backend is chosen, so importing
+refiner_core never imports tensorboard, mlflow or wandb. What each backend was sent is recorded in
+RUN_DIR/tracking/<backend>.json (a ledger): a resumed or cached rerun sends only what is new, so no step is logged
+twice, and a step a failed backend missed is sent with the next one. A backend that fails is a warning, never a
+failed run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+LEDGER_DIR = "tracking"
+SKIPPED_COLUMNS = ("run", "step", "checkpoint")
+EVAL_METRICS = ("format_valid", "citation_valid", "judge_score", "reward", "stopped", "pass_at_1", "pass_at_k")
+
+
+class TensorBoardTracker:
+    """Event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR/tensorboard`)."""
+
+    def __init__(self, run_dir: Path, run: str, settings: dict, ledger: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+
+    def log_text(self, step: int, name: str, markdown: str) -> None:
+        self.writer.add_text(name, markdown, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflowTracker:
+    """One MLflow run per refiner run, in the experiment named after the run, at run.mlflow_tracking_uri or in
+    RUN_DIR/mlruns (mlflow.db, artifacts/: `mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlruns/mlflow.db`); its
+    ID and store are kept in the ledger, so a resumed run continues the same MLflow run."""
+
+    def __init__(self, run_dir: Path, run: str, settings: dict, ledger: dict) -> None:
+        from mlflow.tracking import MlflowClient
+
+        store = (run_dir / "mlruns").resolve()  # the default: an SQLite store (MLflow 3 refuses a plain folder)
+        uri = settings.get("mlflow_tracking_uri") or ledger.get("tracking_uri") or f"sqlite:///{store / 'mlflow.db'}"
+        if uri.startswith(f"sqlite:///{store}"):
+            store.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri)
+        if not ledger.get("id"):
+            experiment = self.client.get_experiment_by_name(run)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+                run, artifact_location=None if settings.get("mlflow_tracking_uri") else (store / "artifacts").as_uri())
+            ledger["id"] = self.client.create_run(experiment_id, run_name=run).info.run_id
+            ledger["tracking_uri"] = uri
+        self.run_id = ledger["id"]
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def log_text(self, step: int, name: str, markdown: str) -> None:
+        self.client.log_text(self.run_id, markdown, f"{name}/step_{step:04d}.md")
+
+    def close(self) -> None:
+        pass  # the MLflow run stays open for the next step; every call above is already stored
+
+
+class WandbTracker:
+    """A Weights & Biases run in RUN_DIR/wandb, offline unless WANDB_MODE says otherwise (`wandb sync` uploads it);
+    resumed by the ID kept in the ledger."""
+
+    def __init__(self, run_dir: Path, run: str, settings: dict, ledger: dict) -> None:
+        import wandb
+
+        ledger.setdefault("id", wandb.util.generate_id())
+        self.run = wandb.init(project=run, name=run, id=ledger["id"], resume="allow", dir=str(run_dir),
+                              mode=os.environ.get("WANDB_MODE", "offline"))
+        self.run.define_metric("eval_step")
+        self.run.define_metric("eval/*", step_metric="eval_step")
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if any(name.startswith("eval/") for name in metrics):
+            self.run.log({**metrics, "eval_step": step})  # eval steps may lie behind the training step
+        else:
+            self.run.log(metrics, step=step)
+
+    def log_text(self, step: int, name: str, markdown: str) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Table(columns=["step", "markdown"], data=[[step, markdown]])})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "wandb": WandbTracker}
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny"),
+            "wandb": ("wandb", "wandb")}  # (module imported, package to install)
+
+
+def tracker_problems(report_to: list) -> list[str]:
+    """Preflight: unknown backends, and chosen ones whose package is not installed."""
+    import importlib.util
+
+    problems = []
+    for name in report_to:
+        if name not in TRACKERS:
+            problems.append(f"run.report_to: {name!r} is not a tracker; choose from {sorted(TRACKERS)} ([] = none)")
+        elif importlib.util.find_spec(PACKAGES[name][0]) is None:
+            problems.append(f"run.report_to: {name!r} needs the {PACKAGES[name][1]} package, which is not installed "
+                            f"(pip install {PACKAGES[name][1]}), or leave {name!r} out of run.report_to")
+    return problems
+
+
+def step_metrics(row: dict) -> dict[str, float]:
+    """The numeric columns of a steps row, named steps/<column>."""
+    return {f"steps/{k}": float(v) for k, v in row.items()
+            if k not in SKIPPED_COLUMNS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def eval_metrics(summary: dict) -> dict[str, float]:
+    """An eval summary row (refiner_core.eval.evaluate.summarize) as eval/<phase>/<mode>/<metric>."""
+    prefix = f"eval/{summary['phase']}/{summary['mode']}"
+    return {f"{prefix}/{m}": float(summary[m]) for m in EVAL_METRICS if summary.get(m) is not None}
+
+
+def report(run_dir: Path | str, run: str, settings: dict, *, steps: list[dict], evals: list[dict],
+           rollouts: dict[int, str], warn: Callable[[str], None]) -> dict[str, int]:
+    """Send what each backend of settings['report_to'] has not been sent yet: steps rows, eval summary rows and
+    rollout samples ({step: markdown}). Returns {backend: items sent}; a backend that fails is reported to `warn`
+    and skipped (its ledger records none of them, so they are sent again next time)."""
+    run_dir = Path(run_dir)
+    items = ([(f"step {r['step']}", "metrics", r["step"], step_metrics(r)) for r in steps]
+             + [(f"eval {e['step']} {e['phase']} {e['mode']}", "metrics", e["step"], eval_metrics(e)) for e in evals]
+             + [(f"rollouts {step}", "text", step, markdown) for step, markdown in sorted(rollouts.items())])
+    sent = {}
+    for name in settings.get("report_to") or []:
+        ledger_path = run_dir / LEDGER_DIR / f"{name}.json"
+        ledger = json.loads(ledger_path.read_text()) if ledger_path.is_file() else {"sent": []}
+        done = set(ledger["sent"])
+        pending = [item for item in items if item[0] not in done]
+        if not pending:
+            continue
+        try:
+            tracker = TRACKERS[name](run_dir, run, settings, ledger)
+            try:
+                for _, what, step, value in pending:
+                    if what == "metrics":
+                        tracker.log_metrics(step, value)
+                    else:
+                        tracker.log_text(step, "rollouts", value)
+            finally:
+                tracker.close()
+        except Exception as e:  # noqa: BLE001 - a tracker never fails the run
+            warn(f"run.report_to {name!r}: logging failed ({type(e).__name__}: {e}); the run goes on, and the "
+                 "items are sent again with the next step")
+            if ledger.get("id"):  # the tracker's run was created: the next attempt continues it
+                _write_ledger(ledger, ledger_path)
+            continue
+        ledger["sent"] += [item[0] for item in pending]
+        _write_ledger(ledger, ledger_path)
+        sent[name] = len(pending)
+    return sent
+
+
+def _write_ledger(ledger: dict, path: Path) -> None:
+    from refiner_core.storage import write_json
+
+    write_json(ledger, path)

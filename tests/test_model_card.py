@@ -1,0 +1,147 @@
+"""Model cards: every checkpoint a run writes holds a README.md in the Hugging Face format that names the run's
+actual settings, its held-out evaluation once evaluated, and how to reproduce it; the card is not part of the
+checkpoint's content hash, so rewriting it keeps cached reruns cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from huggingface_hub import ModelCard
+
+from conftest import catalog_rows
+from refiner_core.config import load_recipe
+from refiner_core.model_card import model_card
+from refiner_core.storage import dir_hash
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL_OVERRIDES = ["data.validation_fraction=0.25", "grpo.steps=2", "eval.every=2", "eval.prompts=3",
+                  "eval.samples=2", "eval.max_new_tokens=16", "grpo.learning_rate=0.0007",
+                  "run.report_to=[tensorboard, mlflow]"]
+
+
+def _card(overrides: list[str], **kw) -> str:
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", overrides).to_dict()
+    return model_card(recipe, **{"kind": "grpo", "run": "r", "step": 2, "checkpoint": "checkpoints/step_0002",
+                                 "parent": "checkpoints/step_0001", **kw})
+
+
+def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
+    card = _card([])
+    data = ModelCard(card).data
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.base_model == "tiny-qwen3" and data.datasets == ["data/refiner/samples.jsonl"]
+    assert {"grpo", "refiner-grpo"} <= set(data.tags)
+    assert "| KL | kl_estimator k3, beta 0.001" in card
+    assert "| learning rate | 0.001 (AdamW" in card
+    assert "| batch shape | 4 prompts x 4 samples per step" in card
+    assert "refiner run recipe.yaml --set grpo.steps=2 --run-dir NEW_RUN_DIR" in card
+    assert "The judge is the base policy model itself (tiny-qwen3)" in card
+    changed = _card(["grpo.beta=0.05", "grpo.learning_rate=3e-6", "grpo.learner=deepspeed", "grpo.zero_stage=2"])
+    assert "| KL | kl_estimator k3, beta 0.05" in changed and "| learning rate | 3e-06 (AdamW" in changed
+    assert "| learner | deepspeed, ZeRO stage 2, 1 rank(s) |" in changed
+    embedded = yaml.safe_load(changed.split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert embedded["grpo"]["beta"] == 0.05  # the reproduce section's recipe is the resolved one
+
+
+def test_smollm2_card_names_its_hub_base_model_and_license():
+    data = ModelCard(_card(["model.policy=smollm2-135m-instruct"])).data
+    assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and data.license == "apache-2.0"
+
+
+def test_readme_does_not_change_a_checkpoint_hash(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    before = dir_hash(tmp_path)
+    (tmp_path / "README.md").write_text("a card")
+    assert dir_hash(tmp_path) == before
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
+    assert dir_hash(tmp_path) != before
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(prefect_server, tiny_model_path, tmp_path_factory):
+    from flows.refiner import refiner_pipeline
+
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", EVAL_OVERRIDES).to_dict()
+    run_dir = tmp_path_factory.mktemp("card")
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    return recipe, run_dir
+
+
+
+def test_every_checkpoint_of_a_run_has_a_card_with_its_settings_and_eval(evaluated_run):
+    recipe, run_dir = evaluated_run
+    first = ModelCard.load(run_dir / "checkpoints" / "step_0001" / "README.md")
+    last = ModelCard.load(run_dir / "checkpoints" / "step_0002" / "README.md")
+    assert last.data.library_name == "transformers" and "grpo" in last.data.tags
+    for card in (first.text, last.text):
+        assert "| learning rate | 0.0007 (AdamW" in card  # this run's override, not the recipe file's 1e-3
+    assert "trained from `tiny-qwen3`" in first.text and "trained from `checkpoints/step_0001`" in last.text
+    assert "## Metrics of step 1" in last.text
+    loss = catalog_rows(run_dir, "SELECT loss FROM steps WHERE step = 1")[0][0]
+    assert f"| loss | {loss:.6g} |" in last.text
+    # evaluated at step 2 only (eval.every=2): the table is on that checkpoint's card
+    assert "## Held-out evaluation" in last.text and "## Held-out evaluation" not in first.text
+    prompts = catalog_rows(run_dir, "SELECT count(DISTINCT prompt_id) FROM evals WHERE step = 2")[0][0]
+    assert f"| 2 | grpo | sampled | {prompts} |" in last.text
+    train, validation = catalog_rows(run_dir, "SELECT count(*) FILTER (split = 'train'), count(*) FILTER "
+                                        "(split = 'validation') FROM prompts")[0]
+    assert f"| prompts | {train} train, {validation} validation |" in last.text
+
+
+def test_cached_rerun_stays_cached_and_keeps_the_cards(evaluated_run):
+    from flows.refiner import refiner_pipeline
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    recipe, run_dir = evaluated_run
+    card = (run_dir / "checkpoints" / "step_0002" / "README.md").read_text()
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[state.state_details.flow_run_id])), limit=200)
+    stages = [(r.name, r.state.name) for r in runs if r.name.split("[")[0] in
+              ("prepare-data", "ingest-rubrics", "rollout", "judge", "grpo-update", "eval")]
+    # a recomputed stage (a checkpoint whose hash changed with its card) would be a second, Completed task run
+    assert stages and {state for _, state in stages} == {"Cached"}, stages
+    assert len(stages) == len({name for name, _ in stages}), stages
+    assert (run_dir / "checkpoints" / "step_0002" / "README.md").read_text() == card
+
+
+def test_tensorboard_and_mlflow_hold_the_steps_table(evaluated_run):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run_dir = evaluated_run
+    steps = catalog_rows(run_dir, "SELECT step, reward_mean, kl FROM steps ORDER BY step")
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("steps/reward_mean")] == \
+        [(s, pytest.approx(r, rel=1e-6, abs=1e-7)) for s, r, _ in steps]
+    ledger = yaml.safe_load((run_dir / "tracking" / "mlflow.json").read_text())
+    client, run_id = MlflowClient(tracking_uri=ledger["tracking_uri"]), ledger["id"]
+    history = client.get_metric_history(run_id, "steps/kl")
+    assert sorted((m.step, m.value) for m in history) == [(s, pytest.approx(k)) for s, _, k in steps]
+    assert client.get_metric_history(run_id, "eval/grpo/sampled/reward")[0].step == 2
+
+
+def test_sft_and_teacher_checkpoints_get_their_own_cards(tmp_path):
+    from refiner_core.model_card import write_model_card
+
+    recipe = load_recipe(REPO / "recipes" / "co-rewarding-2.yaml", ["sft.enabled=true", "sft.epochs=3"]).to_dict()
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    teacher, sft = tmp_path / "teacher" / "step_0002", tmp_path / "checkpoints" / "sft"
+    for folder in (teacher, sft):
+        folder.mkdir(parents=True)
+    write_model_card(teacher, tmp_path, kind="teacher", run="co2", step=2,
+                     parent=str(tmp_path / "teacher" / "step_0001"))
+    write_model_card(sft, tmp_path, kind="sft", run="co2", step=None)
+    card = ModelCard.load(teacher / "README.md")
+    assert "ema-teacher" in card.data.tags and "trained from `teacher/step_0001`" in card.text
+    assert f"| EMA teacher | alpha {recipe['teacher']['alpha_start']} -> " in card.text
+    card = ModelCard.load(sft / "README.md")
+    assert "sft" in card.data.tags and "| epochs | 3 |" in card.text and "--set grpo.steps" not in card.text
+    assert write_model_card(sft, tmp_path / "elsewhere", kind="sft", run="x", step=None) is None  # no recipe.yaml

@@ -1,0 +1,89 @@
+"""run.report_to: steps rows, eval results and rollout samples reach TensorBoard and MLflow with the catalog's
+values, once per step across reruns; a tracker that fails is a warning, not a failed run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from refiner_core.config import load_recipe
+from refiner_core.preflight import check_values
+from refiner_core.tracking import TRACKERS, report
+
+STEPS = [{"run": "r", "step": s, "loss": 0.5 - 0.1 * s, "kl": 0.001 * s, "reward_mean": 1.25 + s,
+          "response_tokens": 40 + s, "entropy": None, "checkpoint": f"checkpoints/step_{s + 1:04d}"} for s in range(3)]
+EVALS = [{"step": 2, "phase": "grpo", "mode": "sampled", "format_valid": 0.5, "citation_valid": 0.25,
+          "judge_score": None, "reward": 3.5, "stopped": 1.0, "pass_at_1": 0.5, "k": 2, "pass_at_k": 0.75}]
+
+
+def _report(run_dir, backends, steps=STEPS, evals=EVALS, rollouts=None):
+    warnings = []
+    sent = report(run_dir, "r", {"report_to": backends}, steps=steps, evals=evals,
+                  rollouts=rollouts or {2: "**best**: reward 3"}, warn=warnings.append)
+    return sent, warnings
+
+
+def test_tensorboard_event_files_hold_the_steps_values(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sent, warnings = _report(tmp_path, ["tensorboard"])
+    assert warnings == [] and sent == {"tensorboard": 5}
+    _report(tmp_path, ["tensorboard"], steps=STEPS + [{**STEPS[0], "step": 3, "loss": 0.125}])  # a resumed run
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("steps/loss")] == \
+        [(0, pytest.approx(0.5)), (1, pytest.approx(0.4)), (2, pytest.approx(0.3)), (3, pytest.approx(0.125))]
+    assert [e.value for e in events.Scalars("steps/response_tokens")] == [40, 41, 42, 40]
+    assert "steps/entropy" not in events.Tags()["scalars"]  # NULL columns are not logged
+    assert [(e.step, e.value) for e in events.Scalars("eval/grpo/sampled/pass_at_k")] == [(2, 0.75)]
+    assert "rollouts/text_summary" in events.Tags()["tensors"]
+
+
+def test_mlflow_run_holds_the_steps_values_once_across_reruns(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    assert _report(tmp_path, ["mlflow"]) == ({"mlflow": 5}, [])
+    assert _report(tmp_path, ["mlflow"]) == ({}, [])  # a cached rerun: nothing new is sent
+    ledger = json.loads((tmp_path / "tracking" / "mlflow.json").read_text())
+    client = MlflowClient(tracking_uri=ledger["tracking_uri"])
+    history = client.get_metric_history(ledger["id"], "steps/reward_mean")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(0, 1.25), (1, 2.25), (2, 3.25)]
+    assert [(m.step, m.value) for m in client.get_metric_history(ledger["id"], "eval/grpo/sampled/reward")] == \
+        [(2, 3.5)]
+    assert client.get_run(ledger["id"]).info.run_name == "r"
+    artifacts = [a.path for a in client.list_artifacts(ledger["id"], "rollouts")]
+    assert artifacts == ["rollouts/step_0002.md"]
+
+
+def test_a_failing_tracker_is_a_warning_and_is_retried_later(tmp_path, monkeypatch):
+    class Broken(TRACKERS["tensorboard"]):
+        def log_metrics(self, step, metrics):
+            raise OSError("disk full")
+
+    monkeypatch.setitem(TRACKERS, "tensorboard", Broken)
+    sent, warnings = _report(tmp_path, ["tensorboard", "mlflow"])
+    assert sent == {"mlflow": 5}  # the other tracker still gets everything
+    assert len(warnings) == 1 and "'tensorboard'" in warnings[0] and "disk full" in warnings[0]
+    monkeypatch.undo()
+    assert _report(tmp_path, ["tensorboard", "mlflow"]) == ({"tensorboard": 5}, [])  # caught up, no duplicate
+
+
+def test_preflight_refuses_unknown_or_missing_trackers():
+    cfg = load_recipe(None, ["run.report_to=[tensorboard, neptune]"])
+    assert any("'neptune' is not a tracker" in p for p in check_values(cfg))
+    assert not any("report_to" in p for p in check_values(load_recipe(None, ["run.report_to=[mlflow]"])))
+    wandb = check_values(load_recipe(None, ["run.report_to=[wandb]"]))
+    if importlib.util.find_spec("wandb") is None:  # not in requirements.lock: refused with the way out
+        assert any("'wandb' needs the wandb package" in p and "pip install wandb" in p for p in wandb), wandb
+    else:
+        assert not any("report_to" in p for p in wandb)
+
+
+def test_importing_refiner_core_imports_no_tracker_package():
+    code = ("import sys, refiner_core.tracking, refiner_core.preflight, refiner_core.model_card; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorboard', 'wandb')))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
