@@ -379,6 +379,42 @@ def rescore(
     typer.echo(f"\ncompare: refiner sql {run_dir} \"SELECT * FROM step_rewards ORDER BY step, reward_version\"")
 
 
+@app.command()
+def push(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run folder with checkpoints."),
+    repo: str = typer.Option(..., "--repo", help="Hub model repo: ORG/NAME (created when missing)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Step checkpoint (default: the newest one)."),
+    sft: bool = typer.Option(False, "--sft", help="The SFT checkpoint (checkpoints/sft) instead of a step."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to (created when missing)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be uploaded; upload nothing."),
+) -> None:
+    """Publish a checkpoint (weights, config, tokenizer, model card; never the optimizer state) to the Hugging Face
+    Hub. The token comes from HF_TOKEN or `hf auth login`. An incomplete checkpoint exits 2, a Hub error 1."""
+    from refiner_core.hub import PushError, choose_checkpoint, plan_push
+    from refiner_core.hub import push as push_plan
+
+    if step is not None and sft:
+        _fail("--step and --sft exclude each other")
+    try:
+        plan = plan_push(choose_checkpoint(run_dir, step, sft))
+    except PushError as e:
+        _fail(str(e))
+    typer.echo(f"checkpoint: {plan.folder}")
+    for name, size in plan.files:
+        typer.echo(f"  {size:>12,}  {name}")
+    typer.echo(f"  {plan.total_bytes:>12,}  total, {len(plan.files)} files")
+    typer.echo("card metadata: " + json.dumps(plan.card_metadata, ensure_ascii=False))
+    if dry_run:
+        typer.echo(f"dry run: nothing uploaded to {repo}")
+        return
+    try:
+        url = push_plan(plan, repo, private=private, revision=revision)
+    except PushError as e:
+        _fail(str(e), code=1)
+    typer.echo(f"uploaded to {repo}: {url}")
+
+
 judge_app = typer.Typer(no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API.")
 app.add_typer(judge_app, name="judge")
 

@@ -13,7 +13,7 @@ from refiner_core import REPO_ROOT
 from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig
 from refiner_core.data import UTF8_BOM, parse_jsonl_line
 from refiner_core.models import SMOLLM2, TINY_QWEN3
-from refiner_core.sources import SourceError, detect_format
+from refiner_core.sources import SourceError, cached_hub_columns, detect_format, hub_offline
 
 REQUIRED_REFINER = ("id", "question", "reasoning", "tool_output")
 REQUIRED_CHAT = ("id", "messages")
@@ -83,13 +83,13 @@ def check_recipe(cfg: RecipeConfig) -> list[str]:
     """Every problem of the recipe that is knowable without running a stage; [] when it looks runnable."""
     problems = check_values(cfg) + check_models(cfg)
     problems += check_source("data", cfg.data.path, cfg.data.format, cfg.data.fields, cfg.data.split,
-                             REFINER_FIELDS + CHAT_FIELDS, shape=True)
+                             REFINER_FIELDS + CHAT_FIELDS, shape=True, hub_config=cfg.data.hub_config)
     if cfg.sft.enabled:
         where, path, fmt = ("sft", cfg.sft.path, cfg.sft.format) if cfg.sft.path else ("data", cfg.data.path,
                                                                                          cfg.data.format)
         if cfg.sft.path or cfg.sft.fields:  # data.path with data's own mapping is checked above
             problems += check_source(where, path, fmt, cfg.sft.fields, cfg.sft.split, REFINER_FIELDS + CHAT_FIELDS,
-                                     shape=True, fields_where="sft.fields")
+                                     shape=True, fields_where="sft.fields", hub_config=cfg.sft.hub_config)
     if cfg.rubrics.path:
         problems += check_source("rubrics", cfg.rubrics.path, "auto", cfg.rubrics.fields, "train", RUBRIC_FIELDS)
     if not cfg.rubrics.instance_rubrics_only and not resolve(cfg.rubrics.static_rubrics).is_file():
@@ -177,21 +177,27 @@ def _shown(path: str) -> str:
 
 
 def check_source(where: str, path: str, fmt: str, fields: dict, split: str, canonical: tuple[str, ...],
-                 shape: bool = False, fields_where: str = "") -> list[str]:
+                 shape: bool = False, fields_where: str = "", hub_config: str = "") -> list[str]:
     """The source exists, its mapping names canonical fields and existing columns, and (with `shape`) its rows
-    will have the fields a refiner or chat row needs."""
+    will have the fields a refiner or chat row needs. A hub dataset is checked offline only, in the local cache."""
     fields_where = fields_where or f"{where}.fields"
     problems = check_mapping_keys(fields_where, fields, canonical)
-    if fmt == "hub":  # only the hub knows; loading it is the stage's job
-        return problems
-    local = resolve(path)
-    if not local.exists():
-        return problems + [f"{where}.path: {_shown(path)} does not exist"]
-    try:
-        kind = detect_format(str(local), fmt)
-    except SourceError as e:
-        return problems + [f"{where}.path: {e}"]
-    found = source_columns(local, kind, split)
+    if fmt == "hub":
+        if not hub_offline():  # with network only the hub knows; loading it is the stage's job
+            return problems
+        try:
+            found = ({column: set() for column in cached_hub_columns(path, split, hub_config)}, "")
+        except SourceError as e:
+            return problems + [f"{where}.path: {e}"]
+    else:
+        local = resolve(path)
+        if not local.exists():
+            return problems + [f"{where}.path: {_shown(path)} does not exist"]
+        try:
+            kind = detect_format(str(local), fmt)
+        except SourceError as e:
+            return problems + [f"{where}.path: {e}"]
+        found = source_columns(local, kind, split)
     if isinstance(found, str):
         return problems + [f"{where}.path: {found}"]
     if found is None or problems:

@@ -7,6 +7,7 @@ instead of data, so they reach the quarantine rather than crash the stage.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from refiner_core.data import RawRow, check_row, read_jsonl
@@ -140,9 +141,49 @@ def _load_from_disk(path: Path, split: str):
 
 
 def _load_hub(name: str, split: str, config: str):
+    """A hub dataset by name. Without network (HF_HUB_OFFLINE=1, or the Hub unreachable) `datasets` reads only
+    what an earlier load prepared in its cache (HF_DATASETS_CACHE, under HF_HOME)."""
     from datasets import load_dataset
 
-    return load_dataset(name, config or None, split=split)
+    with _hub_errors(name, split, config):
+        return load_dataset(name, config or None, split=split)
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set: hub datasets come from the local cache only."""
+    from datasets import config as datasets_config
+
+    return bool(datasets_config.HF_HUB_OFFLINE)
+
+
+def cached_hub_columns(name: str, split: str, config: str) -> list[str]:
+    """The columns of `split` of a hub dataset in the local cache, read from its info without loading rows
+    (offline: the cache is all there is)."""
+    from datasets import load_dataset_builder
+
+    with _hub_errors(name, split, config):
+        info = load_dataset_builder(name, config or None).info
+    if split not in (info.splits or {}):
+        raise SourceError(f"{_hub_name(name, config)}: no split {split!r}; available: {list(info.splits or {})}")
+    return list(info.features or {})
+
+
+def _hub_name(name: str, config: str) -> str:
+    return f"hub dataset {name!r}" + (f" (config {config!r})" if config else "")
+
+
+@contextmanager
+def _hub_errors(name: str, split: str, config: str):
+    from datasets import config as datasets_config
+
+    try:
+        yield
+    except ConnectionError as e:
+        raise SourceError(f"{_hub_name(name, config)} is not in the local cache {datasets_config.HF_DATASETS_CACHE}; "
+                          f"no network: {e}. Load it once with network access (or set HF_HOME to where it is "
+                          "cached).") from None
+    except (ValueError, FileNotFoundError) as e:  # unknown split or config, a name the hub does not know
+        raise SourceError(f"{_hub_name(name, config)}, split {split!r}: {' '.join(str(e).split())}") from None
 
 
 def _read_dataset(dataset) -> list[RawRow]:

@@ -1,0 +1,106 @@
+"""Publishing a checkpoint folder of a run to the Hugging Face Hub: which checkpoint, what it must hold, which of
+its files go up (never the optimizer state), and the two Hub calls that upload them.
+
+The Hub client is passed in (`huggingface_hub.HfApi()` by default), so everything before the upload runs offline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from refiner_core.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
+from refiner_core.model_card import MODEL_CARD
+
+CHECKPOINTS = "checkpoints"
+SFT_CHECKPOINT = "sft"
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them, beside tokenizer_config.json
+
+
+class PushError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    folder: Path
+    files: list[tuple[str, int]]  # (path relative to folder, bytes), uploaded in this order
+    card_metadata: dict
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def choose_checkpoint(run_dir: Path, step: int | None = None, sft: bool = False) -> Path:
+    """The checkpoint folder to publish: the SFT one, step `step`, or else the newest step checkpoint."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if sft:
+        if not (folder / SFT_CHECKPOINT).is_dir():
+            raise PushError(f"{run_dir} has no SFT checkpoint ({folder / SFT_CHECKPOINT})")
+        return folder / SFT_CHECKPOINT
+    steps = step_checkpoints(folder)
+    available = ", ".join(str(s) for s in sorted(steps)) or "none"
+    if step is None:
+        if not steps:
+            raise PushError(f"{run_dir} has no step checkpoints in {folder}")
+        return steps[max(steps)]
+    if step in steps:
+        return steps[step]
+    pruned = {Path(p).name for p in pruned_paths(folder)}  # by name: the list holds the paths the run used
+    why = "was pruned (run.keep_last / run.keep_every)" if f"step_{step:04d}" in pruned else "does not exist"
+    raise PushError(f"checkpoint of step {step} {why}; available steps: {available}")
+
+
+def plan_push(folder: Path) -> PushPlan:
+    """Check that `folder` is a complete checkpoint and list the files to upload: all but the training state."""
+    from huggingface_hub import ModelCard
+
+    folder = Path(folder)
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    missing = [what for what, present in (
+        ("config.json", "config.json" in names),
+        (f"weights ({' or '.join(WEIGHT_PATTERNS)})", any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS)),
+        ("tokenizer_config.json", "tokenizer_config.json" in names),
+        (f"a tokenizer ({' or '.join(TOKENIZER_FILES)})", bool(names & set(TOKENIZER_FILES))),
+        (f"the model card {MODEL_CARD}", MODEL_CARD in names),
+    ) if not present]
+    if missing:
+        raise PushError(f"{folder} is not a complete checkpoint: missing {', '.join(missing)}")
+    try:
+        metadata = ModelCard.load(folder / MODEL_CARD).data.to_dict()
+    except (ValueError, yaml.YAMLError) as e:
+        raise PushError(f"{folder / MODEL_CARD}: not a parseable model card: {' '.join(str(e).split())}") from None
+    if not metadata:
+        raise PushError(f"{folder / MODEL_CARD}: the model card has no metadata block (---, YAML, ---)")
+    files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*")
+                   if p.is_file() and p.relative_to(folder).parts[0] not in TRAINING_STATE_FILES)
+    return PushPlan(folder, files, metadata)
+
+
+def push(plan: PushPlan, repo_id: str, *, private: bool = False, revision: str | None = None, api=None) -> str:
+    """Create the repo (kept when it exists), the branch `revision` when named, and upload the plan's files.
+    Returns the commit's URL. Hub errors (no token, no network, refused) become a PushError."""
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HTTPError
+
+    if api is None:
+        if get_token() is None:  # the Hub would answer 401 only after the repo creation request
+            raise PushError("no Hugging Face token: set HF_TOKEN or log in with `hf auth login`")
+        api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        commit = api.upload_folder(
+            folder_path=plan.folder, repo_id=repo_id, revision=revision,
+            allow_patterns=[name for name, _ in plan.files],
+            # a training-state file written after the plan was made still stays local
+            ignore_patterns=[p for name in TRAINING_STATE_FILES for p in (name, f"{name}/*")],
+            commit_message=f"Upload {plan.folder.parent.name}/{plan.folder.name}")
+    except (OSError, HTTPError) as e:  # HfHubHTTPError and the missing-token error are OSErrors too
+        raise PushError(f"upload to {repo_id} failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    return str(getattr(commit, "commit_url", commit))
