@@ -132,6 +132,9 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         grpo_cfg["filter_zero_std_groups"] = True
     max_rounds = 1 + cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else 1
     for step in range(cfg.grpo.steps):
+        # run.save_every: steps in between keep their weights in the live learner; the EMA teacher and an eval
+        # read the policy's checkpoint, and the last step's is the run's result
+        save = teaching or (step + 1) % cfg.run.save_every == 0 or step + 1 in (cfg.grpo.steps, *eval_at)
         taught = teacher_rollout.with_options(**retry)(
             **common, run=run, step=step, prompts=grpo_prompts, teacher=teacher, rollout_cfg=rollout_cfg,
             seed=seed, dtype=dtype, precision=precision) if teaching else None
@@ -154,7 +157,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 **({"teacher_rollouts": taught} if teaching else {})))
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
-            grpo_cfg=grpo_cfg, temperature=cfg.rollout.temperature, dtype=dtype, precision=precision, seed=seed)
+            grpo_cfg=grpo_cfg, temperature=cfg.rollout.temperature, dtype=dtype, precision=precision, seed=seed,
+            save=save)
         policy = updated["policy"]
         if teaching:
             moved = teacher_update.with_options(**retry)(**common, run=run, step=step, teacher=teacher, policy=policy,
@@ -163,11 +167,14 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             manifests += [taught, moved]
         if step + 1 in eval_at:
             evaluate_policy(policy, step + 1, "grpo")
-        prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every)
+        if save:  # the newest written checkpoint keeps its optimizer state: a resume continues from it
+            prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last,
+                              keep_every=cfg.run.keep_every)
         manifests += [*rolled, *scored, updated]
         publish_catalog(**common, manifests=manifests)  # inspectable after every step
         publish_step_artifacts(run_dir, run, step)
-        log.info("step %d done: checkpoint %s", step, policy["path"])
+        log.info("step %d done: %s", step, f"checkpoint {policy['path']}" if save else
+                 f"weights in the live learner (run.save_every {cfg.run.save_every})")
 
     summary = [row for evaluated in evaluations for row in evaluated["summary"]]
     if summary:

@@ -39,11 +39,17 @@ class RunConfig:
         "step is written; only the newest keeps its optimizer state, which is all a resume needs."
     )
     keep_every: int = opt(0, "Also keep every keep_every-th step checkpoint (step_0010, step_0020, ... for 10; 0 = off).")
+    save_every: int = opt(
+        1, "Write the policy as a step checkpoint (HF weights + optimizer state) every save_every steps, at the last "
+        "step and at eval steps; steps in between keep their weights only in the live learner (needs "
+        "run.keep_engines), named by a hash of its state dict. A run killed between saves recomputes the updates "
+        "after the newest checkpoint (seeded: the same weights). 1 = a checkpoint every step.")
     keep_engines: bool = opt(
         True, "Keep the rollout engine, the torch learner (policy, reference, AdamW state) and the transformers "
         "judge alive across the run's steps: the engine's weights are synced in place when the policy changes (from "
-        "the learner's memory, else the checkpoint), instead of every stage loading its models again. Checkpoints "
-        "are still written every step, so caching and resume are unchanged and the results are the same. An engine "
+        "the learner's memory, else the checkpoint), instead of every stage loading its models again. With "
+        "run.save_every 1 checkpoints are still written every step, so caching and resume are unchanged and the "
+        "results are the same. An engine "
         "that would leave its device less free memory than it holds (vLLM reserving most of a GPU) is still closed "
         "after its stage. false: every stage builds its engines and closes them.")
     report_to: list = opt(

@@ -6,8 +6,9 @@ hooks): every engine is closed then, and nothing is shared between two runs of o
 no open registry (run.keep_engines false, or a stage called outside a flow) builds its engines and closes them
 as before. Which weights an engine holds is tracked by the content hash of the checkpoint they came from (the
 policy manifest's "hash"), and an engine is never handed out holding other weights than the hash asked for. The
-registry is only memory: a new process starts empty and rebuilds from the checkpoints on disk, with the same
-results, since every checkpoint is still written every step.
+registry is only memory: a new process starts empty and rebuilds from the checkpoints on disk. With
+run.save_every > 1 the steps between saves exist only in the live learner (an "unsaved" policy manifest, named by
+`weights_hash` of its state dict): a new process cannot have them, and recomputes them (tasks.stage).
 """
 
 from __future__ import annotations
@@ -114,6 +115,45 @@ def open_runs() -> list[str]:
         return list(_RUNS)
 
 
+# ---- policies not written to disk (run.save_every) ----
+
+def model_folder(policy: dict) -> str:
+    """The folder holding the policy's architecture and tokenizer: its checkpoint, or for weights never saved
+    the checkpoint (or base model) they were trained from."""
+    return policy.get("model", policy["path"])
+
+
+def is_unsaved(policy: dict) -> bool:
+    """Weights that live only in the run's learner: `path` names the checkpoint they were not written to."""
+    return bool(policy.get("unsaved"))
+
+
+def weights_hash(state_dict: dict) -> str:
+    """A content hash of a state dict (names, dtypes, shapes and bytes): what an unsaved policy is known by."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())  # bfloat16 has no numpy dtype
+    return f"weights-{digest.hexdigest()}"
+
+
+def learner_holds(run_dir: str | Path, weights_hash: str) -> bool:
+    """Whether the run's live learner holds these weights (the learner is out of the registry while it trains)."""
+    run = _run(run_dir)
+    with _LOCK:
+        return run is not None and run.learner is not None and run.learner.weights_hash == weights_hash
+
+
+def keeps_learner(run_dir: str | Path, learner) -> bool:
+    """Whether `keep_learner` would keep this learner: the run keeps engines and the learner's weights live here."""
+    return _run(run_dir) is not None and hasattr(learner, "weights")
+
+
 # ---- rollout engines ----
 
 # The files of a checkpoint folder that make the model what it is, weights aside: the architecture, generation
@@ -175,15 +215,17 @@ def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[
         return engine, Acquired("fresh", key=key)
     with _LOCK:
         engine = run.rollout.pop(key, None)  # in use until released: a second user builds its own
-    if engine is None:
-        engine, acquired = build(policy["path"]), Acquired("built", key=key)
-        engine.weights_hash = policy["hash"]
-    elif engine.weights_hash == policy["hash"]:
-        acquired = Acquired("kept", key=key)
-    else:
+    acquired = Acquired("kept", key=key)
+    if engine is None:  # unsaved weights: built from the folder they were trained from, then synced
+        engine, acquired = build(model_folder(policy)), Acquired("built", key=key)
+        engine.weights_hash = None if is_unsaved(policy) else policy["hash"]
+    if engine.weights_hash != policy["hash"]:
         start = time.perf_counter()
         try:
             weights, source = learner_weights(run, policy["hash"]), "learner's memory"
+            if weights is None and is_unsaved(policy):
+                raise StaleWeights(f"the weights of {policy['path']} were never saved (run.save_every) and the live "
+                                   "learner no longer holds them: run again to recompute them")
             if weights is None:
                 weights, source = checkpoint_weights(policy["path"]), "checkpoint files"
             engine.load_weights(weights)

@@ -47,6 +47,7 @@ GROUP: Rule = (lambda v: v >= 2, "must be at least 2 (GRPO learns from differenc
 
 VALUE_RULES: dict[str, Rule] = {
     "run.retries": NON_NEGATIVE, "run.retry_delay_seconds": NON_NEGATIVE, "run.num_threads": NON_NEGATIVE,
+    "run.save_every": AT_LEAST_1,
     "model.max_position_embeddings": AT_LEAST_1,
     "data.max_prompts": NON_NEGATIVE, "data.validation_fraction": HOLDOUT, "data.max_prompt_tokens": AT_LEAST_1,
     "data.max_reference_tokens": AT_LEAST_1, "data.max_rejected_fraction": FRACTION,
@@ -130,6 +131,9 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if cfg.grpo.tis_cap > 0 and not cfg.grpo.tis_floor < cfg.grpo.tis_cap:
         problems.append(f"grpo.tis_floor = {cfg.grpo.tis_floor!r}: must be below grpo.tis_cap ({cfg.grpo.tis_cap}), "
                         "or every importance weight is the same constant")
+    if cfg.run.save_every > 1 and not cfg.run.keep_engines:
+        problems.append(f"run.save_every = {cfg.run.save_every} keeps the weights of the steps between saves in the "
+                        "live learner, and run.keep_engines = false keeps no learner: set one of them back")
     if cfg.rollout.dynamic_sampling and cfg.reward.verifier == "co_rewarding_teacher":
         problems.append("rollout.dynamic_sampling with reward.verifier 'co_rewarding_teacher': the EMA teacher "
                         "samples only the step's first prompts, so fresh prompts would have no pseudo-label; turn "

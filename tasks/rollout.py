@@ -30,7 +30,7 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
     params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
     agent, turns = rollout_cfg["agent"], None
     if agent["enabled"]:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
-        tokenizer = load_tokenizer(policy["path"])
+        tokenizer = load_tokenizer(live.model_folder(policy))
         conversations = agent_rollouts(engine, tokenizer, policy["path"], prompt_ids, chosen, params, agent,
                                        budget=rollout_cfg["max_new_tokens"], desc=f"rollout step {step}")
         outputs = [(c.prompt_index, c.sample_idx, agent_rollout_row(c, tokenizer)) for c in conversations]
@@ -97,7 +97,7 @@ def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, pr
         rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision,
         tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
         gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
-    return live.rollout_engine(run_dir, live.engine_key(rollout_cfg, policy["path"], dtype, precision), policy, build)
+    return live.rollout_engine(run_dir, live.engine_key(rollout_cfg, live.model_folder(policy), dtype, precision), policy, build)
 
 
 def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:

@@ -12,8 +12,8 @@ from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 from prefect.context import TaskRunContext
 
-from refiner_core import code_version
-from refiner_core.checkpoints import TRAINING_STATE_FILES, pruned_paths
+from refiner_core import code_version, live
+from refiner_core.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.config import ConfigError
 from refiner_core.data import TooManyRejected
 from refiner_core.faults import stage_fault
@@ -66,11 +66,17 @@ def retry_unless_bad_data(task, task_run, state) -> bool:
 
 def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
     """Output files or folders of a manifest that are missing or no longer hash to what the stage wrote.
-    Checkpoints removed by the retention policy are not damaged: they were pruned on purpose."""
+    Checkpoints removed by the retention policy are not damaged: they were pruned on purpose. Weights never
+    written (run.save_every) are only intact while the run's live learner holds them, or once a later step
+    checkpoint was saved from them (nothing after it needs them); else the update that made them is recomputed."""
     damaged = []
     for entry in manifest.values():
         if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or \
                 entry["path"] in pruned_paths(Path(entry["path"]).parent):
+            continue
+        if live.is_unsaved(entry):
+            if not (live.learner_holds(run_dir, entry["hash"]) or _saved_later(Path(entry["path"]))):
+                damaged.append(f"{entry['path']} (never saved; no live learner holds it)")
             continue
         path = Path(entry["path"])
         actual = (dir_hash(path, TRAINING_STATE_FILES) if path.is_dir() else file_hash(path) if path.is_file()
@@ -78,6 +84,12 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
         if actual != entry["hash"]:
             damaged.append(str(path))
     return damaged
+
+
+def _saved_later(unsaved: Path) -> bool:
+    """Whether a step checkpoint after the unsaved one `unsaved` names exists in its folder."""
+    step = int(unsaved.name.removeprefix("step_"))
+    return any(saved > step for saved in step_checkpoints(unsaved.parent))
 
 
 class Stage:

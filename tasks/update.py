@@ -18,9 +18,11 @@ from tasks.stage import stage
 
 @stage("grpo-update")
 def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scores: list[dict], policy: dict,
-                reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str, seed: int) -> dict:
+                reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str, seed: int,
+                save: bool = True) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
-    and `scores` hold one manifest per sampling round of the step; all rounds train together."""
+    and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
+    (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash."""
     import torch
 
     log = get_run_logger()
@@ -30,12 +32,17 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
                    if r["reward_version"] == "train"]
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
     settings = learner_settings(grpo_cfg, temperature, precision)
-    tokenizer = load_tokenizer(policy["path"])
+    model = live.model_folder(policy)
+    tokenizer = load_tokenizer(model)
     optimizer_state = Path(policy["path"]) / "optimizer.pt"
-    if step > 0 and not any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES):
+    saved_state = any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES)
+    if step > 0 and not live.is_unsaved(policy) and not saved_state:
         log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
-    learner_key = live.learner_key(grpo_cfg["learner"], policy["path"], reference, settings, dtype)
+    learner_key = live.learner_key(grpo_cfg["learner"], model, reference, settings, dtype)
     learner = live.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
+    if learner is None and live.is_unsaved(policy):  # a retry after a failed step: its learner was dropped
+        raise FileNotFoundError(f"grpo-update step {step}: the weights of {policy['path']} were never saved "
+                                "(run.save_every) and the live learner no longer holds them; run again to recompute")
     log.info("grpo-update step %d: %s", step, "learner kept in memory (policy, reference, AdamW state)" if learner
              else f"learner loaded from {policy['path']}")
     learner = learner or make_learner(grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings,
@@ -43,12 +50,15 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
     metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
 
     final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
-    with atomic_dir(final) as build:
-        learner.save(build)
-        tokenizer.save_pretrained(build)
-        write_model_card(build, run_dir, kind="grpo", run=run, step=step + 1, checkpoint=final)
-    forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
-    saved = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
+    if save or not live.keeps_learner(run_dir, learner):  # weights nothing would hold are written
+        with atomic_dir(final) as build:
+            learner.save(build)
+            tokenizer.save_pretrained(build)
+            write_model_card(build, run_dir, kind="grpo", run=run, step=step + 1, checkpoint=final)
+        forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
+        saved = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
+    else:  # `path` is the checkpoint these weights were not written to; `model` has their architecture
+        saved = {"path": str(final), "hash": live.weights_hash(learner.weights()), "model": model, "unsaved": True}
     live.keep_learner(run_dir, learner_key, learner, saved["hash"])  # its weights are now this checkpoint's
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
@@ -63,7 +73,7 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
         "entropy": metrics.get("entropy"), "importance_weight_mean": metrics.get("importance_weight_mean"),
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
         "rollout_seconds": sum(m["seconds"] for m in rollouts), "judge_seconds": sum(m["seconds"] for m in scores),
-        "checkpoint": str(final), "checkpoint_bytes": folder_bytes(final),
+        "checkpoint": str(final), "checkpoint_bytes": 0 if live.is_unsaved(saved) else folder_bytes(final),
     }
     metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
     advantages_path = metrics_path.with_name("advantages.parquet")

@@ -94,8 +94,10 @@ def test_sft_source_is_checked_only_when_enabled():
     assert p.startswith("sft.fields: 'answr' is not a field name (did you mean 'answer'?)")
 
 
-def test_hub_sources_are_not_checked():
-    assert problems("data.path=org/dataset", "data.format=hub", "data.fields={question: q}") == []
+def test_a_hub_source_missing_from_the_local_cache_is_reported():
+    # Runs never download (HF_HUB_OFFLINE): a hub data set must be in the local cache, and preflight says so.
+    [p] = problems("data.path=org/dataset", "data.format=hub", "data.fields={question: q}")
+    assert p.startswith("data.path: hub dataset 'org/dataset' is not in the local cache") and "no network" in p
 
 
 @pytest.mark.parametrize("override,message", [

@@ -1,0 +1,132 @@
+"""run.save_every: checkpoints every N steps, the weights in between only in the live learner. A run saving every
+2nd step gives the tables and final weights of one saving every step; a run that loses its live learner between
+saves recomputes the unsaved updates (seeded: the same weights, the same hashes) instead of reusing cache entries
+that name weights nobody holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import catalog_rows
+from refiner_core import live
+from refiner_core.config import recipe_from_dict
+from refiner_core.preflight import check_values
+from tasks.stage import damaged_outputs
+
+STEPS = 3
+
+
+def _recipe(tiny_recipe: dict, save_every: int, **run) -> dict:
+    """The tiny recipe, smaller: 3 steps of 2 prompts x 2 samples, every step checkpoint kept (keep_last 0)."""
+    return {**tiny_recipe, "run": {**tiny_recipe["run"], "save_every": save_every, "keep_last": 0, **run},
+            "rollout": {**tiny_recipe["rollout"], "prompts_per_step": 2, "samples_per_prompt": 2,
+                        "max_new_tokens": 12},
+            "grpo": {**tiny_recipe["grpo"], "steps": STEPS}}
+
+
+def _pipeline(recipe: dict, run_dir: Path):
+    from flows.refiner import refiner_pipeline
+
+    return refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+
+
+def _results(run_dir: Path, policy_hash: bool) -> dict:
+    hashes = "policy_hash, " if policy_hash else ""  # a step between saves names its weights by another hash
+    return {
+        "rollouts": catalog_rows(run_dir, f"SELECT step, prompt_id, sample_idx, {hashes}response_token_ids, "
+                                 "response_logprobs FROM rollouts ORDER BY ALL"),
+        "rewards": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards "
+                                "ORDER BY ALL"),
+        "steps": catalog_rows(run_dir, "SELECT step, loss, kl, grad_norm, reward_mean FROM steps ORDER BY step"),
+        "weights": load_file(str(run_dir / "checkpoints" / f"step_{STEPS:04d}" / "model.safetensors")),
+    }
+
+
+def _same(a: dict, b: dict) -> None:
+    for table in ("rollouts", "rewards", "steps"):
+        assert len(a[table]) == len(b[table]) > 0, table
+        assert a[table] == b[table], table
+    assert a["weights"].keys() == b["weights"].keys()
+    assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
+def _recomputed(run_dir: Path) -> list[str]:
+    """The stages whose cached results the newest run of the folder found damaged."""
+    newest = sorted((run_dir / "logs").glob("run-*.log"))[-1].read_text()
+    return [line.split(": cached result refers")[0].split()[-1] for line in newest.splitlines()
+            if ": cached result refers to missing or changed files" in line]
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.slow
+def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(prefect_server, tiny_recipe, tmp_path,
+                                                                             monkeypatch):
+    every, second, killed = tmp_path / "every", tmp_path / "second", tmp_path / "killed"
+    assert _pipeline(_recipe(tiny_recipe, 1), every).is_completed()
+    assert _pipeline(_recipe(tiny_recipe, 2), second).is_completed()
+    assert _checkpoints(every) == ["step_0001", "step_0002", "step_0003"]
+    assert _checkpoints(second) == ["step_0002", "step_0003"]  # every 2nd step, and the last
+    assert not (second / "checkpoints" / "step_0002" / "optimizer.pt").exists()  # only with the newest
+    assert (second / "checkpoints" / "step_0003" / "optimizer.pt").exists()
+    uninterrupted = _results(second, policy_hash=True)
+    _same(_results(second, policy_hash=False), _results(every, policy_hash=False))
+    unsaved = catalog_rows(second, "SELECT DISTINCT policy, policy_hash FROM rollouts WHERE step = 1")
+    assert unsaved == [(str(second / "checkpoints" / "step_0001"), unsaved[0][1])]  # the checkpoint not written
+    assert unsaved[0][1].startswith("weights-")  # named by the state dict's hash
+
+    # The run fails after step 0's update (its weights only in memory); the flow's end clears the registry, as a
+    # new process starts with none. The rerun may not take step 0's cached update: nothing holds its weights.
+    recipe = _recipe(tiny_recipe, 2, retries=0)
+    monkeypatch.setenv("REFINER_FAIL_ONCE", "rollout@1,rollout@2")  # each fires once
+    assert _pipeline(recipe, killed).is_failed()
+    assert live.open_runs() == [] and _checkpoints(killed) == []
+    assert _pipeline(recipe, killed).is_failed()  # step 0's update recomputed, step_0002 saved, then rollout@2
+    assert _recomputed(killed) == ["grpo-update"]
+    assert _checkpoints(killed) == ["step_0002"]
+    # Step 0's weights are still nowhere, but step_0002 was saved from them: nothing needs them again.
+    assert _pipeline(recipe, killed).is_completed()
+    assert _recomputed(killed) == []
+    assert _checkpoints(killed) == ["step_0002", "step_0003"]
+    _same(_results(killed, policy_hash=True), uninterrupted)  # the recomputed update made the same weights
+
+
+def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
+    """An update's cached manifest naming weights never written is damaged unless the run's live learner holds
+    them, or a later step checkpoint was saved from them."""
+
+    class Learner:
+        def weights(self):
+            return {"w": torch.arange(4, dtype=torch.bfloat16)}
+
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoints" / "step_0001"
+    held = live.weights_hash(Learner().weights())
+    assert held == live.weights_hash({"w": torch.arange(4, dtype=torch.bfloat16)})
+    assert held != live.weights_hash({"w": torch.arange(4, dtype=torch.float32)})
+    manifest = {"policy": {"path": str(checkpoint), "hash": held, "model": "base", "unsaved": True}}
+    assert damaged_outputs(manifest, str(run_dir)) == [f"{checkpoint} (never saved; no live learner holds it)"]
+
+    live.open_run(run_dir, owner="test")
+    try:
+        assert live.keep_learner(run_dir, "key", Learner(), held)
+        assert damaged_outputs(manifest, str(run_dir)) == []
+        live.keep_learner(run_dir, "key", Learner(), "other weights")
+        assert damaged_outputs(manifest, str(run_dir)) != []
+    finally:
+        live.close_run(run_dir)
+    (run_dir / "checkpoints" / "step_0002").mkdir(parents=True)  # saved after step_0001's weights
+    assert damaged_outputs(manifest, str(run_dir)) == []
+
+
+def test_save_every_needs_the_live_learner(tiny_recipe):
+    problems = check_values(recipe_from_dict(_recipe(tiny_recipe, 2, keep_engines=False)))
+    assert any(p.startswith("run.save_every = 2 keeps the weights") for p in problems), problems
+    assert not any("save_every" in p for p in check_values(recipe_from_dict(_recipe(tiny_recipe, 2))))
+    assert any(p.startswith("run.save_every = 0") for p in check_values(recipe_from_dict(_recipe(tiny_recipe, 0))))
