@@ -30,6 +30,7 @@ from tasks.prepare import prepare_data
 from tasks.rollout import refill_prompts, rollout
 from tasks.rubrics import ingest_rubrics
 from tasks.sft import prepare_sft, sft_train
+from tasks.stage import Submitted
 from tasks.teacher import teacher_rollout, teacher_update
 from tasks.update import grpo_update
 
@@ -131,6 +132,23 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     if cfg.rollout.dynamic_sampling:  # groups replaced by more sampling are left out of the update
         grpo_cfg["filter_zero_std_groups"] = True
     max_rounds = 1 + cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else 1
+    ahead = cfg.grpo.async_steps
+    if ahead and cfg.rollout.engine == "hf":
+        log.warning("grpo.async_steps %d with rollout.engine hf: the rollouts share this process and its cores "
+                    "with the learner, so sampling ahead gains little beyond overlapping a remote judge", ahead)
+    policies = [start]  # policies[n]: the policy after n updates
+    sampled_ahead: dict[int, Submitted] = {}
+
+    def sample_ahead(step: int) -> None:
+        """grpo.async_steps: the rollout of `step` runs beside the steps before it, with the policy after
+        max(step - K, 0) updates; one rollout at a time, in step order, so one engine serves them all."""
+        earlier = [sampled_ahead[step - 1]] if step - 1 in sampled_ahead else []
+        sampled_ahead[step] = rollout.with_options(**retry).submit(
+            wait_for=earlier, **common, run=run, step=step, prompts=grpo_prompts, policy=policies[max(step - ahead, 0)],
+            rollout_cfg=rollout_cfg, seed=seed, dtype=dtype, precision=precision, round=0, round_prompt_ids=None)
+
+    for step in range(min(ahead + 1, cfg.grpo.steps) if ahead else 0):
+        sample_ahead(step)
     for step in range(cfg.grpo.steps):
         # run.save_every: steps in between keep their weights in the live learner; the EMA teacher and an eval
         # read the policy's checkpoint, and the last step's is the run's result
@@ -147,7 +165,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 fresh = refill_prompts(grpo_prompts, step, sampling_round, used, needed, seed) if needed > 0 else []
                 if not fresh:  # the step is full, or the train split has no unused prompt left
                     break
-            rolled.append(rollout.with_options(**retry)(
+            rolled.append(sampled_ahead[step].result() if ahead else rollout.with_options(**retry)(
                 **common, run=run, step=step, prompts=grpo_prompts, policy=policy, rollout_cfg=rollout_cfg,
                 seed=seed, dtype=dtype, precision=precision, round=sampling_round, round_prompt_ids=fresh))
             scored.append(judge.with_options(**retry)(
@@ -158,8 +176,11 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
             grpo_cfg=grpo_cfg, temperature=cfg.rollout.temperature, dtype=dtype, precision=precision, seed=seed,
-            save=save)
+            save=save, policy_lag=min(step, ahead))
         policy = updated["policy"]
+        policies.append(policy)
+        if ahead and step + 1 + ahead < cfg.grpo.steps:
+            sample_ahead(step + 1 + ahead)
         if teaching:
             moved = teacher_update.with_options(**retry)(**common, run=run, step=step, teacher=teacher, policy=policy,
                                                          teacher_cfg=conf["teacher"])

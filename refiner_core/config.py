@@ -381,6 +381,11 @@ class GRPOConfig:
         "drops the token (or the whole sequence) outside (TRL vllm_importance_sampling_mode *_truncate / *_mask).")
     filter_zero_std_groups: bool = opt(False, "Drop groups whose rewards are all equal (they carry no signal, "
                                        "except under advantage 'reinforce_pp', which has no group baseline).")
+    async_steps: int = opt(
+        0, "Sample rollouts this many steps ahead (0 = synchronous: step N samples with the policy of update N-1). "
+        "With K >= 1 the rollout of step N uses the policy after max(N - K, 0) updates and runs while the steps "
+        "before it are judged and trained (steps.policy_lag = min(N, K)); needs run.save_every 1, and is meant "
+        "with tis_cap > 0 to correct the stale samples.")
 
 
 @dataclass
@@ -443,7 +448,7 @@ SFT_PREPARE_FIELDS = SOURCE_FIELDS + (
     "total_policy", "pack_length", "validation_fraction", "histogram_bins", "max_rejected_fraction")
 SFT_TRAIN_FIELDS = ("epochs", "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "micro_batch_size",
                     "gradient_accumulation")
-FLOW_ONLY_GRPO_FIELDS = ("steps",)  # how many updates the flow runs; no single update reads it
+FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow runs; no single update reads it
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
 # How many rounds the flow samples a step in; one round samples the prompts it is given.
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")

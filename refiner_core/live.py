@@ -18,6 +18,7 @@ import dataclasses
 import json
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -46,10 +47,13 @@ class _Run:
     rollout: dict[str, Any] = field(default_factory=dict)  # key -> engine not in use (its .weights_hash says what)
     learner: _Learner | None = None
     judges: dict[str, Any] = field(default_factory=dict)
+    lending: int = 0  # rollout engines copying the learner's weights now: the learner is not taken meanwhile
 
 
 _RUNS: dict[str, _Run] = {}
-_LOCK = threading.Lock()
+# A rollout (grpo.async_steps) may run in a worker thread beside an update: every registry change holds this, and
+# taking the learner waits on it while an engine copies the learner's weights.
+_LOCK = threading.Condition()
 
 
 def _folder(run_dir: str | Path) -> str:
@@ -222,13 +226,16 @@ def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[
     if engine.weights_hash != policy["hash"]:
         start = time.perf_counter()
         try:
-            weights, source = learner_weights(run, policy["hash"]), "learner's memory"
-            if weights is None and is_unsaved(policy):
+            with _lent_learner(run, policy["hash"]) as learner:
+                if learner is not None:
+                    engine.load_weights(learner.weights())
+                    source = "learner's memory"
+            if learner is None and is_unsaved(policy):
                 raise StaleWeights(f"the weights of {policy['path']} were never saved (run.save_every) and the live "
                                    "learner no longer holds them: run again to recompute them")
-            if weights is None:
-                weights, source = checkpoint_weights(policy["path"]), "checkpoint files"
-            engine.load_weights(weights)
+            if learner is None:
+                engine.load_weights(checkpoint_weights(policy["path"]))
+                source = "checkpoint files"
         except BaseException:  # half-loaded weights are neither the old nor the new: the engine goes
             engine.close()
             raise
@@ -272,13 +279,23 @@ def checkpoint_weights(model_path: str | Path) -> dict:
     return weights
 
 
-def learner_weights(run: _Run, weights_hash: str) -> dict | None:
-    """The live learner's policy state dict when it holds exactly the checkpoint `weights_hash` names."""
+@contextmanager
+def _lent_learner(run: _Run, weights_hash: str):
+    """The live learner when it holds exactly the checkpoint `weights_hash` names, else None. Until the block
+    ends no update takes it (`take_learner` waits), so its weights are not changed while they are copied."""
     with _LOCK:
         live = run.learner
-    if live is None or live.weights_hash != weights_hash:
-        return None
-    return live.learner.weights()
+        if live is None or live.weights_hash != weights_hash:
+            live = None
+        else:
+            run.lending += 1
+    try:
+        yield live.learner if live else None
+    finally:
+        if live:
+            with _LOCK:
+                run.lending -= 1
+                _LOCK.notify_all()
 
 
 # ---- learner ----
@@ -296,6 +313,7 @@ def take_learner(run_dir: str | Path, key: str, policy_hash: str):
     if run is None:
         return None
     with _LOCK:
+        _LOCK.wait_for(lambda: not run.lending)
         live, run.learner = run.learner, None
     if live is not None and live.key == key and live.weights_hash == policy_hash:
         return live.learner

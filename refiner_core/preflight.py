@@ -64,6 +64,7 @@ VALUE_RULES: dict[str, Rule] = {
     "grpo.clip_eps_low": NON_NEGATIVE, "grpo.clip_eps_high": NON_NEGATIVE, "grpo.advantage_eps": NON_NEGATIVE,
     "grpo.loss_constant": POSITIVE, "grpo.micro_batch_size": AT_LEAST_1, "grpo.minibatches": AT_LEAST_1,
     "grpo.tis_cap": NON_NEGATIVE, "grpo.tis_floor": NON_NEGATIVE, "grpo.pack_length": NON_NEGATIVE,
+    "grpo.async_steps": NON_NEGATIVE,
     "grpo.dual_clip_c": (lambda v: v > 1, "must be > 1 (the bound -A * c lies beyond the clipped ratio 1 + eps)"),
     "grpo.sapo_tau_pos": POSITIVE, "grpo.sapo_tau_neg": POSITIVE,
     "grpo.entropy_coef": (lambda v: v >= 0, "must be >= 0 (a bonus on entropy; a negative one would reward collapse)"),
@@ -131,6 +132,15 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if cfg.grpo.tis_cap > 0 and not cfg.grpo.tis_floor < cfg.grpo.tis_cap:
         problems.append(f"grpo.tis_floor = {cfg.grpo.tis_floor!r}: must be below grpo.tis_cap ({cfg.grpo.tis_cap}), "
                         "or every importance weight is the same constant")
+    if cfg.grpo.async_steps and cfg.run.save_every != 1:
+        problems.append(f"grpo.async_steps = {cfg.grpo.async_steps} samples with policies the learner has moved "
+                        f"past, read from their checkpoints: run.save_every must be 1, not {cfg.run.save_every}")
+    if cfg.grpo.async_steps and cfg.rollout.dynamic_sampling:
+        problems.append("grpo.async_steps with rollout.dynamic_sampling: the extra sampling rounds wait for the "
+                        "judge of the step, so nothing can be sampled ahead; turn one of them off")
+    if cfg.grpo.async_steps and cfg.reward.verifier == "co_rewarding_teacher":
+        problems.append("grpo.async_steps with reward.verifier 'co_rewarding_teacher': the EMA teacher labels each "
+                        "step after the previous update; turn one of them off")
     if cfg.run.save_every > 1 and not cfg.run.keep_engines:
         problems.append(f"run.save_every = {cfg.run.save_every} keeps the weights of the steps between saves in the "
                         "live learner, and run.keep_engines = false keeps no learner: set one of them back")

@@ -316,6 +316,8 @@ STEPS = Table(
         _c("entropy", F, "Mean token entropy of the policy over trained tokens (NULL unless grpo.entropy_coef != 0)."),
         _c("importance_weight_mean", F, "Mean importance weight pi_old / pi_rollout over trained tokens, after "
                                         "truncation or masking (NULL unless grpo.tis_cap > 0)."),
+        _c("policy_lag", I, "Updates between the policy that sampled the step's rollouts and the one trained: "
+                            "min(step, grpo.async_steps); 0 when synchronous."),
         _c("grad_norm", F, "Gradient norm before clipping."),
         _c("lr", F, "Learning rate used."),
         _c("response_tokens", I, "Response tokens trained on."),

@@ -106,7 +106,15 @@ class Stage:
         return Stage(self.task.with_options(**options))
 
     def __call__(self, **kwargs) -> dict:
-        state = self.task(**kwargs, return_state=True)
+        return self._checked(self.task(**kwargs, return_state=True), kwargs)
+
+    def submit(self, wait_for: list["Submitted"] = (), **kwargs) -> "Submitted":
+        """Run the stage concurrently on the flow's task runner (same cache key, retries and damage check);
+        `wait_for`: stages submitted earlier that must finish first. `.result()` gives the manifest."""
+        future = self.task.submit(**kwargs, wait_for=[earlier.future for earlier in wait_for])
+        return Submitted(self, future, kwargs)
+
+    def _checked(self, state, kwargs: dict) -> dict:
         manifest = state.result()  # raises the stage's exception when it failed
         if state.name == "Cached":
             damaged = damaged_outputs(manifest, kwargs["run_dir"])
@@ -115,6 +123,17 @@ class Stage:
                                   self.name, ", ".join(damaged[:3]))
                 manifest = self.task.with_options(refresh_cache=True)(**kwargs)
         return manifest
+
+
+class Submitted:
+    """A stage running on the task runner; `result()` waits for its manifest."""
+
+    def __init__(self, stage: Stage, future, kwargs: dict):
+        self.stage, self.future, self.kwargs = stage, future, kwargs
+
+    def result(self) -> dict:
+        self.future.wait()
+        return self.stage._checked(self.future.state, self.kwargs)
 
 
 def _logger():

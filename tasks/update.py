@@ -19,10 +19,11 @@ from tasks.stage import stage
 @stage("grpo-update")
 def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scores: list[dict], policy: dict,
                 reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str, seed: int,
-                save: bool = True) -> dict:
+                save: bool = True, policy_lag: int = 0) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
     and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
-    (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash."""
+    (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash.
+    policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps)."""
     import torch
 
     log = get_run_logger()
@@ -71,6 +72,7 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
         "zero_std_group_fraction": adv_stats["zero_std_group_fraction"], "sampling_rounds": len(rollouts),
         "informative_groups": adv_stats["informative_groups"], "dropped_groups": adv_stats["dropped_groups"],
         "entropy": metrics.get("entropy"), "importance_weight_mean": metrics.get("importance_weight_mean"),
+        "policy_lag": policy_lag,
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
         "rollout_seconds": sum(m["seconds"] for m in rollouts), "judge_seconds": sum(m["seconds"] for m in scores),
         "checkpoint": str(final), "checkpoint_bytes": 0 if live.is_unsaved(saved) else folder_bytes(final),
@@ -79,7 +81,7 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
     advantages_path = metrics_path.with_name("advantages.parquet")
     advantage_rows = [{"run": run, "step": step, "reward_version": "train", **a} for a in advantages]
     log.info("grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%% "
-             "(%d rounds, %d informative groups, %d dropped)", step, row["loss"], row["kl"], row["clip_fraction"],
+             "(sampling rounds %d, informative groups %d, dropped %d)", step, row["loss"], row["kl"], row["clip_fraction"],
              row["reward_mean"], row["reward_std"], 100 * row["zero_std_group_fraction"], row["sampling_rounds"],
              row["informative_groups"], row["dropped_groups"])
     return {
