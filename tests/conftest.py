@@ -95,6 +95,13 @@ def learner_settings(**overrides):
     return LearnerSettings(**{**base, **overrides})
 
 
+def math_rows_file(folder: Path, rows: int) -> Path:
+    """The first ROWS math training rows (data/math/train.jsonl) as FOLDER/math.jsonl."""
+    data = folder / "math.jsonl"
+    data.write_text("".join((REPO / "data/math/train.jsonl").read_text().splitlines(keepends=True)[:rows]))
+    return data
+
+
 def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
     """Rows of a query on a run's catalog, opened read-only."""
     from refiner_core.storage import query

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import catalog_rows, learner_settings
+from conftest import catalog_rows, learner_settings, math_rows_file
 from refiner_core import live
 from refiner_core.checkpoints import TRAINING_STATE_FILES
 from refiner_core.config import load_recipe, recipe_from_dict
@@ -47,8 +47,7 @@ def runs(prefect_server, tmp_path_factory):
     from refiner_core.verifiers import VERIFIERS
 
     folder = tmp_path_factory.mktemp("async-steps")
-    data = folder / "math.jsonl"
-    data.write_text("".join((REPO / "data/math/train.jsonl").read_text().splitlines(keepends=True)[:8]))
+    data = math_rows_file(folder, 8)
     ahead = _recipe(data, "grpo.async_steps=1")
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(VERIFIERS, "alternating", "test_async_steps:alternating_verifier")

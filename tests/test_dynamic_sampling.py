@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import math_rows_file
 from refiner_core.config import load_recipe
 from refiner_core.data import refill_prompt_ids, step_prompt_ids
 from refiner_core.ground_truth import Verdict
@@ -48,8 +49,7 @@ def sampled_run(prefect_server, tmp_path_factory):
     from refiner_core.verifiers import VERIFIERS
 
     folder = tmp_path_factory.mktemp("dynamic-sampling")
-    data = folder / "math.jsonl"
-    data.write_text("".join((REPO / "data/math/train.jsonl").read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    data = math_rows_file(folder, N_PROMPTS)
     recipe = _recipe(data, "reward.verifier=scripted", "rollout.dynamic_sampling=true",
                      f"rollout.dynamic_sampling_max_rounds={MAX_ROUNDS}", "grpo.entropy_coef=0.01",
                      f"grpo.tis_cap={TIS_CAP}")
