@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
@@ -69,14 +71,13 @@ def run(
         acquire(folder, command=f"refiner run {recipe}", warn=_warn)
     except RunFolderBusy as e:
         _fail(str(e), code=BUSY_EXIT_CODE)
-    previous_sigterm = signal.signal(signal.SIGTERM, _terminate)
     try:
-        _run_in_folder(cfg, folder, refresh, debug)
+        with sigterm_raises_terminated():
+            _run_in_folder(cfg, folder, refresh, debug)
     except Terminated:
         typer.secho("terminated: run the same command again to resume from the unfinished stage", err=True)
         raise typer.Exit(143)
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
         release(folder)
 
 
@@ -86,6 +87,60 @@ class Terminated(KeyboardInterrupt):
 
 def _terminate(signum, frame) -> None:
     raise Terminated()
+
+
+SIGTERM_REDELIVERY_DELAY = 0.05  # seconds: the finalizer that dropped a SIGTERM's exception has returned by then
+
+
+@contextlib.contextmanager
+def sigterm_raises_terminated() -> Iterator[None]:
+    """While inside, SIGTERM raises Terminated in the main thread, and a single SIGTERM is never lost.
+
+    CPython drops an exception that a signal handler raises while a finalizer, `__del__` or weakref callback runs
+    (garbage collection runs them anywhere): it only reaches `sys.unraisablehook`. There a dropped Terminated, or
+    Prefect's TerminationSignal (its handler stands in for this one while a flow runs, then chains to it), has
+    SIGTERM sent again a moment later from a thread, so that it lands outside the callback. A Terminated that
+    propagates never reaches the hook, so the cleanup it starts is not interrupted by a second one. A SIGTERM still
+    awaiting redelivery when the block ends is raised as Terminated there."""
+    redelivery: list[threading.Timer] = []  # the SIGTERM to send again, if any; whoever pops it owns it
+
+    def redeliver() -> None:
+        try:
+            redelivery.pop()
+        except IndexError:  # the block ended first and raises Terminated itself
+            return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def hook(unraisable) -> None:
+        if not _is_sigterm_exception(unraisable.exc_value):
+            previous_hook(unraisable)
+        elif not redelivery:
+            timer = threading.Timer(SIGTERM_REDELIVERY_DELAY, redeliver)
+            timer.daemon = True
+            redelivery.append(timer)
+            timer.start()
+
+    previous_hook = sys.unraisablehook
+    previous_handler = signal.signal(signal.SIGTERM, _terminate)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous_hook
+        signal.signal(signal.SIGTERM, previous_handler)
+        try:
+            redelivery.pop().cancel()
+            undelivered = True
+        except IndexError:
+            undelivered = False
+    if undelivered:
+        raise Terminated()
+
+
+def _is_sigterm_exception(exc: BaseException | None) -> bool:
+    """Terminated, or Prefect's TerminationSignal for SIGTERM (that class exists only once prefect is imported)."""
+    termination_signal = getattr(sys.modules.get("prefect.exceptions"), "TerminationSignal", ())
+    return isinstance(exc, Terminated) or (isinstance(exc, termination_signal) and exc.signal == signal.SIGTERM)
 
 
 def _warn(message: str) -> None:

@@ -9,7 +9,7 @@ from prefect import flow, get_run_logger
 
 from flows.run_folder import holds_run_folder, resolve_run_dir
 
-from refiner_core import live
+from refiner_core import cluster, live
 from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS,
                                   FLOW_ONLY_ROLLOUT_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop,
                                   pick, recipe_from_dict)
@@ -30,7 +30,7 @@ from tasks.prepare import prepare_data
 from tasks.rollout import refill_prompts, rollout
 from tasks.rubrics import ingest_rubrics
 from tasks.sft import prepare_sft, sft_train
-from tasks.stage import Submitted
+from tasks.stage import Submitted, settles_submitted_stages
 from tasks.teacher import teacher_rollout, teacher_update
 from tasks.update import grpo_update
 
@@ -58,8 +58,10 @@ def _flow_run_name() -> str:
 
 
 def close_live_engines(_flow, flow_run, _state) -> None:
-    """The engines the run kept alive across its steps (run.keep_engines) are closed with it."""
+    """The engines the run kept alive across its steps (run.keep_engines) are closed with it, then Ray is left
+    (stopped if the run started it)."""
     live.close_owned(str(flow_run.id))
+    cluster.disconnect()
 
 
 # A judge server the run started (judge.serve) and the engines it kept end with the run, however the flow ends.
@@ -69,6 +71,7 @@ _END_HOOKS = dict(on_completion=_ENDS, on_failure=_ENDS, on_crashed=_ENDS, on_ca
 
 @flow(name="refiner-grpo", log_prints=True, flow_run_name=_flow_run_name, **_END_HOOKS)
 @holds_run_folder  # one run per folder; children of a killed earlier run are stopped
+@settles_submitted_stages  # a failed step ends the run only once the rollouts sampled ahead have ended
 def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     # model.precision 'auto' resolved on the machine that computes, before any cache key sees it
     cfg, precision_line = resolved_recipe(recipe_from_dict(recipe))
@@ -79,6 +82,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         from prefect.runtime import flow_run
 
         live.open_run(run_dir, owner=str(flow_run.id))
+    if cfg.run.ray_address:  # Ray places the rollout engines (rollout.num_engines); the end hooks leave it
+        log.info(cluster.connect(cfg.run.ray_address))
     retry = {"retries": cfg.run.retries, "retry_delay_seconds": cfg.run.retry_delay_seconds}
     run, seed, dtype, precision = run_name(cfg.run.name, run_dir), cfg.run.seed, cfg.model.dtype, cfg.model.precision
     model = lambda spec: locate_model(spec, cfg.model.max_position_embeddings, seed)  # noqa: E731
@@ -175,8 +180,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 **({"teacher_rollouts": taught} if teaching else {})))
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
-            grpo_cfg=grpo_cfg, temperature=cfg.rollout.temperature, dtype=dtype, precision=precision, seed=seed,
-            save=save, policy_lag=min(step, ahead))
+            grpo_cfg=grpo_cfg, temperature=cfg.rollout.temperature, dtype=dtype, precision=precision, save=save,
+            policy_lag=min(step, ahead))
         policy = updated["policy"]
         policies.append(policy)
         if ahead and step + 1 + ahead < cfg.grpo.steps:

@@ -60,6 +60,10 @@ class RunConfig:
     mlflow_tracking_uri: str = opt(
         "", "report_to 'mlflow': tracking URI (a server's http://HOST:PORT, or sqlite:///PATH/mlflow.db); '' = a local "
         "store in RUN_DIR/mlruns (SQLite mlflow.db and artifacts/). The MLflow experiment is named after the run.")
+    ray_address: str = opt(
+        "", "Ray for the run's rollout engines (rollout.num_engines): '' = no Ray; 'local' = start Ray on this machine "
+        "for the run and stop it at its end; else a running cluster's address ('auto', 'ray://HOST:10001'), joined "
+        "for the run. The stages stay Prefect tasks in the flow's process; Ray places the engines. docs/scaling.md.")
 
 
 @dataclass
@@ -190,6 +194,10 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, "vllm engine: GPUs one engine's model is split across (1 on CPU).")
     gpu_memory_utilization: float = opt(0.9, "vllm engine on GPU: fraction of GPU memory vLLM may take for weights "
                                              "and KV cache (lower it when the learner shares the GPU); unused on CPU.")
+    num_engines: int = opt(1, "Rollout engines sampling each step together, each a Ray actor (needs run.ray_address) "
+                              "with tensor_parallel_size GPUs where the cluster has GPUs: the step's prompts are split "
+                              "into contiguous shards and the rollouts put back in prompt order (the vllm engine seeds "
+                              "each prompt by its index in the step, so its samples do not depend on this number).")
     dynamic_sampling: bool = opt(
         False, "Replace groups whose rewards are all equal (no signal) by sampling fresh train prompts, one round "
         "(rollout + judge of the prompts still needed) at a time, until the step holds prompts_per_step informative "
@@ -209,6 +217,10 @@ class JudgeConfig:
     model: str = opt("", "Judge model spec for the in-process judge (and the model a flow-started server serves); "
                      "'' means the base policy model. engine 'openai' names the served model with judge.api_model.")
     base_url: str = opt("http://127.0.0.1:8000/v1", "engine 'openai': the server's base URL (up to /v1).")
+    more_base_urls: list = opt([], "engine 'openai': more servers of the same judge model. Each (response, rubric) "
+                               "pair always goes to the same server (picked by its prompt's hash), judge.concurrency "
+                               "requests in flight per server; every server must list judge.api_model with the same "
+                               "weights (GET /models), or the judge stage refuses to start.")
     serve: bool = opt(False, "engine 'openai': the run starts a vLLM server itself, serving judge.model (or the "
                       "base policy) at judge.base_url's host and port, when the first judge stage needs it, and stops "
                       "it (by PID) when the run ends, on success or failure. Its log: RUN_DIR/logs/judge-server-PORT.log.")
@@ -304,7 +316,12 @@ class GRPOConfig:
     zero_stage: int = opt(3, "learner 'deepspeed': ZeRO stage (3 = parameters, gradients and optimizer state "
                           "partitioned over the ranks; 0-2 partition less).")
     hostfile: str = opt("", "learner 'deepspeed': DeepSpeed hostfile for several machines (launched with the "
-                        "'deepspeed' launcher; the run folder must be shared); '' = this machine only.")
+                        "'deepspeed' launcher; the run folder must be on storage every host shares, it holds the "
+                        "ranks' job folders); '' = this machine only.")
+    launch_over_ssh: bool = opt(True, "learner 'deepspeed' with a hostfile of several hosts: DeepSpeed's launcher "
+                                "starts every host's ranks over ssh (pdsh). false: the run starts the first host's "
+                                "ranks only and logs the command each other host runs (--no_ssh --node_rank K). A "
+                                "hostfile of one host never needs ssh.")
     deepspeed_offload_optimizer: bool = opt(False, "learner 'deepspeed': keep the AdamW state in CPU memory "
                                             "(ZeRO offload).")
     learning_rate: float = opt(5e-6, "AdamW learning rate (constant).")
@@ -452,8 +469,9 @@ FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow ru
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
 # How many rounds the flow samples a step in; one round samples the prompts it is given.
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
-EVAL_ROLLOUT_FIELDS = ("engine", "top_p", "max_new_tokens", "stop", "batch_size", "tensor_parallel_size",
-                       "gpu_memory_utilization")
+# Settings of the rollout engine itself (not of sampling): engines built with other ones are other engines.
+ROLLOUT_ENGINE_FIELDS = ("engine", "batch_size", "tensor_parallel_size", "gpu_memory_utilization", "num_engines")
+EVAL_ROLLOUT_FIELDS = (*ROLLOUT_ENGINE_FIELDS, "top_p", "max_new_tokens", "stop")
 
 
 def pick(section: dict, names: tuple[str, ...]) -> dict:

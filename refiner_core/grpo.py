@@ -16,11 +16,14 @@ from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
 
+RUN_SCOPED = ("work_root",)  # LearnerSettings the update stage sets from its run folder
+
+
 def learner_settings(grpo: dict, temperature: float, precision: str) -> LearnerSettings:
     """The learner's view of the GRPO config; the sampling temperature comes from the rollout config and the
     compute precision from the model config."""
     given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo["adam_betas"])}
-    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in given}
+    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in RUN_SCOPED}
     return LearnerSettings(**fields, **given)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -23,10 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from refiner_core.config import ROLLOUT_ENGINE_FIELDS
 from refiner_core.storage import file_hash, json_hash
 
-# Settings of the rollout engine itself (not of sampling): engines built with other ones are other engines.
-ENGINE_FIELDS = ("engine", "batch_size", "tensor_parallel_size", "gpu_memory_utilization")
 IN_PROCESS_JUDGES = ("transformers",)  # judges that hold a model in this process; a served judge holds a client
 
 
@@ -39,6 +39,9 @@ class _Learner:
     key: str
     learner: Any
     weights_hash: str  # the checkpoint its in-memory weights were saved as
+    # For weights never written (run.save_every): writes them to the checkpoint their manifest names, with
+    # WRITTEN_AT_CLOSE, when the run ends before a save (SIGTERM, Ctrl-C, a failed stage).
+    save_at_close: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -102,6 +105,9 @@ def _close(run: _Run) -> None:
         engine.close()
     for judge in run.judges.values():
         _close_judge(judge)
+    if run.learner is not None:
+        _save_unsaved(run.learner)
+        run.learner.learner.close()
     run.rollout.clear()
     run.judges.clear()
     run.learner = None
@@ -121,15 +127,40 @@ def open_runs() -> list[str]:
 
 # ---- policies not written to disk (run.save_every) ----
 
+WRITTEN_AT_CLOSE = "weights_hash.txt"  # in a checkpoint written when the run ended: the unsaved hash it holds
+log = logging.getLogger(__name__)
+
+
+def written_at_close(policy: dict) -> bool:
+    """Whether weights a manifest names as never saved were written to its checkpoint when the run ended."""
+    marker = Path(policy["path"]) / WRITTEN_AT_CLOSE
+    return bool(policy.get("unsaved")) and marker.is_file() and marker.read_text().strip() == policy["hash"]
+
+
+def _save_unsaved(live: _Learner) -> None:
+    """The run ends holding weights no checkpoint has: write them, so a rerun resumes from them rather than
+    recomputing the updates since the last save. A failure here is logged, not raised: the run is ending anyway,
+    and the rerun recomputes."""
+    if live.save_at_close is None:
+        return
+    try:
+        path = live.save_at_close()
+        log.warning("run ended between saves (run.save_every): weights %s written to %s", live.weights_hash[:20], path)
+    except Exception as e:  # logged, not raised: the rerun recomputes those steps
+        log.warning("run ended between saves and its unsaved weights could not be written (%s: %s); a rerun "
+                    "recomputes the steps since the last checkpoint", type(e).__name__, e)
+
+
 def model_folder(policy: dict) -> str:
     """The folder holding the policy's architecture and tokenizer: its checkpoint, or for weights never saved
     the checkpoint (or base model) they were trained from."""
-    return policy.get("model", policy["path"])
+    return policy["model"] if is_unsaved(policy) else policy["path"]
 
 
 def is_unsaved(policy: dict) -> bool:
-    """Weights that live only in the run's learner: `path` names the checkpoint they were not written to."""
-    return bool(policy.get("unsaved"))
+    """Weights that live only in the run's learner: `path` names the checkpoint they were not written to
+    (unless the run wrote them there as it ended)."""
+    return bool(policy.get("unsaved")) and not written_at_close(policy)
 
 
 def weights_hash(state_dict: dict) -> str:
@@ -188,7 +219,8 @@ def _content(path: Path):
 
 
 def engine_key(rollout_cfg: dict, model_path: str | Path, dtype: str, precision: str) -> str:
-    return json_hash([{k: rollout_cfg[k] for k in ENGINE_FIELDS}, model_identity(model_path), dtype, precision])
+    engine = {k: rollout_cfg[k] for k in ROLLOUT_ENGINE_FIELDS}
+    return json_hash([engine, model_identity(model_path), dtype, precision])
 
 
 @dataclass
@@ -317,17 +349,21 @@ def take_learner(run_dir: str | Path, key: str, policy_hash: str):
         live, run.learner = run.learner, None
     if live is not None and live.key == key and live.weights_hash == policy_hash:
         return live.learner
+    if live is not None:  # other settings or other weights: never used again
+        live.learner.close()
     return None
 
 
-def keep_learner(run_dir: str | Path, key: str, learner, weights_hash: str) -> bool:
+def keep_learner(run_dir: str | Path, key: str, learner, weights_hash: str,
+                 save_at_close: Callable[[], Any] | None = None) -> bool:
     """After the learner's weights were saved as the checkpoint `weights_hash` names: keep it for the next step
-    (learners that hold their weights in this process, i.e. offer `weights()`). Returns whether it was kept."""
+    (learners that hold their weights in this process, i.e. offer `weights()`). Returns whether it was kept.
+    `save_at_close` writes weights that no checkpoint holds yet, should the run end first."""
     run = _run(run_dir)
     if run is None or not hasattr(learner, "weights"):
         return False
     with _LOCK:
-        run.learner = _Learner(key, learner, weights_hash)
+        run.learner = _Learner(key, learner, weights_hash, save_at_close)
     return True
 
 

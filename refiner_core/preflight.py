@@ -4,6 +4,8 @@ the CLI can report every mistake at once, before any Prefect server starts."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import difflib
 import json
 from pathlib import Path
@@ -56,6 +58,7 @@ VALUE_RULES: dict[str, Rule] = {
     "rollout.samples_per_prompt": GROUP, "rollout.prompts_per_step": AT_LEAST_1, "rollout.temperature": POSITIVE,
     "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"), "rollout.max_new_tokens": AT_LEAST_1,
     "rollout.batch_size": AT_LEAST_1, "rollout.dynamic_sampling_max_rounds": NON_NEGATIVE,
+    "rollout.num_engines": AT_LEAST_1,
     "judge.max_new_tokens": AT_LEAST_1, "judge.batch_size": AT_LEAST_1, "judge.max_response_chars": AT_LEAST_1,
     "judge.concurrency": AT_LEAST_1, "judge.timeout_seconds": POSITIVE, "judge.max_retries": NON_NEGATIVE,
     "judge.request_budget": NON_NEGATIVE, "judge.backoff_seconds": NON_NEGATIVE,
@@ -144,6 +147,14 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if cfg.run.save_every > 1 and not cfg.run.keep_engines:
         problems.append(f"run.save_every = {cfg.run.save_every} keeps the weights of the steps between saves in the "
                         "live learner, and run.keep_engines = false keeps no learner: set one of them back")
+    if cfg.rollout.agent.scripted_path and cfg.run.save_every > 1:
+        problems.append(f"rollout.agent.scripted_path with run.save_every = {cfg.run.save_every}: scripted turns are "
+                        "scored by the policy's checkpoint, which is not written between saves; set run.save_every=1")
+    if cfg.rollout.num_engines > 1 and not cfg.run.ray_address:
+        problems.append(f"rollout.num_engines = {cfg.rollout.num_engines} places its engines with Ray, and "
+                        "run.ray_address is '': set it ('local' for this machine, or a cluster's address)")
+    if cfg.run.ray_address and importlib.util.find_spec("ray") is None:
+        problems.append(f"run.ray_address = {cfg.run.ray_address!r} needs the ray package, which is not installed")
     if cfg.rollout.dynamic_sampling and cfg.reward.verifier == "co_rewarding_teacher":
         problems.append("rollout.dynamic_sampling with reward.verifier 'co_rewarding_teacher': the EMA teacher "
                         "samples only the step's first prompts, so fresh prompts would have no pseudo-label; turn "

@@ -324,6 +324,8 @@ STEPS = Table(
         _c("packing_efficiency", F, "Real tokens / tokens computed in the update (1.0 = no padding)."),
         _c("response_length_mean", F, "Mean response length in tokens."),
         _c("rollout_seconds", F, "Wall time of the rollout stage (summed over sampling rounds)."),
+        _c("weight_sync_seconds", F, "Part of rollout_seconds the kept rollout engine spent loading the policy's new "
+                                     "weights in place (run.keep_engines); 0 when it was built or already current."),
         _c("judge_seconds", F, "Wall time of the judge stage (summed over sampling rounds)."),
         _c("update_seconds", F, "Wall time of the update stage."),
         _c("checkpoint", S, "Path of the checkpoint written by this step (removed later unless run.keep_last / keep_every keep it)."),

@@ -11,6 +11,7 @@ from refiner_core.data import refill_prompt_ids, step_prompt_ids
 from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.schema import ROLLOUTS, TURNS
+from refiner_core.rollout.sharded import ShardedEngine
 from refiner_core.storage import read_rows, write_table
 from tasks.stage import stage
 
@@ -27,18 +28,22 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
     engine, acquired = rollout_engine(run_dir, rollout_cfg, policy, dtype, precision)
     log.info("rollout step %d: %s", step, acquired.describe())
-    params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
-    agent, turns = rollout_cfg["agent"], None
-    if agent["enabled"]:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
-        tokenizer = load_tokenizer(live.model_folder(policy))
-        conversations = agent_rollouts(engine, tokenizer, policy["path"], prompt_ids, chosen, params, agent,
-                                       budget=rollout_cfg["max_new_tokens"], desc=f"rollout step {step}")
-        outputs = [(c.prompt_index, c.sample_idx, agent_rollout_row(c, tokenizer)) for c in conversations]
-        turns = [row for c in conversations for row in agent_turn_rows(
-            c, {"run": run, "step": step, "prompt_id": chosen[c.prompt_index], "sample_idx": c.sample_idx})]
-    else:
-        outputs = [(g.prompt_index, g.sample_idx, response_columns(g))
-                   for g in engine.generate(prompt_ids, params, desc=f"rollout step {step}")]
+    try:  # an engine that failed mid-sampling (a dead worker) is not kept: the retry builds another
+        params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
+        agent, turns = rollout_cfg["agent"], None
+        if agent["enabled"]:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
+            tokenizer = load_tokenizer(live.model_folder(policy))
+            conversations = agent_rollouts(engine, tokenizer, policy["path"], prompt_ids, chosen, params, agent,
+                                           budget=rollout_cfg["max_new_tokens"], desc=f"rollout step {step}")
+            outputs = [(c.prompt_index, c.sample_idx, agent_rollout_row(c, tokenizer)) for c in conversations]
+            turns = [row for c in conversations for row in agent_turn_rows(
+                c, {"run": run, "step": step, "prompt_id": chosen[c.prompt_index], "sample_idx": c.sample_idx})]
+        else:
+            outputs = [(g.prompt_index, g.sample_idx, response_columns(g))
+                       for g in engine.generate(prompt_ids, params, desc=f"rollout step {step}")]
+    except BaseException:
+        engine.close()
+        raise
     live.release(run_dir, engine, acquired)  # kept for the next step, or closed to free memory for the learner
     now = datetime.now(timezone.utc)
     rows = [{
@@ -52,7 +57,7 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
     log.info("rollout step %d round %d: %d prompts x %d samples, %d/%d stopped, mean %.1f tokens", step, round,
              len(chosen), params.n, stopped, len(rows), sum(r["response_tokens"] for r in rows) / max(len(rows), 1))
     manifest = {"rollouts": {"path": str(path), "hash": write_table(ROLLOUTS, rows, path)}, "rows": len(rows),
-                "prompt_ids": chosen}
+                "prompt_ids": chosen, "weight_sync_seconds": acquired.sync_seconds}
     if turns is not None:
         turns_path = path.with_name("turns.parquet")
         manifest["turns"] = {"path": str(turns_path), "hash": write_table(TURNS, turns, turns_path)}
@@ -93,10 +98,15 @@ def round_folder(step_folder: Path, round: int) -> Path:
 def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, precision: str):
     """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.live), else
     one built from the checkpoint. Hand it back with `live.release`."""
-    build = lambda path: make_engine(  # noqa: E731
-        rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision,
-        tensor_parallel_size=rollout_cfg["tensor_parallel_size"],
-        gpu_memory_utilization=rollout_cfg["gpu_memory_utilization"])
+    def build(path: str):
+        settings = (rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision)
+        gpu = {"tensor_parallel_size": rollout_cfg["tensor_parallel_size"],
+               "gpu_memory_utilization": rollout_cfg["gpu_memory_utilization"]}
+        if rollout_cfg["num_engines"] > 1:  # Ray actors (run.ray_address; preflight checks it is set)
+            return ShardedEngine(*settings, **gpu, num_engines=rollout_cfg["num_engines"],
+                                 markers=str(Path(run_dir) / ".faults"))
+        return make_engine(*settings, **gpu)
+
     return live.rollout_engine(run_dir, live.engine_key(rollout_cfg, live.model_folder(policy), dtype, precision), policy, build)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable
 
@@ -67,15 +68,17 @@ def retry_unless_bad_data(task, task_run, state) -> bool:
 def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
     """Output files or folders of a manifest that are missing or no longer hash to what the stage wrote.
     Checkpoints removed by the retention policy are not damaged: they were pruned on purpose. Weights never
-    written (run.save_every) are only intact while the run's live learner holds them, or once a later step
-    checkpoint was saved from them (nothing after it needs them); else the update that made them is recomputed."""
+    written (run.save_every) are only intact while the run's live learner holds them, once the run wrote them as
+    it ended, or once a later step checkpoint was saved from them (nothing after it needs them); else the update
+    that made them is recomputed."""
     damaged = []
     for entry in manifest.values():
         if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or \
                 entry["path"] in pruned_paths(Path(entry["path"]).parent):
             continue
-        if live.is_unsaved(entry):
-            if not (live.learner_holds(run_dir, entry["hash"]) or _saved_later(Path(entry["path"]))):
+        if entry.get("unsaved"):
+            if not (live.learner_holds(run_dir, entry["hash"]) or live.written_at_close(entry)
+                    or _saved_later(Path(entry["path"]))):
                 damaged.append(f"{entry['path']} (never saved; no live learner holds it)")
             continue
         path = Path(entry["path"])
@@ -112,7 +115,10 @@ class Stage:
         """Run the stage concurrently on the flow's task runner (same cache key, retries and damage check);
         `wait_for`: stages submitted earlier that must finish first. `.result()` gives the manifest."""
         future = self.task.submit(**kwargs, wait_for=[earlier.future for earlier in wait_for])
-        return Submitted(self, future, kwargs)
+        submitted = Submitted(self, future, kwargs)
+        if (running := _SUBMITTED.get()) is not None:
+            running.append(submitted)
+        return submitted
 
     def _checked(self, state, kwargs: dict) -> dict:
         manifest = state.result()  # raises the stage's exception when it failed
@@ -123,6 +129,29 @@ class Stage:
                                   self.name, ", ".join(damaged[:3]))
                 manifest = self.task.with_options(refresh_cache=True)(**kwargs)
         return manifest
+
+
+# The stages submitted by the flow function running in this context (settles_submitted_stages).
+_SUBMITTED: ContextVar[list["Submitted"] | None] = ContextVar("submitted_stages", default=None)
+
+
+def settles_submitted_stages(fn: Callable) -> Callable:
+    """Decorator for a flow function: it returns or raises only once every stage it submitted has ended. A step
+    that fails while a rollout samples ahead (grpo.async_steps) would otherwise end the run with that rollout still
+    running: the run folder given back and the run's engines closed while it uses them."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        submitted: list[Submitted] = []
+        scope = _SUBMITTED.set(submitted)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _SUBMITTED.reset(scope)
+            for stage in submitted:
+                stage.future.wait()
+
+    return run
 
 
 class Submitted:

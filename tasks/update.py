@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -18,21 +20,22 @@ from tasks.stage import stage
 
 @stage("grpo-update")
 def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scores: list[dict], policy: dict,
-                reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str, seed: int,
+                reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str,
                 save: bool = True, policy_lag: int = 0) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
     and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
     (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash.
-    policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps)."""
-    import torch
-
+    policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps). The update
+    draws no random numbers (no dropout, no sampling), and leaves torch's process-wide generator alone: an hf
+    rollout sampled ahead in another thread seeds it and draws from it."""
     log = get_run_logger()
-    torch.manual_seed(seed * 7919 + step)
     rollout_rows = [r for rolled in rollouts for r in read_rows(rolled["rollouts"]["path"])]
     reward_rows = [r for scored in scores for r in read_rows(scored["rewards"]["path"])
                    if r["reward_version"] == "train"]
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
     settings = learner_settings(grpo_cfg, temperature, precision)
+    if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
+        settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
     model = live.model_folder(policy)
     tokenizer = load_tokenizer(model)
     optimizer_state = Path(policy["path"]) / "optimizer.pt"
@@ -48,19 +51,16 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
              else f"learner loaded from {policy['path']}")
     learner = learner or make_learner(grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings,
                                       optimizer_state, dtype)
-    metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
-
-    final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
-    if save or not live.keeps_learner(run_dir, learner):  # weights nothing would hold are written
-        with atomic_dir(final) as build:
-            learner.save(build)
-            tokenizer.save_pretrained(build)
-            write_model_card(build, run_dir, kind="grpo", run=run, step=step + 1, checkpoint=final)
-        forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
-        saved = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
-    else:  # `path` is the checkpoint these weights were not written to; `model` has their architecture
-        saved = {"path": str(final), "hash": live.weights_hash(learner.weights()), "model": model, "unsaved": True}
-    live.keep_learner(run_dir, learner_key, learner, saved["hash"])  # its weights are now this checkpoint's
+    try:
+        metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
+        saved = _save(learner, save, run_dir=run_dir, run=run, step=step, model=model, tokenizer=tokenizer)
+    except BaseException:  # weights half-updated: no later step may use this learner (its ranks stop)
+        learner.close()
+        raise
+    save_at_close = functools.partial(_write_checkpoint, learner, Path(saved["path"]), tokenizer, run_dir=run_dir,
+                                      run=run, step=step, weights_hash=saved["hash"]) if saved.get("unsaved") else None
+    if not live.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close):  # this checkpoint's
+        learner.close()
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
     row = {
@@ -74,8 +74,11 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
         "entropy": metrics.get("entropy"), "importance_weight_mean": metrics.get("importance_weight_mean"),
         "policy_lag": policy_lag,
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
-        "rollout_seconds": sum(m["seconds"] for m in rollouts), "judge_seconds": sum(m["seconds"] for m in scores),
-        "checkpoint": str(final), "checkpoint_bytes": 0 if live.is_unsaved(saved) else folder_bytes(final),
+        "rollout_seconds": sum(m["seconds"] for m in rollouts),
+        "weight_sync_seconds": sum(m.get("weight_sync_seconds", 0.0) for m in rollouts),
+        "judge_seconds": sum(m["seconds"] for m in scores),
+        "checkpoint": saved["path"],
+        "checkpoint_bytes": 0 if live.is_unsaved(saved) else folder_bytes(Path(saved["path"])),
     }
     metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
     advantages_path = metrics_path.with_name("advantages.parquet")
@@ -89,6 +92,31 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
         "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
     }
+
+
+def _save(learner, save: bool, *, run_dir: str, run: str, step: int, model: str, tokenizer) -> dict:
+    """The policy manifest of the updated weights: an HF checkpoint, or (save false, run.save_every) the weights
+    left in the live learner, named by content hash."""
+    final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
+    if save or not live.keeps_learner(run_dir, learner):  # weights nothing would hold are written
+        _write_checkpoint(learner, final, tokenizer, run_dir=run_dir, run=run, step=step)
+        return {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
+    # `path` is the checkpoint these weights were not written to; `model` has their architecture
+    return {"path": str(final), "hash": live.weights_hash(learner.weights()), "model": model, "unsaved": True}
+
+
+def _write_checkpoint(learner, final: Path, tokenizer, *, run_dir: str, run: str, step: int,
+                      weights_hash: str = "") -> Path:
+    """HF weights + training state + tokenizer + model card, atomically. weights_hash: the weights were named
+    by it in a manifest as never saved; the checkpoint records that it holds them (live.WRITTEN_AT_CLOSE)."""
+    with atomic_dir(final) as build:
+        learner.save(build)
+        tokenizer.save_pretrained(build)
+        write_model_card(build, run_dir, kind="grpo", run=run, step=step + 1, checkpoint=final)
+        if weights_hash:
+            (build / live.WRITTEN_AT_CLOSE).write_text(weights_hash)
+    forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
+    return final
 
 
 def _no_signal_metrics(settings) -> dict:

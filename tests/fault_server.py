@@ -39,8 +39,9 @@ class FaultServer(LoopbackServer):
     4 answers 503 while `permanent_faults` is on, 5 always answers prose (not score JSON); others a score.
     `latency` is added to every reply (a remote judge). Counts every request it receives."""
 
-    def __init__(self, latency: float = 0.0, faults: bool = True):
+    def __init__(self, latency: float = 0.0, faults: bool = True, root: str = ""):
         self.latency, self.faults, self.permanent_faults = latency, faults, True
+        self.card = {"id": "fault-judge", "object": "model", **({"root": root} if root else {})}
         self.requests, self.seen, self.auth = 0, {}, set()
         self.lock = threading.Lock()
         outer = self
@@ -50,7 +51,7 @@ class FaultServer(LoopbackServer):
                 pass
 
             def do_GET(self):  # noqa: N802
-                self._send(200, {"object": "list", "data": [{"id": "fault-judge", "object": "model"}]})
+                self._send(200, {"object": "list", "data": [outer.card]})
 
             def _send(self, code, obj=None, raw=None):
                 body = raw if raw is not None else json.dumps(obj).encode()

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import learner_settings
+from test_live_engines import _log, _results, _same, info_logs  # noqa: F401  (info_logs: a fixture)
 from refiner_core.learners.base import TrainSample, make_learner
+from refiner_core.learners.deepspeed_learner import LearnerDied
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
+from refiner_core.procs import process_identity
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +38,14 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def test_two_rank_zero3_equals_the_torch_learner_and_resumes(tiny_model_path, tiny_tokenizer, tmp_path):
+def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_path, tiny_tokenizer, tmp_path):
     """6 sequences in 3 micro-batches of 2 over 2 ranks (rank 1 pads with a zero-weight copy), fp32, clipping, KL
     and TIS on, two AdamW steps at lr 1e-3. Measured (also with one rank, so it is DeepSpeed's fp32 arithmetic, not
     the sharding): losses equal to 4e-9, grad norm to 1.4e-5 relative, weights to 8e-6 max abs, i.e. 0.8% of one
-    step's move (Adam moves every weight by ~lr); the bounds below leave 2-7x headroom."""
+    step's move (Adam moves every weight by ~lr); the bounds below leave 2-7x headroom.
+
+    The ranks are launched once and take both steps (optimizer state in memory); a second launch from the first
+    step's checkpoint resumes DeepSpeed's optimizer state from disk and gives the same second step."""
     samples = [_samples(0), _samples(1)]
     # The reference: the one-process torch learner, two train steps with its own optimizer.
     policy = load_model(tiny_model_path, trainable=True)
@@ -48,46 +57,143 @@ def test_two_rank_zero3_equals_the_torch_learner_and_resumes(tiny_model_path, ti
         expected_weights.append({k: v.detach().clone() for k, v in policy.state_dict().items()})
 
     settings = _settings(world_size=2, zero_stage=3)
-    checkpoint = Path(tiny_model_path)
-    for step, batch in enumerate(samples):
-        learner = make_learner("deepspeed", checkpoint, tiny_model_path, tiny_tokenizer, settings,
-                               checkpoint / "optimizer.pt")
-        metrics = learner.train_step(batch)
-        out = tmp_path / f"step_{step + 1}"
-        learner.save(out)
-        checkpoint = out
+    base = Path(tiny_model_path)
+    kept = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
+    try:
+        for step, batch in enumerate(samples):
+            metrics = kept.train_step(batch)
+            out = tmp_path / f"step_{step + 1}"
+            kept.save(out)
+            _check_step(kept, metrics, batch, out, expected[step], expected_weights[step], resumed=0, step=step)
+            # The weights a live rollout engine copies are the checkpoint's.
+            exported = kept.weights()
+            assert _max_diff(exported, {k: v for k, v in load_model(out).state_dict().items() if k in exported}) == 0
+        launcher = kept._proc.pid
+    finally:
+        kept.close()
+    assert process_identity(launcher) is None, "close() stops the ranks"
+    assert not kept.work.exists() and not kept.export.exists()
+    with pytest.raises(LearnerDied, match="closed"):
+        kept.train_step(samples[0])
 
-        # Both ranks trained their share: 2 + 1 real micro-batches, every response token counted once.
-        stats = sorted(learner.rank_stats, key=lambda r: r["rank"])
-        assert [(r["rank"], r["world_size"], r["micro_batches"]) for r in stats] == [(0, 2, 2), (1, 2, 1)]
-        assert sum(r["tokens"] for r in stats) == sum(len(s.response_ids) for s in batch)
-        assert all(r["tokens"] > 0 for r in stats)
-        # The optimizer state came back from the previous step's checkpoint (same world size and stage).
-        assert [(r["adam_steps_resumed"], r["adam_steps"]) for r in stats] == [(step, step + 1)] * 2
-
-        want = expected[step]
-        assert set(metrics) == set(want)
-        for key in ("loss", "pg_loss", "kl", "clip_fraction", "response_tokens", "packing_efficiency", "lr"):
-            assert metrics[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
-        assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
-
-        # An HF checkpoint any transformers user can load, with the one-process learner's weights.
-        loaded = load_model(out)
-        diff = _max_diff(loaded.state_dict(), expected_weights[step])
-        assert diff < 0.02 * 1e-3, diff
-        assert (out / "deepspeed" / "refiner.json").exists()
+    resumed = make_learner("deepspeed", tmp_path / "step_1", tiny_model_path, tiny_tokenizer, settings,
+                           tmp_path / "step_1" / "optimizer.pt")
+    try:
+        metrics = resumed.train_step(samples[1])
+        resumed.save(tmp_path / "resumed")
+        _check_step(resumed, metrics, samples[1], tmp_path / "resumed", expected[1], expected_weights[1], resumed=1,
+                    step=1)
+    finally:
+        resumed.close()
+    assert _max_diff(load_model(tmp_path / "resumed").state_dict(), load_model(tmp_path / "step_2").state_dict()) == 0
     moved = _max_diff(expected_weights[1], load_model(tiny_model_path).state_dict())
     assert moved > 1e-3  # the weights really changed, by far more than the tolerance
 
 
-def test_flow_with_the_deepspeed_learner(prefect_server, tiny_recipe, tmp_path):
-    """One GRPO step of the tiny recipe through the real pipeline with grpo.learner=deepspeed (one rank, ZeRO-3)."""
-    from flows.refiner import refiner_pipeline
-    from refiner_core.models import load_model as load
+def _check_step(learner, metrics, batch, out, want, want_weights, resumed: int, step: int) -> None:
+    # Both ranks trained their share: 2 + 1 real micro-batches, every response token counted once.
+    stats = sorted(learner.rank_stats, key=lambda r: r["rank"])
+    assert [(r["rank"], r["world_size"], r["micro_batches"]) for r in stats] == [(0, 2, 2), (1, 2, 1)]
+    assert sum(r["tokens"] for r in stats) == sum(len(s.response_ids) for s in batch)
+    assert all(r["tokens"] > 0 for r in stats)
+    # Adam's step count: resumed from the checkpoint at launch, then one per train step.
+    assert [(r["adam_steps_resumed"], r["adam_steps"]) for r in stats] == [(resumed, step + 1)] * 2
+    assert set(metrics) == set(want)
+    for key in ("loss", "pg_loss", "kl", "clip_fraction", "response_tokens", "packing_efficiency", "lr"):
+        assert metrics[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+    assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    # An HF checkpoint any transformers user can load, with the one-process learner's weights.
+    diff = _max_diff(load_model(out).state_dict(), want_weights)
+    assert diff < 0.02 * 1e-3, diff
+    assert (out / "deepspeed" / "refiner.json").exists()
 
-    recipe = {**tiny_recipe, "grpo": {**tiny_recipe["grpo"], "learner": "deepspeed", "steps": 1, "world_size": 1}}
-    state = refiner_pipeline(recipe=recipe, run_dir=str(tmp_path), return_state=True)
-    assert state.is_completed(), state.message
-    checkpoint = tmp_path / "checkpoints" / "step_0001"
-    assert (checkpoint / "deepspeed" / "refiner.json").exists()
-    assert load(checkpoint) is not None
+
+def test_two_hosts_on_loopback_equal_one_host(tiny_model_path, tiny_tokenizer, tmp_path):
+    """grpo.hostfile with two hosts of one slot each (localhost and 127.0.0.1: two launchers on this machine, as on
+    two machines), the run starting the first host's rank and the test the second's with the command the learner
+    gives (launch_over_ssh false): the same loss, grad norm and weights as one host's two ranks, i.e. as the
+    torch learner (bounds as above). Job folders go to the shared work_root."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two hosts, one rank each\nlocalhost slots=1\n127.0.0.1 slots=1\n")
+    policy = load_model(tiny_model_path, trainable=True)
+    want = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings()).train_step(
+        _samples(0))
+    settings = _settings(world_size=2, zero_stage=3, hostfile=str(hostfile), launch_over_ssh=False,
+                         work_root=str(tmp_path / "shared"))
+    base = Path(tiny_model_path)
+    learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
+    assert learner.work.parent == tmp_path / "shared"
+    learner.start()
+    [command] = learner.other_hosts
+    assert command[command.index("--node_rank") + 1] == "1" and command[-1] == str(learner.work)
+    second = subprocess.Popen(command, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+                              start_new_session=True)
+    try:
+        metrics = learner.train_step(_samples(0))
+        learner.save(tmp_path / "out")
+    finally:
+        learner.close()
+        assert second.wait(60) == 0, "the second host's ranks end with the run's 'stop'"
+    _check_step(learner, metrics, _samples(0), tmp_path / "out", want,
+                {k: v.detach() for k, v in policy.state_dict().items()}, resumed=0, step=0)
+
+
+def test_hostfile_slots_must_match_world_size(tiny_model_path, tiny_tokenizer, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    with pytest.raises(ValueError, match="has 2 slots over 1 host.*world_size is 1"):
+        make_learner("deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, _settings(hostfile=str(hostfile)),
+                     None)
+    hostfile.write_text("localhost 2\n")
+    with pytest.raises(ValueError, match="hostfile:1: expected 'HOST slots=N'"):
+        make_learner("deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, _settings(hostfile=str(hostfile)),
+                     None)
+
+
+def test_a_rank_that_dies_fails_the_step_clearly(tiny_model_path, tiny_tokenizer):
+    """A rank killed between steps: the next step raises LearnerDied with the ranks' log, and nothing is left."""
+    base = Path(tiny_model_path)
+    learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, _settings(), base / "optimizer.pt")
+    try:
+        learner.train_step(_samples(0))
+        launcher = learner._proc.pid
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-f", str(learner.work)], capture_output=True,
+                                                text=True).stdout.split() if int(p) != launcher]
+        assert ranks, "the rank runs until the learner is closed"
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(LearnerDied, match="exited with .* during a 'train' job"):
+            learner.train_step(_samples(1))
+    finally:
+        learner.close()
+    assert process_identity(launcher) is None and not learner.work.exists()
+
+
+def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_recipe, tmp_path, info_logs):
+    """Two GRPO steps of the tiny recipe with grpo.learner=deepspeed (one rank, ZeRO-3): ranks kept for the run
+    with a checkpoint every 2 steps (step 1's weights live only in the ranks, the rollout engine copies them from
+    shared memory) give the same rollouts, rewards, metrics and final weights as ranks launched for every step
+    from the checkpoint before (run.keep_engines false); no rank outlives either run."""
+    from flows.refiner import refiner_pipeline
+
+    grpo = {**tiny_recipe["grpo"], "learner": "deepspeed", "steps": 2, "world_size": 1}
+    runs = {"kept": {"keep_engines": True, "save_every": 2}, "fresh": {"keep_engines": False, "save_every": 1}}
+    for name, run in runs.items():
+        recipe = {**tiny_recipe, "grpo": grpo, "run": {**tiny_recipe["run"], **run}}
+        state = refiner_pipeline(recipe=recipe, run_dir=str(tmp_path / name), return_state=True)
+        assert state.is_completed(), state.message
+        assert _ranks_left() == [], name
+    kept, fresh = _results(tmp_path / "kept"), _results(tmp_path / "fresh")
+    _same(kept, fresh)
+    assert not (tmp_path / "kept" / "checkpoints" / "step_0001").exists()  # never written: save_every 2
+    assert (tmp_path / "kept" / "checkpoints" / "step_0002" / "deepspeed" / "refiner.json").exists()
+    assert load_model(tmp_path / "kept" / "checkpoints" / "step_0002") is not None
+    log = _log(tmp_path / "kept")
+    assert "grpo-update step 1: learner kept in memory" in log
+    assert "rollout step 1: engine kept, weights synced in place from the learner's memory" in log
+    assert "grpo-update step 1: learner loaded from" in _log(tmp_path / "fresh")
+
+
+def _ranks_left() -> list[str]:
+    found = subprocess.run(["pgrep", "-af", "refiner_core.learners.deepspeed_worker"], capture_output=True, text=True)
+    return found.stdout.splitlines()

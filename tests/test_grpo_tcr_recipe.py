@@ -19,7 +19,7 @@ TINY_TCR = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_positio
             "rollout.agent.max_turn_tokens=40", "rollout.agent.tool_concurrency=2",
             "rollout.agent.scripted_path=data/math-tools/scripted.jsonl", "reward.overlong_buffer=100",
             "grpo.steps=2", "grpo.learner=torch", "grpo.learning_rate=1e-3", "grpo.micro_batch_size=8",
-            "grpo.pack_length=0"]
+            "grpo.pack_length=0", "run.save_every=1"]
 BUDGET, BUFFER = 160, 100
 SCRIPTED = "data/math-tools/scripted.jsonl"
 BAD_CODE = (r'<tool_call>{"name": "python", "arguments": {"code": "print(\u0000)"}}</tool_call>'

@@ -19,7 +19,8 @@ from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.storage import dir_hash
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-ROLLOUT_CFG = {"engine": "hf", "batch_size": 8, "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9}
+ROLLOUT_CFG = {"engine": "hf", "batch_size": 8, "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9,
+               "num_engines": 1}
 
 
 def _checkpoint(base: Path, folder: Path, scale: float) -> dict:
@@ -235,6 +236,10 @@ def test_pipeline_keeping_engines_gives_the_same_run(prefect_server, tiny_recipe
     print("\n" + "\n".join(line for line in log.splitlines() if "engine kept" in line or "learner kept" in line))
     assert "rollout step 0: engine built from the checkpoint" in log
     assert "rollout step 1: engine kept, weights synced in place from the learner's memory" in log
+    # the sync's time is recorded per step: none where the engine was built
+    assert catalog_rows(kept_dir, "SELECT step, weight_sync_seconds > 0 FROM steps ORDER BY step") == [
+        (0, False), (1, True)]
+    assert catalog_rows(fresh_dir, "SELECT max(weight_sync_seconds) FROM steps") == [(0.0,)]
     assert "grpo-update step 0: learner loaded from" in log
     assert "grpo-update step 1: learner kept in memory" in log
     fresh_log = _log(fresh_dir)

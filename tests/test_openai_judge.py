@@ -138,6 +138,37 @@ def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, m
         make_openai_judge("", {**cfg, "mode": "expected_score"})
 
 
+def test_pairs_spread_over_several_servers_each_pair_to_one_and_cached_once(tmp_path):
+    """judge.more_base_urls: every pair is asked of exactly one server, the same one on a rerun, both servers get
+    work, and the cache answers a rescore for all of them."""
+    batch = make_batch()
+    pairs = 10 * 4 * 3
+    with FaultServer(faults=False) as first, FaultServer(faults=False) as second:
+        cfg = {"mode": "json", "base_url": first.base_url, "more_base_urls": [second.base_url],
+               "api_model": "fault-judge", "cache_path": str(tmp_path / "cache"), "concurrency": 4}
+        judge = make_openai_judge("", cfg)
+        scores, _ = _score(judge, batch)
+        assert len(scores) == pairs and not [s for s in scores if s["failure"]]
+        assert first.requests + second.requests == pairs and first.requests > 0 and second.requests > 0
+        assert not set(first.seen) & set(second.seen), "a pair went to one server only"
+        rescored, _ = _score(make_openai_judge("", cfg), batch)
+        assert all(r["cache_hit"] for r in rescored) and first.requests + second.requests == pairs
+        assert [r["raw_output"] for r in rescored] == [r["raw_output"] for r in scores]
+        uncached = make_openai_judge("", {**cfg, "cache": False})
+        _score(uncached, batch)
+        assert all(n == 2 for n in first.seen.values()) and all(n == 2 for n in second.seen.values())
+
+
+def test_servers_of_other_weights_are_refused(tmp_path):
+    with FaultServer(faults=False, root="/models/a") as first, FaultServer(faults=False, root="/models/b") as second:
+        cfg = {"mode": "json", "base_url": first.base_url, "more_base_urls": [second.base_url],
+               "api_model": "fault-judge"}
+        with pytest.raises(ValueError, match="judge servers report different weights for 'fault-judge'"):
+            make_openai_judge("", cfg)
+        with pytest.raises(ValueError, match="does not list 'other'"):
+            make_openai_judge("", {**cfg, "api_model": "other"})
+
+
 def test_transformers_judge_fills_the_new_columns(tiny_model_path):
     from refiner_core.judges.base import make_judge
 

@@ -1,4 +1,5 @@
-"""One run per run folder: the lock file, its holder, stale locks, run folder templates, two real `refiner run`s."""
+"""One run per run folder: the lock file, its holder, stale locks, run folder templates, a SIGTERM that is never lost,
+two real `refiner run`s."""
 
 from __future__ import annotations
 
@@ -131,16 +132,113 @@ def start_cli(args: list[str], tmp_path: Path, name: str, env: dict | None = Non
     return proc, err
 
 
-def terminate(proc: subprocess.Popen, attempts: int = 3, patience: float = 20) -> int:
-    """SIGTERM, repeated as a process manager does while the process lives: CPython drops a signal handler's
-    exception raised inside a weakref callback (garbage collection), so one SIGTERM can go unnoticed."""
-    for _ in range(attempts):
-        proc.send_signal(signal.SIGTERM)
+SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
+    import json, os, signal, sys, time, weakref
+    from flows.cli import Terminated, _terminate, sigterm_raises_terminated
+
+
+    class Resource:
+        pass
+
+
+    def sigterm_during_garbage_collection():
+        # os.kill runs the handler before it returns: inside the weakref callback, where CPython drops its exception
+        resource = Resource()
+        weakref.finalize(resource, os.kill, os.getpid(), signal.SIGTERM)
+        del resource
+
+
+    def failing_finalizer():
+        resource = Resource()
+        weakref.finalize(resource, int, "not a number")
+        del resource
+
+
+    def wait_for_terminated(seconds=5.0):
+        t0 = time.monotonic()
         try:
-            return proc.wait(timeout=patience)
-        except subprocess.TimeoutExpired:
-            continue
-    return proc.wait(timeout=patience)
+            time.sleep(seconds)
+        except Terminated:
+            return round(time.monotonic() - t0, 3)
+        return None
+
+
+    dropped = []
+    sys.unraisablehook = lambda unraisable: dropped.append(type(unraisable.exc_value).__name__)
+    outer_hook = sys.unraisablehook
+    report = {}
+    scenario = sys.argv[1]
+    if scenario == "plain handler":
+        signal.signal(signal.SIGTERM, _terminate)
+        sigterm_during_garbage_collection()
+        report["terminated_after"] = wait_for_terminated(1.0)
+    elif scenario == "run":
+        try:
+            with sigterm_raises_terminated():
+                failing_finalizer()
+                sigterm_during_garbage_collection()
+                report["terminated_after"] = wait_for_terminated()
+                time.sleep(0.5)  # the run's cleanup: no second Terminated may interrupt it
+                report["cleaned_up"] = True
+        except Terminated:
+            report["cleanup_interrupted"] = True
+    elif scenario == "run with prefect's handler":
+        from prefect.utilities.engine import capture_sigterm
+
+        with sigterm_raises_terminated():
+            t0 = time.monotonic()
+            try:
+                with capture_sigterm():
+                    sigterm_during_garbage_collection()
+                    time.sleep(5)
+            except Terminated as terminated:
+                report["terminated_after"] = round(time.monotonic() - t0, 3)
+                report["from"] = type(terminated.__context__).__name__
+    elif scenario == "run ending before the redelivery":
+        try:
+            with sigterm_raises_terminated():
+                sigterm_during_garbage_collection()
+        except Terminated:
+            report["terminated_at_the_end"] = True
+        time.sleep(0.5)  # a late SIGTERM would kill the process now (default handler)
+    report["dropped"] = dropped
+    report["restored"] = sys.unraisablehook is outer_hook and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    print(json.dumps(report))
+""")
+
+
+def _sigterm_in_a_finalizer(scenario: str) -> dict:
+    """SIGTERM_IN_A_FINALIZER's report for SCENARIO, in a child process: its signal handlers are its own."""
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_FINALIZER, scenario], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_sigterm_raised_inside_a_finalizer_is_lost_with_a_plain_handler():
+    """What `sigterm_raises_terminated` exists for: CPython drops a handler's exception raised in a finalizer."""
+    assert _sigterm_in_a_finalizer("plain handler") == {"terminated_after": None, "dropped": ["Terminated"],
+                                                        "restored": False}
+
+
+def test_sigterm_raised_inside_a_finalizer_still_ends_the_run_once():
+    report = _sigterm_in_a_finalizer("run")
+    assert report.get("terminated_after") is not None and report["terminated_after"] < 2, report
+    assert report.get("cleaned_up") and "cleanup_interrupted" not in report, report
+    assert report["dropped"] == ["ValueError"], "other finalizers' errors still reach the previous hook"
+    assert report["restored"], "the previous unraisable hook and SIGTERM handler are back after the run"
+
+
+def test_sigterm_dropped_while_prefects_handler_stands_in_still_ends_the_run():
+    """A flow run installs Prefect's SIGTERM handler (TerminationSignal), which chains to the run's own."""
+    report = _sigterm_in_a_finalizer("run with prefect's handler")
+    assert report.get("terminated_after") is not None and report["terminated_after"] < 2, report
+    assert report["from"] == "TerminationSignal" and report["dropped"] == [] and report["restored"], report
+
+
+def test_sigterm_awaiting_redelivery_when_the_run_ends_is_raised_there():
+    assert _sigterm_in_a_finalizer("run ending before the redelivery") == {
+        "terminated_at_the_end": True, "dropped": [], "restored": True}
 
 
 def wait_for_log(proc: subprocess.Popen, err: Path, text: str, timeout: float = 180) -> None:
@@ -174,7 +272,8 @@ def test_two_refiner_runs_on_one_folder(tmp_path):
         assert f"(refiner run {REPO / 'recipes' / 'tiny.yaml'})" in err
         assert seconds < 30 and "Flow run" not in err
 
-        assert terminate(first) == 143, first_err.read_text()[-2000:]
+        first.send_signal(signal.SIGTERM)  # once: a SIGTERM is never lost
+        assert first.wait(timeout=60) == 143, first_err.read_text()[-2000:]
         assert "terminated: run the same command again" in first_err.read_text()
         assert read_holder(run_dir) is None
         assert not list((run_dir / ".procs").glob("*.json"))

@@ -1,6 +1,7 @@
 """run.save_every: checkpoints every N steps, the weights in between only in the live learner. A run saving every
-2nd step gives the tables and final weights of one saving every step; a run that loses its live learner between
-saves recomputes the unsaved updates (seeded: the same weights, the same hashes) instead of reusing cache entries
+2nd step gives the tables and final weights of one saving every step; a run interrupted between saves writes the
+unsaved weights as it ends and its rerun resumes from them; a run killed between saves (nothing written) is rerun
+by recomputing the unsaved updates (seeded: the same weights, the same hashes) instead of reusing cache entries
 that name weights nobody holds."""
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import catalog_rows
+from prefect.settings import PREFECT_API_URL
+
+from conftest import REPO, catalog_rows, run_cli
 from refiner_core import live
 from refiner_core.config import recipe_from_dict
 from refiner_core.preflight import check_values
@@ -66,9 +69,9 @@ def _checkpoints(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(prefect_server, tiny_recipe, tmp_path,
-                                                                             monkeypatch):
-    every, second, killed = tmp_path / "every", tmp_path / "second", tmp_path / "killed"
+def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(prefect_server, tiny_recipe, tmp_path):
+    every, second = tmp_path / "every", tmp_path / "second"
+    interrupted, killed = tmp_path / "interrupted", tmp_path / "killed"
     assert _pipeline(_recipe(tiny_recipe, 1), every).is_completed()
     assert _pipeline(_recipe(tiny_recipe, 2), second).is_completed()
     assert _checkpoints(every) == ["step_0001", "step_0002", "step_0003"]
@@ -81,19 +84,34 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(pre
     assert unsaved == [(str(second / "checkpoints" / "step_0001"), unsaved[0][1])]  # the checkpoint not written
     assert unsaved[0][1].startswith("weights-")  # named by the state dict's hash
 
-    # The run fails after step 0's update (its weights only in memory); the flow's end clears the registry, as a
-    # new process starts with none. The rerun may not take step 0's cached update: nothing holds its weights.
-    recipe = _recipe(tiny_recipe, 2, retries=0)
-    monkeypatch.setenv("REFINER_FAIL_ONCE", "rollout@1,rollout@2")  # each fires once
-    assert _pipeline(recipe, killed).is_failed()
-    assert live.open_runs() == [] and _checkpoints(killed) == []
-    assert _pipeline(recipe, killed).is_failed()  # step 0's update recomputed, step_0002 saved, then rollout@2
-    assert _recomputed(killed) == ["grpo-update"]
-    assert _checkpoints(killed) == ["step_0002"]
-    # Step 0's weights are still nowhere, but step_0002 was saved from them: nothing needs them again.
-    assert _pipeline(recipe, killed).is_completed()
-    assert _recomputed(killed) == []
-    assert _checkpoints(killed) == ["step_0002", "step_0003"]
+    # Ctrl-C after step 0's update, whose weights are only in memory: the run's end writes them to step_0001,
+    # marked with the hash its manifest names, and the rerun resumes from them (nothing recomputed).
+    overrides = [f"--set={k}={v}" for k, v in (("run.save_every", 2), ("run.keep_last", 0), ("run.retries", 0),
+                                               ("rollout.prompts_per_step", 2), ("rollout.samples_per_prompt", 2),
+                                               ("rollout.max_new_tokens", 12), ("grpo.steps", STEPS))]
+    cli = ["run", str(REPO / "recipes" / "tiny.yaml"), *overrides, "--run-dir"]
+    env = {"PREFECT_API_URL": PREFECT_API_URL.value()}
+    code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, {**env, "REFINER_INTERRUPT_ONCE": "rollout@1"})
+    assert code == 130, err[-3000:]
+    assert "run ended between saves (run.save_every): weights weights-" in err
+    assert _checkpoints(interrupted) == ["step_0001"]
+    assert (interrupted / "checkpoints" / "step_0001" / live.WRITTEN_AT_CLOSE).read_text() == unsaved[0][1]
+    code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, env)
+    assert code == 0, err[-3000:]
+    assert _recomputed(interrupted) == []
+    newest = sorted((interrupted / "logs").glob("run-*.log"))[-1].read_text()
+    assert "grpo-update step 1: learner loaded from " + str(interrupted / "checkpoints" / "step_0001") in newest
+    _same(_results(interrupted, policy_hash=True), uninterrupted)
+
+    # Killed after step 0's update (no cleanup, like SIGKILL): step 0's weights are nowhere, and the rerun may not
+    # take its cached update. The rerun recomputes it, saves step_0002, and is killed again; step 0's weights are
+    # still nowhere, but step_0002 was saved from them: nothing needs them again.
+    for code_wanted, recomputed, checkpoints in ((137, [], []), (137, ["grpo-update"], ["step_0002"]),
+                                                 (0, [], ["step_0002", "step_0003"])):
+        code, _, err, _ = run_cli([*cli, str(killed)], tmp_path, {**env, "REFINER_KILL_ONCE": "rollout@1,rollout@2"})
+        assert code == code_wanted, err[-3000:]
+        assert _recomputed(killed) == recomputed
+        assert _checkpoints(killed) == checkpoints
     _same(_results(killed, policy_hash=True), uninterrupted)  # the recomputed update made the same weights
 
 
@@ -104,6 +122,9 @@ def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
     class Learner:
         def weights(self):
             return {"w": torch.arange(4, dtype=torch.bfloat16)}
+
+        def close(self):
+            pass
 
     run_dir = tmp_path / "run"
     checkpoint = run_dir / "checkpoints" / "step_0001"

@@ -11,6 +11,7 @@ key is read from the environment variable named by `judge.api_key_env` and kept 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -48,6 +49,7 @@ class OpenAIJudge:
     seed: int = 0
     name: str = "openai"
     listed: list[dict] | None = field(default=None, repr=False)  # GET /models, when the factory already read it
+    more_base_urls: tuple[str, ...] = ()  # servers of the same model beside base_url (judge.more_base_urls)
 
     def __post_init__(self):
         self.budget = RequestBudget(self.request_budget)
@@ -56,6 +58,11 @@ class OpenAIJudge:
         self.name = f"openai:{self.model}"
         self.cache_off_reason = ""  # why this judge neither reads nor writes the cache, when it does not
         self._identity: dict | None = None
+        self.endpoints = [self.base_url, *self.more_base_urls]
+
+    def endpoint(self, digest: str) -> str:
+        """The server a pair goes to: always the same one for the same prompt, so reruns ask the same server."""
+        return self.endpoints[int(digest[:8], 16) % len(self.endpoints)]
 
     def identity(self) -> dict | None:
         """Who answers, as the cache key holds it; None (no caching) when the server does not list the served
@@ -72,7 +79,8 @@ class OpenAIJudge:
                 self.cache_off_reason = (f"judge cache off: the server at {self.base_url} does not list "
                                          f"{self.model!r} at GET /models, so nothing identifies its weights")
                 return None
-            self._identity = {"base_url": self.base_url.rstrip("/"), "model": self.model,
+            urls = " ".join(sorted(url.rstrip("/") for url in self.endpoints))  # the weights checked equal on each
+            self._identity = {"base_url": urls, "model": self.model,
                               "reported": {k: card[k] for k in REPORTED_IDENTITY_FIELDS if card.get(k) is not None},
                               "namespace": self.cache_namespace}
         return self._identity
@@ -111,7 +119,7 @@ class OpenAIJudge:
             start = time.perf_counter()
             try:
                 content, attempts = chat_with_retries(
-                    client, self.base_url, self.body(messages), api_key=self.api_key,
+                    client, self.endpoint(digest), self.body(messages), api_key=self.api_key,
                     timeout_seconds=self.timeout_seconds, policy=self.policy, budget=self.budget, rng=rng)
                 done = Completion(content, None, time.perf_counter() - start, attempts, False, self.model, digest)
                 if cache is not None:
@@ -127,11 +135,12 @@ class OpenAIJudge:
                 bar.set_postfix(failed=failures[0], unparseable=unparsed[0], cached=hits, refresh=False)
                 bar.update(1)
 
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        in_flight = max(1, self.concurrency) * len(self.endpoints)
+        limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
         try:
             with httpx.Client(limits=limits) as client:
                 if todo:
-                    with ThreadPoolExecutor(max_workers=max(1, self.concurrency), thread_name_prefix="judge") as pool:
+                    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="judge") as pool:
                         list(pool.map(one, todo))
         finally:
             bar.close()
@@ -169,6 +178,20 @@ def listed_models(base_url: str, api_key: str, timeout_seconds: float) -> list[d
     return entries
 
 
+def same_weights(model: str, base_urls: list[str], api_key: str, timeout_seconds: float) -> None:
+    """Refuse servers that do not all list `model` with the same reported weights: their judgments would mix."""
+    cards = {}
+    for url in base_urls:
+        card = next((m for m in listed_models(url, api_key, timeout_seconds) if m.get("id") == model), None)
+        if card is None:
+            raise ValueError(f"judge server at {url} does not list {model!r} (GET /models); every server in "
+                             "judge.base_url and judge.more_base_urls must serve the same model")
+        cards[url] = {k: card.get(k) for k in REPORTED_IDENTITY_FIELDS}
+    if len({json.dumps(c, sort_keys=True) for c in cards.values()}) > 1:
+        raise ValueError(f"judge servers report different weights for {model!r}: "
+                         + "; ".join(f"{url}: {card}" for url, card in cards.items()))
+
+
 def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> OpenAIJudge:
     """`model_path` (the located judge checkpoint) is not used: the server holds the model."""
     if cfg.get("mode", "json") != "json":
@@ -185,8 +208,12 @@ def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precis
         if not listed or "id" not in listed[0]:
             raise ConnectionError(f"judge server at {base_url} lists no models; set judge.api_model")
         model = listed[0]["id"]
+    more = tuple(cfg.get("more_base_urls") or ())
+    if more:
+        same_weights(model, [base_url, *more], api_key, timeout)
     return OpenAIJudge(
-        base_url=base_url, model=model, api_key=api_key, concurrency=int(cfg.get("concurrency", 8)),
+        base_url=base_url, more_base_urls=more, model=model, api_key=api_key,
+        concurrency=int(cfg.get("concurrency", 8)),
         timeout_seconds=timeout,
         policy=RetryPolicy(int(cfg.get("max_retries", 3)), float(cfg.get("backoff_seconds", 0.5)),
                            float(cfg.get("backoff_max_seconds", 30.0))),

@@ -50,7 +50,11 @@ class LearnerSettings:
     world_size: int = 1
     zero_stage: int = 3
     hostfile: str = ""
+    launch_over_ssh: bool = True
     deepspeed_offload_optimizer: bool = False
+    # Set by the update stage, not the recipe: where the deepspeed learner's job folders go ('' = the system's
+    # temporary folder; with a hostfile, the run folder, which every host shares).
+    work_root: str = ""
     # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
     share_prompt: bool = False
     # Loss variants (refiner_core/losses.py): by default the clipped surrogate, no entropy bonus, and per-token
@@ -83,6 +87,8 @@ class Learner(Protocol):
     def train_step(self, samples: list[TrainSample]) -> dict: ...
 
     def save(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...  # stop what the learner started (processes); it cannot be used afterwards
 
 
 def pack_rows(samples: list[TrainSample], pack_length: int) -> list[list[int]]:

@@ -1,10 +1,12 @@
 """The 'deepspeed' learner: ZeRO (stage 3 by default) over `world_size` ranks, from one CPU process (gloo) to N
 GPUs (nccl, bf16), with the torch learner's own loss loop on every rank.
 
-Each train_step writes the samples and settings to a job folder and launches the ranks as a subprocess
-(torch's launcher on one machine, DeepSpeed's launcher with a hostfile), so the stage process never holds a
-process group. The ranks train, then write the HF checkpoint and DeepSpeed's optimizer state in the same
-launch; save() moves that checkpoint into place. The next step resumes the optimizer from
+The ranks are launched once (torch's launcher on one machine, DeepSpeed's launcher with a hostfile) and stay up:
+they load policy, reference and the optimizer state when they start, then take jobs, one folder each, in order:
+train on a step's samples, save an HF checkpoint with DeepSpeed's optimizer state, export the weights (to shared
+memory where there is /dev/shm) for a rollout engine, stop. The stage process never holds a process group. A run
+that keeps its engines (run.keep_engines) keeps the ranks for all its steps, so the optimizer state never leaves
+memory between saves; otherwise the stage closes them after its one step. A new launch resumes the optimizer from
 `<policy checkpoint>/deepspeed/` when it was written with the same world size and ZeRO stage.
 """
 
@@ -26,10 +28,15 @@ import weakref
 from pathlib import Path
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
-from refiner_core.procs import die_with_parent
+from refiner_core.procs import forget_child, spawn, stop_group
 
 WORKER = "refiner_core.learners.deepspeed_worker"
 STATE_DIR = "deepspeed"  # as deepspeed_worker.STATE_DIR (not imported here: that module imports torch+deepspeed)
+POLL_SECONDS = 0.01  # how often a waiting side looks for the other's file: small next to any job
+
+
+class LearnerDied(RuntimeError):
+    """The ranks exited or were stopped: their optimizer state is gone, the learner cannot be used again."""
 
 
 def free_port() -> int:
@@ -38,13 +45,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launcher_command(settings: LearnerSettings, job_dir: Path, port: int) -> list[str]:
-    if settings.hostfile:
-        return ["deepspeed", "--hostfile", settings.hostfile, "--master_port", str(port), "--module", WORKER,
-                str(job_dir)]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-            str(settings.world_size), "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", WORKER,
-            str(job_dir)]
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """(host, slots) per line of a DeepSpeed hostfile (`host slots=N`; '#' starts a comment)."""
+    hosts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        words = line.split("#")[0].split()
+        if not words:
+            continue
+        slots = [w.removeprefix("slots=") for w in words[1:] if w.startswith("slots=")]
+        if len(words) != 2 or len(slots) != 1 or not slots[0].isdigit() or int(slots[0]) < 1:
+            raise ValueError(f"{path}:{number}: expected 'HOST slots=N', got {line.strip()!r}")
+        hosts.append((words[0], int(slots[0])))
+    if not hosts:
+        raise ValueError(f"{path}: the hostfile names no host")
+    return hosts
+
+
+def launcher_command(settings: LearnerSettings, work_dir: Path, port: int, node_rank: int = 0) -> list[str]:
+    """The command that starts the ranks (of host `node_rank` when the run does not reach the hosts over ssh)."""
+    if not settings.hostfile:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+                str(settings.world_size), "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", WORKER,
+                str(work_dir)]
+    hosts = read_hostfile(settings.hostfile)
+    # DeepSpeed's launcher, from this interpreter (no PATH lookup); one host, or hosts this run does not reach
+    # over ssh, start their own ranks (--no_ssh --node_rank K), the first host being the rendezvous
+    per_host = ["--no_ssh", "--node_rank", str(node_rank), "--master_addr", hosts[0][0]] \
+        if len(hosts) == 1 or not settings.launch_over_ssh else []
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", settings.hostfile, *per_host,
+            "--master_port", str(port), "--module", WORKER, str(work_dir)]
 
 
 def _cores() -> int:
@@ -52,6 +81,11 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def _export_root() -> str | None:
+    """Where exported weights go: RAM-backed /dev/shm when it is writable (a copy in memory, not on disk)."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 class DeepSpeedLearner:
@@ -62,35 +96,51 @@ class DeepSpeedLearner:
         if settings.world_size < 1 or settings.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed learner: world_size must be >= 1 and zero_stage 0-3, got "
                              f"{settings.world_size} and {settings.zero_stage}")
+        self.hosts = read_hostfile(settings.hostfile) if settings.hostfile else [("127.0.0.1", settings.world_size)]
+        if sum(slots for _, slots in self.hosts) != settings.world_size:
+            raise ValueError(f"deepspeed learner: {settings.hostfile} has {sum(s for _, s in self.hosts)} slots "
+                             f"over {len(self.hosts)} host(s); grpo.world_size is {settings.world_size}: "
+                             "set them equal")
         self.policy_path, self.reference_path = Path(policy_path), reference_path
         self.pad_id, self.s = pad_id, settings
         self.state_dir, self.dtype = state_dir, dtype
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.work = Path(tempfile.mkdtemp(prefix="refiner-deepspeed-"))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.work), True)
-        self.out: Path | None = None  # the checkpoint the last launch wrote
+        if settings.work_root:
+            Path(settings.work_root).mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="refiner-deepspeed-", dir=settings.work_root or None))
+        self.other_hosts: list[list[str]] = []  # commands each other host runs (launch_over_ssh false)
+        # rank 0 may run on another host (a hostfile): then the weights it exports go to the shared work root
+        self.export = Path(tempfile.mkdtemp(prefix="refiner-weights-",
+                                            dir=settings.work_root if settings.hostfile else _export_root()))
         self.rank_stats: list[dict] = []
-        self.launch_seconds = 0.0
-        self._steps = 0
+        self.start_seconds = 0.0  # launch to ready: process start, model load, DeepSpeed init, optimizer resume
+        self.updates = 0  # train steps since launch
+        self._jobs = 0
+        self._exported_at = -1  # `updates` when the weights in self.export were written
+        self._proc = None
+        self._dead = ""  # why the ranks are gone, once they are
+        self._tail: collections.deque[str] = collections.deque(maxlen=60)
+        self._cleanup = weakref.finalize(self, _shut_down, None, [str(self.work), str(self.export)])
 
-    def _job(self, samples: list[TrainSample], job_dir: Path, out: Path) -> None:
-        job_dir.mkdir(parents=True)
-        resume = self.out / STATE_DIR if self.out is not None else self.state_dir
-        job = {
-            "policy_path": str(self.out or self.policy_path), "reference_path": str(self.reference_path),
+    # ---- the ranks' life ----
+
+    def _launch_job(self) -> dict:
+        resume = self.state_dir if self.state_dir is not None and Path(self.state_dir).exists() else None
+        torch_state = Path(self.state_dir).parent / "optimizer.pt" if self.state_dir is not None else None
+        if resume is None and torch_state is not None and torch_state.exists():
+            print(f"WARNING: {Path(self.state_dir).parent} holds a torch learner's optimizer.pt, which the deepspeed "
+                  "learner cannot read; starting a fresh AdamW", file=sys.stderr)
+        return {
+            "policy_path": str(self.policy_path), "reference_path": str(self.reference_path),
             "pad_id": self.pad_id, "dtype": self.dtype,
             "settings": {k: getattr(self.s, k) for k in LearnerSettings.__dataclass_fields__},
             "zero_stage": self.s.zero_stage, "offload_optimizer": self.s.deepspeed_offload_optimizer,
-            "resume_dir": str(resume) if resume is not None and Path(resume).exists() else "",
-            "save_path": str(out), "device": self.device,
-            "threads": max(1, _cores() // self.s.world_size),
+            "resume_dir": str(resume or ""), "device": self.device,
+            "threads": self._threads(),
         }
-        torch_state = Path(self.state_dir).parent / "optimizer.pt" if self.state_dir is not None else None
-        if not job["resume_dir"] and torch_state is not None and torch_state.exists():
-            print(f"WARNING: {Path(self.state_dir).parent} holds a torch learner's optimizer.pt, which the deepspeed "
-                  "learner cannot read; starting a fresh AdamW", file=sys.stderr)
-        (job_dir / "job.json").write_text(json.dumps(job, indent=1))
-        (job_dir / "samples.json").write_text(json.dumps([dataclasses.asdict(x) for x in samples]))
+
+    def _threads(self) -> int:
+        return max(1, _cores() // max(slots for _, slots in self.hosts))  # this host's cores over its ranks
 
     def _env(self) -> dict:
         from refiner_core.models import refiner_home
@@ -98,89 +148,132 @@ class DeepSpeedLearner:
         env = dict(os.environ)
         if self.device == "cpu":
             env["DS_ACCELERATOR"] = "cpu"
-            env["OMP_NUM_THREADS"] = str(max(1, _cores() // self.s.world_size))
+            env["OMP_NUM_THREADS"] = str(self._threads())
         env.setdefault("TORCH_EXTENSIONS_DIR", str(refiner_home() / "torch_extensions"))
         env.setdefault("DS_BUILD_OPS", "0")
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _run(self, job_dir: Path) -> None:
-        """Launch the ranks; their output goes to the terminal and to JOB/launch.log. A non-zero exit raises with
-        the log's tail; an interrupted stage kills the launcher's whole process group."""
-        cmd = launcher_command(self.s, job_dir, free_port())
-        log_path = job_dir / "launch.log"
-        tail: collections.deque[str] = collections.deque(maxlen=60)
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self._env(),
-                                    start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
+    def start(self) -> None:
+        """Launch the ranks (the first train step does when nobody did); their output goes to the terminal and to
+        WORK/launch.log. They end with this process (parent-death signal) and are recorded in the run folder's
+        process list."""
+        if self._dead:
+            raise LearnerDied(self._dead)
+        if self._proc is not None:
+            return
+        (self.work / "launch.json").write_text(json.dumps(self._launch_job(), indent=1))
+        port = free_port()
+        cmd = launcher_command(self.s, self.work, port)
+        if len(self.hosts) > 1 and not self.s.launch_over_ssh:
+            self.other_hosts = [launcher_command(self.s, self.work, port, rank) for rank in range(1, len(self.hosts))]
+            for (host, _), other in zip(self.hosts[1:], self.other_hosts):
+                print(f"deepspeed learner: start the ranks of {host} there with (DS_ACCELERATOR=cpu on CPUs): "
+                      f"{' '.join(other)}", file=sys.stderr)
+        log = open(self.work / "launch.log", "w")
+        self._proc = spawn(cmd, death_signal=signal.SIGTERM, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=self._env())
+        self._cleanup.detach()
+        self._cleanup = weakref.finalize(self, _shut_down, self._proc, [str(self.work), str(self.export)])
+        self._cmd = cmd
 
-            def pump():
+        def pump(proc=self._proc, tail=self._tail):
+            with log:
                 for line in proc.stdout:
                     log.write(line)
                     tail.append(line)
                     sys.stderr.write(line)
 
-            reader = threading.Thread(target=pump, daemon=True)
-            reader.start()
+        threading.Thread(target=pump, daemon=True).start()
+
+    def _call(self, kind: str, samples: list[TrainSample] | None = None, **payload) -> Path:
+        """Hand the ranks one job and wait until every rank has done it; returns the job's folder."""
+        started = self._proc is None
+        self.start()
+        job_dir = self._post(kind, samples, payload)
+        try:
+            while not (job_dir / "done").exists():
+                if self._proc.poll() is not None:
+                    self._died(f"deepspeed learner: the ranks exited with {self._proc.returncode} during a "
+                               f"{kind!r} job: {' '.join(self._cmd)}\n--- last lines of {self.work / 'launch.log'} "
+                               f"---\n{''.join(self._tail)}")
+                time.sleep(POLL_SECONDS)
+        except BaseException as e:  # interrupted or failed mid-job: the ranks' state is no longer known
+            if not isinstance(e, LearnerDied):
+                self._died(f"deepspeed learner: a {kind!r} job was interrupted ({type(e).__name__}); the ranks "
+                           "were stopped", raise_=False)
+            raise
+        if started:
+            ready = json.loads((self.work / "ready.json").read_text())
+            self.start_seconds = ready["start_seconds"]
+            print(f"deepspeed learner: {self.s.world_size} rank(s) up in {self.start_seconds:.1f} s "
+                  f"(kept until the run ends when it keeps its engines)", file=sys.stderr)
+        return job_dir
+
+    def _post(self, kind: str, samples: list[TrainSample] | None, payload: dict) -> Path:
+        self._jobs += 1
+        job_dir = self.work / f"job_{self._jobs:04d}"
+        job_dir.mkdir()
+        if samples is not None:
+            (job_dir / "samples.json").write_text(json.dumps([dataclasses.asdict(x) for x in samples]))
+        (job_dir / "job.json").write_text(json.dumps({"kind": kind, **payload}))
+        (job_dir / "ready").touch()  # last: a rank reads the job only once this exists
+        return job_dir
+
+    def _died(self, why: str, raise_: bool = True) -> None:
+        self._dead = why
+        self.close()
+        if raise_:
+            raise LearnerDied(why)
+
+    def close(self) -> None:
+        """Stop the ranks (a 'stop' job, then SIGTERM/SIGKILL to what is left) and delete the job folders."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None and not self._dead:
+            self._post("stop", None, {})
             try:
-                rc = proc.wait()
-            except BaseException:
-                _kill_group(proc)
-                raise
-            finally:
-                reader.join(timeout=10)
-        if rc != 0:
-            raise RuntimeError(f"deepspeed learner: launcher exited with {rc}: {' '.join(cmd)}\n"
-                               f"--- last lines of {log_path} ---\n{''.join(tail)}")
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass  # stopped by signal below
+        self._dead = self._dead or "deepspeed learner: closed"
+        self._cleanup()
+
+    # ---- the learner interface ----
 
     def train_step(self, samples: list[TrainSample]) -> dict:
-        t0 = time.time()
-        self._steps += 1
-        job_dir = self.work / f"job_{self._steps:03d}"
-        out = self.work / f"checkpoint_{self._steps:03d}"
-        self._job(samples, job_dir, out)
-        self._run(job_dir)
+        t0 = time.perf_counter()
+        job_dir = self._call("train", samples)
+        self.updates += 1
         metrics = json.loads((job_dir / "metrics.json").read_text())
         self.rank_stats = [json.loads((job_dir / f"rank{r}.json").read_text())
                            for r in range(self.s.world_size) if (job_dir / f"rank{r}.json").exists()]
-        if self.out is not None:
-            shutil.rmtree(self.out, ignore_errors=True)
-        self.out = out
-        self.launch_seconds = time.time() - t0
-        metrics["update_seconds"] = self.launch_seconds  # the whole launch: process start, load, train, save
+        metrics["update_seconds"] = time.perf_counter() - t0  # with the ranks' start-up on their first step
         return metrics
 
     def save(self, path: Path) -> None:
-        """The checkpoint the last train_step wrote (HF weights + `deepspeed/` optimizer state); with no step
-        yet, the policy unchanged (and its optimizer state, if any)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        source = self.out if self.out is not None else self.policy_path
-        for item in source.iterdir():
-            if self.out is None and item.name not in (STATE_DIR,) and not _is_model_file(item.name):
-                continue
-            target = path / item.name
-            if target.is_dir():
-                shutil.rmtree(target)
-            (shutil.copytree if item.is_dir() else shutil.copy2)(item, target)
+        """HF weights and tokenizer-free config + DeepSpeed's optimizer state (`deepspeed/`), written by the ranks."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._call("save", path=str(Path(path).resolve()))
+
+    def weights(self) -> dict:
+        """The ranks' current weights (HF names), exported once per update through shared memory."""
+        from refiner_core.live import checkpoint_weights
+
+        if self._exported_at != self.updates:
+            shutil.rmtree(self.export, ignore_errors=True)
+            self._call("export", path=str(self.export))
+            self._exported_at = self.updates
+        return checkpoint_weights(self.export)
 
 
-def _is_model_file(name: str) -> bool:
-    return name.endswith((".safetensors", ".bin")) or name in (
-        "config.json", "generation_config.json", "model.safetensors.index.json")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _shut_down(proc, folders: list[str]) -> None:
+    """The learner's end however it comes (closed, collected, the process exiting): no rank and no folder left."""
+    if proc is not None:
+        if proc.poll() is None:
+            stop_group(proc.pid, group=True)
+        forget_child(proc.pid)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def make_deepspeed_learner(policy_path, reference_path, tokenizer, settings, optimizer_state, dtype="float32"):

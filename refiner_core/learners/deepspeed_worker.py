@@ -1,7 +1,9 @@
 """One rank of the 'deepspeed' learner: `python -m torch.distributed.run ... -m refiner_core.learners.deepspeed_worker
-JOB_DIR` (or DeepSpeed's `deepspeed --module` launcher with a hostfile). Reads JOB_DIR/job.json and samples.json,
-runs one train step with the torch learner's own loop on this rank's share of the micro-batches, and writes the
-HF checkpoint + DeepSpeed optimizer state to the job's save folder and the metrics (rank 0) to JOB_DIR.
+WORK_DIR` (or DeepSpeed's `deepspeed --module` launcher with a hostfile). Reads WORK_DIR/launch.json, loads the
+policy, reference and optimizer state once, then serves jobs WORK_DIR/job_0001, job_0002, ... in order, each
+taken when its `ready` file appears: 'train' (one train step with the torch learner's own loop on this rank's
+share of the micro-batches; metrics from rank 0), 'save' (HF checkpoint + DeepSpeed optimizer state), 'export'
+(HF weights only, for a rollout engine) and 'stop'. Rank 0 marks each finished job `done` after every rank did it.
 
 Launched by refiner_core.learners.deepspeed_learner; not meant to be run by hand.
 """
@@ -113,16 +115,20 @@ def save_checkpoint(engine, zero_stage: int, save_path: Path, rank: int, world: 
     """HF weights (ZeRO-3 partitions gathered) + DeepSpeed's own optimizer-state folder for resume."""
     import torch.distributed as dist
 
-    module = engine.module
-    state = engine._zero3_consolidated_16bit_state_dict() if zero_stage == 3 else module.state_dict()
-    if rank == 0:
-        save_path.mkdir(parents=True, exist_ok=True)
-        module.save_pretrained(save_path, state_dict=state)
+    export_weights(engine, zero_stage, save_path, rank)
     dist.barrier()
     engine.save_checkpoint(str(save_path / STATE_DIR), tag=STATE_TAG)
     if rank == 0:
         (save_path / STATE_DIR / STATE_INFO).write_text(json.dumps({"world_size": world, "zero_stage": zero_stage}))
     dist.barrier()
+
+
+def export_weights(engine, zero_stage: int, path: Path, rank: int) -> None:
+    """The HF weights alone (ZeRO-3 partitions gathered on every rank, written by rank 0)."""
+    state = engine._zero3_consolidated_16bit_state_dict() if zero_stage == 3 else engine.module.state_dict()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        engine.module.save_pretrained(path, state_dict=state)
 
 
 def try_resume(engine, state_dir: str, zero_stage: int, world: int, lr: float, rank: int) -> int:
@@ -151,13 +157,18 @@ def adam_steps(engine) -> int:
     return max(steps, default=0)
 
 
-def main(job_dir: str) -> None:
-    job_dir = Path(job_dir)
-    job = json.loads((job_dir / "job.json").read_text())
-    on_gpu = job["device"] == "cuda"
+def _wait_for(path: Path, poll: float = 0.01) -> None:
+    while not path.exists():
+        time.sleep(poll)
+
+
+def main(work_dir: str) -> None:
+    work_dir = Path(work_dir)
+    launch = json.loads((work_dir / "launch.json").read_text())
+    on_gpu = launch["device"] == "cuda"
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        torch.set_num_threads(job["threads"])
+        torch.set_num_threads(launch["threads"])
     import deepspeed
     import torch.distributed as dist
 
@@ -168,36 +179,58 @@ def main(job_dir: str) -> None:
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     t0 = time.time()
-    settings = LearnerSettings(**{**job["settings"], "adam_betas": tuple(job["settings"]["adam_betas"])})
-    samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
-    policy = load_model(job["policy_path"], job["dtype"], trainable=True, device="cpu")
-    reference = load_model(job["reference_path"], job["dtype"], device="cpu") if settings.beta > 0 else None
+    settings = LearnerSettings(**{**launch["settings"], "adam_betas": tuple(launch["settings"]["adam_betas"])})
+    policy = load_model(launch["policy_path"], launch["dtype"], trainable=True, device="cpu")
+    reference = load_model(launch["reference_path"], launch["dtype"], device="cpu") if settings.beta > 0 else None
     if on_gpu:
         policy.to("cuda")
         reference = reference.to("cuda") if reference is not None else None
     bf16 = on_gpu and settings.precision == "bf16"
-    config = ds_config(settings, job["zero_stage"], job["offload_optimizer"], bf16=bf16)
+    config = ds_config(settings, launch["zero_stage"], launch["offload_optimizer"], bf16=bf16)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=trainable, config=config)
-    resumed = try_resume(engine, job["resume_dir"], job["zero_stage"], world, settings.learning_rate, rank)
-    learner = DeepSpeedRankLearner(engine, reference, job["pad_id"], settings, rank, world)
-    load_seconds = time.time() - t0
+    resumed = try_resume(engine, launch["resume_dir"], launch["zero_stage"], world, settings.learning_rate, rank)
+    if rank == 0:
+        (work_dir / "ready.json").write_text(json.dumps({"start_seconds": time.time() - t0, "adam_steps": resumed}))
+    number = 0
+    while True:
+        number += 1
+        job_dir = work_dir / f"job_{number:04d}"
+        _wait_for(job_dir / "ready")
+        job = json.loads((job_dir / "job.json").read_text())
+        if job["kind"] == "stop":
+            break
+        if job["kind"] == "train":
+            _train(job_dir, engine, reference, launch, settings, resumed, rank, world)
+        elif job["kind"] == "save":
+            save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world)
+        elif job["kind"] == "export":
+            export_weights(engine, launch["zero_stage"], Path(job["path"]), rank)
+        else:
+            raise ValueError(f"unknown job kind {job['kind']!r} in {job_dir}")
+        dist.barrier()
+        if rank == 0:
+            (job_dir / "done").touch()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _train(job_dir: Path, engine, reference, launch: dict, settings: LearnerSettings, resumed: int, rank: int,
+           world: int) -> None:
+    t0 = time.time()
+    samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
+    learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world)
     metrics = learner.train_step(samples)
     steps_after = adam_steps(engine)
     rank_stats = {"rank": rank, "world_size": world, "micro_batches": learner.local_batches,
                   "tokens": learner.rank_totals["tokens"], "loss": learner.rank_totals["loss"],
-                  "adam_steps_resumed": resumed, "adam_steps": steps_after, "load_seconds": load_seconds,
-                  "threads": torch.get_num_threads()}
+                  "adam_steps_resumed": resumed, "adam_steps": steps_after, "threads": torch.get_num_threads()}
     _log(rank, world, f"trained {learner.local_batches} micro-batches, {rank_stats['tokens']:.0f} response tokens, "
-                      f"loss share {rank_stats['loss']:.6f}, Adam step {resumed} -> {steps_after}")
+                      f"loss share {rank_stats['loss']:.6f}, Adam step {steps_after}")
     (job_dir / f"rank{rank}.json").write_text(json.dumps(rank_stats))
-    if job["save_path"]:
-        save_checkpoint(engine, job["zero_stage"], Path(job["save_path"]), rank, world)
     if rank == 0:
         metrics["update_seconds"] = time.time() - t0
         (job_dir / "metrics.json").write_text(json.dumps(metrics))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -157,6 +157,9 @@ class TorchLearner:
         """The policy's current weights, in memory (a live rollout engine copies them instead of reading disk)."""
         return self.policy.state_dict()
 
+    def close(self) -> None:
+        """Nothing to stop: the model lives in this process and goes with the learner."""
+
     def save(self, path: Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int = 0
+    # Index of the first prompt in the whole step: an engine sampling a shard of the step (rollout.num_engines)
+    # seeds each prompt as one engine sampling the whole step would.
+    prompt_offset: int = 0
 
 
 @dataclass

@@ -87,7 +87,7 @@ class VLLMRolloutEngine:
                 include_stop_str_in_output=True,  # the token completing the stop string stays, as with hf
                 stop_token_ids=sorted(self.eos_ids),
                 logprobs=0,  # the sampled token's log-prob only
-                seed=request_seed(params.seed, p),
+                seed=request_seed(params.seed, params.prompt_offset + p),
             )
             for p in range(len(prompts))
         ]

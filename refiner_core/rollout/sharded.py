@@ -1,0 +1,105 @@
+"""Several rollout engines as one (rollout.num_engines): the step's prompts are split into contiguous shards, one
+per engine, sampled at once, and put back in prompt order, so the rollouts' order and Parquet layout are the same
+whatever the number of engines. Each engine is a Ray actor (run.ray_address; refiner_core.cluster), placed by Ray
+with `num_gpus` = its tensor-parallel size where the cluster has GPUs, built once and given new weights in place
+like a single engine (one copy of the weights in Ray's object store, read by every actor).
+
+The vllm engine seeds every prompt by its index in the whole step, so its samples do not depend on the number of
+engines; the hf engine seeds each batch, so other shards give other (equally valid) samples.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from refiner_core.faults import stage_fault
+from refiner_core.rollout.base import Generation, SamplingParams, make_engine
+
+
+class EngineActor:
+    """One rollout engine in a Ray worker process."""
+
+    def __init__(self, kind: str, model_path: str, batch_size: int, dtype: str, precision: str,
+                 tensor_parallel_size: int, gpu_memory_utilization: float, markers: str):
+        self.engine = make_engine(kind, model_path, batch_size, dtype, precision,
+                                  tensor_parallel_size=tensor_parallel_size,
+                                  gpu_memory_utilization=gpu_memory_utilization)
+        self.markers = markers
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str) -> list[Generation]:
+        if self.markers:  # REFINER_KILL_ONCE=rollout-engine: this worker dies mid-rollout
+            stage_fault("rollout-engine", None, Path(self.markers))
+        return self.engine.generate(prompts, params, desc)
+
+    def load_weights(self, weights) -> None:
+        self.engine.load_weights(weights)
+
+    def memory_bytes(self) -> tuple[int, int]:
+        return self.engine.memory_bytes()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class ShardedEngine:
+    """N engines (Ray actor handles) behind the one-engine interface."""
+
+    def __init__(self, kind: str, model_path: str, batch_size: int, dtype: str, precision: str,
+                 tensor_parallel_size: int, gpu_memory_utilization: float, num_engines: int, markers: str = ""):
+        import ray
+
+        from refiner_core.cluster import gpus_available
+
+        gpus = tensor_parallel_size if gpus_available() else 0
+        actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)
+        self.actors = [actor.remote(kind, model_path, batch_size, dtype, precision, tensor_parallel_size,
+                                    gpu_memory_utilization, markers) for _ in range(num_engines)]
+        self.name, self.weights_hash = kind, ""
+        ray.get([a.pid.remote() for a in self.actors])  # built (or failed) before the stage goes on
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
+        import ray
+
+        shards = _shards(len(prompts), len(self.actors))
+        busy = [(k, start, end) for k, (start, end) in enumerate(shards) if end > start]
+        pending = [self.actors[k].generate.remote(prompts[start:end],
+                                                  replace(params, prompt_offset=params.prompt_offset + start),
+                                                  f"{desc} [engine {k + 1}/{len(self.actors)}]")
+                   for k, start, end in busy]
+        out = []
+        for (_, start, _), generations in zip(busy, ray.get(pending)):
+            out += [replace(g, prompt_index=g.prompt_index + start) for g in generations]
+        return sorted(out, key=lambda g: (g.prompt_index, g.sample_idx))
+
+    def load_weights(self, weights) -> None:
+        import ray
+
+        state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+        shared = ray.put({k: v.detach().cpu() for k, v in state.items()})  # one copy, read by every actor
+        ray.get([a.load_weights.remote(shared) for a in self.actors])
+
+    def memory_bytes(self) -> tuple[int, int]:
+        import ray
+
+        sizes = ray.get([a.memory_bytes.remote() for a in self.actors])
+        return sum(held for held, _ in sizes), min(free for _, free in sizes)
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+def _shards(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges splitting `count` items over `parts`, the first ones one longer."""
+    size, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        end = start + size + (k < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
