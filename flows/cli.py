@@ -440,6 +440,8 @@ def push(
     repo: str = typer.Option(..., "--repo", help="Hub model repo: ORG/NAME (created when missing)."),
     step: Optional[int] = typer.Option(None, "--step", help="Step checkpoint (default: the newest one)."),
     sft: bool = typer.Option(False, "--sft", help="The SFT checkpoint (checkpoints/sft) instead of a step."),
+    teacher: bool = typer.Option(False, "--teacher", help="The EMA teacher's checkpoint (teacher/step_NNNN; the "
+                                 "newest unless --step) instead of the policy's."),
     private: bool = typer.Option(False, "--private", help="Create the repo private."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to (created when missing)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be uploaded; upload nothing."),
@@ -452,7 +454,7 @@ def push(
     if step is not None and sft:
         _fail("--step and --sft exclude each other")
     try:
-        plan = plan_push(choose_checkpoint(run_dir, step, sft))
+        plan = plan_push(choose_checkpoint(run_dir, step, sft, teacher))
     except PushError as e:
         _fail(str(e))
     typer.echo(f"checkpoint: {plan.folder}")

@@ -11,8 +11,8 @@ from flows.run_folder import holds_run_folder, resolve_run_dir
 
 from refiner_core import cluster, live
 from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS,
-                                  FLOW_ONLY_ROLLOUT_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS, SOURCE_FIELDS, drop,
-                                  pick, recipe_from_dict)
+                                  FLOW_ONLY_ROLLOUT_FIELDS, LORA_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS,
+                                  SOURCE_FIELDS, drop, pick, recipe_from_dict)
 from refiner_core.data import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.grpo import informative_prompt_ids
@@ -180,8 +180,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 **({"teacher_rollouts": taught} if teaching else {})))
         updated = grpo_update.with_options(**retry)(
             **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
-            grpo_cfg=grpo_cfg, temperature=cfg.rollout.temperature, dtype=dtype, precision=precision, save=save,
-            policy_lag=min(step, ahead))
+            grpo_cfg=grpo_cfg, lora=pick(conf["model"], LORA_FIELDS), temperature=cfg.rollout.temperature,
+            dtype=dtype, precision=precision, save=save, policy_lag=min(step, ahead))
         policy = updated["policy"]
         policies.append(policy)
         if ahead and step + 1 + ahead < cfg.grpo.steps:

@@ -87,6 +87,14 @@ class ModelConfig:
         "are cast), else in model.dtype."
     )
     max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
+    lora_rank: int = opt(0, "LoRA rank of the GRPO update (torch learner, PEFT): > 0 trains only low-rank adapters on "
+                            "the starting policy, which with the adapters switched off is also the KL reference (no "
+                            "second copy); checkpoints hold the merged weights and the adapter (adapter/). 0 = full "
+                            "weights.")
+    lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank.")
+    lora_dropout: float = opt(0.0, "Dropout on the adapters' input while training (not when scoring).")
+    lora_target_modules: list = opt(["all-linear"], "Modules that get adapters: ['all-linear'] (every linear layer "
+                                    "but the output layer) or module names, e.g. [q_proj, v_proj].")
 
 
 SOURCE_FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
@@ -469,6 +477,7 @@ FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow ru
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
 # How many rounds the flow samples a step in; one round samples the prompts it is given.
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")  # model fields the learner reads
 # Settings of the rollout engine itself (not of sampling): engines built with other ones are other engines.
 ROLLOUT_ENGINE_FIELDS = ("engine", "batch_size", "tensor_parallel_size", "gpu_memory_utilization", "num_engines")
 EVAL_ROLLOUT_FIELDS = (*ROLLOUT_ENGINE_FIELDS, "top_p", "max_new_tokens", "stop")

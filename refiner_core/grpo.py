@@ -16,14 +16,19 @@ from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
 
-RUN_SCOPED = ("work_root",)  # LearnerSettings the update stage sets from its run folder
+# LearnerSettings that are not GRPO settings: the job folders' root (set by the update stage from its run folder)
+# and LoRA (the model config's).
+NOT_FROM_GRPO = ("work_root", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 
-def learner_settings(grpo: dict, temperature: float, precision: str) -> LearnerSettings:
-    """The learner's view of the GRPO config; the sampling temperature comes from the rollout config and the
-    compute precision from the model config."""
-    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo["adam_betas"])}
-    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in RUN_SCOPED}
+def learner_settings(grpo: dict, temperature: float, precision: str, lora: dict | None = None) -> LearnerSettings:
+    """The learner's view of the GRPO config; the sampling temperature comes from the rollout config, the
+    compute precision and the LoRA settings (model.lora_*) from the model config."""
+    lora = {**(lora or {})}
+    if "lora_target_modules" in lora:
+        lora["lora_target_modules"] = tuple(lora["lora_target_modules"])
+    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo["adam_betas"]), **lora}
+    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in NOT_FROM_GRPO}
     return LearnerSettings(**fields, **given)
 
 

@@ -16,6 +16,7 @@ from refiner_core.model_card import MODEL_CARD
 
 CHECKPOINTS = "checkpoints"
 SFT_CHECKPOINT = "sft"
+TEACHER_CHECKPOINTS = "teacher"  # the EMA teacher's step checkpoints (Co-rewarding-II)
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them, beside tokenizer_config.json
 
@@ -35,9 +36,12 @@ class PushPlan:
         return sum(size for _, size in self.files)
 
 
-def choose_checkpoint(run_dir: Path, step: int | None = None, sft: bool = False) -> Path:
-    """The checkpoint folder to publish: the SFT one, step `step`, or else the newest step checkpoint."""
-    folder = Path(run_dir) / CHECKPOINTS
+def choose_checkpoint(run_dir: Path, step: int | None = None, sft: bool = False, teacher: bool = False) -> Path:
+    """The checkpoint folder to publish: the SFT one, step `step`, or else the newest step checkpoint; of the
+    policy, or with `teacher` of the EMA teacher (RUN_DIR/teacher/step_NNNN)."""
+    folder = Path(run_dir) / (TEACHER_CHECKPOINTS if teacher else CHECKPOINTS)
+    if sft and teacher:
+        raise PushError("--sft and --teacher exclude each other: the teacher has no SFT checkpoint")
     if sft:
         if not (folder / SFT_CHECKPOINT).is_dir():
             raise PushError(f"{run_dir} has no SFT checkpoint ({folder / SFT_CHECKPOINT})")
@@ -46,7 +50,7 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, sft: bool = False)
     available = ", ".join(str(s) for s in sorted(steps)) or "none"
     if step is None:
         if not steps:
-            raise PushError(f"{run_dir} has no step checkpoints in {folder}")
+            raise PushError(f"{run_dir} has no {'teacher' if teacher else 'step'} checkpoints in {folder}")
         return steps[max(steps)]
     if step in steps:
         return steps[step]

@@ -49,7 +49,7 @@ GROUP: Rule = (lambda v: v >= 2, "must be at least 2 (GRPO learns from differenc
 
 VALUE_RULES: dict[str, Rule] = {
     "run.retries": NON_NEGATIVE, "run.retry_delay_seconds": NON_NEGATIVE, "run.num_threads": NON_NEGATIVE,
-    "run.save_every": AT_LEAST_1,
+    "run.save_every": AT_LEAST_1, "model.lora_rank": NON_NEGATIVE, "model.lora_dropout": FRACTION,
     "model.max_position_embeddings": AT_LEAST_1,
     "data.max_prompts": NON_NEGATIVE, "data.validation_fraction": HOLDOUT, "data.max_prompt_tokens": AT_LEAST_1,
     "data.max_reference_tokens": AT_LEAST_1, "data.max_rejected_fraction": FRACTION,
@@ -147,6 +147,12 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if cfg.run.save_every > 1 and not cfg.run.keep_engines:
         problems.append(f"run.save_every = {cfg.run.save_every} keeps the weights of the steps between saves in the "
                         "live learner, and run.keep_engines = false keeps no learner: set one of them back")
+    if cfg.model.lora_rank and cfg.grpo.learner != "torch":
+        problems.append(f"model.lora_rank = {cfg.model.lora_rank} trains adapters with the torch learner only, "
+                        f"not grpo.learner {cfg.grpo.learner!r}")
+    if cfg.model.lora_rank and cfg.model.reference:
+        problems.append("model.lora_rank with model.reference set: the adapters sit on the starting policy, which "
+                        "is also the KL reference; leave model.reference ''")
     if cfg.rollout.agent.scripted_path and cfg.run.save_every > 1:
         problems.append(f"rollout.agent.scripted_path with run.save_every = {cfg.run.save_every}: scripted turns are "
                         "scored by the policy's checkpoint, which is not written between saves; set run.save_every=1")

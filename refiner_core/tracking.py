@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Callable
@@ -81,9 +82,10 @@ class WandbTracker:
     def __init__(self, run_dir: Path, run: str, settings: dict, ledger: dict) -> None:
         import wandb
 
-        ledger.setdefault("id", wandb.util.generate_id())
+        ledger.setdefault("id", secrets.token_hex(4))  # any string names a W&B run; kept for a resume
         self.run = wandb.init(project=run, name=run, id=ledger["id"], resume="allow", dir=str(run_dir),
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+                              mode=os.environ.get("WANDB_MODE", "offline"),
+                              settings=wandb.Settings(silent=True, console="off"))  # the run's own output stays ours
         self.run.define_metric("eval_step")
         self.run.define_metric("eval/*", step_metric="eval_step")
 

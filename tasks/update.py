@@ -21,11 +21,12 @@ from tasks.stage import stage
 @stage("grpo-update")
 def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scores: list[dict], policy: dict,
                 reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str,
-                save: bool = True, policy_lag: int = 0) -> dict:
+                lora: dict | None = None, save: bool = True, policy_lag: int = 0) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
     and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
     (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash.
-    policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps). The update
+    policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps). lora: the
+    model.lora_* settings (rank 0: full weights). The update
     draws no random numbers (no dropout, no sampling), and leaves torch's process-wide generator alone: an hf
     rollout sampled ahead in another thread seeds it and draws from it."""
     log = get_run_logger()
@@ -33,7 +34,7 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
     reward_rows = [r for scored in scores for r in read_rows(scored["rewards"]["path"])
                    if r["reward_version"] == "train"]
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
-    settings = learner_settings(grpo_cfg, temperature, precision)
+    settings = learner_settings(grpo_cfg, temperature, precision, lora)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
     model = live.model_folder(policy)

@@ -93,6 +93,23 @@ def test_sft_picks_the_sft_checkpoint_and_its_card(run_dir, tmp_path):
     assert plan.folder == sft and "sft" in plan.card_metadata["tags"] and "grpo" not in plan.card_metadata["tags"]
 
 
+def test_teacher_picks_the_ema_teachers_checkpoint_and_its_card(run_dir, tmp_path):
+    shutil.copy(run_dir / "recipe.yaml", tmp_path)
+    with pytest.raises(PushError, match="has no teacher checkpoints"):
+        choose_checkpoint(tmp_path, teacher=True)
+    for done in (2, 4):
+        teacher = tmp_path / "teacher" / f"step_{done:04d}"
+        shutil.copytree(run_dir / "checkpoints" / "step_0002", teacher)
+        write_model_card(teacher, tmp_path, kind="teacher", run="tiny", step=done, checkpoint=teacher)
+    assert choose_checkpoint(tmp_path, teacher=True) == tmp_path / "teacher" / "step_0004"
+    plan = plan_push(choose_checkpoint(tmp_path, step=2, teacher=True))
+    assert plan.folder == tmp_path / "teacher" / "step_0002" and "teacher" in json.dumps(plan.card_metadata)
+    with pytest.raises(PushError, match="step 3 does not exist; available steps: 2, 4"):
+        choose_checkpoint(tmp_path, step=3, teacher=True)
+    with pytest.raises(PushError, match="exclude each other"):
+        choose_checkpoint(tmp_path, sft=True, teacher=True)
+
+
 def test_the_plan_lists_weights_tokenizer_and_card_but_no_optimizer_state(run_dir):
     plan = plan_push(choose_checkpoint(run_dir))
     names = [name for name, _ in plan.files]

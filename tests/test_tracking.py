@@ -59,6 +59,47 @@ def test_mlflow_run_holds_the_steps_values_once_across_reruns(tmp_path):
     assert artifacts == ["rollouts/step_0002.md"]
 
 
+def test_wandb_offline_run_holds_the_steps_values(tmp_path):
+    """No network: the W&B run is written offline under RUN_DIR/wandb (`wandb sync` uploads it later); its history
+    records, read back from the run file, hold the steps values."""
+    assert _report(tmp_path, ["wandb"]) == ({"wandb": 5}, [])
+    ledger = json.loads((tmp_path / "tracking" / "wandb.json").read_text())
+    [run_file] = (tmp_path / "wandb").glob(f"offline-run-*-{ledger['id']}/run-{ledger['id']}.wandb")
+    history = [h for h in _wandb_history(run_file) if "steps/loss" in h]
+    assert [(h["_step"], h["steps/loss"], h["steps/reward_mean"]) for h in history] == \
+        [(0, 0.5, 1.25), (1, 0.4, 2.25), (2, pytest.approx(0.3), 3.25)]
+    assert not any("steps/entropy" in h for h in history)  # NULL columns are not logged
+    [table] = (run_file.parent / "files" / "media" / "table").glob("rollouts_*.table.json")
+    assert json.loads(table.read_text())["data"] == [[2, "**best**: reward 3"]]
+
+
+def _wandb_history(run_file) -> list[dict]:
+    """The history records of a W&B run file: LevelDB-log blocks of 32 KiB (after a 7-byte ':W&B' header), each
+    chunk a 7-byte header (CRC, little-endian length, type: 1 full, 2 first, 3 middle, 4 last) + protobuf bytes."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, block, chunks, records = run_file.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if length == 0 and kind == 0:  # block padding
+            pos += left
+            continue
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                records.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                for item in record.history.item})
+    return records
+
+
 def test_a_failing_tracker_is_a_warning_and_is_retried_later(tmp_path, monkeypatch):
     class Broken(TRACKERS["tensorboard"]):
         def log_metrics(self, step, metrics):
@@ -77,7 +118,7 @@ def test_preflight_refuses_unknown_or_missing_trackers():
     assert any("'neptune' is not a tracker" in p for p in check_values(cfg))
     assert not any("report_to" in p for p in check_values(load_recipe(None, ["run.report_to=[mlflow]"])))
     wandb = check_values(load_recipe(None, ["run.report_to=[wandb]"]))
-    if importlib.util.find_spec("wandb") is None:  # not in requirements.lock: refused with the way out
+    if importlib.util.find_spec("wandb") is None:  # refused with the way out where it is not installed
         assert any("'wandb' needs the wandb package" in p and "pip install wandb" in p for p in wandb), wandb
     else:
         assert not any("report_to" in p for p in wandb)

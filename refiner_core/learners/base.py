@@ -55,6 +55,11 @@ class LearnerSettings:
     # Set by the update stage, not the recipe: where the deepspeed learner's job folders go ('' = the system's
     # temporary folder; with a hostfile, the run folder, which every host shares).
     work_root: str = ""
+    # LoRA (model.lora_*; refiner_core/learners/lora.py): rank 0 trains the full weights.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple = ("all-linear",)
     # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
     share_prompt: bool = False
     # Loss variants (refiner_core/losses.py): by default the clipped surrogate, no entropy bonus, and per-token

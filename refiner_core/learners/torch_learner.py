@@ -11,6 +11,7 @@ import torch
 
 from refiner_core.learners.base import (LearnerSettings, TrainSample, collate_group, collate_rows, pack_rows,
                                         prompt_groups, token_logprobs, token_scores)
+from refiner_core.learners.lora import AdaptersOff, lora_policy, merged_state_dict, save_lora
 from refiner_core.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
 from refiner_core.progress import progress_bar
 
@@ -154,8 +155,9 @@ class TorchLearner:
         return totals
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's current weights, in memory (a live rollout engine copies them instead of reading disk)."""
-        return self.policy.state_dict()
+        """The policy's current weights, in memory (a live rollout engine copies them instead of reading disk);
+        with LoRA, base + adapters merged, under the base model's names."""
+        return merged_state_dict(self.policy) if self.s.lora_rank else self.policy.state_dict()
 
     def close(self) -> None:
         """Nothing to stop: the model lives in this process and goes with the learner."""
@@ -163,14 +165,21 @@ class TorchLearner:
     def save(self, path: Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(path)
-        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        if self.s.lora_rank:
+            save_lora(self.policy, path)
+        else:
+            self.policy.save_pretrained(path)
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")  # with LoRA, the adapters' AdamW state
 
 
 def make_torch_learner(policy_path, reference_path, tokenizer, settings, optimizer_state, dtype="float32"):
     from refiner_core.models import load_model
 
-    policy = load_model(policy_path, dtype, trainable=True)
-    reference = load_model(reference_path, dtype) if settings.beta > 0 else None
+    if settings.lora_rank:  # adapters on the reference, which is the starting policy (preflight checks it)
+        policy = lora_policy(load_model(reference_path, dtype), policy_path, settings)
+        reference = AdaptersOff(policy) if settings.beta > 0 else None
+    else:
+        policy = load_model(policy_path, dtype, trainable=True)
+        reference = load_model(reference_path, dtype) if settings.beta > 0 else None
     return TorchLearner(policy, reference, tokenizer.pad_token_id, settings, optimizer_state)
 
