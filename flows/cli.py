@@ -72,11 +72,14 @@ def run(
     except RunFolderBusy as e:
         _fail(str(e), code=BUSY_EXIT_CODE)
     try:
-        with sigterm_raises_terminated():
+        with interrupts_never_lost():
             _run_in_folder(cfg, folder, refresh, debug)
     except Terminated:
         typer.secho("terminated: run the same command again to resume from the unfinished stage", err=True)
         raise typer.Exit(143)
+    except KeyboardInterrupt:  # a Ctrl-C redelivered as the run ended
+        typer.secho("interrupted: run the same command again to resume from the unfinished stage", err=True)
+        raise typer.Exit(130)
     finally:
         release(folder)
 
@@ -89,35 +92,34 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
-SIGTERM_REDELIVERY_DELAY = 0.05  # seconds: the finalizer that dropped a SIGTERM's exception has returned by then
+REDELIVERY_DELAY = 0.05  # seconds: the finalizer that dropped a signal's exception has returned by then
 
 
 @contextlib.contextmanager
-def sigterm_raises_terminated() -> Iterator[None]:
-    """While inside, SIGTERM raises Terminated in the main thread, and a single SIGTERM is never lost.
+def interrupts_never_lost() -> Iterator[None]:
+    """While inside, SIGTERM raises Terminated and SIGINT KeyboardInterrupt in the main thread, and neither signal
+    is ever lost.
 
     CPython drops an exception that a signal handler raises while a finalizer, `__del__` or weakref callback runs
-    (garbage collection runs them anywhere): it only reaches `sys.unraisablehook`. There a dropped Terminated, or
-    Prefect's TerminationSignal (its handler stands in for this one while a flow runs, then chains to it), has
-    SIGTERM sent again a moment later from a thread, so that it lands outside the callback. A Terminated that
-    propagates never reaches the hook, so the cleanup it starts is not interrupted by a second one. A SIGTERM still
-    awaiting redelivery when the block ends is raised as Terminated there."""
-    redelivery: list[threading.Timer] = []  # the SIGTERM to send again, if any; whoever pops it owns it
+    (garbage collection runs them anywhere): it only reaches `sys.unraisablehook`. There a dropped Terminated or
+    KeyboardInterrupt, or Prefect's TerminationSignal (its handler stands in for ours while a flow runs, then
+    chains to it), has its signal sent again a moment later from a thread, so that it lands outside the callback.
+    An exception that propagates never reaches the hook, so the cleanup it starts is not interrupted by a second
+    one. A signal still awaiting redelivery when the block ends is raised there."""
+    redelivery: dict[int, threading.Timer] = {}  # signal -> the timer sending it again; whoever pops it owns it
 
-    def redeliver() -> None:
-        try:
-            redelivery.pop()
-        except IndexError:  # the block ended first and raises Terminated itself
-            return
-        os.kill(os.getpid(), signal.SIGTERM)
+    def redeliver(sig: int) -> None:
+        if redelivery.pop(sig, None) is not None:  # else the block ended first and raises it itself
+            os.kill(os.getpid(), sig)
 
     def hook(unraisable) -> None:
-        if not _is_sigterm_exception(unraisable.exc_value):
+        sig = _dropped_signal(unraisable.exc_value)
+        if sig is None:
             previous_hook(unraisable)
-        elif not redelivery:
-            timer = threading.Timer(SIGTERM_REDELIVERY_DELAY, redeliver)
+        elif sig not in redelivery:
+            timer = threading.Timer(REDELIVERY_DELAY, redeliver, args=(sig,))
             timer.daemon = True
-            redelivery.append(timer)
+            redelivery[sig] = timer
             timer.start()
 
     previous_hook = sys.unraisablehook
@@ -128,19 +130,24 @@ def sigterm_raises_terminated() -> Iterator[None]:
     finally:
         sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, previous_handler)
-        try:
-            redelivery.pop().cancel()
-            undelivered = True
-        except IndexError:
-            undelivered = False
-    if undelivered:
+        undelivered = {sig: redelivery.pop(sig) for sig in list(redelivery)}
+        for timer in undelivered.values():
+            timer.cancel()
+    if signal.SIGTERM in undelivered:
         raise Terminated()
+    if signal.SIGINT in undelivered:
+        raise KeyboardInterrupt()
 
 
-def _is_sigterm_exception(exc: BaseException | None) -> bool:
-    """Terminated, or Prefect's TerminationSignal for SIGTERM (that class exists only once prefect is imported)."""
+def _dropped_signal(exc: BaseException | None) -> int | None:
+    """The signal whose handler raised `exc`: Terminated (SIGTERM), Prefect's TerminationSignal (that class exists
+    only once prefect is imported) or KeyboardInterrupt (SIGINT); None for any other exception."""
     termination_signal = getattr(sys.modules.get("prefect.exceptions"), "TerminationSignal", ())
-    return isinstance(exc, Terminated) or (isinstance(exc, termination_signal) and exc.signal == signal.SIGTERM)
+    if isinstance(exc, Terminated):
+        return signal.SIGTERM
+    if isinstance(exc, termination_signal):
+        return exc.signal
+    return signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None
 
 
 def _warn(message: str) -> None:
@@ -487,8 +494,6 @@ def judge_serve(
     log: Optional[Path] = typer.Option(None, "--log", help="Server log file (default: a temporary file)."),
 ) -> None:
     """Start an OpenAI-compatible vLLM server for MODEL, wait until it is healthy, print its endpoint; Ctrl-C stops it."""
-    import signal as _signal
-
     from refiner_core.judges.serve import ServerStartError, start_server, stop_server
 
     typer.echo(f"starting the judge server for {model} on {host}:{port or '(free port)'} ...", err=True)
@@ -497,21 +502,18 @@ def judge_serve(
                               log_path=log)
     except (ServerStartError, FileNotFoundError) as e:
         _fail(str(e), code=1)
-    def _interrupt(*_):
-        raise KeyboardInterrupt
-
-    _signal.signal(_signal.SIGTERM, _interrupt)  # SIGTERM stops the server like Ctrl-C
-    typer.echo(f"endpoint: {server.base_url}")
-    typer.echo(f"model: {server.model_name}")
-    typer.echo(f"pid: {server.pid}")
-    typer.echo(f"log: {server.log_path}")
-    typer.echo(f"use it: --set judge.engine=openai --set judge.base_url={server.base_url} "
-               f"--set judge.api_model={server.model_name} --set judge.mode=json")
-    typer.echo("Ctrl-C stops the server.", err=True)
-    sys.stdout.flush()
     code = None
     try:
-        code = server.proc.wait()
+        with interrupts_never_lost():  # SIGTERM stops the server like Ctrl-C
+            typer.echo(f"endpoint: {server.base_url}")
+            typer.echo(f"model: {server.model_name}")
+            typer.echo(f"pid: {server.pid}")
+            typer.echo(f"log: {server.log_path}")
+            typer.echo(f"use it: --set judge.engine=openai --set judge.base_url={server.base_url} "
+                       f"--set judge.api_model={server.model_name} --set judge.mode=json")
+            typer.echo("Ctrl-C stops the server.", err=True)
+            sys.stdout.flush()
+            code = server.proc.wait()
     except KeyboardInterrupt:
         typer.echo("stopping the judge server ...", err=True)
     finally:

@@ -107,3 +107,25 @@ def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
     from refiner_core.storage import query
 
     return query(run_dir / "catalog.duckdb", sql)[1]
+
+
+def vllm_logprob_gap(model_path, weights, scorer, prompts: list[list[int]], params, pad_id: int,
+                     precision: str = "fp32"):
+    """|learner - vLLM| log-probs of the tokens a vllm engine given `weights` samples: `scorer` (a model) scores
+    them under the same temperature and `precision`. Returns the gaps over the sampled tokens."""
+    import torch
+
+    from refiner_core.learners.base import TrainSample, collate, token_logprobs
+    from refiner_core.rollout.vllm_engine import make_vllm_engine
+
+    engine = make_vllm_engine(str(model_path), batch_size=16, dtype="float32", precision=precision, progress=False)
+    try:
+        engine.load_weights(weights)
+        gens = engine.generate(prompts, params)
+    finally:
+        engine.close()
+    batch = collate([TrainSample(prompts[g.prompt_index], g.token_ids, 0.0, g.logprobs) for g in gens], pad_id)
+    with torch.no_grad():
+        ours = token_logprobs(scorer, batch, params.temperature, precision)
+    mask = batch["mask"].bool()
+    return (ours[mask] - batch["rollout_logprobs"][mask]).abs()

