@@ -62,6 +62,13 @@ def tiny_recipe() -> dict:
     return load_recipe(REPO / "recipes" / "tiny.yaml").to_dict()
 
 
+def sigint_default() -> None:
+    """A child's `preexec_fn`: SIGINT back to its default, so that the child's Python turns it into
+    KeyboardInterrupt even when the suite runs where SIGINT is ignored (a background job of a script), which
+    children would otherwise inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(args: list[str], tmp_path: Path, env: dict | None = None, timeout: int = 600) -> tuple[int, str, str, float]:
     """`refiner ARGS` in a child process (Prefect's logging and server are per process), in its own process group
     so that a temporary Prefect server a hard-killed run leaves behind is reaped. Output goes to files, not pipes:
@@ -73,7 +80,7 @@ def run_cli(args: list[str], tmp_path: Path, env: dict | None = None, timeout: i
     t0 = time.time()
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=out,
-                                stderr=err, text=True, start_new_session=True)
+                                stderr=err, text=True, start_new_session=True, preexec_fn=sigint_default)
         try:
             code = proc.wait(timeout=timeout)
         finally:

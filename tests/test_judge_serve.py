@@ -20,6 +20,9 @@ import httpx
 import pytest
 
 pytest.importorskip("vllm")
+
+from conftest import sigint_default  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +50,7 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
     with open(out, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "judge", "serve", str(tiny_model_path),
                                  "--port", str(port), "--name", "tiny"], cwd=REPO, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 300
         while "pid:" not in out.read_text() and proc.poll() is None and time.monotonic() < deadline:

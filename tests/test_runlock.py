@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, sigint_default
 from refiner_core.runlock import (BUSY_EXIT_CODE, LOCK_NAME, RunFolderBusy, acquire, format_run_dir, read_holder,
                                   release, run_lock)
 
@@ -221,7 +221,7 @@ SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
 def _sigterm_in_a_finalizer(scenario: str) -> dict:
     """SIGTERM_IN_A_FINALIZER's report for SCENARIO, in a child process: its signal handlers are its own."""
     proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_FINALIZER, scenario], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, preexec_fn=sigint_default)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
