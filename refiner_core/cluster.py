@@ -9,15 +9,19 @@ Ray only places the engines (actors) they drive.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-_CONNECTED_HERE = []  # [True] while this module's connect() holds the connection (disconnect() ends only that)
+# What connect() set up, for disconnect() to end: None while this module holds no connection; else the session
+# folder of the Ray instance it started ('local'), or '' for a cluster it joined.
+_held: str | None = None
 
 
 def connect(address: str) -> str:
     """Join (or, for 'local', start) Ray for the run; returns a line saying what it is."""
+    global _held
     import ray
 
     if ray.is_initialized():
@@ -26,13 +30,12 @@ def connect(address: str) -> str:
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in _python_path() if p)}}
     if address == "local":
         # Ray's session folder holds Unix sockets, whose paths must stay short (< 108 bytes)
-        ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=True,
-                 _temp_dir=tempfile.mkdtemp(prefix="refiner-ray-"))
-        what = "started for the run on this machine"
+        session = tempfile.mkdtemp(prefix="refiner-ray-")
+        ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=True, _temp_dir=session)
+        _held, what = session, "started for the run on this machine"
     else:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        what = f"joined {address}"
-    _CONNECTED_HERE[:] = [True]
+        _held, what = "", f"joined {address}"
     resources = ray.cluster_resources()
     return (f"ray: {what}: {len(ray.nodes())} node(s), {resources.get('CPU', 0):g} CPUs, "
             f"{resources.get('GPU', 0):g} GPUs")
@@ -44,12 +47,15 @@ def _python_path() -> list[str]:
 
 
 def disconnect() -> None:
-    """Leave Ray if connect() joined it (stopping it when that started it: 'local')."""
-    if _CONNECTED_HERE and active():
+    """Leave Ray if connect() joined it (stopping it, and removing its session folder, when that started it)."""
+    global _held
+    if _held is not None and active():
         import ray
 
         ray.shutdown()
-    _CONNECTED_HERE.clear()
+    if _held:
+        shutil.rmtree(_held, ignore_errors=True)
+    _held = None
 
 
 def active() -> bool:

@@ -4,6 +4,9 @@ makes the stage retry. The rollouts equal one engine's without Ray, token for to
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from conftest import catalog_rows
@@ -55,6 +58,7 @@ def test_two_ray_engines_equal_one_and_survive_a_killed_worker(prefect_server, t
     state = refiner_pipeline(recipe=two, run_dir=str(tmp_path / "two"), return_state=True)
     assert state.is_completed(), state.message
     assert not cluster.active(), "the run stopped the Ray instance it started"
+    assert not list(Path(tempfile.gettempdir()).glob("refiner-ray-*")), "and removed its session folder"
     assert (tmp_path / "two" / ".faults" / "kill-rollout-engine").exists(), "a worker was killed mid-rollout"
 
     # nothing lost, nothing doubled, and the same tokens: vllm seeds every prompt by its index in the step, and the
