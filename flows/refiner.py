@@ -12,12 +12,13 @@ from flows.run_folder import holds_run_folder, resolve_run_dir
 from refiner_core import cluster, live
 from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS,
                                   FLOW_ONLY_ROLLOUT_FIELDS, LORA_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS,
-                                  SOURCE_FIELDS, drop, pick, recipe_from_dict)
+                                  SOURCE_FIELDS, drop, engine_adapter_rank, pick, recipe_from_dict)
 from refiner_core.data import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.grpo import informative_prompt_ids
 from refiner_core.hardware import resolved_recipe
 from refiner_core.preflight import resolve
+from refiner_core.tracking import close_trackers
 from refiner_core.storage import read_rows
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
@@ -64,8 +65,13 @@ def close_live_engines(_flow, flow_run, _state) -> None:
     cluster.disconnect()
 
 
-# A judge server the run started (judge.serve) and the engines it kept end with the run, however the flow ends.
-_ENDS = [stop_judge_servers, close_live_engines]
+def close_run_trackers(_flow, flow_run, _state) -> None:
+    """The run.report_to trackers kept open across steps are closed (TensorBoard's file, the W&B run)."""
+    close_trackers(flow_run.parameters["run_dir"])
+
+
+# A judge server the run started (judge.serve), the engines and trackers it kept end with the run, however it ends.
+_ENDS = [stop_judge_servers, close_live_engines, close_run_trackers]
 _END_HOOKS = dict(on_completion=_ENDS, on_failure=_ENDS, on_crashed=_ENDS, on_cancellation=_ENDS)
 
 
@@ -76,6 +82,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     # model.precision 'auto' resolved on the machine that computes, before any cache key sees it
     cfg, precision_line = resolved_recipe(recipe_from_dict(recipe))
     conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
+    conf["rollout"]["adapter_rank"] = engine_adapter_rank(cfg)  # LoRA adapters synced as adapters (0: merged)
     log = get_run_logger()
     log.info(precision_line)
     if cfg.run.keep_engines:  # engines live for the run (refiner_core.live) until the end hooks close them

@@ -71,8 +71,19 @@ def precision_note(requested: str, device: str | None = None) -> tuple[str, str]
     return requested, f"precision: {requested} (set by the recipe; {why}{slow})"
 
 
+def resolve_lora_sync(requested: str, device: str | None = None) -> str:
+    """model.lora_sync 'auto': LoRA adapters synced as adapters where vLLM runs on a GPU; merged weights on a CPU,
+    where vLLM's LoRA kernels sampled 2.6x slower than merged weights (bench/lora_sync.py)."""
+    from refiner_core.models import default_device
+
+    if requested != "auto":
+        return requested
+    return "adapter" if (device or default_device()) == "cuda" else "merged"
+
+
 def resolved_recipe(cfg: RecipeConfig) -> tuple[RecipeConfig, str]:
-    """`cfg` with model.precision resolved to 'bf16' or 'fp32' (what stage tasks and their cache keys see), and the
-    line that says what and why."""
+    """`cfg` with model.precision resolved to 'bf16' or 'fp32' and model.lora_sync to 'adapter' or 'merged' (what
+    stage tasks and their cache keys see), and the line that says which precision and why."""
     precision, note = precision_note(cfg.model.precision)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision)), note
+    model = dataclasses.replace(cfg.model, precision=precision, lora_sync=resolve_lora_sync(cfg.model.lora_sync))
+    return dataclasses.replace(cfg, model=model), note

@@ -13,11 +13,13 @@ import yaml
 
 from refiner_core.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.model_card import MODEL_CARD
+from refiner_core.models import ADAPTER_DIR
 
 CHECKPOINTS = "checkpoints"
 SFT_CHECKPOINT = "sft"
 TEACHER_CHECKPOINTS = "teacher"  # the EMA teacher's step checkpoints (Co-rewarding-II)
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # what PEFT writes into an adapter folder
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them, beside tokenizer_config.json
 
 
@@ -67,7 +69,8 @@ def plan_push(folder: Path) -> PushPlan:
     names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     missing = [what for what, present in (
         ("config.json", "config.json" in names),
-        (f"weights ({' or '.join(WEIGHT_PATTERNS)})", any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS)),
+        (f"weights ({' or '.join(WEIGHT_PATTERNS)}, or a LoRA {ADAPTER_DIR}/{ADAPTER_WEIGHTS})",
+         any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS) or (folder / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()),
         ("tokenizer_config.json", "tokenizer_config.json" in names),
         (f"a tokenizer ({' or '.join(TOKENIZER_FILES)})", bool(names & set(TOKENIZER_FILES))),
         (f"the model card {MODEL_CARD}", MODEL_CARD in names),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from refiner_core.config import ROLLOUT_ENGINE_FIELDS
+from refiner_core.models import Adapter, adapter_weights, checkpoint_adapter, lora_adapter
 from refiner_core.storage import file_hash, json_hash
 
 IN_PROCESS_JUDGES = ("transformers",)  # judges that hold a model in this process; a served judge holds a client
@@ -259,14 +260,15 @@ def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[
         start = time.perf_counter()
         try:
             with _lent_learner(run, policy["hash"]) as learner:
-                if learner is not None:
-                    engine.load_weights(learner.weights())
+                if learner is not None:  # an engine with LoRA kernels takes the adapter alone
+                    adapters = takes_adapters(engine) and learner.s.lora_rank
+                    engine.load_weights(learner.adapter() if adapters else learner.weights())
                     source = "learner's memory"
             if learner is None and is_unsaved(policy):
                 raise StaleWeights(f"the weights of {policy['path']} were never saved (run.save_every) and the live "
                                    "learner no longer holds them: run again to recompute them")
             if learner is None:
-                engine.load_weights(checkpoint_weights(policy["path"]))
+                engine.load_weights(checkpoint_weights(policy["path"], adapters=takes_adapters(engine)))
                 source = "checkpoint files"
         except BaseException:  # half-loaded weights are neither the old nor the new: the engine goes
             engine.close()
@@ -298,10 +300,22 @@ def fits(engine) -> bool:
     return free >= held
 
 
-def checkpoint_weights(model_path: str | Path) -> dict:
-    """The state dict of a checkpoint folder's safetensors files (HF names, as `model.state_dict()` gives them)."""
+def takes_adapters(engine) -> bool:
+    """Whether the engine applies LoRA adapters itself (vLLM built with adapter_rank) rather than merged weights."""
+    return getattr(engine, "takes_adapters", False)
+
+
+def checkpoint_weights(model_path: str | Path, adapters: bool = False) -> dict | Adapter:
+    """The state dict of a checkpoint folder's safetensors files (HF names, as `model.state_dict()` gives them).
+    A LoRA checkpoint gives its adapter when `adapters` (an engine with LoRA kernels), else merged weights: its own
+    when it holds them, else base and adapter merged here."""
     from safetensors.torch import load_file
 
+    adapter = lora_adapter(model_path)
+    if adapter is not None and adapters:
+        return adapter
+    if adapter is not None and adapter == checkpoint_adapter(model_path):  # adapter-only: nothing merged on disk
+        return adapter_weights(adapter)
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_path} holds no *.safetensors weights to sync a live engine from")

@@ -161,6 +161,10 @@ def known_notes(recipe: dict, data: dict | None) -> list[str]:
                         f"'{judge['on_failure']}'."))
     if grpo["beta"] == 0:
         notes.append("beta = 0: no KL penalty, nothing holds the policy near its reference.")
+    if model["lora_rank"] and not model["lora_save_merged"]:
+        notes.append(f"A GRPO checkpoint holds the rank-{model['lora_rank']} LoRA adapter in adapter/, not merged "
+                     "weights: load the base model, then peft.PeftModel.from_pretrained(base, THIS_FOLDER, "
+                     "subfolder='adapter') (model.lora_save_merged writes merged weights too).")
     if data and data.get("quarantined"):
         notes.append(f"{data['quarantined']} input rows were quarantined (not trained on); see them with "
                      "refiner sql RUN_DIR \"SELECT * FROM quarantine\".")

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from refiner_core import REPO_ROOT
@@ -179,16 +180,62 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+ADAPTER_DIR = "adapter"  # in a LoRA checkpoint: PEFT's adapter_config.json + adapter_model.safetensors
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """LoRA adapters as an engine takes them: PEFT's adapter folder, the model folder they apply to, their rank."""
+
+    path: str
+    base: str
+    rank: int
+
+
+def lora_adapter(path: Path | str) -> Adapter | None:
+    """The adapter of a LoRA checkpoint (with or without merged weights beside it), else None."""
+    config = Path(path) / ADAPTER_DIR / "adapter_config.json"
+    if not config.is_file():
+        return None
+    settings = json.loads(config.read_text())
+    return Adapter(str(Path(path) / ADAPTER_DIR), settings["base_model_name_or_path"], int(settings["r"]))
+
+
+def checkpoint_adapter(path: Path | str) -> Adapter | None:
+    """The adapter of a LoRA checkpoint that holds no merged weights (model.lora_save_merged false), else None."""
+    return None if any(Path(path).glob("*.safetensors")) else lora_adapter(path)
+
+
 def load_model(path: Path | str, dtype: str = "float32", trainable: bool = False, device: str | None = None):
-    """An HF causal LM on `device` (default: default_device())."""
+    """An HF causal LM on `device` (default: default_device()). An adapter-only LoRA checkpoint loads as its base
+    with the adapters merged in."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-load weight bars drown the pipeline's own progress
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device or default_device())
+    adapter = checkpoint_adapter(path)
+    if adapter:
+        model = _merged(adapter, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model = model.to(device or default_device())
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
     return model
+
+
+def adapter_weights(adapter: Adapter, dtype: str = "float32") -> dict:
+    """The state dict of base + adapter merged: what an engine without LoRA kernels loads."""
+    return _merged(adapter, dtype).state_dict()
+
+
+def _merged(adapter: Adapter, dtype: str):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(adapter.base, dtype=getattr(torch, dtype))
+    return PeftModel.from_pretrained(base, adapter.path).merge_and_unload()

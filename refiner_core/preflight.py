@@ -147,9 +147,10 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if cfg.run.save_every > 1 and not cfg.run.keep_engines:
         problems.append(f"run.save_every = {cfg.run.save_every} keeps the weights of the steps between saves in the "
                         "live learner, and run.keep_engines = false keeps no learner: set one of them back")
-    if cfg.model.lora_rank and cfg.grpo.learner != "torch":
-        problems.append(f"model.lora_rank = {cfg.model.lora_rank} trains adapters with the torch learner only, "
-                        f"not grpo.learner {cfg.grpo.learner!r}")
+    if cfg.model.lora_rank and cfg.reward.verifier == "co_rewarding_teacher" and not cfg.model.lora_save_merged:
+        problems.append("model.lora_rank with reward.verifier 'co_rewarding_teacher': the EMA teacher averages the "
+                        "full weights of each step's checkpoint, and LoRA checkpoints hold the adapter alone; set "
+                        "model.lora_save_merged=true")
     if cfg.model.lora_rank and cfg.model.reference:
         problems.append("model.lora_rank with model.reference set: the adapters sit on the starting policy, which "
                         "is also the KL reference; leave model.reference ''")

@@ -5,7 +5,8 @@ One small class per backend; a backend's package is imported only when the backe
 refiner_core never imports tensorboard, mlflow or wandb. What each backend was sent is recorded in
 RUN_DIR/tracking/<backend>.json (a ledger): a resumed or cached rerun sends only what is new, so no step is logged
 twice, and a step a failed backend missed is sent with the next one. A backend that fails is a warning, never a
-failed run.
+failed run. A backend stays open from one step to the next (one TensorBoard event file, one W&B run session per
+run process) until `close_trackers` at the run's end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 LEDGER_DIR = "tracking"
+_OPEN: dict[tuple[str, str], object] = {}  # (run folder, backend) -> its tracker, open until close_trackers
 SKIPPED_COLUMNS = ("run", "step", "checkpoint")
 EVAL_METRICS = ("format_valid", "citation_valid", "judge_score", "reward", "stopped", "pass_at_1", "pass_at_k")
 
@@ -36,6 +38,9 @@ class TensorBoardTracker:
 
     def log_text(self, step: int, name: str, markdown: str) -> None:
         self.writer.add_text(name, markdown, step)
+
+    def flush(self) -> None:
+        self.writer.flush()  # readable by TensorBoard now, not only when the run ends
 
     def close(self) -> None:
         self.writer.close()
@@ -71,8 +76,11 @@ class MLflowTracker:
     def log_text(self, step: int, name: str, markdown: str) -> None:
         self.client.log_text(self.run_id, markdown, f"{name}/step_{step:04d}.md")
 
+    def flush(self) -> None:
+        pass  # every call above is already stored
+
     def close(self) -> None:
-        pass  # the MLflow run stays open for the next step; every call above is already stored
+        pass  # the MLflow run stays open for a resume; every call above is already stored
 
 
 class WandbTracker:
@@ -99,6 +107,9 @@ class WandbTracker:
         import wandb
 
         self.run.log({name: wandb.Table(columns=["step", "markdown"], data=[[step, markdown]])})
+
+    def flush(self) -> None:
+        pass  # the run's writer process stores what it is sent
 
     def close(self) -> None:
         self.run.finish()
@@ -152,17 +163,19 @@ def report(run_dir: Path | str, run: str, settings: dict, *, steps: list[dict], 
         pending = [item for item in items if item[0] not in done]
         if not pending:
             continue
+        key = (str(run_dir.resolve()), name)
         try:
-            tracker = TRACKERS[name](run_dir, run, settings, ledger)
-            try:
-                for _, what, step, value in pending:
-                    if what == "metrics":
-                        tracker.log_metrics(step, value)
-                    else:
-                        tracker.log_text(step, "rollouts", value)
-            finally:
-                tracker.close()
+            if key not in _OPEN:
+                _OPEN[key] = TRACKERS[name](run_dir, run, settings, ledger)
+            tracker = _OPEN[key]
+            for _, what, step, value in pending:
+                if what == "metrics":
+                    tracker.log_metrics(step, value)
+                else:
+                    tracker.log_text(step, "rollouts", value)
+            tracker.flush()
         except Exception as e:  # noqa: BLE001 - a tracker never fails the run
+            _close(key)  # the next attempt starts it afresh
             warn(f"run.report_to {name!r}: logging failed ({type(e).__name__}: {e}); the run goes on, and the "
                  "items are sent again with the next step")
             if ledger.get("id"):  # the tracker's run was created: the next attempt continues it
@@ -172,6 +185,22 @@ def report(run_dir: Path | str, run: str, settings: dict, *, steps: list[dict], 
         _write_ledger(ledger, ledger_path)
         sent[name] = len(pending)
     return sent
+
+
+def close_trackers(run_dir: Path | str) -> None:
+    """Close the run's open trackers (its end: TensorBoard's file closed, the W&B run finished)."""
+    folder = str(Path(run_dir).resolve())
+    for key in [k for k in _OPEN if k[0] == folder]:
+        _close(key)
+
+
+def _close(key: tuple[str, str]) -> None:
+    tracker = _OPEN.pop(key, None)
+    try:
+        if tracker is not None:
+            tracker.close()
+    except Exception:  # noqa: BLE001 - closing a broken tracker must not fail the run either
+        pass
 
 
 def _write_ledger(ledger: dict, path: Path) -> None:

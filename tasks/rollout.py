@@ -101,7 +101,8 @@ def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, pr
     def build(path: str):
         settings = (rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision)
         gpu = {"tensor_parallel_size": rollout_cfg["tensor_parallel_size"],
-               "gpu_memory_utilization": rollout_cfg["gpu_memory_utilization"]}
+               "gpu_memory_utilization": rollout_cfg["gpu_memory_utilization"],
+               "adapter_rank": rollout_cfg["adapter_rank"]}
         if rollout_cfg["num_engines"] > 1:  # Ray actors (run.ray_address; preflight checks it is set)
             return ShardedEngine(*settings, **gpu, num_engines=rollout_cfg["num_engines"],
                                  markers=str(Path(run_dir) / ".faults"))

@@ -117,7 +117,7 @@ def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
 
 
 def vllm_logprob_gap(model_path, weights, scorer, prompts: list[list[int]], params, pad_id: int,
-                     precision: str = "fp32"):
+                     precision: str = "fp32", adapter_rank: int = 0):
     """|learner - vLLM| log-probs of the tokens a vllm engine given `weights` samples: `scorer` (a model) scores
     them under the same temperature and `precision`. Returns the gaps over the sampled tokens."""
     import torch
@@ -125,7 +125,8 @@ def vllm_logprob_gap(model_path, weights, scorer, prompts: list[list[int]], para
     from refiner_core.learners.base import TrainSample, collate, token_logprobs
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
-    engine = make_vllm_engine(str(model_path), batch_size=16, dtype="float32", precision=precision, progress=False)
+    engine = make_vllm_engine(str(model_path), batch_size=16, dtype="float32", precision=precision, progress=False,
+                              adapter_rank=adapter_rank)
     try:
         engine.load_weights(weights)
         gens = engine.generate(prompts, params)

@@ -90,6 +90,64 @@ def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_
     assert moved > 1e-3  # the weights really changed, by far more than the tolerance
 
 
+def test_lora_on_two_zero3_ranks_equals_the_torch_learner(tiny_model_path, tiny_tokenizer, tmp_path):
+    """model.lora_rank with the deepspeed learner: the ranks train PEFT adapters (ZeRO-3 partitions the frozen
+    base too), the reference is the policy with its adapters off, a checkpoint holds the adapter alone, the adapter
+    exported for an engine is gathered from its partitions, and a relaunch resumes adapter and AdamW state."""
+    from refiner_core.learners.torch_learner import make_torch_learner
+    from refiner_core.models import checkpoint_adapter
+    from safetensors.torch import load_file
+
+    lora = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=("all-linear",))
+    samples = [_samples(0), _samples(1)]
+    torch_learner = make_torch_learner(tiny_model_path, tiny_model_path, tiny_tokenizer,
+                                       _settings(learning_rate=1e-2, **lora), None)
+    expected = [torch_learner.train_step(batch) for batch in samples[:1]]
+    expected_weights = [torch_learner.weights()]
+    expected_adapter = [load_file(str(Path(torch_learner.adapter().path) / "adapter_model.safetensors"))]
+    expected.append(torch_learner.train_step(samples[1]))
+    expected_weights.append(torch_learner.weights())
+    torch_learner.close()
+
+    settings = _settings(learning_rate=1e-2, world_size=2, zero_stage=3, **lora)
+    base = Path(tiny_model_path)
+    kept = make_learner("deepspeed", base, base, tiny_tokenizer, settings, base / "optimizer.pt")
+    try:
+        metrics = kept.train_step(samples[0])
+        kept.save(tmp_path / "step_1")
+        adapter = kept.adapter()
+        exported = load_file(str(Path(adapter.path) / "adapter_model.safetensors"))
+        assert adapter.base == str(base.resolve()) and adapter.rank == 4
+        assert _max_diff(exported, expected_adapter[0]) < 1e-5
+        weights = kept.weights()  # a checkpoint's tensors: the tied output layer is left out
+        assert _max_diff(weights, {k: v for k, v in expected_weights[0].items() if k in weights}) < 1e-5
+        for key in ("loss", "pg_loss", "kl", "clip_fraction"):
+            assert metrics[key] == pytest.approx(expected[0][key], rel=1e-5, abs=1e-7), key
+        kept.train_step(samples[1])
+        kept.save(tmp_path / "step_2")
+    finally:
+        kept.close()
+    assert not Path(adapter.path).parent.exists(), "closing the learner deletes its exported adapters"
+    step_1 = tmp_path / "step_1"
+    assert checkpoint_adapter(step_1) is not None and not list(step_1.glob("*.safetensors"))  # the adapter alone
+    assert (step_1 / "deepspeed" / "refiner.json").exists()
+    diff = _max_diff(load_model(tmp_path / "step_2").state_dict(), expected_weights[1])
+    assert diff < 1e-5, diff
+    assert _max_diff(expected_weights[1], load_model(tiny_model_path).state_dict()) > 1e-3  # they really moved
+
+    resumed = make_learner("deepspeed", step_1, base, tiny_tokenizer, settings, step_1 / "optimizer.pt")
+    try:
+        got = resumed.train_step(samples[1])
+        assert [r["adam_steps_resumed"] for r in resumed.rank_stats] == [1, 1]
+        weights = resumed.weights()
+        assert _max_diff(weights, {k: v for k, v in load_model(tmp_path / "step_2").state_dict().items()
+                                   if k in weights}) < 1e-6
+    finally:
+        resumed.close()
+    for key in ("loss", "pg_loss", "kl"):
+        assert got[key] == pytest.approx(expected[1][key], rel=1e-5, abs=1e-7), key
+
+
 def _check_step(learner, metrics, batch, out, want, want_weights, resumed: int, step: int) -> None:
     # Both ranks trained their share: 2 + 1 real micro-batches, every response token counted once.
     stats = sorted(learner.rank_stats, key=lambda r: r["rank"])

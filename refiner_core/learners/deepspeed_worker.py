@@ -3,7 +3,9 @@ WORK_DIR` (or DeepSpeed's `deepspeed --module` launcher with a hostfile). Reads 
 policy, reference and optimizer state once, then serves jobs WORK_DIR/job_0001, job_0002, ... in order, each
 taken when its `ready` file appears: 'train' (one train step with the torch learner's own loop on this rank's
 share of the micro-batches; metrics from rank 0), 'save' (HF checkpoint + DeepSpeed optimizer state), 'export'
-(HF weights only, for a rollout engine) and 'stop'. Rank 0 marks each finished job `done` after every rank did it.
+(HF weights only, for a rollout engine), 'export_adapter' (the LoRA adapter alone, for an engine that applies it)
+and 'stop'. Rank 0 marks each finished job `done` after every rank did it. With model.lora_rank the ranks train
+PEFT adapters on the base, and the reference is the policy with its adapters off.
 
 Launched by refiner_core.learners.deepspeed_learner; not meant to be run by hand.
 """
@@ -15,11 +17,13 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.lora import AdaptersOff, lora_policy, save_lora
 from refiner_core.learners.torch_learner import TorchLearner
 
 STATE_DIR = "deepspeed"  # DeepSpeed's save_checkpoint folder inside an HF checkpoint
@@ -111,11 +115,12 @@ def _log(rank: int, world: int, msg: str) -> None:
     print(f"[deepspeed rank {rank}/{world}] {msg}", file=sys.stderr, flush=True)
 
 
-def save_checkpoint(engine, zero_stage: int, save_path: Path, rank: int, world: int) -> None:
-    """HF weights (ZeRO-3 partitions gathered) + DeepSpeed's own optimizer-state folder for resume."""
+def save_checkpoint(engine, zero_stage: int, save_path: Path, rank: int, world: int, settings: LearnerSettings) -> None:
+    """HF weights (ZeRO-3 partitions gathered; with LoRA the adapter, and the merged weights when
+    lora_save_merged) + DeepSpeed's own optimizer-state folder for resume."""
     import torch.distributed as dist
 
-    export_weights(engine, zero_stage, save_path, rank)
+    export_weights(engine, zero_stage, save_path, rank, settings, merged=settings.lora_save_merged)
     dist.barrier()
     engine.save_checkpoint(str(save_path / STATE_DIR), tag=STATE_TAG)
     if rank == 0:
@@ -123,12 +128,28 @@ def save_checkpoint(engine, zero_stage: int, save_path: Path, rank: int, world: 
     dist.barrier()
 
 
-def export_weights(engine, zero_stage: int, path: Path, rank: int) -> None:
-    """The HF weights alone (ZeRO-3 partitions gathered on every rank, written by rank 0)."""
+def export_weights(engine, zero_stage: int, path: Path, rank: int, settings: LearnerSettings,
+                   merged: bool = True) -> None:
+    """The HF weights alone (ZeRO-3 partitions gathered on every rank, written by rank 0); with LoRA, the adapter
+    and, when `merged`, base + adapters merged."""
     state = engine._zero3_consolidated_16bit_state_dict() if zero_stage == 3 else engine.module.state_dict()
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-        engine.module.save_pretrained(path, state_dict=state)
+        if settings.lora_rank:
+            save_lora(engine.module, path, merged=merged, state=state)
+        else:
+            engine.module.save_pretrained(path, state_dict=state)
+
+
+def export_adapter(engine, zero_stage: int, path: Path, rank: int) -> None:
+    """The LoRA adapter alone: only its parameters are gathered (megabytes, where the model is gigabytes)."""
+    import deepspeed
+
+    adapters = [p for name, p in engine.module.named_parameters() if ".lora_" in name]
+    gathered = deepspeed.zero.GatheredParameters(adapters) if zero_stage == 3 else nullcontext()
+    with gathered:
+        if rank == 0:
+            engine.module.save_pretrained(str(path))
 
 
 def try_resume(engine, state_dir: str, zero_stage: int, world: int, lr: float, rank: int) -> int:
@@ -180,8 +201,13 @@ def main(work_dir: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     t0 = time.time()
     settings = LearnerSettings(**{**launch["settings"], "adam_betas": tuple(launch["settings"]["adam_betas"])})
-    policy = load_model(launch["policy_path"], launch["dtype"], trainable=True, device="cpu")
-    reference = load_model(launch["reference_path"], launch["dtype"], device="cpu") if settings.beta > 0 else None
+    if settings.lora_rank:  # adapters on the reference, which is the starting policy (preflight checks it)
+        policy = lora_policy(load_model(launch["reference_path"], launch["dtype"], device="cpu"),
+                             launch["policy_path"], settings)
+        reference = AdaptersOff(policy) if settings.beta > 0 else None
+    else:
+        policy = load_model(launch["policy_path"], launch["dtype"], trainable=True, device="cpu")
+        reference = load_model(launch["reference_path"], launch["dtype"], device="cpu") if settings.beta > 0 else None
     if on_gpu:
         policy.to("cuda")
         reference = reference.to("cuda") if reference is not None else None
@@ -203,9 +229,11 @@ def main(work_dir: str) -> None:
         if job["kind"] == "train":
             _train(job_dir, engine, reference, launch, settings, resumed, rank, world)
         elif job["kind"] == "save":
-            save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world)
+            save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":
-            export_weights(engine, launch["zero_stage"], Path(job["path"]), rank)
+            export_weights(engine, launch["zero_stage"], Path(job["path"]), rank, settings)
+        elif job["kind"] == "export_adapter":
+            export_adapter(engine, launch["zero_stage"], Path(job["path"]), rank)
         else:
             raise ValueError(f"unknown job kind {job['kind']!r} in {job_dir}")
         dist.barrier()

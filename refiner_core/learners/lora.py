@@ -1,6 +1,8 @@
-"""LoRA (model.lora_rank > 0) for the torch learner, with PEFT: only the adapters train; the KL reference is the
-same model with its adapters switched off (no second copy); checkpoints hold the merged weights (what every engine,
-eval and `refiner push` load) and the adapter itself in `adapter/` (what a resumed update trains on).
+"""LoRA (model.lora_rank > 0) for the torch and DeepSpeed learners, with PEFT: only the adapters train; the KL
+reference is the same model with its adapters switched off (no second copy); checkpoints hold the adapter in
+`adapter/` (what a resumed update trains on, what a vLLM engine applies to the base) and, with
+model.lora_save_merged, the merged weights too (a plain HF model; refiner_core.models.load_model merges an
+adapter-only checkpoint itself).
 
 The adapters sit on the reference model (model.reference, or the starting policy): a checkpoint's `adapter/` is
 loaded on top of that base, never on the checkpoint's merged weights, so the base under the adapters never moves.
@@ -8,11 +10,17 @@ loaded on top of that base, never on the checkpoint's merged weights, so the bas
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 
 import torch
 
-ADAPTER_DIR = "adapter"  # in a LoRA checkpoint: PEFT's adapter_config.json + adapter_model.safetensors
+from refiner_core.models import ADAPTER_DIR, Adapter
+
+ADAPTER_SEED = 0
 
 
 def lora_policy(base, checkpoint: str | Path, settings):
@@ -24,8 +32,13 @@ def lora_policy(base, checkpoint: str | Path, settings):
     if saved.is_dir():
         return PeftModel.from_pretrained(base, str(saved), is_trainable=True)
     config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
-                        target_modules=_targets(settings.lora_target_modules), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(base, config)
+                        target_modules=_targets(settings.lora_target_modules), bias="none", task_type="CAUSAL_LM",
+                        base_model_name_or_path=str(Path(base.name_or_path).resolve()))  # found from any folder
+    # A's random start from a fixed seed: every process (the torch learner, each DeepSpeed rank, a rerun) starts
+    # the same adapters, without touching the global RNG the run's sampling uses.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(ADAPTER_SEED)
+        return get_peft_model(base, config)
 
 
 def _targets(names) -> str | list[str]:
@@ -33,9 +46,10 @@ def _targets(names) -> str | list[str]:
     return names[0] if names == ["all-linear"] else names  # PEFT's shorthand: every linear layer but the output
 
 
-def merged_state_dict(policy) -> dict[str, torch.Tensor]:
+def merged_state_dict(policy, state: dict | None = None) -> dict[str, torch.Tensor]:
     """The weights of base + adapters under the base model's own (HF) names, computed beside the model: merging
-    in place and back would leave rounding in the base weights, which are also the KL reference."""
+    in place and back would leave rounding in the base weights, which are also the KL reference. `state`: the
+    PEFT model's full state dict when its parameters live elsewhere (gathered ZeRO-3 partitions)."""
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
@@ -43,10 +57,20 @@ def merged_state_dict(policy) -> dict[str, torch.Tensor]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             for adapter in module.active_adapters:
-                delta = module.get_delta_weight(adapter).detach()
+                if state is None:
+                    delta = module.get_delta_weight(adapter).detach()
+                else:  # the same product, from the gathered tensors
+                    key = f"base_model.model.{name}.lora_%s.{adapter}.weight"
+                    b, a = state[key % "B"].float(), state[key % "A"].float()
+                    delta = (b @ a) * module.scaling[adapter]
+                    delta = delta.T if module.fan_in_fan_out else delta
                 deltas[f"{name}.weight"] = deltas.get(f"{name}.weight", 0) + delta
+    if state is None:
+        state = base.state_dict()
+    else:  # the PEFT model's names, less its wrapper prefix
+        state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
     merged = {}
-    for key, tensor in base.state_dict().items():
+    for key, tensor in state.items():
         if ".lora_" in key:
             continue
         key = key.replace(".base_layer.", ".")
@@ -54,11 +78,50 @@ def merged_state_dict(policy) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_lora(policy, path: Path) -> None:
-    """Merged weights (an HF model any loader reads) + the adapter in `adapter/`."""
+def save_lora(policy, path: Path, merged: bool, state: dict | None = None) -> None:
+    """The adapter in `adapter/` and, when `merged`, the merged weights (an HF model any loader reads), else the
+    base's config and generation config only (the folder still names the architecture). `state`: the full
+    state dict of the PEFT model when its parameters live elsewhere (gathered from ZeRO-3 partitions)."""
     base = policy.get_base_model()
-    base.save_pretrained(path, state_dict=merged_state_dict(policy))
-    policy.save_pretrained(str(Path(path) / ADAPTER_DIR))
+    if merged:
+        base.save_pretrained(path, state_dict=merged_state_dict(policy, state))
+    else:
+        base.config.save_pretrained(path)
+        if base.generation_config is not None:
+            base.generation_config.save_pretrained(path)
+    policy.save_pretrained(str(Path(path) / ADAPTER_DIR), state_dict=_adapter_state(state))
+
+
+def _adapter_state(state: dict | None) -> dict | None:
+    """The adapter part of a full PEFT state dict, under the names PEFT's save_pretrained expects."""
+    return None if state is None else {k: v for k, v in state.items() if ".lora_" in k}
+
+
+def ram_dir() -> str | None:
+    """RAM-backed /dev/shm when it is writable: exported weights for an engine stay off the disk."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+class AdapterExports:
+    """Where a learner writes its adapters for rollout engines (model.lora_sync 'adapter'): a new folder per export,
+    since an engine reads the folder it is handed when it next samples; the one before is deleted."""
+
+    def __init__(self, base: str, rank: int, root: str | None = None):
+        self.base, self.rank = base, rank
+        self.root = Path(tempfile.mkdtemp(prefix="refiner-adapter-", dir=root or ram_dir()))
+        self.count = 0
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.root), True)
+
+    def next_folder(self) -> Path:
+        shutil.rmtree(self.root / str(self.count), ignore_errors=True)
+        self.count += 1
+        return self.root / str(self.count)
+
+    def adapter(self) -> Adapter:
+        return Adapter(str(self.root / str(self.count)), self.base, self.rank)
+
+    def close(self) -> None:
+        self._cleanup()
 
 
 class AdaptersOff(torch.nn.Module):

@@ -11,7 +11,8 @@ import torch
 
 from refiner_core.learners.base import (LearnerSettings, TrainSample, collate_group, collate_rows, pack_rows,
                                         prompt_groups, token_logprobs, token_scores)
-from refiner_core.learners.lora import AdaptersOff, lora_policy, merged_state_dict, save_lora
+from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
+from refiner_core.models import Adapter
 from refiner_core.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
 from refiner_core.progress import progress_bar
 
@@ -30,6 +31,7 @@ class TorchLearner:
             self.optimizer.load_state_dict(torch.load(optimizer_state, weights_only=True))
             for group in self.optimizer.param_groups:  # the recipe's lr wins over the saved one
                 group["lr"] = settings.learning_rate
+        self.exports: AdapterExports | None = None  # made by the first adapter()
 
     def _layout(self, samples: list[TrainSample]) -> list[list[dict[str, torch.Tensor]]]:
         """Optimizer steps (`minibatches` of them), each a list of micro-batches: with share_prompt, one group
@@ -159,14 +161,24 @@ class TorchLearner:
         with LoRA, base + adapters merged, under the base model's names."""
         return merged_state_dict(self.policy) if self.s.lora_rank else self.policy.state_dict()
 
+    def adapter(self) -> Adapter:
+        """The current adapters written for a rollout engine that applies them to the base (LoRA only)."""
+        if self.exports is None:
+            config = self.policy.peft_config["default"]
+            self.exports = AdapterExports(config.base_model_name_or_path, config.r)
+        self.policy.save_pretrained(str(self.exports.next_folder()))
+        return self.exports.adapter()
+
     def close(self) -> None:
-        """Nothing to stop: the model lives in this process and goes with the learner."""
+        """Nothing to stop: the model lives in this process and goes with the learner; exported adapters go."""
+        if self.exports is not None:
+            self.exports.close()
 
     def save(self, path: Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         if self.s.lora_rank:
-            save_lora(self.policy, path)
+            save_lora(self.policy, path, merged=self.s.lora_save_merged)
         else:
             self.policy.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")  # with LoRA, the adapters' AdamW state

