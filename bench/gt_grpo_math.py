@@ -1,7 +1,7 @@
 """GT-GRPO demonstration: SmolLM2-135M-Instruct on easy arithmetic, held-out accuracy before and after N steps.
 
-Runs recipes/gt-grpo-math.yaml through the real pipeline, scaled down for a CPU (the overrides below are the
-README's), on data/math/easy.jsonl (reasoning-gym chain_sum, two one-digit terms). The eval stage answers the
+Runs recipes/gt-grpo-math.yaml through the real pipeline, scaled down for a CPU (the overrides below are those of
+docs/recipes.md), on data/math/easy.jsonl (reasoning-gym chain_sum, two one-digit terms). The eval stage answers the
 held-out questions greedily with the starting policy (step 0) and after the last step; this prints them side by
 side with the training reward per step.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# The recipe's GPU settings scaled down to 2 CPU cores (also in the README, section "Math: GT-GRPO and Co-rewarding").
+# The recipe's GPU settings scaled down to 2 CPU cores (also in docs/recipes.md, "Math: GT-GRPO and Co-rewarding").
 CPU_OVERRIDES = [
     "model.policy=smollm2-135m-instruct", "model.dtype=float32", "rollout.engine=hf", "grpo.learner=torch",
     "grpo.world_size=1", "rollout.samples_per_prompt=8", "rollout.prompts_per_step=6", "rollout.max_new_tokens=32",

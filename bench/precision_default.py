@@ -10,7 +10,7 @@ run's "precision: ..." line) and default / fp32 per stage: below 1 means the def
     .venv/bin/python bench/precision_default.py --set model.policy=smollm2-135m-instruct --set grpo.steps=1
 
 bf16 does not pay on the tiny Qwen3 (hidden size 64): fp32 was faster there even on a CPU with AVX-512 BF16, while
-SmolLM2-135M at the same recipe shapes was 3.6x faster under the default (README, "Benchmarks").
+SmolLM2-135M at the same recipe shapes was 3.6x faster under the default (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`refiner sql` at scale: a synthetic catalog of many rollouts (default 1 M, with 10 judge scores each), then the
-time of every README query and predefined view, as opened by `refiner sql` (read-only, file access off).
+time of every query of docs/catalog.md and predefined view, as opened by `refiner sql` (read-only, file access off).
 
 Each query's time is also given as a ratio to a baseline measured in the same command, a hash aggregation of
 all rollouts by prompt (`SELECT prompt_id, count(*) FROM rollouts GROUP BY prompt_id`), so figures from machines
@@ -26,7 +26,7 @@ from refiner_core.run_sql import VIEWS, open_runs  # noqa: E402
 from refiner_core.schema import ALL_TABLES, duckdb_ddl  # noqa: E402
 
 BASELINE = "SELECT prompt_id, count(*) FROM rollouts GROUP BY prompt_id"
-README_QUERIES = {
+DOCUMENTED_QUERIES = {
     "steps": "SELECT step, round(reward_mean, 3) AS reward, round(kl, 5) AS kl, response_length_mean FROM steps "
              "ORDER BY step",
     "rubrics by source": "SELECT r.source, r.title, round(avg(s.oriented_score), 3) AS mean, count(*) FILTER "
@@ -116,7 +116,7 @@ def main() -> None:
     print(f"baseline ({BASELINE}): {base:.3f} s; DuckDB threads: {threads}\n")
     print(f"{'query':<24} {'seconds':>8} {'x baseline':>11}")
     worst = 0.0
-    for name, sql in [*README_QUERIES.items(), *((f"view {v}", f'SELECT * FROM "{v}"') for v in VIEWS)]:
+    for name, sql in [*DOCUMENTED_QUERIES.items(), *((f"view {v}", f'SELECT * FROM "{v}"') for v in VIEWS)]:
         seconds = timed(con, sql, args.repeats)
         if name.startswith("view"):
             worst = max(worst, seconds)

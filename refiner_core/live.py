@@ -314,7 +314,7 @@ def checkpoint_weights(model_path: str | Path, adapters: bool = False) -> dict |
     adapter = lora_adapter(model_path)
     if adapter is not None and adapters:
         return adapter
-    if adapter is not None and adapter == checkpoint_adapter(model_path):  # adapter-only: nothing merged on disk
+    if checkpoint_adapter(model_path) is not None:  # nothing merged on disk: merged here
         return adapter_weights(adapter)
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:

@@ -205,13 +205,14 @@ def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
         assert png.size == (1600, 600)
 
 
-def test_readme_eval_query_runs_on_a_real_catalog(sft_eval_run):
+def test_documented_eval_query_runs_on_a_real_catalog(sft_eval_run):
     import re
 
     from refiner_core.storage import query
 
     _, run_dir, _, _ = sft_eval_run
-    section = (REPO / "README.md").read_text().split("## Held-out evaluation", 1)[1].split("\n## ", 1)[0]
+    page = (REPO / "docs" / "pipeline.md").read_text()
+    section = page.split("## Held-out evaluation", 1)[1].split("\n## ", 1)[0]
     sql = re.search(r'refiner sql RUN_DIR "(SELECT [^"]+)"', section).group(1)
     columns, rows = query(run_dir / "catalog.duckdb", sql)
     assert columns[:3] == ["step", "phase", "mode"]

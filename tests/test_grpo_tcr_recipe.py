@@ -1,4 +1,4 @@
-"""recipes/grpo-tcr.yaml end to end on the tiny model, scaled down as the README shows, with scripted tool-using
+"""recipes/grpo-tcr.yaml end to end on the tiny model, scaled down as docs/recipes.md shows, with scripted tool-using
 conversations mixed in: turns, loss masks and TCR rewards in the catalog."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from refiner_core.config import load_recipe
 from refiner_core.storage import query
 
 REPO = Path(__file__).resolve().parents[1]
-# The README's scaled-down line: tiny model, hf engine, torch learner, short budgets.
+# The scaled-down line of docs/recipes.md: tiny model, hf engine, torch learner, short budgets.
 TINY_TCR = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048",
             "rollout.engine=hf", "rollout.samples_per_prompt=4", "rollout.prompts_per_step=4",
             "rollout.max_new_tokens=160", "rollout.batch_size=16", "rollout.agent.max_turns=3",
@@ -98,7 +98,7 @@ def test_scripted_tool_calls_ran_in_the_sandbox_and_failures_are_recorded(tcr_ru
     bad = rows(tcr_run, "SELECT status, split_part(failure, ':', 1), text LIKE 'error: bad_json%' FROM turns "
                         "WHERE role = 'tool' AND sample_idx = 1 AND failure IS NOT NULL")
     assert bad and all(b == ("invalid_call", "bad_json", True) for b in bad)
-    # The README's questions: which tool calls failed and why; where the agent ran out of budget.
+    # The documented questions: which tool calls failed and why; where the agent ran out of budget.
     failed = rows(tcr_run, "SELECT status, split_part(failure, ':', 1) AS why, count(*) FROM turns "
                            "WHERE role = 'tool' AND (failure IS NOT NULL OR status <> 'ok') GROUP BY ALL")
     assert ("invalid_call", "bad_json", len(bad)) in failed
@@ -133,6 +133,6 @@ def test_rewards_are_tcr_plus_the_overlong_penalty(tcr_run):
     assert all(s[2] == pytest.approx(-0.9) for s in wrong_after_tool)
     by_rounds = rows(tcr_run, "SELECT o.tool_rounds, count(*) AS n, round(avg(w.reward), 3) AS reward, "
                               "avg(w.correct) AS accuracy FROM rewards w JOIN rollouts o USING (run, step, "
-                              "prompt_id, sample_idx) GROUP BY 1 ORDER BY 1")  # as in the README
+                              "prompt_id, sample_idx) GROUP BY 1 ORDER BY 1")  # as in docs/recipes.md
     assert by_rounds[0][0] == 0 and by_rounds[-1][0] >= 1 and sum(n for _, n, _, _ in by_rounds) == 32
     assert rows(tcr_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]

@@ -15,7 +15,7 @@ from refiner_core.ground_truth import verify
 from refiner_core.preflight import check_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+RECIPES_PAGE = (REPO / "docs" / "recipes.md").read_text()
 MATH_RECIPES = ("gt-grpo-math", "co-rewarding-1", "co-rewarding-2")
 # The recipes hold GPU settings; these make them run on the tiny model in seconds.
 TINY = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048",
@@ -108,23 +108,23 @@ def _sets(text: str) -> list[str]:
     return text.replace("--set ", "").split()
 
 
-def readme_math_line(name: str) -> list[str]:
-    """The README's scaled-down command for a math recipe: $math_cpu and the line's own --set overrides."""
-    shared = re.search(r'^math_cpu="([^"]*)"$', README, re.MULTILINE)
-    line = re.search(rf"^\.venv/bin/refiner run recipes/{name}\.yaml \$math_cpu(.*)$", README, re.MULTILINE)
-    assert shared and line, f"README has no math_cpu line or no scaled-down line for {name}"
+def documented_math_line(name: str) -> list[str]:
+    """docs/recipes.md's scaled-down command for a math recipe: $math_cpu and the line's own --set overrides."""
+    shared = re.search(r'^math_cpu="([^"]*)"$', RECIPES_PAGE, re.MULTILINE)
+    line = re.search(rf"^\.venv/bin/refiner run recipes/{name}\.yaml \$math_cpu(.*)$", RECIPES_PAGE, re.MULTILINE)
+    assert shared and line, f"docs/recipes.md has no math_cpu line or no scaled-down line for {name}"
     return _sets(shared.group(1)) + _sets(line.group(1))
 
 
 @pytest.mark.parametrize("name", MATH_RECIPES)
-def test_readme_runs_each_math_recipe_scaled_down_and_it_passes_preflight(name):
-    assert check_recipe(load_recipe(REPO / "recipes" / f"{name}.yaml", readme_math_line(name))) == []
+def test_documented_math_recipe_lines_pass_preflight(name):
+    assert check_recipe(load_recipe(REPO / "recipes" / f"{name}.yaml", documented_math_line(name))) == []
 
 
-def test_the_demonstration_is_the_readme_line():
+def test_the_demonstration_is_the_documented_line():
     from bench.gt_grpo_math import overrides
 
-    assert overrides(4, 0) == readme_math_line("gt-grpo-math")
+    assert overrides(4, 0) == documented_math_line("gt-grpo-math")
 
 
 VERIFIER_OF = {"gt-grpo-math": "ground_truth", "co-rewarding-1": "co_rewarding", "co-rewarding-2": "co_rewarding_teacher"}
@@ -153,8 +153,8 @@ PSEUDO_LABEL_QUERIES = [
 
 
 @pytest.mark.parametrize("sql", PSEUDO_LABEL_QUERIES)
-def test_readme_pseudo_label_queries_run(co_run, sql):
-    assert f'refiner sql RUN_DIR "{sql}"' in README
+def test_documented_pseudo_label_queries_run(co_run, sql):
+    assert f'refiner sql RUN_DIR "{sql}"' in RECIPES_PAGE
     assert catalog_rows(co_run, sql)
 
 

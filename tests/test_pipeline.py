@@ -134,16 +134,17 @@ def test_e2e_tables_and_weights(finished_run, tiny_model_path):
         assert state == "Completed"
 
 
-def test_every_readme_and_cli_query_runs_on_a_real_catalog(finished_run):
-    """The README's `refiner sql` examples and the queries the CLI prints run unchanged against a run's catalog."""
+def test_every_documented_and_cli_query_runs_on_a_real_catalog(finished_run):
+    """The `refiner sql` examples of README.md and docs/*.md, and the CLI's, run unchanged on a run's catalog."""
     import re
 
     from flows.cli import EXAMPLE_SQL
     from refiner_core.storage import query
 
     _, run_dir, _ = finished_run
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    queries = re.findall(r'refiner sql \S+ "([^"]+)"', readme)
+    repo = Path(__file__).parents[1]
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    queries = [q for page in pages for q in re.findall(r'refiner sql \S+ "([^"]+)"', page.read_text())]
     assert len(queries) >= 10
     for sql in queries + list(EXAMPLE_SQL):
         columns, _ = query(run_dir / "catalog.duckdb", sql)

@@ -26,7 +26,7 @@ def problems(*overrides: str, recipe: Path = REPO / "recipes" / "tiny.yaml") -> 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_pass(recipe):
     """Every shipped recipe passes preflight; the GPU recipes may only lack their local checkpoint folder (their
-    scaled-down README lines are checked by their own tests)."""
+    scaled-down lines in docs/recipes.md are checked by their own tests)."""
     policy = load_recipe(recipe).model.policy
     absent_checkpoint = f"model.policy: {policy!r} is not 'tiny-qwen3' or 'smollm2-135m-instruct', and there is no folder"
     assert [p for p in problems(recipe=recipe) if not p.startswith(absent_checkpoint)] == []

@@ -1,4 +1,4 @@
-"""The refiner recipes: published settings, the README's scaled-down overrides, and one scaled-down step."""
+"""The refiner recipes: published settings, the scaled-down overrides of docs/recipes.md, and one scaled-down step."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from conftest import REPO, run_cli
 from refiner_core.config import load_recipe
 from refiner_core.preflight import check_recipe
 
-README = (REPO / "README.md").read_text()
+RECIPES_PAGE = (REPO / "docs" / "recipes.md").read_text()
 REFINER_RECIPES = ("refiner-answer-only", "refiner-instance-rubric")
 
 
-def readme_scale_down() -> list[str]:
-    """The `--set` overrides of the README's `scale_down=...` line, as `section.field=value` strings."""
-    found = re.search(r'^scale_down="([^"]*)"$', README, re.MULTILINE)
-    assert found, "README has no scale_down=\"...\" line"
+def documented_scale_down() -> list[str]:
+    """The `--set` overrides of the `scale_down=...` line in docs/recipes.md, as `section.field=value` strings."""
+    found = re.search(r'^scale_down="([^"]*)"$', RECIPES_PAGE, re.MULTILINE)
+    assert found, "docs/recipes.md has no scale_down=\"...\" line"
     words = shlex.split(found.group(1))
     assert words[::2] == ["--set"] * (len(words) // 2) and len(words) % 2 == 0, words
     return words[1::2]
@@ -50,9 +50,9 @@ def test_recipe_has_the_published_settings(name):
 
 
 @pytest.mark.parametrize("name", REFINER_RECIPES)
-def test_readme_runs_each_recipe_scaled_down_and_it_passes_preflight(name):
-    assert f".venv/bin/refiner run recipes/{name}.yaml $scale_down" in README
-    cfg = load_recipe(REPO / "recipes" / f"{name}.yaml", readme_scale_down())
+def test_documented_scale_down_line_passes_preflight(name):
+    assert f".venv/bin/refiner run recipes/{name}.yaml $scale_down" in RECIPES_PAGE
+    cfg = load_recipe(REPO / "recipes" / f"{name}.yaml", documented_scale_down())
     assert check_recipe(cfg) == []
     assert (cfg.rollout.engine, cfg.grpo.learner, cfg.judge.engine) == ("hf", "torch", "transformers")
     # what the overrides leave alone is still the published recipe
@@ -87,7 +87,7 @@ def test_instance_rubric_recipe_scaled_down_runs_one_step_on_the_tiny_model(tiny
     tiny = ["model.policy=tiny-qwen3", "grpo.steps=1", "eval.every=1", "rollout.max_new_tokens=24",
             "rollout.prompts_per_step=2", "eval.prompts=3", "model.max_position_embeddings=2048",
             "data.max_prompt_tokens=2000"]
-    sets = [w for o in readme_scale_down() + tiny for w in ("--set", o)]
+    sets = [w for o in documented_scale_down() + tiny for w in ("--set", o)]
     run_dir = tmp_path / "run"
     code, out, err, _ = run_cli(["run", "recipes/refiner-instance-rubric.yaml", "--run-dir", str(run_dir), *sets],
                                 tmp_path)
