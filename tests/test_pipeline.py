@@ -138,7 +138,7 @@ def test_every_documented_and_cli_query_runs_on_a_real_catalog(finished_run):
     """The `refiner sql` examples of README.md and docs/*.md, and the CLI's, run unchanged on a run's catalog."""
     import re
 
-    from flows.cli import EXAMPLE_SQL
+    from flows.supervisor import EXAMPLE_SQL
     from refiner_core.storage import query
 
     _, run_dir, _ = finished_run

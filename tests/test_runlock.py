@@ -134,7 +134,7 @@ def start_cli(args: list[str], tmp_path: Path, name: str, env: dict | None = Non
 
 SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
     import json, os, signal, sys, time, weakref
-    from flows.cli import Terminated, _terminate, interrupts_never_lost
+    from flows.supervisor import Terminated, _terminate, interrupts_never_lost
 
 
     class Resource:
