@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refiner_core.http_chat import RetryPolicy, list_models  # noqa: E402
-from refiner_core.judges.cache import JudgeCache  # noqa: E402
+from refiner_core.http_chat import AnswerCache  # noqa: E402
 from refiner_core.judges.openai_judge import OpenAIJudge  # noqa: E402
 from refiner_core.prompts import judge_messages  # noqa: E402
 
@@ -87,7 +87,7 @@ def main() -> None:
     else:
         httpd, count = loopback_server(args.latency)
         base_url, model = f"http://127.0.0.1:{httpd.server_address[1]}/v1", "bench-judge"
-    cache = JudgeCache(Path(tempfile.mkdtemp(prefix="judge-bench-cache-")))
+    cache = AnswerCache(Path(tempfile.mkdtemp(prefix="judge-bench-cache-")))
     results = {}
     for level in levels:
         judge = OpenAIJudge(base_url, model, concurrency=level, timeout_seconds=120.0, policy=RetryPolicy(2, 0.1),

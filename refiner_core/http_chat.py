@@ -3,18 +3,22 @@ transport faults (timeouts, refused connections, HTTP 429 / 5xx, bodies that are
 with exponential backoff and full jitter. What the model wrote is never retried: a reply that is valid
 chat-completions JSON is the model's answer, whatever its content.
 
-Pure code (httpx), no Prefect. The judge uses it; refiner_core/rubric_gen.py could share `ChatError` and
-`chat_with_retries` (it has its own urllib client today).
+`AnswerCache` keeps answers on disk, one JSON file per request key, so that a rerun never pays twice. Pure code
+(httpx), no Prefect. The judge and rubric generation use both.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
+
+from refiner_core.storage import write_json
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
@@ -120,3 +124,30 @@ def list_models(base_url: str, api_key: str = "", timeout_seconds: float = 10.0)
     response = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=timeout_seconds)
     response.raise_for_status()
     return [m["id"] for m in response.json().get("data", [])]
+
+
+@dataclass
+class AnswerCache:
+    """Model answers on disk, one JSON file per key under `root`. Files are written atomically (temp file + rename),
+    so two processes sharing the cache never see a partial entry; two writers of one key write the same answer and
+    the last rename wins. An unreadable entry is a miss, overwritten by the next answer."""
+
+    root: Path
+
+    def _path(self, key: str) -> Path:
+        return Path(self.root) / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> dict | None:
+        try:
+            entry = json.loads(self._path(key).read_text())
+        except (OSError, ValueError):
+            return None
+        return entry if isinstance(entry, dict) and isinstance(entry.get("content"), str) else None
+
+    def put(self, key: str, content: str, **meta) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json({"key": key, "content": content, "created": time.time(), **meta}, path)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in Path(self.root).glob("*/*.json"))

@@ -1,24 +1,24 @@
 """Rubric generation through an OpenAI-compatible chat-completions endpoint, for rows that have none.
 
-Answers are cached on disk per request (keyed by a hash of the request body, not the URL), so a rerun never
-pays twice. Transport failures (timeout, refused connection, HTTP errors) are not cached: a rerun retries
-them. Junk answers are cached like any answer: the same request would be paid again for the same junk.
+The HTTP client and the answer cache are refiner_core.http_chat's, as for the judge. Answers are cached on disk per
+request (keyed by a hash of the request body, not the URL), so a rerun never pays twice. One attempt per row:
+transport failures (timeout, refused connection, HTTP errors) are not cached, the row is quarantined, and a rerun
+asks again. Junk answers are cached like any answer: the same request would be paid again for the same junk.
 Every failure is a `RubricGenerationError` with a quarantine reason, never a crash.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import socket
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+from refiner_core.http_chat import AnswerCache, ChatError, RetryPolicy, chat_with_retries
 from refiner_core.rubrics import RubricError, instance_rubrics
-from refiner_core.storage import write_json
+from refiner_core.storage import json_hash
 
 GENERATION_SYSTEM_PROMPT = (
     "You write grading rubrics for answers to research questions. Given a question, the search results an "
@@ -29,6 +29,7 @@ GENERATION_SYSTEM_PROMPT = (
 )
 MAX_TOOL_OUTPUT_CHARS = 6000
 _FENCE_RE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+ONE_ATTEMPT = RetryPolicy(max_retries=0)  # a failed row is quarantined; the stage's rerun asks again
 
 
 class RubricGenerationError(RuntimeError):
@@ -64,7 +65,7 @@ def request_body(messages: list[dict], settings: GenerationSettings) -> dict:
 
 
 def cache_key(body: dict) -> str:
-    return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return json_hash(body)
 
 
 def parse_generated(content: str) -> list[dict]:
@@ -88,34 +89,15 @@ def parse_generated(content: str) -> list[dict]:
 
 
 def chat_completion(body: dict, settings: GenerationSettings) -> str:
-    """POST /chat/completions and return the first choice's content; transport problems raise."""
-    url = settings.endpoint.rstrip("/") + "/chat/completions"
-    headers = {"Content-Type": "application/json"}
-    if settings.api_key:
-        headers["Authorization"] = f"Bearer {settings.api_key}"
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    """POST /chat/completions once and return the first choice's content; transport problems raise."""
     try:
-        with urllib.request.urlopen(request, timeout=settings.timeout_seconds) as response:
-            payload = response.read()
-    except urllib.error.HTTPError as e:
-        raise RubricGenerationError("rubric_generation_http_error", f"HTTP {e.code} from {url}") from None
-    except (socket.timeout, TimeoutError):
-        raise RubricGenerationError("rubric_generation_timeout",
-                                    f"no answer from {url} within {settings.timeout_seconds}s") from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, (socket.timeout, TimeoutError)):
-            raise RubricGenerationError("rubric_generation_timeout",
-                                        f"no answer from {url} within {settings.timeout_seconds}s") from None
-        raise RubricGenerationError("rubric_generation_http_error", f"{url}: {e.reason}") from None
-    except OSError as e:
-        raise RubricGenerationError("rubric_generation_http_error", f"{url}: {e}") from None
-    try:
-        content = json.loads(payload)["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise RubricGenerationError("rubric_generation_invalid",
-                                    f"not a chat-completions response: {payload[:200]!r}") from None
-    if not isinstance(content, str):
-        raise RubricGenerationError("rubric_generation_invalid", "message content is not a string")
+        with httpx.Client() as client:
+            content, _ = chat_with_retries(client, settings.endpoint, body, api_key=settings.api_key,
+                                           timeout_seconds=settings.timeout_seconds, policy=ONE_ATTEMPT)
+    except ChatError as e:
+        reason = {"timeout": "rubric_generation_timeout", "invalid_response": "rubric_generation_invalid"}
+        raise RubricGenerationError(reason.get(e.kind, "rubric_generation_http_error"), f"{e.kind}: {e.detail}") \
+            from None
     return content
 
 
@@ -123,17 +105,18 @@ def generate_rubrics(question: str, tool_output: str, reference_answer: str,
                      settings: GenerationSettings) -> tuple[list[dict], bool]:
     """(normalised instance rubrics, served_from_cache). Raises RubricGenerationError on any failure."""
     body = request_body(generation_messages(question, tool_output, reference_answer), settings)
-    path = Path(settings.cache_dir) / f"{cache_key(body)}.json"
-    cached = path.exists()
+    cache, key = AnswerCache(Path(settings.cache_dir)), cache_key(body)
+    entry = cache.get(key)
+    cached = entry is not None
     if cached:
-        content = json.loads(path.read_text())["content"]
+        content = entry["content"]
     else:
         try:
             content = chat_completion(body, settings)
         except RubricGenerationError as e:
             e.answered = False
             raise
-        write_json({"request": body, "content": content}, path)
+        cache.put(key, content, request=body)
     try:
         return parse_generated(content), cached
     except RubricGenerationError as e:

@@ -40,7 +40,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tmp_path):
-    from refiner_core.judges.cache import JudgeCache
+    from refiner_core.http_chat import AnswerCache
     from refiner_core.judges.openai_judge import OpenAIJudge
     from refiner_core.judges.serve import free_port, served_model_name
     from refiner_core.models import resolve_model
@@ -64,7 +64,7 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
         assert re.fullmatch(r"tiny-[0-9a-f]{12}", served) and f"model: {served}" in text
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == served
         # the judge-cache identity vLLM gives: the folder it loaded, the same on every listing
-        identities = [OpenAIJudge(base_url=f"http://127.0.0.1:{port}/v1", model=served, cache=JudgeCache(tmp_path),
+        identities = [OpenAIJudge(base_url=f"http://127.0.0.1:{port}/v1", model=served, cache=AnswerCache(tmp_path),
                                   progress=False).identity() for _ in range(2)]
         assert identities[0] == identities[1]
         assert identities[0]["reported"]["root"] == str(resolve_model(str(tiny_model_path)))

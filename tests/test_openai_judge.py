@@ -12,7 +12,7 @@ import pytest
 from refiner_core.config import RewardConfig
 from refiner_core.http_chat import RetryPolicy
 from refiner_core.judges.base import JudgeFailed, score_rollouts
-from refiner_core.judges.cache import JudgeCache
+from refiner_core.http_chat import AnswerCache
 from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
 from refiner_core.schema import JUDGE_SCORES
 from refiner_core.storage import read_rows, write_table
@@ -38,7 +38,7 @@ def make_batch(n_prompts: int = 10, samples: int = 4, n_rubrics: int = 3, step: 
 def _judge(server: FaultServer, cache_dir, **kw) -> OpenAIJudge:
     args = dict(base_url=server.base_url, model="fault-judge", concurrency=8, timeout_seconds=CLIENT_TIMEOUT,
                 policy=RetryPolicy(max_retries=2, backoff_seconds=0.01, backoff_max_seconds=0.05),
-                cache=JudgeCache(cache_dir), progress=False)
+                cache=AnswerCache(cache_dir), progress=False)
     return OpenAIJudge(**{**args, **kw})
 
 
@@ -110,12 +110,12 @@ def test_refused_connection_is_retried_then_recorded(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     judge = OpenAIJudge(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_seconds=1.0,
-                        policy=RetryPolicy(max_retries=2, backoff_seconds=0.01), cache=JudgeCache(tmp_path),
+                        policy=RetryPolicy(max_retries=2, backoff_seconds=0.01), cache=AnswerCache(tmp_path),
                         progress=False)
     scores, rewards = _score(judge, make_batch(n_prompts=1, samples=2, n_rubrics=2))
     assert all(s["failure"].startswith("refused") and s["attempts"] == 3 for s in scores)
     assert all(r["rubric_score"] == 0.0 and r["rubrics_failed"] == 2 for r in rewards)
-    assert len(JudgeCache(tmp_path)) == 0  # failures are not cached
+    assert len(AnswerCache(tmp_path)) == 0  # failures are not cached
 
 
 def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, monkeypatch):

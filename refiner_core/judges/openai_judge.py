@@ -23,7 +23,8 @@ import httpx
 
 from refiner_core.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries
 from refiner_core.judges.base import Completion
-from refiner_core.judges.cache import JudgeCache, cache_key, open_cache, prompt_hash
+from refiner_core.http_chat import AnswerCache
+from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
 from refiner_core.rewards import parse_judge_output
 
 # What a GET /models entry says about the weights behind a name (vLLM: `root` is the folder or hub id it loaded,
@@ -43,7 +44,7 @@ class OpenAIJudge:
     request_budget: int = 0
     temperature: float = 0.0
     max_tokens: int = 16
-    cache: JudgeCache | None = None
+    cache: AnswerCache | None = None
     cache_namespace: str = ""
     progress: bool = True
     seed: int = 0
