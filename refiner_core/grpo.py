@@ -41,7 +41,7 @@ def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]
     values = [r["reward"] for r in kept]
     groups = [r["prompt_id"] for r in kept]
     adv = (compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"],
-                              grpo.get("advantage_std_ddof", 0)) if kept else np.array([]))
+                              grpo["advantage_std_ddof"]) if kept else np.array([]))
     flat = zero_std_groups(values, groups)
     advantage_of = {(r["prompt_id"], r["sample_idx"]): float(a) for r, a in zip(kept, adv)}
     rows = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": r["reward"],

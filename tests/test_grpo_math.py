@@ -31,7 +31,7 @@ def test_dropped_rollouts_leave_the_update_and_their_group_uses_the_others():
                for i, (r, d) in enumerate([(1.0, False), (3.0, False), (100.0, True)])]
     rewards += [{"prompt_id": "b", "sample_idx": i, "reward": 2.0, "dropped": False} for i in range(2)]
     rows, stats = group_advantages(rewards, {"advantage": "group_std", "advantage_eps": 1e-9,
-                                             "filter_zero_std_groups": True})
+                                             "advantage_std_ddof": 0, "filter_zero_std_groups": True})
     by = {(r["prompt_id"], r["sample_idx"]): r for r in rows}
     # mean 2, std 1: the dropped 100 is ignored
     assert by[("a", 0)]["advantage"] == pytest.approx(-1.0) and by[("a", 1)]["advantage"] == pytest.approx(1.0)

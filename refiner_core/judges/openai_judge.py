@@ -23,6 +23,7 @@ import httpx
 
 from refiner_core.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries
 from refiner_core.judges.base import Completion
+from refiner_core.config import JudgeConfig
 from refiner_core.http_chat import AnswerCache
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
 from refiner_core.rewards import parse_judge_output
@@ -194,13 +195,14 @@ def same_weights(model: str, base_urls: list[str], api_key: str, timeout_seconds
 
 
 def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> OpenAIJudge:
-    """`model_path` (the located judge checkpoint) is not used: the server holds the model."""
-    if cfg.get("mode", "json") != "json":
-        raise ValueError(f"judge.engine 'openai' supports judge.mode 'json' only, not {cfg.get('mode')!r}")
-    api_key = api_key_from_env(cfg.get("api_key_env", ""))
-    base_url = cfg.get("base_url") or "http://127.0.0.1:8000/v1"
-    timeout = float(cfg.get("timeout_seconds", 60.0))
-    model, listed = cfg.get("api_model", ""), None
+    """`model_path` (the located judge checkpoint) is not used: the server holds the model. `cfg`: the judge
+    section (JudgeConfig fields; those left out take JudgeConfig's defaults)."""
+    judge = JudgeConfig(**cfg)
+    if judge.mode != "json":
+        raise ValueError(f"judge.engine 'openai' supports judge.mode 'json' only, not {judge.mode!r}")
+    api_key = api_key_from_env(judge.api_key_env)
+    base_url, timeout = judge.base_url or JudgeConfig.base_url, float(judge.timeout_seconds)
+    model, listed = judge.api_model, None
     if not model:  # the first model the server lists
         try:
             listed = listed_models(base_url, api_key, timeout)
@@ -209,17 +211,14 @@ def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precis
         if not listed or "id" not in listed[0]:
             raise ConnectionError(f"judge server at {base_url} lists no models; set judge.api_model")
         model = listed[0]["id"]
-    more = tuple(cfg.get("more_base_urls") or ())
+    more = tuple(judge.more_base_urls)
     if more:
         same_weights(model, [base_url, *more], api_key, timeout)
     return OpenAIJudge(
-        base_url=base_url, more_base_urls=more, model=model, api_key=api_key,
-        concurrency=int(cfg.get("concurrency", 8)),
+        base_url=base_url, more_base_urls=more, model=model, api_key=api_key, concurrency=judge.concurrency,
         timeout_seconds=timeout,
-        policy=RetryPolicy(int(cfg.get("max_retries", 3)), float(cfg.get("backoff_seconds", 0.5)),
-                           float(cfg.get("backoff_max_seconds", 30.0))),
-        request_budget=int(cfg.get("request_budget", 0)), temperature=float(cfg.get("temperature", 0.0)),
-        max_tokens=int(cfg.get("max_new_tokens", 16)),
-        cache=open_cache(cfg.get("cache_path", "")) if cfg.get("cache", True) else None,
-        cache_namespace=str(cfg.get("cache_namespace", "")), listed=listed,
+        policy=RetryPolicy(judge.max_retries, judge.backoff_seconds, judge.backoff_max_seconds),
+        request_budget=judge.request_budget, temperature=judge.temperature, max_tokens=judge.max_new_tokens,
+        cache=open_cache(judge.cache_path) if judge.cache else None,
+        cache_namespace=judge.cache_namespace, listed=listed,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from refiner_core.config import JudgeConfig
 from refiner_core.learners.base import autocast
 from refiner_core.progress import progress_bar
 from refiner_core.prompts import render_prompt
@@ -149,11 +150,11 @@ def prefix_groups(prompts: list[list[int]], min_shared: float = 0.5) -> list[lis
 
 def make_transformers_judge(model_path: str, cfg: dict, dtype: str = "float32",
                             precision: str = "fp32") -> TransformersJudge:
+    """`cfg`: the judge section (JudgeConfig fields; those left out take JudgeConfig's defaults)."""
     from refiner_core.models import load_model, load_tokenizer
 
-    engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=cfg["batch_size"],
+    judge = JudgeConfig(**cfg)
+    engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=judge.batch_size,
                              precision=precision)
-    return TransformersJudge(engine, cfg["max_new_tokens"], mode=cfg["mode"], prefill=cfg.get("prefill", True),
-                             share_prefix=cfg.get("share_prefix", True),
-                             name=f"transformers:{cfg['mode']}")
-
+    return TransformersJudge(engine, judge.max_new_tokens, mode=judge.mode, prefill=judge.prefill,
+                             share_prefix=judge.share_prefix, name=f"transformers:{judge.mode}")
