@@ -28,7 +28,8 @@ from tasks.judge import judge
 from tasks.judge_server import stop_judge_servers
 from tasks.model import locate_model
 from tasks.prepare import prepare_data
-from tasks.rollout import refill_prompts, rollout
+from tasks.rollout import rollout
+from tasks.sampling import refill_prompts
 from tasks.rubrics import ingest_rubrics
 from tasks.sft import prepare_sft, sft_train
 from tasks.stage import Submitted, settles_submitted_stages

@@ -12,7 +12,7 @@ from refiner_core.judges.base import make_judge
 from refiner_core.schema import EVALS
 from refiner_core.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
-from tasks.rollout import rollout_engine
+from tasks.sampling import rollout_engine
 from tasks.stage import stage
 
 

@@ -10,7 +10,7 @@ from refiner_core.config import RewardConfig
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
-from tasks.rollout import round_folder
+from tasks.sampling import round_folder
 from tasks.stage import stage
 
 

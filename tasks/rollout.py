@@ -7,12 +7,10 @@ from prefect import get_run_logger
 
 from refiner_core import live
 from refiner_core.agent.rollout import agent_rollouts, rollout_row as agent_rollout_row, turn_rows as agent_turn_rows
-from refiner_core.data import refill_prompt_ids, step_prompt_ids
 from refiner_core.models import load_tokenizer
-from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.schema import ROLLOUTS, TURNS
-from refiner_core.rollout.sharded import ShardedEngine
-from refiner_core.storage import read_rows, write_table
+from refiner_core.storage import write_table
+from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
 from tasks.stage import stage
 
 ROUND_SEED_OFFSET = 1_000_033  # a later sampling round of a step draws other random numbers than its first
@@ -66,59 +64,3 @@ def rollout(*, run_dir: str, run: str, step: int, prompts: dict, policy: dict, r
                  len(tool_rows), sum(t["failure"] is not None for t in tool_rows),
                  sum(t["status"] != "ok" for t in tool_rows), sum(r["tool_rounds"] for r in rows) / max(len(rows), 1))
     return manifest
-
-
-def step_prompts(prompts: dict, step: int, rollout_cfg: dict, seed: int,
-                 chosen: list[str] | None = None) -> tuple[list[str], list[list[int]]]:
-    """The step's prompt IDs (unless `chosen` names them) and their token IDs: a question's twin view joins it in
-    the same step, and every sampler of the step (the policy, an EMA teacher) answers the same ones."""
-    by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
-    train_ids = prompts["train_ids"]
-    if chosen is None:
-        chosen = step_prompt_ids(train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed,
-                                 twin_of=_twins(by_id))
-    return chosen, [by_id[p]["prompt_token_ids"] for p in chosen]
-
-
-def refill_prompts(prompts: dict, step: int, round: int, used: list[str], count: int, seed: int) -> list[str]:
-    """The fresh train prompts sampling round `round` of a step samples (refill_prompt_ids)."""
-    by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
-    return refill_prompt_ids(prompts["train_ids"], used, count, step, round, seed, twin_of=_twins(by_id))
-
-
-def _twins(prompt_rows: dict[str, dict]) -> dict[str, str]:
-    return {p: row["twin_id"] for p, row in prompt_rows.items() if row.get("twin_id")}
-
-
-def round_folder(step_folder: Path, round: int) -> Path:
-    """Where a sampling round's files go: the step's folder for its first round, step=N/round=R/ for later ones."""
-    return step_folder / f"round={round}" if round else step_folder
-
-
-def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, precision: str):
-    """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.live), else
-    one built from the checkpoint. Hand it back with `live.release`."""
-    def build(path: str):
-        settings = (rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision)
-        gpu = {"tensor_parallel_size": rollout_cfg["tensor_parallel_size"],
-               "gpu_memory_utilization": rollout_cfg["gpu_memory_utilization"],
-               "adapter_rank": rollout_cfg["adapter_rank"]}
-        if rollout_cfg["num_engines"] > 1:  # Ray actors (run.ray_address; preflight checks it is set)
-            return ShardedEngine(*settings, **gpu, num_engines=rollout_cfg["num_engines"],
-                                 markers=str(Path(run_dir) / ".faults"))
-        return make_engine(*settings, **gpu)
-
-    return live.rollout_engine(run_dir, live.engine_key(rollout_cfg, live.model_folder(policy), dtype, precision), policy, build)
-
-
-def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:
-    return SamplingParams(n=rollout_cfg["samples_per_prompt"], temperature=rollout_cfg["temperature"],
-                          top_p=rollout_cfg["top_p"], max_new_tokens=rollout_cfg["max_new_tokens"],
-                          stop=tuple(rollout_cfg["stop"]), seed=seed)
-
-
-def response_columns(g) -> dict:
-    """The rollout columns of a single-turn Generation (every token sampled, no tool round)."""
-    return {"response_token_ids": g.token_ids, "response_logprobs": g.logprobs, "response_text": g.text,
-            "response_mask": [True] * len(g.token_ids), "response_tokens": len(g.token_ids),
-            "finish_reason": g.finish_reason, "tool_rounds": 0, "final_text": g.text}

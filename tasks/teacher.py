@@ -13,7 +13,7 @@ from refiner_core.ema import alpha_at, ema_checkpoint, is_update_step
 from refiner_core.model_card import write_model_card
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
 from refiner_core.storage import atomic_dir, dir_hash, write_table
-from tasks.rollout import response_columns, rollout_engine, sampling_params, step_prompts
+from tasks.sampling import response_columns, rollout_engine, sampling_params, step_prompts
 from tasks.stage import stage
 
 TEACHER_SEED_OFFSET = 500_009  # the teacher's samples never repeat the policy's, even while their weights agree
