@@ -50,27 +50,35 @@ def test_packed_logprobs_equal_per_sequence_logprobs(tiny_model_path):
     assert (leaky_lp - packed_lp)[packed["mask"].bool()].abs().max() > 1e-2
 
 
+def _update(tiny_model_path, samples, **settings) -> tuple[dict, torch.Tensor]:
+    """One train step of a fresh policy against a reference that differs from it (so the KL term is not zero):
+    the metrics and the flat gradient."""
+    policy = load_model(tiny_model_path, trainable=True)
+    reference = load_model(tiny_model_path)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    metrics = TorchLearner(policy, reference, 0, _settings(**settings)).train_step(samples)
+    return metrics, torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+
+
+def _same_update(want: tuple[dict, torch.Tensor], got: tuple[dict, torch.Tensor]) -> None:
+    """The same loss and gradients, fp32 to 1e-5."""
+    (want_metrics, want_grads), (got_metrics, got_grads) = want, got
+    assert want_metrics["kl"] > 0 and want_grads.abs().max() > 0
+    for key in ("loss", "pg_loss", "kl", "clip_fraction", "response_tokens"):
+        assert got_metrics[key] == pytest.approx(want_metrics[key], rel=1e-5, abs=1e-5), key
+    torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sum_constant"])
 def test_packed_update_equals_padded_update(tiny_model_path, aggregation):
-    """Same loss and gradients (fp32, 1e-5) with the reference pass, TIS and KL all packed the same way."""
+    """The reference pass, TIS and KL all packed the same way."""
     samples = _samples()
-    results = []
-    for pack_length in (0, 48):
-        policy = load_model(tiny_model_path, trainable=True)
-        reference = load_model(tiny_model_path)
-        with torch.no_grad():  # a reference that differs from the policy, so the KL term is not zero
-            for p in reference.parameters():
-                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-        settings = _settings(pack_length=pack_length, loss_aggregation=aggregation)
-        metrics = TorchLearner(policy, reference, 0, settings).train_step(samples)
-        grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
-        results.append((metrics, grads))
-    (padded, padded_grads), (packed, packed_grads) = results
-    assert padded["kl"] > 0 and padded_grads.abs().max() > 0
-    for key in ("loss", "pg_loss", "kl", "clip_fraction", "response_tokens"):
-        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-5), key
-    torch.testing.assert_close(packed_grads, padded_grads, rtol=1e-5, atol=1e-5)
-    assert packed["packing_efficiency"] > padded["packing_efficiency"]
+    padded = _update(tiny_model_path, samples, loss_aggregation=aggregation)
+    packed = _update(tiny_model_path, samples, loss_aggregation=aggregation, pack_length=48)
+    _same_update(padded, packed)
+    assert packed[0]["packing_efficiency"] > padded[0]["packing_efficiency"]
 
 
 def test_packing_efficiency_hand_computed(tiny_model_path):
@@ -118,23 +126,10 @@ def test_shared_prompt_logprobs_equal_per_sequence_logprobs(tiny_model_path):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sum_constant"])
 def test_shared_prompt_update_equals_padded_update(tiny_model_path, aggregation):
-    """One prompt forward per group, its keys/values reused: the same loss and gradients (fp32, 1e-5) as one
-    padded sequence per row, with the reference pass, TIS, KL and a loss mask."""
+    """One prompt forward per group, its keys/values reused: the same update as one padded sequence per row, with
+    the reference pass, TIS, KL and a loss mask."""
     samples = _grouped_samples()
-    results = []
-    for share in (False, True):
-        policy = load_model(tiny_model_path, trainable=True)
-        reference = load_model(tiny_model_path)
-        with torch.no_grad():
-            for p in reference.parameters():
-                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-        settings = _settings(share_prompt=share, loss_aggregation=aggregation)
-        metrics = TorchLearner(policy, reference, 0, settings).train_step(samples)
-        grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
-        results.append((metrics, grads))
-    (padded, padded_grads), (shared, shared_grads) = results
-    assert padded["kl"] > 0 and padded_grads.abs().max() > 0
-    for key in ("loss", "pg_loss", "kl", "clip_fraction", "response_tokens"):
-        assert shared[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-5), key
-    torch.testing.assert_close(shared_grads, padded_grads, rtol=1e-5, atol=1e-5)
-    assert shared["packing_efficiency"] > 1.0  # each prompt computed once instead of four times
+    padded = _update(tiny_model_path, samples, loss_aggregation=aggregation)
+    shared = _update(tiny_model_path, samples, loss_aggregation=aggregation, share_prompt=True)
+    _same_update(padded, shared)
+    assert shared[0]["packing_efficiency"] > 1.0  # each prompt computed once instead of four times
