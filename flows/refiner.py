@@ -15,7 +15,7 @@ from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLO
                                   SOURCE_FIELDS, drop, engine_adapter_rank, pick, recipe_from_dict)
 from refiner_core.data import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
-from refiner_core.grpo import informative_prompt_ids
+from refiner_core.advantages import informative_prompt_ids
 from refiner_core.hardware import resolved_recipe
 from refiner_core.preflight import resolve
 from refiner_core.tracking import close_trackers

@@ -96,3 +96,36 @@ def zero_std_groups(rewards: Sequence[float], groups: Sequence) -> set:
     """Groups whose rewards are all equal: their advantages are 0 and they teach nothing."""
     r, g = np.asarray(rewards, dtype=np.float64), np.asarray(groups)
     return {k for k in np.unique(g).tolist() if np.ptp(r[g == k]) == 0}
+
+
+def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]:
+    """Per reward row (keyed by prompt_id, sample_idx): its group-relative advantage and whether it is trained.
+
+    Rows marked `dropped` (a failed judgment under judge.on_failure 'drop') take no part: their group's
+    advantages come from the other samples. All-equal groups are untrained under grpo.filter_zero_std_groups."""
+    kept = [r for r in rewards if not r.get("dropped")]
+    values = [r["reward"] for r in kept]
+    groups = [r["prompt_id"] for r in kept]
+    adv = (compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"],
+                              grpo["advantage_std_ddof"]) if kept else np.array([]))
+    flat = zero_std_groups(values, groups)
+    advantage_of = {(r["prompt_id"], r["sample_idx"]): float(a) for r, a in zip(kept, adv)}
+    rows = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": r["reward"],
+             "advantage": advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0),
+             "trained": not r.get("dropped") and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat)}
+            for r in rewards]
+    stats = {
+        "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
+        "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),
+        "informative_groups": len(set(groups) - flat),
+        "dropped_groups": len(flat) if grpo["filter_zero_std_groups"] else 0,
+    }
+    return rows, stats
+
+
+def informative_prompt_ids(rewards: list[dict]) -> set[str]:
+    """Prompts whose group's rewards differ (rows of failed judgments under 'drop' left out): the groups that
+    carry a learning signal, which rollout.dynamic_sampling samples until the step has enough of."""
+    kept = [r for r in rewards if not r.get("dropped")]
+    groups = [r["prompt_id"] for r in kept]
+    return set(groups) - zero_std_groups([r["reward"] for r in kept], groups)

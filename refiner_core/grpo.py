@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from refiner_core.advantages import compute_advantages, zero_std_groups
+from refiner_core.advantages import group_advantages
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
@@ -30,39 +30,6 @@ def learner_settings(grpo: dict, temperature: float, precision: str, lora: dict 
     given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo["adam_betas"]), **lora}
     fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in NOT_FROM_GRPO}
     return LearnerSettings(**fields, **given)
-
-
-def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]:
-    """Per reward row (keyed by prompt_id, sample_idx): its group-relative advantage and whether it is trained.
-
-    Rows marked `dropped` (a failed judgment under judge.on_failure 'drop') take no part: their group's
-    advantages come from the other samples. All-equal groups are untrained under grpo.filter_zero_std_groups."""
-    kept = [r for r in rewards if not r.get("dropped")]
-    values = [r["reward"] for r in kept]
-    groups = [r["prompt_id"] for r in kept]
-    adv = (compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"],
-                              grpo["advantage_std_ddof"]) if kept else np.array([]))
-    flat = zero_std_groups(values, groups)
-    advantage_of = {(r["prompt_id"], r["sample_idx"]): float(a) for r, a in zip(kept, adv)}
-    rows = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": r["reward"],
-             "advantage": advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0),
-             "trained": not r.get("dropped") and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat)}
-            for r in rewards]
-    stats = {
-        "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
-        "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),
-        "informative_groups": len(set(groups) - flat),
-        "dropped_groups": len(flat) if grpo["filter_zero_std_groups"] else 0,
-    }
-    return rows, stats
-
-
-def informative_prompt_ids(rewards: list[dict]) -> set[str]:
-    """Prompts whose group's rewards differ (rows of failed judgments under 'drop' left out): the groups that
-    carry a learning signal, which rollout.dynamic_sampling samples until the step has enough of."""
-    kept = [r for r in rewards if not r.get("dropped")]
-    groups = [r["prompt_id"] for r in kept]
-    return set(groups) - zero_std_groups([r["reward"] for r in kept], groups)
 
 
 def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -> tuple[list[TrainSample], list[dict], dict]:

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import duckdb
 
+from refiner_core.advantages import group_advantages
 from refiner_core.config import RecipeConfig, RewardConfig
 from refiner_core.rewards import compute_rewards, weight_row
 from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
-from refiner_core.storage import (STEP_INPUTS_HASH_SQL, json_hash, query, read_rows, replace_version_rows,
-                                  write_table)
+from refiner_core.catalog import STEP_INPUTS_HASH_SQL
+from refiner_core.storage import json_hash, query, read_rows, replace_version_rows, write_table
 
 RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "filter_zero_std_groups")
 RESCORABLE_JUDGE = ("on_failure",)
@@ -134,8 +135,6 @@ def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: s
     version = version or version_name(new)
     if version == "train":
         raise RescoreError("'train' is the version training used; choose another name")
-    from refiner_core.grpo import group_advantages  # imports torch: not loaded for `refiner sql`'s stale check
-
     grpo = {n: getattr(new.grpo, n) for n in RESCORABLE_GRPO}
     settings = settings_flags(base, new)
     out_root, summary = run_dir / "rescores" / version, []

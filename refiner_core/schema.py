@@ -265,7 +265,7 @@ RESCORES = Table(
         _c("reward_version", S, "The `refiner rescore` version."),
         _c("settings", S, "The settings that differ from the run's recipe, as `--set` flags."),
         _c("inputs_hash", S, "Hash of the step's reward_inputs and judge_scores rows the version was computed from "
-                             "(refiner_core.storage.STEP_INPUTS_HASH_SQL)."),
+                             "(refiner_core.catalog.STEP_INPUTS_HASH_SQL)."),
     ),
 )
 

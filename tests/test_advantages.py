@@ -9,7 +9,7 @@ import pytest
 
 from refiner_core.advantages import compute_advantages
 from refiner_core.config import load_recipe
-from refiner_core.grpo import group_advantages
+from refiner_core.advantages import group_advantages
 from refiner_core.rescore import check_rescorable
 
 # Group a: rewards 1, 0, 0, 1 -> mean 0.5, squared deviations sum 1.

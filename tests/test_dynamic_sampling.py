@@ -152,7 +152,8 @@ def test_rollout_files_without_a_round_column_stay_readable(tmp_path):
     from datetime import datetime, timezone
 
     from refiner_core.schema import ROLLOUTS, to_arrow
-    from refiner_core.storage import build_catalog, query, write_table
+    from refiner_core.catalog import build_catalog
+    from refiner_core.storage import query, write_table
 
     def row(prompt_id: str, sampling_round: int) -> dict:
         return {"run": "r", "step": 0, "prompt_id": prompt_id, "sample_idx": 0, "policy": "p", "policy_hash": "h",

@@ -25,7 +25,7 @@ def test_group_advantages_hand_computed():
 def test_dropped_rollouts_leave_the_update_and_their_group_uses_the_others():
     """judge.on_failure 'drop': a rollout whose judgment failed takes no part; the group's advantages are those of
     the remaining samples, and an all-equal group is untrained under filter_zero_std_groups."""
-    from refiner_core.grpo import group_advantages
+    from refiner_core.advantages import group_advantages
 
     rewards = [{"prompt_id": "a", "sample_idx": i, "reward": r, "dropped": d}
                for i, (r, d) in enumerate([(1.0, False), (3.0, False), (100.0, True)])]

@@ -14,7 +14,7 @@ import pytest
 
 from refiner_core.data import RawRow
 from refiner_core.rubric_gen import GenerationSettings, RubricGenerationError, generate_rubrics
-from refiner_core.rubrics import join_rubrics
+from refiner_core.rubric_join import join_rubrics
 from refiner_core.sources import load_rows
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from refiner_core.run_sql import QueryRefused, open_runs, run_query
 from refiner_core.schema import ALL_TABLES
-from refiner_core.storage import build_catalog, write_table
+from refiner_core.catalog import build_catalog
+from refiner_core.storage import write_table
 
 runner = CliRunner()
 

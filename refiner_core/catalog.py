@@ -1,0 +1,69 @@
+"""The run's DuckDB catalog: every schema table filled from the run's Parquet files, and the views over them that
+recompute rewards by the one reward definition (rewards.REWARD_SQL). Above storage.py (files and DuckDB I/O) and
+rewards.py, which know nothing of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from refiner_core.rewards import REWARD_SQL
+from refiner_core.schema import ALL_TABLES, duckdb_ddl
+from refiner_core.storage import catalog_copy
+
+
+def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> dict[str, int]:
+    """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
+
+    Every table of the schema exists, even when empty, so queries never fail on a missing table.
+    """
+    counts: dict[str, int] = {}
+    with catalog_copy(db_path, from_existing=False) as con:
+        for name, table in ALL_TABLES.items():
+            con.execute(duckdb_ddl(table))
+            files = [str(p) for p in parquet_files.get(name, ())]
+            missing = [f for f in files if not Path(f).exists()]
+            if missing:  # never publish a catalog that silently lacks rows
+                raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
+            if files:  # by name: files written before a column existed (rollouts.round) leave it NULL
+                con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?, union_by_name = true)',
+                            [files])
+            counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
+        con.execute(_REWARD_RECOMPUTE_VIEW)
+        con.execute(_STEP_REWARDS_VIEW)
+    return counts
+
+
+# Every reward version recomputed by the one reward definition from the stored inputs: equals rewards.reward.
+_REWARD_RECOMPUTE_VIEW = f"""
+CREATE VIEW rewards_recomputed AS
+SELECT run, step, prompt_id, sample_idx, reward_version, recomputed.reward AS reward_sql, stored.reward
+FROM ({REWARD_SQL}) recomputed
+JOIN rewards stored USING (run, step, prompt_id, sample_idx, reward_version)
+"""
+
+# What a step's rewards are computed from, one hash per (run, step): its reward_inputs and judge_scores rows
+# (without how a judgment was obtained: latency, attempts, cache hit). A `refiner rescore` version records it.
+STEP_INPUTS_HASH_SQL = """
+SELECT run, step, hash(list(row_hash ORDER BY row_hash))::VARCHAR AS inputs_hash FROM (
+  SELECT run, step, hash(i) AS row_hash FROM reward_inputs i
+  UNION ALL
+  SELECT run, step, hash(s) FROM (SELECT * EXCLUDE (latency_seconds, attempts, cache_hit) FROM judge_scores) s
+) GROUP BY run, step
+"""
+
+# The reward figures of `steps`, per reward version: training's and each rescore's, side by side. `stale`: a
+# rescore version computed from rows that a later run of the folder replaced (NULL: a version that recorded none).
+_STEP_REWARDS_VIEW = f"""
+CREATE VIEW step_rewards AS
+WITH figures AS (
+  SELECT run, step, reward_version, avg(r.reward) AS reward_mean, stddev_pop(r.reward) AS reward_std,
+         avg(abs(a.advantage)) AS advantage_abs_mean, count(*) AS rollouts,
+         count(*) FILTER (WHERE a.trained) AS trained_rollouts, count(*) FILTER (WHERE r.dropped) AS dropped_rollouts
+  FROM rewards r LEFT JOIN advantages a USING (run, step, prompt_id, sample_idx, reward_version)
+  GROUP BY run, step, reward_version
+), current_inputs AS ({STEP_INPUTS_HASH_SQL})
+SELECT f.*, CASE WHEN f.reward_version = 'train' THEN false WHEN v.reward_version IS NULL THEN NULL
+                 ELSE v.inputs_hash IS DISTINCT FROM c.inputs_hash END AS stale
+FROM figures f LEFT JOIN rescores v USING (run, step, reward_version) LEFT JOIN current_inputs c USING (run, step)
+"""

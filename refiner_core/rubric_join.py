@@ -1,0 +1,80 @@
+"""Each prepared prompt's rubrics: from the data rows or a rubric file of their own, else generated, plus the static
+set; rows that give none are rejections (the quarantine's). Above rubrics.py (one rubric's normalisation), data.py
+(rows and rejections) and rubric_gen.py (generation), which import nothing of this."""
+
+from __future__ import annotations
+
+import json
+
+from refiner_core.data import Rejection
+from refiner_core.rubric_gen import RubricGenerationError
+from refiner_core.rubrics import RubricError, instance_rubrics
+
+
+def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], separate_source: bool,
+                 generate=None) -> tuple[dict[str, list[dict]], list]:
+    """Instance rubrics per prompt ID (plus the static set) and the rejections.
+
+    `source_rows` are RawRows whose data carry id / positive_rubrics / negative_rubrics. With
+    `separate_source` they come from a rubric file of their own, so unreadable rows, unknown IDs and
+    duplicates are rejected here; otherwise they are the data rows, already vetted by prepare-data.
+    A prompt with neither rubrics nor a ground truth gets them from `generate(prompt) -> rubrics` (may raise
+    RubricGenerationError); a prompt with a ground truth and no rubrics maps to [] (verified, not judged).
+    """
+    by_id = {p["prompt_id"]: p for p in prompts}
+    found: dict[str, list[dict]] = {}
+    source_of: dict[str, object] = {}  # the RawRow each prompt's rubrics came from
+    invalid: set[str] = set()
+    rejected: list[Rejection] = []
+    for raw in source_rows:
+        if raw.data is None:
+            if separate_source:
+                reason, _, detail = raw.error.partition(": ")
+                rejected.append(Rejection(raw.row_ref, reason, detail, raw.raw))
+            continue
+        pid = raw.data.get("id")
+        pid = str(pid) if isinstance(pid, int) and not isinstance(pid, bool) else pid
+        if pid not in by_id:
+            if separate_source:
+                reason, detail = (("missing_field", "field 'id' is missing") if pid is None else
+                                  ("unknown_prompt_id", f"id {pid!r} is not a prepared prompt"))
+                rejected.append(Rejection(raw.row_ref, reason, detail, raw.raw))
+            continue
+        if pid in source_of:
+            if separate_source:
+                rejected.append(Rejection(raw.row_ref, "duplicate_id", f"rubrics for {pid!r} already seen", raw.raw))
+            continue
+        source_of[pid] = raw
+        try:
+            found[pid] = instance_rubrics(raw.data.get("positive_rubrics"), raw.data.get("negative_rubrics"),
+                                          allow_empty=True)
+        except RubricError as e:
+            invalid.add(pid)
+            rejected.append(Rejection(raw.row_ref, "invalid_rubrics", str(e), raw.raw))
+    out: dict[str, list[dict]] = {}
+    for pid, prompt in by_id.items():
+        if pid in invalid:
+            continue
+        rubrics = found.get(pid, [])
+        origin = source_of.get(pid)
+        ref = origin.row_ref if origin is not None else f"id {pid}"
+        raw_text = origin.raw if origin is not None else json.dumps(_prompt_view(prompt), default=str)
+        if not rubrics and prompt.get("ground_truth") is not None:
+            out[pid] = []  # judged by its ground truth, not by rubrics (and not by the refiner's static set)
+            continue
+        if not rubrics and generate is not None:
+            try:
+                rubrics = generate(prompt)
+            except RubricGenerationError as e:
+                rejected.append(Rejection(ref, e.reason, e.detail, raw_text))
+                continue
+        if not rubrics:
+            rejected.append(Rejection(ref, "missing_rubrics", "no positive or negative rubrics, no ground_truth, and "
+                                      "no generation endpoint configured (rubrics.generation_endpoint)", raw_text))
+            continue
+        out[pid] = rubrics + static
+    return out, rejected
+
+
+def _prompt_view(prompt: dict) -> dict:
+    return {k: prompt.get(k) for k in ("prompt_id", "question", "reference_answer")}

@@ -1,0 +1,99 @@
+"""The shape of refiner_core: no import cycle between its modules (imports inside functions count), storage I/O
+knows nothing of rewards, and the NumPy/DuckDB paths (rescore, the catalog) load no torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "refiner_core"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """refiner_core module -> the refiner_core modules it imports anywhere in its source (a package's own
+    __init__ counts as a module)."""
+    modules = {_module_name(p): p for p in CORE.rglob("*.py")}
+
+    def resolve(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in modules:
+                return ".".join(parts[:end])
+        return None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets |= {resolve(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {resolve(f"{node.module}.{alias.name}") or resolve(node.module) for alias in node.names}
+        graph[name] = {t for t in targets if t and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_refiner_core_has_no_import_cycle():
+    graph = import_graph()
+    assert "refiner_core.rubrics" in graph and graph["refiner_core.rubric_join"] >= {"refiner_core.rubrics"}
+    assert cycles(graph) == []
+
+
+def test_storage_io_knows_nothing_of_rewards_or_the_catalog():
+    graph = import_graph()
+    assert not graph["refiner_core.storage"] & {"refiner_core.rewards", "refiner_core.catalog"}
+    assert not graph["refiner_core.rubrics"] & {"refiner_core.data", "refiner_core.rubric_gen"}
+
+
+@pytest.mark.parametrize("module", ["refiner_core.rescore", "refiner_core.catalog", "refiner_core.advantages"])
+def test_numpy_and_duckdb_paths_load_no_torch(module):
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
