@@ -12,7 +12,8 @@ import os
 import shutil
 import sys
 import tempfile
-from pathlib import Path
+
+from refiner_core import REPO_ROOT
 
 # What connect() set up, for disconnect() to end: None while this module holds no connection; else the session
 # folder of the Ray instance it started ('local'), or '' for a cluster it joined.
@@ -42,8 +43,7 @@ def connect(address: str) -> str:
 
 
 def _python_path() -> list[str]:
-    root = str(Path(__file__).resolve().parents[1])
-    return [root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return [str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
 
 
 def disconnect() -> None:
