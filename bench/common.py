@@ -12,9 +12,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refiner_core import REPO_ROOT  # noqa: E402
-from refiner_core.data import read_jsonl  # noqa: E402
+from refiner_core.data.rows import read_jsonl  # noqa: E402
 from refiner_core.models import resolve_model  # noqa: E402
-from refiner_core.prompts import judge_messages  # noqa: E402
+from refiner_core.data.prompts import judge_messages  # noqa: E402
 
 
 def setup(default_pairs: int) -> tuple[argparse.Namespace, str, list[list[dict]]]:

@@ -39,9 +39,9 @@ sys.path.insert(0, str(BENCH))
 from peer_trl_grpo import reward_text  # noqa: E402
 from refiner_core import REPO_ROOT  # noqa: E402
 from refiner_core.config import GRPOConfig  # noqa: E402
-from refiner_core.data import read_jsonl  # noqa: E402
+from refiner_core.data.rows import read_jsonl  # noqa: E402
 from refiner_core.grpo import grpo_loop, learner_settings  # noqa: E402
-from refiner_core.hardware import native_bf16, resolve_precision  # noqa: E402
+from refiner_core.runtime.hardware import native_bf16, resolve_precision  # noqa: E402
 from refiner_core.learners.torch_learner import TorchLearner  # noqa: E402
 from refiner_core.models import load_model, load_tokenizer, resolve_model  # noqa: E402
 from refiner_core.rollout.base import SamplingParams  # noqa: E402

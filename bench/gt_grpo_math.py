@@ -34,7 +34,7 @@ def overrides(steps: int, eval_prompts: int) -> list[str]:
 
 
 def query(run_dir: Path, sql: str) -> list[tuple]:
-    from refiner_core.storage import query as catalog_query
+    from refiner_core.store.storage import query as catalog_query
 
     return catalog_query(run_dir / "catalog.duckdb", sql)[1]
 

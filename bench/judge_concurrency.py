@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refiner_core.http_chat import RetryPolicy, list_models  # noqa: E402
-from refiner_core.http_chat import AnswerCache  # noqa: E402
+from refiner_core.runtime.http_chat import RetryPolicy, list_models  # noqa: E402
+from refiner_core.runtime.http_chat import AnswerCache  # noqa: E402
 from refiner_core.judges.openai_judge import OpenAIJudge  # noqa: E402
-from refiner_core.prompts import judge_messages  # noqa: E402
+from refiner_core.data.prompts import judge_messages  # noqa: E402
 
 
 def loopback_server(latency: float) -> tuple[ThreadingHTTPServer, list[int]]:

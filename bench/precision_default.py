@@ -31,8 +31,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from refiner_core.hardware import cpu_bf16_features, cpuinfo_flags, native_bf16  # noqa: E402
-from refiner_core.storage import query  # noqa: E402
+from refiner_core.runtime.hardware import cpu_bf16_features, cpuinfo_flags, native_bf16  # noqa: E402
+from refiner_core.store.storage import query  # noqa: E402
 
 PRECISION_LINE = re.compile(r"precision: \w+ \([^\n]*\)")
 STAGES = ("rollout_seconds", "judge_seconds", "update_seconds")

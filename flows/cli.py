@@ -12,7 +12,7 @@ import typer
 from flows.supervisor import Terminated, interrupts_never_lost, run_in_folder
 from refiner_core.config import ConfigError, describe, load_recipe
 from refiner_core.preflight import check_recipe
-from refiner_core.text_safety import visible
+from refiner_core.data.text_safety import visible
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO post-training pipeline for LLM policies.")
 
@@ -55,7 +55,7 @@ def run(
                            *problems]))
     folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    from refiner_core.runlock import BUSY_EXIT_CODE, RunFolderBusy, acquire, release
+    from refiner_core.runtime.runlock import BUSY_EXIT_CODE, RunFolderBusy, acquire, release
 
     try:
         acquire(folder, command=f"refiner run {recipe}", warn=_warn)
@@ -75,7 +75,7 @@ def run(
 
 
 def _warn_stale_rescores(run_dirs: list[Path]) -> None:
-    from refiner_core.rescore import stale_rescore_warnings
+    from refiner_core.reward.rescore import stale_rescore_warnings
 
     for line in stale_rescore_warnings(run_dirs):
         _warn(line)
@@ -97,7 +97,7 @@ def sql(
     """Run a read-only SQL query against the catalogs of one or several runs (no file access from SQL)."""
     import duckdb
 
-    from refiner_core.run_sql import CatalogError, QueryRefused, export, open_runs, run_query
+    from refiner_core.store.run_sql import CatalogError, QueryRefused, export, open_runs, run_query
 
     if fmt not in ("table", "csv", "json"):
         _fail(f"--format must be table, csv or json, not {fmt!r}")
@@ -165,7 +165,7 @@ def show(
     and worst rollout of the last step."""
     import duckdb
 
-    from refiner_core.run_sql import CatalogError, open_runs, run_summary
+    from refiner_core.store.run_sql import CatalogError, open_runs, run_summary
 
     try:
         con = open_runs([run_dir])
@@ -216,8 +216,8 @@ def plot(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG path (default: RUN_DIR/curves.png)."),
 ) -> None:
     """Plot reward, KL, loss and response length per step (and held-out eval curves when the run has them) to a PNG."""
-    from refiner_core.plots import eval_summary, plot_steps
-    from refiner_core.storage import query as run_query
+    from refiner_core.store.plots import eval_summary, plot_steps
+    from refiner_core.store.storage import query as run_query
 
     db = run_dir / "catalog.duckdb"
     if not db.exists():
@@ -242,7 +242,7 @@ def rescore(
     The new version is written beside training's ('train') under RUN_DIR/rescores/ and into the catalog's
     rewards, reward_weights and advantages tables (column reward_version); step_rewards compares versions.
     Settings that need new judgments are refused (exit 2) with what would be re-judged."""
-    from refiner_core.rescore import RescoreError, rescore_run
+    from refiner_core.reward.rescore import RescoreError, rescore_run
 
     recipe = run_dir / "recipe.yaml"
     if not recipe.exists():
@@ -275,8 +275,8 @@ def push(
 ) -> None:
     """Publish a checkpoint (weights, config, tokenizer, model card; never the optimizer state) to the Hugging Face
     Hub. The token comes from HF_TOKEN or `hf auth login`. An incomplete checkpoint exits 2, a Hub error 1."""
-    from refiner_core.hub import PushError, choose_checkpoint, plan_push
-    from refiner_core.hub import push as push_plan
+    from refiner_core.store.hub import PushError, choose_checkpoint, plan_push
+    from refiner_core.store.hub import push as push_plan
 
     if step is not None and sft:
         _fail("--step and --sft exclude each other")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.procs import forget_child, spawn, stop_group
+from refiner_core.runtime.procs import forget_child, spawn, stop_group
 
 PORT_IN_USE_EXIT_CODE = 3  # uvicorn's exit code when its port was taken between our check and its bind
 

@@ -9,17 +9,18 @@ from prefect import flow, get_run_logger
 
 from flows.run_folder import holds_run_folder, resolve_run_dir
 
-from refiner_core import cluster, live
+from refiner_core.runtime import cluster
+from refiner_core.runtime import live
 from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS,
                                   FLOW_ONLY_ROLLOUT_FIELDS, LORA_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS,
                                   SOURCE_FIELDS, drop, engine_adapter_rank, pick, recipe_from_dict)
-from refiner_core.data import quarantine_warning
+from refiner_core.data.rows import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
-from refiner_core.advantages import informative_prompt_ids
-from refiner_core.hardware import resolved_recipe
+from refiner_core.algo.advantages import informative_prompt_ids
+from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.preflight import resolve
-from refiner_core.tracking import close_trackers
-from refiner_core.storage import read_rows
+from refiner_core.store.tracking import close_trackers
+from refiner_core.store.storage import read_rows
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
@@ -86,7 +87,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     conf["rollout"]["adapter_rank"] = engine_adapter_rank(cfg)  # LoRA adapters synced as adapters (0: merged)
     log = get_run_logger()
     log.info(precision_line)
-    if cfg.run.keep_engines:  # engines live for the run (refiner_core.live) until the end hooks close them
+    if cfg.run.keep_engines:  # engines live for the run (refiner_core.runtime.live) until the end hooks close them
         from prefect.runtime import flow_run
 
         live.open_run(run_dir, owner=str(flow_run.id))

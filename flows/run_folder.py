@@ -1,9 +1,9 @@
 """The run folder of a flow run: named from a template, used by one run at a time, its children recorded.
 
 `holds_run_folder` wraps the pipeline flow so that every way of running it (`refiner run`, a Prefect worker, a
-scheduled or retried flow run) resolves the folder template, takes the folder's lock (refiner_core.runlock),
-stops children and removes unfinished writes that an earlier, killed run left behind (refiner_core.procs,
-refiner_core.storage), writes the recipe it runs to RUN_DIR/recipe.yaml and sends every log line to
+scheduled or retried flow run) resolves the folder template, takes the folder's lock (refiner_core.runtime.runlock),
+stops children and removes unfinished writes that an earlier, killed run left behind (refiner_core.runtime.procs,
+refiner_core.store.storage), writes the recipe it runs to RUN_DIR/recipe.yaml and sends every log line to
 RUN_DIR/logs/run-<time>.log: each run folder has what `refiner sql`, `show`, `plot` and `rescore` read.
 """
 
@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from refiner_core.procs import PROCS_DIR_ENV, stop_leftovers
-from refiner_core.runlock import format_run_dir, run_lock
-from refiner_core.storage import remove_partial_writes
+from refiner_core.runtime.procs import PROCS_DIR_ENV, stop_leftovers
+from refiner_core.runtime.runlock import format_run_dir, run_lock
+from refiner_core.store.storage import remove_partial_writes
 
 PROCS_SUBDIR = ".procs"
 LOGS_SUBDIR = "logs"
@@ -103,7 +103,7 @@ def write_recipe(folder: Path, recipe: dict) -> None:
     import yaml
 
     from refiner_core.config import recipe_from_dict
-    from refiner_core.hardware import resolved_recipe
+    from refiner_core.runtime.hardware import resolved_recipe
 
     resolved, _ = resolved_recipe(recipe_from_dict(recipe))
     (folder / RECIPE_FILE).write_text(yaml.safe_dump(resolved.to_dict(), sort_keys=False))

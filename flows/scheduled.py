@@ -1,7 +1,7 @@
 """The flow that deployments schedule (prefect.yaml): run a recipe file in a run folder named by a template.
 
 The recipe is read when the run starts, so an edited recipe applies from the next scheduled run on. The run
-folder comes from `run_dir`, a template (see refiner_core.runlock.format_run_dir): the default,
+folder comes from `run_dir`, a template (see refiner_core.runtime.runlock.format_run_dir): the default,
 `runs/{deployment}/{date}-{flow_run_id}`, gives every scheduled run its own folder, and a retried flow run
 (`prefect flow-run retry ID`) keeps its ID and scheduled time, so it resumes its folder with finished stages
 `Cached`; a template without fields (`runs/nightly`) makes every run resume one folder. A failed run logs the

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import typer
 
-from refiner_core.text_safety import visible
+from refiner_core.data.text_safety import visible
 
 EXAMPLE_SQL = [
     "SELECT step, round(reward_mean, 3) AS reward, round(kl, 5) AS kl, round(loss, 4) AS loss FROM steps ORDER BY step",

@@ -502,7 +502,7 @@ def engine_adapter_rank(cfg: RecipeConfig) -> int:
     engine, whose LoRA kernels apply them), else 0: engines take merged weights."""
     model = cfg.model
     if model.lora_sync == "auto":
-        raise ValueError("model.lora_sync 'auto' is resolved per run (refiner_core.hardware.resolved_recipe)")
+        raise ValueError("model.lora_sync 'auto' is resolved per run (refiner_core.runtime.hardware.resolved_recipe)")
     return model.lora_rank if model.lora_sync == "adapter" and cfg.rollout.engine == "vllm" else 0
 
 

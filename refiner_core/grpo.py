@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from refiner_core.advantages import group_advantages
+from refiner_core.algo.advantages import group_advantages
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refiner_core import REPO_ROOT
-from refiner_core.storage import json_hash
+from refiner_core.store.storage import json_hash
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -60,7 +60,7 @@ def _publish(build_dir: Path, final: Path) -> Path:
 
 
 def _tokenizer_corpus() -> list[str]:
-    from refiner_core.prompts import REFINER_SYSTEM_PROMPT
+    from refiner_core.data.prompts import REFINER_SYSTEM_PROMPT
 
     texts = [REFINER_SYSTEM_PROMPT, '{"score": 0} {"score": 1} {"score": 2}']
     for path in sorted((REPO_ROOT / "data").rglob("*.jsonl")):

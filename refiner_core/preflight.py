@@ -13,9 +13,9 @@ from typing import Callable
 
 from refiner_core import REPO_ROOT
 from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig
-from refiner_core.data import UTF8_BOM, parse_jsonl_line
+from refiner_core.data.rows import UTF8_BOM, parse_jsonl_line
 from refiner_core.models import SMOLLM2, TINY_QWEN3
-from refiner_core.sources import SourceError, cached_hub_columns, detect_format, hub_offline
+from refiner_core.data.sources import SourceError, cached_hub_columns, detect_format, hub_offline
 
 REQUIRED_REFINER = ("id", "question", "reasoning", "tool_output")
 REQUIRED_CHAT = ("id", "messages")
@@ -125,7 +125,7 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if cfg.judge.serve and not _loopback_port(cfg.judge.base_url):
         problems.append(f"judge.serve = true: judge.base_url {cfg.judge.base_url!r} must name a host and port "
                         "on this machine (e.g. http://127.0.0.1:8011/v1) for the server the run starts")
-    from refiner_core.verifiers import VERIFIERS
+    from refiner_core.reward.verifiers import VERIFIERS
 
     if cfg.reward.verifier not in VERIFIERS:
         problems.append(f"reward.verifier = {cfg.reward.verifier!r}: choose from {sorted(VERIFIERS)}")
@@ -170,7 +170,7 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         from refiner_core.agent.rollout import agent_problems
 
         problems += agent_problems(cfg.rollout.agent)
-    from refiner_core.tracking import tracker_problems
+    from refiner_core.store.tracking import tracker_problems
 
     problems += tracker_problems(cfg.run.report_to)
     return problems

@@ -216,7 +216,7 @@ REWARD_WEIGHTS = Table(
 REWARDS = Table(
     "rewards",
     "One row per (rollout, reward version): every component, the weights used, and the total, computed by SQL "
-    "(refiner_core/rewards.py REWARD_SQL) from reward_inputs, judge_scores and reward_weights.",
+    "(refiner_core/reward/compose.py REWARD_SQL) from reward_inputs, judge_scores and reward_weights.",
     ("run", "step", "prompt_id", "sample_idx", "reward_version"),
     _ROLLOUT_KEY + (_c("reward_version", S, "'train' (used by the update) or a `refiner rescore` version."),)
     + _REWARD_INPUT_COLUMNS + _REWARD_WEIGHT_COLUMNS + (
@@ -265,7 +265,7 @@ RESCORES = Table(
         _c("reward_version", S, "The `refiner rescore` version."),
         _c("settings", S, "The settings that differ from the run's recipe, as `--set` flags."),
         _c("inputs_hash", S, "Hash of the step's reward_inputs and judge_scores rows the version was computed from "
-                             "(refiner_core.catalog.STEP_INPUTS_HASH_SQL)."),
+                             "(refiner_core.store.catalog.STEP_INPUTS_HASH_SQL)."),
     ),
 )
 

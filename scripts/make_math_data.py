@@ -77,7 +77,7 @@ def served_rephrasing(question: str, endpoint: str, model: str, cache_dir: Path,
     """One rephrasing from an OpenAI-compatible server, cached on disk by (model, question)."""
     import httpx
 
-    from refiner_core.http_chat import ChatError, chat_with_retries
+    from refiner_core.runtime.http_chat import ChatError, chat_with_retries
 
     key = hashlib.blake2b(json.dumps([model, question]).encode(), digest_size=12).hexdigest()
     cached = cache_dir / f"{key}.json"

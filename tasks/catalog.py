@@ -4,9 +4,9 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from refiner_core.data import Rejection, TooManyRejected, check_rejected_fraction
-from refiner_core.faults import stage_fault
-from refiner_core.catalog import build_catalog
+from refiner_core.data.rows import Rejection, TooManyRejected, check_rejected_fraction
+from refiner_core.runtime.faults import stage_fault
+from refiner_core.store.catalog import build_catalog
 
 
 @task(name="publish-catalog", cache_policy=None, persist_result=False, retries=1)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from refiner_core.checkpoints import prune
+from refiner_core.store.checkpoints import prune
 
 CHECKPOINT_FOLDERS = ("checkpoints", "teacher")  # under RUN_DIR
 

@@ -4,13 +4,13 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core import live
+from refiner_core.runtime import live
 from refiner_core.config import ConfigError, RewardConfig
 from refiner_core.eval.evaluate import (EvalSettings, format_table, generate_responses, held_out_prompts,
                                         score_responses, summarize)
 from refiner_core.judges.base import make_judge
 from refiner_core.schema import EVALS
-from refiner_core.storage import read_rows, write_table
+from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
 from tasks.sampling import rollout_engine
 from tasks.stage import stage

@@ -4,11 +4,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core import live
+from refiner_core.runtime import live
 from refiner_core.judges.base import make_judge, score_rollouts
 from refiner_core.config import RewardConfig
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
-from refiner_core.storage import read_rows, write_table
+from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
 from tasks.sampling import round_folder
 from tasks.stage import stage

@@ -3,7 +3,7 @@ from __future__ import annotations
 from prefect import task
 
 from refiner_core.models import resolve_model
-from refiner_core.storage import dir_hash
+from refiner_core.store.storage import dir_hash
 
 
 @task(name="locate-model", cache_policy=None, persist_result=False, retries=1)

@@ -4,11 +4,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.data import TooManyRejected, prepare_prompts, validate_rows
+from refiner_core.data.rows import TooManyRejected, prepare_prompts, validate_rows
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import PROMPTS, QUARANTINE
-from refiner_core.sources import load_source
-from refiner_core.storage import write_table
+from refiner_core.data.sources import load_source
+from refiner_core.store.storage import write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
 

@@ -11,7 +11,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-from refiner_core.progress import listening
+from refiner_core.runtime.progress import listening
 
 
 class UIProgress:

@@ -5,11 +5,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core import live
+from refiner_core.runtime import live
 from refiner_core.agent.rollout import agent_rollouts, rollout_row as agent_rollout_row, turn_rows as agent_turn_rows
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import ROLLOUTS, TURNS
-from refiner_core.storage import write_table
+from refiner_core.store.storage import write_table
 from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
 from tasks.stage import stage
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refiner_core import live
-from refiner_core.data import refill_prompt_ids, step_prompt_ids
+from refiner_core.runtime import live
+from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.sharded import ShardedEngine
-from refiner_core.storage import read_rows
+from refiner_core.store.storage import read_rows
 
 
 def step_prompts(prompts: dict, step: int, rollout_cfg: dict, seed: int,
@@ -41,7 +41,7 @@ def round_folder(step_folder: Path, round: int) -> Path:
 
 
 def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, precision: str):
-    """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.live), else
+    """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.runtime.live), else
     one built from the checkpoint. Hand it back with `live.release`."""
     def build(path: str):
         settings = (rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision)

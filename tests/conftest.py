@@ -111,7 +111,7 @@ def math_rows_file(folder: Path, rows: int) -> Path:
 
 def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
     """Rows of a query on a run's catalog, opened read-only."""
-    from refiner_core.storage import query
+    from refiner_core.store.storage import query
 
     return query(run_dir / "catalog.duckdb", sql)[1]
 

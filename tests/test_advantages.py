@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from refiner_core.advantages import compute_advantages
+from refiner_core.algo.advantages import compute_advantages
 from refiner_core.config import load_recipe
-from refiner_core.advantages import group_advantages
-from refiner_core.rescore import check_rescorable
+from refiner_core.algo.advantages import group_advantages
+from refiner_core.reward.rescore import check_rescorable
 
 # Group a: rewards 1, 0, 0, 1 -> mean 0.5, squared deviations sum 1.
 #   ddof 0: std = sqrt(1/4) = 0.5            -> advantages +-1

@@ -16,11 +16,11 @@ from refiner_core.agent.tools.base import tool_schema
 from refiner_core.agent.tools.python_sandbox import PythonSandbox, PythonTool, SandboxLimits, check_sandbox
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.models import load_model
-from refiner_core.prompts import render_prompt
+from refiner_core.data.prompts import render_prompt
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.schema import TURNS
-from refiner_core.storage import write_table
+from refiner_core.store.storage import write_table
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
 TWO_CALLS = ('<tool_call>{"name": "python", "arguments": {"code": "print(2 + 3)"}}</tool_call>'

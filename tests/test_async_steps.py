@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from conftest import catalog_rows, learner_settings, math_rows_file
-from refiner_core import live
-from refiner_core.checkpoints import TRAINING_STATE_FILES
+from refiner_core.runtime import live
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.config import load_recipe, recipe_from_dict
-from refiner_core.ground_truth import Verdict
+from refiner_core.reward.ground_truth import Verdict
 from refiner_core.preflight import check_values
-from refiner_core.storage import dir_hash
+from refiner_core.store.storage import dir_hash
 from test_pipeline import STAGES, _run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def alternating_verifier():
 
 @pytest.fixture(scope="module")
 def runs(prefect_server, tmp_path_factory):
-    from refiner_core.verifiers import VERIFIERS
+    from refiner_core.reward.verifiers import VERIFIERS
 
     folder = tmp_path_factory.mktemp("async-steps")
     data = math_rows_file(folder, 8)
@@ -207,7 +207,7 @@ def _two_ahead_recipe(folder: Path, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def two_ahead(prefect_server, tmp_path_factory):
     """grpo.async_steps 2 over 4 steps with retries off: a run and its rerun."""
-    from refiner_core.verifiers import VERIFIERS
+    from refiner_core.reward.verifiers import VERIFIERS
 
     folder = tmp_path_factory.mktemp("two-ahead")
     recipe, run_dir = _two_ahead_recipe(folder), folder / "run"
@@ -225,7 +225,7 @@ def failed_ahead(prefect_server, tmp_path_factory):
     """grpo.async_steps 2 over 4 steps with retries off: a run that never fails; another whose rollout of step 2
     (sampled ahead while steps 0 and 1 are judged and trained) fails once, what that run left, and its rerun.
     tis_cap 0 leaves the updates their full size. The two folders share a name, so their rows name the same run."""
-    from refiner_core.verifiers import VERIFIERS
+    from refiner_core.reward.verifiers import VERIFIERS
 
     folder = tmp_path_factory.mktemp("failed-ahead")
     recipe = _two_ahead_recipe(folder, "grpo.tis_cap=0")
@@ -319,7 +319,7 @@ def _hand_loss(run_dir: Path, step: int, start: str, reference: str, grpo) -> di
     import torch
 
     from refiner_core.models import load_model
-    from refiner_core.storage import query
+    from refiner_core.store.storage import query
 
     _, rows = query(run_dir / "catalog.duckdb", """
         SELECT r.prompt_token_ids, r.response_token_ids, r.response_logprobs, r.temperature, a.advantage
@@ -389,7 +389,7 @@ def test_a_run_failing_beside_a_rollout_sampled_ahead_ends_after_it(prefect_serv
     """The update of step 0 fails while the rollout of step 1 samples ahead in a worker thread: the run waits for
     that rollout before it gives its folder back and its end hooks close the engines, so no stage of a failed run
     outlives it; the finished rollout is cached for the rerun."""
-    from refiner_core.verifiers import VERIFIERS
+    from refiner_core.reward.verifiers import VERIFIERS
 
     monkeypatch.setitem(VERIFIERS, "alternating", "test_async_steps:alternating_verifier")
     monkeypatch.setenv("REFINER_FAIL_ONCE", "grpo-update@0")

@@ -3,7 +3,7 @@ claim judgments (a rule-based judge: a claim is fully supported when its text ap
 
 import math
 
-from refiner_core.citations import citation_scores, extract_claims, snippet_texts
+from refiner_core.reward.citations import citation_scores, extract_claims, snippet_texts
 from refiner_core.config import RewardConfig
 from refiner_core.judges.base import score_rollouts
 

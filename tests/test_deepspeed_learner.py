@@ -16,7 +16,7 @@ from refiner_core.learners.base import TrainSample, make_learner
 from refiner_core.learners.deepspeed_learner import LearnerDied
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
-from refiner_core.procs import process_identity
+from refiner_core.runtime.procs import process_identity
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import math_rows_file
 from refiner_core.config import load_recipe
-from refiner_core.data import refill_prompt_ids, step_prompt_ids
-from refiner_core.ground_truth import Verdict
+from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids
+from refiner_core.reward.ground_truth import Verdict
 from test_pipeline import STAGES, _run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _recipe(data: Path, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def sampled_run(prefect_server, tmp_path_factory):
-    from refiner_core.verifiers import VERIFIERS
+    from refiner_core.reward.verifiers import VERIFIERS
 
     folder = tmp_path_factory.mktemp("dynamic-sampling")
     data = math_rows_file(folder, N_PROMPTS)
@@ -64,7 +64,7 @@ def sampled_run(prefect_server, tmp_path_factory):
 
 def _sql(run_dir: Path, sql: str) -> list[tuple]:
     """A query as `refiner sql RUN_DIR SQL` runs it."""
-    from refiner_core.run_sql import open_runs, run_query
+    from refiner_core.store.run_sql import open_runs, run_query
 
     con = open_runs([run_dir])
     try:
@@ -122,7 +122,7 @@ def test_a_rerun_is_cached_for_every_round(sampled_run):
 def test_a_rescore_covers_every_round(sampled_run):
     """A reward version recomputed from stored judgments reads every round's files, so it is not stale."""
     from refiner_core.config import recipe_from_dict
-    from refiner_core.rescore import rescore_run
+    from refiner_core.reward.rescore import rescore_run
 
     run_dir, _, _, recipe = sampled_run
     doubled = {**recipe, "reward": {**recipe["reward"], "verification_reward": 2.0}}
@@ -152,8 +152,8 @@ def test_rollout_files_without_a_round_column_stay_readable(tmp_path):
     from datetime import datetime, timezone
 
     from refiner_core.schema import ROLLOUTS, to_arrow
-    from refiner_core.catalog import build_catalog
-    from refiner_core.storage import query, write_table
+    from refiner_core.store.catalog import build_catalog
+    from refiner_core.store.storage import query, write_table
 
     def row(prompt_id: str, sampling_round: int) -> dict:
         return {"run": "r", "step": 0, "prompt_id": prompt_id, "sample_idx": 0, "policy": "p", "policy_hash": "h",

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import catalog_rows, run_cli
-from refiner_core.ema import alpha_at, ema_checkpoint, is_update_step
-from refiner_core.pseudo_labels import majority_vote, vote_of
+from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
+from refiner_core.reward.pseudo_labels import majority_vote, vote_of
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -159,7 +159,7 @@ def test_eval_rows_for_base_sft_and_last_step(sft_eval_run):
 
 
 def test_eval_reward_parts_match_the_training_reward_code(sft_eval_run):
-    from refiner_core.rewards import format_parts
+    from refiner_core.reward.compose import format_parts
     from refiner_core.eval.evaluate import passed as passes
 
     _, run_dir, _, _ = sft_eval_run
@@ -191,7 +191,7 @@ def test_cached_rerun_does_not_reevaluate(sft_eval_run):
 
 def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
     from conftest import run_cli
-    from refiner_core.plots import eval_summary
+    from refiner_core.store.plots import eval_summary
 
     _, run_dir, result, _ = sft_eval_run
     summary = eval_summary(run_dir / "catalog.duckdb")
@@ -208,7 +208,7 @@ def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
 def test_documented_eval_query_runs_on_a_real_catalog(sft_eval_run):
     import re
 
-    from refiner_core.storage import query
+    from refiner_core.store.storage import query
 
     _, run_dir, _, _ = sft_eval_run
     page = (REPO / "docs" / "pipeline.md").read_text()

@@ -1,4 +1,4 @@
-from refiner_core.formats import check_citations, parse_answer, tool_snippet_ids
+from refiner_core.data.formats import check_citations, parse_answer, tool_snippet_ids
 
 TOOL = (
     "<snippet id=a1b2c3>Title: A\nText: alpha</snippet>\n"
@@ -56,8 +56,8 @@ def test_no_citation_scores_zero():
 
 
 def test_empty_id_inside_a_citation_list_is_a_format_error():
-    from refiner_core.data import check_row
-    from refiner_core.rewards import format_parts
+    from refiner_core.data.rows import check_row
+    from refiner_core.reward.compose import format_parts
 
     for ids in ("P1, ,P2", "P1,,P2", "P1,", ",P1"):
         parsed = parse_answer(f"<answer><snippet id={ids}>Both say so.</snippet></answer>")

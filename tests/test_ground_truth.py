@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refiner_core.ground_truth import final_answer, last_boxed, normalize, verify
+from refiner_core.reward.ground_truth import final_answer, last_boxed, normalize, verify
 
 
 @pytest.mark.parametrize("text, expected", [

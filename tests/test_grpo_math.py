@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import learner_settings
-from refiner_core.advantages import compute_advantages, zero_std_groups
+from refiner_core.algo.advantages import compute_advantages, zero_std_groups
 from refiner_core.learners.base import TrainSample, collate
 from refiner_core.learners.torch_learner import TorchLearner
-from refiner_core.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
+from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
 
 
 def test_group_advantages_hand_computed():
@@ -25,7 +25,7 @@ def test_group_advantages_hand_computed():
 def test_dropped_rollouts_leave_the_update_and_their_group_uses_the_others():
     """judge.on_failure 'drop': a rollout whose judgment failed takes no part; the group's advantages are those of
     the remaining samples, and an all-equal group is untrained under filter_zero_std_groups."""
-    from refiner_core.advantages import group_advantages
+    from refiner_core.algo.advantages import group_advantages
 
     rewards = [{"prompt_id": "a", "sample_idx": i, "reward": r, "dropped": d}
                for i, (r, d) in enumerate([(1.0, False), (3.0, False), (100.0, True)])]

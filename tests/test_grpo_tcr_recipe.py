@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from refiner_core.config import load_recipe
-from refiner_core.storage import query
+from refiner_core.store.storage import query
 
 REPO = Path(__file__).resolve().parents[1]
 # The scaled-down line of docs/recipes.md: tiny model, hf engine, torch learner, short budgets.

@@ -21,10 +21,10 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import filter_repo_objects
 
 from conftest import run_cli
-from refiner_core.checkpoints import PRUNED_LIST
+from refiner_core.store.checkpoints import PRUNED_LIST
 from refiner_core.config import load_recipe
-from refiner_core.hub import PushError, choose_checkpoint, plan_push, push
-from refiner_core.model_card import write_model_card
+from refiner_core.store.hub import PushError, choose_checkpoint, plan_push, push
+from refiner_core.store.model_card import write_model_card
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -234,9 +234,9 @@ def _cache_hub_dataset(hf_home: Path, repo_id: str, configs: dict[str, dict[str,
 
 
 def _load_offline(hf_home: Path, *args) -> dict:
-    """refiner_core.sources.load_rows (rows or error) and the preflight's check of the same source (problems), in
+    """refiner_core.data.sources.load_rows (rows or error) and the preflight's check of the same source (problems), in
     a process with no network and the cache under `hf_home`."""
-    script = ("import json, sys\nfrom refiner_core.sources import SourceError, load_rows\n"
+    script = ("import json, sys\nfrom refiner_core.data.sources import SourceError, load_rows\n"
               "from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS\n"
               "from refiner_core.preflight import check_source\n"
               "path, fmt, fields, split, config = json.loads(sys.argv[1])\n"

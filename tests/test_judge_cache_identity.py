@@ -170,9 +170,9 @@ def _checkpoint(folder: Path, weights: bytes) -> Path:
 
 
 def test_served_name_carries_the_checkpoint_content_hash(tmp_path):
-    from refiner_core.checkpoints import TRAINING_STATE_FILES
+    from refiner_core.store.checkpoints import TRAINING_STATE_FILES
     from refiner_core.judges.serve import served_model_name
-    from refiner_core.storage import dir_hash
+    from refiner_core.store.storage import dir_hash
 
     a = _checkpoint(tmp_path / "run-a" / "step_0002", b"weights of run a")
     b = _checkpoint(tmp_path / "run-b" / "step_0002", b"weights of run b")

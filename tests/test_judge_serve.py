@@ -40,7 +40,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tmp_path):
-    from refiner_core.http_chat import AnswerCache
+    from refiner_core.runtime.http_chat import AnswerCache
     from refiner_core.judges.openai_judge import OpenAIJudge
     from refiner_core.judges.serve import free_port, served_model_name
     from refiner_core.models import resolve_model

@@ -1,4 +1,4 @@
-"""Engines that live for a run (refiner_core.live): weights synced in place equal a fresh load of the new
+"""Engines that live for a run (refiner_core.runtime.live): weights synced in place equal a fresh load of the new
 checkpoint, a stage never gets other weights than it asked for, and a pipeline run keeping its engines gives the
 results of one that rebuilds them every step."""
 
@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import catalog_rows, learner_settings
-from refiner_core import live
+from refiner_core.runtime import live
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
-from refiner_core.storage import dir_hash
+from refiner_core.store.storage import dir_hash
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 ROLLOUT_CFG = {"engine": "hf", "batch_size": 8, "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9,

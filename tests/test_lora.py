@@ -15,12 +15,12 @@ import torch
 from conftest import learner_settings, vllm_logprob_gap
 from refiner_core.config import ConfigError, GRPOConfig, recipe_from_dict
 from refiner_core.grpo import grpo_loop
-from refiner_core.hardware import resolve_lora_sync
+from refiner_core.runtime.hardware import resolve_lora_sync
 from refiner_core.grpo import learner_settings as grpo_learner_settings
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.learners.lora import ADAPTER_DIR, AdaptersOff
 from refiner_core.learners.torch_learner import make_torch_learner
-from refiner_core.live import checkpoint_weights
+from refiner_core.runtime.live import checkpoint_weights
 from refiner_core.models import checkpoint_adapter, load_model, load_tokenizer
 from refiner_core.preflight import check_values
 from refiner_core.rollout.base import SamplingParams

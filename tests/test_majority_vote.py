@@ -7,9 +7,9 @@ import json
 import pytest
 
 from refiner_core.config import RewardConfig
-from refiner_core.data import step_prompt_ids
-from refiner_core.pseudo_labels import Vote, majority_vote, verdict_against_label, vote_of
-from refiner_core.verifiers import make_verifier, verdict_columns
+from refiner_core.data.rows import step_prompt_ids
+from refiner_core.reward.pseudo_labels import Vote, majority_vote, verdict_against_label, vote_of
+from refiner_core.reward.verifiers import make_verifier, verdict_columns
 
 
 @pytest.mark.parametrize("votes, expected", [
@@ -131,7 +131,7 @@ def test_both_views_of_a_question_are_sampled_in_the_same_step():
 
 
 def test_twins_share_a_split_and_unpaired_views_are_quarantined(tiny_tokenizer):
-    from refiner_core.data import RawRow, prepare_prompts, validate_rows
+    from refiner_core.data.rows import RawRow, prepare_prompts, validate_rows
 
     def row(rid, twin):
         return {"id": rid, "messages": [{"role": "user", "content": f"question {rid}"}], "ground_truth": "1",

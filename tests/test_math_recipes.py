@@ -11,7 +11,7 @@ import pytest
 
 from conftest import catalog_rows
 from refiner_core.config import load_recipe
-from refiner_core.ground_truth import verify
+from refiner_core.reward.ground_truth import verify
 from refiner_core.preflight import check_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_co_rewarding_samples_both_views_and_records_labels(co_run):
         twin = prompt_id.removesuffix("-r") if prompt_id.endswith("-r") else prompt_id + "-r"
         twin_votes = catalog_rows(co_run, f"SELECT response_text FROM rollouts WHERE step = {step} AND prompt_id = '{twin}' "
                                    "ORDER BY sample_idx")
-        from refiner_core.pseudo_labels import majority_vote, vote_of
+        from refiner_core.reward.pseudo_labels import majority_vote, vote_of
 
         expected = majority_vote([vote_of(t) for (t,) in twin_votes])
         assert (label, votes, voters) == (expected.label, expected.votes, expected.voters)

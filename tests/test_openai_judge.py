@@ -10,12 +10,12 @@ import socket
 import pytest
 
 from refiner_core.config import RewardConfig
-from refiner_core.http_chat import RetryPolicy
+from refiner_core.runtime.http_chat import RetryPolicy
 from refiner_core.judges.base import JudgeFailed, score_rollouts
-from refiner_core.http_chat import AnswerCache
+from refiner_core.runtime.http_chat import AnswerCache
 from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
 from refiner_core.schema import JUDGE_SCORES
-from refiner_core.storage import read_rows, write_table
+from refiner_core.store.storage import read_rows, write_table
 
 from fault_server import CLIENT_TIMEOUT, FaultServer
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli
-from refiner_core.procs import process_identity, stop_leftovers
+from refiner_core.runtime.procs import process_identity, stop_leftovers
 from test_runlock import start_cli, wait_for_log
 
 SPAWN_AND_WAIT = textwrap.dedent("""
     import subprocess, sys, time
-    from refiner_core.procs import spawn
+    from refiner_core.runtime.procs import spawn
     child = spawn(["sleep", "300"], record_dir=sys.argv[1], stdout=subprocess.DEVNULL)
     print(child.pid, flush=True)
     time.sleep(300)
@@ -28,7 +28,7 @@ SPAWN_AND_WAIT = textwrap.dedent("""
 
 SPAWN_PLAIN_AND_EXIT = textwrap.dedent("""
     import subprocess, sys
-    from refiner_core.procs import record_child
+    from refiner_core.runtime.procs import record_child
     child = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)  # no parent-death signal
     record_child(sys.argv[1], child.pid, ["sleep", "300"], group=True)
@@ -96,7 +96,7 @@ def test_next_run_stops_recorded_leftovers(tmp_path):
 
 TORCHRUN_PARENT = textwrap.dedent("""
     import signal, subprocess, sys, time
-    from refiner_core.procs import die_with_parent
+    from refiner_core.runtime.procs import die_with_parent
     # as the DeepSpeed learner launches its ranks: own session, SIGTERM when the parent dies
     subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                       sys.argv[2], sys.argv[1]], start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))

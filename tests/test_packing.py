@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from refiner_core.packing import (IGNORE_INDEX, PackingError, concat_pack, pack_sequences, packing_efficiency)
-from refiner_core.sft import Rendered, SFTLimits, apply_limits
-from refiner_core.sft_train import collate_packed
+from refiner_core.algo.packing import (IGNORE_INDEX, PackingError, concat_pack, pack_sequences, packing_efficiency)
+from refiner_core.sft.data import Rendered, SFTLimits, apply_limits
+from refiner_core.sft.train import collate_packed
 
 
 def refiner_like_lengths(n: int, seed: int) -> list[int]:

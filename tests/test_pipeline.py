@@ -139,7 +139,7 @@ def test_every_documented_and_cli_query_runs_on_a_real_catalog(finished_run):
     import re
 
     from flows.supervisor import EXAMPLE_SQL
-    from refiner_core.storage import query
+    from refiner_core.store.storage import query
 
     _, run_dir, _ = finished_run
     repo = Path(__file__).parents[1]

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from refiner_core.advantages import compute_advantages
+from refiner_core.algo.advantages import compute_advantages
 from refiner_core.config import load_recipe
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import TrainSample, collate_group, collate_rows, token_logprobs, token_scores
 from refiner_core.learners.torch_learner import TorchLearner
-from refiner_core.losses import AGGREGATIONS, KL_ESTIMATORS, Sequences, grpo_token_loss, importance_weights
+from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, Sequences, grpo_token_loss, importance_weights
 
 F64 = torch.float64
 TOL = dict(rtol=1e-6, atol=1e-6)

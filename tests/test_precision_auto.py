@@ -10,9 +10,9 @@ import torch
 import yaml
 
 from conftest import REPO, run_cli
-from refiner_core import hardware
+from refiner_core.runtime import hardware
 from refiner_core.config import ConfigError, load_recipe
-from refiner_core.hardware import cpu_bf16_features, cpuinfo_flags, native_bf16, resolve_precision, resolved_recipe
+from refiner_core.runtime.hardware import cpu_bf16_features, cpuinfo_flags, native_bf16, resolve_precision, resolved_recipe
 
 AVX2_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx avx2\n"
 ZEN4_CPUINFO = "processor\t: 0\nflags\t\t: fpu avx avx2 avx512f avx512_bf16 avx512_vnni\nbugs\t\t: spectre_v1\n"

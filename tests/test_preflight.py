@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from refiner_core.config import load_recipe
-from refiner_core.data import validate_rows
+from refiner_core.data.rows import validate_rows
 from refiner_core.preflight import check_recipe
-from refiner_core.sources import SourceError, detect_format, load_rows
+from refiner_core.data.sources import SourceError, detect_format, load_rows
 
 REPO = Path(__file__).parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"

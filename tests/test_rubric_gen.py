@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from refiner_core.data import RawRow
-from refiner_core.rubric_gen import GenerationSettings, RubricGenerationError, generate_rubrics
-from refiner_core.rubric_join import join_rubrics
-from refiner_core.sources import load_rows
+from refiner_core.data.rows import RawRow
+from refiner_core.rubrics.generate import GenerationSettings, RubricGenerationError, generate_rubrics
+from refiner_core.rubrics.join import join_rubrics
+from refiner_core.data.sources import load_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -171,7 +171,7 @@ def test_ingest_stage_generates_quarantines_and_never_pays_twice(prefect_server,
     from prefect import flow
 
     from refiner_core.config import RecipeConfig
-    from refiner_core.storage import read_rows
+    from refiner_core.store.storage import read_rows
     from tasks.prepare import prepare_data
     from tasks.rubrics import ingest_rubrics
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli, sigint_default
-from refiner_core.runlock import (BUSY_EXIT_CODE, LOCK_NAME, RunFolderBusy, acquire, format_run_dir, read_holder,
+from refiner_core.runtime.runlock import (BUSY_EXIT_CODE, LOCK_NAME, RunFolderBusy, acquire, format_run_dir, read_holder,
                                   release, run_lock)
 
 HOLD_LOCK = textwrap.dedent("""
     import sys, time
-    from refiner_core.runlock import acquire
+    from refiner_core.runtime.runlock import acquire
     acquire(sys.argv[1], command="holder for a test")
     print("held", flush=True)
     time.sleep(120)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from prefect.settings import PREFECT_API_URL
 
 from conftest import REPO, catalog_rows, run_cli
-from refiner_core import live
+from refiner_core.runtime import live
 from refiner_core.config import recipe_from_dict
 from refiner_core.preflight import check_values
 from tasks.stage import damaged_outputs

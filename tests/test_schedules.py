@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import REPO, run_cli
-from refiner_core.procs import spawn, stop_group
+from refiner_core.runtime.procs import spawn, stop_group
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -137,7 +137,7 @@ def info_logs():
 def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_server, info_logs, tmp_path):
     from flows.scheduled import run_recipe
     from refiner_core.config import load_recipe
-    from refiner_core.hardware import resolved_recipe
+    from refiner_core.runtime.hardware import resolved_recipe
 
     run_recipe(recipe_file="recipes/tiny.yaml", run_dir=str(tmp_path / "{deployment}" / "run"), overrides=OVERRIDES)
     folder = tmp_path / "manual" / "run"

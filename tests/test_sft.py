@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from refiner_core.data import validate_rows
-from refiner_core.sft import (SFTLimits, TemplateError, prepare_sft, render_with_mask, stats_rows)
-from refiner_core.sources import load_rows
+from refiner_core.data.rows import validate_rows
+from refiner_core.sft.data import (SFTLimits, TemplateError, prepare_sft, render_with_mask, stats_rows)
+from refiner_core.data.sources import load_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -124,7 +124,7 @@ def _task_states(flow_state) -> dict[str, str]:
 def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, tiny_model_path, tmp_path):
     from flows.refiner import refiner_pipeline
     from refiner_core.config import load_recipe
-    from refiner_core.storage import query
+    from refiner_core.store.storage import query
 
     recipe = load_recipe(REPO / "recipes" / "tiny-sft.yaml", ["run.retries=0"]).to_dict()
     run_dir = str(tmp_path / "run")

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from refiner_core.config import ConfigError, recipe_from_dict
-from refiner_core.data import prepare_prompts, validate_rows
-from refiner_core.sources import SourceError, detect_format, load_rows
+from refiner_core.data.rows import prepare_prompts, validate_rows
+from refiner_core.data.sources import SourceError, detect_format, load_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -176,7 +176,7 @@ def test_tool_output_given_as_a_list_of_snippet_structs_is_rendered(tmp_path, ti
     ("plain text", "snippet 1: expected an object {id, text, title?, url?}, got str"),
 ])
 def test_unrenderable_snippet_lists_are_quarantined(snippet, detail):
-    from refiner_core.data import RawRow
+    from refiner_core.data.rows import RawRow
 
     row = {**sample_rows(1)[0], "answer": "", "tool_output": [SNIPPETS[0], snippet]}
     [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
@@ -184,7 +184,7 @@ def test_unrenderable_snippet_lists_are_quarantined(snippet, detail):
 
 
 def test_rubrics_given_as_one_object_of_both_lists(tmp_path):
-    from refiner_core.rubrics import RubricError, instance_rubrics
+    from refiner_core.rubrics.normalise import RubricError, instance_rubrics
 
     both = {"positive": ["Names Fleming.", {"description": "Gives 1928.", "weight": 2}], "negative": ["Says 1945."]}
     expected = [("positive", "Names Fleming.", 1.0), ("positive", "Gives 1928.", 2.0), ("negative", "Says 1945.", 1.0)]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from conftest import REPO
 from refiner_core.schema import STEPS
-from refiner_core.storage import write_table
+from refiner_core.store.storage import write_table
 from tasks.stage import damaged_outputs, stage_cache_key
 
 
@@ -52,8 +52,8 @@ def test_damaged_outputs(tmp_path):
 
 
 def test_pruned_checkpoints_and_dropped_optimizer_state_are_not_damage(tmp_path):
-    from refiner_core.checkpoints import prune
-    from refiner_core.storage import dir_hash
+    from refiner_core.store.checkpoints import prune
+    from refiner_core.store.storage import dir_hash
 
     manifests = []
     for step in (1, 2, 3):
@@ -71,7 +71,7 @@ def test_pruned_checkpoints_and_dropped_optimizer_state_are_not_damage(tmp_path)
 
 
 def test_bars_report_to_listeners_even_when_not_drawn():
-    from refiner_core.progress import listening, progress_bar
+    from refiner_core.runtime.progress import listening, progress_bar
 
     seen = []
     with listening(lambda label, done, total, unit: seen.append((label, done, total, unit))):
@@ -88,13 +88,13 @@ def test_a_write_killed_before_its_rename_leaves_only_a_hidden_partial_file(tmp_
     half written, the leftover is removed by remove_partial_writes, and the fault fires once."""
     final = tmp_path / "scores" / "step=1" / "rewards.parquet"
     script = ("import sys; from pathlib import Path; from refiner_core.schema import STEPS; "
-              "from refiner_core.storage import write_table; write_table(STEPS, [], Path(sys.argv[1]))")
+              "from refiner_core.store.storage import write_table; write_table(STEPS, [], Path(sys.argv[1]))")
     env = {**os.environ, "REFINER_KILL_ONCE": "write:step=1/rewards.parquet"}
     first = subprocess.run([sys.executable, "-c", script, str(final)], env=env, cwd=REPO)
     assert first.returncode == 137 and not final.exists()
     [leftover] = final.parent.glob(".rewards.parquet.*.partial")
     assert leftover.stat().st_size > 0
-    from refiner_core.storage import remove_partial_writes
+    from refiner_core.store.storage import remove_partial_writes
 
     assert remove_partial_writes(tmp_path) == [leftover] and not leftover.exists()
     second = subprocess.run([sys.executable, "-c", script, str(final)], env=env, cwd=REPO)

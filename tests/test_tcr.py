@@ -26,7 +26,7 @@ def test_tool_use_orders_wrong_answers_but_never_reaches_a_right_one():
 
 
 def test_tcr_verifier_reads_the_last_assistant_turn_and_counts_tool_rounds():
-    from refiner_core.verifiers import make_verifier
+    from refiner_core.reward.verifiers import make_verifier
 
     verify_step = make_verifier("tcr")
     prompts = {"p": {"prompt_id": "p", "ground_truth": "42"}}

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from test_cli import _catalog
-from refiner_core.plots import DPI, EMBEDDED_PNG_BYTES, plot_steps_embedded
-from refiner_core.text_safety import markdown_code_block, markdown_inline, visible
+from refiner_core.store.plots import DPI, EMBEDDED_PNG_BYTES, plot_steps_embedded
+from refiner_core.data.text_safety import markdown_code_block, markdown_inline, visible
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -21,7 +21,7 @@ from typing import Callable
 
 from refiner_core.agent.hermes import CLOSE, ToolCall, invalid_call_result, parse_tool_calls
 from refiner_core.agent.tools.base import Tool, ToolResult
-from refiner_core.prompts import render_chat
+from refiner_core.data.prompts import render_chat
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
 EXCERPT_CHARS = 2000

@@ -5,7 +5,7 @@ round (an assistant turn whose tool calls ran), capped at -0.6. A wrong answer t
 above one that did not, but never near a right one.
 
 DAPO's overlong penalty, which the GRPO-TCR recipe adds, is part of the reward's SQL definition
-(refiner_core/rewards.py REWARD_SQL, reward.overlong_buffer / overlong_factor).
+(refiner_core/reward/compose.py REWARD_SQL, reward.overlong_buffer / overlong_factor).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def tcr_verifier():
     score is the TCR value; `correct` keeps the outcome."""
     import dataclasses
 
-    from refiner_core.ground_truth import Verdict, verify
+    from refiner_core.reward.ground_truth import Verdict, verify
 
     def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
         verdicts = []

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from refiner_core.config import RewardConfig
-from refiner_core.formats import parse_answer
-from refiner_core.citations import (NO_ANSWER_SCORES, NOT_JUDGED_SCORES, citation_scores, extract_claims,
+from refiner_core.data.formats import parse_answer
+from refiner_core.reward.citations import (NO_ANSWER_SCORES, NOT_JUDGED_SCORES, citation_scores, extract_claims,
                                     snippet_texts)
-from refiner_core.prompts import claim_support_messages, judge_messages
-from refiner_core.registry import resolve
-from refiner_core.rewards import compute_rewards, format_parts, orient, parse_judge_output, weight_row
-from refiner_core.verifiers import make_verifier, verdict_columns
+from refiner_core.data.prompts import claim_support_messages, judge_messages
+from refiner_core.runtime.registry import resolve
+from refiner_core.reward.compose import compute_rewards, format_parts, orient, parse_judge_output, weight_row
+from refiner_core.reward.verifiers import make_verifier, verdict_columns
 
 
 class Judge(Protocol):

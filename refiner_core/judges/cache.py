@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refiner_core.http_chat import AnswerCache
+from refiner_core.runtime.http_chat import AnswerCache
 from refiner_core.models import refiner_home
-from refiner_core.storage import json_hash
+from refiner_core.store.storage import json_hash
 
 
 def default_cache_dir() -> Path:

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from refiner_core.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries
+from refiner_core.runtime.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries
 from refiner_core.judges.base import Completion
 from refiner_core.config import JudgeConfig
-from refiner_core.http_chat import AnswerCache
+from refiner_core.runtime.http_chat import AnswerCache
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
-from refiner_core.rewards import parse_judge_output
+from refiner_core.reward.compose import parse_judge_output
 
 # What a GET /models entry says about the weights behind a name (vLLM: `root` is the folder or hub id it loaded,
 # `parent` a LoRA adapter's base). Fields that change on every listing (vLLM's `created`, its permission ids)
@@ -150,7 +150,7 @@ class OpenAIJudge:
 
 
 def _progress(total: int, enabled: bool):
-    from refiner_core.progress import progress_bar
+    from refiner_core.runtime.progress import progress_bar
 
     return progress_bar(total, "judge", "pair", disable=not enabled or total == 0)
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.checkpoints import TRAINING_STATE_FILES
-from refiner_core.procs import die_with_parent
-from refiner_core.storage import dir_hash
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES
+from refiner_core.runtime.procs import die_with_parent
+from refiner_core.store.storage import dir_hash
 
 SERVED_HASH_CHARS = 12
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from refiner_core.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES
-from refiner_core.packing import pack_sequences
-from refiner_core.registry import resolve
+from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES
+from refiner_core.algo.packing import pack_sequences
+from refiner_core.runtime.registry import resolve
 
 
 @dataclass
@@ -63,7 +63,7 @@ class LearnerSettings:
     lora_save_merged: bool = False  # checkpoints also hold base + adapters merged
     # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
     share_prompt: bool = False
-    # Loss variants (refiner_core/losses.py): by default the clipped surrogate, no entropy bonus, and per-token
+    # Loss variants (refiner_core/algo/losses.py): by default the clipped surrogate, no entropy bonus, and per-token
     # truncation of the rollout importance weights when tis_cap > 0.
     policy_loss: str = "ppo_clip"
     dual_clip_c: float = 3.0

@@ -13,8 +13,8 @@ from refiner_core.learners.base import (LearnerSettings, TrainSample, collate_gr
                                         prompt_groups, token_logprobs, token_scores)
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
 from refiner_core.models import Adapter
-from refiner_core.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
-from refiner_core.progress import progress_bar
+from refiner_core.algo.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
+from refiner_core.runtime.progress import progress_bar
 
 
 class TorchLearner:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from refiner_core.registry import resolve
+from refiner_core.runtime.registry import resolve
 
 
 @dataclass(frozen=True)

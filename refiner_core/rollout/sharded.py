@@ -1,6 +1,6 @@
 """Several rollout engines as one (rollout.num_engines): the step's prompts are split into contiguous shards, one
 per engine, sampled at once, and put back in prompt order, so the rollouts' order and Parquet layout are the same
-whatever the number of engines. Each engine is a Ray actor (run.ray_address; refiner_core.cluster), placed by Ray
+whatever the number of engines. Each engine is a Ray actor (run.ray_address; refiner_core.runtime.cluster), placed by Ray
 with `num_gpus` = its tensor-parallel size where the cluster has GPUs, built once and given new weights in place
 like a single engine (one copy of the weights in Ray's object store, read by every actor).
 
@@ -14,7 +14,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from refiner_core.faults import stage_fault
+from refiner_core.runtime.faults import stage_fault
 from refiner_core.models import Adapter
 from refiner_core.rollout.base import Generation, SamplingParams, make_engine
 
@@ -55,7 +55,7 @@ class ShardedEngine:
                  adapter_rank: int = 0):
         import ray
 
-        from refiner_core.cluster import gpus_available
+        from refiner_core.runtime.cluster import gpus_available
 
         gpus = tensor_parallel_size if gpus_available() else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)

@@ -52,7 +52,7 @@ def _progress(desc: str):
     nothing: the progress listeners still see it."""
     from tqdm.auto import tqdm
 
-    from refiner_core.progress import ProgressBar
+    from refiner_core.runtime.progress import ProgressBar
 
     def bar(*args, **kwargs):
         if "postfix" not in kwargs:  # the 'Rendering prompts' pass over the inputs
@@ -186,12 +186,12 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
     """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
     'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
     sequences vLLM schedules together (max_num_seqs). `precision` must be resolved ('auto' is resolved per run, by
-    refiner_core.hardware). adapter_rank > 0: vLLM's LoRA kernels are on (enable_lora), so the engine takes LoRA
+    refiner_core.runtime.hardware). adapter_rank > 0: vLLM's LoRA kernels are on (enable_lora), so the engine takes LoRA
     adapters of up to that rank; an adapter-only LoRA checkpoint builds an engine over its base with its adapter
     applied."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"vllm engine: unknown precision {precision!r}; choose from ['bf16', 'fp32'] "
-                         "(refiner_core.hardware.resolve_precision resolves 'auto')")
+                         "(refiner_core.runtime.hardware.resolve_precision resolves 'auto')")
     import torch
 
     from refiner_core.models import load_tokenizer

@@ -1,6 +1,6 @@
 """Rubric generation through an OpenAI-compatible chat-completions endpoint, for rows that have none.
 
-The HTTP client and the answer cache are refiner_core.http_chat's, as for the judge. Answers are cached on disk per
+The HTTP client and the answer cache are refiner_core.runtime.http_chat's, as for the judge. Answers are cached on disk per
 request (keyed by a hash of the request body, not the URL), so a rerun never pays twice. One attempt per row:
 transport failures (timeout, refused connection, HTTP errors) are not cached, the row is quarantined, and a rerun
 asks again. Junk answers are cached like any answer: the same request would be paid again for the same junk.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.http_chat import AnswerCache, ChatError, RetryPolicy, chat_with_retries
-from refiner_core.rubrics import RubricError, instance_rubrics
-from refiner_core.storage import json_hash
+from refiner_core.runtime.http_chat import AnswerCache, ChatError, RetryPolicy, chat_with_retries
+from refiner_core.rubrics.normalise import RubricError, instance_rubrics
+from refiner_core.store.storage import json_hash
 
 GENERATION_SYSTEM_PROMPT = (
     "You write grading rubrics for answers to research questions. Given a question, the search results an "

@@ -3,7 +3,7 @@ checkpoint is, how it was trained, on what data, how to reproduce it, its held-o
 
 `model_card` is pure: plain values in (the resolved recipe as a dict, run, step, parent, metrics, evals), markdown
 out. `write_model_card` gathers those values from a run folder and writes the file. The card is not part of a
-checkpoint's content hash (refiner_core.storage.dir_hash), so it can be rewritten once the checkpoint is evaluated
+checkpoint's content hash (refiner_core.store.storage.dir_hash), so it can be rewritten once the checkpoint is evaluated
 without invalidating any cached stage.
 """
 
@@ -213,7 +213,7 @@ def write_model_card(folder: Path, run_dir: Path | str, *, kind: str, run: str, 
     (default `folder`: a card written inside an atomic_dir names the folder it becomes); paths inside the run folder
     are shown relative to it. `parent` defaults to parent_checkpoint. None (nothing written) when the run folder
     holds no recipe.yaml (a stage run outside a pipeline run)."""
-    from refiner_core.storage import atomic_path
+    from refiner_core.store.storage import atomic_path
 
     run_dir = Path(run_dir)
     recipe_path = run_dir / RECIPE_FILE

@@ -13,7 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-from refiner_core.storage import write_json
+from refiner_core.store.storage import write_json
 
 # Optimizer state beside a checkpoint's weights (torch learner; DeepSpeed's sharded folder): needed only to
 # continue training from that checkpoint, not to load the policy.

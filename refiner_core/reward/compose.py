@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from refiner_core.config import RewardConfig
-from refiner_core.formats import check_citations, parse_answer
+from refiner_core.data.formats import check_citations, parse_answer
 
 _JSON_OBJ_RE = re.compile(r"\{[^{}]*\}")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from refiner_core.formats import SNIPPET_RE, parse_answer, split_ids
+from refiner_core.data.formats import SNIPPET_RE, parse_answer, split_ids
 
 _SENTENCE_RE = re.compile(r"[^.!?\n]+[.!?]?")
 _MIN_CLAIM_CHARS = 12  # shorter leftovers ("and", "In short,") are connectives, not claims

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from refiner_core.learners.base import autocast
-from refiner_core.packing import IGNORE_INDEX, PackedRow, concat_pack
-from refiner_core.progress import progress_bar
+from refiner_core.algo.packing import IGNORE_INDEX, PackedRow, concat_pack
+from refiner_core.runtime.progress import progress_bar
 
 
 @dataclass(frozen=True)

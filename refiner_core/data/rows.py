@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refiner_core.formats import check_citations, parse_answer, render_snippets, tool_snippet_ids
-from refiner_core.prompts import refiner_messages, render_prompt
-from refiner_core.rubrics import RubricError, instance_rubrics
-from refiner_core.storage import query
+from refiner_core.data.formats import check_citations, parse_answer, render_snippets, tool_snippet_ids
+from refiner_core.data.prompts import refiner_messages, render_prompt
+from refiner_core.rubrics.normalise import RubricError, instance_rubrics
+from refiner_core.store.storage import query
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
 CHAT_ROLES = ("system", "user", "assistant", "tool")

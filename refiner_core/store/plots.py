@@ -124,7 +124,7 @@ def eval_summary(db_path: Path | str) -> list[dict]:
     import duckdb
 
     from refiner_core.eval.evaluate import summarize
-    from refiner_core.storage import query
+    from refiner_core.store.storage import query
 
     try:
         columns, rows = query(db_path, "SELECT * FROM evals")

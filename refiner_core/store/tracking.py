@@ -204,6 +204,6 @@ def _close(key: tuple[str, str]) -> None:
 
 
 def _write_ledger(ledger: dict, path: Path) -> None:
-    from refiner_core.storage import write_json
+    from refiner_core.store.storage import write_json
 
     write_json(ledger, path)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.storage import write_json
+from refiner_core.store.storage import write_json
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 

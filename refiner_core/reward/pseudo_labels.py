@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refiner_core.ground_truth import Verdict, last_boxed, normalize, verify
+from refiner_core.reward.ground_truth import Verdict, last_boxed, normalize, verify
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from refiner_core.ground_truth import Verdict, verify
-from refiner_core.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
-from refiner_core.registry import resolve
+from refiner_core.reward.ground_truth import Verdict, verify
+from refiner_core.reward.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
+from refiner_core.runtime.registry import resolve
 
 Verifier = Callable[[list[dict], dict[str, dict]], list[Verdict]]
 
@@ -90,10 +90,10 @@ def verdict_columns(verdict: Verdict | None) -> dict:
     }
 
 
-VERIFIERS: dict[str, str] = {"ground_truth": "refiner_core.verifiers:ground_truth_verifier",
-                             "majority_vote": "refiner_core.verifiers:self_majority_verifier",
-                             "co_rewarding": "refiner_core.verifiers:twin_majority_verifier",
-                             "co_rewarding_teacher": "refiner_core.verifiers:teacher_majority_verifier",
+VERIFIERS: dict[str, str] = {"ground_truth": "refiner_core.reward.verifiers:ground_truth_verifier",
+                             "majority_vote": "refiner_core.reward.verifiers:self_majority_verifier",
+                             "co_rewarding": "refiner_core.reward.verifiers:twin_majority_verifier",
+                             "co_rewarding_teacher": "refiner_core.reward.verifiers:teacher_majority_verifier",
                              "tcr": "refiner_core.agent.tcr:tcr_verifier"}
 
 

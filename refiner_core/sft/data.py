@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refiner_core.data import Rejection, is_chat_row, split_of
-from refiner_core.packing import pack_sequences, packing_efficiency
-from refiner_core.prompts import refiner_messages, render_chat
+from refiner_core.data.rows import Rejection, is_chat_row, split_of
+from refiner_core.algo.packing import pack_sequences, packing_efficiency
+from refiner_core.data.prompts import refiner_messages, render_chat
 
 
 class TemplateError(ValueError):

@@ -15,7 +15,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refiner_core.faults import write_fault
+from refiner_core.runtime.faults import write_fault
 from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, to_arrow
 
 

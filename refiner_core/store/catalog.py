@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from refiner_core.rewards import REWARD_SQL
+from refiner_core.reward.compose import REWARD_SQL
 from refiner_core.schema import ALL_TABLES, duckdb_ddl
-from refiner_core.storage import catalog_copy
+from refiner_core.store.storage import catalog_copy
 
 
 def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> dict[str, int]:

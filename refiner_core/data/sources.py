@@ -10,7 +10,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from refiner_core.data import RawRow, check_row, read_jsonl
+from refiner_core.data.rows import RawRow, check_row, read_jsonl
 
 FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")

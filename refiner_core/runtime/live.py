@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from refiner_core.config import ROLLOUT_ENGINE_FIELDS
 from refiner_core.models import Adapter, adapter_weights, checkpoint_adapter, lora_adapter
-from refiner_core.storage import file_hash, json_hash
+from refiner_core.store.storage import file_hash, json_hash
 
 IN_PROCESS_JUDGES = ("transformers",)  # judges that hold a model in this process; a served judge holds a client
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from refiner_core.procs import is_running, process_identity
+from refiner_core.runtime.procs import is_running, process_identity
 
 LOCK_NAME = ".lock"
 BUSY_EXIT_CODE = 3  # `refiner run` exit code when the run folder is used by another run

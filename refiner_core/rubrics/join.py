@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from refiner_core.data import Rejection
-from refiner_core.rubric_gen import RubricGenerationError
-from refiner_core.rubrics import RubricError, instance_rubrics
+from refiner_core.data.rows import Rejection
+from refiner_core.rubrics.generate import RubricGenerationError
+from refiner_core.rubrics.normalise import RubricError, instance_rubrics
 
 
 def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], separate_source: bool,

@@ -1,0 +1,1 @@
+"""Rows of the data sources, their validation and the quarantine; sources, prompts and answer formats."""

@@ -1,0 +1,1 @@
+"""Rewards: composition and its SQL, citations, verifiers, ground truth, pseudo-labels, rescoring."""

@@ -1,0 +1,1 @@
+"""Instance rubrics: one rubric's normalisation, generation over an OpenAI-compatible API, joining."""

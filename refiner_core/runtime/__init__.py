@@ -1,0 +1,1 @@
+"""Processes and live state: child processes, the run lock, progress, registries, fault points, Ray, engines kept for a run, the HTTP chat client, hardware detection."""

@@ -1,0 +1,1 @@
+"""The SFT warm start: its data and its training loop."""
