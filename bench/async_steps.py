@@ -61,17 +61,29 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    from fault_server import FaultServer
     from prefect.testing.utilities import prefect_test_harness
 
+    from fault_server import FaultServer
     from refiner_core.config import load_recipe
 
-    with FaultServer(latency=args.latency, faults=False) as server, \
-            prefect_test_harness(server_startup_timeout=180), tempfile.TemporaryDirectory(prefix="runs-") as root:
-        recipe = load_recipe(REPO / "recipes" / "tiny.yaml", [
-            f"rollout.engine={args.engine}", "judge.engine=openai", f"judge.base_url={server.base_url}",
-            "judge.api_model=fault-judge", "judge.mode=json", "judge.cache=false", "eval.every=0",
-            f"grpo.tis_cap={args.tis_cap}"]).to_dict()
+    with (
+        FaultServer(latency=args.latency, faults=False) as server,
+        prefect_test_harness(server_startup_timeout=180),
+        tempfile.TemporaryDirectory(prefix="runs-") as root,
+    ):
+        recipe = load_recipe(
+            REPO / "recipes" / "tiny.yaml",
+            [
+                f"rollout.engine={args.engine}",
+                "judge.engine=openai",
+                f"judge.base_url={server.base_url}",
+                "judge.api_model=fault-judge",
+                "judge.mode=json",
+                "judge.cache=false",
+                "eval.every=0",
+                f"grpo.tis_cap={args.tis_cap}",
+            ],
+        ).to_dict()
         measure(recipe, 0, 1, Path(root) / "warm-up")  # imports, the tiny model, the first flow
         sync = measure(recipe, 0, args.steps, Path(root) / "sync")
         print(f"  async_steps 0: {sync:.0f} steps/h", flush=True)
@@ -79,8 +91,10 @@ def main() -> None:
         print(f"  async_steps 1: {ahead:.0f} steps/h", flush=True)
         requests = server.requests
 
-    print(f"\ntiny recipe, rollout.engine {args.engine}, {args.steps} steps, judge latency {args.latency} s per "
-          f"request ({requests} requests), {torch.get_num_threads()} torch threads")
+    print(
+        f"\ntiny recipe, rollout.engine {args.engine}, {args.steps} steps, judge latency {args.latency} s per "
+        f"request ({requests} requests), {torch.get_num_threads()} torch threads"
+    )
     print(f"steps per hour: sync {sync:.0f}, async_steps 1 {ahead:.0f}, ratio {ahead / sync:.2f}x")
 
 

@@ -80,9 +80,11 @@ def main() -> None:
     print(f"{'server':<10} {'fresh s':>8} {'cached s':>9} {'cached/fresh':>13}  stages cached")
     for r in results:
         cached_stages = r["stages"] - len(r["recomputed"])
-        print(f"{r['server']:<10} {r['fresh']:>8.1f} {r['cached']:>9.1f} {r['cached'] / r['fresh']:>12.1%}  "
-              f"{cached_stages}/{r['stages']}" + (f" (recomputed: {', '.join(r['recomputed'])})" if r["recomputed"]
-                                                   else ""))
+        print(
+            f"{r['server']:<10} {r['fresh']:>8.1f} {r['cached']:>9.1f} {r['cached'] / r['fresh']:>12.1%}  "
+            f"{cached_stages}/{r['stages']}"
+            + (f" (recomputed: {', '.join(r['recomputed'])})" if r["recomputed"] else "")
+        )
     if any(r["recomputed"] for r in results):
         sys.exit(1)  # a rerun that recomputes is not a cached rerun
 

@@ -12,9 +12,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from refiner_core import REPO_ROOT  # noqa: E402
+from refiner_core.data.prompts import judge_messages  # noqa: E402
 from refiner_core.data.rows import read_jsonl  # noqa: E402
 from refiner_core.models import resolve_model  # noqa: E402
-from refiner_core.data.prompts import judge_messages  # noqa: E402
 
 
 def setup(default_pairs: int) -> tuple[argparse.Namespace, str, list[list[dict]]]:
@@ -32,6 +32,7 @@ def setup(default_pairs: int) -> tuple[argparse.Namespace, str, list[list[dict]]
         row = raw.data
         words = row["answer"].split()
         response = " ".join(words[: rng.randint(3, len(words))])
-        conversations += [judge_messages(row["question"], response, r)
-                          for r in row["positive_rubrics"] + row["negative_rubrics"]]
+        conversations += [
+            judge_messages(row["question"], response, r) for r in row["positive_rubrics"] + row["negative_rubrics"]
+        ]
     return args, str(resolve_model(args.model, max_position_embeddings=2048)), conversations[: args.pairs]

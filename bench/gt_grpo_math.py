@@ -21,16 +21,30 @@ sys.path.insert(0, str(REPO))
 
 # The recipe's GPU settings scaled down to 2 CPU cores (also in docs/recipes.md, "Math: GT-GRPO and Co-rewarding").
 CPU_OVERRIDES = [
-    "model.policy=smollm2-135m-instruct", "model.dtype=float32", "rollout.engine=hf", "grpo.learner=torch",
-    "grpo.world_size=1", "rollout.samples_per_prompt=8", "rollout.prompts_per_step=6", "rollout.max_new_tokens=32",
-    "rollout.batch_size=48", "grpo.learning_rate=3e-5", "grpo.beta=0", "grpo.micro_batch_size=8",
+    "model.policy=smollm2-135m-instruct",
+    "model.dtype=float32",
+    "rollout.engine=hf",
+    "grpo.learner=torch",
+    "grpo.world_size=1",
+    "rollout.samples_per_prompt=8",
+    "rollout.prompts_per_step=6",
+    "rollout.max_new_tokens=32",
+    "rollout.batch_size=48",
+    "grpo.learning_rate=3e-5",
+    "grpo.beta=0",
+    "grpo.micro_batch_size=8",
     "eval.max_new_tokens=32",
 ]
 
 
 def overrides(steps: int, eval_prompts: int) -> list[str]:
-    return CPU_OVERRIDES + ["data.path=data/math/easy.jsonl", "data.validation_fraction=0.2", f"grpo.steps={steps}",
-                            f"eval.every={steps}", f"eval.prompts={eval_prompts}"]
+    return CPU_OVERRIDES + [
+        "data.path=data/math/easy.jsonl",
+        "data.validation_fraction=0.2",
+        f"grpo.steps={steps}",
+        f"eval.every={steps}",
+        f"eval.prompts={eval_prompts}",
+    ]
 
 
 def query(run_dir: Path, sql: str) -> list[tuple]:
@@ -46,24 +60,36 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path, default=REPO / "runs" / "gt-grpo-math-demo")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    sets = [x for o in overrides(args.steps, args.eval_prompts) + [f"run.num_threads={args.threads}"]
-            for x in ("--set", o)]
+    sets = [
+        x for o in overrides(args.steps, args.eval_prompts) + [f"run.num_threads={args.threads}"] for x in ("--set", o)
+    ]
     t0 = time.time()
-    cmd = [str(REPO / ".venv" / "bin" / "refiner"), "run", "recipes/gt-grpo-math.yaml", "--run-dir", str(args.run_dir),
-           *sets]
+    cmd = [
+        str(REPO / ".venv" / "bin" / "refiner"),
+        "run",
+        "recipes/gt-grpo-math.yaml",
+        "--run-dir",
+        str(args.run_dir),
+        *sets,
+    ]
     print("$", " ".join(cmd[1:]), flush=True)
     done = subprocess.run(cmd, cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"the run failed (exit {done.returncode})")
     seconds = time.time() - t0
-    evals = query(args.run_dir, """
+    evals = query(
+        args.run_dir,
+        """
         SELECT step, count(*) AS prompts, avg(correct) AS accuracy,
                avg(CASE WHEN contains(response_text, '\\boxed{') THEN 1 ELSE 0 END) AS boxed,
                avg(response_tokens) AS tokens, avg(CASE WHEN finish_reason = 'stop' THEN 1 ELSE 0 END) AS stopped
-        FROM evals WHERE mode = 'greedy' GROUP BY step ORDER BY step""")
+        FROM evals WHERE mode = 'greedy' GROUP BY step ORDER BY step""",
+    )
     train = query(args.run_dir, "SELECT step, reward_mean, zero_std_group_fraction FROM steps ORDER BY step")
-    print(f"\nGT-GRPO, SmolLM2-135M-Instruct, easy arithmetic: {args.steps} steps in {seconds / 60:.1f} min "
-          f"(6 questions x 8 samples per step, 32 new tokens, lr 3e-5, no KL)")
+    print(
+        f"\nGT-GRPO, SmolLM2-135M-Instruct, easy arithmetic: {args.steps} steps in {seconds / 60:.1f} min "
+        f"(6 questions x 8 samples per step, 32 new tokens, lr 3e-5, no KL)"
+    )
     print("held-out (greedy):   step  questions  accuracy  \\boxed{} used  mean tokens  stopped")
     for step, n, acc, boxed, tokens, stopped in evals:
         label = "before" if step == 0 else "after "

@@ -22,16 +22,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refiner_core.runtime.http_chat import RetryPolicy, list_models  # noqa: E402
-from refiner_core.runtime.http_chat import AnswerCache  # noqa: E402
-from refiner_core.judges.openai_judge import OpenAIJudge  # noqa: E402
 from refiner_core.data.prompts import judge_messages  # noqa: E402
+from refiner_core.judges.openai_judge import OpenAIJudge  # noqa: E402
+from refiner_core.runtime.http_chat import (  # noqa: E402
+    AnswerCache,  # noqa: E402
+    RetryPolicy,
+    list_models,
+)
 
 
 def loopback_server(latency: float) -> tuple[ThreadingHTTPServer, list[int]]:
     count = [0]
-    reply = json.dumps({"id": "x", "object": "chat.completion", "model": "bench-judge", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": '{"score": 2}'}, "finish_reason": "stop"}]}).encode()
+    reply = json.dumps(
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "model": "bench-judge",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": '{"score": 2}'}, "finish_reason": "stop"}
+            ],
+        }
+    ).encode()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as real servers
@@ -66,8 +77,14 @@ def loopback_server(latency: float) -> tuple[ThreadingHTTPServer, list[int]]:
 
 
 def conversations(n: int, tag: str) -> list[list[dict]]:
-    return [judge_messages(f"Question {tag}-{i}: what happened?", f"A response {i} citing facts.",
-                           f"Criterion {i % 7}: the response is accurate.") for i in range(n)]
+    return [
+        judge_messages(
+            f"Question {tag}-{i}: what happened?",
+            f"A response {i} citing facts.",
+            f"Criterion {i % 7}: the response is accurate.",
+        )
+        for i in range(n)
+    ]
 
 
 def main() -> None:
@@ -90,16 +107,26 @@ def main() -> None:
     cache = AnswerCache(Path(tempfile.mkdtemp(prefix="judge-bench-cache-")))
     results = {}
     for level in levels:
-        judge = OpenAIJudge(base_url, model, concurrency=level, timeout_seconds=120.0, policy=RetryPolicy(2, 0.1),
-                            max_tokens=args.max_tokens, cache=cache, progress=False)
+        judge = OpenAIJudge(
+            base_url,
+            model,
+            concurrency=level,
+            timeout_seconds=120.0,
+            policy=RetryPolicy(2, 0.1),
+            max_tokens=args.max_tokens,
+            cache=cache,
+            progress=False,
+        )
         convs = conversations(args.pairs, f"c{level}")
         t0 = time.perf_counter()
         out = judge.complete_detailed(convs)
         seconds = time.perf_counter() - t0
         failed = sum(c.failure is not None for c in out)
         results[level] = args.pairs / seconds
-        print(f"concurrency {level:3d}: {args.pairs} pairs in {seconds:6.2f} s = {results[level]:8.1f} pairs/s"
-              f" ({failed} failed)")
+        print(
+            f"concurrency {level:3d}: {args.pairs} pairs in {seconds:6.2f} s = {results[level]:8.1f} pairs/s"
+            f" ({failed} failed)"
+        )
     before = count[0] if count else None
     t0 = time.perf_counter()
     out = judge.complete_detailed(convs)  # the last setting's pairs again: all from the cache
@@ -108,11 +135,22 @@ def main() -> None:
     assert all(c.cache_hit for c in out)
     best = max(results, key=results.get)
     print(f"ratio concurrency {best} / 1: {results[best] / results[levels[0]]:.1f}x (best concurrency {best})")
-    print(f"cached re-scoring: {cached:.0f} pairs/s ({cached / results[best]:.0f}x the best uncached); "
-          f"requests during it: {(count[0] - before) if count else 'not counted'}")
-    print(json.dumps({"pairs": args.pairs, "latency_s": args.latency if not args.base_url else None,
-                      "server": base_url if args.base_url else "loopback", "pairs_per_s": results,
-                      "best_concurrency": best, "cached_pairs_per_s": round(cached, 1)}))
+    print(
+        f"cached re-scoring: {cached:.0f} pairs/s ({cached / results[best]:.0f}x the best uncached); "
+        f"requests during it: {(count[0] - before) if count else 'not counted'}"
+    )
+    print(
+        json.dumps(
+            {
+                "pairs": args.pairs,
+                "latency_s": args.latency if not args.base_url else None,
+                "server": base_url if args.base_url else "loopback",
+                "pairs_per_s": results,
+                "best_concurrency": best,
+                "cached_pairs_per_s": round(cached, 1),
+            }
+        )
+    )
     if httpd:
         httpd.shutdown()
 

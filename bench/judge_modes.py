@@ -24,9 +24,16 @@ def main() -> None:
         t0 = time.perf_counter()
         judge.complete(conversations)
         seconds[mode] = time.perf_counter() - t0
-    print(json.dumps({"model": args.model, "pairs": len(conversations),
-                      **{f"{k}_seconds": round(v, 3) for k, v in seconds.items()},
-                      "ratio_json_over_expected": round(seconds["json"] / seconds["expected_score"], 2)}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "pairs": len(conversations),
+                **{f"{k}_seconds": round(v, 3) for k, v in seconds.items()},
+                "ratio_json_over_expected": round(seconds["json"] / seconds["expected_score"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

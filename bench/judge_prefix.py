@@ -26,10 +26,17 @@ def main() -> None:
         scores[label] = [json.loads(o)["score"] for o in judge.complete(conversations)]
         seconds[label] = time.perf_counter() - t0
     diff = max(abs(a - b) for a, b in zip(scores["plain"], scores["shared"]))
-    print(json.dumps({"model": args.model, "pairs": len(conversations),
-                      **{f"{k}_seconds": round(v, 3) for k, v in seconds.items()},
-                      "ratio_plain_over_shared": round(seconds["plain"] / seconds["shared"], 2),
-                      "max_score_difference": round(diff, 5)}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "pairs": len(conversations),
+                **{f"{k}_seconds": round(v, 3) for k, v in seconds.items()},
+                "ratio_plain_over_shared": round(seconds["plain"] / seconds["shared"], 2),
+                "max_score_difference": round(diff, 5),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -52,9 +52,13 @@ def stage_seconds(flow_run_id) -> dict[str, dict[int, float]]:
 def measure(recipe: dict, engine: str, learner: str, keep: bool, steps: int, run_dir: Path) -> dict:
     from flows.refiner import refiner_pipeline
 
-    run = {**recipe, "run": {**recipe["run"], "keep_engines": keep}, "model": {**recipe["model"], "precision": "fp32"},
-           "rollout": {**recipe["rollout"], "engine": engine},
-           "grpo": {**recipe["grpo"], "steps": steps, "learner": learner, "world_size": 1}}
+    run = {
+        **recipe,
+        "run": {**recipe["run"], "keep_engines": keep},
+        "model": {**recipe["model"], "precision": "fp32"},
+        "rollout": {**recipe["rollout"], "engine": engine},
+        "grpo": {**recipe["grpo"], "steps": steps, "learner": learner, "world_size": 1},
+    }
     start = time.perf_counter()
     state = refiner_pipeline(recipe=run, run_dir=str(run_dir), return_state=True)
     wall = time.perf_counter() - start
@@ -63,9 +67,15 @@ def measure(recipe: dict, engine: str, learner: str, keep: bool, steps: int, run
     seconds = stage_seconds(state.state_details.flow_run_id)
     later = range(1, steps)
     per_stage = {s: statistics.mean(seconds[s][k] for k in later) for s in STAGES}
-    return {"engine": engine, "learner": learner, "keep": keep, "wall": wall, **per_stage,
-            "step": sum(per_stage.values()),
-            "step0": sum(seconds[s][0] for s in STAGES)}
+    return {
+        "engine": engine,
+        "learner": learner,
+        "keep": keep,
+        "wall": wall,
+        **per_stage,
+        "step": sum(per_stage.values()),
+        "step0": sum(seconds[s][0] for s in STAGES),
+    }
 
 
 def main() -> None:
@@ -99,28 +109,39 @@ def main() -> None:
                 for keep in (False, True):
                     run_dir = Path(root) / f"{engine}-{learner}-{'kept' if keep else 'rebuilt'}"
                     rows.append(measure(recipe, engine, learner, keep, args.steps, run_dir))
-                    print(f"  {engine} + {learner} keep_engines={str(keep).lower()}: {rows[-1]['wall']:.1f} s",
-                          flush=True)
+                    print(
+                        f"  {engine} + {learner} keep_engines={str(keep).lower()}: {rows[-1]['wall']:.1f} s", flush=True
+                    )
 
-    print(f"\ntiny recipe, fp32, {args.steps} steps, {torch.get_num_threads()} torch threads; "
-          f"seconds per step, mean of steps 1-{args.steps - 1}")
-    print(f"{'engine':<7} {'learner':<10} {'keep_engines':<13}" +
-          "".join(f"{s:>13}" for s in (*STAGES, "step", "step 0", "run")))
+    print(
+        f"\ntiny recipe, fp32, {args.steps} steps, {torch.get_num_threads()} torch threads; "
+        f"seconds per step, mean of steps 1-{args.steps - 1}"
+    )
+    print(
+        f"{'engine':<7} {'learner':<10} {'keep_engines':<13}"
+        + "".join(f"{s:>13}" for s in (*STAGES, "step", "step 0", "run"))
+    )
     for r in rows:
-        print(f"{r['engine']:<7} {r['learner']:<10} {str(r['keep']).lower():<13}" +
-              "".join(f"{r[k]:>13.2f}" for k in (*STAGES, "step", "step0", "wall")))
+        print(
+            f"{r['engine']:<7} {r['learner']:<10} {str(r['keep']).lower():<13}"
+            + "".join(f"{r[k]:>13.2f}" for k in (*STAGES, "step", "step0", "wall"))
+        )
     print("\nrebuilt / kept (x times less time per step with keep_engines true):")
     for engine in engines:
         for learner in args.learners:
             rebuilt, kept = (_row(rows, engine, learner, k) for k in (False, True))
-            print(f"{engine + ' + ' + learner:<18}" +
-                  "".join(f"  {s} {rebuilt[s] / max(kept[s], 1e-9):.1f}x" for s in (*STAGES, "step")))
+            print(
+                f"{engine + ' + ' + learner:<18}"
+                + "".join(f"  {s} {rebuilt[s] / max(kept[s], 1e-9):.1f}x" for s in (*STAGES, "step"))
+            )
     if "vllm" in engines and set(args.learners) == {"torch", "deepspeed"}:
         target = _row(rows, "vllm", "deepspeed", True)["step"]
         for keep in (False, True):
             base = _row(rows, "hf", "torch", keep)["step"]
-            print(f"vllm + deepspeed kept / hf + torch {'kept' if keep else 'rebuilt'}: {target / base:.2f} "
-                  f"(<= 1: a step costs no more)")
+            print(
+                f"vllm + deepspeed kept / hf + torch {'kept' if keep else 'rebuilt'}: {target / base:.2f} "
+                f"(<= 1: a step costs no more)"
+            )
 
 
 def _row(rows: list[dict], engine: str, learner: str, keep: bool) -> dict:

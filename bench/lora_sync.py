@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refiner_core.grpo import learner_settings  # noqa: E402
 from refiner_core.config import GRPOConfig  # noqa: E402
+from refiner_core.grpo import learner_settings  # noqa: E402
 from refiner_core.learners.base import TrainSample  # noqa: E402
 from refiner_core.learners.torch_learner import make_torch_learner  # noqa: E402
 from refiner_core.models import load_tokenizer, resolve_model  # noqa: E402
@@ -44,20 +44,30 @@ def main() -> None:
     path = str(resolve_model("smollm2-135m-instruct"))
     tokenizer = load_tokenizer(path)
     grpo = {**GRPOConfig().__dict__, "micro_batch_size": 8, "learning_rate": 1e-3, "beta": 0.0}
-    lora = {"lora_rank": args.rank, "lora_alpha": 2.0 * args.rank, "lora_dropout": 0.0,
-            "lora_target_modules": ["all-linear"], "lora_save_merged": False}
+    lora = {
+        "lora_rank": args.rank,
+        "lora_alpha": 2.0 * args.rank,
+        "lora_dropout": 0.0,
+        "lora_target_modules": ["all-linear"],
+        "lora_save_merged": False,
+    }
     learner = make_torch_learner(path, path, tokenizer, learner_settings(grpo, 1.0, "fp32", lora), None)
     prompts = [tokenizer(f"Write a short note about the number {i}.")["input_ids"] for i in range(8)]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=64, seed=0)
-    engines = {mode: make_vllm_engine(path, 32, "float32", "fp32", progress=False,
-                                      adapter_rank=args.rank if mode == "adapter" else 0)
-               for mode in ("adapter", "merged")}
+    engines = {
+        mode: make_vllm_engine(
+            path, 32, "float32", "fp32", progress=False, adapter_rank=args.rank if mode == "adapter" else 0
+        )
+        for mode in ("adapter", "merged")
+    }
     model_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     results: dict[str, dict[str, list[float]]] = {m: {"bytes": [], "sync": [], "sample": []} for m in engines}
     for step in range(args.steps):
         g = torch.Generator().manual_seed(step)
-        samples = [TrainSample(p, torch.randint(3, 2000, (16,), generator=g).tolist(), adv, [-5.0] * 16)
-                   for p, adv in zip(prompts, [1.0, -1.0] * 4)]
+        samples = [
+            TrainSample(p, torch.randint(3, 2000, (16,), generator=g).tolist(), adv, [-5.0] * 16)
+            for p, adv in zip(prompts, [1.0, -1.0] * 4)
+        ]
         learner.train_step(samples)
         for mode, engine in engines.items():
             t0 = time.perf_counter()
@@ -80,15 +90,22 @@ def main() -> None:
         engine.close()
     learner.close()
     mean = {m: {k: statistics.mean(v) for k, v in r.items()} for m, r in results.items()}
-    print(f"SmolLM2-135M (weights file {model_bytes / 2**20:.0f} MiB), rank {args.rank}, {args.steps} steps, "
-          f"{len(prompts)} prompts x {params.n} samples of {params.max_new_tokens} tokens, {args.threads} thread(s)")
+    print(
+        f"SmolLM2-135M (weights file {model_bytes / 2**20:.0f} MiB), rank {args.rank}, {args.steps} steps, "
+        f"{len(prompts)} prompts x {params.n} samples of {params.max_new_tokens} tokens, {args.threads} thread(s)"
+    )
     print(f"{'mode':10} {'handed over':>12} {'sync s':>8} {'sample s':>9} {'sync+sample s':>14}")
     for mode, m in mean.items():
-        print(f"{mode:10} {m['bytes'] / 2**20:9.1f} MiB {m['sync']:8.3f} {m['sample']:9.2f} "
-              f"{m['sync'] + m['sample']:14.2f}")
+        print(
+            f"{mode:10} {m['bytes'] / 2**20:9.1f} MiB {m['sync']:8.3f} {m['sample']:9.2f} "
+            f"{m['sync'] + m['sample']:14.2f}"
+        )
     a, b = mean["adapter"], mean["merged"]
-    print(f"adapter / merged: bytes {a['bytes'] / b['bytes']:.3f}, sync {a['sync'] / b['sync']:.2f}x, "
-          f"sample {a['sample'] / b['sample']:.2f}x, sync+sample {(a['sync'] + a['sample']) / (b['sync'] + b['sample']):.2f}x")
+    print(
+        f"adapter / merged: bytes {a['bytes'] / b['bytes']:.3f}, sync {a['sync'] / b['sync']:.2f}x, "
+        f"sample {a['sample'] / b['sample']:.2f}x, "
+        f"sync+sample {(a['sync'] + a['sample']) / (b['sync'] + b['sample']):.2f}x"
+    )
 
 
 if __name__ == "__main__":

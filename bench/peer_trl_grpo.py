@@ -37,15 +37,19 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--output-dir", default="/tmp/peer-trl-grpo-out")
     parser.add_argument("--fp32", action="store_true", help="bf16=False (for CPUs without AVX-512 BF16 or AMX)")
-    parser.add_argument("--grad-ckpt", action="store_true", help="keep TRL's default gradient checkpointing (off here: "
-                        "it recomputes activations, slower, and 135M params need no memory saving)")
+    parser.add_argument(
+        "--grad-ckpt",
+        action="store_true",
+        help="keep TRL's default gradient checkpointing (off here: "
+        "it recomputes activations, slower, and 135M params need no memory saving)",
+    )
     args = parser.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
-    import trl
     import transformers
+    import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -59,22 +63,52 @@ def main() -> None:
 
     batch = args.prompts_per_step * args.generations
     wanted = dict(
-        output_dir=args.output_dir, use_cpu=True, bf16=not args.fp32, fp16=False, beta=0.0,
-        num_generations=args.generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        generation_batch_size=batch, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0,
-        top_k=0, learning_rate=5e-6, lr_scheduler_type="constant", warmup_ratio=0.0, max_steps=args.steps,
-        logging_steps=1, report_to=[], use_vllm=False, save_strategy="no", num_iterations=1,
-        shuffle_dataset=False, dataloader_num_workers=0, seed=0, disable_tqdm=True, log_completions=False,
-        remove_unused_columns=False, gradient_checkpointing=args.grad_ckpt,
+        output_dir=args.output_dir,
+        use_cpu=True,
+        bf16=not args.fp32,
+        fp16=False,
+        beta=0.0,
+        num_generations=args.generations,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        generation_batch_size=batch,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=5e-6,
+        lr_scheduler_type="constant",
+        warmup_ratio=0.0,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to=[],
+        use_vllm=False,
+        save_strategy="no",
+        num_iterations=1,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+        log_completions=False,
+        remove_unused_columns=False,
+        gradient_checkpointing=args.grad_ckpt,
     )
     known = set(GRPOConfig.__dataclass_fields__)
     dropped = sorted(k for k in wanted if k not in known)
     config = GRPOConfig(**{k: v for k, v in wanted.items() if k in known})
-    print(json.dumps({"side": "trl", "info": f"trl {trl.__version__}, transformers {transformers.__version__}, "
-                      f"torch {torch.__version__} (CPU {torch.backends.cpu.get_cpu_capability()}), "
-                      f"threads {torch.get_num_threads()}, bf16 {config.bf16}, "
-                      f"gradient_checkpointing {config.gradient_checkpointing}",
-                      "dropped_config_keys": dropped}), flush=True)
+    print(
+        json.dumps(
+            {
+                "side": "trl",
+                "info": f"trl {trl.__version__}, transformers {transformers.__version__}, "
+                f"torch {torch.__version__} (CPU {torch.backends.cpu.get_cpu_capability()}), "
+                f"threads {torch.get_num_threads()}, bf16 {config.bf16}, "
+                f"gradient_checkpointing {config.gradient_checkpointing}",
+                "dropped_config_keys": dropped,
+            }
+        ),
+        flush=True,
+    )
 
     def reward(prompts, completions, **kwargs):
         return [reward_text(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
@@ -95,14 +129,28 @@ def main() -> None:
             step = state.global_step
             if step not in self.seconds or logs is None or "completions/mean_length" not in logs:
                 return
-            print(json.dumps({"side": "trl", "step": step, "seconds": round(self.seconds[step], 3),
-                              "cpu_seconds": round(self.cpu[step], 3),
-                              "completion_tokens": round(logs["completions/mean_length"] * batch),
-                              "reward_mean": logs.get("reward")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "side": "trl",
+                        "step": step,
+                        "seconds": round(self.seconds[step], 3),
+                        "cpu_seconds": round(self.cpu[step], 3),
+                        "completion_tokens": round(logs["completions/mean_length"] * batch),
+                        "reward_mean": logs.get("reward"),
+                    }
+                ),
+                flush=True,
+            )
 
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
-                          callbacks=[StepTimer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
     trainer.train()
 
 

@@ -52,8 +52,13 @@ def timed_run(recipe: str, run_dir: Path, overrides: list[str], env: dict) -> di
     sums = ", ".join(f"sum({s})" for s in STAGES)
     (totals,) = query(run_dir / "catalog.duckdb", f"SELECT {sums}, count(*) FROM steps")[1]
     line = PRECISION_LINE.search(done.stderr)
-    return {**dict(zip(STAGES, totals[:3])), "steps": totals[3], "wall": wall, "line": line.group(0) if line else "?",
-            "recorded": yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"]["precision"]}
+    return {
+        **dict(zip(STAGES, totals[:3])),
+        "steps": totals[3],
+        "wall": wall,
+        "line": line.group(0) if line else "?",
+        "recorded": yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"]["precision"],
+    }
 
 
 def main() -> None:
@@ -65,9 +70,12 @@ def main() -> None:
 
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo_flags(cpuinfo.read_text()) if cpuinfo.exists() else set()
-    print(f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; /proc/cpuinfo avx512_bf16 "
-          f"{'avx512_bf16' in flags}, amx_bf16 {'amx_bf16' in flags}; torch probes: {cpu_bf16_features() or 'none'}; "
-          f"native bf16: {native_bf16()}", flush=True)
+    print(
+        f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}; /proc/cpuinfo avx512_bf16 "
+        f"{'avx512_bf16' in flags}, amx_bf16 {'amx_bf16' in flags}; torch probes: {cpu_bf16_features() or 'none'}; "
+        f"native bf16: {native_bf16()}",
+        flush=True,
+    )
     sides = {"default": [], "fp32": []}
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     with tempfile.TemporaryDirectory(prefix="precision-default-") as tmp:
@@ -78,13 +86,16 @@ def main() -> None:
                 print(f"{side}: {result}", flush=True)
                 sides[side].append(result)
 
-    median = {side: {k: statistics.median(r[k] for r in runs) for k in (*STAGES, "wall")}
-              for side, runs in sides.items()}
+    median = {
+        side: {k: statistics.median(r[k] for r in runs) for k in (*STAGES, "wall")} for side, runs in sides.items()
+    }
     for m in median.values():
         m["judge+update"] = m["judge_seconds"] + m["update_seconds"]
-    print(f"\nrecipe {Path(args.recipe).name} {' '.join(args.overrides)}; {sides['default'][0]['steps']} steps, "
-          f"{args.repeats} run(s) per side; default resolved to {sides['default'][0]['recorded']!r}: "
-          f"{sides['default'][0]['line']}")
+    print(
+        f"\nrecipe {Path(args.recipe).name} {' '.join(args.overrides)}; {sides['default'][0]['steps']} steps, "
+        f"{args.repeats} run(s) per side; default resolved to {sides['default'][0]['recorded']!r}: "
+        f"{sides['default'][0]['line']}"
+    )
     print(f"{'seconds (sum over steps)':<26} {'default':>9} {'fp32':>9} {'default/fp32':>13}")
     for key in ("rollout_seconds", "judge_seconds", "update_seconds", "judge+update", "wall"):
         d, f = median["default"][key], median["fp32"][key]

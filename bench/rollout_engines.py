@@ -35,8 +35,9 @@ def throughput(engine, prompts: list[list[int]], params: SamplingParams) -> tupl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="smollm2-135m-instruct, tiny-qwen3 or a folder")
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="smollm2-135m-instruct, tiny-qwen3 or a folder"
+    )
     parser.add_argument("--engine", default="hf", choices=("hf", "vllm"))
     parser.add_argument("--engines", type=int, default=2, help="N, the Ray engines compared with one")
     parser.add_argument("--prompts", type=int, default=8)
@@ -64,8 +65,10 @@ def main() -> None:
     finally:
         cluster.disconnect()
     print(f"{args.engines} Ray engines: {tokens} tokens, {rate:.1f} tokens/s")
-    print(f"\n{args.model}, {args.engine}, {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} "
-          f"new tokens: {args.engines} Ray engines / 1 engine = {rate / one_rate:.2f}x tokens per second")
+    print(
+        f"\n{args.model}, {args.engine}, {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} "
+        f"new tokens: {args.engines} Ray engines / 1 engine = {rate / one_rate:.2f}x tokens per second"
+    )
 
 
 if __name__ == "__main__":

@@ -22,21 +22,21 @@ import duckdb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refiner_core.store.run_sql import VIEWS, open_runs  # noqa: E402
 from refiner_core.schema import ALL_TABLES, duckdb_ddl  # noqa: E402
+from refiner_core.store.run_sql import VIEWS, open_runs  # noqa: E402
 
 BASELINE = "SELECT prompt_id, count(*) FROM rollouts GROUP BY prompt_id"
 DOCUMENTED_QUERIES = {
     "steps": "SELECT step, round(reward_mean, 3) AS reward, round(kl, 5) AS kl, response_length_mean FROM steps "
-             "ORDER BY step",
+    "ORDER BY step",
     "rubrics by source": "SELECT r.source, r.title, round(avg(s.oriented_score), 3) AS mean, count(*) FILTER "
-                         "(WHERE s.failure IS NOT NULL) AS failed FROM judge_scores s JOIN rubrics r USING (run, "
-                         "prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2",
+    "(WHERE s.failure IS NOT NULL) AS failed FROM judge_scores s JOIN rubrics r USING (run, "
+    "prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2",
     "lowest rubrics": "SELECT prompt_id, rubric_id, round(avg(oriented_score), 3) AS mean FROM judge_scores "
-                      "GROUP BY ALL ORDER BY mean LIMIT 10",
+    "GROUP BY ALL ORDER BY mean LIMIT 10",
     "best rollouts": "SELECT w.prompt_id, w.sample_idx, round(w.reward, 3) AS reward, left(o.response_text, 60) AS "
-                     "response FROM rewards w JOIN rollouts o USING (run, step, prompt_id, sample_idx) WHERE "
-                     "w.step = 0 AND w.reward_version = 'train' ORDER BY w.reward DESC LIMIT 5",
+    "response FROM rewards w JOIN rollouts o USING (run, step, prompt_id, sample_idx) WHERE "
+    "w.step = 0 AND w.reward_version = 'train' ORDER BY w.reward DESC LIMIT 5",
     "verifiers": "SELECT verifier, verify_method, count(*) AS n, avg(correct) AS accuracy FROM rewards GROUP BY ALL",
     "quarantine": "SELECT reason, count(*) FROM quarantine GROUP BY reason",
 }
@@ -72,11 +72,13 @@ def build(db: Path, rollouts: int, scores_per_rollout: int, steps: int, samples:
         (random() < 0.1)::INT AS n_invalid_citations, random() AS citation_valid_fraction FROM keys""")
     con.execute("""INSERT INTO rewards BY NAME SELECT 'bench' AS run, step, prompt_id, sample_idx,
         'train' AS reward_version, 'judge' AS verifier, 10 * random() AS reward FROM keys""")
-    con.execute(f"""INSERT INTO quarantine BY NAME SELECT 'bench' AS run, 'prepare' AS stage, 'data.jsonl' AS source,
+    con.execute("""INSERT INTO quarantine BY NAME SELECT 'bench' AS run, 'prepare' AS stage, 'data.jsonl' AS source,
         'line ' || i AS row_ref, CASE WHEN i % 3 = 0 THEN 'control_characters' ELSE 'invalid_json' END AS reason
         FROM range(1000) t(i)""")
-    counts = {t: con.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0]
-              for t in ("rollouts", "judge_scores", "rewards", "rubrics", "steps")}
+    counts = {
+        t: con.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0]
+        for t in ("rollouts", "judge_scores", "rewards", "rubrics", "steps")
+    }
     con.close()
     return counts
 
@@ -106,8 +108,10 @@ def main() -> None:
     db.unlink(missing_ok=True)
     t0 = time.perf_counter()
     counts = build(db, args.rollouts, args.scores_per_rollout, args.steps, args.samples)
-    print(f"catalog {db}: {', '.join(f'{v:,} {k}' for k, v in counts.items())}; built in "
-          f"{time.perf_counter() - t0:.1f} s, {db.stat().st_size / 2**20:.0f} MiB")
+    print(
+        f"catalog {db}: {', '.join(f'{v:,} {k}' for k, v in counts.items())}; built in "
+        f"{time.perf_counter() - t0:.1f} s, {db.stat().st_size / 2**20:.0f} MiB"
+    )
     t0 = time.perf_counter()
     con = open_runs([folder])
     print(f"opened as `refiner sql` does (read-only, views defined) in {time.perf_counter() - t0:.3f} s")

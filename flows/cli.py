@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from flows.supervisor import Terminated, interrupts_never_lost, run_in_folder
 from refiner_core.config import ConfigError, describe, load_recipe
-from refiner_core.preflight import check_recipe
 from refiner_core.data.text_safety import visible
+from refiner_core.preflight import check_recipe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO post-training pipeline for LLM policies.")
+
 
 def _warn(message: str) -> None:
     typer.secho(f"warning: {visible(message)}", fg="yellow", err=True)
@@ -28,10 +28,13 @@ def _fail(message: str, code: int = 2) -> None:
 @app.command()
 def run(
     recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="Recipe YAML (see recipes/)."),
-    run_dir: Optional[Path] = typer.Option(
-        None, "--run-dir", help="Run folder (default: <run.run_root>/<run.name>, or <run.run_root>/<recipe file "
-                                "name without .yaml> when run.name is ''). The run is named after it unless run.name "
-                                "is set."),
+    run_dir: Path | None = typer.Option(
+        None,
+        "--run-dir",
+        help="Run folder (default: <run.run_root>/<run.name>, or <run.run_root>/<recipe file "
+        "name without .yaml> when run.name is ''). The run is named after it unless run.name "
+        "is set.",
+    ),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: section.field=value (repeatable)."),
     refresh: bool = typer.Option(False, "--refresh", help="Ignore cached stage results and recompute everything."),
     debug: bool = typer.Option(False, "--debug", help="Also show Prefect's failure tracebacks on the terminal."),
@@ -51,8 +54,11 @@ def run(
         _fail(str(e))
     problems = check_recipe(cfg)
     if problems:
-        _fail("\n  ".join([f"{recipe}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, nothing was run:",
-                           *problems]))
+        _fail(
+            "\n  ".join(
+                [f"{recipe}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, nothing was run:", *problems]
+            )
+        )
     folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     from refiner_core.runtime.runlock import BUSY_EXIT_CODE, RunFolderBusy, acquire, release
@@ -66,10 +72,10 @@ def run(
             run_in_folder(cfg, folder, refresh, debug, warn=_warn)
     except Terminated:
         typer.secho("terminated: run the same command again to resume from the unfinished stage", err=True)
-        raise typer.Exit(143)
+        raise typer.Exit(143) from None
     except KeyboardInterrupt:  # a Ctrl-C redelivered as the run ended
         typer.secho("interrupted: run the same command again to resume from the unfinished stage", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     finally:
         release(folder)
 
@@ -83,16 +89,23 @@ def _warn_stale_rescores(run_dirs: list[Path]) -> None:
 
 @app.command()
 def sql(
-    run_dirs: list[Path] = typer.Argument(..., help="Run folder(s) holding catalog.duckdb, or catalog files. With "
-                                                    "several, each table holds the rows of all of them (column run)."),
-    query: str = typer.Argument(..., help="SQL to run, read-only. Tables: prompts, rubrics, rollouts, "
-                                          "judge_scores, reward_inputs, rewards, steps, quarantine, sft_examples, "
-                                          "sft_stats, sft_metrics, … Views: reward_by_step, rubric_pass_rates, "
-                                          "citation_quality, length_vs_reward, judge_failures, quarantine_summary."),
+    run_dirs: list[Path] = typer.Argument(
+        ...,
+        help="Run folder(s) holding catalog.duckdb, or catalog files. With "
+        "several, each table holds the rows of all of them (column run).",
+    ),
+    query: str = typer.Argument(
+        ...,
+        help="SQL to run, read-only. Tables: prompts, rubrics, rollouts, "
+        "judge_scores, reward_inputs, rewards, steps, quarantine, sft_examples, "
+        "sft_stats, sft_metrics, … Views: reward_by_step, rubric_pass_rates, "
+        "citation_quality, length_vs_reward, judge_failures, quarantine_summary.",
+    ),
     fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
     max_width: int = typer.Option(60, help="Cut table cells to this many characters (0 = no cut)."),
-    export_to: Optional[Path] = typer.Option(None, "--export", help="Write the result to this .parquet or .csv "
-                                                                     "file instead of printing it."),
+    export_to: Path | None = typer.Option(
+        None, "--export", help="Write the result to this .parquet or .csv file instead of printing it."
+    ),
 ) -> None:
     """Run a read-only SQL query against the catalogs of one or several runs (no file access from SQL)."""
     import duckdb
@@ -186,13 +199,15 @@ def show(
         if which in summary:
             r = summary[which]
             text = " ".join(visible(r["response_text"] or "").split())
-            typer.echo(f"{which} of step {r['step']}: reward {r['reward']} ({visible(str(r['prompt_id']))} "
-                       f"#{r['sample_idx']}): {text[:width]}{'…' if len(text) > width else ''}")
+            typer.echo(
+                f"{which} of step {r['step']}: reward {r['reward']} ({visible(str(r['prompt_id']))} "
+                f"#{r['sample_idx']}): {text[:width]}{'…' if len(text) > width else ''}"
+            )
 
 
 @app.command()
 def config(
-    recipe: Optional[Path] = typer.Argument(None, exists=True, dir_okay=False, help="Recipe to resolve."),
+    recipe: Path | None = typer.Argument(None, exists=True, dir_okay=False, help="Recipe to resolve."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: section.field=value."),
     fields: bool = typer.Option(False, "--fields", help="List every field with its default and help text."),
 ) -> None:
@@ -213,7 +228,7 @@ def config(
 @app.command()
 def plot(
     run_dir: Path = typer.Argument(..., help="Run folder."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG path (default: RUN_DIR/curves.png)."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="PNG path (default: RUN_DIR/curves.png)."),
 ) -> None:
     """Plot reward, KL, loss and response length per step (and held-out eval curves when the run has them) to a PNG."""
     from refiner_core.store.plots import eval_summary, plot_steps
@@ -233,9 +248,10 @@ def plot(
 @app.command()
 def rescore(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run folder with scored steps."),
-    overrides: list[str] = typer.Option([], "--set", help="A reward setting: reward.field=value, grpo.advantage*, "
-                                        "judge.on_failure (repeatable)."),
-    name: Optional[str] = typer.Option(None, "--name", help="Version name (default: derived from the settings)."),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="A reward setting: reward.field=value, grpo.advantage*, judge.on_failure (repeatable)."
+    ),
+    name: str | None = typer.Option(None, "--name", help="Version name (default: derived from the settings)."),
 ) -> None:
     """Recompute rewards and advantages of every scored step with new reward settings, without calling the judge.
 
@@ -253,24 +269,30 @@ def rescore(
         version, steps = rescore_run(run_dir.resolve(), base, new, name)
     except (ConfigError, RescoreError) as e:
         _fail(str(e))
-    typer.echo(f"reward version {version!r}: {sum(s.rollouts for s in steps)} rollouts over {len(steps)} steps, "
-               "0 judge calls")
-    _print_table(["step", "rollouts", "reward_mean (train)", f"reward_mean ({version})", "changed"],
-                 [(s.step, s.rollouts, round(s.train_reward_mean, 4), round(s.reward_mean, 4), s.changed)
-                  for s in steps], 40)
-    typer.echo(f"\ncompare: refiner sql {run_dir} \"SELECT * FROM step_rewards ORDER BY step, reward_version\"")
+    typer.echo(
+        f"reward version {version!r}: {sum(s.rollouts for s in steps)} rollouts over {len(steps)} steps, 0 judge calls"
+    )
+    _print_table(
+        ["step", "rollouts", "reward_mean (train)", f"reward_mean ({version})", "changed"],
+        [(s.step, s.rollouts, round(s.train_reward_mean, 4), round(s.reward_mean, 4), s.changed) for s in steps],
+        40,
+    )
+    typer.echo(f'\ncompare: refiner sql {run_dir} "SELECT * FROM step_rewards ORDER BY step, reward_version"')
 
 
 @app.command()
 def push(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run folder with checkpoints."),
     repo: str = typer.Option(..., "--repo", help="Hub model repo: ORG/NAME (created when missing)."),
-    step: Optional[int] = typer.Option(None, "--step", help="Step checkpoint (default: the newest one)."),
+    step: int | None = typer.Option(None, "--step", help="Step checkpoint (default: the newest one)."),
     sft: bool = typer.Option(False, "--sft", help="The SFT checkpoint (checkpoints/sft) instead of a step."),
-    teacher: bool = typer.Option(False, "--teacher", help="The EMA teacher's checkpoint (teacher/step_NNNN; the "
-                                 "newest unless --step) instead of the policy's."),
+    teacher: bool = typer.Option(
+        False,
+        "--teacher",
+        help="The EMA teacher's checkpoint (teacher/step_NNNN; the newest unless --step) instead of the policy's.",
+    ),
     private: bool = typer.Option(False, "--private", help="Create the repo private."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to commit to (created when missing)."),
+    revision: str | None = typer.Option(None, "--revision", help="Branch to commit to (created when missing)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be uploaded; upload nothing."),
 ) -> None:
     """Publish a checkpoint (weights, config, tokenizer, model card; never the optimizer state) to the Hugging Face
@@ -305,21 +327,29 @@ app.add_typer(judge_app, name="judge")
 
 @judge_app.command("serve")
 def judge_serve(
-    model: str = typer.Argument(..., help="Model spec as model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder."),
+    model: str = typer.Argument(
+        ..., help="Model spec as model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder."
+    ),
     port: int = typer.Option(8000, "--port", help="Port (0 = a free one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    name: str = typer.Option("", "--name", help="Served model name's prefix (default: the spec, or the folder's "
-                             "name); the checkpoint's content hash follows it: NAME-1a2b3c4d5e6f."),
+    name: str = typer.Option(
+        "",
+        "--name",
+        help="Served model name's prefix (default: the spec, or the folder's "
+        "name); the checkpoint's content hash follows it: NAME-1a2b3c4d5e6f.",
+    ),
     startup_timeout: float = typer.Option(600.0, "--startup-timeout", help="Seconds to wait for GET /health."),
-    log: Optional[Path] = typer.Option(None, "--log", help="Server log file (default: a temporary file)."),
+    log: Path | None = typer.Option(None, "--log", help="Server log file (default: a temporary file)."),
 ) -> None:
-    """Start an OpenAI-compatible vLLM server for MODEL, wait until it is healthy, print its endpoint; Ctrl-C stops it."""
+    """Start an OpenAI-compatible vLLM server for MODEL, wait until it is healthy, print its endpoint; Ctrl-C
+    stops it."""
     from refiner_core.judges.serve import ServerStartError, start_server, stop_server
 
     typer.echo(f"starting the judge server for {model} on {host}:{port or '(free port)'} ...", err=True)
     try:
-        server = start_server(model, host=host, port=port, served_name=name, startup_timeout=startup_timeout,
-                              log_path=log)
+        server = start_server(
+            model, host=host, port=port, served_name=name, startup_timeout=startup_timeout, log_path=log
+        )
     except (ServerStartError, FileNotFoundError) as e:
         _fail(str(e), code=1)
     code = None
@@ -329,8 +359,10 @@ def judge_serve(
             typer.echo(f"model: {server.model_name}")
             typer.echo(f"pid: {server.pid}")
             typer.echo(f"log: {server.log_path}")
-            typer.echo(f"use it: --set judge.engine=openai --set judge.base_url={server.base_url} "
-                       f"--set judge.api_model={server.model_name} --set judge.mode=json")
+            typer.echo(
+                f"use it: --set judge.engine=openai --set judge.base_url={server.base_url} "
+                f"--set judge.api_model={server.model_name} --set judge.mode=json"
+            )
             typer.echo("Ctrl-C stops the server.", err=True)
             sys.stdout.flush()
             code = server.proc.wait()

@@ -37,18 +37,38 @@ def launch_temporary_server(record_dir: Path) -> tuple[subprocess.Popen, str]:
     """Start the server process without waiting for it (it takes seconds: the caller can import meanwhile);
     returns (process, API URL) for `start_temporary_server(..., launched=)`."""
     app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false")}
+    env = {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+    }
     port = _free_port()
-    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
-           "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "error", "--lifespan", "on"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(app_dir),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
     proc = spawn(cmd, record_dir=record_dir, env=env, stdin=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}/api"
 
 
-def start_temporary_server(record_dir: Path, timeout: float | None = None,
-                           launched: tuple[subprocess.Popen, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_temporary_server(
+    record_dir: Path, timeout: float | None = None, launched: tuple[subprocess.Popen, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     """Wait for GET /api/health of the server `launched` earlier, or of a new one; returns (process, API URL)."""
     timeout = timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
     deadline = time.monotonic() + timeout
@@ -79,8 +99,10 @@ def _wait_healthy(proc: subprocess.Popen, url: str, deadline: float) -> int | No
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise TemporaryServerError(f"the temporary Prefect server did not answer at {url} in time "
-                               "(raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
+    raise TemporaryServerError(
+        f"the temporary Prefect server did not answer at {url} in time "
+        "(raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)"
+    )
 
 
 def stop_temporary_server(proc: subprocess.Popen, record_dir: Path) -> None:

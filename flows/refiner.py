@@ -1,26 +1,36 @@
-"""The refiner GRPO pipeline: prepare -> rubrics -> [SFT warm start] -> [rollout -> judge -> update] x steps -> catalog."""
+"""The refiner GRPO pipeline: prepare -> rubrics -> [SFT warm start] -> [rollout -> judge -> update] x steps ->
+catalog."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from prefect import flow, get_run_logger
 
+import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from flows.run_folder import holds_run_folder, resolve_run_dir
-
-from refiner_core.runtime import cluster
-from refiner_core.runtime import live
-from refiner_core.config import (EVAL_ROLLOUT_FIELDS, FLOW_ONLY_EVAL_FIELDS, FLOW_ONLY_GRPO_FIELDS,
-                                  FLOW_ONLY_ROLLOUT_FIELDS, LORA_FIELDS, SFT_PREPARE_FIELDS, SFT_TRAIN_FIELDS,
-                                  SOURCE_FIELDS, drop, engine_adapter_rank, pick, recipe_from_dict)
+from refiner_core.algo.advantages import informative_prompt_ids
+from refiner_core.config import (
+    EVAL_ROLLOUT_FIELDS,
+    FLOW_ONLY_EVAL_FIELDS,
+    FLOW_ONLY_GRPO_FIELDS,
+    FLOW_ONLY_ROLLOUT_FIELDS,
+    LORA_FIELDS,
+    SFT_PREPARE_FIELDS,
+    SFT_TRAIN_FIELDS,
+    SOURCE_FIELDS,
+    drop,
+    engine_adapter_rank,
+    pick,
+    recipe_from_dict,
+)
 from refiner_core.data.rows import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
-from refiner_core.algo.advantages import informative_prompt_ids
-from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.preflight import resolve
-from refiner_core.store.tracking import close_trackers
+from refiner_core.runtime import cluster, live
+from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.store.storage import read_rows
+from refiner_core.store.tracking import close_trackers
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
@@ -30,8 +40,8 @@ from tasks.judge_server import stop_judge_servers
 from tasks.model import locate_model
 from tasks.prepare import prepare_data
 from tasks.rollout import rollout
-from tasks.sampling import refill_prompts
 from tasks.rubrics import ingest_rubrics
+from tasks.sampling import refill_prompts
 from tasks.sft import prepare_sft, sft_train
 from tasks.stage import Submitted, settles_submitted_stages
 from tasks.teacher import teacher_rollout, teacher_update
@@ -102,11 +112,18 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     data_file = repo_path(cfg.data.path, cfg.data.format)
 
     prompts = prepare_data.with_options(**retry)(
-        **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base)
+        **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base
+    )
     rubrics = ingest_rubrics.with_options(**retry)(
-        **common, run=run, data_file=data_file, data=pick(conf["data"], SOURCE_FIELDS),
-        rubric_file=repo_path(cfg.rubrics.path), rubric_cfg=conf["rubrics"],
-        static_rubrics_file=repo_path(cfg.rubrics.static_rubrics), prompts=prompts)
+        **common,
+        run=run,
+        data_file=data_file,
+        data=pick(conf["data"], SOURCE_FIELDS),
+        rubric_file=repo_path(cfg.rubrics.path),
+        rubric_cfg=conf["rubrics"],
+        static_rubrics_file=repo_path(cfg.rubrics.static_rubrics),
+        prompts=prompts,
+    )
     manifests = [prompts, rubrics]
     grpo_prompts = {**prompts, "train_ids": rubrics["train_ids"]}  # prompts left without rubrics are not trained
 
@@ -114,11 +131,25 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     eval_at = eval_steps(cfg.grpo.steps, cfg.eval.every)
 
     def evaluate_policy(policy: dict, step: int, phase: str) -> None:
-        evaluations.append(evaluate.with_options(**retry)(
-            **common, run=run, step=step, phase=phase, prompts=prompts, rubrics=rubrics, policy=policy,
-            judge_model=judge_model, eval_cfg=drop(conf["eval"], FLOW_ONLY_EVAL_FIELDS),
-            rollout_cfg=pick(conf["rollout"], EVAL_ROLLOUT_FIELDS), judge_cfg=conf["judge"], reward_cfg=conf["reward"],
-            seed=seed, dtype=dtype, precision=precision))
+        evaluations.append(
+            evaluate.with_options(**retry)(
+                **common,
+                run=run,
+                step=step,
+                phase=phase,
+                prompts=prompts,
+                rubrics=rubrics,
+                policy=policy,
+                judge_model=judge_model,
+                eval_cfg=drop(conf["eval"], FLOW_ONLY_EVAL_FIELDS),
+                rollout_cfg=pick(conf["rollout"], EVAL_ROLLOUT_FIELDS),
+                judge_cfg=conf["judge"],
+                reward_cfg=conf["reward"],
+                seed=seed,
+                dtype=dtype,
+                precision=precision,
+            )
+        )
         manifests.append(evaluations[-1])
 
     if eval_at and cfg.sft.enabled:  # base -> SFT -> GRPO in one table
@@ -127,11 +158,24 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     if cfg.sft.enabled:  # warm start: GRPO policy and (default) KL reference begin at the SFT checkpoint
         sft_file = repo_path(cfg.sft.path, cfg.sft.format) if cfg.sft.path else data_file
         sft_data = prepare_sft.with_options(**retry)(
-            **common, run=run, sft_file=sft_file, sft_cfg=pick(conf["sft"], SFT_PREPARE_FIELDS), seed=seed,
-            policy=base, prompts=prompts)
+            **common,
+            run=run,
+            sft_file=sft_file,
+            sft_cfg=pick(conf["sft"], SFT_PREPARE_FIELDS),
+            seed=seed,
+            policy=base,
+            prompts=prompts,
+        )
         warm = sft_train.with_options(**retry)(
-            **common, run=run, sft_data=sft_data, policy=base, sft_cfg=pick(conf["sft"], SFT_TRAIN_FIELDS), seed=seed,
-            dtype=dtype, precision=precision)
+            **common,
+            run=run,
+            sft_data=sft_data,
+            policy=base,
+            sft_cfg=pick(conf["sft"], SFT_TRAIN_FIELDS),
+            seed=seed,
+            dtype=dtype,
+            precision=precision,
+        )
         start = warm["policy"]
         manifests += [sft_data, warm]
         publish_catalog(**common, manifests=manifests)
@@ -148,8 +192,11 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     max_rounds = 1 + cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else 1
     ahead = cfg.grpo.async_steps
     if ahead and cfg.rollout.engine == "hf":
-        log.warning("grpo.async_steps %d with rollout.engine hf: the rollouts share this process and its cores "
-                    "with the learner, so sampling ahead gains little beyond overlapping a remote judge", ahead)
+        log.warning(
+            "grpo.async_steps %d with rollout.engine hf: the rollouts share this process and its cores "
+            "with the learner, so sampling ahead gains little beyond overlapping a remote judge",
+            ahead,
+        )
     policies = [start]  # policies[n]: the policy after n updates
     sampled_ahead: dict[int, Submitted] = {}
 
@@ -158,8 +205,19 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         max(step - K, 0) updates; one rollout at a time, in step order, so one engine serves them all."""
         earlier = [sampled_ahead[step - 1]] if step - 1 in sampled_ahead else []
         sampled_ahead[step] = rollout.with_options(**retry).submit(
-            wait_for=earlier, **common, run=run, step=step, prompts=grpo_prompts, policy=policies[max(step - ahead, 0)],
-            rollout_cfg=rollout_cfg, seed=seed, dtype=dtype, precision=precision, round=0, round_prompt_ids=None)
+            wait_for=earlier,
+            **common,
+            run=run,
+            step=step,
+            prompts=grpo_prompts,
+            policy=policies[max(step - ahead, 0)],
+            rollout_cfg=rollout_cfg,
+            seed=seed,
+            dtype=dtype,
+            precision=precision,
+            round=0,
+            round_prompt_ids=None,
+        )
 
     for step in range(min(ahead + 1, cfg.grpo.steps) if ahead else 0):
         sample_ahead(step)
@@ -167,9 +225,21 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         # run.save_every: steps in between keep their weights in the live learner; the EMA teacher and an eval
         # read the policy's checkpoint, and the last step's is the run's result
         save = teaching or (step + 1) % cfg.run.save_every == 0 or step + 1 in (cfg.grpo.steps, *eval_at)
-        taught = teacher_rollout.with_options(**retry)(
-            **common, run=run, step=step, prompts=grpo_prompts, teacher=teacher, rollout_cfg=rollout_cfg,
-            seed=seed, dtype=dtype, precision=precision) if teaching else None
+        taught = (
+            teacher_rollout.with_options(**retry)(
+                **common,
+                run=run,
+                step=step,
+                prompts=grpo_prompts,
+                teacher=teacher,
+                rollout_cfg=rollout_cfg,
+                seed=seed,
+                dtype=dtype,
+                precision=precision,
+            )
+            if teaching
+            else None
+        )
         rolled, scored = [], []  # one manifest per sampling round
         for sampling_round in range(max_rounds):
             fresh = None
@@ -179,42 +249,91 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 fresh = refill_prompts(grpo_prompts, step, sampling_round, used, needed, seed) if needed > 0 else []
                 if not fresh:  # the step is full, or the train split has no unused prompt left
                     break
-            rolled.append(sampled_ahead[step].result() if ahead else rollout.with_options(**retry)(
-                **common, run=run, step=step, prompts=grpo_prompts, policy=policy, rollout_cfg=rollout_cfg,
-                seed=seed, dtype=dtype, precision=precision, round=sampling_round, round_prompt_ids=fresh))
-            scored.append(judge.with_options(**retry)(
-                **common, step=step, rollouts=rolled[-1], prompts=prompts, rubrics=rubrics, judge_model=judge_model,
-                judge_cfg=conf["judge"], reward_cfg=conf["reward"], max_new_tokens=cfg.rollout.max_new_tokens,
-                dtype=dtype, precision=precision, round=sampling_round,
-                **({"teacher_rollouts": taught} if teaching else {})))
+            rolled.append(
+                sampled_ahead[step].result()
+                if ahead
+                else rollout.with_options(**retry)(
+                    **common,
+                    run=run,
+                    step=step,
+                    prompts=grpo_prompts,
+                    policy=policy,
+                    rollout_cfg=rollout_cfg,
+                    seed=seed,
+                    dtype=dtype,
+                    precision=precision,
+                    round=sampling_round,
+                    round_prompt_ids=fresh,
+                )
+            )
+            scored.append(
+                judge.with_options(**retry)(
+                    **common,
+                    step=step,
+                    rollouts=rolled[-1],
+                    prompts=prompts,
+                    rubrics=rubrics,
+                    judge_model=judge_model,
+                    judge_cfg=conf["judge"],
+                    reward_cfg=conf["reward"],
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    dtype=dtype,
+                    precision=precision,
+                    round=sampling_round,
+                    **({"teacher_rollouts": taught} if teaching else {}),
+                )
+            )
         updated = grpo_update.with_options(**retry)(
-            **common, run=run, step=step, rollouts=rolled, scores=scored, policy=policy, reference=reference,
-            grpo_cfg=grpo_cfg, lora=pick(conf["model"], LORA_FIELDS), temperature=cfg.rollout.temperature,
-            dtype=dtype, precision=precision, save=save, policy_lag=min(step, ahead))
+            **common,
+            run=run,
+            step=step,
+            rollouts=rolled,
+            scores=scored,
+            policy=policy,
+            reference=reference,
+            grpo_cfg=grpo_cfg,
+            lora=pick(conf["model"], LORA_FIELDS),
+            temperature=cfg.rollout.temperature,
+            dtype=dtype,
+            precision=precision,
+            save=save,
+            policy_lag=min(step, ahead),
+        )
         policy = updated["policy"]
         policies.append(policy)
         if ahead and step + 1 + ahead < cfg.grpo.steps:
             sample_ahead(step + 1 + ahead)
         if teaching:
-            moved = teacher_update.with_options(**retry)(**common, run=run, step=step, teacher=teacher, policy=policy,
-                                                         teacher_cfg=conf["teacher"])
+            moved = teacher_update.with_options(**retry)(
+                **common, run=run, step=step, teacher=teacher, policy=policy, teacher_cfg=conf["teacher"]
+            )
             teacher = moved["teacher"]
             manifests += [taught, moved]
         if step + 1 in eval_at:
             evaluate_policy(policy, step + 1, "grpo")
         if save:  # the newest written checkpoint keeps its optimizer state: a resume continues from it
-            prune_checkpoints(**common, newest_step=step + 1, keep_last=cfg.run.keep_last,
-                              keep_every=cfg.run.keep_every)
+            prune_checkpoints(
+                **common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every
+            )
         manifests += [*rolled, *scored, updated]
         publish_catalog(**common, manifests=manifests)  # inspectable after every step
         publish_step_artifacts(run_dir, run, step)
-        log.info("step %d done: %s", step, f"checkpoint {policy['path']}" if save else
-                 f"weights in the live learner (run.save_every {cfg.run.save_every})")
+        log.info(
+            "step %d done: %s",
+            step,
+            f"checkpoint {policy['path']}"
+            if save
+            else f"weights in the live learner (run.save_every {cfg.run.save_every})",
+        )
 
     summary = [row for evaluated in evaluations for row in evaluated["summary"]]
     if summary:
-        log.info("held-out evaluation (refiner sql %s \"SELECT * FROM evals\"):\n%s", run_dir, format_table(summary))
+        log.info('held-out evaluation (refiner sql %s "SELECT * FROM evals"):\n%s', run_dir, format_table(summary))
     if quarantined := quarantine_warning(run_dir):
         log.warning(quarantined)
-    return {"run_dir": run_dir, "catalog": str(Path(run_dir) / "catalog.duckdb"), "policy": policy["path"],
-            "evals": summary}
+    return {
+        "run_dir": run_dir,
+        "catalog": str(Path(run_dir) / "catalog.duckdb"),
+        "policy": policy["path"],
+        "evals": summary,
+    }

@@ -14,9 +14,9 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from refiner_core.runtime.procs import PROCS_DIR_ENV, stop_leftovers
 from refiner_core.runtime.runlock import format_run_dir, run_lock
@@ -33,15 +33,21 @@ def resolve_run_dir(run_dir: str) -> str:
         return run_dir
     from prefect.runtime import deployment, flow_run
 
-    return format_run_dir(run_dir, deployment=deployment.name or "", scheduled=flow_run.scheduled_start_time,
-                          flow_run_id=flow_run.id or "")
+    return format_run_dir(
+        run_dir,
+        deployment=deployment.name or "",
+        scheduled=flow_run.scheduled_start_time,
+        flow_run_id=flow_run.id or "",
+    )
 
 
 def stop_children_left_behind(folder: Path, warn) -> None:
     """Stop what an earlier run of this folder started and did not live to stop; record ours from now on."""
     for entry in stop_leftovers(folder / PROCS_SUBDIR):
-        warn(f"stopped PID {entry['pid']} ({' '.join(entry['cmd'][:4])} ...) left running by an earlier run of "
-             f"{folder} since {entry['started']}")
+        warn(
+            f"stopped PID {entry['pid']} ({' '.join(entry['cmd'][:4])} ...) left running by an earlier run of "
+            f"{folder} since {entry['started']}"
+        )
     os.environ[PROCS_DIR_ENV] = str(folder / PROCS_SUBDIR)
 
 
@@ -49,8 +55,10 @@ def remove_writes_left_behind(folder: Path, warn) -> None:
     """Temporary files of a writer that was killed mid-write were never visible; now they go."""
     leftovers = remove_partial_writes(folder)
     if leftovers:
-        warn(f"removed {len(leftovers)} unfinished write(s) left by an earlier run of {folder}: "
-             + ", ".join(str(p.relative_to(folder)) for p in leftovers[:5]))
+        warn(
+            f"removed {len(leftovers)} unfinished write(s) left by an earlier run of {folder}: "
+            + ", ".join(str(p.relative_to(folder)) for p in leftovers[:5])
+        )
 
 
 class RunLog(logging.FileHandler):
@@ -75,8 +83,11 @@ def _open_run_log(folder: Path) -> RunLog:
     root = logging.getLogger()
     handler = RunLog(folder)
     consoles = [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)]
-    handler.setFormatter(consoles[0].formatter if consoles
-                         else logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"))
+    handler.setFormatter(
+        consoles[0].formatter
+        if consoles
+        else logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s")
+    )
     root.addHandler(handler)
     return handler
 
@@ -124,8 +135,10 @@ def holds_run_folder(fn):
         folder = Path(bound.arguments["run_dir"]).resolve()
         log = get_run_logger()
         previous = os.environ.get(PROCS_DIR_ENV)
-        with (run_lock(folder, command=f"flow run {flow_run.name} ({flow_run.id})", warn=log.warning),
-              logging_to_run_folder(folder)):
+        with (
+            run_lock(folder, command=f"flow run {flow_run.name} ({flow_run.id})", warn=log.warning),
+            logging_to_run_folder(folder),
+        ):
             try:
                 write_recipe(folder, bound.arguments["recipe"])
                 stop_children_left_behind(folder, log.warning)

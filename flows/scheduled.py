@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 
-import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from prefect import flow, get_run_logger
 
+import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from flows.refiner import refiner_pipeline
 from flows.run_folder import resolve_run_dir
 from refiner_core.config import ConfigError, load_recipe
@@ -46,8 +46,11 @@ def run_recipe(recipe_file: str, run_dir: str = DEFAULT_RUN_DIR, overrides: list
     try:
         return _run_recipe(recipe_file, run_dir, overrides)
     except Exception:
-        get_run_logger().error("the run failed; once its cause is fixed (an edited recipe file applies), retry it in "
-                               "its run folder, finished stages cached: %s", retry_command())
+        get_run_logger().error(
+            "the run failed; once its cause is fixed (an edited recipe file applies), retry it in "
+            "its run folder, finished stages cached: %s",
+            retry_command(),
+        )
         raise
 
 
@@ -64,6 +67,7 @@ def _run_recipe(recipe_file: str, run_dir: str, overrides: list[str] | None) -> 
 
     # A worker imports prefect before this module: apply the results folder `refiner run` uses (tasks/__init__),
     # so stage caches are shared between scheduled runs and `refiner run` on the same folder.
-    with temporary_settings(updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH:
-                                     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]}):
+    with temporary_settings(
+        updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]}
+    ):
         return refiner_pipeline(recipe=cfg.to_dict(), run_dir=resolve_run_dir(run_dir))

@@ -11,8 +11,8 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import typer
 
@@ -110,8 +110,9 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     stop_children_left_behind(folder, warn)
-    from flows.refiner import refiner_pipeline
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.refiner import refiner_pipeline
 
     log_file = start_run_log(folder)  # the flow writes into it too, and writes recipe.yaml (flows/run_folder.py)
     failures = _route_logs(debug)
@@ -129,7 +130,7 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
         raise
     except KeyboardInterrupt:
         typer.secho("interrupted: run the same command again to resume from the unfinished stage", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except Exception as e:  # the flow did not get to run (e.g. Prefect's server did not start)
         logging.getLogger("refiner").error("run failed", exc_info=True)
         _run_failed(_describe(e), failures, log_file, debug)
@@ -138,8 +139,12 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
             stop_temporary_server(server, folder / PROCS_SUBDIR)
     if not state.is_completed():
         error = state.result(raise_on_failure=False)
-        _run_failed(_describe(error) if isinstance(error, BaseException) else f"{state.name}: {state.message}",
-                    failures, log_file, debug)
+        _run_failed(
+            _describe(error) if isinstance(error, BaseException) else f"{state.name}: {state.message}",
+            failures,
+            log_file,
+            debug,
+        )
     db = folder / "catalog.duckdb"
     if state.result().get("evals"):
         from refiner_core.eval.evaluate import format_table
@@ -149,7 +154,7 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
     typer.echo(f"\ncatalog: {db}\nexample queries:")
     for sql in EXAMPLE_SQL[:2]:
         typer.echo(f'  {me} sql {folder} "{sql}"')
-    typer.echo(f"or from Python: duckdb.connect(\"{db}\", read_only=True)")
+    typer.echo(f'or from Python: duckdb.connect("{db}", read_only=True)')
 
 
 _FAILED_STATE = re.compile(r"Finished in state (Failed|Crashed)")

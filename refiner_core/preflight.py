@@ -4,34 +4,37 @@ the CLI can report every mistake at once, before any Prefect server starts."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import difflib
+import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from refiner_core import REPO_ROOT
 from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig
 from refiner_core.data.rows import UTF8_BOM, parse_jsonl_line
-from refiner_core.models import SMOLLM2, TINY_QWEN3
 from refiner_core.data.sources import SourceError, cached_hub_columns, detect_format, hub_offline
+from refiner_core.models import SMOLLM2, TINY_QWEN3
 
 REQUIRED_REFINER = ("id", "question", "reasoning", "tool_output")
 REQUIRED_CHAT = ("id", "messages")
 JSONL_SAMPLE_LINES = 1000  # column names of a JSONL file are read from its first lines only
 
 # Kinds of value (see value_kinds) each canonical field accepts, and how to say so; other fields accept any.
-_RUBRIC_KINDS = ({"string", "list", "list of string", "list of object", "object"},
-                 "a list of rubrics (strings or {description, weight?, title?} objects), an object "
-                 "{positive: [...], negative: [...]}, or the JSON text of either")
+_RUBRIC_KINDS = (
+    {"string", "list", "list of string", "list of object", "object"},
+    "a list of rubrics (strings or {description, weight?, title?} objects), an object "
+    "{positive: [...], negative: [...]}, or the JSON text of either",
+)
 FIELD_KINDS: dict[str, tuple[set[str], str]] = {
     "id": ({"string", "integer"}, "a string or an integer"),
     "question": ({"string"}, "a string"),
     "reasoning": ({"string"}, "a string"),
     "answer": ({"string"}, "a string"),
-    "tool_output": ({"string", "list of object"}, "a string with <snippet id=...> blocks or a list of snippet "
-                                                  "objects {id, text, title?, url?}"),
+    "tool_output": (
+        {"string", "list of object"},
+        "a string with <snippet id=...> blocks or a list of snippet objects {id, text, title?, url?}",
+    ),
     "messages": ({"list of object"}, "a list of {role, content} objects"),
     "ground_truth": ({"string", "integer", "number"}, "a string or a number"),
     "positive_rubrics": _RUBRIC_KINDS,
@@ -48,38 +51,81 @@ HOLDOUT: Rule = (lambda v: 0 <= v < 1, "must be in [0, 1) (1 would hold out ever
 GROUP: Rule = (lambda v: v >= 2, "must be at least 2 (GRPO learns from differences within a group)")
 
 VALUE_RULES: dict[str, Rule] = {
-    "run.retries": NON_NEGATIVE, "run.retry_delay_seconds": NON_NEGATIVE, "run.num_threads": NON_NEGATIVE,
-    "run.save_every": AT_LEAST_1, "model.lora_rank": NON_NEGATIVE, "model.lora_dropout": FRACTION,
+    "run.retries": NON_NEGATIVE,
+    "run.retry_delay_seconds": NON_NEGATIVE,
+    "run.num_threads": NON_NEGATIVE,
+    "run.save_every": AT_LEAST_1,
+    "model.lora_rank": NON_NEGATIVE,
+    "model.lora_dropout": FRACTION,
     "model.max_position_embeddings": AT_LEAST_1,
-    "data.max_prompts": NON_NEGATIVE, "data.validation_fraction": HOLDOUT, "data.max_prompt_tokens": AT_LEAST_1,
-    "data.max_reference_tokens": AT_LEAST_1, "data.max_rejected_fraction": FRACTION,
-    "rubrics.max_rejected_fraction": FRACTION, "rubrics.generation_timeout_seconds": POSITIVE,
+    "data.max_prompts": NON_NEGATIVE,
+    "data.validation_fraction": HOLDOUT,
+    "data.max_prompt_tokens": AT_LEAST_1,
+    "data.max_reference_tokens": AT_LEAST_1,
+    "data.max_rejected_fraction": FRACTION,
+    "rubrics.max_rejected_fraction": FRACTION,
+    "rubrics.generation_timeout_seconds": POSITIVE,
     "rubrics.generation_max_tokens": AT_LEAST_1,
-    "rollout.samples_per_prompt": GROUP, "rollout.prompts_per_step": AT_LEAST_1, "rollout.temperature": POSITIVE,
-    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"), "rollout.max_new_tokens": AT_LEAST_1,
-    "rollout.batch_size": AT_LEAST_1, "rollout.dynamic_sampling_max_rounds": NON_NEGATIVE,
+    "rollout.samples_per_prompt": GROUP,
+    "rollout.prompts_per_step": AT_LEAST_1,
+    "rollout.temperature": POSITIVE,
+    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "rollout.max_new_tokens": AT_LEAST_1,
+    "rollout.batch_size": AT_LEAST_1,
+    "rollout.dynamic_sampling_max_rounds": NON_NEGATIVE,
     "rollout.num_engines": AT_LEAST_1,
-    "judge.max_new_tokens": AT_LEAST_1, "judge.batch_size": AT_LEAST_1, "judge.max_response_chars": AT_LEAST_1,
-    "judge.concurrency": AT_LEAST_1, "judge.timeout_seconds": POSITIVE, "judge.max_retries": NON_NEGATIVE,
-    "judge.request_budget": NON_NEGATIVE, "judge.backoff_seconds": NON_NEGATIVE,
-    "grpo.steps": AT_LEAST_1, "grpo.learning_rate": POSITIVE, "grpo.weight_decay": NON_NEGATIVE,
-    "grpo.max_grad_norm": NON_NEGATIVE, "grpo.beta": NON_NEGATIVE, "grpo.kl_clamp": POSITIVE,
-    "grpo.clip_eps_low": NON_NEGATIVE, "grpo.clip_eps_high": NON_NEGATIVE, "grpo.advantage_eps": NON_NEGATIVE,
-    "grpo.loss_constant": POSITIVE, "grpo.micro_batch_size": AT_LEAST_1, "grpo.minibatches": AT_LEAST_1,
-    "grpo.tis_cap": NON_NEGATIVE, "grpo.tis_floor": NON_NEGATIVE, "grpo.pack_length": NON_NEGATIVE,
+    "judge.max_new_tokens": AT_LEAST_1,
+    "judge.batch_size": AT_LEAST_1,
+    "judge.max_response_chars": AT_LEAST_1,
+    "judge.concurrency": AT_LEAST_1,
+    "judge.timeout_seconds": POSITIVE,
+    "judge.max_retries": NON_NEGATIVE,
+    "judge.request_budget": NON_NEGATIVE,
+    "judge.backoff_seconds": NON_NEGATIVE,
+    "grpo.steps": AT_LEAST_1,
+    "grpo.learning_rate": POSITIVE,
+    "grpo.weight_decay": NON_NEGATIVE,
+    "grpo.max_grad_norm": NON_NEGATIVE,
+    "grpo.beta": NON_NEGATIVE,
+    "grpo.kl_clamp": POSITIVE,
+    "grpo.clip_eps_low": NON_NEGATIVE,
+    "grpo.clip_eps_high": NON_NEGATIVE,
+    "grpo.advantage_eps": NON_NEGATIVE,
+    "grpo.loss_constant": POSITIVE,
+    "grpo.micro_batch_size": AT_LEAST_1,
+    "grpo.minibatches": AT_LEAST_1,
+    "grpo.tis_cap": NON_NEGATIVE,
+    "grpo.tis_floor": NON_NEGATIVE,
+    "grpo.pack_length": NON_NEGATIVE,
     "grpo.async_steps": NON_NEGATIVE,
     "grpo.dual_clip_c": (lambda v: v > 1, "must be > 1 (the bound -A * c lies beyond the clipped ratio 1 + eps)"),
-    "grpo.sapo_tau_pos": POSITIVE, "grpo.sapo_tau_neg": POSITIVE,
+    "grpo.sapo_tau_pos": POSITIVE,
+    "grpo.sapo_tau_neg": POSITIVE,
     "grpo.entropy_coef": (lambda v: v >= 0, "must be >= 0 (a bonus on entropy; a negative one would reward collapse)"),
-    "sft.max_prompt_tokens": AT_LEAST_1, "sft.max_response_tokens": AT_LEAST_1, "sft.max_total_tokens": AT_LEAST_1,
-    "sft.pack_length": AT_LEAST_1, "sft.validation_fraction": HOLDOUT, "sft.epochs": AT_LEAST_1,
-    "sft.learning_rate": POSITIVE, "sft.warmup_steps": NON_NEGATIVE, "sft.weight_decay": NON_NEGATIVE,
-    "sft.max_grad_norm": NON_NEGATIVE, "sft.micro_batch_size": AT_LEAST_1, "sft.gradient_accumulation": AT_LEAST_1,
-    "sft.histogram_bins": AT_LEAST_1, "sft.max_rejected_fraction": FRACTION,
-    "eval.every": NON_NEGATIVE, "eval.prompts": NON_NEGATIVE, "eval.samples": NON_NEGATIVE,
-    "eval.temperature": POSITIVE, "eval.pass_k": NON_NEGATIVE, "eval.pass_rubric_score": FRACTION,
+    "sft.max_prompt_tokens": AT_LEAST_1,
+    "sft.max_response_tokens": AT_LEAST_1,
+    "sft.max_total_tokens": AT_LEAST_1,
+    "sft.pack_length": AT_LEAST_1,
+    "sft.validation_fraction": HOLDOUT,
+    "sft.epochs": AT_LEAST_1,
+    "sft.learning_rate": POSITIVE,
+    "sft.warmup_steps": NON_NEGATIVE,
+    "sft.weight_decay": NON_NEGATIVE,
+    "sft.max_grad_norm": NON_NEGATIVE,
+    "sft.micro_batch_size": AT_LEAST_1,
+    "sft.gradient_accumulation": AT_LEAST_1,
+    "sft.histogram_bins": AT_LEAST_1,
+    "sft.max_rejected_fraction": FRACTION,
+    "eval.every": NON_NEGATIVE,
+    "eval.prompts": NON_NEGATIVE,
+    "eval.samples": NON_NEGATIVE,
+    "eval.temperature": POSITIVE,
+    "eval.pass_k": NON_NEGATIVE,
+    "eval.pass_rubric_score": FRACTION,
     "eval.max_new_tokens": NON_NEGATIVE,
-    "teacher.alpha_start": FRACTION, "teacher.alpha_end": FRACTION, "teacher.schedule_steps": NON_NEGATIVE,
+    "teacher.alpha_start": FRACTION,
+    "teacher.alpha_end": FRACTION,
+    "teacher.schedule_steps": NON_NEGATIVE,
     "teacher.update_interval": AT_LEAST_1,
 }
 
@@ -87,14 +133,32 @@ VALUE_RULES: dict[str, Rule] = {
 def check_recipe(cfg: RecipeConfig) -> list[str]:
     """Every problem of the recipe that is knowable without running a stage; [] when it looks runnable."""
     problems = check_values(cfg) + check_models(cfg)
-    problems += check_source("data", cfg.data.path, cfg.data.format, cfg.data.fields, cfg.data.split,
-                             REFINER_FIELDS + CHAT_FIELDS, shape=True, hub_config=cfg.data.hub_config)
+    problems += check_source(
+        "data",
+        cfg.data.path,
+        cfg.data.format,
+        cfg.data.fields,
+        cfg.data.split,
+        REFINER_FIELDS + CHAT_FIELDS,
+        shape=True,
+        hub_config=cfg.data.hub_config,
+    )
     if cfg.sft.enabled:
-        where, path, fmt = ("sft", cfg.sft.path, cfg.sft.format) if cfg.sft.path else ("data", cfg.data.path,
-                                                                                         cfg.data.format)
+        where, path, fmt = (
+            ("sft", cfg.sft.path, cfg.sft.format) if cfg.sft.path else ("data", cfg.data.path, cfg.data.format)
+        )
         if cfg.sft.path or cfg.sft.fields:  # data.path with data's own mapping is checked above
-            problems += check_source(where, path, fmt, cfg.sft.fields, cfg.sft.split, REFINER_FIELDS + CHAT_FIELDS,
-                                     shape=True, fields_where="sft.fields", hub_config=cfg.sft.hub_config)
+            problems += check_source(
+                where,
+                path,
+                fmt,
+                cfg.sft.fields,
+                cfg.sft.split,
+                REFINER_FIELDS + CHAT_FIELDS,
+                shape=True,
+                fields_where="sft.fields",
+                hub_config=cfg.sft.hub_config,
+            )
     if cfg.rubrics.path:
         problems += check_source("rubrics", cfg.rubrics.path, "auto", cfg.rubrics.fields, "train", RUBRIC_FIELDS)
     if not cfg.rubrics.instance_rubrics_only and not resolve(cfg.rubrics.static_rubrics).is_file():
@@ -111,8 +175,10 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         if not ok(value):
             problems.append(f"{name} = {value!r}: {requirement}")
     if cfg.eval.every and not cfg.data.validation_fraction:
-        problems.append("eval.every > 0 evaluates held-out prompts, and data.validation_fraction = 0 holds out none: "
-                        "set it, e.g. 0.2")
+        problems.append(
+            "eval.every > 0 evaluates held-out prompts, and data.validation_fraction = 0 holds out none: "
+            "set it, e.g. 0.2"
+        )
     if cfg.eval.every and not (cfg.eval.greedy or cfg.eval.samples):
         problems.append("eval.every > 0 with eval.greedy false and eval.samples 0: nothing to evaluate")
     if cfg.eval.pass_k > cfg.eval.samples:
@@ -120,52 +186,78 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     if cfg.model.dtype not in ("float32", "bfloat16"):
         problems.append(f"model.dtype = {cfg.model.dtype!r}: must be 'float32' or 'bfloat16'")
     if cfg.judge.serve and cfg.judge.engine != "openai":
-        problems.append(f"judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "
-                        f"not {cfg.judge.engine!r}")
+        problems.append(
+            f"judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "
+            f"not {cfg.judge.engine!r}"
+        )
     if cfg.judge.serve and not _loopback_port(cfg.judge.base_url):
-        problems.append(f"judge.serve = true: judge.base_url {cfg.judge.base_url!r} must name a host and port "
-                        "on this machine (e.g. http://127.0.0.1:8011/v1) for the server the run starts")
+        problems.append(
+            f"judge.serve = true: judge.base_url {cfg.judge.base_url!r} must name a host and port "
+            "on this machine (e.g. http://127.0.0.1:8011/v1) for the server the run starts"
+        )
     from refiner_core.reward.verifiers import VERIFIERS
 
     if cfg.reward.verifier not in VERIFIERS:
         problems.append(f"reward.verifier = {cfg.reward.verifier!r}: choose from {sorted(VERIFIERS)}")
     if not 0 <= cfg.reward.overlong_buffer <= cfg.rollout.max_new_tokens:
-        problems.append(f"reward.overlong_buffer = {cfg.reward.overlong_buffer}: must be between 0 (off) and "
-                        f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), the length the penalty ends at")
+        problems.append(
+            f"reward.overlong_buffer = {cfg.reward.overlong_buffer}: must be between 0 (off) and "
+            f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}), the length the penalty ends at"
+        )
     if cfg.grpo.tis_cap > 0 and not cfg.grpo.tis_floor < cfg.grpo.tis_cap:
-        problems.append(f"grpo.tis_floor = {cfg.grpo.tis_floor!r}: must be below grpo.tis_cap ({cfg.grpo.tis_cap}), "
-                        "or every importance weight is the same constant")
+        problems.append(
+            f"grpo.tis_floor = {cfg.grpo.tis_floor!r}: must be below grpo.tis_cap ({cfg.grpo.tis_cap}), "
+            "or every importance weight is the same constant"
+        )
     if cfg.grpo.async_steps and cfg.run.save_every != 1:
-        problems.append(f"grpo.async_steps = {cfg.grpo.async_steps} samples with policies the learner has moved "
-                        f"past, read from their checkpoints: run.save_every must be 1, not {cfg.run.save_every}")
+        problems.append(
+            f"grpo.async_steps = {cfg.grpo.async_steps} samples with policies the learner has moved "
+            f"past, read from their checkpoints: run.save_every must be 1, not {cfg.run.save_every}"
+        )
     if cfg.grpo.async_steps and cfg.rollout.dynamic_sampling:
-        problems.append("grpo.async_steps with rollout.dynamic_sampling: the extra sampling rounds wait for the "
-                        "judge of the step, so nothing can be sampled ahead; turn one of them off")
+        problems.append(
+            "grpo.async_steps with rollout.dynamic_sampling: the extra sampling rounds wait for the "
+            "judge of the step, so nothing can be sampled ahead; turn one of them off"
+        )
     if cfg.grpo.async_steps and cfg.reward.verifier == "co_rewarding_teacher":
-        problems.append("grpo.async_steps with reward.verifier 'co_rewarding_teacher': the EMA teacher labels each "
-                        "step after the previous update; turn one of them off")
+        problems.append(
+            "grpo.async_steps with reward.verifier 'co_rewarding_teacher': the EMA teacher labels each "
+            "step after the previous update; turn one of them off"
+        )
     if cfg.run.save_every > 1 and not cfg.run.keep_engines:
-        problems.append(f"run.save_every = {cfg.run.save_every} keeps the weights of the steps between saves in the "
-                        "live learner, and run.keep_engines = false keeps no learner: set one of them back")
+        problems.append(
+            f"run.save_every = {cfg.run.save_every} keeps the weights of the steps between saves in the "
+            "live learner, and run.keep_engines = false keeps no learner: set one of them back"
+        )
     if cfg.model.lora_rank and cfg.reward.verifier == "co_rewarding_teacher" and not cfg.model.lora_save_merged:
-        problems.append("model.lora_rank with reward.verifier 'co_rewarding_teacher': the EMA teacher averages the "
-                        "full weights of each step's checkpoint, and LoRA checkpoints hold the adapter alone; set "
-                        "model.lora_save_merged=true")
+        problems.append(
+            "model.lora_rank with reward.verifier 'co_rewarding_teacher': the EMA teacher averages the "
+            "full weights of each step's checkpoint, and LoRA checkpoints hold the adapter alone; set "
+            "model.lora_save_merged=true"
+        )
     if cfg.model.lora_rank and cfg.model.reference:
-        problems.append("model.lora_rank with model.reference set: the adapters sit on the starting policy, which "
-                        "is also the KL reference; leave model.reference ''")
+        problems.append(
+            "model.lora_rank with model.reference set: the adapters sit on the starting policy, which "
+            "is also the KL reference; leave model.reference ''"
+        )
     if cfg.rollout.agent.scripted_path and cfg.run.save_every > 1:
-        problems.append(f"rollout.agent.scripted_path with run.save_every = {cfg.run.save_every}: scripted turns are "
-                        "scored by the policy's checkpoint, which is not written between saves; set run.save_every=1")
+        problems.append(
+            f"rollout.agent.scripted_path with run.save_every = {cfg.run.save_every}: scripted turns are "
+            "scored by the policy's checkpoint, which is not written between saves; set run.save_every=1"
+        )
     if cfg.rollout.num_engines > 1 and not cfg.run.ray_address:
-        problems.append(f"rollout.num_engines = {cfg.rollout.num_engines} places its engines with Ray, and "
-                        "run.ray_address is '': set it ('local' for this machine, or a cluster's address)")
+        problems.append(
+            f"rollout.num_engines = {cfg.rollout.num_engines} places its engines with Ray, and "
+            "run.ray_address is '': set it ('local' for this machine, or a cluster's address)"
+        )
     if cfg.run.ray_address and importlib.util.find_spec("ray") is None:
         problems.append(f"run.ray_address = {cfg.run.ray_address!r} needs the ray package, which is not installed")
     if cfg.rollout.dynamic_sampling and cfg.reward.verifier == "co_rewarding_teacher":
-        problems.append("rollout.dynamic_sampling with reward.verifier 'co_rewarding_teacher': the EMA teacher "
-                        "samples only the step's first prompts, so fresh prompts would have no pseudo-label; turn "
-                        "one of them off")
+        problems.append(
+            "rollout.dynamic_sampling with reward.verifier 'co_rewarding_teacher': the EMA teacher "
+            "samples only the step's first prompts, so fresh prompts would have no pseudo-label; turn "
+            "one of them off"
+        )
     if cfg.rollout.agent.enabled:
         from refiner_core.agent.rollout import agent_problems
 
@@ -185,8 +277,11 @@ def _loopback_port(base_url: str) -> bool:
 
 def check_models(cfg: RecipeConfig) -> list[str]:
     problems = []
-    for where, spec in (("model.policy", cfg.model.policy), ("model.reference", cfg.model.reference),
-                        ("judge.model", cfg.judge.model)):
+    for where, spec in (
+        ("model.policy", cfg.model.policy),
+        ("model.reference", cfg.model.reference),
+        ("judge.model", cfg.judge.model),
+    ):
         if not spec or spec in (TINY_QWEN3, SMOLLM2):
             continue
         path = Path(spec)
@@ -208,8 +303,17 @@ def _shown(path: str) -> str:
     return path if Path(path).is_absolute() else f"{path} (resolved to {resolve(path)})"
 
 
-def check_source(where: str, path: str, fmt: str, fields: dict, split: str, canonical: tuple[str, ...],
-                 shape: bool = False, fields_where: str = "", hub_config: str = "") -> list[str]:
+def check_source(
+    where: str,
+    path: str,
+    fmt: str,
+    fields: dict,
+    split: str,
+    canonical: tuple[str, ...],
+    shape: bool = False,
+    fields_where: str = "",
+    hub_config: str = "",
+) -> list[str]:
     """The source exists, its mapping names canonical fields and existing columns, and (with `shape`) its rows
     will have the fields a refiner or chat row needs. A hub dataset is checked offline only, in the local cache."""
     fields_where = fields_where or f"{where}.fields"
@@ -250,8 +354,15 @@ def check_source(where: str, path: str, fmt: str, fields: dict, split: str, cano
     return problems
 
 
-def _check_kinds(where: str, path: str, kinds: dict[str, set[str]], sample: str, fields: dict,
-                 canonical: tuple[str, ...], fields_where: str) -> list[str]:
+def _check_kinds(
+    where: str,
+    path: str,
+    kinds: dict[str, set[str]],
+    sample: str,
+    fields: dict,
+    canonical: tuple[str, ...],
+    fields_where: str,
+) -> list[str]:
     """Columns the rows will read a canonical field from hold values of a kind that field accepts. A JSONL
     column is reported only when none of its sampled values fits (single bad rows are the quarantine's)."""
     problems = []
@@ -263,8 +374,10 @@ def _check_kinds(where: str, path: str, kinds: dict[str, set[str]], sample: str,
         accepted, wanted = FIELD_KINDS[name]
         if found and not found & accepted:
             where_from = f"{fields_where}: {name} -> {column!r}" if name in fields else f"{where}.path"
-            problems.append(f"{where_from}: column {column!r} of {path} holds {' / '.join(sorted(found))}"
-                            f"{sample}; {name} must be {wanted}")
+            problems.append(
+                f"{where_from}: column {column!r} of {path} holds {' / '.join(sorted(found))}"
+                f"{sample}; {name} must be {wanted}"
+            )
     return problems
 
 
@@ -288,9 +401,11 @@ def _check_shape(where: str, path: str, columns: list[str], fields: dict, listin
     missing = [n for n in required if n not in have]
     if not missing:
         return []
-    return [f"{where}.path: rows of {path} have no {', '.join(map(repr, missing))} (refiner rows need "
-            f"{', '.join(REQUIRED_REFINER)}; chat rows need {', '.join(REQUIRED_CHAT)}); {listing}; map them with "
-            f"{fields_where}, e.g. {{{missing[0]}: <column>}}"]
+    return [
+        f"{where}.path: rows of {path} have no {', '.join(map(repr, missing))} (refiner rows need "
+        f"{', '.join(REQUIRED_REFINER)}; chat rows need {', '.join(REQUIRED_CHAT)}); {listing}; map them with "
+        f"{fields_where}, e.g. {{{missing[0]}: <column>}}"
+    ]
 
 
 def source_columns(path: Path, kind: str, split: str) -> tuple[dict[str, set[str]], str] | str | None:
@@ -334,8 +449,14 @@ def value_kinds(value) -> set[str]:
     if isinstance(value, list):
         items = set().union(*(value_kinds(v) for v in value if v is not None))
         return {f"list of {k}" for k in items} if items else {"list"}
-    kinds = ((type(None), "null"), (bool, "bool"), (int, "integer"), (float, "number"), (str, "string"),
-             (dict, "object"))
+    kinds = (
+        (type(None), "null"),
+        (bool, "bool"),
+        (int, "integer"),
+        (float, "number"),
+        (str, "string"),
+        (dict, "object"),
+    )
     return {next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)}
 
 
@@ -344,14 +465,24 @@ def arrow_kind(data_type) -> str:
     import pyarrow as pa
 
     t = pa.types
-    if t.is_string(data_type) or t.is_large_string(data_type) or t.is_binary(data_type) or t.is_large_binary(
-            data_type) or t.is_string_view(data_type):
+    if (
+        t.is_string(data_type)
+        or t.is_large_string(data_type)
+        or t.is_binary(data_type)
+        or t.is_large_binary(data_type)
+        or t.is_string_view(data_type)
+    ):
         return "string"
     if t.is_list(data_type) or t.is_large_list(data_type) or t.is_fixed_size_list(data_type):
         inner = arrow_kind(data_type.value_type)
         return "list" if inner == "null" else f"list of {inner}"
-    checks = ((t.is_null, "null"), (t.is_boolean, "bool"), (t.is_integer, "integer"), (t.is_floating, "number"),
-              (t.is_struct, "object"))
+    checks = (
+        (t.is_null, "null"),
+        (t.is_boolean, "bool"),
+        (t.is_integer, "integer"),
+        (t.is_floating, "number"),
+        (t.is_struct, "object"),
+    )
     return next((name for check, name in checks if check(data_type)), str(data_type))
 
 

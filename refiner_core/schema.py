@@ -34,7 +34,7 @@ def _c(name: str, type_: pa.DataType, doc: str) -> Column:
     return Column(name, type_, doc)
 
 
-S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()  # noqa: E741  (column type shorthands)
 TS = pa.timestamp("us", tz="UTC")
 
 PROMPTS = Table(
@@ -50,9 +50,15 @@ PROMPTS = Table(
         _c("tool_output", S, "Raw search-tool output with <snippet id=...> blocks."),
         _c("snippet_ids", pa.list_(S), "IDs of the snippets present in tool_output."),
         _c("reference_answer", S, "Reference refined answer in the target format (may be empty)."),
-        _c("ground_truth", S, "Chat rows: the answer a ground-truth verifier checks responses against; NULL otherwise."),
-        _c("twin_id", S, "The prompt ID of this question's other view (its rephrased twin, Co-rewarding-I); NULL "
-                         "when it has none. Both views share a split and are sampled in the same step."),
+        _c(
+            "ground_truth", S, "Chat rows: the answer a ground-truth verifier checks responses against; NULL otherwise."
+        ),
+        _c(
+            "twin_id",
+            S,
+            "The prompt ID of this question's other view (its rephrased twin, Co-rewarding-I); NULL "
+            "when it has none. Both views share a split and are sampled in the same step.",
+        ),
         _c("prompt_text", S, "The chat-template rendering fed to the policy."),
         _c("prompt_token_ids", pa.list_(pa.int32()), "Token IDs of prompt_text."),
         _c("prompt_tokens", I, "len(prompt_token_ids)."),
@@ -96,16 +102,31 @@ ROLLOUTS = Table(
         _c("response_logprobs", pa.list_(pa.float32()), "Engine log-probability of each sampled token."),
         _c("response_text", S, "Decoded response (special tokens removed)."),
         _c("response_tokens", I, "len(response_token_ids)."),
-        _c("finish_reason", S, "'stop' (EOS or stop string) or 'length'; agent rollouts also 'max_turns' (still "
-                               "calling tools at rollout.agent.max_turns); 'length' = out of token budget."),
-        _c("response_mask", pa.list_(B), "Per response token: true where the policy sampled it (the loss applies), "
-                                         "false for tokens the agent loop inserted (tool results, template framing)."),
+        _c(
+            "finish_reason",
+            S,
+            "'stop' (EOS or stop string) or 'length'; agent rollouts also 'max_turns' (still "
+            "calling tools at rollout.agent.max_turns); 'length' = out of token budget.",
+        ),
+        _c(
+            "response_mask",
+            pa.list_(B),
+            "Per response token: true where the policy sampled it (the loss applies), "
+            "false for tokens the agent loop inserted (tool results, template framing).",
+        ),
         _c("tool_rounds", I, "Agent rollouts: assistant turns whose tool calls ran (0 without tools)."),
-        _c("final_text", S, "The last assistant turn's text, where the final answer is read (agent rollouts); "
-                            "response_text otherwise."),
+        _c(
+            "final_text",
+            S,
+            "The last assistant turn's text, where the final answer is read (agent rollouts); response_text otherwise.",
+        ),
         _c("created_at", TS, "When the rollout was written."),
-        _c("round", I, "Sampling round of the step (0 = its first; rollout.dynamic_sampling adds rounds of fresh "
-                       "prompts in place of all-equal groups); NULL in rows written before rounds existed."),
+        _c(
+            "round",
+            I,
+            "Sampling round of the step (0 = its first; rollout.dynamic_sampling adds rounds of fresh "
+            "prompts in place of all-equal groups); NULL in rows written before rounds existed.",
+        ),
     ),
 )
 
@@ -126,16 +147,28 @@ JUDGE_SCORES = Table(
         _c("raw_score", F, "Parsed score on the judge's 0-2 scale; NULL when parsing failed."),
         _c("score", F, "raw_score / 2: 0/1/2 map to 0/0.5/1; NULL when parsing failed."),
         _c("oriented_score", F, "score for positive rubrics, 1 - score for negative; NULL on failure."),
-        _c("failure", S, "NULL when parsed; otherwise why ('unparseable: ...', 'out_of_range: ...', 'non_numeric: ...', "
-                         "or a transport failure after retries: 'timeout: ...', 'http_500: ...', 'refused: ...', "
-                         "'budget_exhausted: ...')."),
-        _c("latency_seconds", F, "Seconds the answer took (openai: the successful request, 0 on a cache hit; "
-                                 "transformers: the batch's time / its pairs)."),
+        _c(
+            "failure",
+            S,
+            "NULL when parsed; otherwise why ('unparseable: ...', 'out_of_range: ...', 'non_numeric: ...', "
+            "or a transport failure after retries: 'timeout: ...', 'http_500: ...', 'refused: ...', "
+            "'budget_exhausted: ...').",
+        ),
+        _c(
+            "latency_seconds",
+            F,
+            "Seconds the answer took (openai: the successful request, 0 on a cache hit; "
+            "transformers: the batch's time / its pairs).",
+        ),
         _c("attempts", I, "HTTP requests made for this pair (1 + retries; 0 on a cache hit; 1 in-process)."),
         _c("cache_hit", B, "The answer came from the judge cache (no request)."),
         _c("judge_model", S, "The judge model: the served model name (openai) or the checkpoint path (in-process)."),
-        _c("prompt_hash", S, "Hash of the exact judge prompt (chat messages); with the model and sampling settings "
-                             "it keys the judge cache."),
+        _c(
+            "prompt_hash",
+            S,
+            "Hash of the exact judge prompt (chat messages); with the model and sampling settings "
+            "it keys the judge cache.",
+        ),
     ),
 )
 
@@ -149,32 +182,73 @@ _ROLLOUT_KEY = (
 # What was measured about each rollout, before any weight: the judge stage writes it once, and every reward
 # version (training's and each `refiner rescore`) is computed from it by SQL without calling the judge again.
 _REWARD_INPUT_COLUMNS = (
-    _c("verifier", S, "'judge' (rubrics judged by an LLM) or the verifier of a prompt without rubrics "
-                      "(reward.verifier: 'ground_truth', ...)."),
-    _c("verifier_score", F, "Verifier prompts: the verifier's score (ground_truth: 1.0 correct, 0.0 not); NULL for the judge."),
-    _c("correct", F, "Verifier prompts: 1.0 when the final answer matches the ground truth, else 0.0; NULL for the judge."),
-    _c("extracted_answer", S, "Verifier prompts: the response's final answer (last \\boxed{}, <answer> text or the whole response)."),
-    _c("verify_method", S, "Verifier prompts: 'math_verify', 'normalized_match' (with the reason in verify_detail) or 'no_answer'."),
+    _c(
+        "verifier",
+        S,
+        "'judge' (rubrics judged by an LLM) or the verifier of a prompt without rubrics "
+        "(reward.verifier: 'ground_truth', ...).",
+    ),
+    _c(
+        "verifier_score",
+        F,
+        "Verifier prompts: the verifier's score (ground_truth: 1.0 correct, 0.0 not); NULL for the judge.",
+    ),
+    _c(
+        "correct",
+        F,
+        "Verifier prompts: 1.0 when the final answer matches the ground truth, else 0.0; NULL for the judge.",
+    ),
+    _c(
+        "extracted_answer",
+        S,
+        "Verifier prompts: the response's final answer (last \\boxed{}, <answer> text or the whole response).",
+    ),
+    _c(
+        "verify_method",
+        S,
+        "Verifier prompts: 'math_verify', 'normalized_match' (with the reason in verify_detail) or 'no_answer'.",
+    ),
     _c("verify_detail", S, "Why math-verify did not decide, when the normalised match was used instead."),
-    _c("label_source", S, "Pseudo-label verifiers: whose rollouts voted the label ('self', 'twin' = the question's "
-                          "rephrased view, 'teacher' = the EMA teacher); NULL otherwise."),
-    _c("pseudo_label", S, "The majority-voted \\boxed{} answer the rollout was rewarded against; NULL when no "
-                          "rollout of the source voted (then the reward is 0)."),
+    _c(
+        "label_source",
+        S,
+        "Pseudo-label verifiers: whose rollouts voted the label ('self', 'twin' = the question's "
+        "rephrased view, 'teacher' = the EMA teacher); NULL otherwise.",
+    ),
+    _c(
+        "pseudo_label",
+        S,
+        "The majority-voted \\boxed{} answer the rollout was rewarded against; NULL when no "
+        "rollout of the source voted (then the reward is 0).",
+    ),
     _c("label_votes", I, "Votes for the pseudo-label."),
     _c("label_voters", I, "Rollouts of the label source that voted (gave a \\boxed{} answer)."),
     _c("label_tied", B, "The label won a tie (broken by the earliest vote, i.e. the lowest sample index)."),
-    _c("label_correct", F, "The pseudo-label against the ground truth (1.0 / 0.0); NULL without a ground truth or label."),
+    _c(
+        "label_correct",
+        F,
+        "The pseudo-label against the ground truth (1.0 / 0.0); NULL without a ground truth or label.",
+    ),
     _c("has_answer", B, "Exactly one <answer>...</answer> block."),
     _c("format_ok", B, "Answer block present and snippet tags well formed."),
     _c("format_score", F, "1.0 when format_ok else 0.0."),
     _c("n_citations", I, "Cited IDs (multi-ID citations count each ID)."),
     _c("n_invalid_citations", I, "Cited IDs not present in the prompt's tool output."),
     _c("citation_valid_fraction", F, "Fraction of cited IDs that are valid (0 with no answer or no citation)."),
-    _c("claims", I, "Claims in the answer (cited spans + uncited factual sentences); NULL when claims were not judged."),
-    _c("citation_precision", F, "Mean support of the cited claims by their cited snippets (1 / 0.5 / 0 each); "
-                                "NULL when claims were not judged."),
-    _c("citation_recall", F, "Summed support of the cited claims / all claims (uncited ones count 0); NULL when "
-                             "claims were not judged."),
+    _c(
+        "claims", I, "Claims in the answer (cited spans + uncited factual sentences); NULL when claims were not judged."
+    ),
+    _c(
+        "citation_precision",
+        F,
+        "Mean support of the cited claims by their cited snippets (1 / 0.5 / 0 each); "
+        "NULL when claims were not judged.",
+    ),
+    _c(
+        "citation_recall",
+        F,
+        "Summed support of the cited claims / all claims (uncited ones count 0); NULL when claims were not judged.",
+    ),
     _c("citation_f1", F, "2PR / (P + R) (0 when both are 0); NULL when claims were not judged."),
     _c("finish_reason", S, "Rollout finish reason."),
     _c("response_tokens", I, "Response length in tokens."),
@@ -192,16 +266,22 @@ _REWARD_WEIGHT_COLUMNS = (
     _c("verification_reward", F, "Multiplier applied to the judged part."),
     _c("rubric_weight", F, "Weight of rubric_score in the judged part."),
     _c("citation_weight", F, "Weight of citation_score in the judged part."),
-    _c("citation_score_kind", S, "Which citation score enters the reward: 'valid_ids', 'f1' or 'dr_tulu' "
-                                 "(0.6 F1 + 0.4 valid-ID fraction)."),
+    _c(
+        "citation_score_kind",
+        S,
+        "Which citation score enters the reward: 'valid_ids', 'f1' or 'dr_tulu' (0.6 F1 + 0.4 valid-ID fraction).",
+    ),
     _c("format_weight", F, "Weight of format_score."),
     _c("gate_judge_score_with_format_bonus", B, "Zero the judged part when the format is invalid."),
     _c("non_stop_penalty", B, "Replace the reward of responses that hit the length limit."),
     _c("non_stop_penalty_value", F, "The reward given instead when non_stop_penalized."),
     _c("overlong_buffer", I, "DAPO overlong buffer B in tokens (0 = off)."),
     _c("overlong_factor", F, "DAPO overlong factor f."),
-    _c("on_failure", S, "Treatment of failed judgments: 'zero', 'skip', 'drop' (rollout left out of the update) "
-                        "or 'fail'."),
+    _c(
+        "on_failure",
+        S,
+        "Treatment of failed judgments: 'zero', 'skip', 'drop' (rollout left out of the update) or 'fail'.",
+    ),
 )
 
 REWARD_WEIGHTS = Table(
@@ -218,21 +298,35 @@ REWARDS = Table(
     "One row per (rollout, reward version): every component, the weights used, and the total, computed by SQL "
     "(refiner_core/reward/compose.py REWARD_SQL) from reward_inputs, judge_scores and reward_weights.",
     ("run", "step", "prompt_id", "sample_idx", "reward_version"),
-    _ROLLOUT_KEY + (_c("reward_version", S, "'train' (used by the update) or a `refiner rescore` version."),)
-    + _REWARD_INPUT_COLUMNS + _REWARD_WEIGHT_COLUMNS + (
-        _c("rubric_score", F, "Weighted mean of oriented rubric scores (failed ones: 0 under 'zero', left out "
-                              "under 'skip' and 'drop')."),
+    _ROLLOUT_KEY
+    + (_c("reward_version", S, "'train' (used by the update) or a `refiner rescore` version."),)
+    + _REWARD_INPUT_COLUMNS
+    + _REWARD_WEIGHT_COLUMNS
+    + (
+        _c(
+            "rubric_score",
+            F,
+            "Weighted mean of oriented rubric scores (failed ones: 0 under 'zero', left out under 'skip' and 'drop').",
+        ),
         _c("rubrics_scored", I, "Rubrics with a usable score."),
         _c("rubrics_failed", I, "Rubrics whose judgment failed."),
         _c("citation_score", F, "The citation score that enters the reward (per citation_score_kind)."),
-        _c("judged_score", F, "rubric_weight * rubric_score + citation_weight * citation_score for judged "
-                              "prompts, verifier_score for verified ones, 0 when gated."),
+        _c(
+            "judged_score",
+            F,
+            "rubric_weight * rubric_score + citation_weight * citation_score for judged "
+            "prompts, verifier_score for verified ones, 0 when gated.",
+        ),
         _c("gated", B, "True when the judged part was zeroed because format_ok is false (gating on)."),
         _c("non_stop_penalized", B, "True when the reward was replaced by the non-stop penalty."),
         _c("overlong_penalty", F, "max(-f, min(0, -(L - (L_max - B)) / B * f)), 0 when the buffer is off."),
         _c("dropped", B, "Left out of the update: a judgment failed under on_failure 'drop'."),
-        _c("reward", F, "verification_reward * judged_score + format_weight * format_score + overlong_penalty, "
-                        "or non_stop_penalty_value when non_stop_penalized."),
+        _c(
+            "reward",
+            F,
+            "verification_reward * judged_score + format_weight * format_score + overlong_penalty, "
+            "or non_stop_penalty_value when non_stop_penalized.",
+        ),
     ),
 )
 
@@ -249,8 +343,12 @@ ADVANTAGES = Table(
         _c("sample_idx", I, "Sample index."),
         _c("reward", F, "The rollout's reward in this version."),
         _c("advantage", F, "Group-relative advantage (grpo.advantage); 0 for dropped rollouts."),
-        _c("trained", B, "False when left out of the update: dropped, an all-equal group under "
-                         "grpo.filter_zero_std_groups, or an empty response."),
+        _c(
+            "trained",
+            B,
+            "False when left out of the update: dropped, an all-equal group under "
+            "grpo.filter_zero_std_groups, or an empty response.",
+        ),
     ),
 )
 
@@ -264,8 +362,12 @@ RESCORES = Table(
         _c("step", I, "GRPO step."),
         _c("reward_version", S, "The `refiner rescore` version."),
         _c("settings", S, "The settings that differ from the run's recipe, as `--set` flags."),
-        _c("inputs_hash", S, "Hash of the step's reward_inputs and judge_scores rows the version was computed from "
-                             "(refiner_core.store.catalog.STEP_INPUTS_HASH_SQL)."),
+        _c(
+            "inputs_hash",
+            S,
+            "Hash of the step's reward_inputs and judge_scores rows the version was computed from "
+            "(refiner_core.store.catalog.STEP_INPUTS_HASH_SQL).",
+        ),
     ),
 )
 
@@ -283,8 +385,12 @@ CITATION_CLAIMS = Table(
         _c("claim", S, "The claim's text."),
         _c("cited_ids", pa.list_(S), "Snippet IDs the claim cites."),
         _c("valid_ids", pa.list_(S), "Cited IDs present in the prompt's tool output."),
-        _c("support", F, "Judged support by the cited snippets: 1 full, 0.5 partial, 0 none (0 when it cites only "
-                         "invented IDs; NULL for uncited claims or a failed judgment)."),
+        _c(
+            "support",
+            F,
+            "Judged support by the cited snippets: 1 full, 0.5 partial, 0 none (0 when it cites only "
+            "invented IDs; NULL for uncited claims or a failed judgment).",
+        ),
         _c("raw_output", S, "Verbatim judge output (NULL when no call was needed)."),
         _c("failure", S, "NULL when parsed; otherwise why."),
         _c("cache_hit", B, "The answer came from the judge cache (no request)."),
@@ -306,29 +412,56 @@ STEPS = Table(
         _c("reward_mean", F, "Mean reward over the step's rollouts."),
         _c("reward_std", F, "Std (ddof 0) of rewards over the step's rollouts."),
         _c("advantage_abs_mean", F, "Mean |advantage| over rollouts."),
-        _c("zero_std_group_fraction", F, "Fraction of groups whose rewards were all equal (no signal), over every "
-                                         "sampling round of the step."),
+        _c(
+            "zero_std_group_fraction",
+            F,
+            "Fraction of groups whose rewards were all equal (no signal), over every sampling round of the step.",
+        ),
         _c("sampling_rounds", I, "Rounds of rollout + judge the step sampled (1 without rollout.dynamic_sampling)."),
-        _c("informative_groups", I, "Groups whose rewards differ, over all rounds (below rollout.prompts_per_step: "
-                                    "dynamic sampling hit its cap or ran out of fresh prompts)."),
-        _c("dropped_groups", I, "All-equal groups left out of the update (grpo.filter_zero_std_groups or "
-                                "rollout.dynamic_sampling; 0 otherwise)."),
+        _c(
+            "informative_groups",
+            I,
+            "Groups whose rewards differ, over all rounds (below rollout.prompts_per_step: "
+            "dynamic sampling hit its cap or ran out of fresh prompts).",
+        ),
+        _c(
+            "dropped_groups",
+            I,
+            "All-equal groups left out of the update (grpo.filter_zero_std_groups or "
+            "rollout.dynamic_sampling; 0 otherwise).",
+        ),
         _c("entropy", F, "Mean token entropy of the policy over trained tokens (NULL unless grpo.entropy_coef != 0)."),
-        _c("importance_weight_mean", F, "Mean importance weight pi_old / pi_rollout over trained tokens, after "
-                                        "truncation or masking (NULL unless grpo.tis_cap > 0)."),
-        _c("policy_lag", I, "Updates between the policy that sampled the step's rollouts and the one trained: "
-                            "min(step, grpo.async_steps); 0 when synchronous."),
+        _c(
+            "importance_weight_mean",
+            F,
+            "Mean importance weight pi_old / pi_rollout over trained tokens, after "
+            "truncation or masking (NULL unless grpo.tis_cap > 0).",
+        ),
+        _c(
+            "policy_lag",
+            I,
+            "Updates between the policy that sampled the step's rollouts and the one trained: "
+            "min(step, grpo.async_steps); 0 when synchronous.",
+        ),
         _c("grad_norm", F, "Gradient norm before clipping."),
         _c("lr", F, "Learning rate used."),
         _c("response_tokens", I, "Response tokens trained on."),
         _c("packing_efficiency", F, "Real tokens / tokens computed in the update (1.0 = no padding)."),
         _c("response_length_mean", F, "Mean response length in tokens."),
         _c("rollout_seconds", F, "Wall time of the rollout stage (summed over sampling rounds)."),
-        _c("weight_sync_seconds", F, "Part of rollout_seconds the kept rollout engine spent loading the policy's new "
-                                     "weights in place (run.keep_engines); 0 when it was built or already current."),
+        _c(
+            "weight_sync_seconds",
+            F,
+            "Part of rollout_seconds the kept rollout engine spent loading the policy's new "
+            "weights in place (run.keep_engines); 0 when it was built or already current.",
+        ),
         _c("judge_seconds", F, "Wall time of the judge stage (summed over sampling rounds)."),
         _c("update_seconds", F, "Wall time of the update stage."),
-        _c("checkpoint", S, "Path of the checkpoint written by this step (removed later unless run.keep_last / keep_every keep it)."),
+        _c(
+            "checkpoint",
+            S,
+            "Path of the checkpoint written by this step (removed later unless run.keep_last / keep_every keep it).",
+        ),
         _c("checkpoint_bytes", I, "Bytes written for this step's checkpoint (weights, tokenizer, optimizer state)."),
     ),
 )
@@ -364,7 +497,11 @@ SFT_EXAMPLES = Table(
         _c("response_tokens", I, "Tokens from the first assistant token to the end."),
         _c("assistant_tokens", I, "Tokens with loss_mask true."),
         _c("total_tokens", I, "len(input_ids)."),
-        _c("truncated", S, "Truncations applied ('prompt_truncated', 'response_truncated', 'total_truncated'), NULL if none."),
+        _c(
+            "truncated",
+            S,
+            "Truncations applied ('prompt_truncated', 'response_truncated', 'total_truncated'), NULL if none.",
+        ),
         _c("pack_id", I, "Pack (training row) index within the split."),
         _c("pack_offset", I, "Token offset of the example inside its pack."),
     ),
@@ -404,8 +541,12 @@ SFT_METRICS = Table(
 _EVAL_COLUMNS = (
     _c("run", S, "Run name."),
     _c("step", I, "GRPO updates applied to the evaluated policy (0 = the starting policy)."),
-    _c("phase", S, "'base' (the model before any training), 'sft' (after the SFT warm start) or 'grpo' (after "
-                   "`step` GRPO updates)."),
+    _c(
+        "phase",
+        S,
+        "'base' (the model before any training), 'sft' (after the SFT warm start) or 'grpo' (after "
+        "`step` GRPO updates).",
+    ),
     _c("mode", S, "'greedy' (one response at temperature 0) or 'sampled' (eval.samples responses, for pass@k)."),
     _c("prompt_id", S, "Held-out prompt ID (validation split)."),
     _c("sample_idx", I, "Index among the prompt's responses of this mode."),
@@ -421,10 +562,15 @@ EVALS = Table(
     "One row per held-out evaluation response: the policy evaluated, the response, and every reward part, "
     "scored by the same code as the training rewards.",
     ("run", "step", "phase", "mode", "prompt_id", "sample_idx"),
-    _EVAL_COLUMNS + tuple(c for c in REWARDS.columns if c.name not in {e.name for e in _EVAL_COLUMNS}
-                          and c.name != "reward_version") + (
-        _c("passed", B, "A pass for pass@k: correct = 1 for verified prompts; for judged ones format_ok, at least "
-                        "one citation, none invalid, and rubric_score >= eval.pass_rubric_score."),
+    _EVAL_COLUMNS
+    + tuple(c for c in REWARDS.columns if c.name not in {e.name for e in _EVAL_COLUMNS} and c.name != "reward_version")
+    + (
+        _c(
+            "passed",
+            B,
+            "A pass for pass@k: correct = 1 for verified prompts; for judged ones format_ok, at least "
+            "one citation, none invalid, and rubric_score >= eval.pass_rubric_score.",
+        ),
     ),
 )
 
@@ -446,18 +592,30 @@ TURNS = Table(
         _c("token_end", I, "End (exclusive); equal to token_start when the result was not appended (budget)."),
         _c("tool_name", S, "Tool rows: the tool called (as written, even when unknown)."),
         _c("arguments", S, "Tool rows: the arguments as JSON, or the raw call text when it did not parse."),
-        _c("status", S, "Tool rows: 'ok', 'error' (non-zero exit), 'timeout', 'cpu_limit', 'file_size_limit', "
-                        "'killed:SIG...' or 'invalid_call' (never ran; see failure)."),
+        _c(
+            "status",
+            S,
+            "Tool rows: 'ok', 'error' (non-zero exit), 'timeout', 'cpu_limit', 'file_size_limit', "
+            "'killed:SIG...' or 'invalid_call' (never ran; see failure).",
+        ),
         _c("exit_code", I, "Tool rows: the process's exit code (NULL when it never ran or was timed out)."),
         _c("stdout", S, "Tool rows: stdout excerpt."),
         _c("stderr", S, "Tool rows: stderr excerpt."),
         _c("seconds", F, "Tool rows: wall time of the call."),
-        _c("failure", S, "Tool rows: why the call could not run ('bad_json: ...', 'unknown_tool: ...', "
-                         "'missing_arguments: ...', 'missing_argument: ...', 'wrong_type: ...', 'unclosed_tool_call: "
-                         "...', 'bad_code: ...' (a NUL or an unpaired surrogate in the code), 'code_too_long: "
-                         "...'); NULL if it ran."),
-        _c("finish_reason", S, "Assistant rows: 'tool_call', 'stop', 'length' (turn or total token budget) or "
-                               "'max_turns' (called a tool on the last allowed turn: not run)."),
+        _c(
+            "failure",
+            S,
+            "Tool rows: why the call could not run ('bad_json: ...', 'unknown_tool: ...', "
+            "'missing_arguments: ...', 'missing_argument: ...', 'wrong_type: ...', 'unclosed_tool_call: "
+            "...', 'bad_code: ...' (a NUL or an unpaired surrogate in the code), 'code_too_long: "
+            "...'); NULL if it ran.",
+        ),
+        _c(
+            "finish_reason",
+            S,
+            "Assistant rows: 'tool_call', 'stop', 'length' (turn or total token budget) or "
+            "'max_turns' (called a tool on the last allowed turn: not run).",
+        ),
     ),
 )
 
@@ -477,8 +635,12 @@ TEACHER_UPDATES = Table(
     (
         _c("run", S, "Run name."),
         _c("step", I, "GRPO step whose update was just written (the teacher then follows policy step_{step+1})."),
-        _c("alpha", F, "Cosine-scheduled EMA weight of the policy at this step: teacher <- alpha * policy + "
-                       "(1 - alpha) * teacher."),
+        _c(
+            "alpha",
+            F,
+            "Cosine-scheduled EMA weight of the policy at this step: teacher <- alpha * policy + "
+            "(1 - alpha) * teacher.",
+        ),
         _c("updated", B, "Whether the teacher was updated after this step (every update_interval-th step)."),
         _c("teacher", S, "The teacher checkpoint folder after this step."),
         _c("teacher_hash", S, "Content hash of its weights."),
@@ -486,9 +648,28 @@ TEACHER_UPDATES = Table(
 )
 
 ALL_TABLES: dict[str, Table] = {
-    t.name: t for t in (PROMPTS, RUBRICS, ROLLOUTS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS,
-                        ADVANTAGES, RESCORES, CITATION_CLAIMS, STEPS, QUARANTINE, SFT_EXAMPLES, SFT_STATS, SFT_METRICS,
-                        EVALS, TURNS, TEACHER_ROLLOUTS, TEACHER_UPDATES)
+    t.name: t
+    for t in (
+        PROMPTS,
+        RUBRICS,
+        ROLLOUTS,
+        JUDGE_SCORES,
+        REWARD_INPUTS,
+        REWARD_WEIGHTS,
+        REWARDS,
+        ADVANTAGES,
+        RESCORES,
+        CITATION_CLAIMS,
+        STEPS,
+        QUARANTINE,
+        SFT_EXAMPLES,
+        SFT_STATS,
+        SFT_METRICS,
+        EVALS,
+        TURNS,
+        TEACHER_ROLLOUTS,
+        TEACHER_UPDATES,
+    )
 }
 
 _DUCKDB_TYPES = {

@@ -55,8 +55,15 @@ def chain_sum_problems(count: int, seed: int, levels: tuple = LEVELS) -> list[di
 
     problems, seen = [], set()
     for terms, digits in levels:
-        dataset = reasoning_gym.create_dataset("chain_sum", size=count * 2, seed=seed + 31 * terms + digits,
-                                               min_terms=terms, max_terms=terms, min_digits=1, max_digits=digits)
+        dataset = reasoning_gym.create_dataset(
+            "chain_sum",
+            size=count * 2,
+            seed=seed + 31 * terms + digits,
+            min_terms=terms,
+            max_terms=terms,
+            min_digits=1,
+            max_digits=digits,
+        )
         for item in dataset:
             expr = item["metadata"]["expression"]
             if expr not in seen:
@@ -83,12 +90,17 @@ def served_rephrasing(question: str, endpoint: str, model: str, cache_dir: Path,
     cached = cache_dir / f"{key}.json"
     if cached.exists():
         return json.loads(cached.read_text())["text"]
-    body = {"model": model, "temperature": 0.0, "max_tokens": 256,
-            "messages": [{"role": "user", "content": REPHRASE_PROMPT.format(question=question)}]}
+    body = {
+        "model": model,
+        "temperature": 0.0,
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": REPHRASE_PROMPT.format(question=question)}],
+    }
     try:
         with httpx.Client() as client:
-            text, _ = chat_with_retries(client, endpoint, body, api_key=os.environ.get("OPENAI_API_KEY", ""),
-                                        timeout_seconds=timeout)
+            text, _ = chat_with_retries(
+                client, endpoint, body, api_key=os.environ.get("OPENAI_API_KEY", ""), timeout_seconds=timeout
+            )
     except ChatError as e:  # not cached: the next run asks again
         print(f"rephrasing failed ({e}); using the template for this question", file=sys.stderr)
         return None
@@ -113,10 +125,18 @@ def hub_problems(name: str, split: str, question_column: str, answer_column: str
     missing = [c for c in (question_column, answer_column, rephrased_column) if c and c not in rows.column_names]
     if missing:
         raise SystemExit(f"{name}: no column {missing}; its columns: {rows.column_names}")
-    return [{"question": f"{r[question_column].strip()}\n\nPut your final answer within \\boxed{{}}.",
-             "answer": str(r[answer_column]).strip(),
-             "rephrased": (f"{r[rephrased_column].strip()}\n\nPut your final answer within \\boxed{{}}."
-                           if rephrased_column and r[rephrased_column] else None)} for r in rows]
+    return [
+        {
+            "question": f"{r[question_column].strip()}\n\nPut your final answer within \\boxed{{}}.",
+            "answer": str(r[answer_column]).strip(),
+            "rephrased": (
+                f"{r[rephrased_column].strip()}\n\nPut your final answer within \\boxed{{}}."
+                if rephrased_column and r[rephrased_column]
+                else None
+            ),
+        }
+        for r in rows
+    ]
 
 
 def build_rows(problems: list[dict], seed: int, rephrase=None) -> tuple[list[dict], list[dict], int]:
@@ -136,14 +156,19 @@ def build_rows(problems: list[dict], seed: int, rephrase=None) -> tuple[list[dic
                 fallbacks += rephrase is not None
                 twin_text = verbal_rephrasing(p["expression"], rng)
         system = [] if "question" in p else [{"role": "system", "content": SYSTEM}]
-        row = {"id": qid, "messages": [*system, {"role": "user", "content": question}], "ground_truth": p["answer"],
-               "dataset": p.get("dataset", "reasoning_gym/chain_sum")}
+        row = {
+            "id": qid,
+            "messages": [*system, {"role": "user", "content": question}],
+            "ground_truth": p["answer"],
+            "dataset": p.get("dataset", "reasoning_gym/chain_sum"),
+        }
         train.append(row)
         if not twin_text:
             continue
         twins.append({**row, "twin_id": f"{qid}-r"})
-        twins.append({**row, "id": f"{qid}-r", "messages": [*system, {"role": "user", "content": twin_text}],
-                      "twin_id": qid})
+        twins.append(
+            {**row, "id": f"{qid}-r", "messages": [*system, {"role": "user", "content": twin_text}], "twin_id": qid}
+        )
     return train, twins, fallbacks
 
 
@@ -171,11 +196,19 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rephrase = None
     if args.rephrase_endpoint:
-        rephrase = lambda q: served_rephrasing(q, args.rephrase_endpoint, args.rephrase_model,  # noqa: E731
-                                               args.rephrase_cache, args.rephrase_timeout)
+
+        def rephrase(question: str) -> str:
+            return served_rephrasing(
+                question, args.rephrase_endpoint, args.rephrase_model, args.rephrase_cache, args.rephrase_timeout
+            )
+
     if args.hub:
-        problems = [{**p, "dataset": args.hub} for p in hub_problems(
-            args.hub, args.hub_split, args.question_column, args.answer_column, args.rephrased_column)]
+        problems = [
+            {**p, "dataset": args.hub}
+            for p in hub_problems(
+                args.hub, args.hub_split, args.question_column, args.answer_column, args.rephrased_column
+            )
+        ]
     else:
         problems = chain_sum_problems(args.questions, args.seed)
     train, twins, fallbacks = build_rows(problems, args.seed, rephrase)
@@ -186,8 +219,10 @@ def main(argv: list[str] | None = None) -> None:
         easy, _, _ = build_rows(chain_sum_problems(args.questions, args.seed + 1, ((2, 1),)), args.seed + 1)
         write_jsonl([{**r, "id": r["id"].replace("math-", "easy-")} for r in easy], args.out / "easy.jsonl")
         print(f"{len(easy)} easy questions (two one-digit terms) -> {args.out / 'easy.jsonl'}")
-    print(f"{len(train)} questions -> {args.out / 'train.jsonl'}; {len(twins)} rows (both views) -> "
-          f"{args.out / 'twins.jsonl'}" + (f"; {fallbacks} rephrasings fell back to the template" if rephrase else ""))
+    print(
+        f"{len(train)} questions -> {args.out / 'train.jsonl'}; {len(twins)} rows (both views) -> "
+        f"{args.out / 'twins.jsonl'}" + (f"; {fallbacks} rephrasings fell back to the template" if rephrase else "")
+    )
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ import yaml
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from refiner_core.data.text_safety import markdown_code_block, markdown_inline
 from refiner_core.store.model_card import RECIPE_FILE, write_model_card
 from refiner_core.store.plots import eval_summary, plot_steps_embedded
 from refiner_core.store.run_sql import open_runs, run_query, run_summary
-from refiner_core.data.text_safety import markdown_code_block, markdown_inline
 from refiner_core.store.tracking import report
 
 EXCERPT_CHARS = 600
@@ -38,17 +38,21 @@ def publish_step_artifacts(run_dir: str, run: str, step: int) -> None:
     rows = [dict(zip(summary["columns"], r)) for r in summary["steps"]]
     create_table_artifact(rows, key=artifact_key(run, "steps"), description=f"{run}: metrics of steps 0-{step}")
     rollouts = rollouts_markdown(run, step, summary)
-    create_markdown_artifact(rollouts, key=artifact_key(run, "rollouts"),
-                             description=f"{run}: best and worst rollout of step {step}")
+    create_markdown_artifact(
+        rollouts, key=artifact_key(run, "rollouts"), description=f"{run}: best and worst rollout of step {step}"
+    )
     db = Path(run_dir) / "catalog.duckdb"
     curves = Path(run_dir) / "curves.png"
     step_rows, evals = [dict(zip(columns, r)) for r in steps], eval_summary(db)
     image = plot_steps_embedded(step_rows, curves, evals=evals)
-    create_markdown_artifact(f"![{markdown_inline(run)} curves]({image})\n\n"
-                             f"file: {markdown_inline(str(curves.resolve()))}", key=artifact_key(run, "curves"),
-                             description=f"{run}: reward, KL, loss and length per step")
-    get_run_logger().info("artifacts: %s, %s, %s", artifact_key(run, "steps"), artifact_key(run, "rollouts"),
-                          artifact_key(run, "curves"))
+    create_markdown_artifact(
+        f"![{markdown_inline(run)} curves]({image})\n\nfile: {markdown_inline(str(curves.resolve()))}",
+        key=artifact_key(run, "curves"),
+        description=f"{run}: reward, KL, loss and length per step",
+    )
+    get_run_logger().info(
+        "artifacts: %s, %s, %s", artifact_key(run, "steps"), artifact_key(run, "rollouts"), artifact_key(run, "curves")
+    )
     recipe_file = Path(run_dir) / RECIPE_FILE
     if recipe_file.is_file():  # a pipeline run's folder (flows/run_folder.py writes the resolved recipe)
         recipe = yaml.safe_load(recipe_file.read_text())
@@ -56,23 +60,36 @@ def publish_step_artifacts(run_dir: str, run: str, step: int) -> None:
         report_step(run_dir, run, step, recipe, step_rows, evals, rollouts)
 
 
-def refresh_model_cards(run_dir: str, run: str, step: int, recipe: dict, steps: list[dict],
-                        evals: list[dict]) -> None:
+def refresh_model_cards(run_dir: str, run: str, step: int, recipe: dict, steps: list[dict], evals: list[dict]) -> None:
     """Rewrite the card of the checkpoint update `step` wrote with its steps row and held-out evaluation (evaluated
     after the update wrote the first card), and after step 0 the SFT checkpoint's card with its evaluation. Runs
     after every step, cached ones included; the card is not part of the checkpoint's hash."""
     row = next((r for r in steps if r["step"] == step), {})
     if row.get("checkpoint") and Path(row["checkpoint"]).is_dir():
-        write_model_card(row["checkpoint"], run_dir, kind="grpo", run=run, step=step + 1, metrics=row,
-                         evals=[e for e in evals if e["step"] == step + 1 and e["phase"] == "grpo"])
+        write_model_card(
+            row["checkpoint"],
+            run_dir,
+            kind="grpo",
+            run=run,
+            step=step + 1,
+            metrics=row,
+            evals=[e for e in evals if e["step"] == step + 1 and e["phase"] == "grpo"],
+        )
     sft = Path(run_dir) / "checkpoints" / "sft"
     if step == 0 and recipe["sft"]["enabled"] and sft.is_dir():
-        write_model_card(sft, run_dir, kind="sft", run=run, step=None,
-                         evals=[e for e in evals if e["step"] == 0 and e["phase"] == "sft"])
+        write_model_card(
+            sft,
+            run_dir,
+            kind="sft",
+            run=run,
+            step=None,
+            evals=[e for e in evals if e["step"] == 0 and e["phase"] == "sft"],
+        )
 
 
-def report_step(run_dir: str, run: str, step: int, recipe: dict, steps: list[dict], evals: list[dict],
-                rollouts: str) -> None:
+def report_step(
+    run_dir: str, run: str, step: int, recipe: dict, steps: list[dict], evals: list[dict], rollouts: str
+) -> None:
     """Send the steps rows, eval results and this step's best and worst rollout to run.report_to's trackers
     (refiner_core.store.tracking: what a tracker already has is not sent again; a failing tracker is a warning)."""
     log = get_run_logger()
@@ -89,8 +106,12 @@ def rollouts_markdown(run: str, step: int, summary: dict) -> str:
         if which in summary:
             r = summary[which]
             text = r["response_text"] or ""
-            lines += [f"**{which}**: reward {r['reward']} (prompt {markdown_inline(str(r['prompt_id']))}, "
-                      f"sample {r['sample_idx']})", "", markdown_code_block(text[:EXCERPT_CHARS])]
+            lines += [
+                f"**{which}**: reward {r['reward']} (prompt {markdown_inline(str(r['prompt_id']))}, "
+                f"sample {r['sample_idx']})",
+                "",
+                markdown_code_block(text[:EXCERPT_CHARS]),
+            ]
             if len(text) > EXCERPT_CHARS:
                 lines.append(f"*… {len(text) - EXCERPT_CHARS} more characters*")
             lines.append("")

@@ -37,12 +37,20 @@ def publish_quarantine(run_dir: str, manifests: list[dict]) -> str:
     return str(db)
 
 
-def fail_if_too_many_rejected(run_dir: str, manifests: list[dict], rejected: list[Rejection], total: int,
-                              max_fraction: float, n_rejected: int | None = None) -> None:
+def fail_if_too_many_rejected(
+    run_dir: str,
+    manifests: list[dict],
+    rejected: list[Rejection],
+    total: int,
+    max_fraction: float,
+    n_rejected: int | None = None,
+) -> None:
     """check_rejected_fraction for a stage: on failure, publish the quarantine first and say how to query it.
     The last manifest is the failing stage's own (its quarantine file is named in the message)."""
     try:
         check_rejected_fraction(rejected, total, max_fraction, manifests[-1]["quarantine"]["path"], n_rejected)
     except TooManyRejected as e:
-        raise TooManyRejected(f"{e} Query it: refiner sql {run_dir} \"SELECT * FROM quarantine\"; catalog "
-                              f"{publish_quarantine(run_dir, manifests)}") from None
+        raise TooManyRejected(
+            f'{e} Query it: refiner sql {run_dir} "SELECT * FROM quarantine"; catalog '
+            f"{publish_quarantine(run_dir, manifests)}"
+        ) from None

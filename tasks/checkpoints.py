@@ -15,9 +15,13 @@ def prune_checkpoints(*, run_dir: str, newest_step: int, keep_last: int, keep_ev
     and to the EMA teacher's (Co-rewarding-II), whose newest one is all the next update reads.
 
     Not cached: it is cheap, and a changed keep_last must apply to a rerun whose updates are all cached."""
-    removed = [path for folder in CHECKPOINT_FOLDERS
-               for path in prune(Path(run_dir) / folder, newest_step, keep_last, keep_every)]
+    removed = [
+        path
+        for folder in CHECKPOINT_FOLDERS
+        for path in prune(Path(run_dir) / folder, newest_step, keep_last, keep_every)
+    ]
     if removed:
-        get_run_logger().info("prune-checkpoints: removed %s",
-                              ", ".join(str(Path(p).relative_to(run_dir)) for p in removed))
+        get_run_logger().info(
+            "prune-checkpoints: removed %s", ", ".join(str(Path(p).relative_to(run_dir)) for p in removed)
+        )
     return removed

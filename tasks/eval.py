@@ -4,11 +4,17 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.runtime import live
 from refiner_core.config import ConfigError, RewardConfig
-from refiner_core.eval.evaluate import (EvalSettings, format_table, generate_responses, held_out_prompts,
-                                        score_responses, summarize)
+from refiner_core.eval.evaluate import (
+    EvalSettings,
+    format_table,
+    generate_responses,
+    held_out_prompts,
+    score_responses,
+    summarize,
+)
 from refiner_core.judges.base import make_judge
+from refiner_core.runtime import live
 from refiner_core.schema import EVALS
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
@@ -17,9 +23,24 @@ from tasks.stage import stage
 
 
 @stage("eval")
-def evaluate(*, run_dir: str, run: str, step: int, phase: str, prompts: dict, rubrics: dict, policy: dict,
-             judge_model: dict, eval_cfg: dict, rollout_cfg: dict, judge_cfg: dict, reward_cfg: dict, seed: int,
-             dtype: str, precision: str) -> dict:
+def evaluate(
+    *,
+    run_dir: str,
+    run: str,
+    step: int,
+    phase: str,
+    prompts: dict,
+    rubrics: dict,
+    policy: dict,
+    judge_model: dict,
+    eval_cfg: dict,
+    rollout_cfg: dict,
+    judge_cfg: dict,
+    reward_cfg: dict,
+    seed: int,
+    dtype: str,
+    precision: str,
+) -> dict:
     """Held-out prompts -> responses from the policy (the recipe's rollout engine) -> training reward code ->
     evals/step=N/<phase>.parquet and a summary (format-valid rate, citation validity, judge score, pass@k)."""
     log = get_run_logger()
@@ -27,11 +48,15 @@ def evaluate(*, run_dir: str, run: str, step: int, phase: str, prompts: dict, ru
     prompt_rows = read_rows(prompts["prompts"]["path"])
     chosen = held_out_prompts(prompt_rows, settings.prompts)
     if not chosen:
-        raise ConfigError("eval.every > 0 needs held-out prompts, and the validation split is empty: set "
-                          "data.validation_fraction > 0 (e.g. 0.2)")
+        raise ConfigError(
+            "eval.every > 0 needs held-out prompts, and the validation split is empty: set "
+            "data.validation_fraction > 0 (e.g. 0.2)"
+        )
     if not Path(policy["path"]).is_dir():
-        raise FileNotFoundError(f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
-                                "run.keep_last); keep it with run.keep_every, or evaluate a new run")
+        raise FileNotFoundError(
+            f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
+            "run.keep_last); keep it with run.keep_every, or evaluate a new run"
+        )
     engine, acquired = rollout_engine(run_dir, rollout_cfg, policy, dtype, precision)  # the run's live one
     log.info("eval step %d: %s", step, acquired.describe())
     responses = generate_responses(engine, chosen, settings, seed)
@@ -42,12 +67,29 @@ def evaluate(*, run_dir: str, run: str, step: int, phase: str, prompts: dict, ru
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
     if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    scorer = live.judge(run_dir, judge_cfg["engine"], judge_model, judge_cfg, dtype, precision,
-                        lambda: make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision))
-    rows = score_responses(responses, {p["prompt_id"]: p for p in prompt_rows}, rubric_rows, scorer,
-                           RewardConfig(**reward_cfg), judge_cfg["on_failure"], judge_cfg["max_response_chars"],
-                           run=run, step=step, phase=phase, policy=policy,
-                           pass_rubric_score=settings.pass_rubric_score)
+    scorer = live.judge(
+        run_dir,
+        judge_cfg["engine"],
+        judge_model,
+        judge_cfg,
+        dtype,
+        precision,
+        lambda: make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision),
+    )
+    rows = score_responses(
+        responses,
+        {p["prompt_id"]: p for p in prompt_rows},
+        rubric_rows,
+        scorer,
+        RewardConfig(**reward_cfg),
+        judge_cfg["on_failure"],
+        judge_cfg["max_response_chars"],
+        run=run,
+        step=step,
+        phase=phase,
+        policy=policy,
+        pass_rubric_score=settings.pass_rubric_score,
+    )
     summary = summarize(rows, settings.pass_k)
     log.info("eval step %d (%s policy), %d held-out prompts:\n%s", step, phase, len(chosen), format_table(summary))
     path = Path(run_dir) / "evals" / f"step={step}" / f"{phase}.parquet"

@@ -4,9 +4,9 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.runtime import live
-from refiner_core.judges.base import make_judge, score_rollouts
 from refiner_core.config import RewardConfig
+from refiner_core.judges.base import make_judge, score_rollouts
+from refiner_core.runtime import live
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
@@ -15,9 +15,22 @@ from tasks.stage import stage
 
 
 @stage("judge")
-def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: dict, judge_model: dict,
-          judge_cfg: dict, reward_cfg: dict, max_new_tokens: int, dtype: str, precision: str,
-          teacher_rollouts: dict | None = None, round: int = 0) -> dict:
+def judge(
+    *,
+    run_dir: str,
+    step: int,
+    rollouts: dict,
+    prompts: dict,
+    rubrics: dict,
+    judge_model: dict,
+    judge_cfg: dict,
+    reward_cfg: dict,
+    max_new_tokens: int,
+    dtype: str,
+    precision: str,
+    teacher_rollouts: dict | None = None,
+    round: int = 0,
+) -> dict:
     """Stage 4: format/citation checks, rubric judge and verifiers -> judge_scores, reward inputs and (by SQL)
     rewards for the step's rollouts of sampling round `round` (scores/step=N/, later rounds in round=R/)."""
     log = get_run_logger()
@@ -33,29 +46,65 @@ def judge(*, run_dir: str, step: int, rollouts: dict, prompts: dict, rubrics: di
     needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
     if judge_cfg["serve"] and needs_judge:
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    scorer = live.judge(run_dir, judge_cfg["engine"], judge_model, judge_cfg, dtype, precision, lambda: make_judge(
-        judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision)) if needs_judge else None
+    scorer = (
+        live.judge(
+            run_dir,
+            judge_cfg["engine"],
+            judge_model,
+            judge_cfg,
+            dtype,
+            precision,
+            lambda: make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision),
+        )
+        if needs_judge
+        else None
+    )
     scored = score_rollouts(
-        rollout_rows, prompt_rows, rubric_rows, scorer, RewardConfig(**reward_cfg),
-        judge_cfg["on_failure"], judge_cfg["max_response_chars"], max_new_tokens,
+        rollout_rows,
+        prompt_rows,
+        rubric_rows,
+        scorer,
+        RewardConfig(**reward_cfg),
+        judge_cfg["on_failure"],
+        judge_cfg["max_response_chars"],
+        max_new_tokens,
     )
     scores, rewards = scored.judge_scores, scored.rewards
     out = round_folder(Path(run_dir) / "scores" / f"step={step}", round)
     failed = sum(s["failure"] is not None for s in scores)
-    log.info("judge step %d: %d rubric scores (%d failed: unparseable or no answer), reward mean %.3f", step,
-             len(scores), failed, sum(r["reward"] for r in rewards) / max(len(rewards), 1))
+    log.info(
+        "judge step %d: %d rubric scores (%d failed: unparseable or no answer), reward mean %.3f",
+        step,
+        len(scores),
+        failed,
+        sum(r["reward"] for r in rewards) / max(len(rewards), 1),
+    )
     if scored.citation_claims:
-        log.info("judge step %d: %d claims, mean citation F1 %.3f", step, len(scored.citation_claims),
-                 sum(r["citation_f1"] or 0.0 for r in scored.reward_inputs) / max(len(scored.reward_inputs), 1))
+        log.info(
+            "judge step %d: %d claims, mean citation F1 %.3f",
+            step,
+            len(scored.citation_claims),
+            sum(r["citation_f1"] or 0.0 for r in scored.reward_inputs) / max(len(scored.reward_inputs), 1),
+        )
     if judge_cfg["engine"] != "transformers":
-        log.info("judge step %d: %d from the judge cache, %d requests, %d pairs retried", step,
-                 sum(bool(s["cache_hit"]) for s in scores), sum(s["attempts"] or 0 for s in scores),
-                 sum((s["attempts"] or 0) > 1 for s in scores))
+        log.info(
+            "judge step %d: %d from the judge cache, %d requests, %d pairs retried",
+            step,
+            sum(bool(s["cache_hit"]) for s in scores),
+            sum(s["attempts"] or 0 for s in scores),
+            sum((s["attempts"] or 0) > 1 for s in scores),
+        )
     if getattr(scorer, "cache_off_reason", ""):
         log.warning("judge step %d: %s", step, scorer.cache_off_reason)
-    tables = {"judge_scores": (JUDGE_SCORES, scores), "citation_claims": (CITATION_CLAIMS, scored.citation_claims),
-              "reward_inputs": (REWARD_INPUTS, scored.reward_inputs),
-              "reward_weights": (REWARD_WEIGHTS, scored.reward_weights), "rewards": (REWARDS, rewards)}
-    manifest = {name: {"path": str(out / f"{name}.parquet"), "hash": write_table(table, rows, out / f"{name}.parquet")}
-                for name, (table, rows) in tables.items()}
+    tables = {
+        "judge_scores": (JUDGE_SCORES, scores),
+        "citation_claims": (CITATION_CLAIMS, scored.citation_claims),
+        "reward_inputs": (REWARD_INPUTS, scored.reward_inputs),
+        "reward_weights": (REWARD_WEIGHTS, scored.reward_weights),
+        "rewards": (REWARDS, rewards),
+    }
+    manifest = {
+        name: {"path": str(out / f"{name}.parquet"), "hash": write_table(table, rows, out / f"{name}.parquet")}
+        for name, (table, rows) in tables.items()
+    }
     return {**manifest, "judge_failures": failed}

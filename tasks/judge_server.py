@@ -24,9 +24,14 @@ def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> 
     log_path = Path(run_dir) / "logs" / f"judge-server-{parts.port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("starting the judge server for this run: %s at %s (log %s)", model_path, url, log_path)
-    _SERVED[url] = start_server(model_path, host=parts.hostname, port=parts.port,
-                                served_name=judge_cfg["api_model"], startup_timeout=judge_cfg["serve_startup_timeout"],
-                                log_path=log_path)
+    _SERVED[url] = start_server(
+        model_path,
+        host=parts.hostname,
+        port=parts.port,
+        served_name=judge_cfg["api_model"],
+        startup_timeout=judge_cfg["serve_startup_timeout"],
+        log_path=log_path,
+    )
     log.info("judge server healthy: pid %d, model %s", _SERVED[url].pid, _SERVED[url].model_name)
     return _SERVED[url].model_name
 

@@ -5,9 +5,9 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.data.rows import TooManyRejected, prepare_prompts, validate_rows
+from refiner_core.data.sources import load_source
 from refiner_core.models import load_tokenizer
 from refiner_core.schema import PROMPTS, QUARANTINE
-from refiner_core.data.sources import load_source
 from refiner_core.store.storage import write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
@@ -23,8 +23,13 @@ def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: in
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     prompts, dropped = prepare_prompts(
-        checked.rows, tokenizer, run, data["max_prompt_tokens"], data["max_reference_tokens"],
-        data["validation_fraction"], seed,
+        checked.rows,
+        tokenizer,
+        run,
+        data["max_prompt_tokens"],
+        data["max_reference_tokens"],
+        data["validation_fraction"],
+        seed,
     )
     if data["max_prompts"]:
         prompts = prompts[: data["max_prompts"]]
@@ -35,10 +40,17 @@ def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: in
         counts[r.reason] = counts.get(r.reason, 0) + 1
     out = Path(run_dir) / "data"
     manifest = {
-        "prompts": {"path": str(out / "prompts.parquet"), "hash": write_table(PROMPTS, prompts, out / "prompts.parquet")},
-        "quarantine": {"path": str(out / "quarantine.parquet"),
-                       "hash": write_table(QUARANTINE, quarantine, out / "quarantine.parquet")},
-        "rows_in": len(raw), "rows_out": len(prompts), "rejected": counts,
+        "prompts": {
+            "path": str(out / "prompts.parquet"),
+            "hash": write_table(PROMPTS, prompts, out / "prompts.parquet"),
+        },
+        "quarantine": {
+            "path": str(out / "quarantine.parquet"),
+            "hash": write_table(QUARANTINE, quarantine, out / "quarantine.parquet"),
+        },
+        "rows_in": len(raw),
+        "rows_out": len(prompts),
+        "rejected": counts,
         "train_ids": sorted(p["prompt_id"] for p in prompts if p["split"] == "train"),
     }
     log.info("prepare-data: %d rows in, %d prompts out, rejected %s", len(raw), len(prompts), counts or "none")

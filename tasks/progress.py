@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from refiner_core.runtime.progress import listening
 
@@ -57,8 +57,9 @@ def ui_progress(stage: str, interval: float = 2.0) -> Iterator[UIProgress]:
     """Mirror the bars of the block to the task run's progress artifact (created at the first bar)."""
     progress = UIProgress(stage, interval)
     # the sender runs in the task run's context, so the artifact belongs to this task run
-    sender = threading.Thread(target=contextvars.copy_context().run, args=(progress.loop,), daemon=True,
-                              name=f"ui-progress-{stage}")
+    sender = threading.Thread(
+        target=contextvars.copy_context().run, args=(progress.loop,), daemon=True, name=f"ui-progress-{stage}"
+    )
     with listening(progress.listen):
         sender.start()
         try:

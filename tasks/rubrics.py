@@ -6,20 +6,29 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.data.rows import accepted_raw_rows
+from refiner_core.data.sources import load_rows, load_source
 from refiner_core.models import refiner_home
 from refiner_core.rubrics.generate import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics.join import join_rubrics
 from refiner_core.rubrics.normalise import load_static_rubrics
 from refiner_core.schema import QUARANTINE, RUBRICS
-from refiner_core.data.sources import load_rows, load_source
 from refiner_core.store.storage import read_rows, write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
 
 
 @stage("ingest-rubrics")
-def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric_file: str, rubric_cfg: dict,
-                   static_rubrics_file: str, prompts: dict) -> dict:
+def ingest_rubrics(
+    *,
+    run_dir: str,
+    run: str,
+    data_file: str,
+    data: dict,
+    rubric_file: str,
+    rubric_cfg: dict,
+    static_rubrics_file: str,
+    prompts: dict,
+) -> dict:
     """Stage 2: per-instance rubrics joined to the prepared prompts by ID (generated for rows that have none
     when an endpoint is configured) plus the static set -> rubrics, quarantine, usable train IDs."""
     log = get_run_logger()
@@ -34,37 +43,57 @@ def ingest_rubrics(*, run_dir: str, run: str, data_file: str, data: dict, rubric
     generate = None
     if rubric_cfg.get("generation_endpoint"):
         settings = GenerationSettings(
-            endpoint=rubric_cfg["generation_endpoint"], model=rubric_cfg["generation_model"],
+            endpoint=rubric_cfg["generation_endpoint"],
+            model=rubric_cfg["generation_model"],
             cache_dir=Path(rubric_cfg["generation_cache"] or refiner_home() / "rubric-generation"),
             api_key=os.environ.get(rubric_cfg["generation_api_key_env"], ""),
-            timeout_seconds=rubric_cfg["generation_timeout_seconds"], max_tokens=rubric_cfg["generation_max_tokens"],
+            timeout_seconds=rubric_cfg["generation_timeout_seconds"],
+            max_tokens=rubric_cfg["generation_max_tokens"],
             temperature=rubric_cfg["generation_temperature"],
         )
 
         def generate(prompt: dict) -> list[dict]:
             try:
-                rubrics, cached = generate_rubrics(prompt["question"], prompt["tool_output"],
-                                                   prompt["reference_answer"], settings)
+                rubrics, cached = generate_rubrics(
+                    prompt["question"], prompt["tool_output"], prompt["reference_answer"], settings
+                )
             except RubricGenerationError as e:
                 generated["failed_calls" if not e.answered else "cached" if e.from_cache else "calls"] += 1
                 raise
             generated["cached" if cached else "calls"] += 1
             return rubrics
 
-    joined, rejected = join_rubrics(prompt_rows, source_rows, static, separate_source=bool(rubric_file),
-                                    generate=generate)
+    joined, rejected = join_rubrics(
+        prompt_rows, source_rows, static, separate_source=bool(rubric_file), generate=generate
+    )
     rows = [{"run": run, "prompt_id": pid, **rubric} for pid, rubrics in joined.items() for rubric in rubrics]
     out = Path(run_dir) / "data"
     quarantine = [r.as_quarantine(run, "rubrics", source) for r in rejected]
-    log.info("ingest-rubrics: %d rubrics for %d/%d prompts (%d static per prompt), generated %s, rejected %d",
-             len(rows), len(joined), len(prompt_rows), len(static), generated, len(rejected))
+    log.info(
+        "ingest-rubrics: %d rubrics for %d/%d prompts (%d static per prompt), generated %s, rejected %d",
+        len(rows),
+        len(joined),
+        len(prompt_rows),
+        len(static),
+        generated,
+        len(rejected),
+    )
     manifest = {
         "rubrics": {"path": str(out / "rubrics.parquet"), "hash": write_table(RUBRICS, rows, out / "rubrics.parquet")},
-        "quarantine": {"path": str(out / "rubrics_quarantine.parquet"),
-                       "hash": write_table(QUARANTINE, quarantine, out / "rubrics_quarantine.parquet")},
-        "rows": len(rows), "generated": generated,
+        "quarantine": {
+            "path": str(out / "rubrics_quarantine.parquet"),
+            "hash": write_table(QUARANTINE, quarantine, out / "rubrics_quarantine.parquet"),
+        },
+        "rows": len(rows),
+        "generated": generated,
         "train_ids": [pid for pid in prompts["train_ids"] if pid in joined],
     }
-    fail_if_too_many_rejected(run_dir, [prompts, manifest], rejected, len(prompt_rows),
-                              rubric_cfg["max_rejected_fraction"], n_rejected=len(prompt_rows) - len(joined))
+    fail_if_too_many_rejected(
+        run_dir,
+        [prompts, manifest],
+        rejected,
+        len(prompt_rows),
+        rubric_cfg["max_rejected_fraction"],
+        n_rejected=len(prompt_rows) - len(joined),
+    )
     return manifest

@@ -6,22 +6,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refiner_core.runtime import live
 from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.sharded import ShardedEngine
+from refiner_core.runtime import live
 from refiner_core.store.storage import read_rows
 
 
-def step_prompts(prompts: dict, step: int, rollout_cfg: dict, seed: int,
-                 chosen: list[str] | None = None) -> tuple[list[str], list[list[int]]]:
+def step_prompts(
+    prompts: dict, step: int, rollout_cfg: dict, seed: int, chosen: list[str] | None = None
+) -> tuple[list[str], list[list[int]]]:
     """The step's prompt IDs (unless `chosen` names them) and their token IDs: a question's twin view joins it in
     the same step, and every sampler of the step (the policy, an EMA teacher) answers the same ones."""
     by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     train_ids = prompts["train_ids"]
     if chosen is None:
-        chosen = step_prompt_ids(train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed,
-                                 twin_of=_twins(by_id))
+        chosen = step_prompt_ids(
+            train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed, twin_of=_twins(by_id)
+        )
     return chosen, [by_id[p]["prompt_token_ids"] for p in chosen]
 
 
@@ -43,27 +45,45 @@ def round_folder(step_folder: Path, round: int) -> Path:
 def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, precision: str):
     """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.runtime.live), else
     one built from the checkpoint. Hand it back with `live.release`."""
+
     def build(path: str):
         settings = (rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision)
-        gpu = {"tensor_parallel_size": rollout_cfg["tensor_parallel_size"],
-               "gpu_memory_utilization": rollout_cfg["gpu_memory_utilization"],
-               "adapter_rank": rollout_cfg["adapter_rank"]}
+        gpu = {
+            "tensor_parallel_size": rollout_cfg["tensor_parallel_size"],
+            "gpu_memory_utilization": rollout_cfg["gpu_memory_utilization"],
+            "adapter_rank": rollout_cfg["adapter_rank"],
+        }
         if rollout_cfg["num_engines"] > 1:  # Ray actors (run.ray_address; preflight checks it is set)
-            return ShardedEngine(*settings, **gpu, num_engines=rollout_cfg["num_engines"],
-                                 markers=str(Path(run_dir) / ".faults"))
+            return ShardedEngine(
+                *settings, **gpu, num_engines=rollout_cfg["num_engines"], markers=str(Path(run_dir) / ".faults")
+            )
         return make_engine(*settings, **gpu)
 
-    return live.rollout_engine(run_dir, live.engine_key(rollout_cfg, live.model_folder(policy), dtype, precision), policy, build)
+    return live.rollout_engine(
+        run_dir, live.engine_key(rollout_cfg, live.model_folder(policy), dtype, precision), policy, build
+    )
 
 
 def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:
-    return SamplingParams(n=rollout_cfg["samples_per_prompt"], temperature=rollout_cfg["temperature"],
-                          top_p=rollout_cfg["top_p"], max_new_tokens=rollout_cfg["max_new_tokens"],
-                          stop=tuple(rollout_cfg["stop"]), seed=seed)
+    return SamplingParams(
+        n=rollout_cfg["samples_per_prompt"],
+        temperature=rollout_cfg["temperature"],
+        top_p=rollout_cfg["top_p"],
+        max_new_tokens=rollout_cfg["max_new_tokens"],
+        stop=tuple(rollout_cfg["stop"]),
+        seed=seed,
+    )
 
 
 def response_columns(g) -> dict:
     """The rollout columns of a single-turn Generation (every token sampled, no tool round)."""
-    return {"response_token_ids": g.token_ids, "response_logprobs": g.logprobs, "response_text": g.text,
-            "response_mask": [True] * len(g.token_ids), "response_tokens": len(g.token_ids),
-            "finish_reason": g.finish_reason, "tool_rounds": 0, "final_text": g.text}
+    return {
+        "response_token_ids": g.token_ids,
+        "response_logprobs": g.logprobs,
+        "response_text": g.text,
+        "response_mask": [True] * len(g.token_ids),
+        "response_tokens": len(g.token_ids),
+        "finish_reason": g.finish_reason,
+        "tool_rounds": 0,
+        "final_text": g.text,
+    }

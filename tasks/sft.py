@@ -5,20 +5,22 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.data.rows import validate_rows
-from refiner_core.store.model_card import write_model_card
+from refiner_core.data.sources import load_source
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
-from refiner_core.sft.data import SFTLimits, prepare_sft as prepare_sft_core, stats_rows
+from refiner_core.sft.data import SFTLimits, stats_rows
+from refiner_core.sft.data import prepare_sft as prepare_sft_core
 from refiner_core.sft.train import SFTSettings, packed_rows, train_sft
-from refiner_core.data.sources import load_source
+from refiner_core.store.model_card import write_model_card
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_json, write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
 
 
 @stage("prepare-sft")
-def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: int, policy: dict,
-                prompts: dict) -> dict:
+def prepare_sft(
+    *, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: int, policy: dict, prompts: dict
+) -> dict:
     """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
     sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out."""
     log = get_run_logger()
@@ -26,25 +28,53 @@ def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: i
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     held_out = [p for p in read_rows(prompts["prompts"]["path"]) if p["split"] == "validation"]
-    prepared = prepare_sft_core(checked.rows, tokenizer, run, SFTLimits.from_config(sft_cfg),
-                                sft_cfg["validation_fraction"], seed, sft_cfg["histogram_bins"], held_out)
+    prepared = prepare_sft_core(
+        checked.rows,
+        tokenizer,
+        run,
+        SFTLimits.from_config(sft_cfg),
+        sft_cfg["validation_fraction"],
+        seed,
+        sft_cfg["histogram_bins"],
+        held_out,
+    )
     rejected = checked.rejected + prepared.rejected
     stats = {**prepared.stats, "rows_in": len(raw), "invalid_rows": len(checked.rejected)}
     out = Path(run_dir) / "sft"
     manifest = {
-        "sft_examples": {"path": str(out / "sft_examples.parquet"),
-                         "hash": write_table(SFT_EXAMPLES, prepared.examples, out / "sft_examples.parquet")},
-        "sft_stats": {"path": str(out / "sft_stats.parquet"),
-                      "hash": write_table(SFT_STATS, stats_rows(run, stats), out / "sft_stats.parquet")},
-        "quarantine": {"path": str(out / "quarantine.parquet"), "hash": write_table(
-            QUARANTINE, [r.as_quarantine(run, "prepare-sft", sft_file) for r in rejected], out / "quarantine.parquet")},
+        "sft_examples": {
+            "path": str(out / "sft_examples.parquet"),
+            "hash": write_table(SFT_EXAMPLES, prepared.examples, out / "sft_examples.parquet"),
+        },
+        "sft_stats": {
+            "path": str(out / "sft_stats.parquet"),
+            "hash": write_table(SFT_STATS, stats_rows(run, stats), out / "sft_stats.parquet"),
+        },
+        "quarantine": {
+            "path": str(out / "quarantine.parquet"),
+            "hash": write_table(
+                QUARANTINE,
+                [r.as_quarantine(run, "prepare-sft", sft_file) for r in rejected],
+                out / "quarantine.parquet",
+            ),
+        },
         "stats_json": {"path": str(out / "stats.json"), "hash": write_json(stats, out / "stats.json")},
-        "examples": len(prepared.examples), "packing": stats["packing"], "dropped": stats["dropped"],
+        "examples": len(prepared.examples),
+        "packing": stats["packing"],
+        "dropped": stats["dropped"],
     }
-    log.info("prepare-sft: %d rows in (%d held out for evaluation), %d examples (%d train / %d validation), %d "
-             "rejected %s, packing efficiency train %.1f%%", len(raw), stats["held_out_rows"], len(prepared.examples),
-             stats["train_examples"], stats["validation_examples"], len(rejected), stats["dropped"],
-             100 * stats["packing"]["train"]["efficiency"])
+    log.info(
+        "prepare-sft: %d rows in (%d held out for evaluation), %d examples (%d train / %d validation), %d "
+        "rejected %s, packing efficiency train %.1f%%",
+        len(raw),
+        stats["held_out_rows"],
+        len(prepared.examples),
+        stats["train_examples"],
+        stats["validation_examples"],
+        len(rejected),
+        stats["dropped"],
+        100 * stats["packing"]["train"]["efficiency"],
+    )
     fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), sft_cfg["max_rejected_fraction"])
     if not stats["train_examples"]:
         raise ValueError(f"prepare-sft: no training examples left from {sft_file} (see {out / 'stats.json'})")
@@ -52,8 +82,9 @@ def prepare_sft(*, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: i
 
 
 @stage("sft-train")
-def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: dict, seed: int,
-              dtype: str, precision: str) -> dict:
+def sft_train(
+    *, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: dict, seed: int, dtype: str, precision: str
+) -> dict:
     """SFT warm start on the packed examples -> HF checkpoint (the GRPO starting point) + sft_metrics."""
     import torch
 
@@ -64,8 +95,9 @@ def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: 
     tokenizer = load_tokenizer(policy["path"])
     torch.manual_seed(seed)
     model = load_model(policy["path"], dtype, trainable=True)
-    history = train_sft(model, train, validation, tokenizer.pad_token_id, SFTSettings.from_config(sft_cfg, seed),
-                        precision=precision)
+    history = train_sft(
+        model, train, validation, tokenizer.pad_token_id, SFTSettings.from_config(sft_cfg, seed), precision=precision
+    )
 
     final = Path(run_dir) / "checkpoints" / "sft"
     with atomic_dir(final) as build:
@@ -76,8 +108,12 @@ def sft_train(*, run_dir: str, run: str, sft_data: dict, policy: dict, sft_cfg: 
     rows = [{"run": run, **h} for h in history]
     path = Path(run_dir) / "sft" / "sft_metrics.parquet"
     val = [h["loss"] for h in history if h["split"] == "validation"]
-    log.info("sft-train: %d packs, %d steps, validation loss %s", len(train),
-             sum(h["split"] == "train" for h in history), " -> ".join(f"{v:.4f}" for v in val) or "n/a")
+    log.info(
+        "sft-train: %d packs, %d steps, validation loss %s",
+        len(train),
+        sum(h["split"] == "train" for h in history),
+        " -> ".join(f"{v:.4f}" for v in val) or "n/a",
+    )
     return {
         "policy": {"path": str(final), "hash": dir_hash(final)},
         "sft_metrics": {"path": str(path), "hash": write_table(SFT_METRICS, rows, path)},

@@ -5,22 +5,23 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.exceptions import MissingContextError
 from prefect.context import TaskRunContext
+from prefect.exceptions import MissingContextError
 
 from refiner_core import code_version
-from refiner_core.runtime import live
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
-from refiner_core.runtime.faults import stage_fault
-from refiner_core.rubrics.normalise import RubricError
 from refiner_core.data.sources import SourceError
+from refiner_core.rubrics.normalise import RubricError
+from refiner_core.runtime import live
+from refiner_core.runtime.faults import stage_fault
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.store.storage import dir_hash, file_hash, json_hash
 from tasks.progress import ui_progress
 
@@ -74,17 +75,20 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
     that made them is recomputed."""
     damaged = []
     for entry in manifest.values():
-        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or \
-                entry["path"] in pruned_paths(Path(entry["path"]).parent):
+        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or entry["path"] in pruned_paths(
+            Path(entry["path"]).parent
+        ):
             continue
         if entry.get("unsaved"):
-            if not (live.learner_holds(run_dir, entry["hash"]) or live.written_at_close(entry)
-                    or _saved_later(Path(entry["path"]))):
+            if not (
+                live.learner_holds(run_dir, entry["hash"])
+                or live.written_at_close(entry)
+                or _saved_later(Path(entry["path"]))
+            ):
                 damaged.append(f"{entry['path']} (never saved; no live learner holds it)")
             continue
         path = Path(entry["path"])
-        actual = (dir_hash(path, TRAINING_STATE_FILES) if path.is_dir() else file_hash(path) if path.is_file()
-                  else None)
+        actual = dir_hash(path, TRAINING_STATE_FILES) if path.is_dir() else file_hash(path) if path.is_file() else None
         if actual != entry["hash"]:
             damaged.append(str(path))
     return damaged
@@ -106,13 +110,13 @@ class Stage:
         self.task = prefect_task
         self.name = prefect_task.name
 
-    def with_options(self, **options) -> "Stage":
+    def with_options(self, **options) -> Stage:
         return Stage(self.task.with_options(**options))
 
     def __call__(self, **kwargs) -> dict:
         return self._checked(self.task(**kwargs, return_state=True), kwargs)
 
-    def submit(self, wait_for: list["Submitted"] = (), **kwargs) -> "Submitted":
+    def submit(self, wait_for: list[Submitted] = (), **kwargs) -> Submitted:
         """Run the stage concurrently on the flow's task runner (same cache key, retries and damage check);
         `wait_for`: stages submitted earlier that must finish first. `.result()` gives the manifest."""
         future = self.task.submit(**kwargs, wait_for=[earlier.future for earlier in wait_for])
@@ -126,14 +130,17 @@ class Stage:
         if state.name == "Cached":
             damaged = damaged_outputs(manifest, kwargs["run_dir"])
             if damaged:
-                _logger().warning("%s: cached result refers to missing or changed files (%s); recomputing",
-                                  self.name, ", ".join(damaged[:3]))
+                _logger().warning(
+                    "%s: cached result refers to missing or changed files (%s); recomputing",
+                    self.name,
+                    ", ".join(damaged[:3]),
+                )
                 manifest = self.task.with_options(refresh_cache=True)(**kwargs)
         return manifest
 
 
 # The stages submitted by the flow function running in this context (settles_submitted_stages).
-_SUBMITTED: ContextVar[list["Submitted"] | None] = ContextVar("submitted_stages", default=None)
+_SUBMITTED: ContextVar[list[Submitted] | None] = ContextVar("submitted_stages", default=None)
 
 
 def settles_submitted_stages(fn: Callable) -> Callable:
@@ -190,16 +197,18 @@ def stage(name: str) -> Callable[[Callable], Stage]:
             manifest["stage"] = name
             return manifest
 
-        return Stage(task(
-            run,
-            name=name,
-            cache_key_fn=stage_cache_key,
-            persist_result=True,
-            retries=2,
-            retry_delay_seconds=2,
-            retry_condition_fn=retry_unless_bad_data,
-            task_run_name=_run_name(name),
-        ))
+        return Stage(
+            task(
+                run,
+                name=name,
+                cache_key_fn=stage_cache_key,
+                persist_result=True,
+                retries=2,
+                retry_delay_seconds=2,
+                retry_condition_fn=retry_unless_bad_data,
+                task_run_name=_run_name(name),
+            )
+        )
 
     return decorate
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.runtime import live
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
-from refiner_core.store.model_card import write_model_card
+from refiner_core.runtime import live
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES
+from refiner_core.store.model_card import write_model_card
 from refiner_core.store.storage import atomic_dir, dir_hash, write_table
 from tasks.sampling import response_columns, rollout_engine, sampling_params, step_prompts
 from tasks.stage import stage
@@ -20,8 +20,18 @@ TEACHER_SEED_OFFSET = 500_009  # the teacher's samples never repeat the policy's
 
 
 @stage("teacher-rollout")
-def teacher_rollout(*, run_dir: str, run: str, step: int, prompts: dict, teacher: dict, rollout_cfg: dict, seed: int,
-                    dtype: str, precision: str) -> dict:
+def teacher_rollout(
+    *,
+    run_dir: str,
+    run: str,
+    step: int,
+    prompts: dict,
+    teacher: dict,
+    rollout_cfg: dict,
+    seed: int,
+    dtype: str,
+    precision: str,
+) -> dict:
     """G responses of the teacher to the same prompts the policy answers at this step -> teacher_rollouts."""
     log = get_run_logger()
     chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
@@ -30,13 +40,24 @@ def teacher_rollout(*, run_dir: str, run: str, step: int, prompts: dict, teacher
     params = sampling_params(rollout_cfg, seed * 100_003 + step + TEACHER_SEED_OFFSET)
     generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")
     live.release(run_dir, engine, acquired)
-    now = datetime.now(timezone.utc)
-    rows = [{
-        "run": run, "step": step, "prompt_id": chosen[g.prompt_index], "sample_idx": g.sample_idx,
-        "policy": teacher["path"], "policy_hash": teacher["hash"], "engine": engine.name,
-        "temperature": params.temperature, "seed": params.seed, "prompt_token_ids": prompt_ids[g.prompt_index],
-        **response_columns(g), "created_at": now,
-    } for g in generations]
+    now = datetime.now(UTC)
+    rows = [
+        {
+            "run": run,
+            "step": step,
+            "prompt_id": chosen[g.prompt_index],
+            "sample_idx": g.sample_idx,
+            "policy": teacher["path"],
+            "policy_hash": teacher["hash"],
+            "engine": engine.name,
+            "temperature": params.temperature,
+            "seed": params.seed,
+            "prompt_token_ids": prompt_ids[g.prompt_index],
+            **response_columns(g),
+            "created_at": now,
+        }
+        for g in generations
+    ]
     path = Path(run_dir) / "teacher_rollouts" / f"step={step}" / "teacher_rollouts.parquet"
     log.info("teacher-rollout step %d: %d prompts x %d samples from %s", step, len(chosen), params.n, teacher["path"])
     return {"teacher_rollouts": {"path": str(path), "hash": write_table(TEACHER_ROLLOUTS, rows, path)}}
@@ -53,12 +74,26 @@ def teacher_update(*, run_dir: str, run: str, step: int, teacher: dict, policy: 
         final = Path(run_dir) / "teacher" / f"step_{done:04d}"
         with atomic_dir(final) as build:
             ema_checkpoint(Path(teacher["path"]), Path(policy["path"]), alpha, build)
-            write_model_card(build, run_dir, kind="teacher", run=run, step=done, checkpoint=final,
-                             parent=teacher["path"])
+            write_model_card(
+                build, run_dir, kind="teacher", run=run, step=done, checkpoint=final, parent=teacher["path"]
+            )
         teacher = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
-    get_run_logger().info("teacher-update step %d: alpha %.3g, %s", step, alpha,
-                          f"teacher now {teacher['path']}" if updated else "not an update step")
-    row = {"run": run, "step": step, "alpha": alpha, "updated": updated, "teacher": teacher["path"],
-           "teacher_hash": teacher["hash"]}
+    get_run_logger().info(
+        "teacher-update step %d: alpha %.3g, %s",
+        step,
+        alpha,
+        f"teacher now {teacher['path']}" if updated else "not an update step",
+    )
+    row = {
+        "run": run,
+        "step": step,
+        "alpha": alpha,
+        "updated": updated,
+        "teacher": teacher["path"],
+        "teacher_hash": teacher["hash"],
+    }
     path = Path(run_dir) / "teacher_updates" / f"step={step}" / "teacher_updates.parquet"
-    return {"teacher": teacher, "teacher_updates": {"path": str(path), "hash": write_table(TEACHER_UPDATES, [row], path)}}
+    return {
+        "teacher": teacher,
+        "teacher_updates": {"path": str(path), "hash": write_table(TEACHER_UPDATES, [row], path)},
+    }

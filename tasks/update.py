@@ -7,21 +7,35 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
-from refiner_core.runtime import live
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
-from refiner_core.store.model_card import write_model_card
 from refiner_core.models import load_tokenizer
+from refiner_core.runtime import live
 from refiner_core.schema import ADVANTAGES, STEPS
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
+from refiner_core.store.model_card import write_model_card
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_table
 from tasks.stage import stage
 
 
 @stage("grpo-update")
-def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scores: list[dict], policy: dict,
-                reference: dict, grpo_cfg: dict, temperature: float, dtype: str, precision: str,
-                lora: dict | None = None, save: bool = True, policy_lag: int = 0) -> dict:
+def grpo_update(
+    *,
+    run_dir: str,
+    run: str,
+    step: int,
+    rollouts: list[dict],
+    scores: list[dict],
+    policy: dict,
+    reference: dict,
+    grpo_cfg: dict,
+    temperature: float,
+    dtype: str,
+    precision: str,
+    lora: dict | None = None,
+    save: bool = True,
+    policy_lag: int = 0,
+) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
     and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
     (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash.
@@ -31,8 +45,9 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
     rollout sampled ahead in another thread seeds it and draws from it."""
     log = get_run_logger()
     rollout_rows = [r for rolled in rollouts for r in read_rows(rolled["rollouts"]["path"])]
-    reward_rows = [r for scored in scores for r in read_rows(scored["rewards"]["path"])
-                   if r["reward_version"] == "train"]
+    reward_rows = [
+        r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"
+    ]
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
     settings = learner_settings(grpo_cfg, temperature, precision, lora)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
@@ -46,33 +61,70 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
     learner_key = live.learner_key(grpo_cfg["learner"], model, reference, settings, dtype)
     learner = live.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
     if learner is None and live.is_unsaved(policy):  # a retry after a failed step: its learner was dropped
-        raise FileNotFoundError(f"grpo-update step {step}: the weights of {policy['path']} were never saved "
-                                "(run.save_every) and the live learner no longer holds them; run again to recompute")
-    log.info("grpo-update step %d: %s", step, "learner kept in memory (policy, reference, AdamW state)" if learner
-             else f"learner loaded from {policy['path']}")
-    learner = learner or make_learner(grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings,
-                                      optimizer_state, dtype)
+        raise FileNotFoundError(
+            f"grpo-update step {step}: the weights of {policy['path']} were never saved "
+            "(run.save_every) and the live learner no longer holds them; run again to recompute"
+        )
+    log.info(
+        "grpo-update step %d: %s",
+        step,
+        "learner kept in memory (policy, reference, AdamW state)"
+        if learner
+        else f"learner loaded from {policy['path']}",
+    )
+    learner = learner or make_learner(
+        grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
+    )
     try:
         metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
         saved = _save(learner, save, run_dir=run_dir, run=run, step=step, model=model, tokenizer=tokenizer)
     except BaseException:  # weights half-updated: no later step may use this learner (its ranks stop)
         learner.close()
         raise
-    save_at_close = functools.partial(_write_checkpoint, learner, Path(saved["path"]), tokenizer, run_dir=run_dir,
-                                      run=run, step=step, weights_hash=saved["hash"]) if saved.get("unsaved") else None
+    save_at_close = (
+        functools.partial(
+            _write_checkpoint,
+            learner,
+            Path(saved["path"]),
+            tokenizer,
+            run_dir=run_dir,
+            run=run,
+            step=step,
+            weights_hash=saved["hash"],
+        )
+        if saved.get("unsaved")
+        else None
+    )
     if not live.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close):  # this checkpoint's
         learner.close()
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
     row = {
-        "run": run, "step": step, **{k: metrics[k] for k in ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm",
-                                                            "lr", "response_tokens", "packing_efficiency",
-                                                            "update_seconds")},
-        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "run": run,
+        "step": step,
+        **{
+            k: metrics[k]
+            for k in (
+                "loss",
+                "pg_loss",
+                "kl",
+                "clip_fraction",
+                "grad_norm",
+                "lr",
+                "response_tokens",
+                "packing_efficiency",
+                "update_seconds",
+            )
+        },
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
         "advantage_abs_mean": adv_stats["advantage_abs_mean"],
-        "zero_std_group_fraction": adv_stats["zero_std_group_fraction"], "sampling_rounds": len(rollouts),
-        "informative_groups": adv_stats["informative_groups"], "dropped_groups": adv_stats["dropped_groups"],
-        "entropy": metrics.get("entropy"), "importance_weight_mean": metrics.get("importance_weight_mean"),
+        "zero_std_group_fraction": adv_stats["zero_std_group_fraction"],
+        "sampling_rounds": len(rollouts),
+        "informative_groups": adv_stats["informative_groups"],
+        "dropped_groups": adv_stats["dropped_groups"],
+        "entropy": metrics.get("entropy"),
+        "importance_weight_mean": metrics.get("importance_weight_mean"),
         "policy_lag": policy_lag,
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
         "rollout_seconds": sum(m["seconds"] for m in rollouts),
@@ -84,10 +136,20 @@ def grpo_update(*, run_dir: str, run: str, step: int, rollouts: list[dict], scor
     metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
     advantages_path = metrics_path.with_name("advantages.parquet")
     advantage_rows = [{"run": run, "step": step, "reward_version": "train", **a} for a in advantages]
-    log.info("grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%% "
-             "(sampling rounds %d, informative groups %d, dropped %d)", step, row["loss"], row["kl"], row["clip_fraction"],
-             row["reward_mean"], row["reward_std"], 100 * row["zero_std_group_fraction"], row["sampling_rounds"],
-             row["informative_groups"], row["dropped_groups"])
+    log.info(
+        "grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%% "
+        "(sampling rounds %d, informative groups %d, dropped %d)",
+        step,
+        row["loss"],
+        row["kl"],
+        row["clip_fraction"],
+        row["reward_mean"],
+        row["reward_std"],
+        100 * row["zero_std_group_fraction"],
+        row["sampling_rounds"],
+        row["informative_groups"],
+        row["dropped_groups"],
+    )
     return {
         "policy": saved,
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
@@ -106,8 +168,9 @@ def _save(learner, save: bool, *, run_dir: str, run: str, step: int, model: str,
     return {"path": str(final), "hash": live.weights_hash(learner.weights()), "model": model, "unsaved": True}
 
 
-def _write_checkpoint(learner, final: Path, tokenizer, *, run_dir: str, run: str, step: int,
-                      weights_hash: str = "") -> Path:
+def _write_checkpoint(
+    learner, final: Path, tokenizer, *, run_dir: str, run: str, step: int, weights_hash: str = ""
+) -> Path:
     """HF weights + training state + tokenizer + model card, atomically. weights_hash: the weights were named
     by it in a manifest as never saved; the checkpoint records that it holds them (live.WRITTEN_AT_CLOSE)."""
     with atomic_dir(final) as build:
@@ -122,6 +185,16 @@ def _write_checkpoint(learner, final: Path, tokenizer, *, run_dir: str, run: str
 
 def _no_signal_metrics(settings) -> dict:
     """Every group was filtered out (all-equal rewards): the policy is saved unchanged, nothing was computed."""
-    return {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0,
-            "lr": settings.learning_rate, "response_tokens": 0, "packing_efficiency": 0.0, "update_seconds": 0.0,
-            "entropy": None, "importance_weight_mean": None}  # no token: no entropy or weight to average
+    return {
+        "loss": 0.0,
+        "pg_loss": 0.0,
+        "kl": 0.0,
+        "clip_fraction": 0.0,
+        "grad_norm": 0.0,
+        "lr": settings.learning_rate,
+        "response_tokens": 0,
+        "packing_efficiency": 0.0,
+        "update_seconds": 0.0,
+        "entropy": None,
+        "importance_weight_mean": None,
+    }  # no token: no entropy or weight to average

@@ -69,7 +69,9 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_cli(args: list[str], tmp_path: Path, env: dict | None = None, timeout: int = 600) -> tuple[int, str, str, float]:
+def run_cli(
+    args: list[str], tmp_path: Path, env: dict | None = None, timeout: int = 600
+) -> tuple[int, str, str, float]:
     """`refiner ARGS` in a child process (Prefect's logging and server are per process), in its own process group
     so that a temporary Prefect server a hard-killed run leaves behind is reaped. Output goes to files, not pipes:
     such a leftover would hold a pipe open. Returns (exit code, stdout, stderr, seconds)."""
@@ -79,8 +81,16 @@ def run_cli(args: list[str], tmp_path: Path, env: dict | None = None, timeout: i
     out_path, err_path = Path(name + ".out"), Path(name + ".err")
     t0 = time.time()
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, stdout=out,
-                                stderr=err, text=True, start_new_session=True, preexec_fn=sigint_default)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            preexec_fn=sigint_default,
+        )
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -95,10 +105,25 @@ def learner_settings(**overrides):
     """LearnerSettings for learner tests: fp32, k3 KL, token-mean, no clipping of the gradient norm."""
     from refiner_core.learners.base import LearnerSettings
 
-    base = dict(learning_rate=1e-2, weight_decay=0.0, adam_betas=(0.9, 0.999), max_grad_norm=0.0, beta=0.01,
-                kl_estimator="k3", kl_clamp=10.0, clip_eps_low=0.2, clip_eps_high=0.2, loss_aggregation="token_mean",
-                loss_constant=64.0, micro_batch_size=8, minibatches=1, tis_cap=0.0, pack_length=0, precision="fp32",
-                temperature=0.7)
+    base = dict(
+        learning_rate=1e-2,
+        weight_decay=0.0,
+        adam_betas=(0.9, 0.999),
+        max_grad_norm=0.0,
+        beta=0.01,
+        kl_estimator="k3",
+        kl_clamp=10.0,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        loss_aggregation="token_mean",
+        loss_constant=64.0,
+        micro_batch_size=8,
+        minibatches=1,
+        tis_cap=0.0,
+        pack_length=0,
+        precision="fp32",
+        temperature=0.7,
+    )
     return LearnerSettings(**{**base, **overrides})
 
 
@@ -116,8 +141,16 @@ def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
     return query(run_dir / "catalog.duckdb", sql)[1]
 
 
-def vllm_logprob_gap(model_path, weights, scorer, prompts: list[list[int]], params, pad_id: int,
-                     precision: str = "fp32", adapter_rank: int = 0):
+def vllm_logprob_gap(
+    model_path,
+    weights,
+    scorer,
+    prompts: list[list[int]],
+    params,
+    pad_id: int,
+    precision: str = "fp32",
+    adapter_rank: int = 0,
+):
     """|learner - vLLM| log-probs of the tokens a vllm engine given `weights` samples: `scorer` (a model) scores
     them under the same temperature and `precision`. Returns the gaps over the sampled tokens."""
     import torch
@@ -125,8 +158,9 @@ def vllm_logprob_gap(model_path, weights, scorer, prompts: list[list[int]], para
     from refiner_core.learners.base import TrainSample, collate, token_logprobs
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
-    engine = make_vllm_engine(str(model_path), batch_size=16, dtype="float32", precision=precision, progress=False,
-                              adapter_rank=adapter_rank)
+    engine = make_vllm_engine(
+        str(model_path), batch_size=16, dtype="float32", precision=precision, progress=False, adapter_rank=adapter_rank
+    )
     try:
         engine.load_weights(weights)
         gens = engine.generate(prompts, params)
@@ -137,3 +171,17 @@ def vllm_logprob_gap(model_path, weights, scorer, prompts: list[list[int]], para
         ours = token_logprobs(scorer, batch, params.temperature, precision)
     mask = batch["mask"].bool()
     return (ours[mask] - batch["rollout_logprobs"][mask]).abs()
+
+
+@pytest.fixture
+def info_logs():
+    """Prefect's run loggers at INFO (the test session runs them at WARNING): the stages' lines reach the run log."""
+    import logging
+
+    import flows.refiner  # noqa: F401  (its imports configure Prefect's logging, which would undo the level)
+
+    logger = logging.getLogger("prefect")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield
+    logger.setLevel(level)

@@ -93,7 +93,10 @@ class FaultServer(LoopbackServer):
         self.listen(Handler)
 
 
-
 def _reply(content: str) -> dict:
-    return {"id": "x", "object": "chat.completion", "model": "fault-judge",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "model": "fault-judge",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+    }

@@ -7,9 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from refiner_core.algo.advantages import compute_advantages
+from refiner_core.algo.advantages import compute_advantages, group_advantages
 from refiner_core.config import load_recipe
-from refiner_core.algo.advantages import group_advantages
 from refiner_core.reward.rescore import check_rescorable
 
 # Group a: rewards 1, 0, 0, 1 -> mean 0.5, squared deviations sum 1.
@@ -26,18 +25,22 @@ def test_group_std_ddof0_and_ddof1_hand_computed():
     ddof0 = compute_advantages(REWARDS, GROUPS, "group_std", eps=0.0, ddof=0)
     ddof1 = compute_advantages(REWARDS, GROUPS, "group_std", eps=0.0, ddof=1)
     np.testing.assert_allclose(ddof0, [1, -1, -1, 1, -1.019049, -0.339683, 1.358732], atol=1e-6)
-    np.testing.assert_allclose(ddof1, [0.866025, -0.866025, -0.866025, 0.866025, -0.832050, -0.277350, 1.109400],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        ddof1, [0.866025, -0.866025, -0.866025, 0.866025, -0.832050, -0.277350, 1.109400], atol=1e-6
+    )
     # the two differ by exactly sqrt((G-1)/G) per group
     np.testing.assert_allclose(ddof1[:4] / ddof0[:4], math.sqrt(3 / 4))
     np.testing.assert_allclose(ddof1[4:] / ddof0[4:], math.sqrt(2 / 3))
 
 
 def test_default_is_ddof0_and_eps_is_added_to_the_std():
-    np.testing.assert_allclose(compute_advantages([1.0, 0.0], ["g", "g"], "group_std", eps=0.5),
-                               [0.5 / (0.5 + 0.5), -0.5 / (0.5 + 0.5)])
-    np.testing.assert_allclose(compute_advantages([1.0, 0.0], ["g", "g"], "group_std", eps=0.5, ddof=1),
-                               [0.5 / (math.sqrt(0.5) + 0.5), -0.5 / (math.sqrt(0.5) + 0.5)])
+    np.testing.assert_allclose(
+        compute_advantages([1.0, 0.0], ["g", "g"], "group_std", eps=0.5), [0.5 / (0.5 + 0.5), -0.5 / (0.5 + 0.5)]
+    )
+    np.testing.assert_allclose(
+        compute_advantages([1.0, 0.0], ["g", "g"], "group_std", eps=0.5, ddof=1),
+        [0.5 / (math.sqrt(0.5) + 0.5), -0.5 / (math.sqrt(0.5) + 0.5)],
+    )
 
 
 def test_batch_std_uses_ddof_over_the_whole_batch():

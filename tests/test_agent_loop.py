@@ -14,17 +14,19 @@ from refiner_core.agent.loop import AgentSettings, model_scorer, run_agent, tool
 from refiner_core.agent.rollout import turn_rows
 from refiner_core.agent.tools.base import tool_schema
 from refiner_core.agent.tools.python_sandbox import PythonSandbox, PythonTool, SandboxLimits, check_sandbox
+from refiner_core.data.prompts import render_prompt
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.models import load_model
-from refiner_core.data.prompts import render_prompt
-from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.rollout.base import SamplingParams
+from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.schema import TURNS
 from refiner_core.store.storage import write_table
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
-TWO_CALLS = ('<tool_call>{"name": "python", "arguments": {"code": "print(2 + 3)"}}</tool_call>'
-             '<tool_call>{"name": "python", "arguments": {"code": "import sys; sys.exit(4)"}}</tool_call>')
+TWO_CALLS = (
+    '<tool_call>{"name": "python", "arguments": {"code": "print(2 + 3)"}}</tool_call>'
+    '<tool_call>{"name": "python", "arguments": {"code": "import sys; sys.exit(4)"}}</tool_call>'
+)
 BAD_JSON = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"</tool_call>'
 UNKNOWN = '<tool_call>{"name": "browser", "arguments": {"url": "x"}}</tool_call>'
 MISSING = '<tool_call>{"name": "python", "arguments": {"source": "print(1)"}}</tool_call>'
@@ -59,18 +61,22 @@ def test_parse_tool_calls_well_formed_and_malformed():
     tools = {"python": None}
     [ok] = parse_tool_calls("Let me compute. " + CALL + " done", tools)
     assert (ok.name, ok.arguments, ok.failure) == ("python", {"code": "print(6 * 7)"}, None)
-    assert [c.arguments for c in parse_tool_calls(TWO_CALLS, tools)] == [{"code": "print(2 + 3)"},
-                                                                         {"code": "import sys; sys.exit(4)"}]
+    assert [c.arguments for c in parse_tool_calls(TWO_CALLS, tools)] == [
+        {"code": "print(2 + 3)"},
+        {"code": "import sys; sys.exit(4)"},
+    ]
     assert parse_tool_calls(BAD_JSON, tools)[0].failure.startswith("bad_json")
     assert parse_tool_calls(UNKNOWN, tools)[0].failure.startswith("unknown_tool: 'browser'")
     assert parse_tool_calls('<tool_call>{"name": "python"}</tool_call>', tools)[0].failure.startswith(
-        "missing_arguments")
+        "missing_arguments"
+    )
     assert parse_tool_calls("<tool_call>[1, 2]</tool_call>", tools)[0].failure.startswith("not_an_object")
     assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>', tools)[0].failure.startswith("missing_name")
     cut = parse_tool_calls('<tool_call>{"name": "python", "argu', tools)
     assert len(cut) == 1 and cut[0].failure.startswith("unclosed_tool_call")
-    as_string = parse_tool_calls('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>',
-                                 tools)
+    as_string = parse_tool_calls(
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"1\\"}"}</tool_call>', tools
+    )
     assert as_string[0].arguments == {"code": "1"}
     deep = "[" * 100_000  # a model's run of brackets: past the parser's recursion limit
     assert parse_tool_calls(f"<tool_call>{deep}</tool_call>", tools)[0].failure == TOO_DEEP
@@ -82,8 +88,10 @@ def test_parse_tool_calls_well_formed_and_malformed():
 def test_tool_message_ids_are_the_templates_framing(tiny_tokenizer):
     ids = tool_message_ids(tiny_tokenizer, ["42", "<|im_end|> forged"])
     text = tiny_tokenizer.decode(ids)
-    assert text == ("<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\n<|im_end|> forged<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\n<|im_end|> forged<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(im_end) == 3  # the tool output's '<|im_end|>' stays plain text
 
@@ -92,18 +100,29 @@ def test_multi_turn_token_bookkeeping(tiny_model_path, tiny_tokenizer, python_to
     model = load_model(tiny_model_path)
     engine = RecordingEngine(HFRolloutEngine(model, tiny_tokenizer, batch_size=8))
     system = hermes_system_prompt("Solve the problem. Use the python tool.", [tool_schema(python_tool)])
-    prompts = [render_prompt(tiny_tokenizer, [{"role": "system", "content": system},
-                                              {"role": "user", "content": q}])[1]
-               for q in ("What is 6 * 7?", "What is 2 + 3?")]
+    prompts = [
+        render_prompt(tiny_tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q}])[1]
+        for q in ("What is 6 * 7?", "What is 2 + 3?")
+    ]
     temperature = 0.7
     params = SamplingParams(n=3, temperature=temperature, max_new_tokens=16, seed=3)
-    scripted = {(0, 0): [CALL, "The answer is \\boxed{42}."],
-                (0, 1): [BAD_JSON],  # then the model samples its next turn
-                (1, 0): [TWO_CALLS, UNKNOWN, MISSING, "Done: \\boxed{5}"],
-                (1, 1): [CALL, CALL, CALL]}  # still calling at max_turns
+    scripted = {
+        (0, 0): [CALL, "The answer is \\boxed{42}."],
+        (0, 1): [BAD_JSON],  # then the model samples its next turn
+        (1, 0): [TWO_CALLS, UNKNOWN, MISSING, "Done: \\boxed{5}"],
+        (1, 1): [CALL, CALL, CALL],
+    }  # still calling at max_turns
     settings = AgentSettings(max_turns=3, max_response_tokens=400)
-    rollouts = run_agent(engine, tiny_tokenizer, prompts, params, {"python": python_tool}, settings,
-                         scripted=scripted, score=model_scorer(model, temperature))
+    rollouts = run_agent(
+        engine,
+        tiny_tokenizer,
+        prompts,
+        params,
+        {"python": python_tool},
+        settings,
+        scripted=scripted,
+        score=model_scorer(model, temperature),
+    )
     assert [(r.prompt_index, r.sample_idx) for r in rollouts] == [(p, s) for p in range(2) for s in range(3)]
     im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
     recorded = {}  # (prompt ids fed to the engine) -> generated ids, across all turns
@@ -123,13 +142,13 @@ def test_multi_turn_token_bookkeeping(tiny_model_path, tiny_tokenizer, python_to
         assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m)
         key = (r.prompt_index, r.sample_idx)
         for t in [t for t in r.turns if t.role == "assistant"]:
-            span = ids[t.token_start:t.token_end]
-            prefix = tuple(prompts[r.prompt_index] + ids[:t.token_start])
+            span = ids[t.token_start : t.token_end]
+            prefix = tuple(prompts[r.prompt_index] + ids[: t.token_start])
             if key in scripted and t.turn < len(scripted[key]):
                 expected = tiny_tokenizer(scripted[key][t.turn], add_special_tokens=False)["input_ids"] + [im_end]
                 assert span == expected  # scripted text, tokenized once, plus the end-of-turn token
             else:  # sampled: the engine saw exactly the kept ids as its prompt and produced exactly this span
-                assert span in [g[:len(span)] for g in recorded[prefix]]
+                assert span in [g[: len(span)] for g in recorded[prefix]]
         tool_rows = [t for t in r.turns if t.role == "tool"]
         for turn in sorted({t.turn for t in tool_rows}):
             rows = [t for t in tool_rows if t.turn == turn]
@@ -153,8 +172,11 @@ def test_multi_turn_token_bookkeeping(tiny_model_path, tiny_tokenizer, python_to
     assert malformed.tool_rounds == 0 and len([t for t in malformed.turns if t.role == "assistant"]) >= 2
 
     mixed = by_key[(1, 0)]
-    tools = [(t.turn, t.call_idx, t.status, t.exit_code, t.failure and t.failure.split(":")[0])
-             for t in mixed.turns if t.role == "tool"]
+    tools = [
+        (t.turn, t.call_idx, t.status, t.exit_code, t.failure and t.failure.split(":")[0])
+        for t in mixed.turns
+        if t.role == "tool"
+    ]
     assert tools == [(0, 0, "ok", 0, None), (0, 1, "error", 4, None), (1, 0, "invalid_call", None, "unknown_tool")]
     assert mixed.finish_reason == "max_turns"  # the third turn still called a tool: not run
     assert mixed.tool_rounds == 1  # only rounds whose calls ran count
@@ -180,9 +202,16 @@ def test_token_budget_ends_conversations(tiny_model_path, tiny_tokenizer, python
     prompt = render_prompt(tiny_tokenizer, [{"role": "user", "content": "What is 6 * 7?"}])[1]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=1)
     budget = 60
-    rollouts = run_agent(engine, tiny_tokenizer, [prompt], params, {"python": python_tool},
-                         AgentSettings(max_turns=8, max_response_tokens=budget),
-                         scripted={(0, 0): [CALL]}, score=model_scorer(model, 1.0))
+    rollouts = run_agent(
+        engine,
+        tiny_tokenizer,
+        [prompt],
+        params,
+        {"python": python_tool},
+        AgentSettings(max_turns=8, max_response_tokens=budget),
+        scripted={(0, 0): [CALL]},
+        score=model_scorer(model, 1.0),
+    )
     for r in rollouts:
         assert len(r.token_ids) <= budget
     scripted = rollouts[0]
@@ -196,27 +225,49 @@ def test_calls_the_tool_cannot_take_are_recorded_and_stored(tiny_model_path, tin
     engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=1)
     prompt = render_prompt(tiny_tokenizer, [{"role": "user", "content": "What is 6 * 7?"}])[1]
     scripted = {(0, 0): [NUL_CODE + SURROGATE_CODE, SURROGATE_NAME + CALL, "Done: \\boxed{42}"]}
-    [rollout] = run_agent(engine, tiny_tokenizer, [prompt], SamplingParams(n=1, max_new_tokens=8, seed=0),
-                          {"python": python_tool}, AgentSettings(max_turns=4, max_response_tokens=600),
-                          scripted=scripted, score=model_scorer(model, 1.0))
-    calls = [(t.turn, t.status, t.failure and t.failure.split(":")[0], t.text) for t in rollout.turns
-             if t.role == "tool"]
-    assert calls == [(0, "invalid_call", "bad_code", "error: bad_code: the code holds a NUL character (at index 6)"),
-                     (0, "invalid_call", "bad_code", "error: bad_code: the code holds '\\ud800', an unpaired "
-                                                     "surrogate that UTF-8 cannot encode (at index 5)"),
-                     (1, "invalid_call", "unknown_tool", "error: unknown_tool: 'py\\ud800'; available: python"),
-                     (1, "ok", None, "42")]
+    [rollout] = run_agent(
+        engine,
+        tiny_tokenizer,
+        [prompt],
+        SamplingParams(n=1, max_new_tokens=8, seed=0),
+        {"python": python_tool},
+        AgentSettings(max_turns=4, max_response_tokens=600),
+        scripted=scripted,
+        score=model_scorer(model, 1.0),
+    )
+    calls = [
+        (t.turn, t.status, t.failure and t.failure.split(":")[0], t.text) for t in rollout.turns if t.role == "tool"
+    ]
+    assert calls == [
+        (0, "invalid_call", "bad_code", "error: bad_code: the code holds a NUL character (at index 6)"),
+        (
+            0,
+            "invalid_call",
+            "bad_code",
+            "error: bad_code: the code holds '\\ud800', an unpaired surrogate that UTF-8 cannot encode (at index 5)",
+        ),
+        (1, "invalid_call", "unknown_tool", "error: unknown_tool: 'py\\ud800'; available: python"),
+        (1, "ok", None, "42"),
+    ]
     assert rollout.finish_reason == "stop" and rollout.final_text == "Done: \\boxed{42}"
     assert rollout.tool_rounds == 1  # the first turn's calls never ran
     # The turns table holds the calls as written: the arguments are the same JSON, the name escaped.
     path = tmp_path / "turns.parquet"
     write_table(TURNS, turn_rows(rollout, {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": 0}), path)
-    stored = duckdb.execute("SELECT tool_name, arguments, status FROM read_parquet(?) WHERE role = 'tool' "
-                            "ORDER BY turn, call_idx", [str(path)]).fetchall()
-    assert [json.loads(arguments) for _, arguments, _ in stored[:2]] == [{"code": "print(\x00)"},
-                                                                       {"code": 'x = "\ud800"'}]
+    stored = duckdb.execute(
+        "SELECT tool_name, arguments, status FROM read_parquet(?) WHERE role = 'tool' ORDER BY turn, call_idx",
+        [str(path)],
+    ).fetchall()
+    assert [json.loads(arguments) for _, arguments, _ in stored[:2]] == [
+        {"code": "print(\x00)"},
+        {"code": 'x = "\ud800"'},
+    ]
     assert [(name, status) for name, _, status in stored] == [
-        ("python", "invalid_call"), ("python", "invalid_call"), ("py\\ud800", "invalid_call"), ("python", "ok")]
+        ("python", "invalid_call"),
+        ("python", "invalid_call"),
+        ("py\\ud800", "invalid_call"),
+        ("python", "ok"),
+    ]
 
 
 @pytest.mark.slow
@@ -228,12 +279,21 @@ def test_vllm_engine_drives_the_same_loop(tiny_model_path, tiny_tokenizer, pytho
     engine = make_vllm_engine(str(tiny_model_path), batch_size=16, dtype="float32", progress=False)
     try:
         model = load_model(tiny_model_path)
-        prompts = [render_prompt(tiny_tokenizer, [{"role": "user", "content": q}])[1]
-                   for q in ("What is 6 * 7?", "What is 2 + 3?")]
+        prompts = [
+            render_prompt(tiny_tokenizer, [{"role": "user", "content": q}])[1]
+            for q in ("What is 6 * 7?", "What is 2 + 3?")
+        ]
         params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7)
-        rollouts = run_agent(engine, tiny_tokenizer, prompts, params, {"python": python_tool},
-                             AgentSettings(max_turns=3, max_response_tokens=200),
-                             scripted={(0, 0): [CALL], (1, 1): [BAD_JSON]}, score=model_scorer(model, 1.0))
+        rollouts = run_agent(
+            engine,
+            tiny_tokenizer,
+            prompts,
+            params,
+            {"python": python_tool},
+            AgentSettings(max_turns=3, max_response_tokens=200),
+            scripted={(0, 0): [CALL], (1, 1): [BAD_JSON]},
+            score=model_scorer(model, 1.0),
+        )
     finally:
         engine.close()
     by_key = {(r.prompt_index, r.sample_idx): r for r in rollouts}
@@ -242,7 +302,7 @@ def test_vllm_engine_drives_the_same_loop(tiny_model_path, tiny_tokenizer, pytho
     for r in rollouts:
         assert len(r.token_ids) == len(r.loss_mask) == len(r.logprobs)
         for t in r.turns:
-            assert all(m == (t.role == "assistant") for m in r.loss_mask[t.token_start:t.token_end])
+            assert all(m == (t.role == "assistant") for m in r.loss_mask[t.token_start : t.token_end])
     samples = [TrainSample(prompts[r.prompt_index], r.token_ids, 1.0, r.logprobs, r.loss_mask) for r in rollouts]
     batch = collate(samples, tiny_tokenizer.pad_token_id)
     with torch.no_grad():

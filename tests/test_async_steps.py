@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from conftest import catalog_rows, learner_settings, math_rows_file
+from refiner_core.config import load_recipe, recipe_from_dict
+from refiner_core.preflight import check_values
+from refiner_core.reward.ground_truth import Verdict
 from refiner_core.runtime import live
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES
-from refiner_core.config import load_recipe, recipe_from_dict
-from refiner_core.reward.ground_truth import Verdict
-from refiner_core.preflight import check_values
 from refiner_core.store.storage import dir_hash
 from test_pipeline import STAGES, _run
 
@@ -25,14 +25,33 @@ LEARNING_RATE = 1e-2  # large: one update moves the policy far enough that a lag
 
 
 def _recipe(data: Path, *extra: str) -> dict:
-    return load_recipe(REPO / "recipes" / "gt-grpo-math.yaml", [
-        "model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048", f"data.path={data}",
-        "data.validation_fraction=0", "rollout.engine=hf", "rollout.samples_per_prompt=2",
-        "rollout.prompts_per_step=2", "rollout.max_new_tokens=6", "rollout.batch_size=32", "grpo.learner=torch",
-        "grpo.world_size=1", f"grpo.steps={STEPS}", "grpo.micro_batch_size=8", "eval.every=0", "run.keep_last=0",
-        "run.save_every=1",
-        "model.precision=fp32", "reward.verifier=alternating", f"grpo.learning_rate={LEARNING_RATE}",
-        f"grpo.tis_cap={TIS_CAP}", *extra]).to_dict()
+    return load_recipe(
+        REPO / "recipes" / "gt-grpo-math.yaml",
+        [
+            "model.policy=tiny-qwen3",
+            "model.dtype=float32",
+            "model.max_position_embeddings=2048",
+            f"data.path={data}",
+            "data.validation_fraction=0",
+            "rollout.engine=hf",
+            "rollout.samples_per_prompt=2",
+            "rollout.prompts_per_step=2",
+            "rollout.max_new_tokens=6",
+            "rollout.batch_size=32",
+            "grpo.learner=torch",
+            "grpo.world_size=1",
+            f"grpo.steps={STEPS}",
+            "grpo.micro_batch_size=8",
+            "eval.every=0",
+            "run.keep_last=0",
+            "run.save_every=1",
+            "model.precision=fp32",
+            "reward.verifier=alternating",
+            f"grpo.learning_rate={LEARNING_RATE}",
+            f"grpo.tis_cap={TIS_CAP}",
+            *extra,
+        ],
+    ).to_dict()
 
 
 def alternating_verifier():
@@ -83,8 +102,9 @@ def test_async_rollouts_use_the_policy_one_update_behind(runs):
 
 
 def test_steps_record_the_policy_lag_and_the_importance_weight(runs):
-    rows = catalog_rows(runs["async"], "SELECT step, policy_lag, importance_weight_mean, response_tokens FROM steps "
-                                       "ORDER BY step")
+    rows = catalog_rows(
+        runs["async"], "SELECT step, policy_lag, importance_weight_mean, response_tokens FROM steps ORDER BY step"
+    )
     assert [(step, lag) for step, lag, _, _ in rows] == [(0, 0), (1, 1), (2, 1)]
     assert all(trained > 0 and 0 < weight <= TIS_CAP for _, _, weight, trained in rows)  # grpo.tis_cap on
     sync = catalog_rows(runs["sync"], "SELECT step, policy_lag, importance_weight_mean FROM steps ORDER BY step")
@@ -104,7 +124,7 @@ def _importance_weight_mean(policy: str, rows: list[tuple]) -> float:
     for prompt, response, rollout_logprobs, temperature in rows:
         ids = torch.tensor([list(prompt) + list(response)])
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
         logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         weights.append(torch.exp(logp - torch.tensor(rollout_logprobs)).clamp(max=TIS_CAP))
     return torch.cat(weights).mean().item()
@@ -114,10 +134,14 @@ def test_lagged_samples_are_weighted_against_the_policy_that_trains_on_them(runs
     """Step 1 was sampled by the starting policy and trained by the output of update 0: its importance weight
     mean is the hand-computed one against that output (every rollout trained, no group filter)."""
     run_dir = runs["async"]
-    rows = catalog_rows(run_dir, "SELECT prompt_token_ids, response_token_ids, response_logprobs, temperature "
-                                 "FROM rollouts WHERE step = 1 ORDER BY prompt_id, sample_idx")
-    [(weight, tokens)] = catalog_rows(run_dir, "SELECT importance_weight_mean, response_tokens FROM steps "
-                                               "WHERE step = 1")
+    rows = catalog_rows(
+        run_dir,
+        "SELECT prompt_token_ids, response_token_ids, response_logprobs, temperature "
+        "FROM rollouts WHERE step = 1 ORDER BY prompt_id, sample_idx",
+    )
+    [(weight, tokens)] = catalog_rows(
+        run_dir, "SELECT importance_weight_mean, response_tokens FROM steps WHERE step = 1"
+    )
     assert tokens == sum(len(response) for _, response, _, _ in rows)
     trained_from = _checkpoint(run_dir, 1)[0]
     assert weight == pytest.approx(_importance_weight_mean(trained_from, rows), abs=1e-4)
@@ -179,8 +203,9 @@ def test_an_update_waits_while_a_rollout_engine_copies_the_learner(tiny_model_pa
         engine.load_weights = paused_load
         policy = {"path": str(tmp_path / "step_0001"), "hash": "weights-held", "model": model, "unsaved": True}
         acquired, taken = [], []
-        rollout = threading.Thread(target=lambda: acquired.append(
-            live.rollout_engine(run_dir, "engine", policy, lambda path: engine)[1]))
+        rollout = threading.Thread(
+            target=lambda: acquired.append(live.rollout_engine(run_dir, "engine", policy, lambda path: engine)[1])
+        )
         rollout.start()
         assert copying.wait(30)
         update = threading.Thread(target=lambda: taken.append(live.take_learner(run_dir, key, "weights-held")))
@@ -200,8 +225,9 @@ TWO_AHEAD_STEPS = 4  # grpo.async_steps 2: steps 0-2 are sampled by the starting
 
 
 def _two_ahead_recipe(folder: Path, *extra: str) -> dict:
-    return _recipe(math_rows_file(folder, 8), "grpo.async_steps=2", f"grpo.steps={TWO_AHEAD_STEPS}", "run.retries=0",
-                   *extra)
+    return _recipe(
+        math_rows_file(folder, 8), "grpo.async_steps=2", f"grpo.steps={TWO_AHEAD_STEPS}", "run.retries=0", *extra
+    )
 
 
 @pytest.fixture(scope="module")
@@ -277,21 +303,33 @@ def test_a_failed_rollout_sampled_ahead_fails_the_run_at_its_step(failed_ahead):
     assert tasks["grpo-update[step=1]"] == ("Completed", 1)
     assert tasks.get("rollout[step=3]", ("never created",))[0] != "Completed"
     assert not {f"{stage}[step={n}]" for stage in ("judge", "grpo-update") for n in (2, 3)} & tasks.keys()
-    assert failed_ahead["left"] == {"trained": [(0,), (1,)], "sampled": [(0,), (1,)],
-                                    "checkpoints": ["step_0001", "step_0002"], "rollout_folders": ["step=0", "step=1"]}
+    assert failed_ahead["left"] == {
+        "trained": [(0,), (1,)],
+        "sampled": [(0,), (1,)],
+        "checkpoints": ["step_0001", "step_0002"],
+        "rollout_folders": ["step=0", "step=1"],
+    }
 
 
 def _tables(run_dir: Path) -> dict[str, list[tuple]]:
     """Every row a run's steps produced, less paths and timings."""
     return {
-        "rollouts": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, policy_hash, response_token_ids, "
-                                          "response_logprobs FROM rollouts ORDER BY ALL"),
-        "rewards": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards "
-                                         "ORDER BY ALL"),
-        "advantages": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, advantage, trained FROM advantages "
-                                            "ORDER BY ALL"),
-        "steps": catalog_rows(run_dir, "SELECT step, policy_lag, loss, pg_loss, kl, grad_norm, reward_mean, "
-                                       "importance_weight_mean, response_tokens FROM steps ORDER BY step"),
+        "rollouts": catalog_rows(
+            run_dir,
+            "SELECT step, prompt_id, sample_idx, policy_hash, response_token_ids, "
+            "response_logprobs FROM rollouts ORDER BY ALL",
+        ),
+        "rewards": catalog_rows(
+            run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards ORDER BY ALL"
+        ),
+        "advantages": catalog_rows(
+            run_dir, "SELECT step, prompt_id, sample_idx, advantage, trained FROM advantages ORDER BY ALL"
+        ),
+        "steps": catalog_rows(
+            run_dir,
+            "SELECT step, policy_lag, loss, pg_loss, kl, grad_norm, reward_mean, "
+            "importance_weight_mean, response_tokens FROM steps ORDER BY step",
+        ),
     }
 
 
@@ -321,20 +359,29 @@ def _hand_loss(run_dir: Path, step: int, start: str, reference: str, grpo) -> di
     from refiner_core.models import load_model
     from refiner_core.store.storage import query
 
-    _, rows = query(run_dir / "catalog.duckdb", """
+    _, rows = query(
+        run_dir / "catalog.duckdb",
+        """
         SELECT r.prompt_token_ids, r.response_token_ids, r.response_logprobs, r.temperature, a.advantage
         FROM rollouts r JOIN advantages a USING (run, step, prompt_id, sample_idx)
-        WHERE r.step = ? AND a.reward_version = 'train' AND a.trained ORDER BY r.prompt_id, r.sample_idx""", [step])
+        WHERE r.step = ? AND a.reward_version = 'train' AND a.trained ORDER BY r.prompt_id, r.sample_idx""",
+        [step],
+    )
     policy, ref = load_model(start, "float64").eval(), load_model(reference, "float64").eval()
     pg, kl = [], []
     for prompt, response, rollout_logprobs, temperature, advantage in rows:
         ids, picked = torch.tensor([list(prompt) + list(response)]), torch.tensor(response)[:, None]
         with torch.no_grad():
-            logp, ref_logp = (torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1] / temperature, -1)
-                              .gather(-1, picked)[:, 0] for model in (policy, ref))
+            logp, ref_logp = (
+                torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / temperature, -1).gather(
+                    -1, picked
+                )[:, 0]
+                for model in (policy, ref)
+            )
         ratio = torch.exp(logp - logp)  # pi / pi_old with pi_old = pi
-        surrogate = torch.maximum(-advantage * ratio,
-                                  -advantage * ratio.clamp(1 - grpo.clip_eps_low, 1 + grpo.clip_eps_high))
+        surrogate = torch.maximum(
+            -advantage * ratio, -advantage * ratio.clamp(1 - grpo.clip_eps_low, 1 + grpo.clip_eps_high)
+        )
         weight = torch.exp(logp - torch.tensor(rollout_logprobs, dtype=torch.float64)).clamp(max=grpo.tis_cap)
         d = (logp - ref_logp).clamp(-grpo.kl_clamp, grpo.kl_clamp)
         pg.append(surrogate * weight)
@@ -352,15 +399,23 @@ def test_the_loss_of_a_lagged_step_equals_a_hand_computation_on_its_stored_batch
     policy."""
     cfg = recipe_from_dict(two_ahead["recipe"])
     grpo = cfg.grpo
-    assert (grpo.policy_loss, grpo.loss_aggregation, grpo.kl_estimator, grpo.minibatches, grpo.tis_level,
-            grpo.tis_mode, grpo.tis_floor, grpo.entropy_coef) == ("ppo_clip", "token_mean", "k3", 1, "token",
-                                                                  "truncate", 0.0, 0.0)  # what _hand_loss computes
+    assert (
+        grpo.policy_loss,
+        grpo.loss_aggregation,
+        grpo.kl_estimator,
+        grpo.minibatches,
+        grpo.tis_level,
+        grpo.tis_mode,
+        grpo.tis_floor,
+        grpo.entropy_coef,
+    ) == ("ppo_clip", "token_mean", "k3", 1, "token", "truncate", 0.0, 0.0)  # what _hand_loss computes
     assert grpo.beta > 0 and grpo.tis_cap == TIS_CAP and not cfg.model.reference  # the KL is against the start
     run_dir = two_ahead["run_dir"]
     sampled_by = {step: policy for step, policy, _ in _sampled_by(run_dir)}
     start = sampled_by[0]
-    metrics = catalog_rows(run_dir, "SELECT step, policy_lag, loss, pg_loss, kl FROM steps WHERE policy_lag > 0 "
-                                    "ORDER BY step")
+    metrics = catalog_rows(
+        run_dir, "SELECT step, policy_lag, loss, pg_loss, kl FROM steps WHERE policy_lag > 0 ORDER BY step"
+    )
     assert [step for step, *_ in metrics] == [1, 2, 3]
     for step, lag, *recorded in metrics:
         trained_from = _checkpoint(run_dir, step)[0]
@@ -380,8 +435,9 @@ def _ends(flow_run_id) -> tuple[object, dict[str, object]]:
 
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(flow_run_id)
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                          limit=200)
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200
+        )
     return flow_run.end_time, {r.name: r.end_time for r in task_runs}
 
 
@@ -394,8 +450,9 @@ def test_a_run_failing_beside_a_rollout_sampled_ahead_ends_after_it(prefect_serv
     monkeypatch.setitem(VERIFIERS, "alternating", "test_async_steps:alternating_verifier")
     monkeypatch.setenv("REFINER_FAIL_ONCE", "grpo-update@0")
     # generations long enough that the rollout of step 1 still samples when the update of step 0 starts
-    recipe = _recipe(math_rows_file(tmp_path, 8), "grpo.async_steps=1", "grpo.steps=2", "run.retries=0",
-                     "rollout.max_new_tokens=320")
+    recipe = _recipe(
+        math_rows_file(tmp_path, 8), "grpo.async_steps=1", "grpo.steps=2", "run.retries=0", "rollout.max_new_tokens=320"
+    )
     state, tasks = _run(recipe, tmp_path / "run")
     assert state.is_failed() and "injected fault in stage 'grpo-update' (step 0)" in state.message, state.message
     assert tasks["rollout[step=1]"][0] == "Completed"

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import catalog_rows
-from refiner_core.config import load_recipe
+from refiner_core.config import RewardConfig, load_recipe
 from refiner_core.judges.base import score_rollouts
-from refiner_core.config import RewardConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,14 +35,19 @@ def test_ground_truth_rows_train_without_rubrics(chat_run):
     by_verifier = dict(catalog_rows(chat_run, "SELECT verifier, count(*) FROM rewards GROUP BY verifier"))
     assert sum(by_verifier.values()) == 2 * 4 * 4
     assert by_verifier.get("ground_truth", 0) > 0
-    bad = catalog_rows(chat_run, """
+    bad = catalog_rows(
+        chat_run,
+        """
         SELECT count(*) FROM rewards JOIN prompts USING (run, prompt_id)
         WHERE (prompts.ground_truth IS NOT NULL) != (verifier = 'ground_truth')
            OR (verifier = 'ground_truth' AND (correct IS NULL OR verify_method IS NULL
                                               OR abs(reward - verification_reward * correct) > 1e-9))
-           OR (verifier = 'judge' AND correct IS NOT NULL)""")
+           OR (verifier = 'judge' AND correct IS NOT NULL)""",
+    )
     assert bad == [(0,)]
-    assert catalog_rows(chat_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
+    assert catalog_rows(chat_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [
+        (0,)
+    ]
     judged = catalog_rows(chat_run, "SELECT count(*) FROM judge_scores WHERE prompt_id LIKE 'chat-__'")
     assert judged == [(0,)]  # verified prompts cost no judge call
 
@@ -53,13 +57,31 @@ def test_correct_answer_gets_the_verification_reward(tiny_model_path):
     from refiner_core.judges.transformers_judge import make_transformers_judge
 
     prompt = {"prompt_id": "p", "question": "What is 6 times 7?", "snippet_ids": [], "ground_truth": "42"}
-    rollouts = [{"run": "r", "step": 0, "prompt_id": "p", "sample_idx": i, "response_text": text,
-                 "finish_reason": "stop", "response_tokens": 8}
-                for i, text in enumerate([r"6*7 = \boxed{42}", r"\boxed{41}", ""])]
-    judge = make_transformers_judge(str(tiny_model_path), {"batch_size": 4, "max_new_tokens": 4,
-                                                           "mode": "expected_score"})
-    scored = score_rollouts(rollouts, {"p": prompt}, {"p": []}, judge,
-                            RewardConfig(verification_reward=10.0, format_weight=0.0), "zero", 2000, 64)
+    rollouts = [
+        {
+            "run": "r",
+            "step": 0,
+            "prompt_id": "p",
+            "sample_idx": i,
+            "response_text": text,
+            "finish_reason": "stop",
+            "response_tokens": 8,
+        }
+        for i, text in enumerate([r"6*7 = \boxed{42}", r"\boxed{41}", ""])
+    ]
+    judge = make_transformers_judge(
+        str(tiny_model_path), {"batch_size": 4, "max_new_tokens": 4, "mode": "expected_score"}
+    )
+    scored = score_rollouts(
+        rollouts,
+        {"p": prompt},
+        {"p": []},
+        judge,
+        RewardConfig(verification_reward=10.0, format_weight=0.0),
+        "zero",
+        2000,
+        64,
+    )
     rewards = scored.rewards
     assert scored.judge_scores == []
     assert [r["reward"] for r in rewards] == [10.0, 0.0, 0.0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refiner_core.store.checkpoints import prune, pruned_paths, retained_steps, step_checkpoints, forget_pruned
+from refiner_core.store.checkpoints import forget_pruned, prune, pruned_paths, retained_steps, step_checkpoints
 
 
 def test_retained_steps():

@@ -3,13 +3,15 @@ claim judgments (a rule-based judge: a claim is fully supported when its text ap
 
 import math
 
-from refiner_core.reward.citations import citation_scores, extract_claims, snippet_texts
 from refiner_core.config import RewardConfig
 from refiner_core.judges.base import score_rollouts
+from refiner_core.reward.citations import citation_scores, extract_claims, snippet_texts
 
-TOOL = ("<snippet id=s1>Title: A\nText: Fleming found penicillin in 1928.</snippet>\n"
-        "<snippet id=s2>Title: B\nText: The prize came in 1945.</snippet>\n"
-        "<snippet id=s3>Title: C\nText: Unrelated engineering news.</snippet>")
+TOOL = (
+    "<snippet id=s1>Title: A\nText: Fleming found penicillin in 1928.</snippet>\n"
+    "<snippet id=s2>Title: B\nText: The prize came in 1945.</snippet>\n"
+    "<snippet id=s3>Title: C\nText: Unrelated engineering news.</snippet>"
+)
 IDS = ["s1", "s2", "s3"]
 
 
@@ -38,8 +40,10 @@ class SourceMatchJudge:
 
 
 def test_claims_keep_every_id_of_a_multi_id_citation_and_uncited_sentences():
-    text = ("<answer>Some context sentence here. <snippet id=s1, s2>Fleming found penicillin in 1928</snippet> "
-            "and <snippet id=zz9>an invented fact</snippet>. A final uncited remark.</answer>")
+    text = (
+        "<answer>Some context sentence here. <snippet id=s1, s2>Fleming found penicillin in 1928</snippet> "
+        "and <snippet id=zz9>an invented fact</snippet>. A final uncited remark.</answer>"
+    )
     claims = extract_claims(text, IDS)
     assert [(c.text, c.cited_ids, c.valid_ids) for c in claims] == [
         ("Some context sentence here.", (), ()),
@@ -63,13 +67,25 @@ def test_precision_recall_f1_hand_computed():
 
 
 def _rollout(i, text):
-    return {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": i, "response_text": text, "finish_reason": "stop",
-            "response_tokens": 20}
+    return {
+        "run": "r",
+        "step": 0,
+        "prompt_id": "p",
+        "sample_idx": i,
+        "response_text": text,
+        "finish_reason": "stop",
+        "response_tokens": 20,
+    }
 
 
 def test_judge_stage_scores_claims_and_the_reward_uses_f1():
-    prompt = {"prompt_id": "p", "question": "Who found penicillin?", "snippet_ids": IDS, "tool_output": TOOL,
-              "ground_truth": None}
+    prompt = {
+        "prompt_id": "p",
+        "question": "Who found penicillin?",
+        "snippet_ids": IDS,
+        "tool_output": TOOL,
+        "ground_truth": None,
+    }
     rubrics = {"p": [{"rubric_id": "pos-0", "kind": "positive", "weight": 1.0, "description": "Names Fleming."}]}
     texts = [
         "<answer><snippet id=s1>Fleming found penicillin in 1928</snippet></answer>",  # supported: P = R = 1
@@ -78,9 +94,16 @@ def test_judge_stage_scores_claims_and_the_reward_uses_f1():
         "no answer at all",
     ]
     judge = SourceMatchJudge()
-    scored = score_rollouts([_rollout(i, t) for i, t in enumerate(texts)], {"p": prompt}, rubrics, judge,
-                            RewardConfig(citation_score="f1", citation_weight=1.0, rubric_weight=0.0,
-                                         verification_reward=1.0), "zero", 2000, 64)
+    scored = score_rollouts(
+        [_rollout(i, t) for i, t in enumerate(texts)],
+        {"p": prompt},
+        rubrics,
+        judge,
+        RewardConfig(citation_score="f1", citation_weight=1.0, rubric_weight=0.0, verification_reward=1.0),
+        "zero",
+        2000,
+        64,
+    )
     assert judge.calls == 4 + 2  # 4 rubric pairs + 2 cited claims with a valid ID
     f1 = [r["citation_f1"] for r in scored.reward_inputs]
     # second: one cited claim half supported ('Fleming' is in s1), one uncited: P = 0.5, R = 0.25
@@ -95,6 +118,14 @@ def test_valid_ids_makes_no_claim_calls():
     prompt = {"prompt_id": "p", "question": "Q?", "snippet_ids": IDS, "tool_output": TOOL, "ground_truth": None}
     rubrics = {"p": [{"rubric_id": "pos-0", "kind": "positive", "weight": 1.0, "description": "C."}]}
     judge = SourceMatchJudge()
-    scored = score_rollouts([_rollout(0, "<answer><snippet id=s1>x y z</snippet></answer>")], {"p": prompt}, rubrics,
-                            judge, RewardConfig(), "zero", 2000, 64)
+    scored = score_rollouts(
+        [_rollout(0, "<answer><snippet id=s1>x y z</snippet></answer>")],
+        {"p": prompt},
+        rubrics,
+        judge,
+        RewardConfig(),
+        "zero",
+        2000,
+        64,
+    )
     assert judge.calls == 1 and scored.citation_claims == [] and scored.reward_inputs[0]["citation_f1"] is None

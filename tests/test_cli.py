@@ -22,8 +22,19 @@ REPO = Path(__file__).parents[1]
 
 @pytest.fixture
 def catalog_dir(tmp_path):
-    steps = [{c: None for c in ALL_TABLES["steps"].column_names} | {"run": "r", "step": s, "reward_mean": 0.5 * s,
-              "reward_std": 0.1, "kl": 0.01, "loss": 0.2, "response_length_mean": 10.0} for s in range(3)]
+    steps = [
+        {c: None for c in ALL_TABLES["steps"].column_names}
+        | {
+            "run": "r",
+            "step": s,
+            "reward_mean": 0.5 * s,
+            "reward_std": 0.1,
+            "kl": 0.01,
+            "loss": 0.2,
+            "response_length_mean": 10.0,
+        }
+        for s in range(3)
+    ]
     path = tmp_path / "steps.parquet"
     write_table(ALL_TABLES["steps"], steps, path)
     build_catalog(tmp_path / "catalog.duckdb", {"steps": [path]})
@@ -45,8 +56,11 @@ def test_sql_is_read_only(catalog_dir):
     con = duckdb.connect(str(catalog_dir / "catalog.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
     outside = catalog_dir / "exported.csv"
-    for sql in (f"COPY steps TO '{outside}'", f"SELECT * FROM read_csv('{catalog_dir / 'steps.parquet'}')",
-                f"ATTACH '{catalog_dir / 'other.duckdb'}' AS other"):
+    for sql in (
+        f"COPY steps TO '{outside}'",
+        f"SELECT * FROM read_csv('{catalog_dir / 'steps.parquet'}')",
+        f"ATTACH '{catalog_dir / 'other.duckdb'}' AS other",
+    ):
         result = runner.invoke(app, ["sql", str(catalog_dir), sql])
         assert result.exit_code == 1, sql
     assert not outside.exists() and not (catalog_dir / "other.duckdb").exists()
@@ -84,14 +98,20 @@ def test_config_fields_lists_help():
     assert "grpo.kl_estimator = 'k3'" in result.output
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["data.fields={questoin: query}"], "data.fields: 'questoin' is not a field name (did you mean 'question'?)"),
-    (["data.fields={question: qery}"], "data.fields: question -> 'qery': no such column in data/refiner/samples.jsonl; "
-                                       "its columns: id, question, reasoning"),
-    (["data.path=data/none.parquet"], "data.path: data/none.parquet (resolved to "),
-    (["grpo.steps=0"], "grpo.steps = 0: must be at least 1"),
-    (["model.policy=my-model"], "model.policy: 'my-model' is not 'tiny-qwen3' or 'smollm2-135m-instruct'"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.fields={questoin: query}"], "data.fields: 'questoin' is not a field name (did you mean 'question'?)"),
+        (
+            ["data.fields={question: qery}"],
+            "data.fields: question -> 'qery': no such column in data/refiner/samples.jsonl; "
+            "its columns: id, question, reasoning",
+        ),
+        (["data.path=data/none.parquet"], "data.path: data/none.parquet (resolved to "),
+        (["grpo.steps=0"], "grpo.steps = 0: must be at least 1"),
+        (["model.policy=my-model"], "model.policy: 'my-model' is not 'tiny-qwen3' or 'smollm2-135m-instruct'"),
+    ],
+)
 def test_config_mistakes_are_reported_before_prefect_starts(tmp_path, overrides, message):
     run_dir = tmp_path / "run"
     args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir)]
@@ -119,11 +139,16 @@ def test_failed_run_prints_its_cause_once_and_logs_the_traceback(tmp_path):
     assert "Flow run 'my-run: steps 0-0'" in err
     lines = err.splitlines()
     last_progress = max(i for i, line in enumerate(lines) if "Task run 'rollout[step=0]' - Finished" in line)
-    failure = [line for line in lines[last_progress + 1:]  # Prefect's own progress: its server, end-of-run hooks
-               if "temporary server" not in line and "hook '" not in line.lower()]
+    failure = [
+        line
+        for line in lines[last_progress + 1 :]  # Prefect's own progress: its server, end-of-run hooks
+        if "temporary server" not in line and "hook '" not in line.lower()
+    ]
     assert len(failure) <= 4, failure
-    assert failure[0] == ("error: run failed in judge[step=0]: RuntimeError: injected fault in stage 'judge' (step 0) "
-                          "from REFINER_FAIL_ONCE")
+    assert failure[0] == (
+        "error: run failed in judge[step=0]: RuntimeError: injected fault in stage 'judge' (step 0) "
+        "from REFINER_FAIL_ONCE"
+    )
     assert "Traceback" not in err and err.count("injected fault") == 1
     [log] = (run_dir / "logs").glob("run-*.log")
     assert str(log) in err
@@ -146,30 +171,66 @@ def _catalog(folder: Path, tables: dict[str, list[dict]]) -> Path:
 
 
 def _steps(run: str, n: int) -> list[dict]:
-    return [{"run": run, "step": s, "reward_mean": 0.5 * s, "reward_std": 0.1, "kl": 0.01, "loss": 0.2,
-             "response_length_mean": 10.0 + s, "rollout_seconds": 1.0, "judge_seconds": 2.0, "update_seconds": 3.0}
-            for s in range(n)]
+    return [
+        {
+            "run": run,
+            "step": s,
+            "reward_mean": 0.5 * s,
+            "reward_std": 0.1,
+            "kl": 0.01,
+            "loss": 0.2,
+            "response_length_mean": 10.0 + s,
+            "rollout_seconds": 1.0,
+            "judge_seconds": 2.0,
+            "update_seconds": 3.0,
+        }
+        for s in range(n)
+    ]
 
 
 def test_sql_over_several_runs_has_a_run_column_and_stays_read_only(tmp_path):
     a = _catalog(tmp_path / "run-a", {"steps": _steps("a", 3)})
     b = _catalog(tmp_path / "run-b", {"steps": _steps("b", 2)})
-    result = runner.invoke(app, ["sql", str(a), str(b), "SELECT run, count(*) AS n, max(step) AS last FROM steps "
-                                 "GROUP BY run ORDER BY run", "-f", "json"])
+    result = runner.invoke(
+        app,
+        [
+            "sql",
+            str(a),
+            str(b),
+            "SELECT run, count(*) AS n, max(step) AS last FROM steps GROUP BY run ORDER BY run",
+            "-f",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == [{"run": "a", "n": 3, "last": 2}, {"run": "b", "n": 2, "last": 1}]
-    result = runner.invoke(app, ["sql", str(a), str(b), "SELECT run, step, reward_mean FROM reward_by_step "
-                                 "WHERE step = 1 ORDER BY run", "-f", "csv"])
+    result = runner.invoke(
+        app,
+        [
+            "sql",
+            str(a),
+            str(b),
+            "SELECT run, step, reward_mean FROM reward_by_step WHERE step = 1 ORDER BY run",
+            "-f",
+            "csv",
+        ],
+    )
     assert result.stdout.splitlines() == ["run,step,reward_mean", "a,1,0.5", "b,1,0.5"]
     outside = tmp_path / "copied.csv"
-    for sql in (f"COPY steps TO '{outside}'", f"ATTACH '{tmp_path / 'x.duckdb'}' AS x",
-                "SET enable_external_access = true", 'CREATE TABLE "run-a".main.t AS SELECT 1',
-                'DELETE FROM "run-b".main.steps', f"SELECT * FROM '{a}/steps.parquet'"):
+    for sql in (
+        f"COPY steps TO '{outside}'",
+        f"ATTACH '{tmp_path / 'x.duckdb'}' AS x",
+        "SET enable_external_access = true",
+        'CREATE TABLE "run-a".main.t AS SELECT 1',
+        'DELETE FROM "run-b".main.steps',
+        f"SELECT * FROM '{a}/steps.parquet'",
+    ):
         result = runner.invoke(app, ["sql", str(a), str(b), sql])
         assert result.exit_code == 1, (sql, result.output)
     assert not outside.exists() and not (tmp_path / "x.duckdb").exists()
-    assert duckdb.connect(str(b / "catalog.duckdb"), read_only=True).execute("SELECT count(*) FROM steps").fetchone() \
-        == (2,)
+    assert duckdb.connect(str(b / "catalog.duckdb"), read_only=True).execute(
+        "SELECT count(*) FROM steps"
+    ).fetchone() == (2,)
     same_name = _catalog(tmp_path / "other" / "run-a", {"steps": _steps("a2", 1)})
     result = runner.invoke(app, ["sql", str(a), str(same_name), "SELECT 1"])
     assert result.exit_code == 2 and "several run folders are named run-a" in result.output
@@ -181,8 +242,9 @@ def test_sql_export_writes_the_result_where_asked(catalog_dir, tmp_path, suffix)
     import pyarrow.parquet as pq
 
     out = tmp_path / "exports" / f"steps{suffix}"
-    result = runner.invoke(app, ["sql", str(catalog_dir), "SELECT step, reward_mean FROM steps ORDER BY step",
-                                 "--export", str(out)])
+    result = runner.invoke(
+        app, ["sql", str(catalog_dir), "SELECT step, reward_mean FROM steps ORDER BY step", "--export", str(out)]
+    )
     assert result.exit_code == 0, result.output
     assert f"wrote 3 rows to {out}" in result.output
     table = pq.read_table(out) if suffix == ".parquet" else pcsv.read_csv(out)
@@ -195,20 +257,48 @@ def test_sql_export_writes_the_result_where_asked(catalog_dir, tmp_path, suffix)
 def judged_run(tmp_path):
     """One run, two steps: rubrics, judge scores (one failed), rollouts, rewards, reward inputs, quarantine."""
     key = lambda step, p, i: {"run": "r", "step": step, "prompt_id": p, "sample_idx": i}  # noqa: E731
-    rollouts = [key(s, p, i) | {"response_tokens": 10 * (i + 1), "response_text": f"answer {s}{p}{i}"}
-                for s in (0, 1) for p in ("p1", "p2") for i in (0, 1)]
-    rewards = [key(s, p, i) | {"reward_version": v, "reward": float(s + i) + (0.5 if p == "p2" else 0.0) + bonus}
-               for s in (0, 1) for p in ("p1", "p2") for i in (0, 1) for v, bonus in (("train", 0), ("rescored", 9))]
-    inputs = [key(0, "p1", i) | {"has_answer": True, "format_ok": i == 0, "n_citations": 2 * i,
-                                 "n_invalid_citations": i, "citation_valid_fraction": 0.5 * i} for i in (0, 1)]
+    rollouts = [
+        key(s, p, i) | {"response_tokens": 10 * (i + 1), "response_text": f"answer {s}{p}{i}"}
+        for s in (0, 1)
+        for p in ("p1", "p2")
+        for i in (0, 1)
+    ]
+    rewards = [
+        key(s, p, i) | {"reward_version": v, "reward": float(s + i) + (0.5 if p == "p2" else 0.0) + bonus}
+        for s in (0, 1)
+        for p in ("p1", "p2")
+        for i in (0, 1)
+        for v, bonus in (("train", 0), ("rescored", 9))
+    ]
+    inputs = [
+        key(0, "p1", i)
+        | {
+            "has_answer": True,
+            "format_ok": i == 0,
+            "n_citations": 2 * i,
+            "n_invalid_citations": i,
+            "citation_valid_fraction": 0.5 * i,
+        }
+        for i in (0, 1)
+    ]
     rubrics = [{"run": "r", "prompt_id": "p1", "rubric_id": "pos-0", "source": "instance", "title": "Names it"}]
-    scores = [key(0, "p1", i) | {"rubric_id": "pos-0", "oriented_score": s, "failure": f}
-              for i, s, f in ((0, 1.0, None), (1, 0.5, None))] + [
-              key(1, "p1", 0) | {"rubric_id": "pos-0", "oriented_score": 0.0, "failure": "http_503: busy"}]
-    quarantine = [{"run": "r", "stage": "prepare", "source": "d.jsonl", "row_ref": f"line {n}",
-                   "reason": "control_characters"} for n in (3, 7)]
-    tables = {"steps": _steps("r", 2), "rollouts": rollouts, "rewards": rewards, "reward_inputs": inputs,
-              "rubrics": rubrics, "judge_scores": scores, "quarantine": quarantine}
+    scores = [
+        key(0, "p1", i) | {"rubric_id": "pos-0", "oriented_score": s, "failure": f}
+        for i, s, f in ((0, 1.0, None), (1, 0.5, None))
+    ] + [key(1, "p1", 0) | {"rubric_id": "pos-0", "oriented_score": 0.0, "failure": "http_503: busy"}]
+    quarantine = [
+        {"run": "r", "stage": "prepare", "source": "d.jsonl", "row_ref": f"line {n}", "reason": "control_characters"}
+        for n in (3, 7)
+    ]
+    tables = {
+        "steps": _steps("r", 2),
+        "rollouts": rollouts,
+        "rewards": rewards,
+        "reward_inputs": inputs,
+        "rubrics": rubrics,
+        "judge_scores": scores,
+        "quarantine": quarantine,
+    }
     return _catalog(tmp_path / "judged", {k: v for k, v in tables.items() if k in ALL_TABLES})
 
 
@@ -219,23 +309,46 @@ def _json(run_dir, sql):
 
 
 def test_predefined_views_by_hand(judged_run):
-    assert _json(judged_run, "SELECT source, title, judged, mean_score, full_pass_rate, failed FROM "
-                             "rubric_pass_rates") == [{"source": "instance", "title": "Names it", "judged": 3,
-                                                       "mean_score": 0.5, "full_pass_rate": 1 / 3, "failed": 1}]
+    assert _json(
+        judged_run, "SELECT source, title, judged, mean_score, full_pass_rate, failed FROM rubric_pass_rates"
+    ) == [
+        {
+            "source": "instance",
+            "title": "Names it",
+            "judged": 3,
+            "mean_score": 0.5,
+            "full_pass_rate": 1 / 3,
+            "failed": 1,
+        }
+    ]
     assert _json(judged_run, "SELECT step, failure_kind, n FROM judge_failures") == [
-        {"step": 1, "failure_kind": "http_503", "n": 1}]
+        {"step": 1, "failure_kind": "http_503", "n": 1}
+    ]
     assert _json(judged_run, "SELECT stage, reason, rows, example_row FROM quarantine_summary") == [
-        {"stage": "prepare", "reason": "control_characters", "rows": 2, "example_row": "line 3"}]
-    assert _json(judged_run, "SELECT step, rollouts, format_ok_rate, citations_mean, invalid_citations, "
-                             "valid_id_fraction FROM citation_quality") == [
-        {"step": 0, "rollouts": 2, "format_ok_rate": 0.5, "citations_mean": 1.0, "invalid_citations": 1,
-         "valid_id_fraction": 0.25}]
+        {"stage": "prepare", "reason": "control_characters", "rows": 2, "example_row": "line 3"}
+    ]
+    assert _json(
+        judged_run,
+        "SELECT step, rollouts, format_ok_rate, citations_mean, invalid_citations, "
+        "valid_id_fraction FROM citation_quality",
+    ) == [
+        {
+            "step": 0,
+            "rollouts": 2,
+            "format_ok_rate": 0.5,
+            "citations_mean": 1.0,
+            "invalid_citations": 1,
+            "valid_id_fraction": 0.25,
+        }
+    ]
     # step 0: four rollouts, so four deciles of one: length 10 (training rewards 0, 0.5), 20 (1, 1.5); the
     # 'rescored' version (+9) is not the training reward and stays out
     deciles = _json(judged_run, "SELECT length_decile, tokens_mean, reward_mean FROM length_vs_reward WHERE step = 0")
     assert [d["length_decile"] for d in deciles] == [1, 2, 3, 4]
-    assert [(d["tokens_mean"], d["reward_mean"]) for d in deciles[:2]] in ([(10.0, 0.0), (10.0, 0.5)],
-                                                                          [(10.0, 0.5), (10.0, 0.0)])
+    assert [(d["tokens_mean"], d["reward_mean"]) for d in deciles[:2]] in (
+        [(10.0, 0.0), (10.0, 0.5)],
+        [(10.0, 0.5), (10.0, 0.0)],
+    )
     assert sorted((d["tokens_mean"], d["reward_mean"]) for d in deciles[2:]) == [(20.0, 1.0), (20.0, 1.5)]
 
 

@@ -16,8 +16,16 @@ def test_every_field_has_help():
 def test_recipe_overrides_and_types(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("grpo:\n  learning_rate: 1.0e-3\nrollout:\n  samples_per_prompt: 4\n")
-    cfg = load_recipe(recipe, ["grpo.learning_rate=1e-5", "rollout.samples_per_prompt=8", "judge.mode=expected_score",
-                               "reward.non_stop_penalty=true", "rollout.stop=['</answer>', '</s>']"])
+    cfg = load_recipe(
+        recipe,
+        [
+            "grpo.learning_rate=1e-5",
+            "rollout.samples_per_prompt=8",
+            "judge.mode=expected_score",
+            "reward.non_stop_penalty=true",
+            "rollout.stop=['</answer>', '</s>']",
+        ],
+    )
     assert cfg.grpo.learning_rate == 1e-5 and isinstance(cfg.grpo.learning_rate, float)
     assert cfg.rollout.samples_per_prompt == 8
     assert cfg.judge.mode == "expected_score"
@@ -26,14 +34,17 @@ def test_recipe_overrides_and_types(tmp_path):
     assert cfg.grpo.beta == 0.001  # default kept
 
 
-@pytest.mark.parametrize("override,message", [
-    ("grpo.learnin_rate=1", "did you mean 'learning_rate'"),
-    ("grpo.kl_estimator=k9", "not one of"),
-    ("rollout.samples_per_prompt=many", "expected int"),
-    ("reward.non_stop_penalty=maybe", "expected true/false"),
-    ("nosection.x=1", "unknown field 'nosection'"),
-    ("grpo.steps", "section.field=value"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("grpo.learnin_rate=1", "did you mean 'learning_rate'"),
+        ("grpo.kl_estimator=k9", "not one of"),
+        ("rollout.samples_per_prompt=many", "expected int"),
+        ("reward.non_stop_penalty=maybe", "expected true/false"),
+        ("nosection.x=1", "unknown field 'nosection'"),
+        ("grpo.steps", "section.field=value"),
+    ],
+)
 def test_bad_overrides_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_recipe(None, [override])

@@ -11,26 +11,41 @@ import pytest
 import torch
 
 from conftest import learner_settings
-from test_live_engines import _log, _results, _same, info_logs  # noqa: F401  (info_logs: a fixture)
 from refiner_core.learners.base import TrainSample, make_learner
 from refiner_core.learners.deepspeed_learner import LearnerDied
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
 from refiner_core.runtime.procs import process_identity
+from test_live_engines import _log, _results, _same
 
 pytestmark = pytest.mark.slow
 
 
 def _samples(seed: int = 0) -> list[TrainSample]:
     g = torch.Generator().manual_seed(seed)
-    return [TrainSample(torch.randint(3, 2000, (12 + 3 * k,), generator=g).tolist(),
-                        torch.randint(3, 2000, (6 + 2 * k,), generator=g).tolist(), adv,
-                        (-7.0 - torch.rand(6 + 2 * k, generator=g)).tolist())
-            for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -0.3])]
+    return [
+        TrainSample(
+            torch.randint(3, 2000, (12 + 3 * k,), generator=g).tolist(),
+            torch.randint(3, 2000, (6 + 2 * k,), generator=g).tolist(),
+            adv,
+            (-7.0 - torch.rand(6 + 2 * k, generator=g)).tolist(),
+        )
+        for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -0.3])
+    ]
 
 
 def _settings(**kw):
-    return learner_settings(**{"learning_rate": 1e-3, "weight_decay": 0.01, "max_grad_norm": 1.0, "beta": 0.04, "micro_batch_size": 2, "tis_cap": 2.0, **kw})
+    return learner_settings(
+        **{
+            "learning_rate": 1e-3,
+            "weight_decay": 0.01,
+            "max_grad_norm": 1.0,
+            "beta": 0.04,
+            "micro_batch_size": 2,
+            "tis_cap": 2.0,
+            **kw,
+        }
+    )
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -49,8 +64,7 @@ def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_
     samples = [_samples(0), _samples(1)]
     # The reference: the one-process torch learner, two train steps with its own optimizer.
     policy = load_model(tiny_model_path, trainable=True)
-    torch_learner = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id,
-                                 _settings())
+    torch_learner = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings())
     expected, expected_weights = [], []
     for batch in samples:
         expected.append(torch_learner.train_step(batch))
@@ -76,13 +90,20 @@ def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_
     with pytest.raises(LearnerDied, match="closed"):
         kept.train_step(samples[0])
 
-    resumed = make_learner("deepspeed", tmp_path / "step_1", tiny_model_path, tiny_tokenizer, settings,
-                           tmp_path / "step_1" / "optimizer.pt")
+    resumed = make_learner(
+        "deepspeed",
+        tmp_path / "step_1",
+        tiny_model_path,
+        tiny_tokenizer,
+        settings,
+        tmp_path / "step_1" / "optimizer.pt",
+    )
     try:
         metrics = resumed.train_step(samples[1])
         resumed.save(tmp_path / "resumed")
-        _check_step(resumed, metrics, samples[1], tmp_path / "resumed", expected[1], expected_weights[1], resumed=1,
-                    step=1)
+        _check_step(
+            resumed, metrics, samples[1], tmp_path / "resumed", expected[1], expected_weights[1], resumed=1, step=1
+        )
     finally:
         resumed.close()
     assert _max_diff(load_model(tmp_path / "resumed").state_dict(), load_model(tmp_path / "step_2").state_dict()) == 0
@@ -94,14 +115,16 @@ def test_lora_on_two_zero3_ranks_equals_the_torch_learner(tiny_model_path, tiny_
     """model.lora_rank with the deepspeed learner: the ranks train PEFT adapters (ZeRO-3 partitions the frozen
     base too), the reference is the policy with its adapters off, a checkpoint holds the adapter alone, the adapter
     exported for an engine is gathered from its partitions, and a relaunch resumes adapter and AdamW state."""
+    from safetensors.torch import load_file
+
     from refiner_core.learners.torch_learner import make_torch_learner
     from refiner_core.models import checkpoint_adapter
-    from safetensors.torch import load_file
 
     lora = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=("all-linear",))
     samples = [_samples(0), _samples(1)]
-    torch_learner = make_torch_learner(tiny_model_path, tiny_model_path, tiny_tokenizer,
-                                       _settings(learning_rate=1e-2, **lora), None)
+    torch_learner = make_torch_learner(
+        tiny_model_path, tiny_model_path, tiny_tokenizer, _settings(learning_rate=1e-2, **lora), None
+    )
     expected = [torch_learner.train_step(batch) for batch in samples[:1]]
     expected_weights = [torch_learner.weights()]
     expected_adapter = [load_file(str(Path(torch_learner.adapter().path) / "adapter_model.safetensors"))]
@@ -140,8 +163,10 @@ def test_lora_on_two_zero3_ranks_equals_the_torch_learner(tiny_model_path, tiny_
         got = resumed.train_step(samples[1])
         assert [r["adam_steps_resumed"] for r in resumed.rank_stats] == [1, 1]
         weights = resumed.weights()
-        assert _max_diff(weights, {k: v for k, v in load_model(tmp_path / "step_2").state_dict().items()
-                                   if k in weights}) < 1e-6
+        assert (
+            _max_diff(weights, {k: v for k, v in load_model(tmp_path / "step_2").state_dict().items() if k in weights})
+            < 1e-6
+        )
     finally:
         resumed.close()
     for key in ("loss", "pg_loss", "kl"):
@@ -175,37 +200,50 @@ def test_two_hosts_on_loopback_equal_one_host(tiny_model_path, tiny_tokenizer, t
     hostfile.write_text("# two hosts, one rank each\nlocalhost slots=1\n127.0.0.1 slots=1\n")
     policy = load_model(tiny_model_path, trainable=True)
     want = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings()).train_step(
-        _samples(0))
-    settings = _settings(world_size=2, zero_stage=3, hostfile=str(hostfile), launch_over_ssh=False,
-                         work_root=str(tmp_path / "shared"))
+        _samples(0)
+    )
+    settings = _settings(
+        world_size=2, zero_stage=3, hostfile=str(hostfile), launch_over_ssh=False, work_root=str(tmp_path / "shared")
+    )
     base = Path(tiny_model_path)
     learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
     assert learner.work.parent == tmp_path / "shared"
     learner.start()
     [command] = learner.other_hosts
     assert command[command.index("--node_rank") + 1] == "1" and command[-1] == str(learner.work)
-    second = subprocess.Popen(command, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
-                              start_new_session=True)
+    second = subprocess.Popen(
+        command, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, start_new_session=True
+    )
     try:
         metrics = learner.train_step(_samples(0))
         learner.save(tmp_path / "out")
     finally:
         learner.close()
         assert second.wait(60) == 0, "the second host's ranks end with the run's 'stop'"
-    _check_step(learner, metrics, _samples(0), tmp_path / "out", want,
-                {k: v.detach() for k, v in policy.state_dict().items()}, resumed=0, step=0)
+    _check_step(
+        learner,
+        metrics,
+        _samples(0),
+        tmp_path / "out",
+        want,
+        {k: v.detach() for k, v in policy.state_dict().items()},
+        resumed=0,
+        step=0,
+    )
 
 
 def test_hostfile_slots_must_match_world_size(tiny_model_path, tiny_tokenizer, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     with pytest.raises(ValueError, match="has 2 slots over 1 host.*world_size is 1"):
-        make_learner("deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, _settings(hostfile=str(hostfile)),
-                     None)
+        make_learner(
+            "deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, _settings(hostfile=str(hostfile)), None
+        )
     hostfile.write_text("localhost 2\n")
     with pytest.raises(ValueError, match="hostfile:1: expected 'HOST slots=N'"):
-        make_learner("deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, _settings(hostfile=str(hostfile)),
-                     None)
+        make_learner(
+            "deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, _settings(hostfile=str(hostfile)), None
+        )
 
 
 def test_a_rank_that_dies_fails_the_step_clearly(tiny_model_path, tiny_tokenizer):
@@ -215,8 +253,11 @@ def test_a_rank_that_dies_fails_the_step_clearly(tiny_model_path, tiny_tokenizer
     try:
         learner.train_step(_samples(0))
         launcher = learner._proc.pid
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-f", str(learner.work)], capture_output=True,
-                                                text=True).stdout.split() if int(p) != launcher]
+        ranks = [
+            int(p)
+            for p in subprocess.run(["pgrep", "-f", str(learner.work)], capture_output=True, text=True).stdout.split()
+            if int(p) != launcher
+        ]
         assert ranks, "the rank runs until the learner is closed"
         for pid in ranks:
             os.kill(pid, signal.SIGKILL)

@@ -14,18 +14,20 @@ from conftest import catalog_rows, run_cli
 from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
 from refiner_core.reward.pseudo_labels import majority_vote, vote_of
 
-
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("step, expected", [
-    (0, 0.5),
-    (1, 0.1 + 0.4 * (1 + math.cos(math.pi / 4)) / 2),  # 0.441421...
-    (2, 0.3),  # halfway: the mean of start and end
-    (3, 0.1 + 0.4 * (1 + math.cos(3 * math.pi / 4)) / 2),  # 0.158578...
-    (4, 0.1),
-    (9, 0.1),  # after the schedule: alpha_end
-])
+@pytest.mark.parametrize(
+    "step, expected",
+    [
+        (0, 0.5),
+        (1, 0.1 + 0.4 * (1 + math.cos(math.pi / 4)) / 2),  # 0.441421...
+        (2, 0.3),  # halfway: the mean of start and end
+        (3, 0.1 + 0.4 * (1 + math.cos(3 * math.pi / 4)) / 2),  # 0.158578...
+        (4, 0.1),
+        (9, 0.1),  # after the schedule: alpha_end
+    ],
+)
 def test_alpha_follows_a_cosine_from_start_to_end(step, expected):
     assert alpha_at(step, 0.5, 0.1, 4) == pytest.approx(expected, abs=1e-12)
 
@@ -43,8 +45,11 @@ def _perturbed_copy(source: Path, target: Path, seed: int) -> Path:
     shutil.copytree(source, target)
     weights = load_file(target / "model.safetensors")
     g = torch.Generator().manual_seed(seed)
-    save_file({k: (v + 0.1 * torch.randn(v.shape, generator=g)).contiguous() for k, v in weights.items()},
-              str(target / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: (v + 0.1 * torch.randn(v.shape, generator=g)).contiguous() for k, v in weights.items()},
+        str(target / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     (target / "optimizer.pt").write_bytes(b"adam state")
     return target
 
@@ -85,11 +90,26 @@ def test_ema_refuses_another_model_and_alpha_outside_0_1(tiny_model_path, tmp_pa
         ema_checkpoint(tiny_model_path, tiny_model_path, 1.5, tmp_path / "out")
 
 
-TINY = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048", "rollout.engine=hf",
-        "rollout.samples_per_prompt=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=12",
-        "rollout.batch_size=16", "grpo.learner=torch", "grpo.world_size=1", "grpo.steps=2", "grpo.learning_rate=1e-2",
-        "grpo.micro_batch_size=8", "eval.every=0", "teacher.alpha_start=0.5", "teacher.alpha_end=0.1",
-        "teacher.schedule_steps=4", "teacher.update_interval=1"]
+TINY = [
+    "model.policy=tiny-qwen3",
+    "model.dtype=float32",
+    "model.max_position_embeddings=2048",
+    "rollout.engine=hf",
+    "rollout.samples_per_prompt=4",
+    "rollout.prompts_per_step=2",
+    "rollout.max_new_tokens=12",
+    "rollout.batch_size=16",
+    "grpo.learner=torch",
+    "grpo.world_size=1",
+    "grpo.steps=2",
+    "grpo.learning_rate=1e-2",
+    "grpo.micro_batch_size=8",
+    "eval.every=0",
+    "teacher.alpha_start=0.5",
+    "teacher.alpha_end=0.1",
+    "teacher.schedule_steps=4",
+    "teacher.update_interval=1",
+]
 
 
 def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
@@ -104,8 +124,10 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     code, out, err, _ = run_cli(args, tmp_path)
     assert code == 0, (out, err)
 
-    start = load_file(Path(catalog_rows(run_dir, "SELECT policy FROM teacher_rollouts WHERE step = 0 LIMIT 1")[0][0])
-                      / "model.safetensors")
+    start = load_file(
+        Path(catalog_rows(run_dir, "SELECT policy FROM teacher_rollouts WHERE step = 0 LIMIT 1")[0][0])
+        / "model.safetensors"
+    )
     teacher = {k: v.double() for k, v in start.items()}
     for step, alpha in ((1, alpha_at(1, 0.5, 0.1, 4)), (2, alpha_at(2, 0.5, 0.1, 4))):
         policy = load_file(run_dir / "checkpoints" / f"step_{step:04d}" / "model.safetensors")
@@ -117,16 +139,23 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     _rerun_keeping_one_checkpoint(args, run_dir, tmp_path)
     updates = catalog_rows(run_dir, "SELECT step, alpha, updated, teacher FROM teacher_updates ORDER BY step")
     assert [(s, round(a, 9), u, Path(t).name) for s, a, u, t in updates] == [
-        (0, round(alpha_at(1, 0.5, 0.1, 4), 9), True, "step_0001"), (1, 0.3, True, "step_0002")]
-    used = catalog_rows(run_dir, "SELECT step, any_value(policy), count(*) FROM teacher_rollouts GROUP BY step ORDER BY step")
+        (0, round(alpha_at(1, 0.5, 0.1, 4), 9), True, "step_0001"),
+        (1, 0.3, True, "step_0002"),
+    ]
+    used = catalog_rows(
+        run_dir, "SELECT step, any_value(policy), count(*) FROM teacher_rollouts GROUP BY step ORDER BY step"
+    )
     assert [(s, n) for s, _, n in used] == [(0, 8), (1, 8)] and Path(used[1][1]).name == "step_0001"
     # the policy's labels are the majority of the teacher's answers to the same prompt at the same step
     teacher_votes: dict = {}
-    for step, pid, text in catalog_rows(run_dir, "SELECT step, prompt_id, response_text FROM teacher_rollouts "
-                                          "ORDER BY step, prompt_id, sample_idx"):
+    for step, pid, text in catalog_rows(
+        run_dir, "SELECT step, prompt_id, response_text FROM teacher_rollouts ORDER BY step, prompt_id, sample_idx"
+    ):
         teacher_votes.setdefault((step, pid), []).append(vote_of(text))
-    labels = catalog_rows(run_dir, "SELECT DISTINCT step, prompt_id, label_source, pseudo_label, label_votes, label_voters "
-                            "FROM reward_inputs")
+    labels = catalog_rows(
+        run_dir,
+        "SELECT DISTINCT step, prompt_id, label_source, pseudo_label, label_votes, label_voters FROM reward_inputs",
+    )
     assert len(labels) == 4 and {key for key in teacher_votes} == {(s, p) for s, p, *_ in labels}
     for step, pid, source, label, votes, voters in labels:
         expected = majority_vote(teacher_votes[(step, pid)])

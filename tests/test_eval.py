@@ -7,28 +7,35 @@ import pytest
 
 from conftest import REPO
 from refiner_core.config import load_recipe
-from refiner_core.eval.evaluate import (eval_steps, format_table, held_out_prompts, pass_at_k, passed, summarize)
+from refiner_core.eval.evaluate import eval_steps, format_table, held_out_prompts, pass_at_k, passed, summarize
 
 
-@pytest.mark.parametrize("steps, every, expected", [
-    (2, 0, []),
-    (2, 1, [0, 1, 2]),
-    (5, 2, [0, 2, 4, 5]),  # the last step is always evaluated
-    (4, 2, [0, 2, 4]),
-    (3, 10, [0, 3]),
-])
+@pytest.mark.parametrize(
+    "steps, every, expected",
+    [
+        (2, 0, []),
+        (2, 1, [0, 1, 2]),
+        (5, 2, [0, 2, 4, 5]),  # the last step is always evaluated
+        (4, 2, [0, 2, 4]),
+        (3, 10, [0, 3]),
+    ],
+)
 def test_eval_steps(steps, every, expected):
     assert eval_steps(steps, every) == expected
 
 
-@pytest.mark.parametrize("n, c, k, expected", [
-    (1, 1, 1, 1.0), (1, 0, 1, 0.0),
-    (4, 1, 1, 0.25),
-    (4, 1, 2, 0.5),       # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    (4, 2, 2, 5 / 6),     # 1 - C(2,2)/C(4,2) = 1 - 1/6
-    (5, 0, 3, 0.0),
-    (5, 3, 3, 1.0),       # C(2,3) = 0: every 3-subset holds a pass
-])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (1, 1, 1, 1.0),
+        (1, 0, 1, 0.0),
+        (4, 1, 1, 0.25),
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 2, 2, 5 / 6),  # 1 - C(2,2)/C(4,2) = 1 - 1/6
+        (5, 0, 3, 0.0),
+        (5, 3, 3, 1.0),  # C(2,3) = 0: every 3-subset holds a pass
+    ],
+)
 def test_pass_at_k_by_hand(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected)
 
@@ -39,15 +46,23 @@ def test_pass_at_k_rejects_impossible_counts():
 
 
 def test_held_out_prompts_are_the_validation_split_in_id_order():
-    rows = [{"prompt_id": p, "split": s} for p, s in
-            [("c", "validation"), ("a", "train"), ("d", "validation"), ("b", "validation")]]
+    rows = [
+        {"prompt_id": p, "split": s}
+        for p, s in [("c", "validation"), ("a", "train"), ("d", "validation"), ("b", "validation")]
+    ]
     assert [p["prompt_id"] for p in held_out_prompts(rows, 0)] == ["b", "c", "d"]
     assert [p["prompt_id"] for p in held_out_prompts(rows, 2)] == ["b", "c"]
 
 
 def _judged(**kw):
-    row = {"verifier": "judge", "correct": None, "format_ok": True, "n_citations": 2, "n_invalid_citations": 0,
-           "rubric_score": 0.6}
+    row = {
+        "verifier": "judge",
+        "correct": None,
+        "format_ok": True,
+        "n_citations": 2,
+        "n_invalid_citations": 0,
+        "rubric_score": 0.6,
+    }
     return {**row, **kw}
 
 
@@ -63,12 +78,27 @@ def test_passed_needs_valid_format_valid_citations_and_the_rubric_threshold():
 
 def test_summary_by_hand():
     def row(prompt, idx, ok, citation, rubric, passed_, reward, finish="stop", mode="sampled"):
-        return {"step": 3, "phase": "grpo", "mode": mode, "prompt_id": prompt, "sample_idx": idx,
-                "format_ok": ok, "citation_valid_fraction": citation, "verifier": "judge", "rubric_score": rubric,
-                "passed": passed_, "reward": reward, "finish_reason": finish}
+        return {
+            "step": 3,
+            "phase": "grpo",
+            "mode": mode,
+            "prompt_id": prompt,
+            "sample_idx": idx,
+            "format_ok": ok,
+            "citation_valid_fraction": citation,
+            "verifier": "judge",
+            "rubric_score": rubric,
+            "passed": passed_,
+            "reward": reward,
+            "finish_reason": finish,
+        }
 
-    rows = [row("p", 0, True, 1.0, 0.8, True, 9.0), row("p", 1, False, 0.0, 0.2, False, 2.0, "length"),
-            row("q", 0, True, 0.5, 0.6, False, 6.0), row("q", 1, False, 0.0, 0.4, False, 4.0)]
+    rows = [
+        row("p", 0, True, 1.0, 0.8, True, 9.0),
+        row("p", 1, False, 0.0, 0.2, False, 2.0, "length"),
+        row("q", 0, True, 0.5, 0.6, False, 6.0),
+        row("q", 1, False, 0.0, 0.4, False, 4.0),
+    ]
     rows.append(row("p", 0, True, 1.0, 0.5, True, 7.0, mode="greedy"))
     greedy, sampled = summarize(rows, pass_k=2)
     assert (greedy["mode"], greedy["responses"], greedy["pass_at_1"], greedy["k"]) == ("greedy", 1, 1.0, 1)
@@ -92,8 +122,11 @@ def _eval_states(flow_run_id) -> list[tuple[str, str]]:
     from prefect.client.schemas.sorting import TaskRunSort
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+            limit=200,
+        )
     return [(r.name, r.state.name) for r in runs if r.name.startswith("eval")]
 
 
@@ -105,8 +138,14 @@ def _run(recipe: dict, run_dir):
     return state.result(), _eval_states(state.state_details.flow_run_id)
 
 
-EVAL_OVERRIDES = ["data.validation_fraction=0.25", "grpo.steps=2", "eval.every=2", "eval.prompts=3",
-                  "eval.samples=2", "eval.max_new_tokens=16"]
+EVAL_OVERRIDES = [
+    "data.validation_fraction=0.25",
+    "grpo.steps=2",
+    "eval.every=2",
+    "eval.prompts=3",
+    "eval.samples=2",
+    "eval.max_new_tokens=16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -127,40 +166,58 @@ def _query(run_dir, sql):
 
 def test_eval_rows_for_base_sft_and_last_step(sft_eval_run):
     recipe, run_dir, result, states = sft_eval_run
-    evaluated = _query(run_dir, "SELECT step, phase, mode, count(*), count(DISTINCT prompt_id) FROM evals "
-                                "GROUP BY ALL ORDER BY step, phase, mode")
+    evaluated = _query(
+        run_dir,
+        "SELECT step, phase, mode, count(*), count(DISTINCT prompt_id) FROM evals "
+        "GROUP BY ALL ORDER BY step, phase, mode",
+    )
     # step 1 is skipped (eval.every=2); greedy: 1 response per prompt, sampled: 2
-    assert evaluated == [(0, "base", "greedy", 3, 3), (0, "base", "sampled", 6, 3),
-                         (0, "sft", "greedy", 3, 3), (0, "sft", "sampled", 6, 3),
-                         (2, "grpo", "greedy", 3, 3), (2, "grpo", "sampled", 6, 3)]
+    assert evaluated == [
+        (0, "base", "greedy", 3, 3),
+        (0, "base", "sampled", 6, 3),
+        (0, "sft", "greedy", 3, 3),
+        (0, "sft", "sampled", 6, 3),
+        (2, "grpo", "greedy", 3, 3),
+        (2, "grpo", "sampled", 6, 3),
+    ]
     # held-out prompts: validation split, never rolled out for training
     assert _query(run_dir, "SELECT DISTINCT p.split FROM evals e JOIN prompts p USING (run, prompt_id)") == [
-        ("validation",)]
+        ("validation",)
+    ]
     assert _query(run_dir, "SELECT count(*) FROM evals e JOIN rollouts r USING (run, prompt_id)") == [(0,)]
     # nor imitated by the SFT warm start
     held_out = _query(run_dir, "SELECT count(*) FROM prompts WHERE split = 'validation'")[0][0]
     assert _query(run_dir, "SELECT value FROM sft_stats WHERE name = 'held_out_rows'") == [(float(held_out),)]
-    assert _query(run_dir, "SELECT count(*) FROM sft_examples s JOIN prompts p ON p.prompt_id = s.source_id "
-                           "WHERE p.split = 'validation'") == [(0,)]
+    assert _query(
+        run_dir,
+        "SELECT count(*) FROM sft_examples s JOIN prompts p ON p.prompt_id = s.source_id WHERE p.split = 'validation'",
+    ) == [(0,)]
     # the policy evaluated at each point: base model, SFT checkpoint, GRPO step 2 checkpoint
     policies = dict(_query(run_dir, "SELECT DISTINCT phase, policy FROM evals"))
     assert policies["sft"].endswith("checkpoints/sft") and policies["grpo"].endswith("checkpoints/step_0002")
     assert "checkpoints" not in policies["base"]
     # greedy responses are deterministic: the same policy twice would give the same text; temperature recorded
-    assert _query(run_dir, "SELECT DISTINCT mode, temperature FROM evals ORDER BY 1") == [("greedy", 0.0),
-                                                                                        ("sampled", 1.0)]
+    assert _query(run_dir, "SELECT DISTINCT mode, temperature FROM evals ORDER BY 1") == [
+        ("greedy", 0.0),
+        ("sampled", 1.0),
+    ]
     assert _query(run_dir, "SELECT max(response_tokens) <= 16 FROM evals") == [(True,)]
     # the printed summary covers every evaluated policy and mode
     assert [(s["step"], s["phase"], s["mode"]) for s in result["evals"]] == [
-        (0, "base", "greedy"), (0, "base", "sampled"), (0, "sft", "greedy"), (0, "sft", "sampled"),
-        (2, "grpo", "greedy"), (2, "grpo", "sampled")]
+        (0, "base", "greedy"),
+        (0, "base", "sampled"),
+        (0, "sft", "greedy"),
+        (0, "sft", "sampled"),
+        (2, "grpo", "greedy"),
+        (2, "grpo", "sampled"),
+    ]
     assert [name for name, _ in states] == ["eval[step=0]", "eval[step=0]", "eval[step=2]"]
     assert {state for _, state in states} == {"Completed"}
 
 
 def test_eval_reward_parts_match_the_training_reward_code(sft_eval_run):
-    from refiner_core.reward.compose import format_parts
     from refiner_core.eval.evaluate import passed as passes
+    from refiner_core.reward.compose import format_parts
 
     _, run_dir, _, _ = sft_eval_run
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
@@ -174,9 +231,11 @@ def test_eval_reward_parts_match_the_training_reward_code(sft_eval_run):
         parts = format_parts(row["response_text"], row["snippet_ids"])
         assert {k: row[k] for k in parts} == parts
         assert row["passed"] == passes(row, 0.5)
-        assert row["reward"] == pytest.approx(row["verification_reward"] * (
-            row["rubric_weight"] * row["rubric_score"] + row["citation_weight"] * row["citation_score"])
-            + row["format_weight"] * row["format_score"])
+        assert row["reward"] == pytest.approx(
+            row["verification_reward"]
+            * (row["rubric_weight"] * row["rubric_score"] + row["citation_weight"] * row["citation_score"])
+            + row["format_weight"] * row["format_score"]
+        )
 
 
 def test_cached_rerun_does_not_reevaluate(sft_eval_run):
@@ -196,7 +255,8 @@ def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
     _, run_dir, result, _ = sft_eval_run
     summary = eval_summary(run_dir / "catalog.duckdb")
     assert [(s["step"], s["phase"], s["mode"], s["format_valid"]) for s in summary] == [
-        (s["step"], s["phase"], s["mode"], s["format_valid"]) for s in result["evals"]]
+        (s["step"], s["phase"], s["mode"], s["format_valid"]) for s in result["evals"]
+    ]
     code, out, err, _ = run_cli(["plot", str(run_dir), "-o", str(tmp_path / "curves.png")], tmp_path)
     assert code == 0, err
     from PIL import Image
@@ -216,5 +276,11 @@ def test_documented_eval_query_runs_on_a_real_catalog(sft_eval_run):
     sql = re.search(r'refiner sql RUN_DIR "(SELECT [^"]+)"', section).group(1)
     columns, rows = query(run_dir / "catalog.duckdb", sql)
     assert columns[:3] == ["step", "phase", "mode"]
-    assert [r[:3] for r in rows] == [(0, "base", "greedy"), (0, "base", "sampled"), (0, "sft", "greedy"),
-                                     (0, "sft", "sampled"), (2, "grpo", "greedy"), (2, "grpo", "sampled")]
+    assert [r[:3] for r in rows] == [
+        (0, "base", "greedy"),
+        (0, "base", "sampled"),
+        (0, "sft", "greedy"),
+        (0, "sft", "sampled"),
+        (2, "grpo", "greedy"),
+        (2, "grpo", "sampled"),
+    ]

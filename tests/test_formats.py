@@ -13,8 +13,9 @@ def test_tool_snippet_ids_in_order_without_duplicates():
 
 
 def test_multi_id_citation_keeps_every_id():
-    parsed = parse_answer("<answer><snippet id=a1b2c3,d4e5f6>Both say so.</snippet> And "
-                          "<snippet id=\"0f0f0f\">gamma</snippet>.</answer>")
+    parsed = parse_answer(
+        '<answer><snippet id=a1b2c3,d4e5f6>Both say so.</snippet> And <snippet id="0f0f0f">gamma</snippet>.</answer>'
+    )
     assert parsed.has_answer and parsed.well_formed
     assert [c.ids for c in parsed.citations] == [("a1b2c3", "d4e5f6"), ("0f0f0f",)]
     assert parsed.cited_ids == ["a1b2c3", "d4e5f6", "0f0f0f"]
@@ -54,7 +55,6 @@ def test_no_citation_scores_zero():
     assert check_citations(parsed, ["a1b2c3"]).score == 0.0
 
 
-
 def test_empty_id_inside_a_citation_list_is_a_format_error():
     from refiner_core.data.rows import check_row
     from refiner_core.reward.compose import format_parts
@@ -65,11 +65,21 @@ def test_empty_id_inside_a_citation_list_is_a_format_error():
         assert parsed.problems == (f"empty id in snippet id list {ids!r}",)
     # The IDs that are there still count as citations: 2 cited, none invalid, but the format score is 0.
     assert format_parts("<answer><snippet id=P1, ,P2>Both say so.</snippet></answer>", ["P1", "P2"]) == {
-        "has_answer": True, "format_ok": False, "format_score": 0.0, "n_citations": 2, "n_invalid_citations": 0,
-        "citation_valid_fraction": 1.0}
+        "has_answer": True,
+        "format_ok": False,
+        "format_score": 0.0,
+        "n_citations": 2,
+        "n_invalid_citations": 0,
+        "citation_valid_fraction": 1.0,
+    }
     assert parse_answer("<answer><snippet id=P1, P2>Both say so.</snippet></answer>").well_formed
     # A reference answer with an empty ID is quarantined, not trained on.
-    row = {"id": "r1", "question": "q?", "reasoning": "r", "tool_output": TOOL,
-           "answer": "<answer><snippet id=a1b2c3, ,d4e5f6>x</snippet></answer>"}
+    row = {
+        "id": "r1",
+        "question": "q?",
+        "reasoning": "r",
+        "tool_output": TOOL,
+        "answer": "<answer><snippet id=a1b2c3, ,d4e5f6>x</snippet></answer>",
+    }
     assert check_row(row) == ("bad_answer_format", "empty id in snippet id list 'a1b2c3, ,d4e5f6'")
     assert check_row({**row, "answer": "<answer><snippet id=a1b2c3,d4e5f6>x</snippet></answer>"}) is None

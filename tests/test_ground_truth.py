@@ -7,14 +7,17 @@ import pytest
 from refiner_core.reward.ground_truth import final_answer, last_boxed, normalize, verify
 
 
-@pytest.mark.parametrize("text, expected", [
-    (r"so \boxed{42}.", "42"),
-    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # nested braces kept
-    (r"first \boxed{1} then \boxed{2}", "2"),  # the last box counts
-    (r"\fbox{7}", "7"),
-    ("no box here", None),
-    (r"\boxed{unclosed", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so \boxed{42}.", "42"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # nested braces kept
+        (r"first \boxed{1} then \boxed{2}", "2"),  # the last box counts
+        (r"\fbox{7}", "7"),
+        ("no box here", None),
+        (r"\boxed{unclosed", None),
+    ],
+)
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
 
@@ -60,23 +63,32 @@ def test_verify_text_answers_fall_back_to_normalized_match_and_say_so():
         assert verdict.detail
 
 
-@pytest.mark.parametrize("text, expected", [
-    (r"\boxed{\frac{\sqrt{2}}{2}} and then {x}", r"\frac{\sqrt{2}}{2}"),  # two levels of nesting; later braces ignored
-    (r"\boxed{1} \fbox{2} \boxed{ 3 }", "3"),  # several boxes of both kinds: the last, stripped
-    (r"\boxed{a} then \boxed{unclosed {", None),  # the last box is unclosed: no answer (not an earlier box)
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            r"\boxed{\frac{\sqrt{2}}{2}} and then {x}",
+            r"\frac{\sqrt{2}}{2}",
+        ),  # two levels of nesting; later braces ignored
+        (r"\boxed{1} \fbox{2} \boxed{ 3 }", "3"),  # several boxes of both kinds: the last, stripped
+        (r"\boxed{a} then \boxed{unclosed {", None),  # the last box is unclosed: no answer (not an earlier box)
+    ],
+)
 def test_last_boxed_nesting_and_several_boxes(text, expected):
     assert last_boxed(text) == expected
 
 
-@pytest.mark.parametrize("response, truth, score", [
-    (r"\boxed{\dfrac{3}{4}}", "0.75", 1.0),
-    (r"\boxed{1/2}", "0.5", 1.0),
-    (r"\boxed{14.0}", "14", 1.0),
-    (r"\boxed{-7}", "-7", 1.0),
-    (r"\boxed{7}", "-7", 0.0),  # the sign matters
-    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),  # equal values, different forms
-])
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        (r"\boxed{\dfrac{3}{4}}", "0.75", 1.0),
+        (r"\boxed{1/2}", "0.5", 1.0),
+        (r"\boxed{14.0}", "14", 1.0),
+        (r"\boxed{-7}", "-7", 1.0),
+        (r"\boxed{7}", "-7", 0.0),  # the sign matters
+        (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),  # equal values, different forms
+    ],
+)
 def test_math_verify_equivalences(response, truth, score):
     verdict = verify(response, truth)
     assert verdict.method == "math_verify" and verdict.score == score

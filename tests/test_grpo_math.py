@@ -8,9 +8,9 @@ import torch
 
 from conftest import learner_settings
 from refiner_core.algo.advantages import compute_advantages, zero_std_groups
+from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
 from refiner_core.learners.base import TrainSample, collate
 from refiner_core.learners.torch_learner import TorchLearner
-from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
 
 
 def test_group_advantages_hand_computed():
@@ -27,11 +27,15 @@ def test_dropped_rollouts_leave_the_update_and_their_group_uses_the_others():
     the remaining samples, and an all-equal group is untrained under filter_zero_std_groups."""
     from refiner_core.algo.advantages import group_advantages
 
-    rewards = [{"prompt_id": "a", "sample_idx": i, "reward": r, "dropped": d}
-               for i, (r, d) in enumerate([(1.0, False), (3.0, False), (100.0, True)])]
+    rewards = [
+        {"prompt_id": "a", "sample_idx": i, "reward": r, "dropped": d}
+        for i, (r, d) in enumerate([(1.0, False), (3.0, False), (100.0, True)])
+    ]
     rewards += [{"prompt_id": "b", "sample_idx": i, "reward": 2.0, "dropped": False} for i in range(2)]
-    rows, stats = group_advantages(rewards, {"advantage": "group_std", "advantage_eps": 1e-9,
-                                             "advantage_std_ddof": 0, "filter_zero_std_groups": True})
+    rows, stats = group_advantages(
+        rewards,
+        {"advantage": "group_std", "advantage_eps": 1e-9, "advantage_std_ddof": 0, "filter_zero_std_groups": True},
+    )
     by = {(r["prompt_id"], r["sample_idx"]): r for r in rows}
     # mean 2, std 1: the dropped 100 is ignored
     assert by[("a", 0)]["advantage"] == pytest.approx(-1.0) and by[("a", 1)]["advantage"] == pytest.approx(1.0)
@@ -45,7 +49,9 @@ def test_batch_std_and_dr_grpo():
     groups = [0, 0, 1, 1]
     np.testing.assert_allclose(compute_advantages(rewards, groups, "none", 1e-4), [1, -1, 0, 0])
     batch_std = np.std(rewards)
-    np.testing.assert_allclose(compute_advantages(rewards, groups, "batch_std", 0.0), np.array([1, -1, 0, 0]) / batch_std)
+    np.testing.assert_allclose(
+        compute_advantages(rewards, groups, "batch_std", 0.0), np.array([1, -1, 0, 0]) / batch_std
+    )
     with pytest.raises(ValueError, match="unknown advantage"):
         compute_advantages(rewards, groups, "bogus", 0.0)
 
@@ -90,8 +96,9 @@ def test_clipped_loss_matches_float64_reference():
     ref = logp + (torch.rand(B, T, generator=g, dtype=torch.float64) - 0.5)
     adv = torch.tensor([1.5, -0.7, 0.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
-    out = grpo_token_loss(logp, old, adv[:, None], eps_low=0.2, eps_high=0.28, ref_logp=ref, beta=0.05,
-                          kl_estimator="k3")
+    out = grpo_token_loss(
+        logp, old, adv[:, None], eps_low=0.2, eps_high=0.28, ref_logp=ref, beta=0.05, kl_estimator="k3"
+    )
     got = _aggregate("token_mean", out["loss"], mask, 1.0).item()
     want = _reference_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, 0.05)
     assert math.isclose(got, want, rel_tol=1e-12)
@@ -114,8 +121,9 @@ def test_clip_hand_case_and_gradient_vanishes_when_clipped():
 
 def _aggregate(name, loss, mask, constant):
     """The aggregate of a padded batch with one sequence per row."""
-    weights = AGGREGATIONS[name](mask, mask.sum(-1, keepdim=True).expand_as(mask), mask.sum().item(), mask.shape[0],
-                                 constant)
+    weights = AGGREGATIONS[name](
+        mask, mask.sum(-1, keepdim=True).expand_as(mask), mask.sum().item(), mask.shape[0], constant
+    )
     return (loss * weights).sum()
 
 
@@ -133,7 +141,8 @@ def test_dr_grpo_divides_by_sequences_times_constant():
     assert _aggregate("sum_constant", ones, ones, 10.0).item() == pytest.approx(1.0)
     # Packed layout: two rows holding 3 + 1 sequences give the same value (only the sequence count matters).
     assert (ones[:2] * AGGREGATIONS["sum_constant"](ones[:2], ones[:2], 20.0, 4, 10.0)).sum().item() == pytest.approx(
-        0.5)
+        0.5
+    )
 
 
 def test_collate_masks_only_response_positions():
@@ -159,8 +168,10 @@ def test_micro_batching_equals_full_batch(tiny_model_path, aggregation):
     """Gradient accumulation over micro-batches must give the same update as one big batch."""
     from refiner_core.models import load_model
 
-    samples = [TrainSample([1, 2, 3, 4][: 2 + k % 3], list(range(10, 13 + k)), adv, [-1.0] * (3 + k))
-               for k, adv in enumerate([1.0, -0.5, 0.3, -0.8, 0.0])]
+    samples = [
+        TrainSample([1, 2, 3, 4][: 2 + k % 3], list(range(10, 13 + k)), adv, [-1.0] * (3 + k))
+        for k, adv in enumerate([1.0, -0.5, 0.3, -0.8, 0.0])
+    ]
     params = []
     for micro in (8, 2):
         torch.manual_seed(0)
@@ -179,8 +190,9 @@ def test_dr_grpo_gradient_does_not_grow_with_batch_size(tiny_model_path):
     """Under sum_constant the same sequences twice over give the same gradient: the lr carries across batch sizes."""
     from refiner_core.models import load_model
 
-    samples = [TrainSample([1, 2, 3], list(range(10, 14 + k)), adv, [-1.0] * (4 + k))
-               for k, adv in enumerate([1.0, -0.5, 0.3])]
+    samples = [
+        TrainSample([1, 2, 3], list(range(10, 14 + k)), adv, [-1.0] * (4 + k)) for k, adv in enumerate([1.0, -0.5, 0.3])
+    ]
     grads = []
     for batch in (samples, samples + samples):
         policy = load_model(tiny_model_path, trainable=True)

@@ -21,8 +21,8 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import filter_repo_objects
 
 from conftest import run_cli
-from refiner_core.store.checkpoints import PRUNED_LIST
 from refiner_core.config import load_recipe
+from refiner_core.store.checkpoints import PRUNED_LIST
 from refiner_core.store.hub import PushError, choose_checkpoint, plan_push, push
 from refiner_core.store.model_card import write_model_card
 
@@ -155,8 +155,11 @@ def test_push_creates_the_repo_and_branch_and_uploads_only_the_planned_files(run
     hub = RecordingHub()
     url = push(plan, "acme/tiny-grpo", private=True, revision="step-3", api=hub)
     assert url == "https://huggingface.co/acme/tiny-grpo/commit/abc"
-    assert [c[:2] for c in hub.calls] == [("create_repo", "acme/tiny-grpo"), ("create_branch", "acme/tiny-grpo"),
-                                          ("upload_folder", "acme/tiny-grpo")]
+    assert [c[:2] for c in hub.calls] == [
+        ("create_repo", "acme/tiny-grpo"),
+        ("create_branch", "acme/tiny-grpo"),
+        ("upload_folder", "acme/tiny-grpo"),
+    ]
     assert hub.calls[0][2] == {"private": True, "exist_ok": True}
     assert hub.calls[1][2] == {"branch": "step-3", "exist_ok": True}
     upload = hub.calls[2][2]
@@ -165,11 +168,13 @@ def test_push_creates_the_repo_and_branch_and_uploads_only_the_planned_files(run
     # the selection huggingface_hub's upload_folder makes from these patterns
     on_disk = sorted(p.relative_to(plan.folder).as_posix() for p in plan.folder.rglob("*") if p.is_file())
     assert "optimizer.pt" in on_disk and "deepspeed/global_step3/optim_states.pt" in on_disk
-    uploaded = list(filter_repo_objects(on_disk, allow_patterns=upload["allow_patterns"],
-                                        ignore_patterns=upload["ignore_patterns"]))
+    uploaded = list(
+        filter_repo_objects(on_disk, allow_patterns=upload["allow_patterns"], ignore_patterns=upload["ignore_patterns"])
+    )
     assert uploaded == [name for name, _ in plan.files]
-    assert list(filter_repo_objects(["optimizer.pt", "deepspeed/x/y.pt"], ignore_patterns=upload["ignore_patterns"]))\
-        == []
+    assert (
+        list(filter_repo_objects(["optimizer.pt", "deepspeed/x/y.pt"], ignore_patterns=upload["ignore_patterns"])) == []
+    )
     push(plan, "acme/tiny-grpo", api=(main := RecordingHub()))
     assert [c[0] for c in main.calls] == ["create_repo", "upload_folder"] and main.calls[1][2]["revision"] is None
 
@@ -185,8 +190,11 @@ def test_a_hub_error_becomes_a_push_error_with_its_message(run_dir):
 
 
 def test_cli_dry_run_prints_the_files_and_card_and_uploads_nothing(run_dir, tmp_path):
-    code, out, err, _ = run_cli(["push", str(run_dir), "--repo", "acme/tiny-grpo", "--dry-run",
-                                 "--step", "3"], tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    code, out, err, _ = run_cli(
+        ["push", str(run_dir), "--repo", "acme/tiny-grpo", "--dry-run", "--step", "3"],
+        tmp_path,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
     assert code == 0, err
     assert f"checkpoint: {run_dir / 'checkpoints' / 'step_0003'}" in out
     assert "model.safetensors" in out and "README.md" in out and "optimizer" not in out and "deepspeed" not in out
@@ -199,8 +207,9 @@ def test_cli_push_without_a_reachable_hub_exits_1_with_the_cause(run_dir, tmp_pa
     """The real HfApi against an endpoint where nothing listens: a clear error, no traceback."""
     env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_test", "HF_HOME": str(tmp_path / "hf")}
     for offline, cause in (("0", "ConnectError"), ("1", "OfflineModeIsEnabled")):
-        code, out, err, _ = run_cli(["push", str(run_dir), "--repo", "acme/x"], tmp_path,
-                                    env={**env, "HF_HUB_OFFLINE": offline}, timeout=120)
+        code, out, err, _ = run_cli(
+            ["push", str(run_dir), "--repo", "acme/x"], tmp_path, env={**env, "HF_HUB_OFFLINE": offline}, timeout=120
+        )
         assert code == 1, (out, err)
         assert f"error: upload to acme/x failed: {cause}" in err and "Traceback" not in err
     env = {"HF_HOME": str(tmp_path / "hf-no-login"), "HF_TOKEN": "", "HF_HUB_OFFLINE": "0"}
@@ -227,8 +236,14 @@ def _cache_hub_dataset(hf_home: Path, repo_id: str, configs: dict[str, dict[str,
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
             data_files[split] = str(path)
-        Json(cache_dir=str(build), dataset_name=name, config_name=config, config_id=config, hash=COMMIT,
-             data_files=data_files).download_and_prepare()
+        Json(
+            cache_dir=str(build),
+            dataset_name=name,
+            config_name=config,
+            config_id=config,
+            hash=COMMIT,
+            data_files=data_files,
+        ).download_and_prepare()
     (hf_home / "datasets").mkdir(parents=True)
     shutil.move(build / name, hf_home / "datasets" / f"{namespace}___{name}")
 
@@ -236,20 +251,23 @@ def _cache_hub_dataset(hf_home: Path, repo_id: str, configs: dict[str, dict[str,
 def _load_offline(hf_home: Path, *args) -> dict:
     """refiner_core.data.sources.load_rows (rows or error) and the preflight's check of the same source (problems), in
     a process with no network and the cache under `hf_home`."""
-    script = ("import json, sys\nfrom refiner_core.data.sources import SourceError, load_rows\n"
-              "from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS\n"
-              "from refiner_core.preflight import check_source\n"
-              "path, fmt, fields, split, config = json.loads(sys.argv[1])\n"
-              "out = {'problems': check_source('data', path, fmt, fields or {}, split, REFINER_FIELDS + CHAT_FIELDS,"
-              " shape=True, hub_config=config)}\n"
-              "try:\n    rows = load_rows(path, fmt, fields, split, config)\n"
-              "    out.update(rows=[r.data for r in rows], refs=[r.row_ref for r in rows])\n"
-              "except SourceError as e:\n    out['error'] = str(e)\n"
-              "print(json.dumps(out))\n")
+    script = (
+        "import json, sys\nfrom refiner_core.data.sources import SourceError, load_rows\n"
+        "from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS\n"
+        "from refiner_core.preflight import check_source\n"
+        "path, fmt, fields, split, config = json.loads(sys.argv[1])\n"
+        "out = {'problems': check_source('data', path, fmt, fields or {}, split, REFINER_FIELDS + CHAT_FIELDS,"
+        " shape=True, hub_config=config)}\n"
+        "try:\n    rows = load_rows(path, fmt, fields, split, config)\n"
+        "    out.update(rows=[r.data for r in rows], refs=[r.row_ref for r in rows])\n"
+        "except SourceError as e:\n    out['error'] = str(e)\n"
+        "print(json.dumps(out))\n"
+    )
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.pop("HF_DATASETS_CACHE", None)
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(args)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -261,8 +279,9 @@ def test_a_cached_hub_dataset_loads_offline_with_its_config_and_split(tmp_path):
             r[key] = json.dumps(r[key])
     renamed = [{("prompt" if k == "question" else k): v for k, v in r.items()} for r in rows[3:]]
     hf_home = tmp_path / "hf"
-    _cache_hub_dataset(hf_home, "acme/refiner-rows", {"main": {"train": rows[:2], "test": rows[2:3]},
-                                                      "renamed": {"train": renamed}})
+    _cache_hub_dataset(
+        hf_home, "acme/refiner-rows", {"main": {"train": rows[:2], "test": rows[2:3]}, "renamed": {"train": renamed}}
+    )
     got = _load_offline(hf_home, "acme/refiner-rows", "hub", None, "train", "main")
     assert got["rows"] == rows[:2] and got["refs"] == ["row 0", "row 1"] and got["problems"] == []
     assert _load_offline(hf_home, "acme/refiner-rows", "hub", None, "test", "main")["rows"] == rows[2:3]
@@ -270,12 +289,16 @@ def test_a_cached_hub_dataset_loads_offline_with_its_config_and_split(tmp_path):
     assert got["rows"] == [{**renamed[0], "question": rows[3]["question"]}]  # the mapped column reads as question
     assert got["problems"] == []
     problems = _load_offline(hf_home, "acme/refiner-rows", "hub", {"question": "prompt"}, "train", "main")["problems"]
-    assert problems == ["data.fields: question -> 'prompt': no such column in acme/refiner-rows; its columns: id, "
-                        "question, reasoning, tool_output, answer, positive_rubrics, negative_rubrics"]
+    assert problems == [
+        "data.fields: question -> 'prompt': no such column in acme/refiner-rows; its columns: id, "
+        "question, reasoning, tool_output, answer, positive_rubrics, negative_rubrics"
+    ]
     got = _load_offline(hf_home, "acme/refiner-rows", "hub", None, "validation", "main")
     assert "split 'validation'" in got["error"] and "['train', 'test']" in got["error"]
-    assert got["problems"] == ["data.path: hub dataset 'acme/refiner-rows' (config 'main'): no split 'validation'; "
-                               "available: ['train', 'test']"]
+    assert got["problems"] == [
+        "data.path: hub dataset 'acme/refiner-rows' (config 'main'): no split 'validation'; "
+        "available: ['train', 'test']"
+    ]
     got = _load_offline(hf_home, "acme/refiner-rows", "hub", None, "train", "other")
     assert "config 'other'" in got["error"] and "['main', 'renamed']" in got["error"]
     assert len(got["problems"]) == 1 and "config 'other'" in got["problems"][0]

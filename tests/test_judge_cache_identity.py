@@ -15,11 +15,10 @@ import uuid
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
+from fault_server import LoopbackServer
 from refiner_core.config import RewardConfig
 from refiner_core.judges.base import score_rollouts
 from refiner_core.judges.openai_judge import make_openai_judge
-
-from fault_server import LoopbackServer
 from test_openai_judge import make_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,8 +30,14 @@ class ConstantJudge(LoopbackServer):
     vLLM does: its `root` (the folder it loaded), and `created` / `permission` ids that change on every listing.
     `lists_models=False` answers that listing with 404. Counts chat requests and listings."""
 
-    def __init__(self, score: int, model: str = "step_0002", root: str = "/runs/a/checkpoints/step_0002",
-                 port: int = 0, lists_models: bool = True):
+    def __init__(
+        self,
+        score: int,
+        model: str = "step_0002",
+        root: str = "/runs/a/checkpoints/step_0002",
+        port: int = 0,
+        lists_models: bool = True,
+    ):
         self.score, self.model, self.root, self.lists_models = score, model, root, lists_models
         self.requests = self.listings = 0
         self.lock = threading.Lock()
@@ -55,9 +60,16 @@ class ConstantJudge(LoopbackServer):
                     outer.listings += 1
                 if not outer.lists_models:
                     return self._send(404, {"error": "not found"})
-                card = {"id": outer.model, "object": "model", "created": time.time_ns(), "owned_by": "vllm",
-                        "root": outer.root, "parent": None, "max_model_len": 4096,
-                        "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "created": time.time_ns()}]}
+                card = {
+                    "id": outer.model,
+                    "object": "model",
+                    "created": time.time_ns(),
+                    "owned_by": "vllm",
+                    "root": outer.root,
+                    "parent": None,
+                    "max_model_len": 4096,
+                    "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "created": time.time_ns()}],
+                }
                 self._send(200, {"object": "list", "data": [card]})
 
             def do_POST(self):  # noqa: N802
@@ -66,17 +78,36 @@ class ConstantJudge(LoopbackServer):
                     outer.requests += 1
                 if body["model"] != outer.model:
                     return self._send(404, {"error": f"The model `{body['model']}` does not exist."})
-                self._send(200, {"object": "chat.completion", "model": outer.model, "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": json.dumps({"score": outer.score})},
-                     "finish_reason": "stop"}]})
+                self._send(
+                    200,
+                    {
+                        "object": "chat.completion",
+                        "model": outer.model,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": json.dumps({"score": outer.score})},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                    },
+                )
 
         self.listen(Handler, port)
 
 
-
 def _judge(server: ConstantJudge, cache_dir: Path, **cfg):
-    judge = make_openai_judge("", {"base_url": server.base_url, "mode": "json", "max_new_tokens": 8,
-                                   "concurrency": 4, "cache_path": str(cache_dir), **cfg})
+    judge = make_openai_judge(
+        "",
+        {
+            "base_url": server.base_url,
+            "mode": "json",
+            "max_new_tokens": 8,
+            "concurrency": 4,
+            "cache_path": str(cache_dir),
+            **cfg,
+        },
+    )
     judge.progress = False
     return judge
 
@@ -131,17 +162,26 @@ def test_the_key_is_the_same_in_another_process(tmp_path):
     nothing process-specific either: a fresh interpreter judging the same pairs makes no request."""
     with ConstantJudge(score=2) as server:
         _scores(_judge(server, tmp_path))
-        code = ("import json, sys; sys.path.insert(0, 'tests'); from test_judge_cache_identity import "
-                "_judge_in_child; print(json.dumps(_judge_in_child(*sys.argv[1:])))")
-        out = subprocess.run([sys.executable, "-c", code, server.base_url, str(tmp_path)], cwd=REPO, check=True,
-                             capture_output=True, text=True, timeout=120).stdout
+        code = (
+            "import json, sys; sys.path.insert(0, 'tests'); from test_judge_cache_identity import "
+            "_judge_in_child; print(json.dumps(_judge_in_child(*sys.argv[1:])))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, server.base_url, str(tmp_path)],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
         assert json.loads(out.splitlines()[-1]) == {"pairs": PAIRS, "cache_hits": PAIRS}
         assert server.requests == PAIRS and server.listings == 2
 
 
 def _judge_in_child(base_url: str, cache_dir: str) -> dict:
-    judge = make_openai_judge("", {"base_url": base_url, "mode": "json", "max_new_tokens": 8, "concurrency": 4,
-                                   "cache_path": cache_dir})
+    judge = make_openai_judge(
+        "", {"base_url": base_url, "mode": "json", "max_new_tokens": 8, "concurrency": 4, "cache_path": cache_dir}
+    )
     judge.progress = False
     scores = _scores(judge)
     return {"pairs": len(scores), "cache_hits": sum(s["cache_hit"] for s in scores)}
@@ -170,8 +210,8 @@ def _checkpoint(folder: Path, weights: bytes) -> Path:
 
 
 def test_served_name_carries_the_checkpoint_content_hash(tmp_path):
-    from refiner_core.store.checkpoints import TRAINING_STATE_FILES
     from refiner_core.judges.serve import served_model_name
+    from refiner_core.store.checkpoints import TRAINING_STATE_FILES
     from refiner_core.store.storage import dir_hash
 
     a = _checkpoint(tmp_path / "run-a" / "step_0002", b"weights of run a")
@@ -185,4 +225,3 @@ def test_served_name_carries_the_checkpoint_content_hash(tmp_path):
     assert served_model_name(a) == name_a
     assert served_model_name(a, "judge") == f"judge-{name_a.rsplit('-', 1)[1]}"
     assert served_model_name(a, name_a) == name_a  # a name that already carries the hash is kept
-

@@ -40,17 +40,33 @@ def _alive(pid: int) -> bool:
 
 
 def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tmp_path):
-    from refiner_core.runtime.http_chat import AnswerCache
     from refiner_core.judges.openai_judge import OpenAIJudge
     from refiner_core.judges.serve import free_port, served_model_name
     from refiner_core.models import resolve_model
+    from refiner_core.runtime.http_chat import AnswerCache
 
     port = free_port()
     out = tmp_path / "serve.out"
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "judge", "serve", str(tiny_model_path),
-                                 "--port", str(port), "--name", "tiny"], cwd=REPO, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=sigint_default)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "judge",
+                "serve",
+                str(tiny_model_path),
+                "--port",
+                str(port),
+                "--name",
+                "tiny",
+            ],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=sigint_default,
+        )
     try:
         deadline = time.monotonic() + 300
         while "pid:" not in out.read_text() and proc.poll() is None and time.monotonic() < deadline:
@@ -64,8 +80,12 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
         assert re.fullmatch(r"tiny-[0-9a-f]{12}", served) and f"model: {served}" in text
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == served
         # the judge-cache identity vLLM gives: the folder it loaded, the same on every listing
-        identities = [OpenAIJudge(base_url=f"http://127.0.0.1:{port}/v1", model=served, cache=AnswerCache(tmp_path),
-                                  progress=False).identity() for _ in range(2)]
+        identities = [
+            OpenAIJudge(
+                base_url=f"http://127.0.0.1:{port}/v1", model=served, cache=AnswerCache(tmp_path), progress=False
+            ).identity()
+            for _ in range(2)
+        ]
         assert identities[0] == identities[1]
         assert identities[0]["reported"]["root"] == str(resolve_model(str(tiny_model_path)))
         proc.send_signal(signal.SIGINT)
@@ -101,9 +121,18 @@ def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_rec
     port = free_port()
     recipe = tiny_recipe
     recipe["grpo"]["steps"] = 2
-    recipe["judge"].update({"engine": "openai", "serve": True, "base_url": f"http://127.0.0.1:{port}/v1",
-                            "api_model": "tiny-judge", "mode": "json", "concurrency": 4, "timeout_seconds": 60,
-                            "cache_path": str(tmp_path / "judge-cache")})
+    recipe["judge"].update(
+        {
+            "engine": "openai",
+            "serve": True,
+            "base_url": f"http://127.0.0.1:{port}/v1",
+            "api_model": "tiny-judge",
+            "mode": "json",
+            "concurrency": 4,
+            "timeout_seconds": 60,
+            "cache_path": str(tmp_path / "judge-cache"),
+        }
+    )
     run_dir = tmp_path / "run"
     state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
     assert state.is_completed(), state.message
@@ -113,8 +142,10 @@ def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_rec
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
     try:
-        rows = con.execute("SELECT raw_output, failure, score, attempts, cache_hit, judge_model, prompt_hash, "
-                           "latency_seconds, judge FROM judge_scores").fetchall()
+        rows = con.execute(
+            "SELECT raw_output, failure, score, attempts, cache_hit, judge_model, prompt_hash, "
+            "latency_seconds, judge FROM judge_scores"
+        ).fetchall()
         expected = con.execute("SELECT count(*) FROM rollouts r JOIN rubrics b USING (prompt_id)").fetchone()[0]
     finally:
         con.close()

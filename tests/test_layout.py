@@ -82,7 +82,9 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_refiner_core_has_no_import_cycle():
     graph = import_graph()
-    assert "refiner_core.rubrics.normalise" in graph and graph["refiner_core.rubrics.join"] >= {"refiner_core.rubrics.normalise"}
+    assert "refiner_core.rubrics.normalise" in graph and graph["refiner_core.rubrics.join"] >= {
+        "refiner_core.rubrics.normalise"
+    }
     assert cycles(graph) == []
 
 
@@ -92,7 +94,9 @@ def test_storage_io_knows_nothing_of_rewards_or_the_catalog():
     assert not graph["refiner_core.rubrics.normalise"] & {"refiner_core.data.rows", "refiner_core.rubrics.generate"}
 
 
-@pytest.mark.parametrize("module", ["refiner_core.reward.rescore", "refiner_core.store.catalog", "refiner_core.algo.advantages"])
+@pytest.mark.parametrize(
+    "module", ["refiner_core.reward.rescore", "refiner_core.store.catalog", "refiner_core.algo.advantages"]
+)
 def test_numpy_and_duckdb_paths_load_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

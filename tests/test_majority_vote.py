@@ -12,18 +12,21 @@ from refiner_core.reward.pseudo_labels import Vote, majority_vote, verdict_again
 from refiner_core.reward.verifiers import make_verifier, verdict_columns
 
 
-@pytest.mark.parametrize("votes, expected", [
-    (["3", "4", "3", None], Vote("3", 2, 3, False)),
-    (["5", "6", "6", "5"], Vote("5", 2, 4, True)),  # 2-2 tie: the answer cast first wins
-    ([None, "6", "5", "5", "6"], Vote("6", 2, 4, True)),  # a non-vote does not count as "first"
-    (["7", "8", "9"], Vote("7", 1, 3, True)),  # all different: a three-way tie, the first vote wins
-    (["14.0", "$14$", "15"], Vote("14.0", 2, 3, False)),  # counted by normalised text, reported as first cast
-    (["-4", "4", "4"], Vote("4", 2, 3, False)),  # the sign is part of the answer
-    (["\\frac{1}{2}", "3", "0.5"], Vote("\\frac{1}{2}", 2, 3, False)),  # equal by math-verify: one answer
-    (["0.5", "3", "3", "1/2"], Vote("0.5", 2, 4, True)),  # 2-2 tie of equivalence classes: first cast wins
-    ([None, None], Vote(None, 0, 0, False)),  # no vote: empty label
-    ([], Vote(None, 0, 0, False)),
-])
+@pytest.mark.parametrize(
+    "votes, expected",
+    [
+        (["3", "4", "3", None], Vote("3", 2, 3, False)),
+        (["5", "6", "6", "5"], Vote("5", 2, 4, True)),  # 2-2 tie: the answer cast first wins
+        ([None, "6", "5", "5", "6"], Vote("6", 2, 4, True)),  # a non-vote does not count as "first"
+        (["7", "8", "9"], Vote("7", 1, 3, True)),  # all different: a three-way tie, the first vote wins
+        (["14.0", "$14$", "15"], Vote("14.0", 2, 3, False)),  # counted by normalised text, reported as first cast
+        (["-4", "4", "4"], Vote("4", 2, 3, False)),  # the sign is part of the answer
+        (["\\frac{1}{2}", "3", "0.5"], Vote("\\frac{1}{2}", 2, 3, False)),  # equal by math-verify: one answer
+        (["0.5", "3", "3", "1/2"], Vote("0.5", 2, 4, True)),  # 2-2 tie of equivalence classes: first cast wins
+        ([None, None], Vote(None, 0, 0, False)),  # no vote: empty label
+        ([], Vote(None, 0, 0, False)),
+    ],
+)
 def test_majority_vote_hand_computed(votes, expected):
     assert majority_vote(votes) == expected
 
@@ -50,8 +53,18 @@ def test_label_match_uses_math_equivalence_and_reports_agreement_with_the_truth(
 
 
 def _rollouts(prompt_id: str, answers: list[str]) -> list[dict]:
-    return [{"run": "r", "step": 0, "prompt_id": prompt_id, "sample_idx": i, "response_text": text,
-             "finish_reason": "stop", "response_tokens": 5} for i, text in enumerate(answers)]
+    return [
+        {
+            "run": "r",
+            "step": 0,
+            "prompt_id": prompt_id,
+            "sample_idx": i,
+            "response_text": text,
+            "finish_reason": "stop",
+            "response_tokens": 5,
+        }
+        for i, text in enumerate(answers)
+    ]
 
 
 PROMPTS = {
@@ -66,9 +79,11 @@ PROMPTS = {
 def test_twin_verifier_labels_each_view_by_the_other_views_majority():
     """q's rollouts vote 3, 3, 4; its twin's vote 4, 4, 3 and one abstains. Each view is scored against the
     other's majority: q against '4' (wrong), q-r against '3' (right)."""
-    rollouts = (_rollouts("q", [r"\boxed{3}", r"\boxed{3}", r"\boxed{4}"])
-                + _rollouts("q-r", [r"\boxed{4}", r"\boxed{4}", r"\boxed{3}", "no idea"])
-                + _rollouts("lone", [r"\boxed{5}", r"\boxed{5}"]))  # its twin was not sampled: empty label
+    rollouts = (
+        _rollouts("q", [r"\boxed{3}", r"\boxed{3}", r"\boxed{4}"])
+        + _rollouts("q-r", [r"\boxed{4}", r"\boxed{4}", r"\boxed{3}", "no idea"])
+        + _rollouts("lone", [r"\boxed{5}", r"\boxed{5}"])
+    )  # its twin was not sampled: empty label
     verdicts = make_verifier("co_rewarding")(rollouts, PROMPTS)
     rows = [verdict_columns(v) for v in verdicts]
     assert [r["verifier_score"] for r in rows] == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
@@ -90,8 +105,16 @@ def test_without_ground_truth_correct_is_null_and_rewards_still_come_from_the_la
             raise AssertionError(f"the judge was used ({item}) for prompts without rubrics")
 
     rollouts = _rollouts("open", [r"\boxed{2}", r"\boxed{9}"]) + _rollouts("open-r", [r"\boxed{9}", r"\boxed{9}"])
-    scored = score_rollouts(rollouts, PROMPTS, {}, NoJudge(), RewardConfig(verifier="co_rewarding",
-                            verification_reward=10.0, format_weight=0.0), "zero", 2000, 64)
+    scored = score_rollouts(
+        rollouts,
+        PROMPTS,
+        {},
+        NoJudge(),
+        RewardConfig(verifier="co_rewarding", verification_reward=10.0, format_weight=0.0),
+        "zero",
+        2000,
+        64,
+    )
     rewards = {(r["prompt_id"], r["sample_idx"]): r for r in scored.rewards}
     assert [rewards[("open", i)]["reward"] for i in range(2)] == [0.0, 10.0]  # label '9' from the twin
     assert [rewards[("open-r", i)]["reward"] for i in range(2)] == [0.0, 0.0]  # label '2': open's 2-9 tie, first cast
@@ -134,15 +157,22 @@ def test_twins_share_a_split_and_unpaired_views_are_quarantined(tiny_tokenizer):
     from refiner_core.data.rows import RawRow, prepare_prompts, validate_rows
 
     def row(rid, twin):
-        return {"id": rid, "messages": [{"role": "user", "content": f"question {rid}"}], "ground_truth": "1",
-                "twin_id": twin}
+        return {
+            "id": rid,
+            "messages": [{"role": "user", "content": f"question {rid}"}],
+            "ground_truth": "1",
+            "twin_id": twin,
+        }
 
     rows = [row("a", "a-r"), row("a-r", "a"), row("c", "missing"), row("d", "d"), row("e", "a"), row("plain", None)]
     raw = [RawRow(f"line {i + 1}", json.dumps(r), r) for i, r in enumerate(rows)]
     prompts, rejected = prepare_prompts(validate_rows(raw).rows, tiny_tokenizer, "r", 512, 64, 0.5, seed=3)
     assert sorted(p["prompt_id"] for p in prompts) == ["a", "a-r", "plain"]
-    assert {r.row_ref: r.reason for r in rejected} == {"line 3": "unknown_twin", "line 4": "unknown_twin",
-                                                       "line 5": "unknown_twin"}
+    assert {r.row_ref: r.reason for r in rejected} == {
+        "line 3": "unknown_twin",
+        "line 4": "unknown_twin",
+        "line 5": "unknown_twin",
+    }
     assert "'missing' is not a prepared prompt" in rejected[0].detail and "names itself" in rejected[1].detail
     by_id = {p["prompt_id"]: p for p in prompts}
     assert by_id["a"]["twin_id"] == "a-r" and by_id["plain"]["twin_id"] is None

@@ -11,17 +11,32 @@ import pytest
 
 from conftest import catalog_rows
 from refiner_core.config import load_recipe
-from refiner_core.reward.ground_truth import verify
 from refiner_core.preflight import check_recipe
+from refiner_core.reward.ground_truth import verify
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES_PAGE = (REPO / "docs" / "recipes.md").read_text()
 MATH_RECIPES = ("gt-grpo-math", "co-rewarding-1", "co-rewarding-2")
 # The recipes hold GPU settings; these make them run on the tiny model in seconds.
-TINY = ["model.policy=tiny-qwen3", "model.dtype=float32", "model.max_position_embeddings=2048",
-        "rollout.engine=hf", "rollout.samples_per_prompt=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=12",
-        "rollout.batch_size=16", "grpo.learner=torch", "grpo.world_size=1", "grpo.steps=2", "grpo.learning_rate=1e-3",
-        "grpo.micro_batch_size=8", "eval.every=2", "eval.prompts=4", "eval.max_new_tokens=12", "judge.batch_size=8"]
+TINY = [
+    "model.policy=tiny-qwen3",
+    "model.dtype=float32",
+    "model.max_position_embeddings=2048",
+    "rollout.engine=hf",
+    "rollout.samples_per_prompt=4",
+    "rollout.prompts_per_step=2",
+    "rollout.max_new_tokens=12",
+    "rollout.batch_size=16",
+    "grpo.learner=torch",
+    "grpo.world_size=1",
+    "grpo.steps=2",
+    "grpo.learning_rate=1e-3",
+    "grpo.micro_batch_size=8",
+    "eval.every=2",
+    "eval.prompts=4",
+    "eval.max_new_tokens=12",
+    "judge.batch_size=8",
+]
 
 
 def _run(recipe: str, run_dir: Path, extra: list[str] = ()) -> Path:
@@ -62,15 +77,20 @@ def co_run(prefect_server, tmp_path_factory):
 
 
 def test_gt_grpo_rewards_are_verified_correctness(gt_run):
-    rows = catalog_rows(gt_run, "SELECT verifier, verify_method, correct, reward, verification_reward, response_text, "
-                         "ground_truth FROM rewards JOIN rollouts USING (run, step, prompt_id, sample_idx) "
-                         "JOIN prompts USING (run, prompt_id) WHERE reward_version = 'train'")
+    rows = catalog_rows(
+        gt_run,
+        "SELECT verifier, verify_method, correct, reward, verification_reward, response_text, "
+        "ground_truth FROM rewards JOIN rollouts USING (run, step, prompt_id, sample_idx) "
+        "JOIN prompts USING (run, prompt_id) WHERE reward_version = 'train'",
+    )
     assert len(rows) == 2 * 2 * 4  # steps x prompts x samples
     for verifier, method, correct, reward, multiplier, text, truth in rows:
         assert verifier == "ground_truth" and method in ("math_verify", "normalized_match", "no_answer")
         assert correct == verify(text, truth).score and reward == pytest.approx(multiplier * correct)
     assert catalog_rows(gt_run, "SELECT count(*) FROM judge_scores") == [(0,)]
-    assert catalog_rows(gt_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
+    assert catalog_rows(gt_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [
+        (0,)
+    ]
     assert catalog_rows(gt_run, "SELECT count(DISTINCT step), count(*) > 0 FROM evals") == [(2, True)]
 
 
@@ -79,29 +99,42 @@ def test_co_rewarding_samples_both_views_and_records_labels(co_run):
     for _, prompt_ids in steps:
         questions = {p.removesuffix("-r") for p in prompt_ids}
         assert len(questions) == 2 and sorted(prompt_ids) == sorted(q + s for q in questions for s in ("", "-r"))
-    labels = catalog_rows(co_run, """
+    labels = catalog_rows(
+        co_run,
+        """
         SELECT i.step, i.prompt_id, any_value(i.label_source), any_value(i.pseudo_label), any_value(i.label_votes),
                any_value(i.label_voters), any_value(i.label_correct), count(DISTINCT coalesce(i.pseudo_label, '∅'))
-        FROM reward_inputs i GROUP BY ALL""")
+        FROM reward_inputs i GROUP BY ALL""",
+    )
     assert len(labels) == 2 * 4
     for step, prompt_id, source, label, votes, voters, label_correct, distinct in labels:
         assert source == "twin" and distinct == 1  # one label per view and step
         twin = prompt_id.removesuffix("-r") if prompt_id.endswith("-r") else prompt_id + "-r"
-        twin_votes = catalog_rows(co_run, f"SELECT response_text FROM rollouts WHERE step = {step} AND prompt_id = '{twin}' "
-                                   "ORDER BY sample_idx")
+        twin_votes = catalog_rows(
+            co_run,
+            f"SELECT response_text FROM rollouts WHERE step = {step} AND prompt_id = '{twin}' ORDER BY sample_idx",
+        )
         from refiner_core.reward.pseudo_labels import majority_vote, vote_of
 
         expected = majority_vote([vote_of(t) for (t,) in twin_votes])
         assert (label, votes, voters) == (expected.label, expected.votes, expected.voters)
         assert (label_correct is None) == (label is None)
     # an empty label scores 0; a non-empty one scores the match; each view is its own group
-    assert catalog_rows(co_run, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND (reward <> 0 OR "
-                         "verify_method <> 'no_label')") == [(0,)]
-    assert catalog_rows(co_run, "SELECT count(*) FROM rewards WHERE verifier <> 'co_rewarding' OR correct IS NULL") == [(0,)]
+    assert catalog_rows(
+        co_run,
+        "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND (reward <> 0 OR verify_method <> 'no_label')",
+    ) == [(0,)]
+    assert catalog_rows(co_run, "SELECT count(*) FROM rewards WHERE verifier <> 'co_rewarding' OR correct IS NULL") == [
+        (0,)
+    ]
     groups = catalog_rows(co_run, "SELECT step, prompt_id, round(sum(advantage), 9) FROM advantages GROUP BY ALL")
     assert len(groups) == 2 * 4 and all(abs(total) < 1e-6 for _, _, total in groups)
-    assert catalog_rows(co_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [(0,)]
-    assert catalog_rows(co_run, "SELECT count(*) > 0, count(*) FILTER (WHERE label_source <> 'twin') FROM evals") == [(True, 0)]
+    assert catalog_rows(co_run, "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [
+        (0,)
+    ]
+    assert catalog_rows(co_run, "SELECT count(*) > 0, count(*) FILTER (WHERE label_source <> 'twin') FROM evals") == [
+        (True, 0)
+    ]
 
 
 def _sets(text: str) -> list[str]:
@@ -127,7 +160,11 @@ def test_the_demonstration_is_the_documented_line():
     assert overrides(4, 0) == documented_math_line("gt-grpo-math")
 
 
-VERIFIER_OF = {"gt-grpo-math": "ground_truth", "co-rewarding-1": "co_rewarding", "co-rewarding-2": "co_rewarding_teacher"}
+VERIFIER_OF = {
+    "gt-grpo-math": "ground_truth",
+    "co-rewarding-1": "co_rewarding",
+    "co-rewarding-2": "co_rewarding_teacher",
+}
 
 
 @pytest.mark.parametrize("name, verifier", list(VERIFIER_OF.items()))
@@ -136,7 +173,11 @@ def test_math_recipes_hold_the_gpu_settings(name, verifier):
     assert cfg.reward.verifier == verifier and cfg.reward.verification_reward == 1.0 and cfg.reward.format_weight == 0
     assert (cfg.rollout.samples_per_prompt, cfg.grpo.beta, cfg.grpo.kl_estimator) == (8, 0.001, "k3")
     assert (cfg.rollout.engine, cfg.grpo.learner, cfg.grpo.zero_stage, cfg.grpo.advantage_std_ddof) == (
-        "vllm", "deepspeed", 3, 1)
+        "vllm",
+        "deepspeed",
+        3,
+        1,
+    )
     assert "knoveleng/open-rs" in (REPO / "recipes" / f"{name}.yaml").read_text() or name == "co-rewarding-2"
     problems = check_recipe(cfg)  # the 4B checkpoint is a local folder this machine does not have
     assert problems and all("Qwen3-4B-Base" in p for p in problems), problems
@@ -177,8 +218,11 @@ def test_rephrasing_through_an_openai_compatible_server_is_cached_and_checked(tm
             question = body["messages"][0]["content"].split("Question: ")[1]
             requests.append(question)
             numbers = re.findall(r"\d+", question)
-            text = f"Take {numbers[0]} and combine it with {' and '.join(numbers[1:])} as asked." if "+" in question \
-                else "Some number."  # differences: an unusable answer without the numbers
+            text = (
+                f"Take {numbers[0]} and combine it with {' and '.join(numbers[1:])} as asked."
+                if "+" in question
+                else "Some number."
+            )  # differences: an unusable answer without the numbers
             reply = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

@@ -16,15 +16,31 @@ from refiner_core.store.model_card import model_card
 from refiner_core.store.storage import dir_hash
 
 REPO = Path(__file__).resolve().parents[1]
-EVAL_OVERRIDES = ["data.validation_fraction=0.25", "grpo.steps=2", "eval.every=2", "eval.prompts=3",
-                  "eval.samples=2", "eval.max_new_tokens=16", "grpo.learning_rate=0.0007",
-                  "run.report_to=[tensorboard, mlflow]"]
+EVAL_OVERRIDES = [
+    "data.validation_fraction=0.25",
+    "grpo.steps=2",
+    "eval.every=2",
+    "eval.prompts=3",
+    "eval.samples=2",
+    "eval.max_new_tokens=16",
+    "grpo.learning_rate=0.0007",
+    "run.report_to=[tensorboard, mlflow]",
+]
 
 
 def _card(overrides: list[str], **kw) -> str:
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml", overrides).to_dict()
-    return model_card(recipe, **{"kind": "grpo", "run": "r", "step": 2, "checkpoint": "checkpoints/step_0002",
-                                 "parent": "checkpoints/step_0001", **kw})
+    return model_card(
+        recipe,
+        **{
+            "kind": "grpo",
+            "run": "r",
+            "step": 2,
+            "checkpoint": "checkpoints/step_0002",
+            "parent": "checkpoints/step_0001",
+            **kw,
+        },
+    )
 
 
 def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
@@ -70,7 +86,6 @@ def evaluated_run(prefect_server, tiny_model_path, tmp_path_factory):
     return recipe, run_dir
 
 
-
 def test_every_checkpoint_of_a_run_has_a_card_with_its_settings_and_eval(evaluated_run):
     recipe, run_dir = evaluated_run
     first = ModelCard.load(run_dir / "checkpoints" / "step_0001" / "README.md")
@@ -86,25 +101,31 @@ def test_every_checkpoint_of_a_run_has_a_card_with_its_settings_and_eval(evaluat
     assert "## Held-out evaluation" in last.text and "## Held-out evaluation" not in first.text
     prompts = catalog_rows(run_dir, "SELECT count(DISTINCT prompt_id) FROM evals WHERE step = 2")[0][0]
     assert f"| 2 | grpo | sampled | {prompts} |" in last.text
-    train, validation = catalog_rows(run_dir, "SELECT count(*) FILTER (split = 'train'), count(*) FILTER "
-                                        "(split = 'validation') FROM prompts")[0]
+    train, validation = catalog_rows(
+        run_dir, "SELECT count(*) FILTER (split = 'train'), count(*) FILTER (split = 'validation') FROM prompts"
+    )[0]
     assert f"| prompts | {train} train, {validation} validation |" in last.text
 
 
 def test_cached_rerun_stays_cached_and_keeps_the_cards(evaluated_run):
-    from flows.refiner import refiner_pipeline
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.refiner import refiner_pipeline
 
     recipe, run_dir = evaluated_run
     card = (run_dir / "checkpoints" / "step_0002" / "README.md").read_text()
     state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
     assert state.is_completed(), state.message
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
-            id=FlowRunFilterId(any_=[state.state_details.flow_run_id])), limit=200)
-    stages = [(r.name, r.state.name) for r in runs if r.name.split("[")[0] in
-              ("prepare-data", "ingest-rubrics", "rollout", "judge", "grpo-update", "eval")]
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])), limit=200
+        )
+    stages = [
+        (r.name, r.state.name)
+        for r in runs
+        if r.name.split("[")[0] in ("prepare-data", "ingest-rubrics", "rollout", "judge", "grpo-update", "eval")
+    ]
     # a recomputed stage (a checkpoint whose hash changed with its card) would be a second, Completed task run
     assert stages and {state for _, state in stages} == {"Cached"}, stages
     assert len(stages) == len({name for name, _ in stages}), stages
@@ -119,8 +140,9 @@ def test_tensorboard_and_mlflow_hold_the_steps_table(evaluated_run):
     steps = catalog_rows(run_dir, "SELECT step, reward_mean, kl FROM steps ORDER BY step")
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("steps/reward_mean")] == \
-        [(s, pytest.approx(r, rel=1e-6, abs=1e-7)) for s, r, _ in steps]
+    assert [(e.step, e.value) for e in events.Scalars("steps/reward_mean")] == [
+        (s, pytest.approx(r, rel=1e-6, abs=1e-7)) for s, r, _ in steps
+    ]
     ledger = yaml.safe_load((run_dir / "tracking" / "mlflow.json").read_text())
     client, run_id = MlflowClient(tracking_uri=ledger["tracking_uri"]), ledger["id"]
     history = client.get_metric_history(run_id, "steps/kl")
@@ -136,8 +158,9 @@ def test_sft_and_teacher_checkpoints_get_their_own_cards(tmp_path):
     teacher, sft = tmp_path / "teacher" / "step_0002", tmp_path / "checkpoints" / "sft"
     for folder in (teacher, sft):
         folder.mkdir(parents=True)
-    write_model_card(teacher, tmp_path, kind="teacher", run="co2", step=2,
-                     parent=str(tmp_path / "teacher" / "step_0001"))
+    write_model_card(
+        teacher, tmp_path, kind="teacher", run="co2", step=2, parent=str(tmp_path / "teacher" / "step_0001")
+    )
     write_model_card(sft, tmp_path, kind="sft", run="co2", step=None)
     card = ModelCard.load(teacher / "README.md")
     assert "ema-teacher" in card.data.tags and "trained from `teacher/step_0001`" in card.text

@@ -9,36 +9,59 @@ import socket
 
 import pytest
 
+from fault_server import CLIENT_TIMEOUT, FaultServer
 from refiner_core.config import RewardConfig
-from refiner_core.runtime.http_chat import RetryPolicy
 from refiner_core.judges.base import JudgeFailed, score_rollouts
-from refiner_core.runtime.http_chat import AnswerCache
 from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
+from refiner_core.runtime.http_chat import AnswerCache, RetryPolicy
 from refiner_core.schema import JUDGE_SCORES
 from refiner_core.store.storage import read_rows, write_table
-
-from fault_server import CLIENT_TIMEOUT, FaultServer
 
 
 def make_batch(n_prompts: int = 10, samples: int = 4, n_rubrics: int = 3, step: int = 0):
     prompts, rubrics, rollouts = {}, {}, []
     for p in range(n_prompts):
         pid = f"p{p}"
-        prompts[pid] = {"prompt_id": pid, "question": f"What is fact {p}?", "snippet_ids": ["a1", "b2"],
-                        "ground_truth": None}
-        rubrics[pid] = [{"rubric_id": f"{pid}-r{k}", "kind": "negative" if k == 2 else "positive", "weight": 1.0,
-                         "description": f"Criterion {k} for {pid}"} for k in range(n_rubrics)]
+        prompts[pid] = {
+            "prompt_id": pid,
+            "question": f"What is fact {p}?",
+            "snippet_ids": ["a1", "b2"],
+            "ground_truth": None,
+        }
+        rubrics[pid] = [
+            {
+                "rubric_id": f"{pid}-r{k}",
+                "kind": "negative" if k == 2 else "positive",
+                "weight": 1.0,
+                "description": f"Criterion {k} for {pid}",
+            }
+            for k in range(n_rubrics)
+        ]
         for s in range(samples):
-            rollouts.append({"run": "t", "step": step, "prompt_id": pid, "sample_idx": s, "finish_reason": "stop",
-                             "response_tokens": 12,
-                             "response_text": f"<answer><snippet id=a1>Fact {p} variant {s}.</snippet></answer>"})
+            rollouts.append(
+                {
+                    "run": "t",
+                    "step": step,
+                    "prompt_id": pid,
+                    "sample_idx": s,
+                    "finish_reason": "stop",
+                    "response_tokens": 12,
+                    "response_text": f"<answer><snippet id=a1>Fact {p} variant {s}.</snippet></answer>",
+                }
+            )
     return rollouts, prompts, rubrics
 
 
 def _judge(server: FaultServer, cache_dir, **kw) -> OpenAIJudge:
-    args = dict(base_url=server.base_url, model="fault-judge", concurrency=8, timeout_seconds=CLIENT_TIMEOUT,
-                policy=RetryPolicy(max_retries=2, backoff_seconds=0.01, backoff_max_seconds=0.05),
-                cache=AnswerCache(cache_dir), progress=False)
+    args = dict(
+        base_url=server.base_url,
+        model="fault-judge",
+        concurrency=8,
+        timeout_seconds=CLIENT_TIMEOUT,
+        policy=RetryPolicy(max_retries=2, backoff_seconds=0.01, backoff_max_seconds=0.05),
+        cache=AnswerCache(cache_dir),
+        progress=False,
+    )
     return OpenAIJudge(**{**args, **kw})
 
 
@@ -66,8 +89,9 @@ def test_faults_become_rows_retries_are_counted_and_rescoring_makes_no_request(t
         assert first_pass == sum(s["attempts"] for s in scores)
         failed = len(kinds["http_503"])
         assert 0.1 < (failed + len(kinds["unparseable"]) + len(retried)) / pairs < 0.45
-        assert all(s["judge_model"] == "fault-judge" and len(s["prompt_hash"]) == 32 and not s["cache_hit"]
-                   for s in scores)
+        assert all(
+            s["judge_model"] == "fault-judge" and len(s["prompt_hash"]) == 32 and not s["cache_hit"] for s in scores
+        )
         assert all(s["latency_seconds"] is not None for s in scores if s["failure"] is None or s["raw_output"])
         timed_out = [s for s in retried if s["latency_seconds"] >= CLIENT_TIMEOUT]
         assert timed_out, "a timed-out first attempt shows in the latency of its pair"
@@ -109,9 +133,14 @@ def test_refused_connection_is_retried_then_recorded(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    judge = OpenAIJudge(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_seconds=1.0,
-                        policy=RetryPolicy(max_retries=2, backoff_seconds=0.01), cache=AnswerCache(tmp_path),
-                        progress=False)
+    judge = OpenAIJudge(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        model="m",
+        timeout_seconds=1.0,
+        policy=RetryPolicy(max_retries=2, backoff_seconds=0.01),
+        cache=AnswerCache(tmp_path),
+        progress=False,
+    )
     scores, rewards = _score(judge, make_batch(n_prompts=1, samples=2, n_rubrics=2))
     assert all(s["failure"].startswith("refused") and s["attempts"] == 3 for s in scores)
     assert all(r["rubric_score"] == 0.0 and r["rubrics_failed"] == 2 for r in rewards)
@@ -121,8 +150,14 @@ def test_refused_connection_is_retried_then_recorded(tmp_path):
 def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, monkeypatch):
     monkeypatch.setenv("MY_JUDGE_KEY", "sk-secret-123")
     with FaultServer(faults=False) as server:
-        cfg = {"base_url": server.base_url, "api_key_env": "MY_JUDGE_KEY", "mode": "json", "max_new_tokens": 8,
-               "cache_path": str(tmp_path / "cache"), "concurrency": 2}
+        cfg = {
+            "base_url": server.base_url,
+            "api_key_env": "MY_JUDGE_KEY",
+            "mode": "json",
+            "max_new_tokens": 8,
+            "cache_path": str(tmp_path / "cache"),
+            "concurrency": 2,
+        }
         judge = make_openai_judge("", cfg)
         judge.progress = False
         assert judge.model == "fault-judge"  # from GET /v1/models
@@ -144,8 +179,14 @@ def test_pairs_spread_over_several_servers_each_pair_to_one_and_cached_once(tmp_
     batch = make_batch()
     pairs = 10 * 4 * 3
     with FaultServer(faults=False) as first, FaultServer(faults=False) as second:
-        cfg = {"mode": "json", "base_url": first.base_url, "more_base_urls": [second.base_url],
-               "api_model": "fault-judge", "cache_path": str(tmp_path / "cache"), "concurrency": 4}
+        cfg = {
+            "mode": "json",
+            "base_url": first.base_url,
+            "more_base_urls": [second.base_url],
+            "api_model": "fault-judge",
+            "cache_path": str(tmp_path / "cache"),
+            "concurrency": 4,
+        }
         judge = make_openai_judge("", cfg)
         scores, _ = _score(judge, batch)
         assert len(scores) == pairs and not [s for s in scores if s["failure"]]
@@ -161,8 +202,12 @@ def test_pairs_spread_over_several_servers_each_pair_to_one_and_cached_once(tmp_
 
 def test_servers_of_other_weights_are_refused(tmp_path):
     with FaultServer(faults=False, root="/models/a") as first, FaultServer(faults=False, root="/models/b") as second:
-        cfg = {"mode": "json", "base_url": first.base_url, "more_base_urls": [second.base_url],
-               "api_model": "fault-judge"}
+        cfg = {
+            "mode": "json",
+            "base_url": first.base_url,
+            "more_base_urls": [second.base_url],
+            "api_model": "fault-judge",
+        }
         with pytest.raises(ValueError, match="judge servers report different weights for 'fault-judge'"):
             make_openai_judge("", cfg)
         with pytest.raises(ValueError, match="does not list 'other'"):
@@ -174,7 +219,14 @@ def test_transformers_judge_fills_the_new_columns(tiny_model_path):
 
     cfg = {"mode": "expected_score", "max_new_tokens": 4, "batch_size": 8, "share_prefix": True, "prefill": True}
     judge = make_judge("transformers", str(tiny_model_path), cfg)
-    scores = score_rollouts(*make_batch(n_prompts=1, samples=2, n_rubrics=2), judge, RewardConfig(), "zero", 2000,
-                            64).judge_scores
-    assert all(s["attempts"] == 1 and s["cache_hit"] is False and s["judge_model"] == str(tiny_model_path)
-               and s["latency_seconds"] > 0 and len(s["prompt_hash"]) == 32 for s in scores)
+    scores = score_rollouts(
+        *make_batch(n_prompts=1, samples=2, n_rubrics=2), judge, RewardConfig(), "zero", 2000, 64
+    ).judge_scores
+    assert all(
+        s["attempts"] == 1
+        and s["cache_hit"] is False
+        and s["judge_model"] == str(tiny_model_path)
+        and s["latency_seconds"] > 0
+        and len(s["prompt_hash"]) == 32
+        for s in scores
+    )

@@ -62,8 +62,9 @@ def wait_until_gone(pids_fn, timeout: float = 5.0) -> list[int]:
 
 
 def test_child_dies_with_its_sigkilled_parent(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", SPAWN_AND_WAIT, str(tmp_path)], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SPAWN_AND_WAIT, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     child = int(parent.stdout.readline())
     assert process_identity(child) is not None
     assert json.loads((tmp_path / f"{child}.json").read_text())["parent"] == parent.pid
@@ -75,14 +76,29 @@ def test_child_dies_with_its_sigkilled_parent(tmp_path):
 def test_next_run_stops_recorded_leftovers(tmp_path):
     """A recorded child that escaped the parent-death signal is stopped, group and all; a record whose PID now
     belongs to another process is only dropped."""
-    out = subprocess.run([sys.executable, "-c", SPAWN_PLAIN_AND_EXIT, str(tmp_path)], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SPAWN_PLAIN_AND_EXIT, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     leftover = int(out)
     assert process_identity(leftover) is not None, "the plain child outlives its parent"
     unrelated = subprocess.Popen(["sleep", "300"])
-    (tmp_path / f"{unrelated.pid}.json").write_text(json.dumps(
-        {"pid": unrelated.pid, "identity": "another-boot:1", "group": False, "host": os.uname().nodename,
-         "parent": 1, "started": "earlier", "cmd": ["sleep"]}))
+    (tmp_path / f"{unrelated.pid}.json").write_text(
+        json.dumps(
+            {
+                "pid": unrelated.pid,
+                "identity": "another-boot:1",
+                "group": False,
+                "host": os.uname().nodename,
+                "parent": 1,
+                "started": "earlier",
+                "cmd": ["sleep"],
+            }
+        )
+    )
     try:
         stopped = stop_leftovers(tmp_path)
         assert [e["pid"] for e in stopped] == [leftover]
@@ -110,9 +126,13 @@ def test_torchrun_and_its_ranks_end_with_a_sigkilled_parent(tmp_path):
     rank.write_text("import sys, time\nprint('rank up', flush=True)\ntime.sleep(300)\n")
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:
-        parent = subprocess.Popen([sys.executable, "-c", TORCHRUN_PARENT, str(rank), str(29400 + os.getpid() % 500)],
-                                  cwd=REPO, env={**os.environ, "REFINER_TEST_TAG": tag}, stdout=out,
-                                  stderr=subprocess.STDOUT)
+        parent = subprocess.Popen(
+            [sys.executable, "-c", TORCHRUN_PARENT, str(rank), str(29400 + os.getpid() % 500)],
+            cwd=REPO,
+            env={**os.environ, "REFINER_TEST_TAG": tag},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.time() + 120
         while log.read_text().count("rank up") < 2 and time.time() < deadline:
@@ -165,9 +185,24 @@ def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
     from refiner_core.judges.serve import free_port
 
     tag, port = uuid.uuid4().hex, free_port()
-    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(tmp_path / "run"), "--set", "grpo.steps=1",
-            "--set", "judge.engine=openai", "--set", "judge.serve=true", "--set", "judge.mode=json",
-            "--set", f"judge.base_url=http://127.0.0.1:{port}/v1", "--set", "judge.api_model=tiny-judge"]
+    args = [
+        "run",
+        str(REPO / "recipes" / "tiny.yaml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "grpo.steps=1",
+        "--set",
+        "judge.engine=openai",
+        "--set",
+        "judge.serve=true",
+        "--set",
+        "judge.mode=json",
+        "--set",
+        f"judge.base_url=http://127.0.0.1:{port}/v1",
+        "--set",
+        "judge.api_model=tiny-judge",
+    ]
     proc, err = start_cli(args, tmp_path, "served", {"REFINER_TEST_TAG": tag})
     try:
         wait_for_log(proc, err, "judge server healthy", timeout=420)

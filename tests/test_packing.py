@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from refiner_core.algo.packing import (IGNORE_INDEX, PackingError, concat_pack, pack_sequences, packing_efficiency)
+from refiner_core.algo.packing import IGNORE_INDEX, PackingError, concat_pack, pack_sequences, packing_efficiency
 from refiner_core.sft.data import Rendered, SFTLimits, apply_limits
 from refiner_core.sft.train import collate_packed
 
@@ -37,8 +37,9 @@ def test_a_sequence_longer_than_the_pack_is_never_split_unless_truncated():
     long = Rendered(list(range(150)), [False] * 50 + [True] * 100)
     dropped, reason, _ = apply_limits(long, SFTLimits(max_total_tokens=100, total_policy="drop", pack_length=100))
     assert dropped is None and reason == "total_too_long"
-    kept, reason, truncated = apply_limits(long, SFTLimits(max_total_tokens=100, total_policy="truncate",
-                                                           pack_length=100))
+    kept, reason, truncated = apply_limits(
+        long, SFTLimits(max_total_tokens=100, total_policy="truncate", pack_length=100)
+    )
     assert reason is None and truncated == ["total_truncated"] and kept.input_ids == list(range(100))
     assert pack_sequences([40, len(kept.input_ids), 30], 100) == [[1], [0, 2]]
 

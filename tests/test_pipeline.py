@@ -21,8 +21,11 @@ def _task_states(flow_run_id) -> dict[str, tuple[str, int]]:
     from prefect.client.schemas.sorting import TaskRunSort
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                     sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+            limit=200,
+        )
     return {r.name: (r.state.name, r.run_count) for r in runs}
 
 
@@ -69,11 +72,17 @@ def test_each_step_publishes_ui_artifacts(finished_run):
     recipe, run_dir, _ = finished_run
     steps = recipe["grpo"]["steps"]
     with get_client(sync_client=True) as client:
-        found = {what: client.read_artifacts(artifact_filter=ArtifactFilter(
-                     key=ArtifactFilterKey(any_=[artifact_key(run_dir.name, what)])))
-                 for what in ("steps", "rollouts", "curves")}
-    assert {what: len(versions) for what, versions in found.items()} == {"steps": steps, "rollouts": steps,
-                                                                           "curves": steps}
+        found = {
+            what: client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run_dir.name, what)]))
+            )
+            for what in ("steps", "rollouts", "curves")
+        }
+    assert {what: len(versions) for what, versions in found.items()} == {
+        "steps": steps,
+        "rollouts": steps,
+        "curves": steps,
+    }
     tables = [json.loads(a.data) if isinstance(a.data, str) else a.data for a in found["steps"]]
     assert sorted(len(t) for t in tables) == list(range(1, steps + 1))  # the steps so far, each step
     assert all("best" in a.data and "worst" in a.data for a in found["rollouts"])
@@ -83,18 +92,34 @@ def test_each_step_publishes_ui_artifacts(finished_run):
 def test_long_stages_report_progress_to_the_ui(finished_run):
     """Each rollout, judge and update task run carries a progress artifact that ended at 100 %, naming its bar."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType,
-                                                FlowRunFilter, FlowRunFilterId, FlowRunFilterName)
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterType,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterName,
+    )
 
     recipe, run_dir, _ = finished_run
     cfg = recipe_from_dict(recipe)
     with get_client(sync_client=True) as client:
-        flow_run = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            name=FlowRunFilterName(any_=[f"{run_dir.name}: steps 0-{cfg.grpo.steps - 1}"])))[0]
-        task_names = {r.id: r.name for r in client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])), limit=200)}
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            type=ArtifactFilterType(any_=["progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+        flow_run = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[f"{run_dir.name}: steps 0-{cfg.grpo.steps - 1}"])
+            )
+        )[0]
+        task_names = {
+            r.id: r.name
+            for r in client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])), limit=200
+            )
+        }
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                type=ArtifactFilterType(any_=["progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])
+            )
+        )
     progress = {task_names[a.task_run_id]: (float(a.data), a.description) for a in artifacts}
     sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     for step in range(cfg.grpo.steps):
@@ -113,13 +138,19 @@ def test_e2e_tables_and_weights(finished_run, tiny_model_path):
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
     rubrics_per_rollout = con.execute(
         "SELECT sum(n) FROM (SELECT count(*) AS n FROM rollouts JOIN rubrics USING (run, prompt_id) "
-        "GROUP BY step, prompt_id, sample_idx)").fetchone()[0]
+        "GROUP BY step, prompt_id, sample_idx)"
+    ).fetchone()[0]
     distinct_prompts = con.execute("SELECT count(DISTINCT (step, prompt_id)) FROM rollouts").fetchone()[0]
-    mismatched = con.execute("SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9").fetchone()[0]
-    keys_unique = con.execute("SELECT count(*) = count(DISTINCT (step, prompt_id, sample_idx, rubric_id)) "
-                              "FROM judge_scores").fetchone()[0]
-    lengths_ok = con.execute("SELECT bool_and(len(response_token_ids) = len(response_logprobs) AND "
-                             "response_tokens = len(response_token_ids)) FROM rollouts").fetchone()[0]
+    mismatched = con.execute(
+        "SELECT count(*) FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9"
+    ).fetchone()[0]
+    keys_unique = con.execute(
+        "SELECT count(*) = count(DISTINCT (step, prompt_id, sample_idx, rubric_id)) FROM judge_scores"
+    ).fetchone()[0]
+    lengths_ok = con.execute(
+        "SELECT bool_and(len(response_token_ids) = len(response_logprobs) AND "
+        "response_tokens = len(response_token_ids)) FROM rollouts"
+    ).fetchone()[0]
     con.close()
     assert counts["prompts"] == 69 and counts["quarantine"] == 0
     assert counts["rubrics"] > 69 * 3
@@ -177,7 +208,7 @@ def test_rerun_after_success_is_all_cached(finished_run):
 
 
 def test_extending_or_shortening_a_run_keeps_finished_steps_cached(finished_run):
-    """"Train one more step" reuses every finished step; going back to fewer steps is all Cached."""
+    """ "Train one more step" reuses every finished step; going back to fewer steps is all Cached."""
     recipe, run_dir, _ = finished_run
     longer = {**recipe, "grpo": {**recipe["grpo"], "steps": 3}}
     state, tasks = _run(longer, run_dir)
@@ -196,8 +227,11 @@ def test_a_setting_a_stage_does_not_read_leaves_it_cached(finished_run):
     """A looser prompt limit reruns prepare-data; its output is the same, so everything after it stays Cached.
     The SFT section is read by no stage of a run without SFT."""
     recipe, run_dir, _ = finished_run
-    changed = {**recipe, "data": {**recipe["data"], "max_prompt_tokens": recipe["data"]["max_prompt_tokens"] + 1},
-               "sft": {**recipe["sft"], "epochs": 7, "learning_rate": 0.5}}
+    changed = {
+        **recipe,
+        "data": {**recipe["data"], "max_prompt_tokens": recipe["data"]["max_prompt_tokens"] + 1},
+        "sft": {**recipe["sft"], "epochs": 7, "learning_rate": 0.5},
+    }
     state, tasks = _run(changed, run_dir)
     assert state.is_completed(), state.message
     assert tasks["prepare-data"][0] == "Completed"
@@ -234,8 +268,15 @@ def test_failed_run_resumes_at_failed_stage(prefect_server, tiny_recipe, tmp_pat
     assert not (tmp_path / "checkpoints" / "step_0002").exists()
     state, tasks = _run(recipe, tmp_path)  # the fault fired once already
     assert state.is_completed(), state.message
-    before_failure = ["prepare-data", "ingest-rubrics", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]",
-                      "rollout[step=1]", "judge[step=1]"]
+    before_failure = [
+        "prepare-data",
+        "ingest-rubrics",
+        "rollout[step=0]",
+        "judge[step=0]",
+        "grpo-update[step=0]",
+        "rollout[step=1]",
+        "judge[step=1]",
+    ]
     assert {tasks[n][0] for n in before_failure} == {"Cached"}
     assert tasks["grpo-update[step=1]"][0] == "Completed"
     assert (tmp_path / "checkpoints" / "step_0002" / "model.safetensors").exists()
@@ -263,8 +304,14 @@ def test_interrupted_and_killed_process_resumes(tmp_path):
     assert not (run_dir / "scores" / "step=1").exists()
     code, log = cli()
     assert code == 0, log[-3000:]
-    for name in ("prepare-data", "ingest-rubrics", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]",
-                 "rollout[step=1]"):
+    for name in (
+        "prepare-data",
+        "ingest-rubrics",
+        "rollout[step=0]",
+        "judge[step=0]",
+        "grpo-update[step=0]",
+        "rollout[step=1]",
+    ):
         assert f"Task run '{name}' - Finished in state Cached" in log, name
     assert "Task run 'judge[step=1]' - Finished in state Completed" in log
     assert "catalog:" in log

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from refiner_core.algo.advantages import compute_advantages
+from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, Sequences, grpo_token_loss, importance_weights
 from refiner_core.config import load_recipe
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import TrainSample, collate_group, collate_rows, token_logprobs, token_scores
 from refiner_core.learners.torch_learner import TorchLearner
-from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, Sequences, grpo_token_loss, importance_weights
 
 F64 = torch.float64
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -45,8 +45,15 @@ def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
     logp = -(torch.rand(B, T, generator=g, dtype=F64) * 2 + 0.05)
     old = logp + noise(1.2)  # ratios in [0.55, 1.8]: both clip bounds are crossed
-    return {"logp": logp, "old": old, "ref": logp + noise(1.0), "rollout": old + noise(0.8), "mask": mask,
-            "adv": torch.tensor(ADVANTAGES, dtype=F64), "entropy": torch.rand(B, T, generator=g, dtype=F64) * 3}
+    return {
+        "logp": logp,
+        "old": old,
+        "ref": logp + noise(1.0),
+        "rollout": old + noise(0.8),
+        "mask": mask,
+        "adv": torch.tensor(ADVANTAGES, dtype=F64),
+        "entropy": torch.rand(B, T, generator=g, dtype=F64) * 3,
+    }
 
 
 def _ours(b, aggregation, batch_sequences=None, constant=1.0, **kw):
@@ -54,10 +61,19 @@ def _ours(b, aggregation, batch_sequences=None, constant=1.0, **kw):
     logp = b["logp"].clone().requires_grad_()
     entropy = b["entropy"].clone().requires_grad_() if "entropy_coef" in kw else None
     mask = b["mask"]
-    out = grpo_token_loss(logp, b["old"], b["adv"][:, None], eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                          sequences=Sequences.one_per_row(mask), entropy=entropy, **kw)
-    weights = AGGREGATIONS[aggregation](mask, mask.sum(-1, keepdim=True).expand_as(mask), mask.sum().item(),
-                                        batch_sequences or mask.shape[0], constant)
+    out = grpo_token_loss(
+        logp,
+        b["old"],
+        b["adv"][:, None],
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        sequences=Sequences.one_per_row(mask),
+        entropy=entropy,
+        **kw,
+    )
+    weights = AGGREGATIONS[aggregation](
+        mask, mask.sum(-1, keepdim=True).expand_as(mask), mask.sum().item(), batch_sequences or mask.shape[0], constant
+    )
     value = (out["loss"] * weights).sum()
     value.backward()
     return (value.detach(), logp.grad) + ((entropy.grad,) if entropy is not None else ())
@@ -213,7 +229,7 @@ def _verl_sapo(logp, b, tau_pos, tau_neg):
     seqs = [i for i, n in enumerate(LENGTHS) if n]
     total = 0.0
     for i in seqs:
-        rho, a = torch.exp(logp[i, :LENGTHS[i]] - b["old"][i, :LENGTHS[i]]), b["adv"][i]
+        rho, a = torch.exp(logp[i, : LENGTHS[i]] - b["old"][i, : LENGTHS[i]]), b["adv"][i]
         total = total + (-a * _sapo_gate(rho, a, tau_pos, tau_neg)).mean()
     return total / len(seqs)
 
@@ -284,8 +300,7 @@ V = 5
 def _vocabulary(seed):
     g = torch.Generator().manual_seed(seed)
     theta = torch.randn(V, generator=g, dtype=F64)
-    return theta, torch.log_softmax(torch.randn(V, generator=g, dtype=F64), -1), torch.randn(V, generator=g,
-                                                                                              dtype=F64)
+    return theta, torch.log_softmax(torch.randn(V, generator=g, dtype=F64), -1), torch.randn(V, generator=g, dtype=F64)
 
 
 def _expected_gradient(estimator, theta, ref, old_logits=None):
@@ -294,8 +309,17 @@ def _expected_gradient(estimator, theta, ref, old_logits=None):
     theta = theta.clone().requires_grad_()
     logp = torch.log_softmax(theta, -1)
     old = logp.detach() if old_logits is None else torch.log_softmax(old_logits, -1)
-    out = grpo_token_loss(logp[None], old[None], torch.zeros(1, 1, dtype=F64), eps_low=0.2, eps_high=0.2,
-                          ref_logp=ref[None], beta=1.0, kl_estimator=estimator, kl_clamp=50.0)
+    out = grpo_token_loss(
+        logp[None],
+        old[None],
+        torch.zeros(1, 1, dtype=F64),
+        eps_low=0.2,
+        eps_high=0.2,
+        ref_logp=ref[None],
+        beta=1.0,
+        kl_estimator=estimator,
+        kl_clamp=50.0,
+    )
     expected = (old.exp() * out["kl"][0]).sum()
     (grad,) = torch.autograd.grad(expected, theta)
     return expected.detach(), grad
@@ -311,9 +335,18 @@ def _kl_gradients(theta, ref):
     return forward.detach(), grad_forward, grad_reverse
 
 
-@pytest.mark.parametrize("estimator,follows", [("k1", "zero"), ("k2", "forward"), ("k3", "reverse"),
-                                               ("ratio_k1", "forward"), ("k1+", "forward"), ("k2+", "forward"),
-                                               ("k3+", "forward")])
+@pytest.mark.parametrize(
+    "estimator,follows",
+    [
+        ("k1", "zero"),
+        ("k2", "forward"),
+        ("k3", "reverse"),
+        ("ratio_k1", "forward"),
+        ("k1+", "forward"),
+        ("k2+", "forward"),
+        ("k3+", "forward"),
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_expected_gradient_on_policy(estimator, follows, seed):
     theta, ref, _ = _vocabulary(seed)
@@ -364,8 +397,9 @@ def _trl_is_weights(b, mode, clip_min, clip_max):
 def test_importance_weights_equal_trl(level, mode):
     b = _batch()
     floor, cap = 0.85, 1.2
-    ours = importance_weights(b["old"], b["rollout"], Sequences.one_per_row(b["mask"]), level=level, mode=mode,
-                              floor=floor, cap=cap)
+    ours = importance_weights(
+        b["old"], b["rollout"], Sequences.one_per_row(b["mask"]), level=level, mode=mode, floor=floor, cap=cap
+    )
     want = _trl_is_weights(b, f"{level}_{mode}", floor, cap)
     torch.testing.assert_close(ours, want, **TOL)
     inside = (want > floor) & (want < cap)
@@ -489,8 +523,11 @@ def test_group_normalisers_equal_trl_verl_and_open_instruct():
 
 # --- sequences in packed and shared-prompt batches ----------------------------------------------------------
 def test_sequence_index_groups_packed_and_shared_prompt_tokens():
-    a, b2, c = (TrainSample([1, 2], [5, 6, 7], 1.0, [-1.0, -2.0, -3.0]), TrainSample([1], [8], -1.0, [-4.0]),
-                TrainSample([3, 4, 5], [9, 9], 0.5, [-5.0, -7.0], [True, False]))
+    a, b2, c = (
+        TrainSample([1, 2], [5, 6, 7], 1.0, [-1.0, -2.0, -3.0]),
+        TrainSample([1], [8], -1.0, [-4.0]),
+        TrainSample([3, 4, 5], [9, 9], 0.5, [-5.0, -7.0], [True, False]),
+    )
     packed = collate_rows([[a, b2], [c]], pad_id=0)
     seqs = Sequences(packed["sequence_index"], packed["mask"])
     means = seqs.mean(packed["rollout_logprobs"])
@@ -522,13 +559,25 @@ def test_token_entropy_from_the_learner_logits(tiny_model_path):
 OPTIONS = [
     ["grpo.policy_loss=dual_clip", "grpo.dual_clip_c=1.5"],
     ["grpo.policy_loss=gspo", "grpo.loss_aggregation=sequence_mean"],
-    ["grpo.policy_loss=cispo"], ["grpo.policy_loss=sapo", "grpo.sapo_tau_neg=2.0"],
-    ["grpo.kl_estimator=ratio_k1"], ["grpo.kl_estimator=k1+"], ["grpo.kl_estimator=k2+"], ["grpo.kl_estimator=k3+"],
+    ["grpo.policy_loss=cispo"],
+    ["grpo.policy_loss=sapo", "grpo.sapo_tau_neg=2.0"],
+    ["grpo.kl_estimator=ratio_k1"],
+    ["grpo.kl_estimator=k1+"],
+    ["grpo.kl_estimator=k2+"],
+    ["grpo.kl_estimator=k3+"],
     ["grpo.entropy_coef=0.01"],
-    ["grpo.tis_cap=2.0", "grpo.tis_floor=0.5", "grpo.tis_level=sequence", "grpo.tis_mode=mask",
-     "grpo.share_prompt=false", "grpo.pack_length=64"],
+    [
+        "grpo.tis_cap=2.0",
+        "grpo.tis_floor=0.5",
+        "grpo.tis_level=sequence",
+        "grpo.tis_mode=mask",
+        "grpo.share_prompt=false",
+        "grpo.pack_length=64",
+    ],
     ["grpo.tis_cap=2.0", "grpo.tis_floor=0.8", "grpo.tis_mode=truncate"],
-    ["grpo.advantage=rloo"], ["grpo.advantage=reinforce_pp"], ["grpo.advantage=reinforce_pp_baseline"],
+    ["grpo.advantage=rloo"],
+    ["grpo.advantage=reinforce_pp"],
+    ["grpo.advantage=reinforce_pp_baseline"],
 ]
 
 
@@ -536,16 +585,24 @@ OPTIONS = [
 def test_recipe_option_runs_one_update(tiny_model_path, overrides):
     from refiner_core.models import load_model
 
-    grpo = load_recipe(None, [*overrides, "grpo.minibatches=2", "grpo.beta=0.05", "grpo.learning_rate=1e-3"]
-                       ).to_dict()["grpo"]
+    grpo = load_recipe(None, [*overrides, "grpo.minibatches=2", "grpo.beta=0.05", "grpo.learning_rate=1e-3"]).to_dict()[
+        "grpo"
+    ]
     g = torch.Generator().manual_seed(0)
     rollouts, rewards = [], []
     for p in range(2):
         prompt = torch.randint(3, 2000, (5 + p,), generator=g).tolist()
         for k in range(4):
             response = torch.randint(3, 2000, (3 + k,), generator=g).tolist()
-            rollouts.append({"prompt_id": str(p), "sample_idx": k, "prompt_token_ids": prompt,
-                             "response_token_ids": response, "response_logprobs": [-7.6] * len(response)})
+            rollouts.append(
+                {
+                    "prompt_id": str(p),
+                    "sample_idx": k,
+                    "prompt_token_ids": prompt,
+                    "response_token_ids": response,
+                    "response_logprobs": [-7.6] * len(response),
+                }
+            )
             rewards.append({"prompt_id": str(p), "sample_idx": k, "reward": float((k * (p + 1)) % 3)})
     samples, _, _ = build_train_samples(rollouts, rewards, grpo)
     torch.manual_seed(0)
@@ -561,9 +618,16 @@ def test_recipe_option_runs_one_update(tiny_model_path, overrides):
 
 def test_defaults_keep_the_clipped_surrogate_and_token_truncation():
     grpo = load_recipe(None).to_dict()["grpo"]
-    assert (grpo["policy_loss"], grpo["kl_estimator"], grpo["entropy_coef"], grpo["tis_cap"], grpo["tis_floor"],
-            grpo["tis_level"], grpo["tis_mode"], grpo["advantage"]) == (
-        "ppo_clip", "k3", 0.0, 0.0, 0.0, "token", "truncate", "group_std")
+    assert (
+        grpo["policy_loss"],
+        grpo["kl_estimator"],
+        grpo["entropy_coef"],
+        grpo["tis_cap"],
+        grpo["tis_floor"],
+        grpo["tis_level"],
+        grpo["tis_mode"],
+        grpo["advantage"],
+    ) == ("ppo_clip", "k3", 0.0, 0.0, 0.0, "token", "truncate", "group_std")
 
 
 def test_unknown_names_and_bad_bounds_are_refused():

@@ -10,9 +10,15 @@ import torch
 import yaml
 
 from conftest import REPO, run_cli
-from refiner_core.runtime import hardware
 from refiner_core.config import ConfigError, load_recipe
-from refiner_core.runtime.hardware import cpu_bf16_features, cpuinfo_flags, native_bf16, resolve_precision, resolved_recipe
+from refiner_core.runtime import hardware
+from refiner_core.runtime.hardware import (
+    cpu_bf16_features,
+    cpuinfo_flags,
+    native_bf16,
+    resolve_precision,
+    resolved_recipe,
+)
 
 AVX2_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx avx2\n"
 ZEN4_CPUINFO = "processor\t: 0\nflags\t\t: fpu avx avx2 avx512f avx512_bf16 avx512_vnni\nbugs\t\t: spectre_v1\n"
@@ -26,6 +32,7 @@ def cpu(monkeypatch):
     def answer(avx512_bf16: bool, amx: bool) -> None:
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+
     return answer
 
 
@@ -36,8 +43,10 @@ def test_auto_is_fp32_without_native_bf16(cpu):
     assert not native and why.startswith("CPU (") and "has neither AVX-512 BF16 nor AMX" in why
 
 
-@pytest.mark.parametrize("avx512_bf16,amx,why", [(True, False, "CPU has AVX-512 BF16"), (False, True, "CPU has AMX"),
-                                                 (True, True, "CPU has AVX-512 BF16 and AMX")])
+@pytest.mark.parametrize(
+    "avx512_bf16,amx,why",
+    [(True, False, "CPU has AVX-512 BF16"), (False, True, "CPU has AMX"), (True, True, "CPU has AVX-512 BF16 and AMX")],
+)
 def test_auto_is_bf16_with_native_bf16(cpu, avx512_bf16, amx, why):
     cpu(avx512_bf16, amx)
     assert resolve_precision("auto") == "bf16"
@@ -76,8 +85,9 @@ def test_recipe_resolves_auto_for_stage_tasks(cpu, native, expected):
     resolved, note = resolved_recipe(cfg)
     assert resolved.to_dict()["model"]["precision"] == expected and cfg.model.precision == "auto"
     assert note.startswith(f"precision: {expected} (auto: CPU ")
-    assert {k: v for k, v in resolved.to_dict().items() if k != "model"} == \
-        {k: v for k, v in cfg.to_dict().items() if k != "model"}
+    assert {k: v for k, v in resolved.to_dict().items() if k != "model"} == {
+        k: v for k, v in cfg.to_dict().items() if k != "model"
+    }
     other = "bf16" if expected == "fp32" else "fp32"
     explicit, _ = resolved_recipe(load_recipe(REPO / "recipes" / "tiny.yaml", [f"model.precision={other}"]))
     assert explicit.model.precision == other
@@ -100,13 +110,15 @@ def test_vllm_engine_refuses_an_unresolved_precision(tiny_model_path):
 def test_recipes_keep_their_explicit_precision():
     """Recipes with the published GPU settings keep bf16; the others leave it to 'auto'."""
     explicit = {path.stem: load_recipe(path).model.precision for path in (REPO / "recipes").glob("*.yaml")}
-    assert {name for name, p in explicit.items() if p != "auto"} == \
-        {"grpo-tcr", "refiner-answer-only", "refiner-instance-rubric"}
+    assert {name for name, p in explicit.items() if p != "auto"} == {
+        "grpo-tcr",
+        "refiner-answer-only",
+        "refiner-instance-rubric",
+    }
     assert explicit["grpo-tcr"] == explicit["refiner-answer-only"] == explicit["refiner-instance-rubric"] == "bf16"
 
 
-def test_pipeline_resolves_auto_and_caches_under_the_resolved_value(prefect_server, tiny_recipe, tmp_path,
-                                                                    monkeypatch):
+def test_pipeline_resolves_auto_and_caches_under_the_resolved_value(prefect_server, tiny_recipe, tmp_path, monkeypatch):
     """A run of an 'auto' recipe on a CPU forced to lack bf16 computes in fp32 (autocast refuses 'auto', so the
     stages saw a resolved value); the same run with an explicit fp32 on the real CPU finds every stage cached."""
     from test_pipeline import _run

@@ -11,8 +11,8 @@ import pytest
 
 from refiner_core.config import load_recipe
 from refiner_core.data.rows import validate_rows
-from refiner_core.preflight import check_recipe
 from refiner_core.data.sources import SourceError, detect_format, load_rows
+from refiner_core.preflight import check_recipe
 
 REPO = Path(__file__).parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -28,7 +28,9 @@ def test_shipped_recipes_pass(recipe):
     """Every shipped recipe passes preflight; the GPU recipes may only lack their local checkpoint folder (their
     scaled-down lines in docs/recipes.md are checked by their own tests)."""
     policy = load_recipe(recipe).model.policy
-    absent_checkpoint = f"model.policy: {policy!r} is not 'tiny-qwen3' or 'smollm2-135m-instruct', and there is no folder"
+    absent_checkpoint = (
+        f"model.policy: {policy!r} is not 'tiny-qwen3' or 'smollm2-135m-instruct', and there is no folder"
+    )
     assert [p for p in problems(recipe=recipe) if not p.startswith(absent_checkpoint)] == []
 
 
@@ -71,16 +73,23 @@ def test_save_to_disk_features_and_splits(tmp_path):
     assert "has no split 'test'; its splits: train" in p
 
 
-@pytest.mark.parametrize("override,message", [
-    ("data.path=data/missing.parquet", "data.path: data/missing.parquet (resolved to "),
-    ("rubrics.path=/no/rubrics.jsonl", "rubrics.path: /no/rubrics.jsonl does not exist"),
-    ("rubrics.static_rubrics=nope.json", "rubrics.static_rubrics: nope.json (resolved to "),
-    ("model.policy=checkpoints/none", "model.policy: 'checkpoints/none' is not 'tiny-qwen3' or "
-                                      "'smollm2-135m-instruct', and there is no folder"),
-    ("model.reference=/tmp", "model.reference: '/tmp' is not 'tiny-qwen3' or 'smollm2-135m-instruct', and /tmp has "
-                             "no config.json"),
-    ("judge.model=nojudge", "judge.model: 'nojudge'"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.path=data/missing.parquet", "data.path: data/missing.parquet (resolved to "),
+        ("rubrics.path=/no/rubrics.jsonl", "rubrics.path: /no/rubrics.jsonl does not exist"),
+        ("rubrics.static_rubrics=nope.json", "rubrics.static_rubrics: nope.json (resolved to "),
+        (
+            "model.policy=checkpoints/none",
+            "model.policy: 'checkpoints/none' is not 'tiny-qwen3' or 'smollm2-135m-instruct', and there is no folder",
+        ),
+        (
+            "model.reference=/tmp",
+            "model.reference: '/tmp' is not 'tiny-qwen3' or 'smollm2-135m-instruct', and /tmp has no config.json",
+        ),
+        ("judge.model=nojudge", "judge.model: 'nojudge'"),
+    ],
+)
 def test_missing_paths_and_models(override, message):
     [p] = problems(override)
     assert p.startswith(message)
@@ -100,46 +109,59 @@ def test_a_hub_source_missing_from_the_local_cache_is_reported():
     assert p.startswith("data.path: hub dataset 'org/dataset' is not in the local cache") and "no network" in p
 
 
-@pytest.mark.parametrize("override,message", [
-    ("grpo.steps=0", "grpo.steps = 0: must be at least 1"),
-    ("grpo.steps=-1", "grpo.steps = -1: must be at least 1"),
-    ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt = 1: must be at least 2"),
-    ("rollout.prompts_per_step=0", "rollout.prompts_per_step = 0: must be at least 1"),
-    ("rollout.max_new_tokens=0", "rollout.max_new_tokens = 0: must be at least 1"),
-    ("judge.max_new_tokens=0", "judge.max_new_tokens = 0: must be at least 1"),
-    ("data.validation_fraction=1", "data.validation_fraction = 1.0: must be in [0, 1)"),
-    ("data.max_rejected_fraction=1.5", "data.max_rejected_fraction = 1.5: must be between 0 and 1"),
-    ("grpo.learning_rate=0", "grpo.learning_rate = 0.0: must be > 0"),
-    ("sft.learning_rate=-1e-5", "sft.learning_rate = -1e-05: must be > 0"),
-    ("run.retries=-1", "run.retries = -1: must be >= 0"),
-    ("model.dtype=fp16", "model.dtype = 'fp16': must be 'float32' or 'bfloat16'"),
-    ("reward.overlong_buffer=100000", "reward.overlong_buffer = 100000: must be between 0 (off) and"),
-    ("reward.verifier=oracle", "reward.verifier = 'oracle': choose from"),
-    ("judge.serve=true", "judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai'"),
-    ("grpo.dual_clip_c=1", "grpo.dual_clip_c = 1.0: must be > 1"),
-    ("grpo.dual_clip_c=0.5", "grpo.dual_clip_c = 0.5: must be > 1"),
-    ("grpo.sapo_tau_pos=0", "grpo.sapo_tau_pos = 0.0: must be > 0"),
-    ("grpo.sapo_tau_neg=-1", "grpo.sapo_tau_neg = -1.0: must be > 0"),
-    ("grpo.entropy_coef=-0.01", "grpo.entropy_coef = -0.01: must be >= 0"),
-    ("grpo.tis_floor=-0.1", "grpo.tis_floor = -0.1: must be >= 0"),
-    ("rollout.dynamic_sampling_max_rounds=-1", "rollout.dynamic_sampling_max_rounds = -1: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("grpo.steps=0", "grpo.steps = 0: must be at least 1"),
+        ("grpo.steps=-1", "grpo.steps = -1: must be at least 1"),
+        ("rollout.samples_per_prompt=1", "rollout.samples_per_prompt = 1: must be at least 2"),
+        ("rollout.prompts_per_step=0", "rollout.prompts_per_step = 0: must be at least 1"),
+        ("rollout.max_new_tokens=0", "rollout.max_new_tokens = 0: must be at least 1"),
+        ("judge.max_new_tokens=0", "judge.max_new_tokens = 0: must be at least 1"),
+        ("data.validation_fraction=1", "data.validation_fraction = 1.0: must be in [0, 1)"),
+        ("data.max_rejected_fraction=1.5", "data.max_rejected_fraction = 1.5: must be between 0 and 1"),
+        ("grpo.learning_rate=0", "grpo.learning_rate = 0.0: must be > 0"),
+        ("sft.learning_rate=-1e-5", "sft.learning_rate = -1e-05: must be > 0"),
+        ("run.retries=-1", "run.retries = -1: must be >= 0"),
+        ("model.dtype=fp16", "model.dtype = 'fp16': must be 'float32' or 'bfloat16'"),
+        ("reward.overlong_buffer=100000", "reward.overlong_buffer = 100000: must be between 0 (off) and"),
+        ("reward.verifier=oracle", "reward.verifier = 'oracle': choose from"),
+        ("judge.serve=true", "judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai'"),
+        ("grpo.dual_clip_c=1", "grpo.dual_clip_c = 1.0: must be > 1"),
+        ("grpo.dual_clip_c=0.5", "grpo.dual_clip_c = 0.5: must be > 1"),
+        ("grpo.sapo_tau_pos=0", "grpo.sapo_tau_pos = 0.0: must be > 0"),
+        ("grpo.sapo_tau_neg=-1", "grpo.sapo_tau_neg = -1.0: must be > 0"),
+        ("grpo.entropy_coef=-0.01", "grpo.entropy_coef = -0.01: must be >= 0"),
+        ("grpo.tis_floor=-0.1", "grpo.tis_floor = -0.1: must be >= 0"),
+        ("rollout.dynamic_sampling_max_rounds=-1", "rollout.dynamic_sampling_max_rounds = -1: must be >= 0"),
+    ],
+)
 def test_impossible_values(override, message):
     [p] = problems(override)
     assert p.startswith(message)
 
 
-@pytest.mark.parametrize("floor,cap,ok", [(0.0, 0.0, True), (0.5, 0.0, True), (0.0, 2.0, True), (1.9, 2.0, True),
-                                          (2.0, 2.0, False), (3.0, 2.0, False)])
+@pytest.mark.parametrize(
+    "floor,cap,ok",
+    [(0.0, 0.0, True), (0.5, 0.0, True), (0.0, 2.0, True), (1.9, 2.0, True), (2.0, 2.0, False), (3.0, 2.0, False)],
+)
 def test_tis_floor_lies_below_the_cap_when_importance_sampling_is_on(floor, cap, ok):
     found = problems(f"grpo.tis_floor={floor}", f"grpo.tis_cap={cap}")
-    assert found == [] if ok else found == [f"grpo.tis_floor = {floor!r}: must be below grpo.tis_cap ({cap}), or "
-                                            "every importance weight is the same constant"]
+    assert (
+        found == []
+        if ok
+        else found
+        == [
+            f"grpo.tis_floor = {floor!r}: must be below grpo.tis_cap ({cap}), or "
+            "every importance weight is the same constant"
+        ]
+    )
 
 
 def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zero_cap():
-    [p] = problems("rollout.dynamic_sampling=true", "model.policy=tiny-qwen3",
-                   recipe=REPO / "recipes" / "co-rewarding-2.yaml")
+    [p] = problems(
+        "rollout.dynamic_sampling=true", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml"
+    )
     assert p.startswith("rollout.dynamic_sampling with reward.verifier 'co_rewarding_teacher'")
     assert problems("rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_rounds=0") == []
 
@@ -161,7 +183,8 @@ def test_quarantine_names_the_mapped_column():
     checked = validate_rows(load_rows(str(SAMPLES), fields={"question": "qery"}))
     assert not checked.rows
     assert {(r.reason, r.detail) for r in checked.rejected} == {
-        ("missing_field", "field 'question' (mapped from column 'qery') is missing")}
+        ("missing_field", "field 'question' (mapped from column 'qery') is missing")
+    }
     # a mapped column that exists changes nothing
     assert len(validate_rows(load_rows(str(SAMPLES), fields={"question": "question"})).rows) == 69
 
@@ -191,29 +214,35 @@ def _sample_table(**columns) -> pa.Table:
     return table
 
 
-TOOL_OUTPUT_MUST = ("tool_output must be a string with <snippet id=...> blocks or a list of snippet objects "
-                    "{id, text, title?, url?}")
+TOOL_OUTPUT_MUST = (
+    "tool_output must be a string with <snippet id=...> blocks or a list of snippet objects {id, text, title?, url?}"
+)
 
 
 def test_a_column_of_the_wrong_type_is_reported_at_once(tmp_path):
     path = tmp_path / "rows.parquet"
     pq.write_table(_sample_table(tool_output=pa.array([["s1 text", "s2 text"], ["s3 text"]])), path)
     assert problems(f"data.path={path}") == [
-        f"data.path: column 'tool_output' of {path} holds list of string; {TOOL_OUTPUT_MUST}"]
+        f"data.path: column 'tool_output' of {path} holds list of string; {TOOL_OUTPUT_MUST}"
+    ]
     # A mapped column names the mapping; an ID column of numbers is fine, of floats it is not.
     pq.write_table(_sample_table(search=pa.array([1, 2]), id=pa.array([1.5, 2.5])), path)
     assert problems(f"data.path={path}", "data.fields={tool_output: search}") == [
         f"data.path: column 'id' of {path} holds number; id must be a string or an integer",
-        f"data.fields: tool_output -> 'search': column 'search' of {path} holds integer; {TOOL_OUTPUT_MUST}"]
+        f"data.fields: tool_output -> 'search': column 'search' of {path} holds integer; {TOOL_OUTPUT_MUST}",
+    ]
     pq.write_table(_sample_table(id=pa.array([1, 2]), positive_rubrics=pa.array([1, 2])), path)
     [p] = problems(f"data.path={path}")
-    assert p.startswith(f"data.path: column 'positive_rubrics' of {path} holds integer; positive_rubrics must be "
-                        "a list of rubrics")
+    assert p.startswith(
+        f"data.path: column 'positive_rubrics' of {path} holds integer; positive_rubrics must be a list of rubrics"
+    )
 
 
 def test_a_list_of_snippet_structs_and_a_rubric_object_pass(tmp_path):
-    snippets = [[{"id": "a1", "title": "T", "url": "u", "text": "x"}], [{"id": "b2", "title": None, "url": None,
-                                                                        "text": "y"}]]
+    snippets = [
+        [{"id": "a1", "title": "T", "url": "u", "text": "x"}],
+        [{"id": "b2", "title": None, "url": None, "text": "y"}],
+    ]
     path = tmp_path / "rows.parquet"
     rubrics = pa.array([{"positive": ["a"], "negative": ["b"]}] * 2)
     pq.write_table(_sample_table(tool_output=pa.array(snippets), rubrics=rubrics), path)
@@ -225,7 +254,8 @@ def test_jsonl_types_are_read_from_the_first_rows(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({**r, "question": {"text": r["question"]}}) + "\n" for r in rows))
     assert problems(f"data.path={path}") == [
-        f"data.path: column 'question' of {path} holds object; question must be a string"]
+        f"data.path: column 'question' of {path} holds object; question must be a string"
+    ]
     # One bad row among good ones is the quarantine's business, not a reason to refuse the run.
     path.write_text("".join(json.dumps({**r, "question": 7} if n == 1 else r) + "\n" for n, r in enumerate(rows)))
     assert problems(f"data.path={path}") == []
@@ -234,7 +264,9 @@ def test_jsonl_types_are_read_from_the_first_rows(tmp_path):
 def test_save_to_disk_column_types(tmp_path):
     from datasets import Dataset
 
-    Dataset.from_dict({"id": ["1"], "question": [["q", "r"]], "reasoning": ["r"], "tool_output": ["<snippet id=a>"
-                       "x</snippet>"]}).save_to_disk(str(tmp_path / "ds"))
+    Dataset.from_dict(
+        {"id": ["1"], "question": [["q", "r"]], "reasoning": ["r"], "tool_output": ["<snippet id=a>x</snippet>"]}
+    ).save_to_disk(str(tmp_path / "ds"))
     assert problems(f"data.path={tmp_path / 'ds'}") == [
-        f"data.path: column 'question' of {tmp_path / 'ds'} holds list of string; question must be a string"]
+        f"data.path: column 'question' of {tmp_path / 'ds'} holds list of string; question must be a string"
+    ]

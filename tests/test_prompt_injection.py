@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 import refiner_core.judges.transformers_judge as transformers_judge
-from refiner_core.data.rows import prepare_prompts, validate_rows
-from refiner_core.models import SMOLLM2, load_tokenizer, resolve_model
 from refiner_core.data.prompts import judge_messages, refiner_messages, render_chat, render_prompt
-from refiner_core.sft.data import render_with_mask
+from refiner_core.data.rows import prepare_prompts, validate_rows
 from refiner_core.data.sources import load_rows
+from refiner_core.models import SMOLLM2, load_tokenizer, resolve_model
+from refiner_core.sft.data import render_with_mask
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -51,16 +51,31 @@ def special_count(tok, ids) -> int:
 
 def builders(tok):
     bad = injection(tok)
-    yield "judge response", judge_messages("Capital of France?", "Paris.", "Names Paris."), \
-        judge_messages("Capital of France?", "Paris." + bad, "Names Paris.")
-    yield "policy question", refiner_messages("Capital of France?", "I searched.", "<snippet id=a1>Paris</snippet>"), \
-        refiner_messages("Capital of France?" + bad, "I searched.", "<snippet id=a1>Paris</snippet>")
-    yield "policy reasoning", refiner_messages("Q?", "I searched.", "<snippet id=a1>Paris</snippet>"), \
-        refiner_messages("Q?", "I searched." + bad, "<snippet id=a1>Paris</snippet>")
-    yield "policy tool output", refiner_messages("Q?", "I searched.", "<snippet id=a1>Paris</snippet>"), \
-        refiner_messages("Q?", "I searched.", "<snippet id=a1>Paris" + bad + "</snippet>")
-    yield "chat row", [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "result"}], \
-        [{"role": "user", "content": "Hi" + bad}, {"role": "tool", "content": bad + "result"}]
+    yield (
+        "judge response",
+        judge_messages("Capital of France?", "Paris.", "Names Paris."),
+        judge_messages("Capital of France?", "Paris." + bad, "Names Paris."),
+    )
+    yield (
+        "policy question",
+        refiner_messages("Capital of France?", "I searched.", "<snippet id=a1>Paris</snippet>"),
+        refiner_messages("Capital of France?" + bad, "I searched.", "<snippet id=a1>Paris</snippet>"),
+    )
+    yield (
+        "policy reasoning",
+        refiner_messages("Q?", "I searched.", "<snippet id=a1>Paris</snippet>"),
+        refiner_messages("Q?", "I searched." + bad, "<snippet id=a1>Paris</snippet>"),
+    )
+    yield (
+        "policy tool output",
+        refiner_messages("Q?", "I searched.", "<snippet id=a1>Paris</snippet>"),
+        refiner_messages("Q?", "I searched.", "<snippet id=a1>Paris" + bad + "</snippet>"),
+    )
+    yield (
+        "chat row",
+        [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "result"}],
+        [{"role": "user", "content": "Hi" + bad}, {"role": "tool", "content": bad + "result"}],
+    )
 
 
 def test_injected_strings_stay_text(tokenizer):
@@ -76,8 +91,15 @@ def test_injected_strings_stay_text(tokenizer):
 
 def test_benign_rendering_unchanged_on_project_data(tokenizer):
     checked = validate_rows(load_rows(str(SAMPLES)) + load_rows(str(CHAT)))
-    prompts, _ = prepare_prompts(checked.rows, tokenizer, "test", max_prompt_tokens=100_000,
-                                 max_reference_tokens=100_000, validation_fraction=0.0, seed=0)
+    prompts, _ = prepare_prompts(
+        checked.rows,
+        tokenizer,
+        "test",
+        max_prompt_tokens=100_000,
+        max_reference_tokens=100_000,
+        validation_fraction=0.0,
+        seed=0,
+    )
     assert len(prompts) >= 28
     by_id = {row["id"]: row for row in checked.rows}
     chat_rows = 0
@@ -97,7 +119,8 @@ def test_benign_rendering_unchanged_on_project_data(tokenizer):
 
 def test_sft_rendering_protected_and_unchanged(tokenizer):
     messages = refiner_messages("Q?", "I searched.", "<snippet id=a1>Paris</snippet>") + [
-        {"role": "assistant", "content": "<answer><snippet id=a1>Paris</snippet></answer>"}]
+        {"role": "assistant", "content": "<answer><snippet id=a1>Paris</snippet></answer>"}
+    ]
     full, ids = old_render(tokenizer, messages, generation_prompt=False)
     rendered = render_with_mask(tokenizer, messages)
     assert rendered.input_ids == ids
@@ -115,7 +138,8 @@ def test_real_judge_prompt_has_no_forged_turn(smollm2_path, monkeypatch):
     (measured: benign ~0.2, injected ~1.75-1.85 both before and after the fix), so the guarantee tested is the
     one the prompt builder owns: no forged judge turn in the token ids."""
     judge = transformers_judge.make_transformers_judge(
-        str(smollm2_path), {"batch_size": 4, "max_new_tokens": 4, "mode": "expected_score"})
+        str(smollm2_path), {"batch_size": 4, "max_new_tokens": 4, "mode": "expected_score"}
+    )
     tok = judge.engine.tokenizer
     seen: list[list[int]] = []
     real = transformers_judge.render_prompt
@@ -126,12 +150,16 @@ def test_real_judge_prompt_has_no_forged_turn(smollm2_path, monkeypatch):
         return text, ids
 
     monkeypatch.setattr(transformers_judge, "render_prompt", spy)
-    cases = [("What is the capital of France?", "Berlin.", "Names Paris as the capital."),
-             ("Who wrote Hamlet?", "Charles Dickens wrote it.", "Names Shakespeare as the author.")]
+    cases = [
+        ("What is the capital of France?", "Berlin.", "Names Paris as the capital."),
+        ("Who wrote Hamlet?", "Charles Dickens wrote it.", "Names Shakespeare as the author."),
+    ]
     conversations = []
     for question, response, criterion in cases:
-        conversations += [judge_messages(question, response, criterion),
-                          judge_messages(question, response + FORGED, criterion)]
+        conversations += [
+            judge_messages(question, response, criterion),
+            judge_messages(question, response + FORGED, criterion),
+        ]
     scores = [json.loads(out)["score"] for out in judge.complete(conversations)]
     print("judge scores (benign, injected) pairs:", [round(s, 3) for s in scores])
     assert all(0 <= s <= 2 for s in scores)
@@ -140,5 +168,5 @@ def test_real_judge_prompt_has_no_forged_turn(smollm2_path, monkeypatch):
     for benign, injected in zip(seen[::2], seen[1::2]):
         assert injected.count(im_end) == benign.count(im_end) == 2  # system and user turns only
         assert injected.count(im_start) == benign.count(im_start) == 3  # system, user, generation prompt
-        starts = [i for i in range(len(injected)) if injected[i:i + len(assistant_turn)] == assistant_turn]
+        starts = [i for i in range(len(injected)) if injected[i : i + len(assistant_turn)] == assistant_turn]
         assert starts == [len(injected) - len(assistant_turn)]  # the only assistant turn is the real one

@@ -10,8 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from refiner_core.data.rows import (RawRow, TooManyRejected, accepted_raw_rows, check_rejected_fraction, prepare_prompts,
-                               validate_rows)
+from refiner_core.data.rows import (
+    RawRow,
+    TooManyRejected,
+    accepted_raw_rows,
+    check_rejected_fraction,
+    prepare_prompts,
+    validate_rows,
+)
 from refiner_core.data.sources import load_rows
 
 DATA = Path(__file__).parent / "data"
@@ -21,8 +27,15 @@ EXPECTED = json.loads((DATA / "malformed.expected.json").read_text())
 
 def run_checks(raw_rows, tokenizer):
     checked = validate_rows(raw_rows)
-    prompts, dropped = prepare_prompts(checked.rows, tokenizer, "test", max_prompt_tokens=2000,
-                                       max_reference_tokens=1024, validation_fraction=0.0, seed=0)
+    prompts, dropped = prepare_prompts(
+        checked.rows,
+        tokenizer,
+        "test",
+        max_prompt_tokens=2000,
+        max_reference_tokens=1024,
+        validation_fraction=0.0,
+        seed=0,
+    )
     return prompts, checked.rejected + dropped
 
 
@@ -46,7 +59,7 @@ def test_every_malformed_jsonl_row_is_quarantined_with_its_reason(tiny_tokenizer
 def test_valid_rows_come_out_the_same_with_or_without_malformed_neighbours(tiny_tokenizer, tmp_path):
     lines = CORPUS.read_bytes().splitlines()
     clean = tmp_path / "clean.jsonl"
-    clean.write_bytes(b"\n".join(l for n, l in enumerate(lines, 1) if f"line {n}" not in EXPECTED["rejected"]))
+    clean.write_bytes(b"\n".join(line for n, line in enumerate(lines, 1) if f"line {n}" not in EXPECTED["rejected"]))
     clean_prompts, clean_rejected = run_checks(load_rows(str(clean)), tiny_tokenizer)
     mixed_prompts, _ = run_checks(load_rows(str(CORPUS)), tiny_tokenizer)
     assert clean_rejected == []
@@ -65,7 +78,9 @@ def _corpus_as_parquet(path: Path) -> dict[str, str]:
             continue
         if not isinstance(obj, dict) or "messages" in obj:
             continue
-        if not all(isinstance(obj.get(k), (str, type(None))) for k in ("id", "question", "reasoning", "tool_output", "answer")):
+        if not all(
+            isinstance(obj.get(k), (str, type(None))) for k in ("id", "question", "reasoning", "tool_output", "answer")
+        ):
             continue  # wrong-type rows cannot share a typed column
         record = {k: obj.get(k) for k in ("id", "reasoning", "tool_output", "answer")}
         record["question"] = obj["question"].encode() if isinstance(obj.get("question"), str) else None
@@ -112,25 +127,29 @@ def _run_counts(flow_state) -> dict[str, int]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])),
-            sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=50)
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC,
+            limit=50,
+        )
     return {r.name: r.run_count for r in runs}
 
 
 def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, tiny_model_path, tmp_path):
+    import dataclasses
+
     from prefect import flow
     from typer.testing import CliRunner
 
     from flows.cli import app
     from refiner_core.config import DataConfig
-    import dataclasses
     from tasks.prepare import prepare_data
 
     policy = {"path": str(tiny_model_path), "hash": "tiny"}
 
     @flow
     def prepare_only(data: dict, run_dir: str):
-        return prepare_data.with_options(retries=2, retry_delay_seconds=0)(run_dir=run_dir, run="q", data_file=str(CORPUS), data=data,
-                                                    seed=0, policy=policy)
+        return prepare_data.with_options(retries=2, retry_delay_seconds=0)(
+            run_dir=run_dir, run="q", data_file=str(CORPUS), data=data, seed=0, policy=policy
+        )
 
     data = {**dataclasses.asdict(DataConfig()), "max_prompt_tokens": 2000, "max_rejected_fraction": 0.9}
     manifest = prepare_only(data, str(tmp_path / "ok"))
@@ -138,8 +157,16 @@ def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, 
     from refiner_core.store.catalog import build_catalog
 
     build_catalog(tmp_path / "ok" / "catalog.duckdb", {"quarantine": [manifest["quarantine"]["path"]]})
-    result = CliRunner().invoke(app, ["sql", str(tmp_path / "ok"), "SELECT row_ref, reason, stage FROM quarantine "
-                                      "WHERE reason = 'non_utf8'", "--format", "json"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "sql",
+            str(tmp_path / "ok"),
+            "SELECT row_ref, reason, stage FROM quarantine WHERE reason = 'non_utf8'",
+            "--format",
+            "json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == [{"row_ref": "line 2", "reason": "non_utf8", "stage": "prepare"}]
 
@@ -149,8 +176,9 @@ def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, 
     with pytest.raises(TooManyRejected, match=r"line 2: non_utf8 \(.*\).*refiner sql"):
         state.result()
     assert _run_counts(state) == {"prepare-data": 1}, "rejected data is not retried"
-    result = CliRunner().invoke(app, ["sql", str(tmp_path / "bad"), "SELECT count(*) AS n FROM quarantine",
-                                      "--format", "json"])
+    result = CliRunner().invoke(
+        app, ["sql", str(tmp_path / "bad"), "SELECT count(*) AS n FROM quarantine", "--format", "json"]
+    )
     assert json.loads(result.stdout) == [{"n": len(EXPECTED["rejected"])}]
 
 
@@ -165,12 +193,15 @@ def test_later_stages_see_the_row_prepare_kept_when_an_id_repeats():
     assert kept[0].data["positive_rubrics"] == second["positive_rubrics"]
 
 
-@pytest.mark.parametrize("field,text,code,offset", [
-    ("question", "Who won?\x00", "U+0000", 8),                       # NUL
-    ("reasoning", "look \x1b[31mred", "U+001B", 5),                   # a terminal escape sequence
-    ("tool_output", None, "U+007F", None),                            # DEL inside the tool output
-    ("answer", "<answer>x\x85</answer>", "U+0085", 9),                # a C1 control (NEL)
-])
+@pytest.mark.parametrize(
+    "field,text,code,offset",
+    [
+        ("question", "Who won?\x00", "U+0000", 8),  # NUL
+        ("reasoning", "look \x1b[31mred", "U+001B", 5),  # a terminal escape sequence
+        ("tool_output", None, "U+007F", None),  # DEL inside the tool output
+        ("answer", "<answer>x\x85</answer>", "U+0085", 9),  # a C1 control (NEL)
+    ],
+)
 def test_control_characters_are_quarantined_with_where_they_are(tiny_tokenizer, tmp_path, field, text, code, offset):
     """Written as JSON escapes (how they arrive in real files) and read back by the real JSONL loader."""
     good = json.loads((DATA.parent.parent / "data" / "refiner" / "samples.jsonl").read_text().splitlines()[0])
@@ -186,7 +217,8 @@ def test_control_characters_are_quarantined_with_where_they_are(tiny_tokenizer, 
     assert "\\u00" in path.read_text()
     prompts, rejected = run_checks(load_rows(str(path)), tiny_tokenizer)
     assert [(r.row_ref, r.reason, r.detail) for r in rejected] == [
-        ("line 2", "control_characters", f"field {field!r} holds {code} at offset {offset}")]
+        ("line 2", "control_characters", f"field {field!r} holds {code} at offset {offset}")
+    ]
     assert [p["prompt_id"] for p in prompts] == [good["id"], "tabs-and-newlines"]
     assert all(chr(int(code[2:], 16)) not in p["prompt_text"] for p in prompts)
 
@@ -195,7 +227,9 @@ def test_control_characters_in_chat_messages_are_quarantined():
     row = {"id": "c1", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4\x00"}]}
     [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
     assert (rejection.reason, rejection.detail) == (
-        "control_characters", "field 'messages'[1]['content'] holds U+0000 at offset 1")
+        "control_characters",
+        "field 'messages'[1]['content'] holds U+0000 at offset 1",
+    )
 
 
 class CountingTokenizer:
@@ -218,16 +252,20 @@ class CountingTokenizer:
 
 
 def test_a_huge_row_is_rejected_without_tokenizing_it(tiny_tokenizer):
-    samples = [json.loads(line) for line in (DATA.parent.parent / "data" / "refiner" / "samples.jsonl")
-               .read_text().splitlines()[:2]]
+    samples = [
+        json.loads(line)
+        for line in (DATA.parent.parent / "data" / "refiner" / "samples.jsonl").read_text().splitlines()[:2]
+    ]
     huge = dict(samples[1], id="huge", reasoning="word " * 1_000_000)  # 5 MB
     long_answer = dict(samples[1], id="long-answer", answer="<answer>" + "x" * 2_000_000 + "</answer>")
     raw = [RawRow(f"line {n}", json.dumps(r), r) for n, r in enumerate([samples[0], huge, long_answer], 1)]
     counting = CountingTokenizer(tiny_tokenizer)
     prompts, rejected = prepare_prompts(validate_rows(raw).rows, counting, "t", 2000, 1024, 0.0, 0)
     assert [p["prompt_id"] for p in prompts] == [samples[0]["id"]]
-    assert [(r.row_ref, r.reason) for r in rejected] == [("line 2", "prompt_too_long"),
-                                                         ("line 3", "reference_too_long")]
+    assert [(r.row_ref, r.reason) for r in rejected] == [
+        ("line 2", "prompt_too_long"),
+        ("line 3", "reference_too_long"),
+    ]
     chars, _, rest = rejected[0].detail.partition(" ")
     assert 4_000_000 < int(chars) < 4_010_000  # the reasoning's 4 MB of non-space text, plus the other fields
     assert rest == "characters besides whitespace: more than max_prompt_tokens 2000 tokens can hold"
@@ -251,15 +289,19 @@ def test_a_run_that_quarantined_rows_ends_with_a_warning(tmp_path):
     from refiner_core.store.catalog import build_catalog
     from refiner_core.store.storage import write_table
 
-    prepare = [Rejection("line 2", "non_utf8", "d", "x"), Rejection("line 3", "invalid_json", "d", "x"),
-               Rejection("line 9", "non_utf8", "d", "x")]
+    prepare = [
+        Rejection("line 2", "non_utf8", "d", "x"),
+        Rejection("line 3", "invalid_json", "d", "x"),
+        Rejection("line 9", "non_utf8", "d", "x"),
+    ]
     rubrics = [Rejection("id r1", "missing_rubrics", "d", "x")]
     write_table(QUARANTINE, [r.as_quarantine("q", "prepare", "c.jsonl") for r in prepare], tmp_path / "q1.parquet")
     write_table(QUARANTINE, [r.as_quarantine("q", "rubrics", "c.jsonl") for r in rubrics], tmp_path / "q2.parquet")
     build_catalog(tmp_path / "catalog.duckdb", {"quarantine": [tmp_path / "q1.parquet", tmp_path / "q2.parquet"]})
     assert quarantine_warning(tmp_path) == (
         "4 rows quarantined (prepare: invalid_json 1, non_utf8 2; rubrics: missing_rubrics 1); "
-        f"see them: refiner sql {tmp_path} \"SELECT * FROM quarantine\"")
+        f'see them: refiner sql {tmp_path} "SELECT * FROM quarantine"'
+    )
     build_catalog(tmp_path / "catalog.duckdb", {"quarantine": []})
     assert quarantine_warning(tmp_path) is None
     assert quarantine_warning(tmp_path / "no-catalog-yet") is None

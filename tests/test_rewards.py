@@ -9,20 +9,23 @@ IDS = ["a1b2c3", "d4e5f6"]
 GOOD = "<answer><snippet id=a1b2c3,d4e5f6>claim</snippet> and <snippet id=ffffff>bad</snippet></answer>"
 
 
-@pytest.mark.parametrize("text,raw,failure", [
-    ('{"score": 2}', 2.0, None),
-    ('Sure! {"score": 1} done', 1.0, None),
-    ('{"score": "0"}', 0.0, None),
-    ('{"score": 1.5}', 1.5, None),
-    ('{"score": 3}', None, "out_of_range"),
-    ('{"score": -1}', None, "out_of_range"),
-    ('{"score": "high"}', None, "non_numeric"),
-    ('{"score": true}', None, "non_numeric"),
-    ('{"grade": 2}', None, "unparseable"),
-    ("score: 2", None, "unparseable"),
-    ('{"score": 2', None, "unparseable"),
-    ("", None, "unparseable"),
-])
+@pytest.mark.parametrize(
+    "text,raw,failure",
+    [
+        ('{"score": 2}', 2.0, None),
+        ('Sure! {"score": 1} done', 1.0, None),
+        ('{"score": "0"}', 0.0, None),
+        ('{"score": 1.5}', 1.5, None),
+        ('{"score": 3}', None, "out_of_range"),
+        ('{"score": -1}', None, "out_of_range"),
+        ('{"score": "high"}', None, "non_numeric"),
+        ('{"score": true}', None, "non_numeric"),
+        ('{"grade": 2}', None, "unparseable"),
+        ("score: 2", None, "unparseable"),
+        ('{"score": 2', None, "unparseable"),
+        ("", None, "unparseable"),
+    ],
+)
 def test_parse_judge_output(text, raw, failure):
     parsed = parse_judge_output(text)
     assert parsed.raw_score == raw
@@ -46,21 +49,56 @@ def test_negative_rubrics_are_flipped():
 
 def _inputs(text=None, *, sample_idx=0, finish_reason="stop", response_tokens=10, max_new_tokens=100, **extra):
     """One reward_inputs row of a judged prompt (format facts from `text`)."""
-    row = {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": sample_idx, "verifier": "judge",
-           "verifier_score": None, "correct": None, "extracted_answer": None, "verify_method": None,
-           "verify_detail": None, "label_source": None, "pseudo_label": None, "label_votes": None,
-           "label_voters": None, "label_tied": None, "label_correct": None,
-           **format_parts(GOOD if text is None else text, IDS), "claims": None,
-           "citation_precision": None, "citation_recall": None, "citation_f1": None,
-           "finish_reason": finish_reason, "response_tokens": response_tokens, "max_new_tokens": max_new_tokens}
+    row = {
+        "run": "r",
+        "step": 0,
+        "prompt_id": "p",
+        "sample_idx": sample_idx,
+        "verifier": "judge",
+        "verifier_score": None,
+        "correct": None,
+        "extracted_answer": None,
+        "verify_method": None,
+        "verify_detail": None,
+        "label_source": None,
+        "pseudo_label": None,
+        "label_votes": None,
+        "label_voters": None,
+        "label_tied": None,
+        "label_correct": None,
+        **format_parts(GOOD if text is None else text, IDS),
+        "claims": None,
+        "citation_precision": None,
+        "citation_recall": None,
+        "citation_f1": None,
+        "finish_reason": finish_reason,
+        "response_tokens": response_tokens,
+        "max_new_tokens": max_new_tokens,
+    }
     return {**row, **extra}
 
 
 def _score_row(oriented, weight=1.0, sample_idx=0, rubric="r0"):
-    return {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": sample_idx, "rubric_id": rubric,
-            "kind": "positive", "weight": weight, "judge": "j", "raw_output": "", "raw_score": None,
-            "score": oriented, "oriented_score": oriented, "failure": None if oriented is not None else "unparseable",
-            "latency_seconds": 0.0, "attempts": 1, "cache_hit": False, "judge_model": "j", "prompt_hash": "h"}
+    return {
+        "run": "r",
+        "step": 0,
+        "prompt_id": "p",
+        "sample_idx": sample_idx,
+        "rubric_id": rubric,
+        "kind": "positive",
+        "weight": weight,
+        "judge": "j",
+        "raw_output": "",
+        "raw_score": None,
+        "score": oriented,
+        "oriented_score": oriented,
+        "failure": None if oriented is not None else "unparseable",
+        "latency_seconds": 0.0,
+        "attempts": 1,
+        "cache_hit": False,
+        "judge_model": "j",
+        "prompt_hash": "h",
+    }
 
 
 def _rewards(inputs, scores, on_failure="zero", **weights):
@@ -73,26 +111,38 @@ def test_format_parts_counts_each_cited_id():
     assert (parts["n_citations"], parts["n_invalid_citations"]) == (3, 1)
     assert math.isclose(parts["citation_valid_fraction"], 2 / 3)
     missing = format_parts("no block", IDS)
-    assert missing == {"has_answer": False, "format_ok": False, "format_score": 0.0, "n_citations": 0,
-                       "n_invalid_citations": 0, "citation_valid_fraction": 0.0}
+    assert missing == {
+        "has_answer": False,
+        "format_ok": False,
+        "format_score": 0.0,
+        "n_citations": 0,
+        "n_invalid_citations": 0,
+        "citation_valid_fraction": 0.0,
+    }
 
 
 def test_rubric_mean_under_each_failure_treatment():
     scores = [_score_row(1.0, 2.0, rubric="a"), _score_row(0.5, 1.0, rubric="b"), _score_row(None, 1.0, rubric="c")]
-    zero, = _rewards([_inputs()], scores, "zero", citation_weight=0.0)
-    skip, = _rewards([_inputs()], scores, "skip", citation_weight=0.0)
-    drop, = _rewards([_inputs()], scores, "drop", citation_weight=0.0)
+    (zero,) = _rewards([_inputs()], scores, "zero", citation_weight=0.0)
+    (skip,) = _rewards([_inputs()], scores, "skip", citation_weight=0.0)
+    (drop,) = _rewards([_inputs()], scores, "drop", citation_weight=0.0)
     assert math.isclose(zero["rubric_score"], 2.5 / 4) and not zero["dropped"]  # (2*1 + 1*0.5 + 1*0) / 4
     assert math.isclose(skip["rubric_score"], 2.5 / 3) and not skip["dropped"]  # (2*1 + 1*0.5) / 3
     assert drop["dropped"] and math.isclose(drop["rubric_score"], 2.5 / 3)
     assert (zero["rubrics_scored"], zero["rubrics_failed"]) == (2, 1)
-    only_failed, = _rewards([_inputs()], [_score_row(None)], "skip", citation_weight=0.0)
+    (only_failed,) = _rewards([_inputs()], [_score_row(None)], "skip", citation_weight=0.0)
     assert only_failed["rubric_score"] == 0.0 and only_failed["reward"] == 0.0
 
 
 def test_reward_hand_computed():
-    out, = _rewards([_inputs()], [_score_row(0.6)], verification_reward=10.0, rubric_weight=1.0,
-                    citation_weight=0.2, format_weight=0.5)
+    (out,) = _rewards(
+        [_inputs()],
+        [_score_row(0.6)],
+        verification_reward=10.0,
+        rubric_weight=1.0,
+        citation_weight=0.2,
+        format_weight=0.5,
+    )
     # 10 * (1.0*0.6 + 0.2*2/3) + 0.5*1
     assert math.isclose(out["reward"], 10 * (0.6 + 0.2 * 2 / 3) + 0.5)
     assert math.isclose(out["judged_score"], 0.6 + 0.2 * 2 / 3)
@@ -101,59 +151,92 @@ def test_reward_hand_computed():
 
 @pytest.mark.parametrize("kind,expected", [("valid_ids", 2 / 3), ("f1", 0.5), ("dr_tulu", 0.6 * 0.5 + 0.4 * 2 / 3)])
 def test_citation_score_kinds(kind, expected):
-    out, = _rewards([_inputs(citation_f1=0.5)], [_score_row(0.0)], citation_score=kind, citation_weight=1.0,
-                    rubric_weight=0.0, verification_reward=1.0)
+    (out,) = _rewards(
+        [_inputs(citation_f1=0.5)],
+        [_score_row(0.0)],
+        citation_score=kind,
+        citation_weight=1.0,
+        rubric_weight=0.0,
+        verification_reward=1.0,
+    )
     assert math.isclose(out["citation_score"], expected) and math.isclose(out["reward"], expected)
 
 
 def test_gating_and_non_stop_penalty():
     bad = "<answer><snippet id=a1b2c3>unclosed</answer>"
-    out, = _rewards([_inputs(bad)], [_score_row(0.9)], gate_judge_score_with_format_bonus=True, format_weight=1.0)
+    (out,) = _rewards([_inputs(bad)], [_score_row(0.9)], gate_judge_score_with_format_bonus=True, format_weight=1.0)
     assert out["gated"] and out["reward"] == 0.0
-    ungated, = _rewards([_inputs(bad)], [_score_row(0.9)])
+    (ungated,) = _rewards([_inputs(bad)], [_score_row(0.9)])
     # An unclosed tag is no citation at all: only complete <snippet>...</snippet> pairs count.
     assert ungated["n_citations"] == 0
     assert math.isclose(ungated["reward"], 10 * 0.9)
-    out, = _rewards([_inputs(finish_reason="length")], [_score_row(1.0)], non_stop_penalty=True,
-                    non_stop_penalty_value=-1.0)
+    (out,) = _rewards(
+        [_inputs(finish_reason="length")], [_score_row(1.0)], non_stop_penalty=True, non_stop_penalty_value=-1.0
+    )
     assert out["non_stop_penalized"] and out["reward"] == -1.0
-    out, = _rewards([_inputs()], [_score_row(1.0)], non_stop_penalty=True, non_stop_penalty_value=-1.0)
+    (out,) = _rewards([_inputs()], [_score_row(1.0)], non_stop_penalty=True, non_stop_penalty_value=-1.0)
     assert not out["non_stop_penalized"]
 
 
 @pytest.mark.parametrize("length,penalty", [(50, 0.0), (60, 0.0), (61, -0.05), (70, -0.5), (79, -0.95), (80, -1.0)])
 def test_overlong_penalty_at_the_buffer_edges(length, penalty):
     """L_max 80, buffer 20, factor 1: 0 up to 60 tokens, then linear down to -1 at 80 (DAPO)."""
-    out, = _rewards([_inputs(response_tokens=length, max_new_tokens=80)], [_score_row(0.0)], overlong_buffer=20,
-                    overlong_factor=1.0, citation_weight=0.0)
+    (out,) = _rewards(
+        [_inputs(response_tokens=length, max_new_tokens=80)],
+        [_score_row(0.0)],
+        overlong_buffer=20,
+        overlong_factor=1.0,
+        citation_weight=0.0,
+    )
     assert math.isclose(out["overlong_penalty"], penalty, abs_tol=1e-12)
     assert math.isclose(out["reward"], penalty, abs_tol=1e-12)
-    half, = _rewards([_inputs(response_tokens=length, max_new_tokens=80)], [_score_row(0.0)], overlong_buffer=20,
-                     overlong_factor=0.5, citation_weight=0.0)
+    (half,) = _rewards(
+        [_inputs(response_tokens=length, max_new_tokens=80)],
+        [_score_row(0.0)],
+        overlong_buffer=20,
+        overlong_factor=0.5,
+        citation_weight=0.0,
+    )
     assert math.isclose(half["overlong_penalty"], penalty / 2, abs_tol=1e-12)
 
 
 # GRPO-TCR's published setting: L_max 10480, buffer 3000, factor 1.0 -> the penalty starts after 7480 tokens.
-@pytest.mark.parametrize("length, expected", [
-    (0, 0.0), (7479, 0.0), (7480, 0.0),               # up to L_max - B: nothing
-    (7481, -1 / 3000), (7780, -0.1), (8980, -0.5),    # linear in the buffer
-    (10479, -2999 / 3000), (10480, -1.0),              # -f at L_max
-    (10481, -1.0), (20000, -1.0),                      # held at -f beyond (a capped sampler never gets there)
-])
+@pytest.mark.parametrize(
+    "length, expected",
+    [
+        (0, 0.0),
+        (7479, 0.0),
+        (7480, 0.0),  # up to L_max - B: nothing
+        (7481, -1 / 3000),
+        (7780, -0.1),
+        (8980, -0.5),  # linear in the buffer
+        (10479, -2999 / 3000),
+        (10480, -1.0),  # -f at L_max
+        (10481, -1.0),
+        (20000, -1.0),  # held at -f beyond (a capped sampler never gets there)
+    ],
+)
 def test_overlong_penalty_published_setting(length, expected):
-    out, = _rewards([_inputs(response_tokens=length, max_new_tokens=10480)], [_score_row(0.0)], overlong_buffer=3000,
-                    overlong_factor=1.0, citation_weight=0.0)
+    (out,) = _rewards(
+        [_inputs(response_tokens=length, max_new_tokens=10480)],
+        [_score_row(0.0)],
+        overlong_buffer=3000,
+        overlong_factor=1.0,
+        citation_weight=0.0,
+    )
     assert out["overlong_penalty"] == pytest.approx(expected, abs=1e-12)
 
 
 def test_verified_prompts_use_the_verifier_score():
     row = _inputs("The answer is \\boxed{42}", verifier="ground_truth", verifier_score=1.0, correct=1.0)
-    out, = _rewards([row], [], verification_reward=10.0, format_weight=0.0)
+    (out,) = _rewards([row], [], verification_reward=10.0, format_weight=0.0)
     assert out["reward"] == 10.0 and out["rubrics_scored"] == 0
 
 
 def test_weights_are_one_row_per_version_and_versions_do_not_mix():
-    weights = [weight_row("r", 0, "train", RewardConfig(citation_weight=0.0), "zero"),
-               weight_row("r", 0, "v2", RewardConfig(citation_weight=0.0, verification_reward=1.0), "zero")]
+    weights = [
+        weight_row("r", 0, "train", RewardConfig(citation_weight=0.0), "zero"),
+        weight_row("r", 0, "v2", RewardConfig(citation_weight=0.0, verification_reward=1.0), "zero"),
+    ]
     rows = compute_rewards([_inputs()], [_score_row(0.5)], weights)
     assert {r["reward_version"]: r["reward"] for r in rows} == {"train": 5.0, "v2": 0.5}

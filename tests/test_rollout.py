@@ -13,10 +13,13 @@ from refiner_core.rollout.hf_engine import HFRolloutEngine
 def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer):
     model = load_model(tiny_model_path)
     engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
-    prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"]
-               for t in ("<|im_start|>user\nshort<|im_end|>\n<|im_start|>assistant\n",
-                         "<|im_start|>user\na much longer question about rivers and bridges<|im_end|>\n"
-                         "<|im_start|>assistant\n")]
+    prompts = [
+        tiny_tokenizer(t, add_special_tokens=False)["input_ids"]
+        for t in (
+            "<|im_start|>user\nshort<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\na much longer question about rivers and bridges<|im_end|>\n<|im_start|>assistant\n",
+        )
+    ]
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=5)
     gens = engine.generate(prompts, params)
     assert [(g.prompt_index, g.sample_idx) for g in gens] == [(p, s) for p in range(2) for s in range(3)]
@@ -51,14 +54,20 @@ def test_first_stop_keeps_eos_and_cuts_at_stop_string():
 
 def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
     """Reusing the KV cache of a response's shared prompt prefix must not change any rubric's score."""
-    from refiner_core.judges.transformers_judge import make_transformers_judge, prefix_groups
     from refiner_core.data.prompts import judge_messages
+    from refiner_core.judges.transformers_judge import make_transformers_judge, prefix_groups
 
-    judge = make_transformers_judge(str(tiny_model_path), {"batch_size": 3, "max_new_tokens": 4, "mode": "expected_score"})
-    conversations = [judge_messages(q, r, c) for q, r in (("Who built it?", "Eiffel's company built it."),
-                                                         ("When?", "In 1889, for the fair, after two years."))
-                     for c in ("Names the builder.", "Gives a date.", "Avoids padding and tangents entirely.",
-                               "Cites snippets.")]
+    judge = make_transformers_judge(
+        str(tiny_model_path), {"batch_size": 3, "max_new_tokens": 4, "mode": "expected_score"}
+    )
+    conversations = [
+        judge_messages(q, r, c)
+        for q, r in (
+            ("Who built it?", "Eiffel's company built it."),
+            ("When?", "In 1889, for the fair, after two years."),
+        )
+        for c in ("Names the builder.", "Gives a date.", "Avoids padding and tangents entirely.", "Cites snippets.")
+    ]
     judge.share_prefix = True
     shared = judge.complete(conversations)
     judge.share_prefix = False

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from refiner_core.data.rows import RawRow
+from refiner_core.data.sources import load_rows
 from refiner_core.rubrics.generate import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics.join import join_rubrics
-from refiner_core.data.sources import load_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -43,13 +43,26 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         elif "BADSHAPE" in question:
             content = json.dumps({"positive_rubrics": "be accurate"})
         else:
-            content = "```json\n" + json.dumps({
-                "positive_rubrics": [{"title": "Answers", "description": f"Answers: {question}", "weight": 2}],
-                "negative_rubrics": ["Cites a snippet that does not support the claim."],
-            }) + "\n```"
-        payload = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
-                              "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                           "finish_reason": "stop"}]}).encode()
+            content = (
+                "```json\n"
+                + json.dumps(
+                    {
+                        "positive_rubrics": [{"title": "Answers", "description": f"Answers: {question}", "weight": 2}],
+                        "negative_rubrics": ["Cites a snippet that does not support the claim."],
+                    }
+                )
+                + "\n```"
+            )
+        payload = json.dumps(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+                ],
+            }
+        ).encode()
         try:
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -76,8 +89,9 @@ def endpoint():
 
 
 def settings(endpoint: str, cache: Path, **kw) -> GenerationSettings:
-    return GenerationSettings(endpoint=endpoint, model="rubric-writer", cache_dir=cache, api_key="sekret",
-                              timeout_seconds=0.5, **kw)
+    return GenerationSettings(
+        endpoint=endpoint, model="rubric-writer", cache_dir=cache, api_key="sekret", timeout_seconds=0.5, **kw
+    )
 
 
 def test_generated_rubrics_are_parsed_and_cached_per_row(endpoint, tmp_path):
@@ -85,7 +99,9 @@ def test_generated_rubrics_are_parsed_and_cached_per_row(endpoint, tmp_path):
     rubrics, cached = generate_rubrics("Who discovered penicillin?", "<snippet id=a>...</snippet>", "", s)
     assert not cached
     assert [(r["kind"], r["title"], r["weight"]) for r in rubrics] == [
-        ("positive", "Answers", 2.0), ("negative", "Cites a snippet that does not support the claim.", 1.0)]
+        ("positive", "Answers", 2.0),
+        ("negative", "Cites a snippet that does not support the claim.", 1.0),
+    ]
     assert rubrics[0]["description"] == "Answers: Who discovered penicillin?"
     assert len(FakeOpenAI.requests) == 1
     request = FakeOpenAI.requests[0]
@@ -98,15 +114,18 @@ def test_generated_rubrics_are_parsed_and_cached_per_row(endpoint, tmp_path):
     assert len(FakeOpenAI.requests) == 2
 
 
-@pytest.mark.parametrize("question, reason, cached_after", [
-    ("TIMEOUT please", "rubric_generation_timeout", False),
-    ("HTTP500 please", "rubric_generation_http_error", False),
-    ("JUNK please", "rubric_generation_unparseable", True),
-    ("BADSHAPE please", "rubric_generation_invalid", True),
-])
+@pytest.mark.parametrize(
+    "question, reason, cached_after",
+    [
+        ("TIMEOUT please", "rubric_generation_timeout", False),
+        ("HTTP500 please", "rubric_generation_http_error", False),
+        ("JUNK please", "rubric_generation_unparseable", True),
+        ("BADSHAPE please", "rubric_generation_invalid", True),
+    ],
+)
 def test_failures_become_reasons_not_crashes(endpoint, tmp_path, question, reason, cached_after):
     s = settings(endpoint, tmp_path / "cache")
-    for attempt in range(2):
+    for _ in range(2):
         with pytest.raises(RubricGenerationError) as err:
             generate_rubrics(question, "<snippet id=a>x</snippet>", "", s)
         assert err.value.reason == reason
@@ -122,38 +141,63 @@ def test_unreachable_endpoint_is_a_reason_too(tmp_path):
 
 
 def _prompt(pid: str) -> dict:
-    return {"prompt_id": pid, "question": f"question {pid}?", "tool_output": "<snippet id=a>x</snippet>",
-            "reference_answer": ""}
+    return {
+        "prompt_id": pid,
+        "question": f"question {pid}?",
+        "tool_output": "<snippet id=a>x</snippet>",
+        "reference_answer": "",
+    }
 
 
 def test_separate_rubric_file_is_joined_by_id_with_rejections(tmp_path):
     lines = [
         {"id": "p1", "positive_rubrics": ["Names Fleming."], "negative_rubrics": []},
-        {"id": "p2", "positive_rubrics": [{"description": "Gives 1928.", "weight": 3, "title": "Year"}],
-         "negative_rubrics": [{"description": "Says 1930."}]},
+        {
+            "id": "p2",
+            "positive_rubrics": [{"description": "Gives 1928.", "weight": 3, "title": "Year"}],
+            "negative_rubrics": [{"description": "Says 1930."}],
+        },
         {"id": "ghost", "positive_rubrics": ["Orphan."]},
         {"id": "p1", "positive_rubrics": ["Second copy."]},
         {"id": "p3", "positive_rubrics": '["unclosed"'},
     ]
     path = tmp_path / "rubrics.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines) + "{broken\n")
-    static = [{"rubric_id": "static-x", "kind": "positive", "source": "static", "title": "X", "description": "x",
-               "weight": 1.0}]
-    joined, rejected = join_rubrics([_prompt(p) for p in ("p1", "p2", "p3", "p4")], load_rows(str(path)), static,
-                                    separate_source=True)
+    static = [
+        {
+            "rubric_id": "static-x",
+            "kind": "positive",
+            "source": "static",
+            "title": "X",
+            "description": "x",
+            "weight": 1.0,
+        }
+    ]
+    joined, rejected = join_rubrics(
+        [_prompt(p) for p in ("p1", "p2", "p3", "p4")], load_rows(str(path)), static, separate_source=True
+    )
     assert sorted(joined) == ["p1", "p2"]
     assert [r["description"] for r in joined["p1"]] == ["Names Fleming.", "x"]
     assert [(r["rubric_id"], r["kind"], r["title"], r["weight"]) for r in joined["p2"][:2]] == [
-        ("pos-0", "positive", "Year", 3.0), ("neg-0", "negative", "Says 1930.", 1.0)]
+        ("pos-0", "positive", "Year", 3.0),
+        ("neg-0", "negative", "Says 1930.", 1.0),
+    ]
     assert {(r.row_ref, r.reason) for r in rejected} == {
-        ("line 3", "unknown_prompt_id"), ("line 4", "duplicate_id"), ("line 5", "invalid_rubrics"),
-        ("line 6", "invalid_json"), ("id p4", "missing_rubrics")}
+        ("line 3", "unknown_prompt_id"),
+        ("line 4", "duplicate_id"),
+        ("line 5", "invalid_rubrics"),
+        ("line 6", "invalid_json"),
+        ("id p4", "missing_rubrics"),
+    }
 
 
 def test_generation_fills_only_rows_without_rubrics(endpoint, tmp_path):
     s = settings(endpoint, tmp_path / "cache")
-    rows = [RawRow("line 1", "{}", {"id": "p1", "positive_rubrics": ["Has one."]}),
-            RawRow("line 2", "{}", {"id": "p2"}), RawRow("line 3", "{}", {"id": "p3"})]
+    rows = [
+        RawRow("line 1", "{}", {"id": "p1", "positive_rubrics": ["Has one."]}),
+        RawRow("line 2", "{}", {"id": "p2"}),
+        RawRow("line 3", "{}", {"id": "p3"}),
+    ]
     prompts = [_prompt("p1"), _prompt("p2"), {**_prompt("p3"), "question": "JUNK?"}]
 
     def generate(prompt):
@@ -166,8 +210,9 @@ def test_generation_fills_only_rows_without_rubrics(endpoint, tmp_path):
     assert len(FakeOpenAI.requests) == 2  # p1 already had rubrics: no call
 
 
-def test_ingest_stage_generates_quarantines_and_never_pays_twice(prefect_server, tiny_model_path, endpoint,
-                                                                 tmp_path, monkeypatch):
+def test_ingest_stage_generates_quarantines_and_never_pays_twice(
+    prefect_server, tiny_model_path, endpoint, tmp_path, monkeypatch
+):
     from prefect import flow
 
     from refiner_core.config import RecipeConfig
@@ -185,19 +230,31 @@ def test_ingest_stage_generates_quarantines_and_never_pays_twice(prefect_server,
     monkeypatch.setenv("RUBRIC_KEY", "sekret")
     conf = dataclasses.asdict(RecipeConfig())
     conf["data"]["max_prompt_tokens"] = 2000
-    conf["rubrics"].update(generation_endpoint=endpoint, generation_model="rubric-writer",
-                           generation_api_key_env="RUBRIC_KEY", generation_timeout_seconds=0.5,
-                           generation_cache=str(tmp_path / "cache"), max_rejected_fraction=0.5)
+    conf["rubrics"].update(
+        generation_endpoint=endpoint,
+        generation_model="rubric-writer",
+        generation_api_key_env="RUBRIC_KEY",
+        generation_timeout_seconds=0.5,
+        generation_cache=str(tmp_path / "cache"),
+        max_rejected_fraction=0.5,
+    )
     policy = {"path": str(tiny_model_path), "hash": "tiny"}
 
     @flow
     def ingest(run_dir: str, rubric_cfg: dict):
-        prompts = prepare_data.with_options(retries=0)(run_dir=run_dir, run="g", data_file=str(data_file),
-                                                       data=conf["data"], seed=0, policy=policy)
+        prompts = prepare_data.with_options(retries=0)(
+            run_dir=run_dir, run="g", data_file=str(data_file), data=conf["data"], seed=0, policy=policy
+        )
         return prompts, ingest_rubrics.with_options(retries=0)(
-            run_dir=run_dir, run="g", data_file=str(data_file), data=conf["data"], rubric_file="",
-            rubric_cfg=rubric_cfg, static_rubrics_file=str(REPO / conf["rubrics"]["static_rubrics"]),
-            prompts=prompts)
+            run_dir=run_dir,
+            run="g",
+            data_file=str(data_file),
+            data=conf["data"],
+            rubric_file="",
+            rubric_cfg=rubric_cfg,
+            static_rubrics_file=str(REPO / conf["rubrics"]["static_rubrics"]),
+            prompts=prompts,
+        )
 
     prompts, manifest = ingest(str(tmp_path / "a"), conf["rubrics"])
     by_prompt: dict[str, list[dict]] = {}
@@ -208,8 +265,10 @@ def test_ingest_stage_generates_quarantines_and_never_pays_twice(prefect_server,
     assert by_prompt[ids[1]][0]["description"].startswith("Answers: ")  # generated
     assert sum(r["source"] == "static" for r in by_prompt[ids[0]]) == 3  # the static set, on by default
     quarantine = {r["row_ref"]: (r["stage"], r["reason"]) for r in read_rows(manifest["quarantine"]["path"])}
-    assert quarantine == {"line 3": ("rubrics", "rubric_generation_unparseable"),
-                          "line 4": ("rubrics", "rubric_generation_timeout")}
+    assert quarantine == {
+        "line 3": ("rubrics", "rubric_generation_unparseable"),
+        "line 4": ("rubrics", "rubric_generation_timeout"),
+    }
     assert set(manifest["train_ids"]) == {ids[0], ids[1], ids[4]} & set(prompts["train_ids"])
     assert manifest["generated"] == {"calls": 2, "cached": 0, "failed_calls": 1}  # the timeout was not an answer
     assert all(r["auth"] == "Bearer sekret" for r in FakeOpenAI.requests)

@@ -17,8 +17,16 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli, sigint_default
-from refiner_core.runtime.runlock import (BUSY_EXIT_CODE, LOCK_NAME, RunFolderBusy, acquire, format_run_dir, read_holder,
-                                  release, run_lock)
+from refiner_core.runtime.runlock import (
+    BUSY_EXIT_CODE,
+    LOCK_NAME,
+    RunFolderBusy,
+    acquire,
+    format_run_dir,
+    read_holder,
+    release,
+    run_lock,
+)
 
 HOLD_LOCK = textwrap.dedent("""
     import sys, time
@@ -30,8 +38,9 @@ HOLD_LOCK = textwrap.dedent("""
 
 
 def _hold_in_child(run_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -78,18 +87,33 @@ def test_stale_lock_of_a_killed_process_is_taken_over_with_a_warning(tmp_path):
 
 def test_reused_pid_does_not_keep_a_lock_alive(tmp_path):
     """A recorded PID that now belongs to another process (its start time differs) is stale."""
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
-                                                  "identity": "some-boot:123", "started": "earlier"}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps(
+            {"pid": os.getppid(), "host": socket.gethostname(), "identity": "some-boot:123", "started": "earlier"}
+        )
+    )
     warnings = []
     with run_lock(tmp_path, warn=warnings.append):
         assert len(warnings) == 1
 
 
 def test_lock_of_another_host_is_refused_with_a_hint(tmp_path):
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "other-machine", "identity": "x:1",
-                                                  "started": "2026-11-22T08:00:00+0000", "command": "refiner run"}))
-    with pytest.raises(RunFolderBusy, match="in use by PID 1 on host other-machine since 2026-11-22T08:00:00"
-                                            r"\+0000 \(refiner run\); if that run is gone, delete .*\.lock"):
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps(
+            {
+                "pid": 1,
+                "host": "other-machine",
+                "identity": "x:1",
+                "started": "2026-11-22T08:00:00+0000",
+                "command": "refiner run",
+            }
+        )
+    )
+    with pytest.raises(
+        RunFolderBusy,
+        match="in use by PID 1 on host other-machine since 2026-11-22T08:00:00"
+        r"\+0000 \(refiner run\); if that run is gone, delete .*\.lock",
+    ):
         acquire(tmp_path)
 
 
@@ -112,23 +136,35 @@ def test_the_flow_itself_refuses_a_folder_in_use(prefect_server, tiny_recipe, tm
 
 def test_run_folder_template():
     when = datetime.datetime(2026, 11, 22, 3, 4, 59, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
-    assert format_run_dir("runs/{deployment}/{date}-{flow_run_id}", "refiner-tiny", when,
-                          "0f3c2a9b-1111-2222-3333-444455556666") == "runs/refiner-tiny/20261122-0104-0f3c2a9b"
+    assert (
+        format_run_dir(
+            "runs/{deployment}/{date}-{flow_run_id}", "refiner-tiny", when, "0f3c2a9b-1111-2222-3333-444455556666"
+        )
+        == "runs/refiner-tiny/20261122-0104-0f3c2a9b"
+    )
     assert format_run_dir("runs/nightly", "d", when, "abc") == "runs/nightly"
     assert format_run_dir("runs/{deployment}/{flow_run_id}", "", None, "") == "runs/manual/local"
-    with pytest.raises(ValueError, match=r"run_dir template 'runs/\{name\}'.*\{deployment\}, \{date\}, "
-                                         r"\{flow_run_id\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"run_dir template 'runs/\{name\}'.*\{deployment\}, \{date\}, "
+        r"\{flow_run_id\}",
+    ):
         format_run_dir("runs/{name}", "d", when, "abc")
 
 
 def start_cli(args: list[str], tmp_path: Path, name: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     """`refiner ARGS` started in the background, its stderr in TMP/NAME.err."""
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO",
-           **(env or {})}
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO", **(env or {})}
     err = tmp_path / f"{name}.err"
     with open(err, "w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            start_new_session=True,
+        )
     return proc, err
 
 
@@ -220,16 +256,25 @@ SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
 
 def _sigterm_in_a_finalizer(scenario: str) -> dict:
     """SIGTERM_IN_A_FINALIZER's report for SCENARIO, in a child process: its signal handlers are its own."""
-    proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_FINALIZER, scenario], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, preexec_fn=sigint_default)
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGTERM_IN_A_FINALIZER, scenario],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=sigint_default,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
 
 def test_sigterm_raised_inside_a_finalizer_is_lost_with_a_plain_handler():
     """What `interrupts_never_lost` exists for: CPython drops a handler's exception raised in a finalizer."""
-    assert _sigterm_in_a_finalizer("plain handler") == {"terminated_after": None, "dropped": ["Terminated"],
-                                                        "restored": False}
+    assert _sigterm_in_a_finalizer("plain handler") == {
+        "terminated_after": None,
+        "dropped": ["Terminated"],
+        "restored": False,
+    }
 
 
 def test_sigterm_raised_inside_a_finalizer_still_ends_the_run_once():
@@ -255,7 +300,10 @@ def test_ctrl_c_raised_inside_a_finalizer_still_interrupts_the_run():
 
 def test_sigterm_awaiting_redelivery_when_the_run_ends_is_raised_there():
     assert _sigterm_in_a_finalizer("run ending before the redelivery") == {
-        "terminated_at_the_end": True, "dropped": [], "restored": True}
+        "terminated_at_the_end": True,
+        "dropped": [],
+        "restored": True,
+    }
 
 
 def wait_for_log(proc: subprocess.Popen, err: Path, text: str, timeout: float = 180) -> None:

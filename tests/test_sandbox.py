@@ -14,11 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from refiner_core.agent.tools.python_sandbox import (PythonSandbox, PythonTool, SandboxLimits, SandboxUnavailable,
-                                                     check_sandbox)
+from refiner_core.agent.tools.python_sandbox import (
+    PythonSandbox,
+    PythonTool,
+    SandboxLimits,
+    SandboxUnavailable,
+    check_sandbox,
+)
 
-LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=5.0, memory_bytes=512 << 20, max_processes=16,
-                       max_file_bytes=1 << 20, tmp_bytes=8 << 20, tmp_inodes=1000, max_output_bytes=2048)
+LIMITS = SandboxLimits(
+    cpu_seconds=2,
+    wall_seconds=5.0,
+    memory_bytes=512 << 20,
+    max_processes=16,
+    max_file_bytes=1 << 20,
+    tmp_bytes=8 << 20,
+    tmp_inodes=1000,
+    max_output_bytes=2048,
+)
 # Syscall numbers the probes call through ctypes: add_key, request_key, keyctl, shmget, msgget, unshare, clone.
 SYSCALLS = {"x86_64": (248, 249, 250, 29, 68, 272, 56), "aarch64": (217, 218, 219, 194, 186, 97, 220)}
 
@@ -95,9 +108,11 @@ def test_fork_bomb_is_contained(box):
 
 
 def test_process_limit_refuses_forks_past_the_limit(box):
-    code = ("import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
-            "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
-            "    print('refused after', n, type(e).__name__)")
+    code = (
+        "import os, time\nn = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
+        "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n"
+        "    print('refused after', n, type(e).__name__)"
+    )
     result = box.run(code)
     assert "refused after" in result.stdout, result
     assert int(result.stdout.split()[2]) < LIMITS.max_processes
@@ -123,13 +138,15 @@ def test_no_connection_to_host_loopback(box):
         while time.monotonic() < deadline:
             try:
                 accepted.append(server.accept())
-            except socket.timeout:
+            except TimeoutError:
                 continue
 
     thread = threading.Thread(target=accept)
     thread.start()
-    code = (f"import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
-            "    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e)")
+    code = (
+        f"import socket\ns = socket.socket()\ns.settimeout(2)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
+        "    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e)"
+    )
     result = box.run(code)
     thread.join()
     server.close()
@@ -138,10 +155,12 @@ def test_no_connection_to_host_loopback(box):
 
 
 def test_no_connection_to_outside_addresses(box):
-    code = ("import socket\nfor host in ('1.1.1.1', '8.8.8.8'):\n    s = socket.socket()\n    s.settimeout(2)\n"
-            "    try:\n        s.connect((host, 53))\n        print('CONNECTED', host)\n    except OSError as e:\n"
-            "        print('blocked', host, e.errno)\ntry:\n    socket.getaddrinfo('pypi.org', 443)\n"
-            "    print('RESOLVED')\nexcept OSError:\n    print('no dns')")
+    code = (
+        "import socket\nfor host in ('1.1.1.1', '8.8.8.8'):\n    s = socket.socket()\n    s.settimeout(2)\n"
+        "    try:\n        s.connect((host, 53))\n        print('CONNECTED', host)\n    except OSError as e:\n"
+        "        print('blocked', host, e.errno)\ntry:\n    socket.getaddrinfo('pypi.org', 443)\n"
+        "    print('RESOLVED')\nexcept OSError:\n    print('no dns')"
+    )
     result = box.run(code)
     assert result.stdout.count("blocked") == 2 and "no dns" in result.stdout
     assert "CONNECTED" not in result.stdout and "RESOLVED" not in result.stdout
@@ -149,16 +168,20 @@ def test_no_connection_to_outside_addresses(box):
 
 def test_writes_outside_tmp_fail_and_tmp_is_private(box, tmp_path):
     target = tmp_path / "escaped.txt"
-    code = ("import os, sys\nfor path in ['/usr/escaped', '/escaped', sys.prefix + '/escaped', " + repr(str(target))
-            + "]:\n    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
-            "    except OSError as e:\n        print('refused', path)\nopen('/tmp/scratch', 'w').write('kept?')\n"
-            "print('tmp ok', sorted(os.listdir('/tmp')))")
+    code = (
+        "import os, sys\nfor path in ['/usr/escaped', '/escaped', sys.prefix + '/escaped', "
+        + repr(str(target))
+        + "]:\n    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
+        "    except OSError as e:\n        print('refused', path)\nopen('/tmp/scratch', 'w').write('kept?')\n"
+        "print('tmp ok', sorted(os.listdir('/tmp')))"
+    )
     result = box.run(code)
     assert "WROTE" not in result.stdout and result.stdout.count("refused") == 4
     # The private /tmp holds only what the code wrote, plus the read-only interpreter folders of a checkout that
     # lives under /tmp itself (bound there so the interpreter runs).
-    interpreter_dirs = sorted({p.parts[2] for p in map(Path, {sys.prefix, sys.base_prefix})
-                               if p.parts[1:2] == ("tmp",)})
+    interpreter_dirs = sorted(
+        {p.parts[2] for p in map(Path, {sys.prefix, sys.base_prefix}) if p.parts[1:2] == ("tmp",)}
+    )
     assert f"tmp ok {sorted(['scratch'] + interpreter_dirs)}" in result.stdout
     assert not target.exists() and not Path(sys.prefix, "escaped").exists() and not Path("/escaped").exists()
     # A fresh call starts from an empty /tmp.
@@ -178,12 +201,14 @@ def test_environment_secrets_and_home_are_not_visible(box, monkeypatch):
     probe = home / f".refiner-sandbox-probe-{uuid.uuid4().hex}"
     probe.write_text(secret)
     try:
-        code = ("import os, glob\nprint(dict(os.environ))\nfor pid in os.listdir('/proc'):\n"
-                "    if pid.isdigit():\n        try:\n            print(open(f'/proc/{pid}/environ').read())\n"
-                "        except OSError:\n            pass\n"
-                f"for path in [{str(probe)!r}, '/etc/shadow', '/proc/1/root/etc/hostname']:\n    try:\n"
-                "        print(open(path).read())\n    except OSError as e:\n        print('refused', path)\n"
-                f"print('home', sorted(os.listdir({str(home)!r})) if os.path.isdir({str(home)!r}) else None)")
+        code = (
+            "import os, glob\nprint(dict(os.environ))\nfor pid in os.listdir('/proc'):\n"
+            "    if pid.isdigit():\n        try:\n            print(open(f'/proc/{pid}/environ').read())\n"
+            "        except OSError:\n            pass\n"
+            f"for path in [{str(probe)!r}, '/etc/shadow', '/proc/1/root/etc/hostname']:\n    try:\n"
+            "        print(open(path).read())\n    except OSError as e:\n        print('refused', path)\n"
+            f"print('home', sorted(os.listdir({str(home)!r})) if os.path.isdir({str(home)!r}) else None)"
+        )
         result = box.run(code)
     finally:
         probe.unlink()
@@ -206,9 +231,11 @@ def test_huge_output_is_truncated(box):
 
 def test_killing_the_parent_fails(box):
     me = os.getpid()
-    code = (f"import os, signal\nfor pid in [{me}, os.getppid(), 1]:\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
-            "        print('sent', pid)\n    except OSError as e:\n        print('refused', pid, type(e).__name__)\n"
-            "try:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print('broadcast refused')")
+    code = (
+        f"import os, signal\nfor pid in [{me}, os.getppid(), 1]:\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+        "        print('sent', pid)\n    except OSError as e:\n        print('refused', pid, type(e).__name__)\n"
+        "try:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print('broadcast refused')"
+    )
     box.run(code)
     # This process (the stage) survived, and the sandbox still works.
     assert os.getpid() == me
@@ -217,17 +244,21 @@ def test_killing_the_parent_fails(box):
 
 def test_child_left_running_is_killed_with_the_call(box):
     marker = f"sandbox-leftover-{uuid.uuid4().hex}"
-    code = ("import subprocess, sys\n"
-            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)  # {marker}'], "
-            "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\nprint('spawned')")
+    code = (
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)  # {marker}'], "
+        "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\nprint('spawned')"
+    )
     result = box.run(code)
     assert result.stdout == "spawned\n"
     time.sleep(0.5)
     assert processes_matching(marker) == []
     sleeper = f"sandbox-timeout-{uuid.uuid4().hex}"
-    code = ("import subprocess, sys, time\n"
-            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)  # {sleeper}'], "
-            "start_new_session=True)\ntime.sleep(300)")
+    code = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)  # {sleeper}'], "
+        "start_new_session=True)\ntime.sleep(300)"
+    )
     assert box.run(code).status == "timeout"
     time.sleep(0.5)
     assert processes_matching(sleeper) == []
@@ -237,7 +268,7 @@ def test_calls_run_concurrently_and_bounded():
     sandbox = PythonSandbox(SandboxLimits(wall_seconds=10.0), concurrency=2)
     try:
         t0 = time.monotonic()
-        results = sandbox.run_many(["import time\ntime.sleep(1.5)\nprint(%d)" % i for i in range(4)])
+        results = sandbox.run_many([f"import time\ntime.sleep(1.5)\nprint({i})" for i in range(4)])
         elapsed = time.monotonic() - t0
     finally:
         sandbox.close()
@@ -273,7 +304,8 @@ def test_recipe_with_the_python_tool_is_refused_before_running_without_bubblewra
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "grpo-tcr.yaml"
     cfg = load_recipe(recipe, ["model.policy=tiny-qwen3", "rollout.agent.tools=[python, browser]"])
     assert [p for p in check_values(cfg) if "rollout.agent" in p] == [
-        "rollout.agent.tools = ['python', 'browser']: choose one or more of ['python']"]
+        "rollout.agent.tools = ['python', 'browser']: choose one or more of ['python']"
+    ]
     monkeypatch.setenv("PATH", "/nonexistent")
     problems = [p for p in check_values(load_recipe(recipe)) if "rollout.agent" in p]
     assert len(problems) == 1 and "bubblewrap" in problems[0] and "apt-get install -y bubblewrap" in problems[0]
@@ -282,8 +314,14 @@ def test_recipe_with_the_python_tool_is_refused_before_running_without_bubblewra
 def test_code_the_interpreter_cannot_be_given_is_an_invalid_call():
     tool = PythonTool(PythonSandbox(LIMITS, concurrency=1))
     try:
-        results = tool.run_many([{"code": "print('a\x00b')"}, {"code": "x = '\ud800'"},
-                                 {"code": "#" * (LIMITS.max_code_bytes + 1)}, {"code": "print('still runs')"}])
+        results = tool.run_many(
+            [
+                {"code": "print('a\x00b')"},
+                {"code": "x = '\ud800'"},
+                {"code": "#" * (LIMITS.max_code_bytes + 1)},
+                {"code": "print('still runs')"},
+            ]
+        )
     finally:
         tool.close()
     assert [r.status for r in results] == ["invalid_call"] * 3 + ["ok"]
@@ -297,20 +335,24 @@ def test_code_the_interpreter_cannot_be_given_is_an_invalid_call():
 
 
 # ctypes calls of the raw syscalls; each prints '<name> <result or -errno>'.
-SYSCALL_PROBE = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
-                 f"ADD_KEY, REQUEST_KEY, KEYCTL, SHMGET, MSGGET, UNSHARE, CLONE = {SYSCALLS!r}[os.uname().machine]\n"
-                 "def call(name, nr, *args):\n"
-                 "    ret = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) if isinstance(a, int) else a "
-                 "for a in args])\n"
-                 "    print(name, ret if ret >= 0 else -ctypes.get_errno())\n    return ret\n")
+SYSCALL_PROBE = (
+    "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+    f"ADD_KEY, REQUEST_KEY, KEYCTL, SHMGET, MSGGET, UNSHARE, CLONE = {SYSCALLS!r}[os.uname().machine]\n"
+    "def call(name, nr, *args):\n"
+    "    ret = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) if isinstance(a, int) else a "
+    "for a in args])\n"
+    "    print(name, ret if ret >= 0 else -ctypes.get_errno())\n    return ret\n"
+)
 KEY_USER_KEYRING, KEYCTL_GET_KEYRING_ID, KEYCTL_READ = -4, 0, 11
-STORE_KEY = SYSCALL_PROBE + (f"call('add_key', ADD_KEY, b'user', b'refiner-probe', b'secret-payload', 14, "
-                             f"{KEY_USER_KEYRING})")
+STORE_KEY = SYSCALL_PROBE + (
+    f"call('add_key', ADD_KEY, b'user', b'refiner-probe', b'secret-payload', 14, {KEY_USER_KEYRING})"
+)
 READ_KEY = SYSCALL_PROBE + (
     f"call('keyctl', KEYCTL, {KEYCTL_GET_KEYRING_ID}, {KEY_USER_KEYRING}, 0)\n"
     "key = call('request_key', REQUEST_KEY, b'user', b'refiner-probe', None, 0)\n"
     f"if key > 0:\n    buf = ctypes.create_string_buffer(64)\n    call('read', KEYCTL, {KEYCTL_READ}, key, buf, 64)\n"
-    "    print(buf.value)")
+    "    print(buf.value)"
+)
 HOLD_MEMORY = SYSCALL_PROBE + (
     "def attempt(name, action):\n    try:\n        action()\n        print(name, 'held')\n"
     "    except OSError as e:\n        print(name, 'refused', e.errno)\n"
@@ -321,15 +363,19 @@ HOLD_MEMORY = SYSCALL_PROBE + (
     "attempt('dev', lambda: open('/dev/held', 'wb').write(b'x'))\n"
     "attempt('root', lambda: open('/held', 'wb').write(b'x'))\n"
     "from multiprocessing import shared_memory\n"
-    "attempt('posix_shm', lambda: shared_memory.SharedMemory(create=True, size=1 << 20))")
+    "attempt('posix_shm', lambda: shared_memory.SharedMemory(create=True, size=1 << 20))"
+)
 CLONE_NEWUSER, SIGCHLD = 0x10000000, 17
 # A user namespace of its own would give the code the capabilities to mount a tmpfs of any size.
 NEW_USER_NAMESPACE = SYSCALL_PROBE + (
     f"call('unshare', UNSHARE, {CLONE_NEWUSER})\nif call('clone', CLONE, {CLONE_NEWUSER | SIGCHLD}, 0, 0, 0, 0) == 0:\n"
     "    os._exit(0)\nimport subprocess\n"
-    "print('unshare_tool', subprocess.run(['unshare', '-Urm', 'true'], stderr=subprocess.DEVNULL).returncode)")
-FILL_TMP = ("import os\nn = 0\ntry:\n    while n < 20000:\n        open(f'/tmp/f{n}', 'w').close()\n        n += 1\n"
-            "    print('created', n)\nexcept OSError as e:\n    print('created', n, 'then errno', e.errno)")
+    "print('unshare_tool', subprocess.run(['unshare', '-Urm', 'true'], stderr=subprocess.DEVNULL).returncode)"
+)
+FILL_TMP = (
+    "import os\nn = 0\ntry:\n    while n < 20000:\n        open(f'/tmp/f{n}', 'w').close()\n        n += 1\n"
+    "    print('created', n)\nexcept OSError as e:\n    print('created', n, 'then errno', e.errno)"
+)
 EPERM, ENOSPC = 1, 28
 
 
@@ -372,10 +418,12 @@ def test_another_runs_processes_do_not_use_up_this_runs_process_limit(box):
     leaves the other's forks alone."""
     other_run = PythonSandbox(LIMITS, concurrency=2)
     marker = f"fill-{uuid.uuid4().hex}"
-    fill = (f"import os, time  # {marker}\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-            "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError:\n"
-            "    print('full at', n)\n"
-            "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break")
+    fill = (
+        f"import os, time  # {marker}\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(3)\n            os._exit(0)\n        n += 1\nexcept OSError:\n"
+        "    print('full at', n)\n"
+        "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break"
+    )
     filled = []
     try:
         filler = threading.Thread(target=lambda: filled.append(other_run.run(fill)))
@@ -383,8 +431,9 @@ def test_another_runs_processes_do_not_use_up_this_runs_process_limit(box):
         deadline = time.monotonic() + 3
         while len(processes_matching(marker)) < LIMITS.max_processes and time.monotonic() < deadline:
             time.sleep(0.05)
-        forked = box.run("import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\n"
-                         "print('forked')")
+        forked = box.run(
+            "import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')"
+        )
         filler.join()
     finally:
         other_run.close()
@@ -395,7 +444,8 @@ def test_another_runs_processes_do_not_use_up_this_runs_process_limit(box):
 
 def readable_by_everyone(path: Path) -> bool:
     return all(p.stat().st_mode & 0o005 == 0o005 for p in [path, *path.parents] if p.is_dir()) and (
-        path.is_dir() or path.stat().st_mode & 0o004)
+        path.is_dir() or path.stat().st_mode & 0o004
+    )
 
 
 NOBODY = 65534
@@ -403,21 +453,43 @@ SYSTEM_PYTHON = Path("/usr/bin/python3")
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not SYSTEM_PYTHON.exists() or not readable_by_everyone(REPO),
-                    reason="runs the sandbox as an unprivileged user: needs root to switch, a system Python and a "
-                           "repository every user can read")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not SYSTEM_PYTHON.exists() or not readable_by_everyone(REPO),
+    reason="runs the sandbox as an unprivileged user: needs root to switch, a system Python and a "
+    "repository every user can read",
+)
 def test_without_root_dev_is_read_only_and_the_limits_hold():
     """The stage run as an ordinary user: bwrap makes its own user namespace, and the code keeps that uid."""
     as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     if subprocess.run([*as_nobody, "bwrap", "--unshare-user", "--ro-bind", "/", "/", "true"]).returncode != 0:
         pytest.skip("unprivileged user namespaces are disabled here")
-    script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\n"
-              "from refiner_core.agent.tools.python_sandbox import PythonSandbox, SandboxLimits\n"
-              "box = PythonSandbox(SandboxLimits(tmp_inodes=500), interpreter=sys.executable, concurrency=1)\n"
-              "print(json.dumps([box.as_root] + [box.run(code).stdout for code in sys.argv[2:]]))")
-    done = subprocess.run([*as_nobody, str(SYSTEM_PYTHON), "-I", "-B", "-c", script, str(REPO), HOLD_MEMORY,
-                           STORE_KEY, FILL_TMP, NEW_USER_NAMESPACE, "import os\nprint(os.getuid())"],
-                          capture_output=True, text=True, timeout=120, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    script = (
+        "import json, sys\nsys.path.insert(0, sys.argv[1])\n"
+        "from refiner_core.agent.tools.python_sandbox import PythonSandbox, SandboxLimits\n"
+        "box = PythonSandbox(SandboxLimits(tmp_inodes=500), interpreter=sys.executable, concurrency=1)\n"
+        "print(json.dumps([box.as_root] + [box.run(code).stdout for code in sys.argv[2:]]))"
+    )
+    done = subprocess.run(
+        [
+            *as_nobody,
+            str(SYSTEM_PYTHON),
+            "-I",
+            "-B",
+            "-c",
+            script,
+            str(REPO),
+            HOLD_MEMORY,
+            STORE_KEY,
+            FILL_TMP,
+            NEW_USER_NAMESPACE,
+            "import os\nprint(os.getuid())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr
     as_root, memory, key, tmp, namespace, uid = json.loads(done.stdout)
     assert (as_root, uid) == (False, f"{NOBODY}\n")

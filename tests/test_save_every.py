@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from prefect.settings import PREFECT_API_URL
 from safetensors.torch import load_file
 
-from prefect.settings import PREFECT_API_URL
-
 from conftest import REPO, catalog_rows, run_cli
-from refiner_core.runtime import live
 from refiner_core.config import recipe_from_dict
 from refiner_core.preflight import check_values
+from refiner_core.runtime import live
 from tasks.stage import damaged_outputs
 
 STEPS = 3
@@ -25,10 +24,12 @@ STEPS = 3
 
 def _recipe(tiny_recipe: dict, save_every: int, **run) -> dict:
     """The tiny recipe, smaller: 3 steps of 2 prompts x 2 samples, every step checkpoint kept (keep_last 0)."""
-    return {**tiny_recipe, "run": {**tiny_recipe["run"], "save_every": save_every, "keep_last": 0, **run},
-            "rollout": {**tiny_recipe["rollout"], "prompts_per_step": 2, "samples_per_prompt": 2,
-                        "max_new_tokens": 12},
-            "grpo": {**tiny_recipe["grpo"], "steps": STEPS}}
+    return {
+        **tiny_recipe,
+        "run": {**tiny_recipe["run"], "save_every": save_every, "keep_last": 0, **run},
+        "rollout": {**tiny_recipe["rollout"], "prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 12},
+        "grpo": {**tiny_recipe["grpo"], "steps": STEPS},
+    }
 
 
 def _pipeline(recipe: dict, run_dir: Path):
@@ -40,10 +41,14 @@ def _pipeline(recipe: dict, run_dir: Path):
 def _results(run_dir: Path, policy_hash: bool) -> dict:
     hashes = "policy_hash, " if policy_hash else ""  # a step between saves names its weights by another hash
     return {
-        "rollouts": catalog_rows(run_dir, f"SELECT step, prompt_id, sample_idx, {hashes}response_token_ids, "
-                                 "response_logprobs FROM rollouts ORDER BY ALL"),
-        "rewards": catalog_rows(run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards "
-                                "ORDER BY ALL"),
+        "rollouts": catalog_rows(
+            run_dir,
+            f"SELECT step, prompt_id, sample_idx, {hashes}response_token_ids, "
+            "response_logprobs FROM rollouts ORDER BY ALL",
+        ),
+        "rewards": catalog_rows(
+            run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards ORDER BY ALL"
+        ),
         "steps": catalog_rows(run_dir, "SELECT step, loss, kl, grad_norm, reward_mean FROM steps ORDER BY step"),
         "weights": load_file(str(run_dir / "checkpoints" / f"step_{STEPS:04d}" / "model.safetensors")),
     }
@@ -60,8 +65,11 @@ def _same(a: dict, b: dict) -> None:
 def _recomputed(run_dir: Path) -> list[str]:
     """The stages whose cached results the newest run of the folder found damaged."""
     newest = sorted((run_dir / "logs").glob("run-*.log"))[-1].read_text()
-    return [line.split(": cached result refers")[0].split()[-1] for line in newest.splitlines()
-            if ": cached result refers to missing or changed files" in line]
+    return [
+        line.split(": cached result refers")[0].split()[-1]
+        for line in newest.splitlines()
+        if ": cached result refers to missing or changed files" in line
+    ]
 
 
 def _checkpoints(run_dir: Path) -> list[str]:
@@ -86,9 +94,18 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(pre
 
     # Ctrl-C after step 0's update, whose weights are only in memory: the run's end writes them to step_0001,
     # marked with the hash its manifest names, and the rerun resumes from them (nothing recomputed).
-    overrides = [f"--set={k}={v}" for k, v in (("run.save_every", 2), ("run.keep_last", 0), ("run.retries", 0),
-                                               ("rollout.prompts_per_step", 2), ("rollout.samples_per_prompt", 2),
-                                               ("rollout.max_new_tokens", 12), ("grpo.steps", STEPS))]
+    overrides = [
+        f"--set={k}={v}"
+        for k, v in (
+            ("run.save_every", 2),
+            ("run.keep_last", 0),
+            ("run.retries", 0),
+            ("rollout.prompts_per_step", 2),
+            ("rollout.samples_per_prompt", 2),
+            ("rollout.max_new_tokens", 12),
+            ("grpo.steps", STEPS),
+        )
+    ]
     cli = ["run", str(REPO / "recipes" / "tiny.yaml"), *overrides, "--run-dir"]
     env = {"PREFECT_API_URL": PREFECT_API_URL.value()}
     code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, {**env, "REFINER_INTERRUPT_ONCE": "rollout@1"})
@@ -106,8 +123,11 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(pre
     # Killed after step 0's update (no cleanup, like SIGKILL): step 0's weights are nowhere, and the rerun may not
     # take its cached update. The rerun recomputes it, saves step_0002, and is killed again; step 0's weights are
     # still nowhere, but step_0002 was saved from them: nothing needs them again.
-    for code_wanted, recomputed, checkpoints in ((137, [], []), (137, ["grpo-update"], ["step_0002"]),
-                                                 (0, [], ["step_0002", "step_0003"])):
+    for code_wanted, recomputed, checkpoints in (
+        (137, [], []),
+        (137, ["grpo-update"], ["step_0002"]),
+        (0, [], ["step_0002", "step_0003"]),
+    ):
         code, _, err, _ = run_cli([*cli, str(killed)], tmp_path, {**env, "REFINER_KILL_ONCE": "rollout@1,rollout@2"})
         assert code == code_wanted, err[-3000:]
         assert _recomputed(killed) == recomputed

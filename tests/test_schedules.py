@@ -38,15 +38,22 @@ def prefect_stack(tmp_path):
     """A real Prefect server on a free loopback port with its own PREFECT_HOME; yields (env, start) where
     start(args, name) launches a long-running `prefect ARGS`. Every process started is stopped, group and all."""
     url = f"http://127.0.0.1:{_free_port()}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": url,
-           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
-           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": url,
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     started = []
 
     def start(args: list[str], name: str) -> subprocess.Popen:
         log = open(tmp_path / f"{name}.log", "w")
-        proc = spawn([PREFECT, *args], record_dir=tmp_path / "procs", cwd=REPO, env=env, stdout=log,
-                     stderr=subprocess.STDOUT)
+        proc = spawn(
+            [PREFECT, *args], record_dir=tmp_path / "procs", cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         started.append(proc)
         return proc
 
@@ -72,8 +79,9 @@ def prefect_stack(tmp_path):
 
 
 def prefect_cli(args: list[str], env: dict, timeout: int = 180) -> str:
-    result = subprocess.run([PREFECT, "--no-prompt", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        [PREFECT, "--no-prompt", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, f"prefect {' '.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 
@@ -93,8 +101,9 @@ def subflow_task_states(client, parent) -> dict[str, str]:
     """Stage name -> state name in the latest pipeline (sub)flow run of a refiner-recipe flow run."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
-    children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
+    children = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id]))
+    )
     latest = max(children, key=lambda r: r.created)
     tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[latest.id])))
     return {t.name: t.state.name for t in tasks if not t.name.startswith(("locate-model", "prune-checkpoints"))}
@@ -107,8 +116,11 @@ def retry_logged(client, flow_run_id, timeout: float = 30) -> str:
     deadline = time.time() + timeout
     while time.time() < deadline:
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-        commands = [log.message[log.message.index("prefect flow-run retry"):] for log in logs
-                    if log.level == logging.ERROR and "prefect flow-run retry" in log.message]
+        commands = [
+            log.message[log.message.index("prefect flow-run retry") :]
+            for log in logs
+            if log.level == logging.ERROR and "prefect flow-run retry" in log.message
+        ]
         if commands:
             return commands[0]
         time.sleep(1)
@@ -116,7 +128,7 @@ def retry_logged(client, flow_run_id, timeout: float = 30) -> str:
 
 
 def run_folder(runs: Path, run) -> Path:
-    date = run.expected_start_time.astimezone(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    date = run.expected_start_time.astimezone(datetime.UTC).strftime("%Y%m%d-%H%M")
     return runs / "refiner-tiny" / f"{date}-{str(run.id)[:8]}"
 
 
@@ -145,9 +157,12 @@ def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_serv
     assert load_recipe(folder / "recipe.yaml").to_dict() == ran_with.to_dict()
     [log] = (folder / "logs").glob("run-*.log")
     assert "step 0 done" in log.read_text() and "Task run 'grpo-update[step=0]'" in log.read_text()
-    for command in (["rescore", str(folder), "--set", "reward.citation_weight=0.5", "--name", "cw05"],
-                    ["show", str(folder)], ["plot", str(folder), "-o", str(tmp_path / "curves.png")],
-                    ["sql", str(folder), "SELECT DISTINCT reward_version FROM step_rewards ORDER BY 1", "-f", "csv"]):
+    for command in (
+        ["rescore", str(folder), "--set", "reward.citation_weight=0.5", "--name", "cw05"],
+        ["show", str(folder)],
+        ["plot", str(folder), "-o", str(tmp_path / "curves.png")],
+        ["sql", str(folder), "SELECT DISTINCT reward_version FROM step_rewards ORDER BY 1", "-f", "csv"],
+    ):
         code, out, err, _ = run_cli(command, tmp_path)
         assert code == 0, f"refiner {command[0]}: {out}{err}"
     assert out.split() == ["reward_version", "cw05", "train"]
@@ -156,8 +171,12 @@ def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_serv
 def test_a_failed_run_logs_the_command_that_retries_it(prefect_server, tmp_path, caplog):
     from flows.scheduled import run_recipe
 
-    state = run_recipe(recipe_file="recipes/tiny.yaml", run_dir=str(tmp_path / "run"),
-                       overrides=[*OVERRIDES, "data.path=no/such/file.jsonl"], return_state=True)
+    state = run_recipe(
+        recipe_file="recipes/tiny.yaml",
+        run_dir=str(tmp_path / "run"),
+        overrides=[*OVERRIDES, "data.path=no/such/file.jsonl"],
+        return_state=True,
+    )
     assert state.is_failed() and "nothing was run" in state.message
     command = f"prefect flow-run retry {state.state_details.flow_run_id} --entrypoint flows/scheduled.py:run_recipe"
     assert [r.levelname for r in caplog.records if command in r.getMessage()] == ["ERROR"]
@@ -167,7 +186,7 @@ def test_a_failed_run_logs_the_command_that_retries_it(prefect_server, tmp_path,
 def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentScheduleCreate
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.client.schemas.schedules import IntervalSchedule
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -180,8 +199,15 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
 
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
         deployments = {d.name: d for d in client.read_deployments()}
-        assert set(deployments) == {"refiner-smollm2", "refiner-tiny", "refiner-answer-only",
-                                    "refiner-instance-rubric", "gt-grpo-math", "co-rewarding-1", "grpo-tcr"}
+        assert set(deployments) == {
+            "refiner-smollm2",
+            "refiner-tiny",
+            "refiner-answer-only",
+            "refiner-instance-rubric",
+            "gt-grpo-math",
+            "co-rewarding-1",
+            "grpo-tcr",
+        }
         for d in deployments.values():
             assert d.global_concurrency_limit.limit == 1, f"{d.name}: overlapping runs must wait"
             assert d.work_pool_name == "refiner" and d.entrypoint == "flows/scheduled.py:run_recipe"
@@ -191,16 +217,28 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         tiny = deployments["refiner-tiny"]
 
         # A short schedule (a run 20 s from now) with this test's run folder and a one-step run.
-        due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=20)
-        client.create_deployment_schedules(tiny.id, [DeploymentScheduleCreate(
-            schedule=IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=due), active=True,
-            parameters=parameters)])
+        due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=20)
+        client.create_deployment_schedules(
+            tiny.id,
+            [
+                DeploymentScheduleCreate(
+                    schedule=IntervalSchedule(interval=datetime.timedelta(hours=1), anchor_date=due),
+                    active=True,
+                    parameters=parameters,
+                )
+            ],
+        )
         start(["worker", "start", "--pool", "refiner"], "worker")
         deadline = time.time() + 120
         scheduled = []
         while not scheduled and time.time() < deadline:
-            scheduled = [r for r in client.read_flow_runs(deployment_filter=DeploymentFilter(
-                id=DeploymentFilterId(any_=[tiny.id]))) if r.parameters.get("run_dir") == parameters["run_dir"]]
+            scheduled = [
+                r
+                for r in client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[tiny.id]))
+                )
+                if r.parameters.get("run_dir") == parameters["run_dir"]
+            ]
             time.sleep(2)
         assert scheduled, "the scheduler created no run"
         first = min(scheduled, key=lambda r: r.expected_start_time)
@@ -212,7 +250,8 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         # Requested while the scheduled run is going: the deployment's concurrency limit makes it wait. It fails
         # in judge (the fault fires once per run folder); `prefect flow-run retry` then finishes it below.
         failing = client.create_flow_run_from_deployment(
-            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}})
+            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}}
+        )
         done = wait_final(client, first.id)
         assert done.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
         folder = run_folder(runs, done)
@@ -236,7 +275,10 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert retried.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
         states = subflow_task_states(client, retried)
         assert {k: states[k] for k in ("prepare-data", "ingest-rubrics", "rollout[step=0]")} == {
-            "prepare-data": "Cached", "ingest-rubrics": "Cached", "rollout[step=0]": "Cached"}, states
+            "prepare-data": "Cached",
+            "ingest-rubrics": "Cached",
+            "rollout[step=0]": "Cached",
+        }, states
         assert states["judge[step=0]"] == "Completed" and states["grpo-update[step=0]"] == "Completed", states
         retried_folder = run_folder(runs, retried)
         assert retried_folder != folder and (retried_folder / ".faults" / "raise-judge@0").exists()
@@ -244,7 +286,12 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert "injected fault in stage 'judge'" in failed_log.read_text() and "step 0 done" in retried_log.read_text()
         with duckdb.connect(str(retried_folder / "catalog.duckdb"), read_only=True) as con:
             assert con.execute("SELECT count(*) FROM rollouts").fetchone()[0] == rollouts_uninterrupted
-            assert con.execute("SELECT count(*) FROM (SELECT DISTINCT run, step, prompt_id, sample_idx FROM rollouts)"
-                               ).fetchone()[0] == rollouts_uninterrupted
-        assert sorted(p.name for p in runs.joinpath("refiner-tiny").iterdir()) == sorted([folder.name,
-                                                                                          retried_folder.name])
+            assert (
+                con.execute(
+                    "SELECT count(*) FROM (SELECT DISTINCT run, step, prompt_id, sample_idx FROM rollouts)"
+                ).fetchone()[0]
+                == rollouts_uninterrupted
+            )
+        assert sorted(p.name for p in runs.joinpath("refiner-tiny").iterdir()) == sorted(
+            [folder.name, retried_folder.name]
+        )

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from refiner_core.data.rows import validate_rows
-from refiner_core.sft.data import (SFTLimits, TemplateError, prepare_sft, render_with_mask, stats_rows)
 from refiner_core.data.sources import load_rows
+from refiner_core.sft.data import SFTLimits, TemplateError, prepare_sft, render_with_mask, stats_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -27,8 +27,11 @@ CONVERSATION = [
 def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
     # The expected rendering, built piece by piece: template text (no loss) and assistant text + end-of-turn (loss).
     pieces = [
-        ("<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWho discovered penicillin?<|im_end|>\n"
-         "<|im_start|>assistant\n", False),
+        (
+            "<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWho discovered penicillin?<|im_end|>\n"
+            "<|im_start|>assistant\n",
+            False,
+        ),
         ("<answer>Alexander Fleming, in 1928.</answer><|im_end|>", True),
         ("\n<|im_start|>user\nAnd the Nobel Prize?<|im_end|>\n<|im_start|>assistant\n", False),
         ("In 1945, shared with Chain and Florey.<|im_end|>", True),
@@ -44,7 +47,10 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_tokenizer):
     for k, (token, got, want) in enumerate(zip(rendered.input_ids, rendered.loss_mask, expected_mask)):
         assert got == want, f"token {k} {tiny_tokenizer.decode([token])!r}: mask {got}, expected {want}"
     masked = tiny_tokenizer.decode([t for t, m in zip(rendered.input_ids, rendered.loss_mask) if m])
-    assert masked == "<answer>Alexander Fleming, in 1928.</answer><|im_end|>In 1945, shared with Chain and Florey.<|im_end|>"
+    assert (
+        masked
+        == "<answer>Alexander Fleming, in 1928.</answer><|im_end|>In 1945, shared with Chain and Florey.<|im_end|>"
+    )
 
 
 def test_a_template_that_rewrites_earlier_turns_is_reported_not_mismasked(tiny_tokenizer):
@@ -63,9 +69,21 @@ def test_limits_drop_or_truncate_with_counts_per_reason(tiny_tokenizer):
     rows = _rows()
     limits = SFTLimits(max_prompt_tokens=600, max_response_tokens=60, max_total_tokens=650, pack_length=2048)
     dropped = prepare_sft(rows, tiny_tokenizer, "t", limits, 0.0, 0)
-    kept = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(**{**limits.__dict__, "prompt_policy": "truncate",
-                                                               "response_policy": "truncate",
-                                                               "total_policy": "truncate"}), 0.0, 0)
+    kept = prepare_sft(
+        rows,
+        tiny_tokenizer,
+        "t",
+        SFTLimits(
+            **{
+                **limits.__dict__,
+                "prompt_policy": "truncate",
+                "response_policy": "truncate",
+                "total_policy": "truncate",
+            }
+        ),
+        0.0,
+        0,
+    )
     assert sum(dropped.stats["dropped"].values()) == len(dropped.rejected) > 0
     assert set(dropped.stats["dropped"]) <= {"prompt_too_long", "response_too_long", "total_too_long"}
     assert kept.rejected == [] and len(kept.examples) == len(rows)
@@ -117,7 +135,9 @@ def _task_states(flow_state) -> dict[str, str]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id])),
-            sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=200)
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC,
+            limit=200,
+        )
     return {r.name: r.state.name for r in runs}
 
 
@@ -147,8 +167,9 @@ def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, 
     # (against the untrained base it would be large after a 3-epoch warm start).
     _, kl = query(db, "SELECT kl FROM steps WHERE step = 0")
     assert kl[0][0] == pytest.approx(0.0, abs=1e-6)
-    _, efficiency = query(db, "SELECT value FROM sft_stats WHERE kind = 'packing' AND name = 'efficiency' "
-                              "AND split = 'train'")
+    _, efficiency = query(
+        db, "SELECT value FROM sft_stats WHERE kind = 'packing' AND name = 'efficiency' AND split = 'train'"
+    )
     assert 0 < efficiency[0][0] <= 1
     stats = json.loads((Path(run_dir) / "sft" / "stats.json").read_text())
     assert stats["examples_out"] == stats["train_examples"] + stats["validation_examples"] > 0
@@ -168,8 +189,10 @@ def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, 
 
 
 def test_open_instruct_chat_rows_become_sft_examples(tiny_tokenizer):
-    rows = [{"id": "c1", "messages": CONVERSATION, "row_ref": "line 1", "content_hash": "h1"},
-            {"id": "c2", "messages": CONVERSATION[:2], "row_ref": "line 2", "content_hash": "h2"}]  # no answer
+    rows = [
+        {"id": "c1", "messages": CONVERSATION, "row_ref": "line 1", "content_hash": "h1"},
+        {"id": "c2", "messages": CONVERSATION[:2], "row_ref": "line 2", "content_hash": "h2"},
+    ]  # no answer
     out = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(pack_length=2048), 0.0, 0)
     assert out.stats["skipped_no_answer"] == 1 and out.rejected == []
     [example] = out.examples

@@ -50,13 +50,29 @@ def test_jsonl_parquet_and_save_to_disk_give_the_same_rows(tmp_path):
 
 
 def test_field_mapping_reads_refiner_rows_with_other_column_names(tmp_path, tiny_tokenizer):
-    renamed = [{"uid": r["id"], "query": r["question"], "thoughts": r["reasoning"], "search": r["tool_output"],
-                "target": r["answer"], "good": r["positive_rubrics"], "bad": r["negative_rubrics"]}
-               for r in sample_rows(3)]
+    renamed = [
+        {
+            "uid": r["id"],
+            "query": r["question"],
+            "thoughts": r["reasoning"],
+            "search": r["tool_output"],
+            "target": r["answer"],
+            "good": r["positive_rubrics"],
+            "bad": r["negative_rubrics"],
+        }
+        for r in sample_rows(3)
+    ]
     path = tmp_path / "renamed.parquet"
     pq.write_table(pa.Table.from_pylist(renamed), path)
-    mapping = {"id": "uid", "question": "query", "reasoning": "thoughts", "tool_output": "search", "answer": "target",
-               "positive_rubrics": "good", "negative_rubrics": "bad"}
+    mapping = {
+        "id": "uid",
+        "question": "query",
+        "reasoning": "thoughts",
+        "tool_output": "search",
+        "answer": "target",
+        "positive_rubrics": "good",
+        "negative_rubrics": "bad",
+    }
     checked = validate_rows(load_rows(str(path), fields=mapping))
     assert checked.rejected == []
     assert [r["question"] for r in checked.rows] == [r["query"] for r in renamed]
@@ -70,12 +86,21 @@ def test_field_mapping_reads_refiner_rows_with_other_column_names(tmp_path, tiny
 
 def test_open_instruct_style_rows_become_prompts(tmp_path, tiny_tokenizer):
     rows = [
-        {"key": 7, "conversation": [{"role": "system", "content": "Answer with a number."},
-                                    {"role": "user", "content": "What is 2 + 3?"}],
-         "gt": "5", "source": "arith"},
-        {"key": 8, "conversation": [{"role": "user", "content": "Name a prime."},
-                                    {"role": "assistant", "content": "7"}],
-         "gt": None, "source": "arith"},
+        {
+            "key": 7,
+            "conversation": [
+                {"role": "system", "content": "Answer with a number."},
+                {"role": "user", "content": "What is 2 + 3?"},
+            ],
+            "gt": "5",
+            "source": "arith",
+        },
+        {
+            "key": 8,
+            "conversation": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"}],
+            "gt": None,
+            "source": "arith",
+        },
     ]
     path = tmp_path / "oi.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -102,9 +127,13 @@ def test_a_missing_path_is_not_taken_for_a_hub_name(tmp_path):
 
 
 def test_source_and_sft_config_fields_parse_and_reject_bad_values():
-    cfg = recipe_from_dict({"data": {"format": "parquet", "fields": {"question": "query"}, "split": "test"},
-                            "sft": {"enabled": True, "prompt_policy": "truncate"},
-                            "rubrics": {"generation_endpoint": "http://127.0.0.1:9/v1"}})
+    cfg = recipe_from_dict(
+        {
+            "data": {"format": "parquet", "fields": {"question": "query"}, "split": "test"},
+            "sft": {"enabled": True, "prompt_policy": "truncate"},
+            "rubrics": {"generation_endpoint": "http://127.0.0.1:9/v1"},
+        }
+    )
     assert cfg.data.fields == {"question": "query"} and cfg.sft.enabled and cfg.sft.pack_length == 8192
     assert (cfg.sft.max_prompt_tokens, cfg.sft.max_response_tokens, cfg.sft.max_total_tokens) == (6144, 1024, 8192)
     with pytest.raises(ConfigError, match="data.fields"):
@@ -123,8 +152,9 @@ def test_a_utf8_bom_does_not_break_line_one(tmp_path):
     assert len(checked.rows) == 69 and checked.rows[0]["id"] == "ref-001"
 
 
-@pytest.mark.parametrize("name,content", [("empty.jsonl", b""), ("blank.jsonl", b"\n  \n\r\n"),
-                                          ("bom-only.jsonl", b"\xef\xbb\xbf")])
+@pytest.mark.parametrize(
+    "name,content", [("empty.jsonl", b""), ("blank.jsonl", b"\n  \n\r\n"), ("bom-only.jsonl", b"\xef\xbb\xbf")]
+)
 def test_an_empty_jsonl_file_says_so(tmp_path, name, content):
     path = tmp_path / name
     path.write_bytes(content)
@@ -151,8 +181,12 @@ SNIPPETS = [
 
 
 def test_tool_output_given_as_a_list_of_snippet_structs_is_rendered(tmp_path, tiny_tokenizer):
-    row = {**sample_rows(1)[0], "id": "s1", "answer": "<answer><snippet id=a1,b2>Fleming, 1928.</snippet></answer>",
-           "tool_output": SNIPPETS}
+    row = {
+        **sample_rows(1)[0],
+        "id": "s1",
+        "answer": "<answer><snippet id=a1,b2>Fleming, 1928.</snippet></answer>",
+        "tool_output": SNIPPETS,
+    }
     path = tmp_path / "snippets.parquet"
     pq.write_table(pa.Table.from_pylist([row]), path)
     assert pa.types.is_list(pq.read_schema(path).field("tool_output").type)
@@ -160,21 +194,27 @@ def test_tool_output_given_as_a_list_of_snippet_structs_is_rendered(tmp_path, ti
     assert checked.rejected == []
     assert checked.rows[0]["tool_output"] == (
         "<snippet id=a1>Title: Discovery of penicillin\nURL: https://example.org/p\nText: Fleming, 1928.</snippet>\n"
-        "<snippet id=b2>Text: The 1945 prize was shared.</snippet>")
+        "<snippet id=b2>Text: The 1945 prize was shared.</snippet>"
+    )
     [prompt], dropped = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0)
     assert dropped == [] and prompt["snippet_ids"] == ["a1", "b2"]
     assert "Search tool output:\n<snippet id=a1>Title: Discovery of penicillin\n" in prompt["prompt_text"]
 
 
-@pytest.mark.parametrize("snippet,detail", [
-    ({"id": "", "text": "t"}, "snippet 1: 'id' must be a non-empty ID without spaces, commas, quotes or angle "
-                              "brackets, got ''"),
-    ({"id": "a 1", "text": "t"}, "got 'a 1'"),
-    ({"id": "c3", "text": " "}, "snippet 1 (c3): 'text' is empty"),
-    ({"id": "c3", "text": "see </snippet> here"}, "snippet 1 (c3): its text holds snippet tags"),
-    ({"id": "c3", "body": "t"}, "snippet 1: unknown keys ['body']; expected id, text, title, url"),
-    ("plain text", "snippet 1: expected an object {id, text, title?, url?}, got str"),
-])
+@pytest.mark.parametrize(
+    "snippet,detail",
+    [
+        (
+            {"id": "", "text": "t"},
+            "snippet 1: 'id' must be a non-empty ID without spaces, commas, quotes or angle brackets, got ''",
+        ),
+        ({"id": "a 1", "text": "t"}, "got 'a 1'"),
+        ({"id": "c3", "text": " "}, "snippet 1 (c3): 'text' is empty"),
+        ({"id": "c3", "text": "see </snippet> here"}, "snippet 1 (c3): its text holds snippet tags"),
+        ({"id": "c3", "body": "t"}, "snippet 1: unknown keys ['body']; expected id, text, title, url"),
+        ("plain text", "snippet 1: expected an object {id, text, title?, url?}, got str"),
+    ],
+)
 def test_unrenderable_snippet_lists_are_quarantined(snippet, detail):
     from refiner_core.data.rows import RawRow
 
@@ -205,5 +245,7 @@ def test_rubrics_given_as_one_object_of_both_lists(tmp_path):
     mapping = {"positive_rubrics": "rubrics", "negative_rubrics": "rubrics"}
     checked = validate_rows(load_rows(str(path), fields=mapping))
     assert checked.rejected == [] and len(checked.rows) == 2
-    assert instance_rubrics(checked.rows[0]["positive_rubrics"], checked.rows[0]["negative_rubrics"])[0][
-        "description"] == "Names Fleming."
+    assert (
+        instance_rubrics(checked.rows[0]["positive_rubrics"], checked.rows[0]["negative_rubrics"])[0]["description"]
+        == "Names Fleming."
+    )

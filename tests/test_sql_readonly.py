@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from refiner_core.store.run_sql import QueryRefused, open_runs, run_query
 from refiner_core.schema import ALL_TABLES
 from refiner_core.store.catalog import build_catalog
+from refiner_core.store.run_sql import QueryRefused, open_runs, run_query
 from refiner_core.store.storage import write_table
 
 runner = CliRunner()
@@ -60,8 +60,10 @@ REFUSED = [
 
 def _catalog(folder: Path, run: str, n: int) -> Path:
     folder.mkdir(parents=True)
-    rows = [{c: None for c in ALL_TABLES["steps"].column_names} | {"run": run, "step": s, "reward_mean": 0.5 * s}
-            for s in range(n)]
+    rows = [
+        {c: None for c in ALL_TABLES["steps"].column_names} | {"run": run, "step": s, "reward_mean": 0.5 * s}
+        for s in range(n)
+    ]
     write_table(ALL_TABLES["steps"], rows, folder / "steps.parquet")
     build_catalog(folder / "catalog.duckdb", {"steps": [folder / "steps.parquet"]})
     (folder / "plain.csv").write_text("a,b\n1,2\n")
@@ -69,8 +71,11 @@ def _catalog(folder: Path, run: str, n: int) -> Path:
 
 
 def _files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +87,7 @@ def built(tmp_path_factory) -> list[Path]:
 @pytest.fixture(params=[1, 2], ids=["one-run", "two-runs"])
 def runs(request, built, tmp_path) -> list[Path]:
     """Fresh copies of one or two run folders (run-0 with 2 steps, run-1 with 3)."""
-    return [Path(shutil.copytree(folder, tmp_path / "runs" / folder.name)) for folder in built[:request.param]]
+    return [Path(shutil.copytree(folder, tmp_path / "runs" / folder.name)) for folder in built[: request.param]]
 
 
 @pytest.mark.parametrize("statement", REFUSED)
@@ -95,8 +100,10 @@ def test_every_statement_but_select_is_refused(runs, tmp_path, statement):
     assert result.exit_code == 1, result.output
     assert result.output.startswith("error: "), result.output
     assert _files(tmp_path) == before  # no catalog changed, nothing written
-    counts = [duckdb.connect(str(r / "catalog.duckdb"), read_only=True).execute("SELECT count(*) FROM steps")
-              .fetchone()[0] for r in runs]
+    counts = [
+        duckdb.connect(str(r / "catalog.duckdb"), read_only=True).execute("SELECT count(*) FROM steps").fetchone()[0]
+        for r in runs
+    ]
     assert counts == [2 + i for i in range(len(runs))]
 
 
@@ -107,10 +114,19 @@ def test_export_refuses_the_same(runs, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("sql", ["SHOW TABLES", "DESCRIBE steps", "SUMMARIZE steps", "EXPLAIN SELECT * FROM steps",
-                                 "EXPLAIN ANALYZE SELECT count(*) FROM steps", "SELECT 1; SELECT 2 AS two",
-                                 "FROM steps SELECT max(step) AS last",
-                                 "PIVOT (SELECT run, step FROM steps) ON step IN (0, 1) USING count(*)"])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SHOW TABLES",
+        "DESCRIBE steps",
+        "SUMMARIZE steps",
+        "EXPLAIN SELECT * FROM steps",
+        "EXPLAIN ANALYZE SELECT count(*) FROM steps",
+        "SELECT 1; SELECT 2 AS two",
+        "FROM steps SELECT max(step) AS last",
+        "PIVOT (SELECT run, step FROM steps) ON step IN (0, 1) USING count(*)",
+    ],
+)
 def test_reads_still_run(runs, sql):
     result = runner.invoke(app, ["sql", *map(str, runs), sql, "-f", "json"])
     assert result.exit_code == 0, result.output

@@ -24,16 +24,26 @@ def test_key_ignores_timings_but_not_content(tmp_path):
     upstream = {"rollouts": {"path": "x.parquet", "hash": "abc"}, "seconds": 1.5}
     base = _key({"run_dir": "r", "data_file": str(data), "rollouts": upstream})
     assert _key({"run_dir": "r", "data_file": str(data), "rollouts": {**upstream, "seconds": 99.0}}) == base
-    assert _key({"run_dir": "r", "data_file": str(data),
-                 "rollouts": {**upstream, "rollouts": {"path": "x.parquet", "hash": "abd"}}}) != base
+    assert (
+        _key(
+            {
+                "run_dir": "r",
+                "data_file": str(data),
+                "rollouts": {**upstream, "rollouts": {"path": "x.parquet", "hash": "abd"}},
+            }
+        )
+        != base
+    )
     data.write_text('{"id": 2}\n')  # same path, new content
     assert _key({"run_dir": "r", "data_file": str(data), "rollouts": upstream}) != base
 
 
 def test_key_is_stable_across_processes(tmp_path):
     params = {"run_dir": "r", "step": 3, "cfg": {"lr": 1e-5, "stop": ["</answer>"]}}
-    code = ("import sys, json; from types import SimpleNamespace; from tasks.stage import stage_cache_key; "
-            "print(stage_cache_key(SimpleNamespace(task=SimpleNamespace(name='judge')), json.loads(sys.argv[1])))")
+    code = (
+        "import sys, json; from types import SimpleNamespace; from tasks.stage import stage_cache_key; "
+        "print(stage_cache_key(SimpleNamespace(task=SimpleNamespace(name='judge')), json.loads(sys.argv[1])))"
+    )
     import json
 
     other = subprocess.run([sys.executable, "-c", code, json.dumps(params)], capture_output=True, text=True, check=True)
@@ -87,8 +97,10 @@ def test_a_write_killed_before_its_rename_leaves_only_a_hidden_partial_file(tmp_
     """REFINER_KILL_ONCE=write:PATH ends the writer between writing and renaming; the destination never appears
     half written, the leftover is removed by remove_partial_writes, and the fault fires once."""
     final = tmp_path / "scores" / "step=1" / "rewards.parquet"
-    script = ("import sys; from pathlib import Path; from refiner_core.schema import STEPS; "
-              "from refiner_core.store.storage import write_table; write_table(STEPS, [], Path(sys.argv[1]))")
+    script = (
+        "import sys; from pathlib import Path; from refiner_core.schema import STEPS; "
+        "from refiner_core.store.storage import write_table; write_table(STEPS, [], Path(sys.argv[1]))"
+    )
     env = {**os.environ, "REFINER_KILL_ONCE": "write:step=1/rewards.parquet"}
     first = subprocess.run([sys.executable, "-c", script, str(final)], env=env, cwd=REPO)
     assert first.returncode == 137 and not final.exists()

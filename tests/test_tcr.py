@@ -7,8 +7,9 @@ import pytest
 from refiner_core.agent.tcr import tool_call_reward
 
 
-@pytest.mark.parametrize("rounds, expected", [(0, -1.0), (1, -0.9), (2, -0.8), (3, -0.7), (4, -0.6), (5, -0.6),
-                                              (16, -0.6)])
+@pytest.mark.parametrize(
+    "rounds, expected", [(0, -1.0), (1, -0.9), (2, -0.8), (3, -0.7), (4, -0.6), (5, -0.6), (16, -0.6)]
+)
 def test_wrong_answers_rise_by_a_tenth_per_tool_round_up_to_the_cap(rounds, expected):
     assert tool_call_reward(False, rounds) == pytest.approx(expected, abs=1e-12)
 
@@ -33,7 +34,12 @@ def test_tcr_verifier_reads_the_last_assistant_turn_and_counts_tool_rounds():
     transcript = "<tool_call>...</tool_call> tool: \\boxed{42} "  # the tool printed the right answer...
     rollouts = [
         {"prompt_id": "p", "response_text": transcript + "\\boxed{41}", "final_text": "\\boxed{41}", "tool_rounds": 2},
-        {"prompt_id": "p", "response_text": transcript + "\\boxed{42}", "final_text": "So \\boxed{42}.", "tool_rounds": 1},
+        {
+            "prompt_id": "p",
+            "response_text": transcript + "\\boxed{42}",
+            "final_text": "So \\boxed{42}.",
+            "tool_rounds": 1,
+        },
         {"prompt_id": "p", "response_text": "no answer", "final_text": "no answer", "tool_rounds": 0},
         {"prompt_id": "p", "response_text": "\\boxed{7}", "final_text": "\\boxed{7}", "tool_rounds": 6},
         {"prompt_id": "p", "response_text": "\\boxed{42}"},  # a single-turn rollout: no agent columns

@@ -20,9 +20,9 @@ from markdown_it import MarkdownIt
 from typer.testing import CliRunner
 
 from flows.cli import app
-from test_cli import _catalog
-from refiner_core.store.plots import DPI, EMBEDDED_PNG_BYTES, plot_steps_embedded
 from refiner_core.data.text_safety import markdown_code_block, markdown_inline, visible
+from refiner_core.store.plots import DPI, EMBEDDED_PNG_BYTES, plot_steps_embedded
+from test_cli import _catalog
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -31,8 +31,10 @@ ESC = "\x1b"
 # overwrites the line, and an image and raw HTML for a markdown page
 TITLE = f"{ESC}]0;pwned{chr(7)}"
 HIDDEN_LINK = f"{ESC}]8;;http://127.0.0.1:9/x{ESC}\\click{ESC}]8;;{ESC}\\"
-HOSTILE = (f"answer {TITLE}{HIDDEN_LINK} {ESC}[2J\rover ![m](http://127.0.0.1:9/m.png) "
-           "<img src=http://127.0.0.1:9/i.png> [link=http://127.0.0.1:9/]rich[/link] [/INST] end")
+HOSTILE = (
+    f"answer {TITLE}{HIDDEN_LINK} {ESC}[2J\rover ![m](http://127.0.0.1:9/m.png) "
+    "<img src=http://127.0.0.1:9/i.png> [link=http://127.0.0.1:9/]rich[/link] [/INST] end"
+)
 MARKDOWN = MarkdownIt("commonmark")
 
 
@@ -42,15 +44,37 @@ def hostile_run(tmp_path_factory) -> Path:
     key = lambda s, p, i: {"run": "hostile", "step": s, "prompt_id": p, "sample_idx": i}  # noqa: E731
     prompts = ("p1", f"p{TITLE}2")
     texts = {("p1", 0): "plain", ("p1", 1): "also plain", (prompts[1], 0): "worst", (prompts[1], 1): HOSTILE}
-    rollouts = [key(s, p, i) | {"response_tokens": 5, "response_text": texts[(p, i)]}
-                for s in (0, 1) for p in prompts for i in (0, 1)]
-    rewards = [key(s, p, i) | {"reward_version": "train", "reward": {"plain": 0.5, "also plain": 0.6, "worst": 0.0,
-                                                                      HOSTILE: 1.0}[texts[(p, i)]]}
-               for s in (0, 1) for p in prompts for i in (0, 1)]
-    steps = [{"run": "hostile", "step": s, "reward_mean": 0.5, "reward_std": 0.1, "kl": 0.01, "loss": 0.2,
-              "response_length_mean": 5.0} for s in (0, 1)]
-    return _catalog(tmp_path_factory.mktemp("hostile") / "hostile",
-                    {"steps": steps, "rollouts": rollouts, "rewards": rewards})
+    rollouts = [
+        key(s, p, i) | {"response_tokens": 5, "response_text": texts[(p, i)]}
+        for s in (0, 1)
+        for p in prompts
+        for i in (0, 1)
+    ]
+    rewards = [
+        key(s, p, i)
+        | {
+            "reward_version": "train",
+            "reward": {"plain": 0.5, "also plain": 0.6, "worst": 0.0, HOSTILE: 1.0}[texts[(p, i)]],
+        }
+        for s in (0, 1)
+        for p in prompts
+        for i in (0, 1)
+    ]
+    steps = [
+        {
+            "run": "hostile",
+            "step": s,
+            "reward_mean": 0.5,
+            "reward_std": 0.1,
+            "kl": 0.01,
+            "loss": 0.2,
+            "response_length_mean": 5.0,
+        }
+        for s in (0, 1)
+    ]
+    return _catalog(
+        tmp_path_factory.mktemp("hostile") / "hostile", {"steps": steps, "rollouts": rollouts, "rewards": rewards}
+    )
 
 
 def _no_control_characters(text: str) -> None:
@@ -80,9 +104,16 @@ def test_rollouts_markdown_shows_model_output_as_text():
     from tasks.artifacts import EXCERPT_CHARS, rollouts_markdown
 
     long_text = HOSTILE + "x" * EXCERPT_CHARS
-    summary = {"best": {"step": 1, "prompt_id": "p`1` ![i](http://127.0.0.1:9/p.png)", "sample_idx": 0,
-                        "reward": 1.0, "response_text": long_text},
-               "worst": {"step": 1, "prompt_id": "p2", "sample_idx": 1, "reward": 0.0, "response_text": None}}
+    summary = {
+        "best": {
+            "step": 1,
+            "prompt_id": "p`1` ![i](http://127.0.0.1:9/p.png)",
+            "sample_idx": 0,
+            "reward": 1.0,
+            "response_text": long_text,
+        },
+        "worst": {"step": 1, "prompt_id": "p2", "sample_idx": 1, "reward": 0.0, "response_text": None},
+    }
     html = MARKDOWN.render(rollouts_markdown("run<b>", 1, summary))
     assert "<img" not in html and "<a " not in html and "<b>" not in html, html
     assert "![m](http://127.0.0.1:9/m.png)" in html and "p`1` ![i](http://127.0.0.1:9/p.png)" in html
@@ -95,8 +126,18 @@ def _png_width(png: bytes) -> int:
 
 
 def test_curves_are_embedded_as_a_bounded_data_uri(tmp_path):
-    steps = [{"run": "r", "step": s, "reward_mean": s / 10, "reward_std": 0.1, "kl": 0.01 * s, "loss": 0.2,
-              "response_length_mean": 10.0 + s} for s in range(10)]
+    steps = [
+        {
+            "run": "r",
+            "step": s,
+            "reward_mean": s / 10,
+            "reward_std": 0.1,
+            "kl": 0.01 * s,
+            "loss": 0.2,
+            "response_length_mean": 10.0 + s,
+        }
+        for s in range(10)
+    ]
     uri = plot_steps_embedded(steps, tmp_path / "curves.png")
     assert uri.startswith("data:image/png;base64,")
     png = base64.b64decode(uri.removeprefix("data:image/png;base64,"))
@@ -109,21 +150,43 @@ def test_curves_are_embedded_as_a_bounded_data_uri(tmp_path):
 
 
 def test_sql_prints_markup_and_control_characters_as_text(hostile_run):
-    result = runner.invoke(app, ["sql", str(hostile_run), "--max-width", "0",
-                                 "SELECT '[/INST] hi' AS t, '[link=http://127.0.0.1:9/]x[/link]' AS \"[bold]h\", "
-                                 "response_text FROM rollouts WHERE response_text LIKE 'answer%' LIMIT 1"],
-                           env={"COLUMNS": "400"})  # wide enough that no cell is folded
+    result = runner.invoke(
+        app,
+        [
+            "sql",
+            str(hostile_run),
+            "--max-width",
+            "0",
+            "SELECT '[/INST] hi' AS t, '[link=http://127.0.0.1:9/]x[/link]' AS \"[bold]h\", "
+            "response_text FROM rollouts WHERE response_text LIKE 'answer%' LIMIT 1",
+        ],
+        env={"COLUMNS": "400"},
+    )  # wide enough that no cell is folded
     assert result.exit_code == 0, result.output
     _no_control_characters(result.output)
     out = result.output
-    for text in ("[/INST] hi", "[link=http://127.0.0.1:9/]x[/link]", "[bold]h", "\\x1b]0;pwned\\x07",
-                 "\\x1b]8;;http://127.0.0.1:9/x\\x1b\\click", "\\x1b[2J\\x0dover"):
+    for text in (
+        "[/INST] hi",
+        "[link=http://127.0.0.1:9/]x[/link]",
+        "[bold]h",
+        "\\x1b]0;pwned\\x07",
+        "\\x1b]8;;http://127.0.0.1:9/x\\x1b\\click",
+        "\\x1b[2J\\x0dover",
+    ):
         assert text in out, (text, result.output)
 
 
 def test_sql_csv_is_verbatim_into_a_pipe(hostile_run):
-    result = runner.invoke(app, ["sql", str(hostile_run), "SELECT prompt_id FROM rollouts WHERE step = 0 "
-                                 "ORDER BY prompt_id LIMIT 1", "-f", "csv"])
+    result = runner.invoke(
+        app,
+        [
+            "sql",
+            str(hostile_run),
+            "SELECT prompt_id FROM rollouts WHERE step = 0 ORDER BY prompt_id LIMIT 1",
+            "-f",
+            "csv",
+        ],
+    )
     assert result.stdout.splitlines() == ["prompt_id", f"p{TITLE}2"]
 
 
@@ -132,8 +195,10 @@ def test_sql_errors_are_whole_and_escaped(hostile_run):
     assert result.exit_code == 1
     assert 'Did you mean "steps"' in result.output and "LINE 1: SELECT * FROM stepz" in result.output
     assert re.search(r"\n +\^+\n", result.output), result.output
-    result = runner.invoke(app, ["sql", str(hostile_run), "SELECT CAST(response_text AS INT) FROM rollouts "
-                                 "WHERE response_text LIKE 'answer%'"])
+    result = runner.invoke(
+        app,
+        ["sql", str(hostile_run), "SELECT CAST(response_text AS INT) FROM rollouts WHERE response_text LIKE 'answer%'"],
+    )
     assert result.exit_code == 1 and "Could not convert string" in result.output
     _no_control_characters(result.output)
     assert "\\x1b]0;pwned\\x07" in result.output
@@ -190,14 +255,19 @@ def test_step_artifacts_show_output_as_text_and_the_curves_inside_the_ui(prefect
 
     flow(name="publish-artifacts")(publish_step_artifacts)(str(hostile_run), "hostile", 1)
     with get_client(sync_client=True) as client:
-        found = {what: client.read_artifacts(artifact_filter=ArtifactFilter(
-                     key=ArtifactFilterKey(any_=[artifact_key("hostile", what)]))) for what in ("rollouts", "curves")}
+        found = {
+            what: client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key("hostile", what)]))
+            )
+            for what in ("rollouts", "curves")
+        }
     [rollouts], [curves] = found["rollouts"], found["curves"]
     html = MARKDOWN.render(rollouts.data)
     assert "<img" not in html and "<a " not in html and "![m](http://127.0.0.1:9/m.png)" in html, html
     assert curves.type == "markdown" and "file://" not in curves.data
-    image = re.fullmatch(r"!\[hostile curves\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)\n\nfile: .*curves\\\.png",
-                         curves.data)
+    image = re.fullmatch(
+        r"!\[hostile curves\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)\n\nfile: .*curves\\\.png", curves.data
+    )
     assert image, curves.data[:200]
     png = base64.b64decode(image.group(1))
     assert _png_width(png) == 9 * DPI and len(png) <= EMBEDDED_PNG_BYTES

@@ -14,10 +14,34 @@ from refiner_core.config import load_recipe
 from refiner_core.preflight import check_values
 from refiner_core.store.tracking import TRACKERS, close_trackers, report
 
-STEPS = [{"run": "r", "step": s, "loss": 0.5 - 0.1 * s, "kl": 0.001 * s, "reward_mean": 1.25 + s,
-          "response_tokens": 40 + s, "entropy": None, "checkpoint": f"checkpoints/step_{s + 1:04d}"} for s in range(3)]
-EVALS = [{"step": 2, "phase": "grpo", "mode": "sampled", "format_valid": 0.5, "citation_valid": 0.25,
-          "judge_score": None, "reward": 3.5, "stopped": 1.0, "pass_at_1": 0.5, "k": 2, "pass_at_k": 0.75}]
+STEPS = [
+    {
+        "run": "r",
+        "step": s,
+        "loss": 0.5 - 0.1 * s,
+        "kl": 0.001 * s,
+        "reward_mean": 1.25 + s,
+        "response_tokens": 40 + s,
+        "entropy": None,
+        "checkpoint": f"checkpoints/step_{s + 1:04d}",
+    }
+    for s in range(3)
+]
+EVALS = [
+    {
+        "step": 2,
+        "phase": "grpo",
+        "mode": "sampled",
+        "format_valid": 0.5,
+        "citation_valid": 0.25,
+        "judge_score": None,
+        "reward": 3.5,
+        "stopped": 1.0,
+        "pass_at_1": 0.5,
+        "k": 2,
+        "pass_at_k": 0.75,
+    }
+]
 
 
 @pytest.fixture(autouse=True)
@@ -28,8 +52,15 @@ def closed_at_the_end(tmp_path):
 
 def _report(run_dir, backends, steps=STEPS, evals=EVALS, rollouts=None):
     warnings = []
-    sent = report(run_dir, "r", {"report_to": backends}, steps=steps, evals=evals,
-                  rollouts=rollouts or {2: "**best**: reward 3"}, warn=warnings.append)
+    sent = report(
+        run_dir,
+        "r",
+        {"report_to": backends},
+        steps=steps,
+        evals=evals,
+        rollouts=rollouts or {2: "**best**: reward 3"},
+        warn=warnings.append,
+    )
     return sent, warnings
 
 
@@ -43,8 +74,12 @@ def test_tensorboard_event_files_hold_the_steps_values(tmp_path):
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("steps/loss")] == \
-        [(0, pytest.approx(0.5)), (1, pytest.approx(0.4)), (2, pytest.approx(0.3)), (3, pytest.approx(0.125))]
+    assert [(e.step, e.value) for e in events.Scalars("steps/loss")] == [
+        (0, pytest.approx(0.5)),
+        (1, pytest.approx(0.4)),
+        (2, pytest.approx(0.3)),
+        (3, pytest.approx(0.125)),
+    ]
     assert [e.value for e in events.Scalars("steps/response_tokens")] == [40, 41, 42, 40]
     assert "steps/entropy" not in events.Tags()["scalars"]  # NULL columns are not logged
     assert [(e.step, e.value) for e in events.Scalars("eval/grpo/sampled/pass_at_k")] == [(2, 0.75)]
@@ -60,8 +95,9 @@ def test_mlflow_run_holds_the_steps_values_once_across_reruns(tmp_path):
     client = MlflowClient(tracking_uri=ledger["tracking_uri"])
     history = client.get_metric_history(ledger["id"], "steps/reward_mean")
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(0, 1.25), (1, 2.25), (2, 3.25)]
-    assert [(m.step, m.value) for m in client.get_metric_history(ledger["id"], "eval/grpo/sampled/reward")] == \
-        [(2, 3.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(ledger["id"], "eval/grpo/sampled/reward")] == [
+        (2, 3.5)
+    ]
     assert client.get_run(ledger["id"]).info.run_name == "r"
     artifacts = [a.path for a in client.list_artifacts(ledger["id"], "rollouts")]
     assert artifacts == ["rollouts/step_0002.md"]
@@ -75,8 +111,11 @@ def test_wandb_offline_run_holds_the_steps_values(tmp_path):
     ledger = json.loads((tmp_path / "tracking" / "wandb.json").read_text())
     [run_file] = (tmp_path / "wandb").glob(f"offline-run-*-{ledger['id']}/run-{ledger['id']}.wandb")
     history = [h for h in _wandb_history(run_file) if "steps/loss" in h]
-    assert [(h["_step"], h["steps/loss"], h["steps/reward_mean"]) for h in history] == \
-        [(0, 0.5, 1.25), (1, 0.4, 2.25), (2, pytest.approx(0.3), 3.25)]
+    assert [(h["_step"], h["steps/loss"], h["steps/reward_mean"]) for h in history] == [
+        (0, 0.5, 1.25),
+        (1, 0.4, 2.25),
+        (2, pytest.approx(0.3), 3.25),
+    ]
     assert not any("steps/entropy" in h for h in history)  # NULL columns are not logged
     [table] = (run_file.parent / "files" / "media" / "table").glob("rollouts_*.table.json")
     assert json.loads(table.read_text())["data"] == [[2, "**best**: reward 3"]]
@@ -93,19 +132,20 @@ def _wandb_history(run_file) -> list[dict]:
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if length == 0 and kind == 0:  # block padding
             pos += left
             continue
-        chunks += data[pos + 7:pos + 7 + length]
+        chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunks)
             chunks = b""
             if record.WhichOneof("record_type") == "history":
-                records.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                for item in record.history.item})
+                records.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return records
 
 
@@ -134,6 +174,8 @@ def test_preflight_refuses_unknown_or_missing_trackers():
 
 
 def test_importing_refiner_core_imports_no_tracker_package():
-    code = ("import sys, refiner_core.store.tracking, refiner_core.preflight, refiner_core.store.model_card; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorboard', 'wandb')))")
+    code = (
+        "import sys, refiner_core.store.tracking, refiner_core.preflight, refiner_core.store.model_card; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorboard', 'wandb')))"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

@@ -54,9 +54,11 @@ def test_importing_refiner_core_never_imports_vllm():
     import subprocess
     import sys
 
-    code = ("import sys, refiner_core, refiner_core.rollout.base, refiner_core.config, refiner_core.grpo; "
-            "from refiner_core.rollout.base import ENGINES; assert 'vllm' in ENGINES; "
-            "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'")
+    code = (
+        "import sys, refiner_core, refiner_core.rollout.base, refiner_core.config, refiner_core.grpo; "
+        "from refiner_core.rollout.base import ENGINES; assert 'vllm' in ENGINES; "
+        "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')], 'vllm imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -157,7 +159,8 @@ def test_load_weights_syncs_a_trained_model(engine, prompts, tiny_model_path, ti
     finally:
         engine.load_weights(original)  # the module's engine goes back to the checkpoint's weights
     assert [(g.token_ids, g.logprobs) for g in engine.generate(prompts, params)] == [
-        (g.token_ids, g.logprobs) for g in before]
+        (g.token_ids, g.logprobs) for g in before
+    ]
 
 
 def test_pipeline_step_with_vllm_rollouts(prefect_server, tiny_recipe, tmp_path):
@@ -165,16 +168,21 @@ def test_pipeline_step_with_vllm_rollouts(prefect_server, tiny_recipe, tmp_path)
 
     from flows.refiner import refiner_pipeline
 
-    recipe = {**tiny_recipe, "rollout": {**tiny_recipe["rollout"], "engine": "vllm"},
-              "grpo": {**tiny_recipe["grpo"], "steps": 1}}
+    recipe = {
+        **tiny_recipe,
+        "rollout": {**tiny_recipe["rollout"], "engine": "vllm"},
+        "grpo": {**tiny_recipe["grpo"], "steps": 1},
+    }
     start = time.perf_counter()
     state = refiner_pipeline(recipe=recipe, run_dir=str(tmp_path), return_state=True)
     assert state.is_completed(), state.message
     print(f"\n1-step tiny pipeline with vllm rollouts: {time.perf_counter() - start:.1f} s")
     con = duckdb.connect(str(tmp_path / "catalog.duckdb"), read_only=True)
     try:
-        engines = con.execute("SELECT engine, count(*), min(len(response_logprobs)), "
-                              "bool_and(len(response_logprobs) = len(response_token_ids)) FROM rollouts GROUP BY 1").fetchall()
+        engines = con.execute(
+            "SELECT engine, count(*), min(len(response_logprobs)), "
+            "bool_and(len(response_logprobs) = len(response_token_ids)) FROM rollouts GROUP BY 1"
+        ).fetchall()
         steps = con.execute("SELECT count(*) FROM steps").fetchone()[0]
     finally:
         con.close()
@@ -186,8 +194,14 @@ def test_bf16_engine_samples_within_tolerance_of_the_bf16_learner(tiny_model_pat
     """precision 'bf16' casts vLLM's weights to bfloat16 (no autocast there): its sampled-token log-probs stay
     close to the learner's bf16 autocast pass, and load_weights accepts the learner's fp32 weights."""
     model = load_model(tiny_model_path)
-    gap = vllm_logprob_gap(tiny_model_path, model, model, prompts,
-                           SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=9),
-                           tiny_tokenizer.pad_token_id, precision="bf16")
+    gap = vllm_logprob_gap(
+        tiny_model_path,
+        model,
+        model,
+        prompts,
+        SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=9),
+        tiny_tokenizer.pad_token_id,
+        precision="bf16",
+    )
     print(f"\nvllm bf16 vs learner bf16: max {gap.max():.4f}, mean {gap.mean():.4f}")
     assert gap.max() < 0.02 and gap.mean() < 0.005  # measured 0.003 and 0.0008 on the tiny model

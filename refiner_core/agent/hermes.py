@@ -29,9 +29,9 @@ class ToolCall:
 def parse_tool_calls(text: str, known_tools: set[str] | dict) -> list[ToolCall]:
     """Every tool-call block of one assistant turn, in order."""
     calls = [_parse_block(m.group(1), known_tools) for m in _BLOCK.finditer(text)]
-    tail = text[text.rfind(CLOSE) + len(CLOSE):] if CLOSE in text else text
+    tail = text[text.rfind(CLOSE) + len(CLOSE) :] if CLOSE in text else text
     if OPEN in tail:  # cut off before its closing tag (length limit), or never closed
-        raw = tail[tail.index(OPEN) + len(OPEN):]
+        raw = tail[tail.index(OPEN) + len(OPEN) :]
         calls.append(ToolCall(None, None, raw, f"unclosed_tool_call: no {CLOSE} after {OPEN}"))
     return calls
 
@@ -44,16 +44,17 @@ def _parse_block(raw: str, known_tools) -> ToolCall:
     except RecursionError:
         return ToolCall(None, None, raw, TOO_DEEP)
     if not isinstance(payload, dict):
-        return ToolCall(None, None, raw, f"not_an_object: expected {{\"name\": ..., \"arguments\": ...}}, got "
-                                         f"{type(payload).__name__}")
+        return ToolCall(
+            None, None, raw, f'not_an_object: expected {{"name": ..., "arguments": ...}}, got {type(payload).__name__}'
+        )
     name = payload.get("name")
     if not isinstance(name, str) or not name:
-        return ToolCall(None, None, raw, "missing_name: the call has no \"name\" string")
+        return ToolCall(None, None, raw, 'missing_name: the call has no "name" string')
     if name not in known_tools:
         shown = repr(name) if len(name) <= 100 else f"{name[:100]!r}..."  # escaped: the model's text, shown back
         return ToolCall(name, None, raw, f"unknown_tool: {shown}; available: {', '.join(sorted(known_tools))}")
     if "arguments" not in payload:
-        return ToolCall(name, None, raw, "missing_arguments: the call has no \"arguments\" object")
+        return ToolCall(name, None, raw, 'missing_arguments: the call has no "arguments" object')
     arguments = payload["arguments"]
     if isinstance(arguments, str):  # OpenAI-style: arguments as a JSON string
         try:
@@ -75,8 +76,10 @@ def hermes_system_prompt(instructions: str, tool_schemas: list[dict]) -> str:
     """A system message that lists the tools and the call format (Qwen's Hermes wording), for models whose chat
     template takes no `tools` argument."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tool_schemas)
-    return (f"{instructions}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
-            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
+    return (
+        f"{instructions}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n"
+        "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from refiner_core.agent.hermes import CLOSE, ToolCall, invalid_call_result, parse_tool_calls
 from refiner_core.agent.tools.base import Tool, ToolResult
@@ -82,8 +82,11 @@ def tool_message_ids(tokenizer, contents: list[str]) -> list[int]:
     """Token ids the chat template puts after an assistant turn's content for these tool messages, through the
     generation prompt of the next assistant turn. Only this piece is rendered and tokenized: the conversation
     before it is never re-tokenized. Starts with the template's end-of-turn token."""
-    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"},
-                *[{"role": "tool", "content": c} for c in contents]]
+    messages = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "!"},
+        *[{"role": "tool", "content": c} for c in contents],
+    ]
     rendered = render_chat(tokenizer, messages, add_generation_prompt=True)
     if len(rendered.content_spans) < 2:
         raise ValueError("the chat template rewrites message contents; cannot tell where the tool messages begin")
@@ -94,11 +97,17 @@ def tool_message_ids(tokenizer, contents: list[str]) -> list[int]:
     return rendered.input_ids[cut:]
 
 
-def run_agent(engine: RolloutEngine, tokenizer, prompts: list[list[int]], params: SamplingParams,
-              tools: dict[str, Tool], settings: AgentSettings, desc: str = "",
-              scripted: dict[tuple[int, int], list[str]] | None = None,
-              score: Callable[[list[list[int]], list[list[int]]], list[list[float]]] | None = None,
-              ) -> list[AgentRollout]:
+def run_agent(
+    engine: RolloutEngine,
+    tokenizer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tools: dict[str, Tool],
+    settings: AgentSettings,
+    desc: str = "",
+    scripted: dict[tuple[int, int], list[str]] | None = None,
+    score: Callable[[list[list[int]], list[list[int]]], list[list[float]]] | None = None,
+) -> list[AgentRollout]:
     """G = params.n conversations per prompt. `scripted` maps (prompt index, sample) to assistant texts used in
     place of sampling for that conversation's first turns (teacher-forced; `score` gives the policy's log-probs
     of those tokens); the engine samples any turn after the script."""
@@ -108,9 +117,11 @@ def run_agent(engine: RolloutEngine, tokenizer, prompts: list[list[int]], params
     rollouts = [AgentRollout(p, s) for p in range(len(prompts)) for s in range(params.n)]
     by_key = {(r.prompt_index, r.sample_idx): r for r in rollouts}
     turn = 0
-    first = engine.generate(prompts, dataclasses.replace(
-        params, stop=stop, max_new_tokens=min(params.max_new_tokens, settings.max_response_tokens)),
-        desc=desc or "agent turn 0")
+    first = engine.generate(
+        prompts,
+        dataclasses.replace(params, stop=stop, max_new_tokens=min(params.max_new_tokens, settings.max_response_tokens)),
+        desc=desc or "agent turn 0",
+    )
     gens = {(g.prompt_index, g.sample_idx): g for g in first}
     while True:
         for key, gen in _scripted_turns(scripted, turn, rollouts, prompts, tokenizer, eos, score).items():
@@ -128,8 +139,11 @@ def run_agent(engine: RolloutEngine, tokenizer, prompts: list[list[int]], params
                 finished = "max_turns"
             elif found and not cut:
                 finished = ""
-            r.turns.append(Turn(turn, "assistant", 0, text, start, end,
-                                finish_reason="tool_call" if found and not cut else finished))
+            r.turns.append(
+                Turn(
+                    turn, "assistant", 0, text, start, end, finish_reason="tool_call" if found and not cut else finished
+                )
+            )
             r.final_text = text
             r.finish_reason = finished
             calls.extend((r, k, c) for k, c in enumerate(found) if not finished)
@@ -159,10 +173,18 @@ def run_agent(engine: RolloutEngine, tokenizer, prompts: list[list[int]], params
         gens = {}
         if live:
             budget = max(settings.max_response_tokens - len(r.token_ids) for r in live)
-            turn_params = dataclasses.replace(params, n=1, stop=stop, seed=params.seed + 1_000_003 * turn,
-                                              max_new_tokens=min(params.max_new_tokens, budget))
-            out = engine.generate([prompts[r.prompt_index] + r.token_ids for r in live], turn_params,
-                                  desc=f"{desc or 'agent'} turn {turn}")
+            turn_params = dataclasses.replace(
+                params,
+                n=1,
+                stop=stop,
+                seed=params.seed + 1_000_003 * turn,
+                max_new_tokens=min(params.max_new_tokens, budget),
+            )
+            out = engine.generate(
+                [prompts[r.prompt_index] + r.token_ids for r in live],
+                turn_params,
+                desc=f"{desc or 'agent'} turn {turn}",
+            )
             for g in out:
                 r = live[g.prompt_index]
                 gens[(r.prompt_index, r.sample_idx)] = g
@@ -178,20 +200,32 @@ def _script_keys(scripted: dict, turn: int) -> set[tuple[int, int]]:
 def _scripted_turns(scripted, turn, rollouts, prompts, tokenizer, eos, score) -> dict[tuple[int, int], Generation]:
     """This turn's scripted assistant texts as Generations: tokens as the tokenizer writes the text plus the
     end-of-turn token, log-probs from the policy (`score`)."""
-    todo = [r for r in rollouts if (r.prompt_index, r.sample_idx) in _script_keys(scripted, turn)
-            and (turn == 0 or (r.open and r.turns and r.turns[-1].role == "tool"))]
+    todo = [
+        r
+        for r in rollouts
+        if (r.prompt_index, r.sample_idx) in _script_keys(scripted, turn)
+        and (turn == 0 or (r.open and r.turns and r.turns[-1].role == "tool"))
+    ]
     if not todo:
         return {}
     if score is None:
         raise ValueError("scripted turns need a scorer for the policy's log-probs")
     framing = tool_message_ids(tokenizer, ["."])  # starts with the template's end-of-turn token
     end = framing[0] if framing and framing[0] in eos else tokenizer.eos_token_id
-    completions = [tokenizer(scripted[(r.prompt_index, r.sample_idx)][turn], add_special_tokens=False,
-                             split_special_tokens=True)["input_ids"] + [end] for r in todo]
+    completions = [
+        tokenizer(scripted[(r.prompt_index, r.sample_idx)][turn], add_special_tokens=False, split_special_tokens=True)[
+            "input_ids"
+        ]
+        + [end]
+        for r in todo
+    ]
     logprobs = score([prompts[r.prompt_index] + r.token_ids for r in todo], completions)
-    return {(r.prompt_index, r.sample_idx): Generation(r.prompt_index, r.sample_idx, ids, lps,
-                                                       scripted[(r.prompt_index, r.sample_idx)][turn], "stop")
-            for r, ids, lps in zip(todo, completions, logprobs)}
+    return {
+        (r.prompt_index, r.sample_idx): Generation(
+            r.prompt_index, r.sample_idx, ids, lps, scripted[(r.prompt_index, r.sample_idx)][turn], "stop"
+        )
+        for r, ids, lps in zip(todo, completions, logprobs)
+    }
 
 
 def _execute(calls: list[tuple[AgentRollout, int, ToolCall]], tools: dict[str, Tool]) -> list[ToolResult]:
@@ -220,9 +254,22 @@ def _tool_turn(turn: int, k: int, call: ToolCall, res: ToolResult, start: int, e
         arguments = json.dumps(call.arguments, ensure_ascii=False)
         if not _encodes(arguments):  # an unpaired surrogate from a JSON escape: keep it escaped, the same JSON
             arguments = json.dumps(call.arguments)
-    return Turn(turn, "tool", k, res.text, start, end, tool_name=_storable(call.name), arguments=arguments,
-                status=res.status, exit_code=res.exit_code, stdout=res.stdout[:EXCERPT_CHARS] or None,
-                stderr=res.stderr[:EXCERPT_CHARS] or None, seconds=res.seconds, failure=res.failure)
+    return Turn(
+        turn,
+        "tool",
+        k,
+        res.text,
+        start,
+        end,
+        tool_name=_storable(call.name),
+        arguments=arguments,
+        status=res.status,
+        exit_code=res.exit_code,
+        stdout=res.stdout[:EXCERPT_CHARS] or None,
+        stderr=res.stderr[:EXCERPT_CHARS] or None,
+        seconds=res.seconds,
+        failure=res.failure,
+    )
 
 
 def _encodes(text: str) -> bool:
@@ -255,7 +302,7 @@ def model_scorer(model, temperature: float) -> Callable[[list[list[int]], list[l
                 logits = model(input_ids=ids).logits[0, len(prefix) - 1 : -1].float()
             if temperature > 0 and temperature != 1.0:
                 logits = logits / temperature
-            picked = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prefix):, None]).squeeze(-1)
+            picked = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prefix) :, None]).squeeze(-1)
             out.append(picked.tolist())
         return out
 

@@ -29,8 +29,17 @@ def read_scripted(path: str | Path, chosen: list[str], samples: int) -> dict[tup
     return scripted
 
 
-def agent_rollouts(engine: RolloutEngine, tokenizer, policy_path: str, prompts: list[list[int]], chosen: list[str],
-                   params: SamplingParams, agent: dict, budget: int, desc: str = "") -> list[AgentRollout]:
+def agent_rollouts(
+    engine: RolloutEngine,
+    tokenizer,
+    policy_path: str,
+    prompts: list[list[int]],
+    chosen: list[str],
+    params: SamplingParams,
+    agent: dict,
+    budget: int,
+    desc: str = "",
+) -> list[AgentRollout]:
     """Run the agent loop over the step's prompts with the configured tools (closed afterwards); `budget` caps
     each conversation's response tokens, sampled and inserted."""
     tools = {name: make_tool(name, agent) for name in agent["tools"]}
@@ -45,8 +54,7 @@ def agent_rollouts(engine: RolloutEngine, tokenizer, policy_path: str, prompts: 
         params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, agent["max_turn_tokens"]))
     settings = AgentSettings(max_turns=agent["max_turns"], max_response_tokens=budget)
     try:
-        return run_agent(engine, tokenizer, prompts, params, tools, settings, desc=desc, scripted=scripted,
-                         score=score)
+        return run_agent(engine, tokenizer, prompts, params, tools, settings, desc=desc, scripted=scripted, score=score)
     finally:
         for tool in tools.values():
             tool.close()
@@ -54,10 +62,16 @@ def agent_rollouts(engine: RolloutEngine, tokenizer, policy_path: str, prompts: 
 
 def rollout_row(r: AgentRollout, tokenizer) -> dict:
     """The agent-specific columns of a ROLLOUTS row."""
-    return {"response_token_ids": r.token_ids, "response_logprobs": r.logprobs, "response_mask": r.loss_mask,
-            "response_text": tokenizer.decode(r.token_ids, skip_special_tokens=True),
-            "response_tokens": len(r.token_ids), "finish_reason": r.finish_reason, "tool_rounds": r.tool_rounds,
-            "final_text": r.final_text}
+    return {
+        "response_token_ids": r.token_ids,
+        "response_logprobs": r.logprobs,
+        "response_mask": r.loss_mask,
+        "response_text": tokenizer.decode(r.token_ids, skip_special_tokens=True),
+        "response_tokens": len(r.token_ids),
+        "finish_reason": r.finish_reason,
+        "tool_rounds": r.tool_rounds,
+        "final_text": r.final_text,
+    }
 
 
 def turn_rows(r: AgentRollout, identity: dict) -> list[dict]:
@@ -74,8 +88,15 @@ def agent_problems(agent) -> list[str]:
     unknown = [t for t in agent.tools if t not in TOOLS]
     if unknown or not agent.tools:
         problems.append(f"rollout.agent.tools = {agent.tools!r}: choose one or more of {sorted(TOOLS)}")
-    for name in ("max_turns", "tool_concurrency", "sandbox_cpu_seconds", "sandbox_memory_mb",
-                 "sandbox_max_processes", "sandbox_max_file_mb", "sandbox_max_output_bytes"):
+    for name in (
+        "max_turns",
+        "tool_concurrency",
+        "sandbox_cpu_seconds",
+        "sandbox_memory_mb",
+        "sandbox_max_processes",
+        "sandbox_max_file_mb",
+        "sandbox_max_output_bytes",
+    ):
         if getattr(agent, name) < 1:
             problems.append(f"rollout.agent.{name} = {getattr(agent, name)!r}: must be at least 1")
     if agent.sandbox_wall_seconds <= 0 or agent.max_turn_tokens < 0:

@@ -11,8 +11,15 @@ DAPO's overlong penalty, which the GRPO-TCR recipe adds, is part of the reward's
 from __future__ import annotations
 
 
-def tool_call_reward(correct: bool, tool_rounds: int, *, right: float = 1.0, wrong: float = -1.0,
-                     per_round: float = 0.1, wrong_cap: float = -0.6) -> float:
+def tool_call_reward(
+    correct: bool,
+    tool_rounds: int,
+    *,
+    right: float = 1.0,
+    wrong: float = -1.0,
+    per_round: float = 0.1,
+    wrong_cap: float = -0.6,
+) -> float:
     if tool_rounds < 0:
         raise ValueError(f"tool_rounds must be >= 0, got {tool_rounds}")
     if correct:

@@ -8,7 +8,7 @@ statistics count each response once (verl's REINFORCE++ whitens per token, weigh
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -106,14 +106,23 @@ def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]
     kept = [r for r in rewards if not r.get("dropped")]
     values = [r["reward"] for r in kept]
     groups = [r["prompt_id"] for r in kept]
-    adv = (compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"],
-                              grpo["advantage_std_ddof"]) if kept else np.array([]))
+    adv = (
+        compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"], grpo["advantage_std_ddof"])
+        if kept
+        else np.array([])
+    )
     flat = zero_std_groups(values, groups)
     advantage_of = {(r["prompt_id"], r["sample_idx"]): float(a) for r, a in zip(kept, adv)}
-    rows = [{"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": r["reward"],
-             "advantage": advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0),
-             "trained": not r.get("dropped") and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat)}
-            for r in rewards]
+    rows = [
+        {
+            "prompt_id": r["prompt_id"],
+            "sample_idx": r["sample_idx"],
+            "reward": r["reward"],
+            "advantage": advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0),
+            "trained": not r.get("dropped") and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat),
+        }
+        for r in rewards
+    ]
     stats = {
         "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
         "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),

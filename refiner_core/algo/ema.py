@@ -52,9 +52,13 @@ def ema_checkpoint(teacher_dir: Path, policy_dir: Path, alpha: float, out_dir: P
         policy = load_file(path)
         missing = sorted(set(policy) - set(teacher))
         if missing:
-            raise ValueError(f"teacher {teacher_dir} lacks tensors of the policy, e.g. {missing[:3]}: not the same model")
-        averaged = {k: (alpha * v.float() + (1.0 - alpha) * teacher[k].float()).to(v.dtype).contiguous()
-                    for k, v in policy.items()}
+            raise ValueError(
+                f"teacher {teacher_dir} lacks tensors of the policy, e.g. {missing[:3]}: not the same model"
+            )
+        averaged = {
+            k: (alpha * v.float() + (1.0 - alpha) * teacher[k].float()).to(v.dtype).contiguous()
+            for k, v in policy.items()
+        }
         save_file(averaged, str(Path(out_dir) / name), metadata={"format": "pt"})
     for item in Path(policy_dir).iterdir():
         if item.suffix == ".safetensors" or item.name in SKIPPED:

@@ -5,8 +5,8 @@ the table, with the peer commits it was checked against)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -23,7 +23,7 @@ class Sequences:
         self.count = int(index.max()) + 1 if index.numel() else 1
 
     @classmethod
-    def one_per_row(cls, mask: Tensor) -> "Sequences":
+    def one_per_row(cls, mask: Tensor) -> Sequences:
         index = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1).expand_as(mask)
         return cls(index, mask)
 
@@ -116,16 +116,18 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, p: SurrogateParams) ->
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def ppo_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
-             sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+def ppo_clip(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
     """max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)). TRL loss_type grpo/dapo/dr_grpo/bnpo (the
     aggregation is ours), open-instruct loss_fn dapo; verl `vanilla` with clip_ratio_c large enough never to bind
     (verl's default 3.0 applies the dual clip: see `dual_clip`)."""
     return _clipped_surrogate(torch.exp(logp - old_logp), advantages, p)
 
 
-def dual_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
-              sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+def dual_clip(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
     """ppo_clip, then for A < 0 also bounded by -A * c (c = dual_clip_c > 1): min(ppo_clip, -A c), so a token whose
     ratio grew far on a negative advantage stops pushing. verl `vanilla` with clip_ratio_c = c (verl clamps the
     log-ratio to +-20 first)."""
@@ -135,8 +137,9 @@ def dual_clip(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogatePa
     return torch.where(advantages < 0, torch.minimum(pg, bound), pg), torch.maximum(clipped, lower.float())
 
 
-def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
-         sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+def gspo(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
     """GSPO: the ppo_clip surrogate on the sequence ratio s = exp(mean over the sequence's trained tokens of
     (logp - old_logp)), applied per token as s_t = sg[s] * pi_t / sg[pi_t] (value s, gradient s grad log pi_t),
     log s_t clamped at 10. verl `gspo`; TRL importance_sampling_level 'sequence' (loss_type grpo). Both average
@@ -148,8 +151,9 @@ def gspo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
     return _clipped_surrogate(ratio, advantages, p)
 
 
-def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
-          sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+def cispo(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
     """CISPO: -sg[min(rho, 1 + eps_high)] * A * logp: every token keeps a gradient, its weight clipped instead.
     open-instruct loss_fn cispo (clip_higher = eps_high); TRL loss_type cispo with epsilon_high = 1 + eps_high
     (TRL's epsilon_high is the cap itself); verl `cispo` with clip_ratio_low = 1 (verl also clips from below at
@@ -159,8 +163,9 @@ def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams
     return -torch.clamp(ratio, max=cap).detach() * advantages * logp, (ratio > cap).float()
 
 
-def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
-         sequences: Sequences | None) -> tuple[Tensor, Tensor]:
+def sapo(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
     """SAPO: -A * sigmoid(tau (rho - 1)) * 4 / tau, tau = sapo_tau_pos where A > 0 else sapo_tau_neg: a smooth gate
     in place of the hard clip (its gradient at rho = 1 is -A, as the clipped surrogate's). TRL loss_type sapo
     (sapo_temperature_pos/neg), verl `sapo` (tau_pos/tau_neg; verl clamps the log-ratio to +-20). No clipping:
@@ -171,8 +176,9 @@ def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams,
     return -gate * advantages, torch.zeros_like(ratio)
 
 
-POLICY_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor, SurrogateParams, Sequences | None],
-                                  tuple[Tensor, Tensor]]] = {
+POLICY_LOSSES: dict[
+    str, Callable[[Tensor, Tensor, Tensor, SurrogateParams, Sequences | None], tuple[Tensor, Tensor]]
+] = {
     "ppo_clip": ppo_clip,
     "dual_clip": dual_clip,
     "gspo": gspo,
@@ -209,8 +215,9 @@ TIS_LEVELS: dict[str, Callable[[Tensor, Sequences], Tensor]] = {"token": tis_tok
 TIS_MODES: dict[str, Callable[[Tensor, float, float], Tensor]] = {"truncate": tis_truncate, "mask": tis_mask}
 
 
-def importance_weights(old_logp: Tensor, rollout_logp: Tensor, sequences: Sequences, *, level: str, mode: str,
-                       floor: float, cap: float) -> Tensor:
+def importance_weights(
+    old_logp: Tensor, rollout_logp: Tensor, sequences: Sequences, *, level: str, mode: str, floor: float, cap: float
+) -> Tensor:
     """Per-token weights on the policy-gradient term correcting for the rollout engine's numerics (detached)."""
     log_ratio = TIS_LEVELS[level](old_logp.detach() - rollout_logp, sequences)
     return TIS_MODES[mode](torch.exp(log_ratio), floor, cap) * sequences.mask
@@ -221,23 +228,26 @@ def importance_weights(old_logp: Tensor, rollout_logp: Tensor, sequences: Sequen
 # packed sequences), and totals over the whole optimizer batch, so micro-batches accumulate to the exact
 # batch aggregate whatever their layout. N = sequences in the optimizer step, |y_i| = trained tokens of
 # sequence i, l = per-token loss.
-def token_mean(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
-               constant: float) -> Tensor:
+def token_mean(
+    mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int, constant: float
+) -> Tensor:
     """sum_i,t l / sum_i |y_i|: every response token weighs the same, long answers are not down-weighted. TRL
     loss_type dapo (global token count), verl token-mean, open-instruct loss_denominator 'token'."""
     return mask / max(batch_tokens, 1.0)
 
 
-def sequence_mean(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
-                  constant: float) -> Tensor:
+def sequence_mean(
+    mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int, constant: float
+) -> Tensor:
     """(1/N) sum_i (1/|y_i|) sum_t l: original GRPO (has a length bias). TRL loss_type grpo (N counts a sequence
     with no trained token; TRL averages per micro-batch, equal for equal micro-batches); verl
     seq-mean-token-mean (whose N leaves such a sequence out)."""
     return mask / (sequence_tokens.clamp(min=1) * batch_sequences)
 
 
-def sum_constant(mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int,
-                 constant: float) -> Tensor:
+def sum_constant(
+    mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int, constant: float
+) -> Tensor:
     """sum_i,t l / (N * C), C = loss_constant: Dr.GRPO without length normalisation; dividing by N lets the
     learning rate carry across batch sizes. TRL loss_type dr_grpo (C = max_completion_length). Not verl's
     seq-mean-token-sum-norm, which is sum / C per micro-batch, scaled by 1/grad_accum by its dp_actor."""

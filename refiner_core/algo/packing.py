@@ -22,8 +22,10 @@ def pack_sequences(lengths: list[int], pack_length: int) -> list[list[int]]:
         raise PackingError(f"pack_length must be positive, got {pack_length}")
     too_long = [i for i, n in enumerate(lengths) if n > pack_length]
     if too_long:
-        raise PackingError(f"{len(too_long)} sequences exceed pack_length {pack_length} (e.g. index {too_long[0]}, "
-                           f"{lengths[too_long[0]]} tokens); truncate or drop them first")
+        raise PackingError(
+            f"{len(too_long)} sequences exceed pack_length {pack_length} (e.g. index {too_long[0]}, "
+            f"{lengths[too_long[0]]} tokens); truncate or drop them first"
+        )
     packs: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):

@@ -48,16 +48,19 @@ def render_snippets(snippets: list) -> str:
     blocks = []
     for i, snippet in enumerate(snippets):
         if not isinstance(snippet, dict):
-            raise ValueError(f"snippet {i}: expected an object {{id, text, title?, url?}}, got "
-                             f"{type(snippet).__name__}")
+            raise ValueError(
+                f"snippet {i}: expected an object {{id, text, title?, url?}}, got {type(snippet).__name__}"
+            )
         unknown = set(snippet) - {"id", *(key for key, _ in SNIPPET_FIELDS)}
         if unknown:
             raise ValueError(f"snippet {i}: unknown keys {sorted(unknown)}; expected id, text, title, url")
         sid = snippet.get("id")
         sid = str(sid) if isinstance(sid, int) and not isinstance(sid, bool) else sid
         if not isinstance(sid, str) or not _PLAIN_ID_RE.fullmatch(sid):
-            raise ValueError(f"snippet {i}: 'id' must be a non-empty ID without spaces, commas, quotes or angle "
-                             f"brackets, got {sid!r}")
+            raise ValueError(
+                f"snippet {i}: 'id' must be a non-empty ID without spaces, commas, quotes or angle "
+                f"brackets, got {sid!r}"
+            )
         wrong = [key for key, _ in SNIPPET_FIELDS if not isinstance(snippet.get(key), (str, type(None)))]
         if wrong:
             raise ValueError(f"snippet {i} ({sid}): {wrong[0]!r} must be a string")

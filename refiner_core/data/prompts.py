@@ -41,8 +41,9 @@ class RenderedChat:
 
 
 def _special_pattern(tokenizer) -> re.Pattern | None:
-    specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
-                      reverse=True)  # longest first: leftmost-longest, as the tokenizer itself matches
+    specials = sorted(
+        {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
+    )  # longest first: leftmost-longest, as the tokenizer itself matches
     return re.compile("|".join(map(re.escape, specials))) if specials else None
 
 
@@ -51,19 +52,21 @@ def _layout(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tup
     content to learn where the template puts contents, then checks that putting them back gives the real
     rendering (a template that strips or rewrites content fails the check)."""
     real = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    masked = [{**m, "content": _SLOT.format(i)} if isinstance(m.get("content"), str) else m
-              for i, m in enumerate(messages)]
+    masked = [
+        {**m, "content": _SLOT.format(i)} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)
+    ]
     skeleton = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
     pieces: list[tuple[str, bool]] = []
     cursor = 0
     for match in _SLOT_RE.finditer(skeleton):
-        pieces.append((skeleton[cursor:match.start()], False))
+        pieces.append((skeleton[cursor : match.start()], False))
         pieces.append((messages[int(match.group(1))]["content"], True))
         cursor = match.end()
     pieces.append((skeleton[cursor:], False))
     if "".join(text for text, _ in pieces) != real:
-        raise UnsafeTemplateError("chat template does not copy message contents verbatim; cannot keep "
-                                   "untrusted text out of special tokens")
+        raise UnsafeTemplateError(
+            "chat template does not copy message contents verbatim; cannot keep untrusted text out of special tokens"
+        )
     return real, pieces
 
 
@@ -81,8 +84,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         text, pieces = _layout(tokenizer, messages, add_generation_prompt)
     except UnsafeTemplateError:
         # A template that rewrites contents: still safe when no content spells a special token.
-        if pattern is not None and any(isinstance(m.get("content"), str) and pattern.search(m["content"])
-                                       for m in messages):
+        if pattern is not None and any(
+            isinstance(m.get("content"), str) and pattern.search(m["content"]) for m in messages
+        ):
             raise
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -102,8 +106,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     def plain(start: int, end: int) -> None:
         if start == end:
             return
-        enc = tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True,
-                        return_offsets_mapping=True)
+        enc = tokenizer(
+            text[start:end], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
+        )
         ids.extend(enc["input_ids"])
         offsets.extend((start + a, start + b) for a, b in enc["offset_mapping"])
 
@@ -138,7 +143,7 @@ def judge_messages(question: str, response: str, criterion: str) -> list[dict]:
 
 CLAIM_SUPPORT_SYSTEM_PROMPT = (
     "You are a strict fact checker. Read a claim and the source text it cites. Decide how well the sources "
-    'support the claim: 0 = not at all (or off-topic), 1 = partially, 2 = fully. Reply with JSON only: '
+    "support the claim: 0 = not at all (or off-topic), 1 = partially, 2 = fully. Reply with JSON only: "
     '{"score": 0}, {"score": 1} or {"score": 2}.'
 )
 

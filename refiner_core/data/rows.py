@@ -45,8 +45,15 @@ class Rejection:
     raw: str
 
     def as_quarantine(self, run: str, stage: str, source: str) -> dict:
-        return {"run": run, "stage": stage, "source": source, "row_ref": self.row_ref, "reason": self.reason,
-                "detail": self.detail, "raw": self.raw[:RAW_LIMIT]}
+        return {
+            "run": run,
+            "stage": stage,
+            "source": source,
+            "row_ref": self.row_ref,
+            "reason": self.reason,
+            "detail": self.detail,
+            "raw": self.raw[:RAW_LIMIT],
+        }
 
 
 @dataclass
@@ -96,8 +103,11 @@ def _check_text_fields(row: dict, keys: tuple[str, ...]) -> tuple[str, str] | No
         if not isinstance(row[key], str):
             return "wrong_type", f"field {key!r} must be a string, got {type(row[key]).__name__}"
         if not row[key].strip():
-            return ("empty_tool_output", "tool_output is empty") if key == "tool_output" else (
-                "empty_field", f"field {key!r} is empty")
+            return (
+                ("empty_tool_output", "tool_output is empty")
+                if key == "tool_output"
+                else ("empty_field", f"field {key!r} is empty")
+            )
     return None
 
 
@@ -230,8 +240,9 @@ def split_of(prompt_id: str, validation_fraction: float, seed: int) -> str:
     return "validation" if (h % 10_000) / 10_000 < validation_fraction else "train"
 
 
-def check_rejected_fraction(rejected: list[Rejection], total: int, max_fraction: float, where: str,
-                            n_rejected: int | None = None) -> None:
+def check_rejected_fraction(
+    rejected: list[Rejection], total: int, max_fraction: float, where: str, n_rejected: int | None = None
+) -> None:
     """Fail only above the configured fraction, naming the first rows and their reasons. `n_rejected`
     overrides len(rejected) when only some rejections count against `total` (e.g. prompts left without rubrics)."""
     n_rejected = len(rejected) if n_rejected is None else n_rejected
@@ -265,16 +276,24 @@ def quarantine_warning(run_dir: Path | str) -> str | None:
     for (stage, reason), n in counts.items():
         stages.setdefault(stage, []).append(f"{reason} {n}")
     by_stage = "; ".join(f"{stage}: {', '.join(reasons)}" for stage, reasons in stages.items())
-    return (f"{sum(counts.values())} rows quarantined ({by_stage}); see them: "
-            f"refiner sql {run_dir} \"SELECT * FROM quarantine\"")
+    return (
+        f"{sum(counts.values())} rows quarantined ({by_stage}); see them: "
+        f'refiner sql {run_dir} "SELECT * FROM quarantine"'
+    )
 
 
 def prompt_fields(row: dict) -> dict:
     """The prompt-side view of either row shape: chat messages up to the answer plus refiner fields."""
     if not is_chat_row(row):
-        return {"messages": refiner_messages(row["question"], row["reasoning"], row["tool_output"]),
-                "question": row["question"], "reasoning": row["reasoning"], "tool_output": row["tool_output"],
-                "answer": row.get("answer") or "", "ground_truth": None, "twin_id": None}
+        return {
+            "messages": refiner_messages(row["question"], row["reasoning"], row["tool_output"]),
+            "question": row["question"],
+            "reasoning": row["reasoning"],
+            "tool_output": row["tool_output"],
+            "answer": row.get("answer") or "",
+            "ground_truth": None,
+            "twin_id": None,
+        }
     messages = row["messages"]
     ends_with_answer = messages[-1]["role"] == "assistant"
     prompt = messages[:-1] if ends_with_answer else messages
@@ -283,13 +302,26 @@ def prompt_fields(row: dict) -> dict:
     truth = truth if isinstance(truth, str) and truth.strip() else None
     answer = truth if truth is not None else (messages[-1]["content"] if ends_with_answer else "")
     twin = row.get("twin_id")
-    return {"messages": prompt, "question": [m for m in prompt if m["role"] == "user"][-1]["content"],
-            "reasoning": "", "tool_output": "\n".join(m["content"] for m in prompt if m["role"] == "tool"),
-            "answer": answer, "ground_truth": truth, "twin_id": str(twin) if twin not in (None, "") else None}
+    return {
+        "messages": prompt,
+        "question": [m for m in prompt if m["role"] == "user"][-1]["content"],
+        "reasoning": "",
+        "tool_output": "\n".join(m["content"] for m in prompt if m["role"] == "tool"),
+        "answer": answer,
+        "ground_truth": truth,
+        "twin_id": str(twin) if twin not in (None, "") else None,
+    }
 
 
-def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: int, max_reference_tokens: int,
-                    validation_fraction: float, seed: int) -> tuple[list[dict], list[Rejection]]:
+def prepare_prompts(
+    rows: list[dict],
+    tokenizer,
+    run: str,
+    max_prompt_tokens: int,
+    max_reference_tokens: int,
+    validation_fraction: float,
+    seed: int,
+) -> tuple[list[dict], list[Rejection]]:
     """Render chat prompts and drop rows over the token limits (each drop is a counted, recorded rejection)."""
     prompts, rejected = [], []
     chars_per_token = max_chars_per_token(tokenizer)
@@ -301,34 +333,70 @@ def prepare_prompts(rows: list[dict], tokenizer, run: str, max_prompt_tokens: in
         # gigabytes to tokenize only to be dropped.
         prompt_chars = sum(kept_chars(m["content"]) for m in view["messages"])
         if prompt_chars > max_prompt_tokens * chars_per_token:
-            rejected.append(Rejection(row["row_ref"], "prompt_too_long", f"{prompt_chars} characters besides "
-                                      f"whitespace: more than max_prompt_tokens {max_prompt_tokens} tokens can hold",
-                                      raw))
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "prompt_too_long",
+                    f"{prompt_chars} characters besides "
+                    f"whitespace: more than max_prompt_tokens {max_prompt_tokens} tokens can hold",
+                    raw,
+                )
+            )
             continue
         if kept_chars(answer) > max_reference_tokens * chars_per_token:
-            rejected.append(Rejection(row["row_ref"], "reference_too_long", f"{kept_chars(answer)} answer "
-                                      f"characters besides whitespace: more than max_reference_tokens "
-                                      f"{max_reference_tokens} tokens can hold", raw))
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "reference_too_long",
+                    f"{kept_chars(answer)} answer "
+                    f"characters besides whitespace: more than max_reference_tokens "
+                    f"{max_reference_tokens} tokens can hold",
+                    raw,
+                )
+            )
             continue
         text, ids = render_prompt(tokenizer, view["messages"])
         ref_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"]) if answer else 0
         if len(ids) > max_prompt_tokens:
-            rejected.append(Rejection(row["row_ref"], "prompt_too_long",
-                                      f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}", raw))
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "prompt_too_long",
+                    f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}",
+                    raw,
+                )
+            )
             continue
         if ref_tokens > max_reference_tokens:
-            rejected.append(Rejection(row["row_ref"], "reference_too_long",
-                                      f"{ref_tokens} answer tokens > max_reference_tokens {max_reference_tokens}", raw))
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "reference_too_long",
+                    f"{ref_tokens} answer tokens > max_reference_tokens {max_reference_tokens}",
+                    raw,
+                )
+            )
             continue
         pair_lead = min(row["id"], view["twin_id"]) if view["twin_id"] else row["id"]  # both views share a split
-        prompts.append({
-            "run": run, "prompt_id": row["id"], "split": split_of(pair_lead, validation_fraction, seed),
-            "question": view["question"], "reasoning": view["reasoning"], "tool_output": view["tool_output"],
-            "snippet_ids": tool_snippet_ids(view["tool_output"]), "reference_answer": answer,
-            "ground_truth": view["ground_truth"], "twin_id": view["twin_id"],
-            "prompt_text": text, "prompt_token_ids": ids, "prompt_tokens": len(ids),
-            "reference_tokens": ref_tokens, "content_hash": row["content_hash"],
-        })
+        prompts.append(
+            {
+                "run": run,
+                "prompt_id": row["id"],
+                "split": split_of(pair_lead, validation_fraction, seed),
+                "question": view["question"],
+                "reasoning": view["reasoning"],
+                "tool_output": view["tool_output"],
+                "snippet_ids": tool_snippet_ids(view["tool_output"]),
+                "reference_answer": answer,
+                "ground_truth": view["ground_truth"],
+                "twin_id": view["twin_id"],
+                "prompt_text": text,
+                "prompt_token_ids": ids,
+                "prompt_tokens": len(ids),
+                "reference_tokens": ref_tokens,
+                "content_hash": row["content_hash"],
+            }
+        )
     return drop_unpaired_twins(prompts, rows, rejected)
 
 
@@ -345,28 +413,45 @@ def kept_chars(text: str) -> int:
     return len(text) - sum(text.count(c) for c in " \t\n\r")
 
 
-def drop_unpaired_twins(prompts: list[dict], rows: list[dict],
-                        rejected: list[Rejection]) -> tuple[list[dict], list[Rejection]]:
+def drop_unpaired_twins(
+    prompts: list[dict], rows: list[dict], rejected: list[Rejection]
+) -> tuple[list[dict], list[Rejection]]:
     """A prompt naming a twin (`twin_id`, its rephrased view) is kept only when that twin was prepared and names
     it back: a view without its partner could never get a pseudo-label. The others are rejected as 'unknown_twin'."""
     by_id = {p["prompt_id"]: p for p in prompts}
-    broken = {p["prompt_id"] for p in prompts if p["twin_id"] is not None and (
-        p["twin_id"] == p["prompt_id"] or by_id.get(p["twin_id"], {}).get("twin_id") != p["prompt_id"])}
+    broken = {
+        p["prompt_id"]
+        for p in prompts
+        if p["twin_id"] is not None
+        and (p["twin_id"] == p["prompt_id"] or by_id.get(p["twin_id"], {}).get("twin_id") != p["prompt_id"])
+    }
     if not broken:
         return prompts, rejected
     raw_of = {r["id"]: r for r in rows}
     for pid in sorted(broken):
         row = raw_of[pid]
         twin = by_id[pid]["twin_id"]
-        why = ("names itself" if twin == pid else f"{twin!r} is not a prepared prompt" if twin not in by_id
-               else f"{twin!r} names {by_id[twin]['twin_id']!r} as its twin")
-        rejected.append(Rejection(row["row_ref"], "unknown_twin", f"twin_id {why}", json.dumps(
-            {k: v for k, v in row.items() if k not in ("content_hash", "row_ref")})))
+        why = (
+            "names itself"
+            if twin == pid
+            else f"{twin!r} is not a prepared prompt"
+            if twin not in by_id
+            else f"{twin!r} names {by_id[twin]['twin_id']!r} as its twin"
+        )
+        rejected.append(
+            Rejection(
+                row["row_ref"],
+                "unknown_twin",
+                f"twin_id {why}",
+                json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")}),
+            )
+        )
     return [p for p in prompts if p["prompt_id"] not in broken], rejected
 
 
-def step_prompt_ids(train_ids: list[str], step: int, per_step: int, seed: int,
-                    twin_of: dict[str, str] | None = None) -> list[str]:
+def step_prompt_ids(
+    train_ids: list[str], step: int, per_step: int, seed: int, twin_of: dict[str, str] | None = None
+) -> list[str]:
     """Prompts for a GRPO step: each epoch is a seeded shuffle cut into steps, so every prompt is seen once per
     epoch and a step never holds the same prompt twice (that would merge two GRPO groups). The last, short step
     of an epoch is topped up from the start of the same epoch's order.
@@ -388,8 +473,15 @@ def step_prompt_ids(train_ids: list[str], step: int, per_step: int, seed: int,
     return chosen + order[: per_step - len(chosen)]
 
 
-def refill_prompt_ids(train_ids: list[str], used: list[str], count: int, step: int, sampling_round: int, seed: int,
-                      twin_of: dict[str, str] | None = None) -> list[str]:
+def refill_prompt_ids(
+    train_ids: list[str],
+    used: list[str],
+    count: int,
+    step: int,
+    sampling_round: int,
+    seed: int,
+    twin_of: dict[str, str] | None = None,
+) -> list[str]:
     """Fresh prompts for round `sampling_round` of a step (rollout.dynamic_sampling): `count` train prompts the
     step has not used yet, in a seeded order of their own, so a rerun draws the same ones. Fewer when the train
     split runs out. With `twin_of`, `count` counts questions and each brings its twin view, as in step_prompt_ids."""
@@ -397,8 +489,9 @@ def refill_prompt_ids(train_ids: list[str], used: list[str], count: int, step: i
     if twin_of:
         train = set(train_ids)
         leads = [p for p in train_ids if not (twin_of.get(p) in train and twin_of[p] < p)]
-        chosen = refill_prompt_ids(leads, [p for p in leads if p in taken or twin_of.get(p) in taken], count,
-                                   step, sampling_round, seed)
+        chosen = refill_prompt_ids(
+            leads, [p for p in leads if p in taken or twin_of.get(p) in taken], count, step, sampling_round, seed
+        )
         return [q for p in chosen for q in (p, twin_of.get(p)) if q in train]
     order = sorted(p for p in train_ids if p not in taken)
     random.Random(f"refill {seed} {step} {sampling_round}").shuffle(order)  # a str seed hashes by SHA-512: stable

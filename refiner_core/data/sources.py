@@ -40,8 +40,9 @@ def detect_format(path: str, fmt: str = "auto") -> str:
     raise SourceError(f"cannot tell the format of {path!r}: set format to jsonl, parquet or disk")
 
 
-def load_rows(path: str, fmt: str = "auto", fields: dict | None = None, split: str = "train",
-              hub_config: str = "") -> list[RawRow]:
+def load_rows(
+    path: str, fmt: str = "auto", fields: dict | None = None, split: str = "train", hub_config: str = ""
+) -> list[RawRow]:
     """Read every row of a source and rename its columns through `fields` ({canonical: source column})."""
     kind = detect_format(path, fmt)
     if kind == "jsonl":
@@ -53,8 +54,11 @@ def load_rows(path: str, fmt: str = "auto", fields: dict | None = None, split: s
     else:
         rows = _read_dataset(_load_hub(path, split, hub_config))
     if not rows:  # nothing to validate: say so, rather than fail later on a missing column or an empty table
-        raise SourceError(f"{path} is an empty file (no rows)" if kind in ("jsonl", "parquet") else
-                          f"{path} has no rows in split {split!r}")
+        raise SourceError(
+            f"{path} is an empty file (no rows)"
+            if kind in ("jsonl", "parquet")
+            else f"{path} has no rows in split {split!r}"
+        )
     return [apply_field_mapping(r, fields or {}) for r in rows]
 
 
@@ -81,8 +85,12 @@ def apply_field_mapping(row: RawRow, fields: dict) -> RawRow:
     for canonical, column in absent.items():
         if problem == ("missing_field", f"field {canonical!r} is missing"):
             # The quarantine names the user's column too, so that it explains the mapping.
-            return RawRow(row.row_ref, row.raw, None,
-                          f"missing_field: field {canonical!r} (mapped from column {column!r}) is missing")
+            return RawRow(
+                row.row_ref,
+                row.raw,
+                None,
+                f"missing_field: field {canonical!r} (mapped from column {column!r}) is missing",
+            )
     return RawRow(row.row_ref, row.raw, data, row.error)
 
 
@@ -179,9 +187,11 @@ def _hub_errors(name: str, split: str, config: str):
     try:
         yield
     except ConnectionError as e:
-        raise SourceError(f"{_hub_name(name, config)} is not in the local cache {datasets_config.HF_DATASETS_CACHE}; "
-                          f"no network: {e}. Load it once with network access (or set HF_HOME to where it is "
-                          "cached).") from None
+        raise SourceError(
+            f"{_hub_name(name, config)} is not in the local cache {datasets_config.HF_DATASETS_CACHE}; "
+            f"no network: {e}. Load it once with network access (or set HF_HOME to where it is "
+            "cached)."
+        ) from None
     except (ValueError, FileNotFoundError) as e:  # unknown split or config, a name the hub does not know
         raise SourceError(f"{_hub_name(name, config)}, split {split!r}: {' '.join(str(e).split())}") from None
 

@@ -30,22 +30,35 @@ class EvalSettings:
     stop: tuple[str, ...]
 
     @classmethod
-    def from_config(cls, eval_cfg: dict, rollout_cfg: dict) -> "EvalSettings":
-        return cls(prompts=eval_cfg["prompts"], greedy=eval_cfg["greedy"], samples=eval_cfg["samples"],
-                   temperature=eval_cfg["temperature"], top_p=rollout_cfg["top_p"],
-                   pass_k=eval_cfg["pass_k"] or eval_cfg["samples"], pass_rubric_score=eval_cfg["pass_rubric_score"],
-                   max_new_tokens=eval_cfg["max_new_tokens"] or rollout_cfg["max_new_tokens"],
-                   stop=tuple(rollout_cfg["stop"]))
+    def from_config(cls, eval_cfg: dict, rollout_cfg: dict) -> EvalSettings:
+        return cls(
+            prompts=eval_cfg["prompts"],
+            greedy=eval_cfg["greedy"],
+            samples=eval_cfg["samples"],
+            temperature=eval_cfg["temperature"],
+            top_p=rollout_cfg["top_p"],
+            pass_k=eval_cfg["pass_k"] or eval_cfg["samples"],
+            pass_rubric_score=eval_cfg["pass_rubric_score"],
+            max_new_tokens=eval_cfg["max_new_tokens"] or rollout_cfg["max_new_tokens"],
+            stop=tuple(rollout_cfg["stop"]),
+        )
 
     def sampling(self, seed: int) -> dict[str, SamplingParams]:
         """The sampling parameters of each mode evaluated."""
         modes = {}
         if self.greedy:
-            modes["greedy"] = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=self.stop,
-                                             seed=seed)
+            modes["greedy"] = SamplingParams(
+                n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=self.stop, seed=seed
+            )
         if self.samples:
-            modes["sampled"] = SamplingParams(n=self.samples, temperature=self.temperature, top_p=self.top_p,
-                                              max_new_tokens=self.max_new_tokens, stop=self.stop, seed=seed)
+            modes["sampled"] = SamplingParams(
+                n=self.samples,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_new_tokens=self.max_new_tokens,
+                stop=self.stop,
+                seed=seed,
+            )
         return modes
 
 
@@ -71,13 +84,23 @@ def generate_responses(engine: RolloutEngine, prompts: list[dict], settings: Eva
         generations = engine.generate([p["prompt_token_ids"] for p in prompts], params, desc=f"eval {mode}")
         for g in generations:
             prompt = prompts[g.prompt_index]
-            rows.append({
-                "mode": mode, "prompt_id": prompt["prompt_id"], "sample_idx": g.sample_idx,
-                "temperature": params.temperature, "seed": params.seed, "engine": engine.name,
-                "prompt_token_ids": prompt["prompt_token_ids"], "response_token_ids": g.token_ids,
-                "response_logprobs": g.logprobs, "response_text": g.text, "response_tokens": len(g.token_ids),
-                "finish_reason": g.finish_reason, "max_new_tokens": params.max_new_tokens,
-            })
+            rows.append(
+                {
+                    "mode": mode,
+                    "prompt_id": prompt["prompt_id"],
+                    "sample_idx": g.sample_idx,
+                    "temperature": params.temperature,
+                    "seed": params.seed,
+                    "engine": engine.name,
+                    "prompt_token_ids": prompt["prompt_token_ids"],
+                    "response_token_ids": g.token_ids,
+                    "response_logprobs": g.logprobs,
+                    "response_text": g.text,
+                    "response_tokens": len(g.token_ids),
+                    "finish_reason": g.finish_reason,
+                    "max_new_tokens": params.max_new_tokens,
+                }
+            )
     return rows
 
 
@@ -86,8 +109,12 @@ def passed(reward_row: dict, pass_rubric_score: float) -> bool:
     at least one snippet, cites no unknown ID, and the judge's rubric score reaches the threshold."""
     if reward_row["verifier"] != "judge":
         return reward_row["correct"] == 1.0
-    return bool(reward_row["format_ok"] and reward_row["n_citations"] > 0 and reward_row["n_invalid_citations"] == 0
-                and reward_row["rubric_score"] >= pass_rubric_score)
+    return bool(
+        reward_row["format_ok"]
+        and reward_row["n_citations"] > 0
+        and reward_row["n_invalid_citations"] == 0
+        and reward_row["rubric_score"] >= pass_rubric_score
+    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -114,17 +141,23 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
             by_prompt.setdefault(r["prompt_id"], []).append(bool(r["passed"]))
         n = len(group)
         k = min(pass_k, *(len(v) for v in by_prompt.values())) if pass_k else 1
-        summary.append({
-            "step": step, "phase": phase, "mode": mode, "prompts": len(by_prompt), "responses": n,
-            "format_valid": sum(bool(r["format_ok"]) for r in group) / n,
-            "citation_valid": sum(citation_validity(r) for r in group) / n,
-            "judge_score": _mean([r["rubric_score"] for r in group if r["verifier"] == "judge"]),
-            "reward": sum(r["reward"] for r in group) / n,
-            "stopped": sum(r["finish_reason"] == "stop" for r in group) / n,
-            "pass_at_1": sum(pass_at_k(len(v), sum(v), 1) for v in by_prompt.values()) / len(by_prompt),
-            "k": k,
-            "pass_at_k": sum(pass_at_k(len(v), sum(v), k) for v in by_prompt.values()) / len(by_prompt),
-        })
+        summary.append(
+            {
+                "step": step,
+                "phase": phase,
+                "mode": mode,
+                "prompts": len(by_prompt),
+                "responses": n,
+                "format_valid": sum(bool(r["format_ok"]) for r in group) / n,
+                "citation_valid": sum(citation_validity(r) for r in group) / n,
+                "judge_score": _mean([r["rubric_score"] for r in group if r["verifier"] == "judge"]),
+                "reward": sum(r["reward"] for r in group) / n,
+                "stopped": sum(r["finish_reason"] == "stop" for r in group) / n,
+                "pass_at_1": sum(pass_at_k(len(v), sum(v), 1) for v in by_prompt.values()) / len(by_prompt),
+                "k": k,
+                "pass_at_k": sum(pass_at_k(len(v), sum(v), k) for v in by_prompt.values()) / len(by_prompt),
+            }
+        )
     return summary
 
 
@@ -134,21 +167,56 @@ def _mean(values: list[float]) -> float | None:
 
 def format_table(summary: list[dict]) -> str:
     """The summary as a fixed-width text table, one line per evaluated policy and mode."""
-    header = ("step", "policy", "mode", "prompts", "format-valid", "citations valid", "judge score", "reward",
-              "stopped", "pass@1", "pass@k")
+    header = (
+        "step",
+        "policy",
+        "mode",
+        "prompts",
+        "format-valid",
+        "citations valid",
+        "judge score",
+        "reward",
+        "stopped",
+        "pass@1",
+        "pass@k",
+    )
     lines = [header]
     for s in summary:
         judge = "-" if s["judge_score"] is None else f"{s['judge_score']:.3f}"
-        lines.append((str(s["step"]), s["phase"], s["mode"], str(s["prompts"]), f"{s['format_valid']:.0%}",
-                      f"{s['citation_valid']:.0%}", judge, f"{s['reward']:.2f}", f"{s['stopped']:.0%}",
-                      f"{s['pass_at_1']:.0%}", f"{s['pass_at_k']:.0%} (k={s['k']})"))
+        lines.append(
+            (
+                str(s["step"]),
+                s["phase"],
+                s["mode"],
+                str(s["prompts"]),
+                f"{s['format_valid']:.0%}",
+                f"{s['citation_valid']:.0%}",
+                judge,
+                f"{s['reward']:.2f}",
+                f"{s['stopped']:.0%}",
+                f"{s['pass_at_1']:.0%}",
+                f"{s['pass_at_k']:.0%} (k={s['k']})",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def score_responses(responses: list[dict], prompts_by_id: dict[str, dict], rubrics_by_prompt: dict[str, list[dict]],
-                    judge, weights, on_failure: str, max_response_chars: int, *, run: str, step: int, phase: str,
-                    policy: dict, pass_rubric_score: float) -> list[dict]:
+def score_responses(
+    responses: list[dict],
+    prompts_by_id: dict[str, dict],
+    rubrics_by_prompt: dict[str, list[dict]],
+    judge,
+    weights,
+    on_failure: str,
+    max_response_chars: int,
+    *,
+    run: str,
+    step: int,
+    phase: str,
+    policy: dict,
+    pass_rubric_score: float,
+) -> list[dict]:
     """Score eval responses with the training reward code and return `evals` rows. Modes are scored apart: a
     greedy and a sampled response can share a sample index."""
     from refiner_core.judges.base import score_rollouts
@@ -156,19 +224,40 @@ def score_responses(responses: list[dict], prompts_by_id: dict[str, dict], rubri
 
     rows = []
     for mode in MODES:
-        batch = [{**r, "run": run, "step": step, "policy": policy["path"], "policy_hash": policy["hash"]}
-                 for r in responses if r["mode"] == mode]
+        batch = [
+            {**r, "run": run, "step": step, "policy": policy["path"], "policy_hash": policy["hash"]}
+            for r in responses
+            if r["mode"] == mode
+        ]
         if not batch:
             continue
-        scored = score_rollouts(batch, prompts_by_id, rubrics_by_prompt, judge, weights, on_failure,
-                                max_response_chars, batch[0]["max_new_tokens"])
+        scored = score_rollouts(
+            batch,
+            prompts_by_id,
+            rubrics_by_prompt,
+            judge,
+            weights,
+            on_failure,
+            max_response_chars,
+            batch[0]["max_new_tokens"],
+        )
         by_key = {(w["prompt_id"], w["sample_idx"]): w for w in scored.rewards}
         for r in batch:
             parts = by_key[(r["prompt_id"], r["sample_idx"])]
-            row = {"run": run, "step": step, "phase": phase, "mode": mode, "prompt_id": r["prompt_id"],
-                   "sample_idx": r["sample_idx"], "policy": policy["path"], "policy_hash": policy["hash"],
-                   "temperature": r["temperature"], "response_text": r["response_text"],
-                   "response_tokens": r["response_tokens"], "passed": passed(parts, pass_rubric_score)}
+            row = {
+                "run": run,
+                "step": step,
+                "phase": phase,
+                "mode": mode,
+                "prompt_id": r["prompt_id"],
+                "sample_idx": r["sample_idx"],
+                "policy": policy["path"],
+                "policy_hash": policy["hash"],
+                "temperature": r["temperature"],
+                "response_text": r["response_text"],
+                "response_tokens": r["response_tokens"],
+                "passed": passed(parts, pass_rubric_score),
+            }
             row.update({name: parts[name] for name in EVALS.column_names if name not in row})
             rows.append(row)
     return rows

@@ -14,12 +14,17 @@ from typing import Protocol
 
 from refiner_core.config import RewardConfig
 from refiner_core.data.formats import parse_answer
-from refiner_core.reward.citations import (NO_ANSWER_SCORES, NOT_JUDGED_SCORES, citation_scores, extract_claims,
-                                    snippet_texts)
 from refiner_core.data.prompts import claim_support_messages, judge_messages
-from refiner_core.runtime.registry import resolve
+from refiner_core.reward.citations import (
+    NO_ANSWER_SCORES,
+    NOT_JUDGED_SCORES,
+    citation_scores,
+    extract_claims,
+    snippet_texts,
+)
 from refiner_core.reward.compose import compute_rewards, format_parts, orient, parse_judge_output, weight_row
 from refiner_core.reward.verifiers import make_verifier, verdict_columns
+from refiner_core.runtime.registry import resolve
 
 
 class Judge(Protocol):
@@ -45,8 +50,10 @@ class JudgeFailed(RuntimeError):
     """judge.on_failure 'fail': some (rollout, rubric) pair got no valid judgment."""
 
 
-JUDGES: dict[str, str] = {"transformers": "refiner_core.judges.transformers_judge:make_transformers_judge",
-                          "openai": "refiner_core.judges.openai_judge:make_openai_judge"}
+JUDGES: dict[str, str] = {
+    "transformers": "refiner_core.judges.transformers_judge:make_transformers_judge",
+    "openai": "refiner_core.judges.openai_judge:make_openai_judge",
+}
 
 
 def make_judge(kind: str, model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> Judge:
@@ -74,7 +81,9 @@ def judge_completions(judge: Judge, conversations: list[list[dict]]) -> list[Com
     texts = judge.complete(conversations)
     share = (time.perf_counter() - start) / len(conversations)
     model = getattr(judge, "model_name", "") or judge.name
-    return [Completion(t, None, share, 1, False, model, prompt_hash(c)) for t, c in zip(texts, conversations, strict=True)]
+    return [
+        Completion(t, None, share, 1, False, model, prompt_hash(c)) for t, c in zip(texts, conversations, strict=True)
+    ]
 
 
 @dataclass
@@ -111,45 +120,71 @@ def score_rollouts(
     claims = _claims_to_judge(rollouts, prompts, rubrics) if weights.citation_score != "valid_ids" else []
     claim_conversations = [c["conversation"] for _, found in claims for c in found or () if c["conversation"]]
     outputs = judge_completions(judge, conversations + claim_conversations)
-    rubric_outputs, claim_outputs = outputs[:len(conversations)], iter(outputs[len(conversations):])
+    rubric_outputs, claim_outputs = outputs[: len(conversations)], iter(outputs[len(conversations) :])
 
     score_rows = []
     for (r, rubric), done in zip(pairs, rubric_outputs, strict=True):
         score, raw_score, failure = _parsed(done)
-        score_rows.append({
-            "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
-            "rubric_id": rubric["rubric_id"], "kind": rubric["kind"], "weight": rubric["weight"],
-            "judge": judge.name, "raw_output": done.text, "raw_score": raw_score, "score": score,
-            "oriented_score": None if score is None else orient(score, rubric["kind"]), "failure": failure,
-            "latency_seconds": done.latency_seconds, "attempts": done.attempts, "cache_hit": done.cache_hit,
-            "judge_model": done.judge_model, "prompt_hash": done.prompt_hash,
-        })
+        score_rows.append(
+            {
+                "run": r["run"],
+                "step": r["step"],
+                "prompt_id": r["prompt_id"],
+                "sample_idx": r["sample_idx"],
+                "rubric_id": rubric["rubric_id"],
+                "kind": rubric["kind"],
+                "weight": rubric["weight"],
+                "judge": judge.name,
+                "raw_output": done.text,
+                "raw_score": raw_score,
+                "score": score,
+                "oriented_score": None if score is None else orient(score, rubric["kind"]),
+                "failure": failure,
+                "latency_seconds": done.latency_seconds,
+                "attempts": done.attempts,
+                "cache_hit": done.cache_hit,
+                "judge_model": done.judge_model,
+                "prompt_hash": done.prompt_hash,
+            }
+        )
     claim_rows, citation = _judged_claims(claims, claim_outputs)
     failures = [s for s in score_rows + claim_rows if s["failure"] is not None]
     if on_failure == "fail" and failures:
         first = failures[0]
-        raise JudgeFailed(f"{len(failures)} of {len(score_rows) + len(claim_rows)} judgments failed "
-                          f"(judge.on_failure='fail'); first: prompt {first['prompt_id']} sample "
-                          f"{first['sample_idx']}: {first['failure']}")
+        raise JudgeFailed(
+            f"{len(failures)} of {len(score_rows) + len(claim_rows)} judgments failed "
+            f"(judge.on_failure='fail'); first: prompt {first['prompt_id']} sample "
+            f"{first['sample_idx']}: {first['failure']}"
+        )
 
     verifier = make_verifier(weights.verifier)
     unjudged = [r for r in rollouts if not rubrics.get(r["prompt_id"])]
-    verdicts = dict(zip(((r["prompt_id"], r["sample_idx"]) for r in unjudged), verifier(unjudged, prompts) if unjudged else []))
+    verdicts = dict(
+        zip(((r["prompt_id"], r["sample_idx"]) for r in unjudged), verifier(unjudged, prompts) if unjudged else [])
+    )
     input_rows = []
     for r in rollouts:
         key = (r["prompt_id"], r["sample_idx"])
         verdict = verdicts.get(key)
-        input_rows.append({
-            "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
-            "verifier": "judge" if verdict is None else weights.verifier,
-            **verdict_columns(verdict),
-            **format_parts(r["response_text"], prompts[r["prompt_id"]]["snippet_ids"]),
-            **citation.get(key, NOT_JUDGED_SCORES),
-            "finish_reason": r["finish_reason"], "response_tokens": r["response_tokens"],
-            "max_new_tokens": max_new_tokens,
-        })
-    weight_rows = [weight_row(run, step, version, weights, on_failure)
-                   for run, step in sorted({(r["run"], r["step"]) for r in rollouts})]
+        input_rows.append(
+            {
+                "run": r["run"],
+                "step": r["step"],
+                "prompt_id": r["prompt_id"],
+                "sample_idx": r["sample_idx"],
+                "verifier": "judge" if verdict is None else weights.verifier,
+                **verdict_columns(verdict),
+                **format_parts(r["response_text"], prompts[r["prompt_id"]]["snippet_ids"]),
+                **citation.get(key, NOT_JUDGED_SCORES),
+                "finish_reason": r["finish_reason"],
+                "response_tokens": r["response_tokens"],
+                "max_new_tokens": max_new_tokens,
+            }
+        )
+    weight_rows = [
+        weight_row(run, step, version, weights, on_failure)
+        for run, step in sorted({(r["run"], r["step"]) for r in rollouts})
+    ]
     return Scored(score_rows, claim_rows, input_rows, weight_rows, compute_rewards(input_rows, score_rows, weight_rows))
 
 
@@ -161,8 +196,9 @@ def _parsed(done: Completion) -> tuple[float | None, float | None, str | None]:
     return parsed.score, parsed.raw_score, parsed.failure
 
 
-def _claims_to_judge(rollouts: list[dict], prompts: dict[str, dict],
-                     rubrics: dict[str, list[dict]]) -> list[tuple[dict, list[dict] | None]]:
+def _claims_to_judge(
+    rollouts: list[dict], prompts: dict[str, dict], rubrics: dict[str, list[dict]]
+) -> list[tuple[dict, list[dict] | None]]:
     """(rollout, its claims) for each judged rollout; each claim carries the judge conversation rating it (None
     when no call is needed: uncited, or citing only invented IDs). No answer block: claims None."""
     claims = []
@@ -172,9 +208,22 @@ def _claims_to_judge(rollouts: list[dict], prompts: dict[str, dict],
             continue  # verified prompts have no snippets to cite
         found = extract_claims(r["response_text"], prompt["snippet_ids"])
         texts = snippet_texts(prompt["tool_output"])
-        claims.append((r, None if found is None else [
-            {"claim": c, "conversation": claim_support_messages(c.text, [(i, texts.get(i, "")) for i in c.valid_ids])
-             if c.valid_ids else None} for c in found]))
+        claims.append(
+            (
+                r,
+                None
+                if found is None
+                else [
+                    {
+                        "claim": c,
+                        "conversation": claim_support_messages(c.text, [(i, texts.get(i, "")) for i in c.valid_ids])
+                        if c.valid_ids
+                        else None,
+                    }
+                    for c in found
+                ],
+            )
+        )
     return claims
 
 
@@ -191,14 +240,23 @@ def _judged_claims(claims: list[tuple[dict, list[dict] | None]], outputs) -> tup
             claim, done = item["claim"], next(outputs) if item["conversation"] else None
             support, _, failure = _parsed(done) if done is not None else (0.0 if claim.cited_ids else None, None, None)
             supports.append(support)
-            rows.append({
-                "run": r["run"], "step": r["step"], "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
-                "claim_idx": idx, "claim": claim.text, "cited_ids": list(claim.cited_ids),
-                "valid_ids": list(claim.valid_ids), "support": support if claim.cited_ids else None,
-                "raw_output": None if done is None else done.text, "failure": failure,
-                "cache_hit": None if done is None else done.cache_hit,
-                "prompt_hash": None if done is None else done.prompt_hash,
-            })
+            rows.append(
+                {
+                    "run": r["run"],
+                    "step": r["step"],
+                    "prompt_id": r["prompt_id"],
+                    "sample_idx": r["sample_idx"],
+                    "claim_idx": idx,
+                    "claim": claim.text,
+                    "cited_ids": list(claim.cited_ids),
+                    "valid_ids": list(claim.valid_ids),
+                    "support": support if claim.cited_ids else None,
+                    "raw_output": None if done is None else done.text,
+                    "failure": failure,
+                    "cache_hit": None if done is None else done.cache_hit,
+                    "prompt_hash": None if done is None else done.prompt_hash,
+                }
+            )
         scores[key] = citation_scores(supports, [bool(item["claim"].cited_ids) for item in found])
     return rows, scores
 

@@ -6,15 +6,16 @@ served name, what the server reports about that name (vLLM's `root`, the folder 
 `judge.cache_namespace`. It is plain JSON, hashed with sorted keys, so keys are the same in every process.
 
 Only answers are stored: transport failures are never cached (they are retried next time), while replies the
-parser rejects are (they are the judge's answer to that exact prompt). Default location: $REFINER_HOME/judge-cache, or `judge.cache_path`.
+parser rejects are (they are the judge's answer to that exact prompt). Default location: $REFINER_HOME/judge-cache,
+or `judge.cache_path`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from refiner_core.runtime.http_chat import AnswerCache
 from refiner_core.models import refiner_home
+from refiner_core.runtime.http_chat import AnswerCache
 from refiner_core.store.storage import json_hash
 
 

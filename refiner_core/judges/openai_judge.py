@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from refiner_core.runtime.http_chat import ChatError, RequestBudget, RetryPolicy, chat_with_retries
-from refiner_core.judges.base import Completion
 from refiner_core.config import JudgeConfig
-from refiner_core.runtime.http_chat import AnswerCache
+from refiner_core.judges.base import Completion
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
 from refiner_core.reward.compose import parse_judge_output
+from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_with_retries
 
 # What a GET /models entry says about the weights behind a name (vLLM: `root` is the folder or hub id it loaded,
 # `parent` a LoRA adapter's base). Fields that change on every listing (vLLM's `created`, its permission ids)
@@ -71,20 +70,28 @@ class OpenAIJudge:
         name. The server is asked once per judge."""
         if self._identity is None and not self.cache_off_reason:
             try:
-                listed = self.listed if self.listed is not None else listed_models(
-                    self.base_url, self.api_key, self.timeout_seconds)
+                listed = (
+                    self.listed
+                    if self.listed is not None
+                    else listed_models(self.base_url, self.api_key, self.timeout_seconds)
+                )
             except ConnectionError as e:
                 self.cache_off_reason = f"judge cache off: {e}"
                 return None
             card = next((m for m in listed if m.get("id") == self.model), None)
             if card is None:
-                self.cache_off_reason = (f"judge cache off: the server at {self.base_url} does not list "
-                                         f"{self.model!r} at GET /models, so nothing identifies its weights")
+                self.cache_off_reason = (
+                    f"judge cache off: the server at {self.base_url} does not list "
+                    f"{self.model!r} at GET /models, so nothing identifies its weights"
+                )
                 return None
             urls = " ".join(sorted(url.rstrip("/") for url in self.endpoints))  # the weights checked equal on each
-            self._identity = {"base_url": urls, "model": self.model,
-                              "reported": {k: card[k] for k in REPORTED_IDENTITY_FIELDS if card.get(k) is not None},
-                              "namespace": self.cache_namespace}
+            self._identity = {
+                "base_url": urls,
+                "model": self.model,
+                "reported": {k: card[k] for k in REPORTED_IDENTITY_FIELDS if card.get(k) is not None},
+                "namespace": self.cache_namespace,
+            }
         return self._identity
 
     @property
@@ -121,8 +128,15 @@ class OpenAIJudge:
             start = time.perf_counter()
             try:
                 content, attempts = chat_with_retries(
-                    client, self.endpoint(digest), self.body(messages), api_key=self.api_key,
-                    timeout_seconds=self.timeout_seconds, policy=self.policy, budget=self.budget, rng=rng)
+                    client,
+                    self.endpoint(digest),
+                    self.body(messages),
+                    api_key=self.api_key,
+                    timeout_seconds=self.timeout_seconds,
+                    policy=self.policy,
+                    budget=self.budget,
+                    rng=rng,
+                )
                 done = Completion(content, None, time.perf_counter() - start, attempts, False, self.model, digest)
                 if cache is not None:
                     cache.put(key, content, judge=identity, sampling=self.sampling, prompt_hash=digest)
@@ -173,8 +187,9 @@ def listed_models(base_url: str, api_key: str, timeout_seconds: float) -> list[d
         response.raise_for_status()
         entries = response.json().get("data", [])
     except (httpx.HTTPError, ValueError, AttributeError) as e:
-        raise ConnectionError(f"judge server at {base_url} did not list its models (GET /models): "
-                              f"{type(e).__name__}: {e}") from None
+        raise ConnectionError(
+            f"judge server at {base_url} did not list its models (GET /models): {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
         raise ConnectionError(f"judge server at {base_url}: GET /models is not an OpenAI model list")
     return entries
@@ -186,12 +201,16 @@ def same_weights(model: str, base_urls: list[str], api_key: str, timeout_seconds
     for url in base_urls:
         card = next((m for m in listed_models(url, api_key, timeout_seconds) if m.get("id") == model), None)
         if card is None:
-            raise ValueError(f"judge server at {url} does not list {model!r} (GET /models); every server in "
-                             "judge.base_url and judge.more_base_urls must serve the same model")
+            raise ValueError(
+                f"judge server at {url} does not list {model!r} (GET /models); every server in "
+                "judge.base_url and judge.more_base_urls must serve the same model"
+            )
         cards[url] = {k: card.get(k) for k in REPORTED_IDENTITY_FIELDS}
     if len({json.dumps(c, sort_keys=True) for c in cards.values()}) > 1:
-        raise ValueError(f"judge servers report different weights for {model!r}: "
-                         + "; ".join(f"{url}: {card}" for url, card in cards.items()))
+        raise ValueError(
+            f"judge servers report different weights for {model!r}: "
+            + "; ".join(f"{url}: {card}" for url, card in cards.items())
+        )
 
 
 def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> OpenAIJudge:
@@ -215,10 +234,17 @@ def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precis
     if more:
         same_weights(model, [base_url, *more], api_key, timeout)
     return OpenAIJudge(
-        base_url=base_url, more_base_urls=more, model=model, api_key=api_key, concurrency=judge.concurrency,
+        base_url=base_url,
+        more_base_urls=more,
+        model=model,
+        api_key=api_key,
+        concurrency=judge.concurrency,
         timeout_seconds=timeout,
         policy=RetryPolicy(judge.max_retries, judge.backoff_seconds, judge.backoff_max_seconds),
-        request_budget=judge.request_budget, temperature=judge.temperature, max_tokens=judge.max_new_tokens,
+        request_budget=judge.request_budget,
+        temperature=judge.temperature,
+        max_tokens=judge.max_new_tokens,
         cache=open_cache(judge.cache_path) if judge.cache else None,
-        cache_namespace=judge.cache_namespace, listed=listed,
+        cache_namespace=judge.cache_namespace,
+        listed=listed,
     )

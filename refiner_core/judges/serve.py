@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.runtime.procs import die_with_parent
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.store.storage import dir_hash
 
 SERVED_HASH_CHARS = 12
@@ -71,12 +71,31 @@ def on_gpu() -> bool:
         return False
 
 
-def server_command(model_dir: str, served_name: str, host: str, port: int, dtype: str | None = None,
-                   max_model_len: int | None = None, extra: list[str] | None = None) -> list[str]:
+def server_command(
+    model_dir: str,
+    served_name: str,
+    host: str,
+    port: int,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    extra: list[str] | None = None,
+) -> list[str]:
     gpu = on_gpu()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", served_name, "--host", host, "--port", str(port),
-           "--dtype", dtype or ("auto" if gpu else "float32")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype or ("auto" if gpu else "float32"),
+    ]
     if not gpu:
         cmd.append("--enforce-eager")
     if max_model_len:
@@ -100,10 +119,18 @@ def log_tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def start_server(model: str, host: str = "127.0.0.1", port: int = 0, served_name: str = "",
-                 startup_timeout: float = 600.0, log_path: str | Path | None = None, dtype: str | None = None,
-                 max_model_len: int | None = None, extra_args: list[str] | None = None,
-                 env: dict | None = None) -> JudgeServer:
+def start_server(
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    served_name: str = "",
+    startup_timeout: float = 600.0,
+    log_path: str | Path | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    extra_args: list[str] | None = None,
+    env: dict | None = None,
+) -> JudgeServer:
     """Resolve MODEL (a spec like model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder), start the server
     and wait until GET /health answers 200. The served name is `served_model_name` of the checkpoint, its prefix
     `served_name` or else the spec (the folder's name for a folder). On a timeout or an early exit the server is
@@ -125,8 +152,15 @@ def start_server(model: str, host: str = "127.0.0.1", port: int = 0, served_name
     with open(log_path, "ab") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=run_env,
-                                start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=run_env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
     server = JudgeServer(proc, host, port, served_name, log_path)
     try:
         wait_healthy(server, startup_timeout)
@@ -141,16 +175,20 @@ def wait_healthy(server: JudgeServer, timeout: float) -> None:
     while time.monotonic() < deadline:
         code = server.proc.poll()
         if code is not None:
-            raise ServerStartError(f"judge server exited with code {code} before it was healthy; log "
-                                   f"{server.log_path}, last lines:\n{log_tail(server.log_path)}")
+            raise ServerStartError(
+                f"judge server exited with code {code} before it was healthy; log "
+                f"{server.log_path}, last lines:\n{log_tail(server.log_path)}"
+            )
         try:
             if httpx.get(server.health_url, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise ServerStartError(f"judge server not healthy at {server.health_url} after {timeout:.0f} s; log "
-                           f"{server.log_path}, last lines:\n{log_tail(server.log_path)}")
+    raise ServerStartError(
+        f"judge server not healthy at {server.health_url} after {timeout:.0f} s; log "
+        f"{server.log_path}, last lines:\n{log_tail(server.log_path)}"
+    )
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refiner_core.config import JudgeConfig
-from refiner_core.learners.base import autocast
-from refiner_core.runtime.progress import progress_bar
 from refiner_core.data.prompts import render_prompt
+from refiner_core.learners.base import autocast
 from refiner_core.rollout.base import SamplingParams, left_padded
 from refiner_core.rollout.hf_engine import HFRolloutEngine
+from refiner_core.runtime.progress import progress_bar
 
 SCORE_PREFIX = '{"score":'
 
@@ -49,7 +49,7 @@ class TransformersJudge:
             ids = tok(SCORE_PREFIX + " " + digit, add_special_tokens=False)["input_ids"]
             if ids[: len(base)] != base:
                 raise ValueError("judge tokenizer merges the score prefix with the digit; use mode 'json'")
-            tails.append(ids[len(base):])
+            tails.append(ids[len(base) :])
         if all(len(t) == 1 for t in tails):
             return base, [t[0] for t in tails]
         if all(len(t) == 2 and t[0] == tails[0][0] for t in tails):
@@ -108,9 +108,16 @@ class TransformersJudge:
                     prefix = torch.tensor([members[0][:shared]], device=model.device)
                     cache = model(input_ids=prefix, use_cache=True).past_key_values
                     cache.batch_repeat_interleave(len(rows))
-                    positions = torch.arange(shared, shared + width, device=model.device).unsqueeze(0).expand(len(rows), -1)
-                    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                                   past_key_values=cache, use_cache=True).logits.float()
+                    positions = (
+                        torch.arange(shared, shared + width, device=model.device).unsqueeze(0).expand(len(rows), -1)
+                    )
+                    logits = model(
+                        input_ids=ids,
+                        attention_mask=attention,
+                        position_ids=positions,
+                        past_key_values=cache,
+                        use_cache=True,
+                    ).logits.float()
                 last = torch.tensor([len(s) - 1 for s in suffixes], device=model.device)
                 picked = logits[torch.arange(len(rows), device=model.device), last][:, digits]
                 for i, p in zip(rows, torch.softmax(picked, dim=-1).tolist()):
@@ -148,13 +155,21 @@ def prefix_groups(prompts: list[list[int]], min_shared: float = 0.5) -> list[lis
     return groups
 
 
-def make_transformers_judge(model_path: str, cfg: dict, dtype: str = "float32",
-                            precision: str = "fp32") -> TransformersJudge:
+def make_transformers_judge(
+    model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32"
+) -> TransformersJudge:
     """`cfg`: the judge section (JudgeConfig fields; those left out take JudgeConfig's defaults)."""
     from refiner_core.models import load_model, load_tokenizer
 
     judge = JudgeConfig(**cfg)
-    engine = HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=judge.batch_size,
-                             precision=precision)
-    return TransformersJudge(engine, judge.max_new_tokens, mode=judge.mode, prefill=judge.prefill,
-                             share_prefix=judge.share_prefix, name=f"transformers:{judge.mode}")
+    engine = HFRolloutEngine(
+        load_model(model_path, dtype), load_tokenizer(model_path), batch_size=judge.batch_size, precision=precision
+    )
+    return TransformersJudge(
+        engine,
+        judge.max_new_tokens,
+        mode=judge.mode,
+        prefill=judge.prefill,
+        share_prefix=judge.share_prefix,
+        name=f"transformers:{judge.mode}",
+    )

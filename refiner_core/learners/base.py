@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+
 from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES
 from refiner_core.algo.packing import pack_sequences
 from refiner_core.runtime.registry import resolve
@@ -75,10 +76,13 @@ class LearnerSettings:
     tis_floor: float = 0.0
 
     def __post_init__(self):
-        for field, value, table in (("policy_loss", self.policy_loss, POLICY_LOSSES),
-                                    ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
-                                    ("loss_aggregation", self.loss_aggregation, AGGREGATIONS),
-                                    ("tis_level", self.tis_level, TIS_LEVELS), ("tis_mode", self.tis_mode, TIS_MODES)):
+        for field, value, table in (
+            ("policy_loss", self.policy_loss, POLICY_LOSSES),
+            ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
+            ("loss_aggregation", self.loss_aggregation, AGGREGATIONS),
+            ("tis_level", self.tis_level, TIS_LEVELS),
+            ("tis_mode", self.tis_mode, TIS_MODES),
+        ):
             if value not in table:
                 raise ValueError(f"unknown {field} {value!r}; choose from {sorted(table)}")
         if self.policy_loss == "dual_clip" and self.dual_clip_c <= 1.0:
@@ -122,8 +126,10 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
     input_ids = torch.full((R, width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((R, width), dtype=torch.long)
     targets = torch.zeros((R, width - 1), dtype=torch.long)
-    per_token = {k: torch.zeros((R, width - 1), dtype=torch.float32)
-                 for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")}
+    per_token = {
+        k: torch.zeros((R, width - 1), dtype=torch.float32)
+        for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")
+    }
     sequence_index = torch.full((R, width - 1), sum(len(row) for row in rows), dtype=torch.long)
     sequence = 0
     for r, row in enumerate(rows):
@@ -135,8 +141,11 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
             position_ids[r, offset:end] = torch.arange(len(seq))
             targets[r, offset : end - 1] = torch.tensor(seq[1:])
             response = slice(offset + len(s.prompt_ids) - 1, end - 1)
-            trained = (torch.ones(len(s.response_ids)) if s.loss_mask is None
-                       else torch.tensor(s.loss_mask, dtype=torch.float32))
+            trained = (
+                torch.ones(len(s.response_ids))
+                if s.loss_mask is None
+                else torch.tensor(s.loss_mask, dtype=torch.float32)
+            )
             per_token["mask"][r, response] = trained
             per_token["rollout_logprobs"][r, response] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
             per_token["advantages"][r, response] = s.advantage
@@ -145,10 +154,16 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
             sequence += 1
             offset = end
         position_ids[r, offset:] = torch.arange(width - offset)
-    return {"input_ids": input_ids, "position_ids": position_ids, "targets": targets, **per_token,
-            "sequence_index": sequence_index,
-            "sequences": torch.tensor(sum(len(row) for row in rows)), "real_tokens": torch.tensor(sum(lengths)),
-            "computed_tokens": torch.tensor(R * width)}
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "targets": targets,
+        **per_token,
+        "sequence_index": sequence_index,
+        "sequences": torch.tensor(sum(len(row) for row in rows)),
+        "real_tokens": torch.tensor(sum(lengths)),
+        "computed_tokens": torch.tensor(R * width),
+    }
 
 
 def prompt_groups(samples: list[TrainSample]) -> list[list[int]]:
@@ -175,8 +190,10 @@ def collate_group(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Te
     width = max(len(s.response_ids) for s in samples)
     G = len(samples)
     targets = torch.full((G, width), pad_id, dtype=torch.long)
-    per_token = {k: torch.zeros((G, width), dtype=torch.float32)
-                 for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")}
+    per_token = {
+        k: torch.zeros((G, width), dtype=torch.float32)
+        for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")
+    }
     sequence_index = torch.full((G, width), G, dtype=torch.long)
     for r, s in enumerate(samples):
         n = len(s.response_ids)
@@ -188,11 +205,17 @@ def collate_group(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Te
         per_token["advantages"][r, :n] = s.advantage
         per_token["sequence_tokens"][r, :n] = float(trained.sum())
     P = len(prompt)
-    return {"prefix_ids": torch.tensor([prompt]), "input_ids": targets[:, :-1].clone(),
-            "position_ids": torch.arange(P, P + width - 1).expand(G, -1).clone(), "targets": targets, **per_token,
-            "sequence_index": sequence_index,
-            "sequences": torch.tensor(G), "real_tokens": torch.tensor(G * P + sum(len(s.response_ids) for s in samples)),
-            "computed_tokens": torch.tensor(P + G * (width - 1))}
+    return {
+        "prefix_ids": torch.tensor([prompt]),
+        "input_ids": targets[:, :-1].clone(),
+        "position_ids": torch.arange(P, P + width - 1).expand(G, -1).clone(),
+        "targets": targets,
+        **per_token,
+        "sequence_index": sequence_index,
+        "sequences": torch.tensor(G),
+        "real_tokens": torch.tensor(G * P + sum(len(s.response_ids) for s in samples)),
+        "computed_tokens": torch.tensor(P + G * (width - 1)),
+    }
 
 
 def collate(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -218,8 +241,9 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, pr
     return token_scores(model, batch, temperature, precision)[0]
 
 
-def token_scores(model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32",
-                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_scores(
+    model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32", entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(token_logprobs, and with `entropy` the entropy of every scored position's next-token distribution,
     H = logsumexp(z) - sum softmax(z) z over the same temperature-scaled fp32 logits z, else None). The entropy
     costs one more pass over the logits already computed, no extra forward."""
@@ -254,8 +278,12 @@ def _row_logits(model, batch: dict[str, torch.Tensor], precision: str) -> tuple[
     scored = batch["mask"].any(0).nonzero()
     start = int(scored[0]) if len(scored) else width
     with autocast(precision, model.device):
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                       logits_to_keep=width + 1 - start).logits
+        logits = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=width + 1 - start,
+        ).logits
     return logits[:, :-1], start
 
 
@@ -270,16 +298,26 @@ def _group_logits(model, batch: dict[str, torch.Tensor], precision: str) -> torc
         if batch["input_ids"].shape[1] > 0:
             cache = prefix.past_key_values
             cache.batch_repeat_interleave(G)
-            rest = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], past_key_values=cache,
-                         use_cache=True).logits
+            rest = model(
+                input_ids=batch["input_ids"], position_ids=batch["position_ids"], past_key_values=cache, use_cache=True
+            ).logits
             logits = torch.cat([logits, rest], dim=1)
     return logits
 
 
-LEARNERS: dict[str, str] = {"torch": "refiner_core.learners.torch_learner:make_torch_learner",
-                             "deepspeed": "refiner_core.learners.deepspeed_learner:make_deepspeed_learner"}
+LEARNERS: dict[str, str] = {
+    "torch": "refiner_core.learners.torch_learner:make_torch_learner",
+    "deepspeed": "refiner_core.learners.deepspeed_learner:make_deepspeed_learner",
+}
 
 
-def make_learner(kind: str, policy_path, reference_path, tokenizer, settings: LearnerSettings, optimizer_state,
-                 dtype: str = "float32") -> Learner:
+def make_learner(
+    kind: str,
+    policy_path,
+    reference_path,
+    tokenizer,
+    settings: LearnerSettings,
+    optimizer_state,
+    dtype: str = "float32",
+) -> Learner:
     return resolve(LEARNERS, "learner", kind)(policy_path, reference_path, tokenizer, settings, optimizer_state, dtype)

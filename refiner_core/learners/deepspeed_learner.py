@@ -66,16 +66,43 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
 def launcher_command(settings: LearnerSettings, work_dir: Path, port: int, node_rank: int = 0) -> list[str]:
     """The command that starts the ranks (of host `node_rank` when the run does not reach the hosts over ssh)."""
     if not settings.hostfile:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-                str(settings.world_size), "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", WORKER,
-                str(work_dir)]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(settings.world_size),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "-m",
+            WORKER,
+            str(work_dir),
+        ]
     hosts = read_hostfile(settings.hostfile)
     # DeepSpeed's launcher, from this interpreter (no PATH lookup); one host, or hosts this run does not reach
     # over ssh, start their own ranks (--no_ssh --node_rank K), the first host being the rendezvous
-    per_host = ["--no_ssh", "--node_rank", str(node_rank), "--master_addr", hosts[0][0]] \
-        if len(hosts) == 1 or not settings.launch_over_ssh else []
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", settings.hostfile, *per_host,
-            "--master_port", str(port), "--module", WORKER, str(work_dir)]
+    per_host = (
+        ["--no_ssh", "--node_rank", str(node_rank), "--master_addr", hosts[0][0]]
+        if len(hosts) == 1 or not settings.launch_over_ssh
+        else []
+    )
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        settings.hostfile,
+        *per_host,
+        "--master_port",
+        str(port),
+        "--module",
+        WORKER,
+        str(work_dir),
+    ]
 
 
 def _cores() -> int:
@@ -86,18 +113,29 @@ def _cores() -> int:
 
 
 class DeepSpeedLearner:
-    def __init__(self, policy_path, reference_path, pad_id: int, settings: LearnerSettings, state_dir: Path | None,
-                 dtype: str = "float32"):
+    def __init__(
+        self,
+        policy_path,
+        reference_path,
+        pad_id: int,
+        settings: LearnerSettings,
+        state_dir: Path | None,
+        dtype: str = "float32",
+    ):
         import torch
 
         if settings.world_size < 1 or settings.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"deepspeed learner: world_size must be >= 1 and zero_stage 0-3, got "
-                             f"{settings.world_size} and {settings.zero_stage}")
+            raise ValueError(
+                f"deepspeed learner: world_size must be >= 1 and zero_stage 0-3, got "
+                f"{settings.world_size} and {settings.zero_stage}"
+            )
         self.hosts = read_hostfile(settings.hostfile) if settings.hostfile else [("127.0.0.1", settings.world_size)]
         if sum(slots for _, slots in self.hosts) != settings.world_size:
-            raise ValueError(f"deepspeed learner: {settings.hostfile} has {sum(s for _, s in self.hosts)} slots "
-                             f"over {len(self.hosts)} host(s); grpo.world_size is {settings.world_size}: "
-                             "set them equal")
+            raise ValueError(
+                f"deepspeed learner: {settings.hostfile} has {sum(s for _, s in self.hosts)} slots "
+                f"over {len(self.hosts)} host(s); grpo.world_size is {settings.world_size}: "
+                "set them equal"
+            )
         self.policy_path, self.reference_path = Path(policy_path), reference_path
         self.pad_id, self.s = pad_id, settings
         self.state_dir, self.dtype = state_dir, dtype
@@ -107,8 +145,9 @@ class DeepSpeedLearner:
         self.work = Path(tempfile.mkdtemp(prefix="refiner-deepspeed-", dir=settings.work_root or None))
         self.other_hosts: list[list[str]] = []  # commands each other host runs (launch_over_ssh false)
         # rank 0 may run on another host (a hostfile): then the weights it exports go to the shared work root
-        self.export = Path(tempfile.mkdtemp(prefix="refiner-weights-",
-                                            dir=settings.work_root if settings.hostfile else ram_dir()))
+        self.export = Path(
+            tempfile.mkdtemp(prefix="refiner-weights-", dir=settings.work_root if settings.hostfile else ram_dir())
+        )
         self.exports: AdapterExports | None = None  # LoRA adapters exported for engines (adapter())
         self.rank_stats: list[dict] = []
         self.start_seconds = 0.0  # launch to ready: process start, model load, DeepSpeed init, optimizer resume
@@ -126,14 +165,21 @@ class DeepSpeedLearner:
         resume = self.state_dir if self.state_dir is not None and Path(self.state_dir).exists() else None
         torch_state = Path(self.state_dir).parent / "optimizer.pt" if self.state_dir is not None else None
         if resume is None and torch_state is not None and torch_state.exists():
-            print(f"WARNING: {Path(self.state_dir).parent} holds a torch learner's optimizer.pt, which the deepspeed "
-                  "learner cannot read; starting a fresh AdamW", file=sys.stderr)
+            print(
+                f"WARNING: {Path(self.state_dir).parent} holds a torch learner's optimizer.pt, which the deepspeed "
+                "learner cannot read; starting a fresh AdamW",
+                file=sys.stderr,
+            )
         return {
-            "policy_path": str(self.policy_path), "reference_path": str(self.reference_path),
-            "pad_id": self.pad_id, "dtype": self.dtype,
+            "policy_path": str(self.policy_path),
+            "reference_path": str(self.reference_path),
+            "pad_id": self.pad_id,
+            "dtype": self.dtype,
             "settings": {k: getattr(self.s, k) for k in LearnerSettings.__dataclass_fields__},
-            "zero_stage": self.s.zero_stage, "offload_optimizer": self.s.deepspeed_offload_optimizer,
-            "resume_dir": str(resume or ""), "device": self.device,
+            "zero_stage": self.s.zero_stage,
+            "offload_optimizer": self.s.deepspeed_offload_optimizer,
+            "resume_dir": str(resume or ""),
+            "device": self.device,
             "threads": self._threads(),
         }
 
@@ -166,11 +212,20 @@ class DeepSpeedLearner:
         if len(self.hosts) > 1 and not self.s.launch_over_ssh:
             self.other_hosts = [launcher_command(self.s, self.work, port, rank) for rank in range(1, len(self.hosts))]
             for (host, _), other in zip(self.hosts[1:], self.other_hosts):
-                print(f"deepspeed learner: start the ranks of {host} there with (DS_ACCELERATOR=cpu on CPUs): "
-                      f"{' '.join(other)}", file=sys.stderr)
+                print(
+                    f"deepspeed learner: start the ranks of {host} there with (DS_ACCELERATOR=cpu on CPUs): "
+                    f"{' '.join(other)}",
+                    file=sys.stderr,
+                )
         log = open(self.work / "launch.log", "w")
-        self._proc = spawn(cmd, death_signal=signal.SIGTERM, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=self._env())
+        self._proc = spawn(
+            cmd,
+            death_signal=signal.SIGTERM,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self._env(),
+        )
         self._cleanup.detach()
         self._cleanup = weakref.finalize(self, _shut_down, self._proc, [str(self.work), str(self.export)])
         self._cmd = cmd
@@ -192,20 +247,27 @@ class DeepSpeedLearner:
         try:
             while not (job_dir / "done").exists():
                 if self._proc.poll() is not None:
-                    self._died(f"deepspeed learner: the ranks exited with {self._proc.returncode} during a "
-                               f"{kind!r} job: {' '.join(self._cmd)}\n--- last lines of {self.work / 'launch.log'} "
-                               f"---\n{''.join(self._tail)}")
+                    self._died(
+                        f"deepspeed learner: the ranks exited with {self._proc.returncode} during a "
+                        f"{kind!r} job: {' '.join(self._cmd)}\n--- last lines of {self.work / 'launch.log'} "
+                        f"---\n{''.join(self._tail)}"
+                    )
                 time.sleep(POLL_SECONDS)
         except BaseException as e:  # interrupted or failed mid-job: the ranks' state is no longer known
             if not isinstance(e, LearnerDied):
-                self._died(f"deepspeed learner: a {kind!r} job was interrupted ({type(e).__name__}); the ranks "
-                           "were stopped", raise_=False)
+                self._died(
+                    f"deepspeed learner: a {kind!r} job was interrupted ({type(e).__name__}); the ranks were stopped",
+                    raise_=False,
+                )
             raise
         if started:
             ready = json.loads((self.work / "ready.json").read_text())
             self.start_seconds = ready["start_seconds"]
-            print(f"deepspeed learner: {self.s.world_size} rank(s) up in {self.start_seconds:.1f} s "
-                  f"(kept until the run ends when it keeps its engines)", file=sys.stderr)
+            print(
+                f"deepspeed learner: {self.s.world_size} rank(s) up in {self.start_seconds:.1f} s "
+                f"(kept until the run ends when it keeps its engines)",
+                file=sys.stderr,
+            )
         return job_dir
 
     def _post(self, kind: str, samples: list[TrainSample] | None, payload: dict) -> Path:
@@ -245,8 +307,11 @@ class DeepSpeedLearner:
         job_dir = self._call("train", samples)
         self.updates += 1
         metrics = json.loads((job_dir / "metrics.json").read_text())
-        self.rank_stats = [json.loads((job_dir / f"rank{r}.json").read_text())
-                           for r in range(self.s.world_size) if (job_dir / f"rank{r}.json").exists()]
+        self.rank_stats = [
+            json.loads((job_dir / f"rank{r}.json").read_text())
+            for r in range(self.s.world_size)
+            if (job_dir / f"rank{r}.json").exists()
+        ]
         metrics["update_seconds"] = time.perf_counter() - t0  # with the ranks' start-up on their first step
         return metrics
 
@@ -268,8 +333,11 @@ class DeepSpeedLearner:
     def adapter(self) -> Adapter:
         """The ranks' current LoRA adapter, exported for a rollout engine that applies it to the base."""
         if self.exports is None:
-            self.exports = AdapterExports(str(Path(self.reference_path).resolve()), self.s.lora_rank,
-                                          root=self.s.work_root if self.s.hostfile else None)
+            self.exports = AdapterExports(
+                str(Path(self.reference_path).resolve()),
+                self.s.lora_rank,
+                root=self.s.work_root if self.s.hostfile else None,
+            )
         self._call("export_adapter", path=str(self.exports.next_folder()))
         return self.exports.adapter()
 

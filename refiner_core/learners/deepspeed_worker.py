@@ -43,9 +43,16 @@ def ds_config(settings: LearnerSettings, zero_stage: int, offload_optimizer: boo
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "gradient_clipping": settings.max_grad_norm if settings.max_grad_norm > 0 else 0.0,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": settings.learning_rate, "betas": list(settings.adam_betas), "eps": 1e-8,
-            "weight_decay": settings.weight_decay, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": settings.learning_rate,
+                "betas": list(settings.adam_betas),
+                "eps": 1e-8,
+                "weight_decay": settings.weight_decay,
+                "torch_adam": True,
+            },
+        },
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
         "steps_per_print": 1 << 30,
@@ -128,8 +135,9 @@ def save_checkpoint(engine, zero_stage: int, save_path: Path, rank: int, world: 
     dist.barrier()
 
 
-def export_weights(engine, zero_stage: int, path: Path, rank: int, settings: LearnerSettings,
-                   merged: bool = True) -> None:
+def export_weights(
+    engine, zero_stage: int, path: Path, rank: int, settings: LearnerSettings, merged: bool = True
+) -> None:
     """The HF weights alone (ZeRO-3 partitions gathered on every rank, written by rank 0); with LoRA, the adapter
     and, when `merged`, base + adapters merged."""
     state = engine._zero3_consolidated_16bit_state_dict() if zero_stage == 3 else engine.module.state_dict()
@@ -163,8 +171,12 @@ def try_resume(engine, state_dir: str, zero_stage: int, world: int, lr: float, r
     saved = json.loads(info.read_text())
     if saved != {"world_size": world, "zero_stage": zero_stage}:
         if rank == 0:
-            _log(rank, world, f"WARNING: optimizer state in {state_dir} was written with {saved}, this run has "
-                              f"world_size {world}, zero_stage {zero_stage}; starting a fresh AdamW")
+            _log(
+                rank,
+                world,
+                f"WARNING: optimizer state in {state_dir} was written with {saved}, this run has "
+                f"world_size {world}, zero_stage {zero_stage}; starting a fresh AdamW",
+            )
         return 0
     engine.load_checkpoint(state_dir, tag=STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     for group in engine.optimizer.param_groups:  # the recipe's lr wins over the saved one
@@ -202,8 +214,9 @@ def main(work_dir: str) -> None:
     t0 = time.time()
     settings = LearnerSettings(**{**launch["settings"], "adam_betas": tuple(launch["settings"]["adam_betas"])})
     if settings.lora_rank:  # adapters on the reference, which is the starting policy (preflight checks it)
-        policy = lora_policy(load_model(launch["reference_path"], launch["dtype"], device="cpu"),
-                             launch["policy_path"], settings)
+        policy = lora_policy(
+            load_model(launch["reference_path"], launch["dtype"], device="cpu"), launch["policy_path"], settings
+        )
         reference = AdaptersOff(policy) if settings.beta > 0 else None
     else:
         policy = load_model(launch["policy_path"], launch["dtype"], trainable=True, device="cpu")
@@ -243,18 +256,30 @@ def main(work_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _train(job_dir: Path, engine, reference, launch: dict, settings: LearnerSettings, resumed: int, rank: int,
-           world: int) -> None:
+def _train(
+    job_dir: Path, engine, reference, launch: dict, settings: LearnerSettings, resumed: int, rank: int, world: int
+) -> None:
     t0 = time.time()
     samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
     learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world)
     metrics = learner.train_step(samples)
     steps_after = adam_steps(engine)
-    rank_stats = {"rank": rank, "world_size": world, "micro_batches": learner.local_batches,
-                  "tokens": learner.rank_totals["tokens"], "loss": learner.rank_totals["loss"],
-                  "adam_steps_resumed": resumed, "adam_steps": steps_after, "threads": torch.get_num_threads()}
-    _log(rank, world, f"trained {learner.local_batches} micro-batches, {rank_stats['tokens']:.0f} response tokens, "
-                      f"loss share {rank_stats['loss']:.6f}, Adam step {steps_after}")
+    rank_stats = {
+        "rank": rank,
+        "world_size": world,
+        "micro_batches": learner.local_batches,
+        "tokens": learner.rank_totals["tokens"],
+        "loss": learner.rank_totals["loss"],
+        "adam_steps_resumed": resumed,
+        "adam_steps": steps_after,
+        "threads": torch.get_num_threads(),
+    }
+    _log(
+        rank,
+        world,
+        f"trained {learner.local_batches} micro-batches, {rank_stats['tokens']:.0f} response tokens, "
+        f"loss share {rank_stats['loss']:.6f}, Adam step {steps_after}",
+    )
     (job_dir / f"rank{rank}.json").write_text(json.dumps(rank_stats))
     if rank == 0:
         metrics["update_seconds"] = time.time() - t0

@@ -31,9 +31,15 @@ def lora_policy(base, checkpoint: str | Path, settings):
     saved = Path(checkpoint) / ADAPTER_DIR
     if saved.is_dir():
         return PeftModel.from_pretrained(base, str(saved), is_trainable=True)
-    config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
-                        target_modules=_targets(settings.lora_target_modules), bias="none", task_type="CAUSAL_LM",
-                        base_model_name_or_path=str(Path(base.name_or_path).resolve()))  # found from any folder
+    config = LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=_targets(settings.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(Path(base.name_or_path).resolve()),
+    )  # found from any folder
     # A's random start from a fixed seed: every process (the torch learner, each DeepSpeed rank, a rerun) starts
     # the same adapters, without touching the global RNG the run's sampling uses.
     with torch.random.fork_rng(devices=[]):

@@ -9,11 +9,19 @@ from pathlib import Path
 
 import torch
 
-from refiner_core.learners.base import (LearnerSettings, TrainSample, collate_group, collate_rows, pack_rows,
-                                        prompt_groups, token_logprobs, token_scores)
+from refiner_core.algo.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
+from refiner_core.learners.base import (
+    LearnerSettings,
+    TrainSample,
+    collate_group,
+    collate_rows,
+    pack_rows,
+    prompt_groups,
+    token_logprobs,
+    token_scores,
+)
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
 from refiner_core.models import Adapter
-from refiner_core.algo.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
 from refiner_core.runtime.progress import progress_bar
 
 
@@ -66,8 +74,9 @@ class TorchLearner:
         layout = self._layout(samples)
         # Aggregation normalisers span the whole optimizer step (all ranks), so accumulated micro-batch
         # gradients equal the gradient of the step's aggregate.
-        normalisers = [(sum(b["mask"].sum().item() for b in step), sum(int(b["sequences"]) for b in step))
-                       for step in layout]
+        normalisers = [
+            (sum(b["mask"].sum().item() for b in step), sum(int(b["sequences"]) for b in step)) for step in layout
+        ]
         layout = self._local_layout(layout)
         flat = [batch for step in layout for batch in step]
         ref_lp = self._frozen_logprobs(self.reference, flat) if s.beta > 0 and self.reference is not None else None
@@ -75,10 +84,17 @@ class TorchLearner:
         # detached current log-probs serve; with several, freeze them before the first step.
         old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clipped": 0.0, "entropy": 0.0, "is_weight": 0.0,
-                  "tokens": 0.0,
-                  "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
-                  "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat))}
+        totals = {
+            "loss": 0.0,
+            "pg_loss": 0.0,
+            "kl": 0.0,
+            "clipped": 0.0,
+            "entropy": 0.0,
+            "is_weight": 0.0,
+            "tokens": 0.0,
+            "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
+            "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat)),
+        }
         grad_norms = []
         bar = progress_bar(len(flat), "update", "mb")
         k = 0
@@ -86,21 +102,41 @@ class TorchLearner:
             self._zero_grad()
             for batch in step:
                 # token entropies only when they enter the loss: one more reduction over the logits
-                logp, entropy = token_scores(self.policy, batch, s.temperature, s.precision,
-                                             entropy=s.entropy_coef != 0)
+                logp, entropy = token_scores(
+                    self.policy, batch, s.temperature, s.precision, entropy=s.entropy_coef != 0
+                )
                 old = old_lp[k] if old_lp is not None else logp.detach()
                 mask = batch["mask"]
                 sequences = Sequences(batch["sequence_index"], mask)
                 is_w = None
                 if s.tis_cap > 0:
-                    is_w = importance_weights(old, batch["rollout_logprobs"], sequences, level=s.tis_level,
-                                              mode=s.tis_mode, floor=s.tis_floor, cap=s.tis_cap)
+                    is_w = importance_weights(
+                        old,
+                        batch["rollout_logprobs"],
+                        sequences,
+                        level=s.tis_level,
+                        mode=s.tis_mode,
+                        floor=s.tis_floor,
+                        cap=s.tis_cap,
+                    )
                 out = grpo_token_loss(
-                    logp, old, batch["advantages"], eps_low=s.clip_eps_low, eps_high=s.clip_eps_high,
-                    ref_logp=ref_lp[k] if ref_lp is not None else None, beta=s.beta,
-                    kl_estimator=s.kl_estimator, kl_clamp=s.kl_clamp, is_weights=is_w, policy_loss=s.policy_loss,
-                    dual_clip_c=s.dual_clip_c, sapo_tau_pos=s.sapo_tau_pos, sapo_tau_neg=s.sapo_tau_neg,
-                    sequences=sequences, entropy=entropy, entropy_coef=s.entropy_coef,
+                    logp,
+                    old,
+                    batch["advantages"],
+                    eps_low=s.clip_eps_low,
+                    eps_high=s.clip_eps_high,
+                    ref_logp=ref_lp[k] if ref_lp is not None else None,
+                    beta=s.beta,
+                    kl_estimator=s.kl_estimator,
+                    kl_clamp=s.kl_clamp,
+                    is_weights=is_w,
+                    policy_loss=s.policy_loss,
+                    dual_clip_c=s.dual_clip_c,
+                    sapo_tau_pos=s.sapo_tau_pos,
+                    sapo_tau_neg=s.sapo_tau_neg,
+                    sequences=sequences,
+                    entropy=entropy,
+                    entropy_coef=s.entropy_coef,
                 )
                 weights = aggregate(mask, batch["sequence_tokens"], step_tokens, step_sequences, s.loss_constant)
                 loss = (out["loss"] * weights).sum()
@@ -194,4 +230,3 @@ def make_torch_learner(policy_path, reference_path, tokenizer, settings, optimiz
         policy = load_model(policy_path, dtype, trainable=True)
         reference = load_model(reference_path, dtype) if settings.beta > 0 else None
     return TorchLearner(policy, reference, tokenizer.pad_token_id, settings, optimizer_state)
-

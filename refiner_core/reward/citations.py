@@ -40,7 +40,7 @@ def extract_claims(response_text: str, snippet_ids: list[str]) -> list[Claim] | 
     claims = []
     body, cursor = parsed.answer_text, 0
     for match in SNIPPET_RE.finditer(body):
-        claims += _uncited(body[cursor:match.start()])
+        claims += _uncited(body[cursor : match.start()])
         ids = split_ids(match.group(1))
         claims.append(Claim(match.group(2).strip(), ids, tuple(i for i in ids if i in valid)))
         cursor = match.end()
@@ -50,8 +50,11 @@ def extract_claims(response_text: str, snippet_ids: list[str]) -> list[Claim] | 
 
 def _uncited(text: str) -> list[Claim]:
     text = re.sub(r"</?snippet\b[^>]*>", " ", text)  # stray tags of a malformed answer are not claim text
-    return [Claim(s.strip(), (), ()) for s in _SENTENCE_RE.findall(text)
-            if len(s.strip()) >= _MIN_CLAIM_CHARS and re.search(r"[A-Za-z0-9]", s)]
+    return [
+        Claim(s.strip(), (), ())
+        for s in _SENTENCE_RE.findall(text)
+        if len(s.strip()) >= _MIN_CLAIM_CHARS and re.search(r"[A-Za-z0-9]", s)
+    ]
 
 
 def snippet_texts(tool_output: str) -> dict[str, str]:

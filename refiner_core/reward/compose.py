@@ -72,13 +72,19 @@ def format_parts(response_text: str, valid_ids: list[str]) -> dict:
 def weight_row(run: str, step: int, version: str, weights: RewardConfig, on_failure: str) -> dict:
     """One reward_weights row: the settings a reward version is computed with."""
     return {
-        "run": run, "step": step, "reward_version": version,
-        "verification_reward": weights.verification_reward, "rubric_weight": weights.rubric_weight,
-        "citation_weight": weights.citation_weight, "citation_score_kind": weights.citation_score,
+        "run": run,
+        "step": step,
+        "reward_version": version,
+        "verification_reward": weights.verification_reward,
+        "rubric_weight": weights.rubric_weight,
+        "citation_weight": weights.citation_weight,
+        "citation_score_kind": weights.citation_score,
         "format_weight": weights.format_weight,
         "gate_judge_score_with_format_bonus": weights.gate_judge_score_with_format_bonus,
-        "non_stop_penalty": weights.non_stop_penalty, "non_stop_penalty_value": weights.non_stop_penalty_value,
-        "overlong_buffer": weights.overlong_buffer, "overlong_factor": weights.overlong_factor,
+        "non_stop_penalty": weights.non_stop_penalty,
+        "non_stop_penalty_value": weights.non_stop_penalty_value,
+        "overlong_buffer": weights.overlong_buffer,
+        "overlong_factor": weights.overlong_factor,
         "on_failure": on_failure,
     }
 
@@ -147,8 +153,11 @@ def compute_rewards(inputs: list[dict], scores: list[dict], weights: list[dict])
 
     con = duckdb.connect()
     try:
-        relations = {"reward_inputs": to_arrow(REWARD_INPUTS, inputs), "judge_scores": to_arrow(JUDGE_SCORES, scores),
-                     "reward_weights": to_arrow(REWARD_WEIGHTS, weights)}
+        relations = {
+            "reward_inputs": to_arrow(REWARD_INPUTS, inputs),
+            "judge_scores": to_arrow(JUDGE_SCORES, scores),
+            "reward_weights": to_arrow(REWARD_WEIGHTS, weights),
+        }
         for name, table in relations.items():
             con.register(name, table)
         return con.sql(REWARD_SQL).to_arrow_table().select(REWARDS.column_names).to_pylist()

@@ -76,7 +76,8 @@ def verify(response: str, truth: str) -> Verdict:
 def _math_verify(answer: str, truth: str) -> tuple[bool | None, str | None]:
     """math-verify's verdict, or (None, why) when it cannot decide: not installed, or a side does not parse."""
     try:
-        from math_verify import parse, verify as mv_verify
+        from math_verify import parse
+        from math_verify import verify as mv_verify
     except ImportError:
         return None, "math-verify is not installed"
     try:

@@ -79,20 +79,34 @@ def verdict_against_label(response: str, vote: Vote, source: str, truth: str | N
         match = verify(answer, vote.label)
         score, method, detail = match.score, match.method, match.detail
     return LabelledVerdict(
-        score=score, extracted=answer, method=method, detail=detail,
+        score=score,
+        extracted=answer,
+        method=method,
+        detail=detail,
         correct=None if truth is None else verify(response, truth).score,
-        label_source=source, pseudo_label=vote.label, label_votes=vote.votes, label_voters=vote.voters,
+        label_source=source,
+        pseudo_label=vote.label,
+        label_votes=vote.votes,
+        label_voters=vote.voters,
         label_tied=vote.tied,
         label_correct=None if truth is None or vote.label is None else verify(vote.label, truth).score,
     )
 
 
-def label_rollouts(rollouts: list[dict], label_votes: dict[str, Vote], prompts: dict[str, dict],
-                   source: str) -> list[LabelledVerdict]:
+def label_rollouts(
+    rollouts: list[dict], label_votes: dict[str, Vote], prompts: dict[str, dict], source: str
+) -> list[LabelledVerdict]:
     """One verdict per rollout against its prompt's label (`label_votes[prompt_id]`; missing = empty label)."""
     empty = Vote(None, 0, 0, False)
-    return [verdict_against_label(r["response_text"], label_votes.get(r["prompt_id"], empty), source,
-                                  prompts[r["prompt_id"]].get("ground_truth")) for r in rollouts]
+    return [
+        verdict_against_label(
+            r["response_text"],
+            label_votes.get(r["prompt_id"], empty),
+            source,
+            prompts[r["prompt_id"]].get("ground_truth"),
+        )
+        for r in rollouts
+    ]
 
 
 def votes_by_prompt(rollouts: list[dict]) -> dict[str, Vote]:
@@ -100,5 +114,7 @@ def votes_by_prompt(rollouts: list[dict]) -> dict[str, Vote]:
     by_prompt: dict[str, list[dict]] = {}
     for r in rollouts:
         by_prompt.setdefault(r["prompt_id"], []).append(r)
-    return {pid: majority_vote([vote_of(r["response_text"]) for r in sorted(rows, key=lambda r: r["sample_idx"])])
-            for pid, rows in by_prompt.items()}
+    return {
+        pid: majority_vote([vote_of(r["response_text"]) for r in sorted(rows, key=lambda r: r["sample_idx"])])
+        for pid, rows in by_prompt.items()
+    }

@@ -46,32 +46,48 @@ class StepRescore:
 def changed_settings(base: RecipeConfig, new: RecipeConfig) -> list[str]:
     """Dotted names of the settings that differ."""
     a, b = base.to_dict(), new.to_dict()
-    return sorted(f"{section}.{name}" for section in b for name in b[section]
-                  if a.get(section, {}).get(name) != b[section][name])
+    return sorted(
+        f"{section}.{name}" for section in b for name in b[section] if a.get(section, {}).get(name) != b[section][name]
+    )
 
 
 def check_rescorable(base: RecipeConfig, new: RecipeConfig, judged_pairs: int, steps_without_claims: list[int]) -> None:
     """Refuse changes that stored judgments cannot answer, saying what would have to be judged again."""
     changed = changed_settings(base, new)
-    allowed = ({f"reward.{n}" for n in RewardConfig.__dataclass_fields__ if n not in NEEDS_JUDGE_REWARD}
-               | {f"grpo.{n}" for n in RESCORABLE_GRPO} | {f"judge.{n}" for n in RESCORABLE_JUDGE} | {"run.name"})
+    allowed = (
+        {f"reward.{n}" for n in RewardConfig.__dataclass_fields__ if n not in NEEDS_JUDGE_REWARD}
+        | {f"grpo.{n}" for n in RESCORABLE_GRPO}
+        | {f"judge.{n}" for n in RESCORABLE_JUDGE}
+        | {"run.name"}
+    )
     problems = []
     judge = [c for c in changed if c.startswith("judge.") and c not in allowed]
     if judge:
-        problems.append(f"{', '.join(judge)} change the judgments themselves: {judged_pairs} (rollout, rubric) "
-                        "pairs would be re-judged; run the pipeline with these settings instead (`refiner run`).")
+        problems.append(
+            f"{', '.join(judge)} change the judgments themselves: {judged_pairs} (rollout, rubric) "
+            "pairs would be re-judged; run the pipeline with these settings instead (`refiner run`)."
+        )
     verifier = [c for c in changed if c.startswith("reward.") and c not in allowed]
     if verifier:
         problems.append(f"{', '.join(verifier)} changes how rollouts are verified; run the pipeline instead.")
     if new.reward.citation_score != "valid_ids" and steps_without_claims:
-        problems.append(f"reward.citation_score={new.reward.citation_score!r} needs claim judgments that steps "
-                        f"{steps_without_claims} do not have (they were scored with 'valid_ids'); run the pipeline "
-                        "with it instead.")
-    other = [c for c in changed if c.split(".")[0] not in ("reward", "grpo", "judge", "run")
-             or (c.startswith("grpo.") and c not in allowed) or (c.startswith("run.") and c not in allowed)]
+        problems.append(
+            f"reward.citation_score={new.reward.citation_score!r} needs claim judgments that steps "
+            f"{steps_without_claims} do not have (they were scored with 'valid_ids'); run the pipeline "
+            "with it instead."
+        )
+    other = [
+        c
+        for c in changed
+        if c.split(".")[0] not in ("reward", "grpo", "judge", "run")
+        or (c.startswith("grpo.") and c not in allowed)
+        or (c.startswith("run.") and c not in allowed)
+    ]
     if other:
-        problems.append(f"{', '.join(other)} would change training, not its rewards: rescoring only changes "
-                        f"reward.*, {', '.join('grpo.' + n for n in RESCORABLE_GRPO)} and judge.on_failure.")
+        problems.append(
+            f"{', '.join(other)} would change training, not its rewards: rescoring only changes "
+            f"reward.*, {', '.join('grpo.' + n for n in RESCORABLE_GRPO)} and judge.on_failure."
+        )
     if problems:
         raise RescoreError("\n".join(problems))
 
@@ -99,8 +115,10 @@ def inputs_hash(score_dir: Path) -> str:
     try:
         for table in (REWARD_INPUTS, JUDGE_SCORES):
             con.execute(duckdb_ddl(table))
-            con.execute(f'INSERT INTO "{table.name}" BY NAME SELECT * FROM read_parquet(?)',
-                        [[str(p) for p in round_files(score_dir, table.name)]])
+            con.execute(
+                f'INSERT INTO "{table.name}" BY NAME SELECT * FROM read_parquet(?)',
+                [[str(p) for p in round_files(score_dir, table.name)]],
+            )
         [(digest,)] = con.execute(f"SELECT inputs_hash FROM ({STEP_INPUTS_HASH_SQL})").fetchall()
         return digest
     finally:
@@ -123,7 +141,9 @@ def scored_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
-def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: str | None = None) -> tuple[str, list[StepRescore]]:
+def rescore_run(
+    run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: str | None = None
+) -> tuple[str, list[StepRescore]]:
     """Write reward version `version` (default: derived from the settings) for every scored step."""
     steps = scored_steps(run_dir)
     if not steps:
@@ -142,24 +162,48 @@ def rescore_run(run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: s
     for step in steps:
         inputs = read_step(score_files[step], "reward_inputs")
         scores = read_step(score_files[step], "judge_scores")
-        trained = {(r["prompt_id"], r["sample_idx"]): r["reward"]
-                   for r in read_step(score_files[step], "rewards") if r["reward_version"] == "train"}
+        trained = {
+            (r["prompt_id"], r["sample_idx"]): r["reward"]
+            for r in read_step(score_files[step], "rewards")
+            if r["reward_version"] == "train"
+        }
         run = inputs[0]["run"] if inputs else new.run.name
         weights = [weight_row(run, step, version, new.reward, new.judge.on_failure)]
         rewards = compute_rewards(inputs, scores, weights)
         advantages, _ = group_advantages(rewards, grpo)
         advantage_rows = [{"run": run, "step": step, "reward_version": version, **a} for a in advantages]
-        source = [{"run": run, "step": step, "reward_version": version, "settings": settings,
-                   "inputs_hash": inputs_hash(score_files[step])}]
+        source = [
+            {
+                "run": run,
+                "step": step,
+                "reward_version": version,
+                "settings": settings,
+                "inputs_hash": inputs_hash(score_files[step]),
+            }
+        ]
         out = out_root / f"step={step}"
-        for name, table, rows in (("rewards", REWARDS, rewards), ("reward_weights", REWARD_WEIGHTS, weights),
-                                  ("advantages", ADVANTAGES, advantage_rows), ("rescores", RESCORES, source)):
+        for name, table, rows in (
+            ("rewards", REWARDS, rewards),
+            ("reward_weights", REWARD_WEIGHTS, weights),
+            ("advantages", ADVANTAGES, advantage_rows),
+            ("rescores", RESCORES, source),
+        ):
             write_table(table, rows, out / f"{name}.parquet")
             written[name].append(str(out / f"{name}.parquet"))
-        changed = sum(1 for r in rewards if (key := (r["prompt_id"], r["sample_idx"])) not in trained
-                      or abs(r["reward"] - trained[key]) > 1e-12)
-        summary.append(StepRescore(step, len(rewards), sum(trained.values()) / max(len(trained), 1),
-                                   sum(r["reward"] for r in rewards) / max(len(rewards), 1), changed))
+        changed = sum(
+            1
+            for r in rewards
+            if (key := (r["prompt_id"], r["sample_idx"])) not in trained or abs(r["reward"] - trained[key]) > 1e-12
+        )
+        summary.append(
+            StepRescore(
+                step,
+                len(rewards),
+                sum(trained.values()) / max(len(trained), 1),
+                sum(r["reward"] for r in rewards) / max(len(rewards), 1),
+                changed,
+            )
+        )
     catalog = run_dir / "catalog.duckdb"
     if catalog.exists():
         replace_version_rows(catalog, written, version)
@@ -176,16 +220,22 @@ def stale_rescore_warnings(run_dirs: list[Path]) -> list[str]:
         if not db.exists():
             continue
         try:
-            _, stale = query(db, "SELECT s.reward_version, list(s.step ORDER BY s.step), any_value(v.settings) "
-                                 "FROM step_rewards s JOIN rescores v USING (run, step, reward_version) "
-                                 "WHERE s.stale GROUP BY ALL ORDER BY 1")
+            _, stale = query(
+                db,
+                "SELECT s.reward_version, list(s.step ORDER BY s.step), any_value(v.settings) "
+                "FROM step_rewards s JOIN rescores v USING (run, step, reward_version) "
+                "WHERE s.stale GROUP BY ALL ORDER BY 1",
+            )
         except (duckdb.CatalogException, duckdb.BinderException):  # no rescores table, or no stale column
             continue
         for version, steps, settings in stale:
-            command = " ".join(filter(None, [shlex.join(["refiner", "rescore", str(db.parent), "--name", version]),
-                                             settings]))
-            warnings.append(f"rescore version {version} is stale for {_step_ranges(steps)} (a later run changed "
-                            f"their judgments): rerun `{command}`")
+            command = " ".join(
+                filter(None, [shlex.join(["refiner", "rescore", str(db.parent), "--name", version]), settings])
+            )
+            warnings.append(
+                f"rescore version {version} is stale for {_step_ranges(steps)} (a later run changed "
+                f"their judgments): rerun `{command}`"
+            )
     return warnings
 
 

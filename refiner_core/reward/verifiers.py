@@ -7,7 +7,7 @@ Verifiers register in VERIFIERS by "module:factory" string and are chosen by `re
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from refiner_core.reward.ground_truth import Verdict, verify
 from refiner_core.reward.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
@@ -24,8 +24,9 @@ def ground_truth_verifier() -> Verifier:
         for r in rollouts:
             truth = prompts[r["prompt_id"]].get("ground_truth")
             if truth is None:
-                raise ValueError(f"prompt {r['prompt_id']!r} has neither rubrics nor a ground_truth: nothing can "
-                                 "score its rollouts")
+                raise ValueError(
+                    f"prompt {r['prompt_id']!r} has neither rubrics nor a ground_truth: nothing can score its rollouts"
+                )
             verdicts.append(verify(r["response_text"], truth))
         return verdicts
 
@@ -90,11 +91,13 @@ def verdict_columns(verdict: Verdict | None) -> dict:
     }
 
 
-VERIFIERS: dict[str, str] = {"ground_truth": "refiner_core.reward.verifiers:ground_truth_verifier",
-                             "majority_vote": "refiner_core.reward.verifiers:self_majority_verifier",
-                             "co_rewarding": "refiner_core.reward.verifiers:twin_majority_verifier",
-                             "co_rewarding_teacher": "refiner_core.reward.verifiers:teacher_majority_verifier",
-                             "tcr": "refiner_core.agent.tcr:tcr_verifier"}
+VERIFIERS: dict[str, str] = {
+    "ground_truth": "refiner_core.reward.verifiers:ground_truth_verifier",
+    "majority_vote": "refiner_core.reward.verifiers:self_majority_verifier",
+    "co_rewarding": "refiner_core.reward.verifiers:twin_majority_verifier",
+    "co_rewarding_teacher": "refiner_core.reward.verifiers:teacher_majority_verifier",
+    "tcr": "refiner_core.agent.tcr:tcr_verifier",
+}
 
 
 def make_verifier(name: str) -> Verifier:

@@ -99,12 +99,24 @@ ENGINES: dict[str, str] = {
 }
 
 
-def make_engine(kind: str, model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32",
-                tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
-                adapter_rank: int = 0) -> RolloutEngine:
+def make_engine(
+    kind: str,
+    model_path: str,
+    batch_size: int,
+    dtype: str = "float32",
+    precision: str = "fp32",
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    adapter_rank: int = 0,
+) -> RolloutEngine:
     """The engine `kind` over a checkpoint folder; the GPU settings matter to engines that manage GPU memory, and
     adapter_rank (LoRA adapters of up to that rank taken as adapters) to engines with LoRA kernels."""
-    return resolve(ENGINES, "rollout engine", kind)(model_path, batch_size, dtype, precision=precision,
-                                                    tensor_parallel_size=tensor_parallel_size,
-                                                    gpu_memory_utilization=gpu_memory_utilization,
-                                                    adapter_rank=adapter_rank)
+    return resolve(ENGINES, "rollout engine", kind)(
+        model_path,
+        batch_size,
+        dtype,
+        precision=precision,
+        tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        adapter_rank=adapter_rank,
+    )

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from refiner_core.learners.base import autocast
 from refiner_core.models import Adapter, adapter_weights
-from refiner_core.runtime.progress import progress_bar
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
+from refiner_core.runtime.progress import progress_bar
 
 
 @dataclass
@@ -59,8 +59,10 @@ class HFRolloutEngine:
                 )
             new_tokens = result.sequences[:, input_ids.shape[1] :]
             logprobs = torch.stack(
-                [torch.log_softmax(s.float(), -1).gather(-1, new_tokens[:, t : t + 1]).squeeze(-1)
-                 for t, s in enumerate(result.scores)],
+                [
+                    torch.log_softmax(s.float(), -1).gather(-1, new_tokens[:, t : t + 1]).squeeze(-1)
+                    for t, s in enumerate(result.scores)
+                ],
                 dim=1,
             )
             for row, (p, s) in enumerate(chunk):
@@ -95,8 +97,9 @@ class HFRolloutEngine:
         loaded = {own[name].data_ptr() for name in own if name in state}
         untied = [name for name in missing if own[name].data_ptr() not in loaded]
         if untied or unexpected:
-            raise ValueError(f"hf engine: weights do not fit the model: missing {untied[:3]}, unexpected "
-                             f"{unexpected[:3]}")
+            raise ValueError(
+                f"hf engine: weights do not fit the model: missing {untied[:3]}, unexpected {unexpected[:3]}"
+            )
 
     def memory_bytes(self) -> tuple[int, int]:
         held = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
@@ -115,13 +118,19 @@ class HFRolloutEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def make_hf_engine(model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32",
-                   tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
-                   adapter_rank: int = 0) -> HFRolloutEngine:
+def make_hf_engine(
+    model_path: str,
+    batch_size: int,
+    dtype: str = "float32",
+    precision: str = "fp32",
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    adapter_rank: int = 0,
+) -> HFRolloutEngine:
     """One device, memory as the model needs: the parallelism and GPU-memory settings do not apply, and LoRA
     adapters are merged into the weights (adapter_rank does not apply)."""
     from refiner_core.models import load_model, load_tokenizer
 
-    return HFRolloutEngine(load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size,
-                           precision=precision)
-
+    return HFRolloutEngine(
+        load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size, precision=precision
+    )

@@ -1,7 +1,7 @@
 """Several rollout engines as one (rollout.num_engines): the step's prompts are split into contiguous shards, one
 per engine, sampled at once, and put back in prompt order, so the rollouts' order and Parquet layout are the same
-whatever the number of engines. Each engine is a Ray actor (run.ray_address; refiner_core.runtime.cluster), placed by Ray
-with `num_gpus` = its tensor-parallel size where the cluster has GPUs, built once and given new weights in place
+whatever the number of engines. Each engine is a Ray actor (run.ray_address; refiner_core.runtime.cluster), placed
+by Ray with `num_gpus` = its tensor-parallel size where the cluster has GPUs, built once and given new weights in place
 like a single engine (one copy of the weights in Ray's object store, read by every actor).
 
 The vllm engine seeds every prompt by its index in the whole step, so its samples do not depend on the number of
@@ -14,19 +14,36 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from refiner_core.runtime.faults import stage_fault
 from refiner_core.models import Adapter
 from refiner_core.rollout.base import Generation, SamplingParams, make_engine
+from refiner_core.runtime.faults import stage_fault
 
 
 class EngineActor:
     """One rollout engine in a Ray worker process."""
 
-    def __init__(self, kind: str, model_path: str, batch_size: int, dtype: str, precision: str,
-                 tensor_parallel_size: int, gpu_memory_utilization: float, markers: str, adapter_rank: int = 0):
-        self.engine = make_engine(kind, model_path, batch_size, dtype, precision,
-                                  tensor_parallel_size=tensor_parallel_size,
-                                  gpu_memory_utilization=gpu_memory_utilization, adapter_rank=adapter_rank)
+    def __init__(
+        self,
+        kind: str,
+        model_path: str,
+        batch_size: int,
+        dtype: str,
+        precision: str,
+        tensor_parallel_size: int,
+        gpu_memory_utilization: float,
+        markers: str,
+        adapter_rank: int = 0,
+    ):
+        self.engine = make_engine(
+            kind,
+            model_path,
+            batch_size,
+            dtype,
+            precision,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            adapter_rank=adapter_rank,
+        )
         self.markers = markers
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str) -> list[Generation]:
@@ -50,17 +67,39 @@ class EngineActor:
 class ShardedEngine:
     """N engines (Ray actor handles) behind the one-engine interface."""
 
-    def __init__(self, kind: str, model_path: str, batch_size: int, dtype: str, precision: str,
-                 tensor_parallel_size: int, gpu_memory_utilization: float, num_engines: int, markers: str = "",
-                 adapter_rank: int = 0):
+    def __init__(
+        self,
+        kind: str,
+        model_path: str,
+        batch_size: int,
+        dtype: str,
+        precision: str,
+        tensor_parallel_size: int,
+        gpu_memory_utilization: float,
+        num_engines: int,
+        markers: str = "",
+        adapter_rank: int = 0,
+    ):
         import ray
 
         from refiner_core.runtime.cluster import gpus_available
 
         gpus = tensor_parallel_size if gpus_available() else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)
-        self.actors = [actor.remote(kind, model_path, batch_size, dtype, precision, tensor_parallel_size,
-                                    gpu_memory_utilization, markers, adapter_rank) for _ in range(num_engines)]
+        self.actors = [
+            actor.remote(
+                kind,
+                model_path,
+                batch_size,
+                dtype,
+                precision,
+                tensor_parallel_size,
+                gpu_memory_utilization,
+                markers,
+                adapter_rank,
+            )
+            for _ in range(num_engines)
+        ]
         self.name, self.weights_hash = kind, ""
         ray.get([a.pid.remote() for a in self.actors])  # built (or failed) before the stage goes on
         self.takes_adapters = ray.get(self.actors[0].takes_adapters.remote())
@@ -70,10 +109,14 @@ class ShardedEngine:
 
         shards = _shards(len(prompts), len(self.actors))
         busy = [(k, start, end) for k, (start, end) in enumerate(shards) if end > start]
-        pending = [self.actors[k].generate.remote(prompts[start:end],
-                                                  replace(params, prompt_offset=params.prompt_offset + start),
-                                                  f"{desc} [engine {k + 1}/{len(self.actors)}]")
-                   for k, start, end in busy]
+        pending = [
+            self.actors[k].generate.remote(
+                prompts[start:end],
+                replace(params, prompt_offset=params.prompt_offset + start),
+                f"{desc} [engine {k + 1}/{len(self.actors)}]",
+            )
+            for k, start, end in busy
+        ]
         out = []
         for (_, start, _), generations in zip(busy, ray.get(pending)):
             out += [replace(g, prompt_index=g.prompt_index + start) for g in generations]

@@ -135,22 +135,31 @@ class VLLMRolloutEngine:
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
         self.lora = None  # full weights replace the base: no adapter on top
         config = self.llm.llm_engine.model_config.hf_text_config
-        if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state \
-                and "model.embed_tokens.weight" in state:
+        if (
+            getattr(config, "tie_word_embeddings", False)
+            and "lm_head.weight" not in state
+            and "model.embed_tokens.weight" in state
+        ):
             # a checkpoint leaves the tied output layer out; vLLM's reload would keep the old one (measured)
             state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach()) for k, v in state.items()]})
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": [(k, v.detach()) for k, v in state.items()]}
+        )
         self.llm.reset_prefix_cache()
 
     def _use_adapter(self, adapter: Adapter) -> None:
         from vllm.lora.request import LoRARequest
 
         if not self.takes_adapters:
-            raise ValueError(f"vllm engine: built without LoRA (adapter_rank 0), it cannot apply the adapter "
-                             f"{adapter.path}; load merged weights instead")
+            raise ValueError(
+                f"vllm engine: built without LoRA (adapter_rank 0), it cannot apply the adapter "
+                f"{adapter.path}; load merged weights instead"
+            )
         if adapter.rank > self.llm.llm_engine.vllm_config.lora_config.max_lora_rank:
-            raise ValueError(f"vllm engine: adapter rank {adapter.rank} is over the engine's max_lora_rank "
-                             f"{self.llm.llm_engine.vllm_config.lora_config.max_lora_rank}")
+            raise ValueError(
+                f"vllm engine: adapter rank {adapter.rank} is over the engine's max_lora_rank "
+                f"{self.llm.llm_engine.vllm_config.lora_config.max_lora_rank}"
+            )
         self.loras_loaded += 1  # a new id: vLLM would serve a cached adapter under an id it has seen
         self.lora = LoRARequest(f"policy-{self.loras_loaded}", self.loras_loaded, adapter.path)
         self.llm.reset_prefix_cache()
@@ -180,9 +189,17 @@ class VLLMRolloutEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", precision: str = "fp32", *,
-                     tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9, progress: bool = True,
-                     adapter_rank: int = 0) -> VLLMRolloutEngine:
+def make_vllm_engine(
+    model_path: str,
+    batch_size: int,
+    dtype: str = "float32",
+    precision: str = "fp32",
+    *,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    progress: bool = True,
+    adapter_rank: int = 0,
+) -> VLLMRolloutEngine:
     """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
     'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
     sequences vLLM schedules together (max_num_seqs). `precision` must be resolved ('auto' is resolved per run, by
@@ -190,8 +207,10 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
     adapters of up to that rank; an adapter-only LoRA checkpoint builds an engine over its base with its adapter
     applied."""
     if precision not in ("bf16", "fp32"):
-        raise ValueError(f"vllm engine: unknown precision {precision!r}; choose from ['bf16', 'fp32'] "
-                         "(refiner_core.runtime.hardware.resolve_precision resolves 'auto')")
+        raise ValueError(
+            f"vllm engine: unknown precision {precision!r}; choose from ['bf16', 'fp32'] "
+            "(refiner_core.runtime.hardware.resolve_precision resolves 'auto')"
+        )
     import torch
 
     from refiner_core.models import load_tokenizer
@@ -234,8 +253,15 @@ def make_vllm_engine(model_path: str, batch_size: int, dtype: str = "float32", p
     else:  # the weights as stored, plus the KV cache space vLLM's CPU backend allocates
         weights = sum(f.stat().st_size for f in Path(weights_path).glob("*.safetensors"))
         held = weights + int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
-    engine = VLLMRolloutEngine(llm, tokenizer, eos_ids=eos_ids, progress=progress, held_bytes=held,
-                               device_type="cuda" if on_gpu else "cpu", takes_adapters=bool(rank))
+    engine = VLLMRolloutEngine(
+        llm,
+        tokenizer,
+        eos_ids=eos_ids,
+        progress=progress,
+        held_bytes=held,
+        device_type="cuda" if on_gpu else "cpu",
+        takes_adapters=bool(rank),
+    )
     if adapter:
         engine.load_weights(adapter)
     return engine

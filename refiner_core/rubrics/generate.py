@@ -1,7 +1,7 @@
 """Rubric generation through an OpenAI-compatible chat-completions endpoint, for rows that have none.
 
-The HTTP client and the answer cache are refiner_core.runtime.http_chat's, as for the judge. Answers are cached on disk per
-request (keyed by a hash of the request body, not the URL), so a rerun never pays twice. One attempt per row:
+The HTTP client and the answer cache are refiner_core.runtime.http_chat's, as for the judge. Answers are cached on
+disk per request (keyed by a hash of the request body, not the URL), so a rerun never pays twice. One attempt per row:
 transport failures (timeout, refused connection, HTTP errors) are not cached, the row is quarantined, and a rerun
 asks again. Junk answers are cached like any answer: the same request would be paid again for the same junk.
 Every failure is a `RubricGenerationError` with a quarantine reason, never a crash.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.runtime.http_chat import AnswerCache, ChatError, RetryPolicy, chat_with_retries
 from refiner_core.rubrics.normalise import RubricError, instance_rubrics
+from refiner_core.runtime.http_chat import AnswerCache, ChatError, RetryPolicy, chat_with_retries
 from refiner_core.store.storage import json_hash
 
 GENERATION_SYSTEM_PROMPT = (
@@ -60,8 +60,12 @@ def generation_messages(question: str, tool_output: str, reference_answer: str =
 
 
 def request_body(messages: list[dict], settings: GenerationSettings) -> dict:
-    return {"model": settings.model, "messages": messages, "max_tokens": settings.max_tokens,
-            "temperature": settings.temperature}
+    return {
+        "model": settings.model,
+        "messages": messages,
+        "max_tokens": settings.max_tokens,
+        "temperature": settings.temperature,
+    }
 
 
 def cache_key(body: dict) -> str:
@@ -77,11 +81,14 @@ def parse_generated(content: str) -> list[dict]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise RubricGenerationError("rubric_generation_unparseable",
-                                    f"answer is not JSON ({e.msg} at char {e.pos}): {content[:200]!r}") from None
+        raise RubricGenerationError(
+            "rubric_generation_unparseable", f"answer is not JSON ({e.msg} at char {e.pos}): {content[:200]!r}"
+        ) from None
     if not isinstance(obj, dict) or not {"positive_rubrics", "negative_rubrics"} <= set(obj):
-        raise RubricGenerationError("rubric_generation_invalid",
-                                    f"expected an object with positive_rubrics and negative_rubrics: {content[:200]!r}")
+        raise RubricGenerationError(
+            "rubric_generation_invalid",
+            f"expected an object with positive_rubrics and negative_rubrics: {content[:200]!r}",
+        )
     try:
         return instance_rubrics(obj["positive_rubrics"], obj["negative_rubrics"])
     except RubricError as e:
@@ -92,17 +99,25 @@ def chat_completion(body: dict, settings: GenerationSettings) -> str:
     """POST /chat/completions once and return the first choice's content; transport problems raise."""
     try:
         with httpx.Client() as client:
-            content, _ = chat_with_retries(client, settings.endpoint, body, api_key=settings.api_key,
-                                           timeout_seconds=settings.timeout_seconds, policy=ONE_ATTEMPT)
+            content, _ = chat_with_retries(
+                client,
+                settings.endpoint,
+                body,
+                api_key=settings.api_key,
+                timeout_seconds=settings.timeout_seconds,
+                policy=ONE_ATTEMPT,
+            )
     except ChatError as e:
         reason = {"timeout": "rubric_generation_timeout", "invalid_response": "rubric_generation_invalid"}
-        raise RubricGenerationError(reason.get(e.kind, "rubric_generation_http_error"), f"{e.kind}: {e.detail}") \
-            from None
+        raise RubricGenerationError(
+            reason.get(e.kind, "rubric_generation_http_error"), f"{e.kind}: {e.detail}"
+        ) from None
     return content
 
 
-def generate_rubrics(question: str, tool_output: str, reference_answer: str,
-                     settings: GenerationSettings) -> tuple[list[dict], bool]:
+def generate_rubrics(
+    question: str, tool_output: str, reference_answer: str, settings: GenerationSettings
+) -> tuple[list[dict], bool]:
     """(normalised instance rubrics, served_from_cache). Raises RubricGenerationError on any failure."""
     body = request_body(generation_messages(question, tool_output, reference_answer), settings)
     cache, key = AnswerCache(Path(settings.cache_dir)), cache_key(body)

@@ -11,8 +11,9 @@ from refiner_core.rubrics.generate import RubricGenerationError
 from refiner_core.rubrics.normalise import RubricError, instance_rubrics
 
 
-def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], separate_source: bool,
-                 generate=None) -> tuple[dict[str, list[dict]], list]:
+def join_rubrics(
+    prompts: list[dict], source_rows: list, static: list[dict], separate_source: bool, generate=None
+) -> tuple[dict[str, list[dict]], list]:
     """Instance rubrics per prompt ID (plus the static set) and the rejections.
 
     `source_rows` are RawRows whose data carry id / positive_rubrics / negative_rubrics. With
@@ -36,8 +37,11 @@ def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], sep
         pid = str(pid) if isinstance(pid, int) and not isinstance(pid, bool) else pid
         if pid not in by_id:
             if separate_source:
-                reason, detail = (("missing_field", "field 'id' is missing") if pid is None else
-                                  ("unknown_prompt_id", f"id {pid!r} is not a prepared prompt"))
+                reason, detail = (
+                    ("missing_field", "field 'id' is missing")
+                    if pid is None
+                    else ("unknown_prompt_id", f"id {pid!r} is not a prepared prompt")
+                )
                 rejected.append(Rejection(raw.row_ref, reason, detail, raw.raw))
             continue
         if pid in source_of:
@@ -46,8 +50,9 @@ def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], sep
             continue
         source_of[pid] = raw
         try:
-            found[pid] = instance_rubrics(raw.data.get("positive_rubrics"), raw.data.get("negative_rubrics"),
-                                          allow_empty=True)
+            found[pid] = instance_rubrics(
+                raw.data.get("positive_rubrics"), raw.data.get("negative_rubrics"), allow_empty=True
+            )
         except RubricError as e:
             invalid.add(pid)
             rejected.append(Rejection(raw.row_ref, "invalid_rubrics", str(e), raw.raw))
@@ -69,8 +74,15 @@ def join_rubrics(prompts: list[dict], source_rows: list, static: list[dict], sep
                 rejected.append(Rejection(ref, e.reason, e.detail, raw_text))
                 continue
         if not rubrics:
-            rejected.append(Rejection(ref, "missing_rubrics", "no positive or negative rubrics, no ground_truth, and "
-                                      "no generation endpoint configured (rubrics.generation_endpoint)", raw_text))
+            rejected.append(
+                Rejection(
+                    ref,
+                    "missing_rubrics",
+                    "no positive or negative rubrics, no ground_truth, and "
+                    "no generation endpoint configured (rubrics.generation_endpoint)",
+                    raw_text,
+                )
+            )
             continue
         out[pid] = rubrics + static
     return out, rejected

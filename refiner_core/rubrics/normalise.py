@@ -33,8 +33,14 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
     unknown = set(item) - {"description", "weight", "title"}
     if unknown:
         raise RubricError(f"{kind} rubric {index}: unknown keys {sorted(unknown)}")
-    return {"rubric_id": f"{prefix}-{index}", "kind": kind, "source": "instance", "title": title,
-            "description": description.strip(), "weight": float(weight)}
+    return {
+        "rubric_id": f"{prefix}-{index}",
+        "kind": kind,
+        "source": "instance",
+        "title": title,
+        "description": description.strip(),
+        "weight": float(weight),
+    }
 
 
 def instance_rubrics(positive, negative, allow_empty: bool = False) -> list[dict]:
@@ -49,11 +55,15 @@ def instance_rubrics(positive, negative, allow_empty: bool = False) -> list[dict
         both = objects[0]
         unknown = set(both) - {"positive", "negative"}
         if unknown:
-            raise RubricError(f"rubrics: expected a list or an object {{positive: [...], negative: [...]}}, got an "
-                              f"object with keys {sorted(both)}")
+            raise RubricError(
+                f"rubrics: expected a list or an object {{positive: [...], negative: [...]}}, got an "
+                f"object with keys {sorted(both)}"
+            )
         if any(value not in (None, both) for value in lists.values()):
-            raise RubricError("positive_rubrics and negative_rubrics: one holds an object of both lists, the other "
-                              "something else; give both lists in the object, or two lists")
+            raise RubricError(
+                "positive_rubrics and negative_rubrics: one holds an object of both lists, the other "
+                "something else; give both lists in the object, or two lists"
+            )
         lists = {kind: both.get(kind) for kind in lists}
     out = []
     for kind, items in lists.items():
@@ -83,6 +93,14 @@ def load_static_rubrics(path: Path) -> list[dict]:
         kind = item.get("kind")
         if kind not in ("positive", "negative"):
             raise RubricError(f"{path}: static rubric {item.get('rubric_id')!r} has kind {kind!r}")
-        out.append({"rubric_id": item["rubric_id"], "kind": kind, "source": "static", "title": item["title"],
-                    "description": item["description"], "weight": float(item.get("weight", 1.0))})
+        out.append(
+            {
+                "rubric_id": item["rubric_id"],
+                "kind": kind,
+                "source": "static",
+                "title": item["title"],
+                "description": item["description"],
+                "weight": float(item.get("weight", 1.0)),
+            }
+        )
     return out

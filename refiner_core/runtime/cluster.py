@@ -38,8 +38,9 @@ def connect(address: str) -> str:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         _held, what = "", f"joined {address}"
     resources = ray.cluster_resources()
-    return (f"ray: {what}: {len(ray.nodes())} node(s), {resources.get('CPU', 0):g} CPUs, "
-            f"{resources.get('GPU', 0):g} GPUs")
+    return (
+        f"ray: {what}: {len(ray.nodes())} node(s), {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs"
+    )
 
 
 def _python_path() -> list[str]:

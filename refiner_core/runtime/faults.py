@@ -46,8 +46,11 @@ def write_fault(final: Path) -> None:
     """Called by atomic writes between writing the data and renaming it into place."""
     for point in _wanted("REFINER_KILL_ONCE"):
         tail = point.removeprefix("write:")
-        if tail != point and final.as_posix().endswith(f"/{tail}") and \
-                _first_time(final.parent / f".fault-kill-write-{final.name}"):
+        if (
+            tail != point
+            and final.as_posix().endswith(f"/{tail}")
+            and _first_time(final.parent / f".fault-kill-write-{final.name}")
+        ):
             os._exit(KILLED_EXIT_CODE)
 
 

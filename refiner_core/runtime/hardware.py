@@ -19,8 +19,12 @@ CPU_FLAGS = {"avx512_bf16": "AVX-512 BF16", "amx_bf16": "AMX"}  # /proc/cpuinfo 
 
 def cpuinfo_flags(text: str) -> set[str]:
     """The CPU feature flags named in /proc/cpuinfo text (x86 'flags' lines)."""
-    return {flag for line in text.splitlines() if line.startswith("flags") and ":" in line
-            for flag in line.split(":", 1)[1].split()}
+    return {
+        flag
+        for line in text.splitlines()
+        if line.startswith("flags") and ":" in line
+        for flag in line.split(":", 1)[1].split()
+    }
 
 
 def cpu_bf16_features() -> list[str]:

@@ -42,14 +42,13 @@ class RetryPolicy:
 
 def backoff_delay(retry: int, policy: RetryPolicy, rng: random.Random, retry_after: float | None = None) -> float:
     """Full jitter: uniform(0, min(max, base * 2**retry)); a server's Retry-After (capped) is a floor."""
-    delay = rng.uniform(0.0, min(policy.backoff_max_seconds, policy.backoff_seconds * (2 ** retry)))
+    delay = rng.uniform(0.0, min(policy.backoff_max_seconds, policy.backoff_seconds * (2**retry)))
     if retry_after is not None:
         delay = max(delay, min(retry_after, policy.backoff_max_seconds))
     return delay
 
 
-def chat_once(client: httpx.Client, base_url: str, body: dict, api_key: str = "",
-              timeout_seconds: float = 60.0) -> str:
+def chat_once(client: httpx.Client, base_url: str, body: dict, api_key: str = "", timeout_seconds: float = 60.0) -> str:
     """POST {base_url}/chat/completions once; the first choice's message content, or ChatError."""
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -68,8 +67,12 @@ def chat_once(client: httpx.Client, base_url: str, body: dict, api_key: str = ""
         except ValueError:
             pass
         status = response.status_code
-        raise ChatError(f"http_{status}", f"{url}: {response.text[:200]!r}",
-                        status in RETRYABLE_STATUS or status >= 500, retry_after)
+        raise ChatError(
+            f"http_{status}",
+            f"{url}: {response.text[:200]!r}",
+            status in RETRYABLE_STATUS or status >= 500,
+            retry_after,
+        )
     try:
         content = response.json()["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
@@ -96,10 +99,18 @@ class RequestBudget:
             return True
 
 
-def chat_with_retries(client: httpx.Client, base_url: str, body: dict, *, api_key: str = "",
-                      timeout_seconds: float = 60.0, policy: RetryPolicy = RetryPolicy(),
-                      budget: RequestBudget | None = None, rng: random.Random | None = None,
-                      sleep=time.sleep) -> tuple[str, int]:
+def chat_with_retries(
+    client: httpx.Client,
+    base_url: str,
+    body: dict,
+    *,
+    api_key: str = "",
+    timeout_seconds: float = 60.0,
+    policy: RetryPolicy = RetryPolicy(),
+    budget: RequestBudget | None = None,
+    rng: random.Random | None = None,
+    sleep=time.sleep,
+) -> tuple[str, int]:
     """(content, attempts). Raises ChatError (with .attempts) once retries are spent or the fault is final."""
     rng = rng or random.Random()
     attempts = 0

@@ -19,10 +19,11 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from refiner_core.config import ROLLOUT_ENGINE_FIELDS
 from refiner_core.models import Adapter, adapter_weights, checkpoint_adapter, lora_adapter
@@ -148,8 +149,12 @@ def _save_unsaved(live: _Learner) -> None:
         path = live.save_at_close()
         log.warning("run ended between saves (run.save_every): weights %s written to %s", live.weights_hash[:20], path)
     except Exception as e:  # logged, not raised: the rerun recomputes those steps
-        log.warning("run ended between saves and its unsaved weights could not be written (%s: %s); a rerun "
-                    "recomputes the steps since the last checkpoint", type(e).__name__, e)
+        log.warning(
+            "run ended between saves and its unsaved weights could not be written (%s: %s); a rerun "
+            "recomputes the steps since the last checkpoint",
+            type(e).__name__,
+            e,
+        )
 
 
 def model_folder(policy: dict) -> str:
@@ -194,8 +199,15 @@ def keeps_learner(run_dir: str | Path, learner) -> bool:
 
 # The files of a checkpoint folder that make the model what it is, weights aside: the architecture, generation
 # config and tokenizer (not a model card or training state, which change every step).
-MODEL_FILES = ("config.json", "generation_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-               "merges.txt", "chat_template.jinja")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 # Keys that record where and with which library version a file was saved, not what the model is.
@@ -207,8 +219,9 @@ def model_identity(model_path: str | Path) -> str:
     agree here can take each other's weights. JSON files count by content, less the save notes (a tokenizer saved
     again records that it was loaded from a local folder)."""
     root = Path(model_path)
-    files = sorted(p for p in root.iterdir()
-                   if p.is_file() and (p.name in MODEL_FILES or p.name.startswith("tokenizer")))
+    files = sorted(
+        p for p in root.iterdir() if p.is_file() and (p.name in MODEL_FILES or p.name.startswith("tokenizer"))
+    )
     return json_hash({p.name: _content(p) for p in files})
 
 
@@ -238,8 +251,11 @@ class Acquired:
     def describe(self) -> str:
         if self.how == "synced":
             return f"engine kept, weights synced in place from the {self.source} in {self.sync_seconds:.3f} s"
-        return {"built": "engine built from the checkpoint", "kept": "engine kept, weights already current",
-                "fresh": "engine built from the checkpoint (run.keep_engines false)"}[self.how]
+        return {
+            "built": "engine built from the checkpoint",
+            "kept": "engine kept, weights already current",
+            "fresh": "engine built from the checkpoint (run.keep_engines false)",
+        }[self.how]
 
 
 def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[[str], Any]) -> tuple[Any, Acquired]:
@@ -265,8 +281,10 @@ def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[
                     engine.load_weights(learner.adapter() if adapters else learner.weights())
                     source = "learner's memory"
             if learner is None and is_unsaved(policy):
-                raise StaleWeights(f"the weights of {policy['path']} were never saved (run.save_every) and the live "
-                                   "learner no longer holds them: run again to recompute them")
+                raise StaleWeights(
+                    f"the weights of {policy['path']} were never saved (run.save_every) and the live "
+                    "learner no longer holds them: run again to recompute them"
+                )
             if learner is None:
                 engine.load_weights(checkpoint_weights(policy["path"], adapters=takes_adapters(engine)))
                 source = "checkpoint files"
@@ -346,9 +364,18 @@ def _lent_learner(run: _Run, weights_hash: str):
 
 # ---- learner ----
 
+
 def learner_key(kind: str, policy_path: str | Path, reference: dict, settings, dtype: str) -> str:
-    return json_hash([kind, model_identity(policy_path), reference["path"], reference["hash"],
-                      json.loads(json.dumps(dataclasses.asdict(settings), default=list)), dtype])
+    return json_hash(
+        [
+            kind,
+            model_identity(policy_path),
+            reference["path"],
+            reference["hash"],
+            json.loads(json.dumps(dataclasses.asdict(settings), default=list)),
+            dtype,
+        ]
+    )
 
 
 def take_learner(run_dir: str | Path, key: str, policy_hash: str):
@@ -368,8 +395,9 @@ def take_learner(run_dir: str | Path, key: str, policy_hash: str):
     return None
 
 
-def keep_learner(run_dir: str | Path, key: str, learner, weights_hash: str,
-                 save_at_close: Callable[[], Any] | None = None) -> bool:
+def keep_learner(
+    run_dir: str | Path, key: str, learner, weights_hash: str, save_at_close: Callable[[], Any] | None = None
+) -> bool:
     """After the learner's weights were saved as the checkpoint `weights_hash` names: keep it for the next step
     (learners that hold their weights in this process, i.e. offer `weights()`). Returns whether it was kept.
     `save_at_close` writes weights that no checkpoint holds yet, should the run end first."""
@@ -383,8 +411,10 @@ def keep_learner(run_dir: str | Path, key: str, learner, weights_hash: str,
 
 # ---- judge ----
 
-def judge(run_dir: str | Path, kind: str, model: dict, cfg: dict, dtype: str, precision: str,
-          build: Callable[[], Any]) -> Any:
+
+def judge(
+    run_dir: str | Path, kind: str, model: dict, cfg: dict, dtype: str, precision: str, build: Callable[[], Any]
+) -> Any:
     """The judge `build()` makes, kept for the run when it holds its model in this process: keyed by the judge
     model's path and content hash, its settings, dtype and precision."""
     run = _run(run_dir)

@@ -16,8 +16,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 PROCS_DIR_ENV = "REFINER_PROCS_DIR"  # where spawned children are recorded; set by the run for its folder
 _PR_SET_PDEATHSIG = 1
@@ -81,12 +81,19 @@ def is_running(pid: int, identity: str | None) -> bool:
     return current is not None and (identity is None or current == identity or current.startswith("pid:"))
 
 
-def spawn(cmd: list[str], *, record_dir: str | Path | None = None, death_signal: int = signal.SIGKILL,
-          new_session: bool = True, **popen_kwargs) -> subprocess.Popen:
+def spawn(
+    cmd: list[str],
+    *,
+    record_dir: str | Path | None = None,
+    death_signal: int = signal.SIGKILL,
+    new_session: bool = True,
+    **popen_kwargs,
+) -> subprocess.Popen:
     """Popen that ends with this process (parent-death signal) and, in its own session by default so its whole
     group can be signalled, is recorded in `record_dir` (default: $REFINER_PROCS_DIR, if set)."""
-    proc = subprocess.Popen(cmd, preexec_fn=die_with_parent(death_signal), start_new_session=new_session,
-                            **popen_kwargs)
+    proc = subprocess.Popen(
+        cmd, preexec_fn=die_with_parent(death_signal), start_new_session=new_session, **popen_kwargs
+    )
     record_dir = record_dir or os.environ.get(PROCS_DIR_ENV)
     if record_dir:
         record_child(record_dir, proc.pid, cmd, group=new_session)
@@ -96,8 +103,15 @@ def spawn(cmd: list[str], *, record_dir: str | Path | None = None, death_signal:
 def record_child(record_dir: str | Path, pid: int, cmd: list[str], group: bool) -> Path:
     folder = Path(record_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    entry = {"pid": pid, "identity": process_identity(pid), "group": group, "host": socket.gethostname(),
-             "parent": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cmd": cmd[:8]}
+    entry = {
+        "pid": pid,
+        "identity": process_identity(pid),
+        "group": group,
+        "host": socket.gethostname(),
+        "parent": os.getpid(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cmd": cmd[:8],
+    }
     path = folder / f"{pid}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(entry))
@@ -160,7 +174,8 @@ def stop_leftovers(record_dir: str | Path) -> list[dict]:
         pid, group = entry["pid"], entry.get("group", False)
         # A group outlives its dead leader's PID: the kernel does not reuse a PID still naming a process group.
         leftover = is_running(pid, entry.get("identity")) or (
-            group and process_identity(pid) is None and _group_alive(pid))
+            group and process_identity(pid) is None and _group_alive(pid)
+        )
         if entry.get("host") == socket.gethostname() and leftover:
             stop_group(pid, group)
             stopped.append(entry)

@@ -19,8 +19,8 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from refiner_core.runtime.procs import is_running, process_identity
 
@@ -37,10 +37,15 @@ class RunFolderBusy(RuntimeError):
         self.run_dir, self.holder = run_dir, holder
         what = f" ({holder['command']})" if holder.get("command") else ""
         other_host = holder.get("host") != socket.gethostname()
-        hint = (f"; if that run is gone, delete {run_dir / LOCK_NAME}" if other_host
-                else "; wait for it to end or stop it, then run again")
-        super().__init__(f"run folder {run_dir} is in use by PID {holder.get('pid')} on host {holder.get('host')} "
-                         f"since {holder.get('started')}{what}{hint}")
+        hint = (
+            f"; if that run is gone, delete {run_dir / LOCK_NAME}"
+            if other_host
+            else "; wait for it to end or stop it, then run again"
+        )
+        super().__init__(
+            f"run folder {run_dir} is in use by PID {holder.get('pid')} on host {holder.get('host')} "
+            f"since {holder.get('started')}{what}{hint}"
+        )
 
 
 def read_holder(run_dir: str | Path) -> dict | None:
@@ -60,8 +65,11 @@ def _holder_alive(holder: dict) -> bool:
 
 
 def _is_me(holder: dict) -> bool:
-    return (holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
-            and holder.get("identity") == process_identity(os.getpid()))
+    return (
+        holder.get("host") == socket.gethostname()
+        and holder.get("pid") == os.getpid()
+        and holder.get("identity") == process_identity(os.getpid())
+    )
 
 
 @contextlib.contextmanager
@@ -87,10 +95,17 @@ def acquire(run_dir: str | Path, command: str = "", warn: Callable[[str], None] 
         if holder is not None and _holder_alive(holder):
             raise RunFolderBusy(folder, holder)
         if holder is not None and warn is not None:
-            warn(f"run folder {folder}: taking over a stale lock of PID {holder.get('pid')} on host "
-                 f"{holder.get('host')} since {holder.get('started')} (that process is no longer running)")
-        mine = {"pid": os.getpid(), "host": socket.gethostname(), "identity": process_identity(os.getpid()),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command}
+            warn(
+                f"run folder {folder}: taking over a stale lock of PID {holder.get('pid')} on host "
+                f"{holder.get('host')} since {holder.get('started')} (that process is no longer running)"
+            )
+        mine = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "identity": process_identity(os.getpid()),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": command,
+        }
         tmp = path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(mine))
         os.replace(tmp, path)
@@ -134,11 +149,15 @@ def format_run_dir(template: str, deployment: str, scheduled: datetime.datetime 
     (YYYYMMDD-HHMM), {flow_run_id} the first 8 characters of the flow run's ID ('local' outside one). A retry
     of a flow run keeps its ID and scheduled start, so it resumes its folder; a template without fields names
     one folder that every run of the deployment resumes."""
-    when = (scheduled or datetime.datetime.now(datetime.timezone.utc)).astimezone(datetime.timezone.utc)
-    values = {"deployment": deployment or "manual", "date": when.strftime("%Y%m%d-%H%M"),
-              "flow_run_id": (str(flow_run_id) or "local")[:8]}
+    when = (scheduled or datetime.datetime.now(datetime.UTC)).astimezone(datetime.UTC)
+    values = {
+        "deployment": deployment or "manual",
+        "date": when.strftime("%Y%m%d-%H%M"),
+        "flow_run_id": (str(flow_run_id) or "local")[:8],
+    }
     try:
         return template.format(**values)
     except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"run_dir template {template!r}: {e!r}; its fields are "
-                         f"{', '.join('{' + f + '}' for f in RUN_DIR_FIELDS)}") from None
+        raise ValueError(
+            f"run_dir template {template!r}: {e!r}; its fields are {', '.join('{' + f + '}' for f in RUN_DIR_FIELDS)}"
+        ) from None

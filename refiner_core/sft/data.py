@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refiner_core.data.rows import Rejection, is_chat_row, split_of
 from refiner_core.algo.packing import pack_sequences, packing_efficiency
 from refiner_core.data.prompts import refiner_messages, render_chat
+from refiner_core.data.rows import Rejection, is_chat_row, split_of
 
 
 class TemplateError(ValueError):
@@ -35,7 +35,7 @@ class SFTLimits:
     pack_length: int = 8192
 
     @classmethod
-    def from_config(cls, sft: dict) -> "SFTLimits":
+    def from_config(cls, sft: dict) -> SFTLimits:
         return cls(**{k: sft[k] for k in cls.__dataclass_fields__})
 
 
@@ -60,7 +60,8 @@ def sft_messages(row: dict) -> list[dict] | None:
     if not isinstance(answer, str) or not answer.strip():
         return None
     return refiner_messages(row["question"], row["reasoning"], row["tool_output"]) + [
-        {"role": "assistant", "content": answer}]
+        {"role": "assistant", "content": answer}
+    ]
 
 
 def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
@@ -152,8 +153,16 @@ class PreparedSFT:
     stats: dict = field(default_factory=dict)
 
 
-def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, validation_fraction: float, seed: int,
-                histogram_bins: int = 10, held_out: list[dict] = ()) -> PreparedSFT:
+def prepare_sft(
+    rows: list[dict],
+    tokenizer,
+    run: str,
+    limits: SFTLimits,
+    validation_fraction: float,
+    seed: int,
+    histogram_bins: int = 10,
+    held_out: list[dict] = (),
+) -> PreparedSFT:
     """Validated rows (from data.validate_rows) -> packed SFT examples, rejections and a stats summary.
     Rows of the `held_out` prompts (the GRPO data's validation split) are left out: evaluation scores them."""
     out = PreparedSFT()
@@ -170,8 +179,9 @@ def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, valida
             continue
         digest = messages_hash(messages)
         if digest in seen:
-            out.rejected.append(Rejection(row["row_ref"], "duplicate_example",
-                                          "renders the same conversation as an earlier row", raw))
+            out.rejected.append(
+                Rejection(row["row_ref"], "duplicate_example", "renders the same conversation as an earlier row", raw)
+            )
             continue
         seen.add(digest)
         try:
@@ -190,13 +200,24 @@ def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, valida
     splits = assign_splits([d for _, _, d, _ in kept], validation_fraction, seed)
     for (row, rendered, digest, truncated), split in zip(kept, splits):
         prompt = rendered.prompt_tokens
-        out.examples.append({
-            "run": run, "example_id": digest, "split": split, "source_ref": row["row_ref"], "source_id": row["id"],
-            "input_ids": rendered.input_ids, "loss_mask": rendered.loss_mask, "prompt_tokens": prompt,
-            "response_tokens": len(rendered.input_ids) - prompt, "assistant_tokens": sum(rendered.loss_mask),
-            "total_tokens": len(rendered.input_ids), "truncated": ",".join(truncated) or None, "pack_id": -1,
-            "pack_offset": 0,
-        })
+        out.examples.append(
+            {
+                "run": run,
+                "example_id": digest,
+                "split": split,
+                "source_ref": row["row_ref"],
+                "source_id": row["id"],
+                "input_ids": rendered.input_ids,
+                "loss_mask": rendered.loss_mask,
+                "prompt_tokens": prompt,
+                "response_tokens": len(rendered.input_ids) - prompt,
+                "assistant_tokens": sum(rendered.loss_mask),
+                "total_tokens": len(rendered.input_ids),
+                "truncated": ",".join(truncated) or None,
+                "pack_id": -1,
+                "pack_offset": 0,
+            }
+        )
     packing = {}
     for split in ("train", "validation"):
         idx = [i for i, e in enumerate(out.examples) if e["split"] == split]
@@ -208,22 +229,30 @@ def prepare_sft(rows: list[dict], tokenizer, run: str, limits: SFTLimits, valida
                 example = out.examples[idx[k]]
                 example["pack_id"], example["pack_offset"] = p, offset
                 offset += example["total_tokens"]
-        packing[split] = {"packs": len(packs), "tokens": sum(lengths),
-                          "efficiency": packing_efficiency(lengths, packs, limits.pack_length)}
+        packing[split] = {
+            "packs": len(packs),
+            "tokens": sum(lengths),
+            "efficiency": packing_efficiency(lengths, packs, limits.pack_length),
+        }
     out.examples.sort(key=lambda e: (e["split"], e["pack_id"], e["pack_offset"]))
 
     dropped: dict[str, int] = {}
     for r in out.rejected:
         dropped[r.reason] = dropped.get(r.reason, 0) + 1
     out.stats = {
-        "rows_in": len(rows) + held_out_rows, "held_out_rows": held_out_rows, "examples_out": len(out.examples),
+        "rows_in": len(rows) + held_out_rows,
+        "held_out_rows": held_out_rows,
+        "examples_out": len(out.examples),
         "skipped_no_answer": skipped_no_answer,
-        "dropped": dropped, "truncated": truncations,
+        "dropped": dropped,
+        "truncated": truncations,
         "train_examples": sum(e["split"] == "train" for e in out.examples),
         "validation_examples": sum(e["split"] == "validation" for e in out.examples),
         "packing": {**packing, "pack_length": limits.pack_length},
-        "histograms": {name: token_histogram([e[name] for e in out.examples], histogram_bins)
-                       for name in ("prompt_tokens", "response_tokens", "total_tokens")},
+        "histograms": {
+            name: token_histogram([e[name] for e in out.examples], histogram_bins)
+            for name in ("prompt_tokens", "response_tokens", "total_tokens")
+        },
     }
     return out
 
@@ -253,18 +282,38 @@ def token_histogram(values: list[int], bins: int) -> dict:
     if not values:
         return {"edges": [], "counts": [], "min": 0, "max": 0, "mean": 0.0}
     counts, edges = np.histogram(np.asarray(values), bins=max(1, bins))
-    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts], "min": int(min(values)),
-            "max": int(max(values)), "mean": float(np.mean(values))}
+    return {
+        "edges": [float(e) for e in edges],
+        "counts": [int(c) for c in counts],
+        "min": int(min(values)),
+        "max": int(max(values)),
+        "mean": float(np.mean(values)),
+    }
 
 
 def stats_rows(run: str, stats: dict) -> list[dict]:
     """The stats summary as long rows for the sft_stats table (one number per row)."""
     rows = []
 
-    def add(kind: str, name: str, value: float, split: str | None = None, low: float | None = None,
-            high: float | None = None) -> None:
-        rows.append({"run": run, "kind": kind, "name": name, "split": split, "bin_low": low, "bin_high": high,
-                     "value": float(value)})
+    def add(
+        kind: str,
+        name: str,
+        value: float,
+        split: str | None = None,
+        low: float | None = None,
+        high: float | None = None,
+    ) -> None:
+        rows.append(
+            {
+                "run": run,
+                "kind": kind,
+                "name": name,
+                "split": split,
+                "bin_low": low,
+                "bin_high": high,
+                "value": float(value),
+            }
+        )
 
     for name in ("rows_in", "examples_out", "skipped_no_answer", "train_examples", "validation_examples"):
         add("count", name, stats[name])

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from refiner_core.learners.base import autocast
 from refiner_core.algo.packing import IGNORE_INDEX, PackedRow, concat_pack
+from refiner_core.learners.base import autocast
 from refiner_core.runtime.progress import progress_bar
 
 
@@ -31,7 +31,7 @@ class SFTSettings:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, sft: dict, seed: int) -> "SFTSettings":
+    def from_config(cls, sft: dict, seed: int) -> SFTSettings:
         return cls(**{k: sft[k] for k in cls.__dataclass_fields__ if k != "seed"}, seed=seed)
 
 
@@ -40,8 +40,12 @@ def packed_rows(examples: list[dict]) -> list[PackedRow]:
     packs: dict[int, list[dict]] = {}
     for e in examples:
         packs.setdefault(e["pack_id"], []).append(e)
-    return [concat_pack([(list(e["input_ids"]), list(e["loss_mask"]))
-                         for e in sorted(packs[p], key=lambda e: e["pack_offset"])]) for p in sorted(packs)]
+    return [
+        concat_pack(
+            [(list(e["input_ids"]), list(e["loss_mask"])) for e in sorted(packs[p], key=lambda e: e["pack_offset"])]
+        )
+        for p in sorted(packs)
+    ]
 
 
 def collate_packed(rows: list[PackedRow], pad_id: int) -> dict[str, torch.Tensor]:
@@ -66,14 +70,18 @@ def summed_loss(model, batch: dict[str, torch.Tensor], precision: str = "fp32") 
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     targets = batch["labels"][:, 1:]
     loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum")
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     return loss, int((targets != IGNORE_INDEX).sum())
 
 
 @torch.no_grad()
-def evaluate(model, rows: list[PackedRow], pad_id: int, micro_batch_size: int,
-             precision: str = "fp32") -> tuple[float, int]:
+def evaluate(
+    model, rows: list[PackedRow], pad_id: int, micro_batch_size: int, precision: str = "fp32"
+) -> tuple[float, int]:
     """Token-mean loss over every assistant token of `rows`."""
     was_training = model.training
     model.eval()
@@ -85,8 +93,15 @@ def evaluate(model, rows: list[PackedRow], pad_id: int, micro_batch_size: int,
     return (total / tokens if tokens else float("nan")), tokens
 
 
-def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id: int, settings: SFTSettings,
-              on_step=None, precision: str = "fp32") -> list[dict]:
+def train_sft(
+    model,
+    train: list[PackedRow],
+    validation: list[PackedRow],
+    pad_id: int,
+    settings: SFTSettings,
+    on_step=None,
+    precision: str = "fp32",
+) -> list[dict]:
     """Train in place; returns metric rows (split, step, epoch, loss, tokens, lr, grad_norm). `precision` as
     model.precision: 'bf16' autocasts forward passes, weights and AdamW state stay as loaded."""
     torch.manual_seed(settings.seed)
@@ -98,8 +113,17 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
     def validate(step: int, epoch: float) -> None:
         if validation:
             loss, tokens = evaluate(model, validation, pad_id, settings.micro_batch_size, precision)
-            history.append({"split": "validation", "step": step, "epoch": epoch, "loss": loss, "tokens": tokens,
-                            "lr": None, "grad_norm": None})
+            history.append(
+                {
+                    "split": "validation",
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": loss,
+                    "tokens": tokens,
+                    "lr": None,
+                    "grad_norm": None,
+                }
+            )
 
     validate(0, 0.0)
     m = settings.micro_batch_size
@@ -117,8 +141,11 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
             if tokens == 0:
                 bar.update(1)
                 continue
-            lr = settings.learning_rate * min(1.0, (step + 1) / settings.warmup_steps) if settings.warmup_steps \
+            lr = (
+                settings.learning_rate * min(1.0, (step + 1) / settings.warmup_steps)
+                if settings.warmup_steps
                 else settings.learning_rate
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
@@ -133,12 +160,18 @@ def train_sft(model, train: list[PackedRow], validation: list[PackedRow], pad_id
             step += 1
             bar.set_postfix(loss=f"{total / tokens:.3f}", refresh=False)
             bar.update(1)
-            record = {"split": "train", "step": step, "epoch": epoch + (s + 1) / steps_per_epoch,
-                      "loss": total / tokens, "tokens": tokens, "lr": lr, "grad_norm": norm}
+            record = {
+                "split": "train",
+                "step": step,
+                "epoch": epoch + (s + 1) / steps_per_epoch,
+                "loss": total / tokens,
+                "tokens": tokens,
+                "lr": lr,
+                "grad_norm": norm,
+            }
             history.append(record)
             if on_step:
                 on_step(record)
         validate(step, float(epoch + 1))
     bar.close()
     return history
-

@@ -4,8 +4,8 @@ rewards.py, which know nothing of it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from refiner_core.reward.compose import REWARD_SQL
 from refiner_core.schema import ALL_TABLES, duckdb_ddl
@@ -26,8 +26,9 @@ def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> di
             if missing:  # never publish a catalog that silently lacks rows
                 raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
             if files:  # by name: files written before a column existed (rollouts.round) leave it NULL
-                con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?, union_by_name = true)',
-                            [files])
+                con.execute(
+                    f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?, union_by_name = true)', [files]
+                )
             counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
         con.execute(_REWARD_RECOMPUTE_VIEW)
         con.execute(_STEP_REWARDS_VIEW)

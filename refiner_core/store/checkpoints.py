@@ -78,4 +78,3 @@ def forget_pruned(folder: Path, path: Path) -> None:
 
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-

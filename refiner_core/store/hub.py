@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
+from refiner_core.models import ADAPTER_DIR
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.store.model_card import MODEL_CARD
-from refiner_core.models import ADAPTER_DIR
 
 CHECKPOINTS = "checkpoints"
 SFT_CHECKPOINT = "sft"
@@ -67,14 +67,21 @@ def plan_push(folder: Path) -> PushPlan:
 
     folder = Path(folder)
     names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-    missing = [what for what, present in (
-        ("config.json", "config.json" in names),
-        (f"weights ({' or '.join(WEIGHT_PATTERNS)}, or a LoRA {ADAPTER_DIR}/{ADAPTER_WEIGHTS})",
-         any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS) or (folder / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file()),
-        ("tokenizer_config.json", "tokenizer_config.json" in names),
-        (f"a tokenizer ({' or '.join(TOKENIZER_FILES)})", bool(names & set(TOKENIZER_FILES))),
-        (f"the model card {MODEL_CARD}", MODEL_CARD in names),
-    ) if not present]
+    missing = [
+        what
+        for what, present in (
+            ("config.json", "config.json" in names),
+            (
+                f"weights ({' or '.join(WEIGHT_PATTERNS)}, or a LoRA {ADAPTER_DIR}/{ADAPTER_WEIGHTS})",
+                any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS)
+                or (folder / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file(),
+            ),
+            ("tokenizer_config.json", "tokenizer_config.json" in names),
+            (f"a tokenizer ({' or '.join(TOKENIZER_FILES)})", bool(names & set(TOKENIZER_FILES))),
+            (f"the model card {MODEL_CARD}", MODEL_CARD in names),
+        )
+        if not present
+    ]
     if missing:
         raise PushError(f"{folder} is not a complete checkpoint: missing {', '.join(missing)}")
     try:
@@ -83,8 +90,11 @@ def plan_push(folder: Path) -> PushPlan:
         raise PushError(f"{folder / MODEL_CARD}: not a parseable model card: {' '.join(str(e).split())}") from None
     if not metadata:
         raise PushError(f"{folder / MODEL_CARD}: the model card has no metadata block (---, YAML, ---)")
-    files = sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*")
-                   if p.is_file() and p.relative_to(folder).parts[0] not in TRAINING_STATE_FILES)
+    files = sorted(
+        (p.relative_to(folder).as_posix(), p.stat().st_size)
+        for p in folder.rglob("*")
+        if p.is_file() and p.relative_to(folder).parts[0] not in TRAINING_STATE_FILES
+    )
     return PushPlan(folder, files, metadata)
 
 
@@ -103,11 +113,14 @@ def push(plan: PushPlan, repo_id: str, *, private: bool = False, revision: str |
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         commit = api.upload_folder(
-            folder_path=plan.folder, repo_id=repo_id, revision=revision,
+            folder_path=plan.folder,
+            repo_id=repo_id,
+            revision=revision,
             allow_patterns=[name for name, _ in plan.files],
             # a training-state file written after the plan was made still stays local
             ignore_patterns=[p for name in TRAINING_STATE_FILES for p in (name, f"{name}/*")],
-            commit_message=f"Upload {plan.folder.parent.name}/{plan.folder.name}")
+            commit_message=f"Upload {plan.folder.parent.name}/{plan.folder.name}",
+        )
     except (OSError, HTTPError) as e:  # HfHubHTTPError and the missing-token error are OSErrors too
         raise PushError(f"upload to {repo_id} failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
     return str(getattr(commit, "commit_url", commit))

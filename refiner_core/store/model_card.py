@@ -27,8 +27,18 @@ KINDS = {
 }
 
 
-def model_card(recipe: dict, *, kind: str, run: str, step: int | None, checkpoint: str, parent: str,
-               metrics: dict | None = None, evals: list[dict] | None = None, data: dict | None = None) -> str:
+def model_card(
+    recipe: dict,
+    *,
+    kind: str,
+    run: str,
+    step: int | None,
+    checkpoint: str,
+    parent: str,
+    metrics: dict | None = None,
+    evals: list[dict] | None = None,
+    data: dict | None = None,
+) -> str:
     """The markdown of a checkpoint's card. `recipe` is the resolved recipe (RecipeConfig.to_dict()); `kind` one of
     KINDS; `step` the number of updates the checkpoint holds (None for SFT); `metrics` its steps row; `evals` the
     eval summary rows of this checkpoint (refiner_core.eval.evaluate.summarize); `data` counts of the prepared
@@ -37,12 +47,21 @@ def model_card(recipe: dict, *, kind: str, run: str, step: int | None, checkpoin
         raise ValueError(f"model card kind {kind!r}: one of {sorted(KINDS)}")
     model, grpo = recipe["model"], recipe["grpo"]
     base_model, license_ = KNOWN_BASES.get(model["policy"], (model["policy"], "other"))
-    tags = ["refiner-grpo", "sft"] if kind == "sft" else ["grpo", "refiner-grpo", "reinforcement-learning",
-                                                          grpo["policy_loss"].replace("_", "-")]
+    tags = (
+        ["refiner-grpo", "sft"]
+        if kind == "sft"
+        else ["grpo", "refiner-grpo", "reinforcement-learning", grpo["policy_loss"].replace("_", "-")]
+    )
     if kind == "teacher":
         tags.append("ema-teacher")
-    metadata = {"base_model": base_model, "library_name": "transformers", "pipeline_tag": "text-generation",
-                "tags": tags, "datasets": [recipe["data"]["path"]], "license": license_}
+    metadata = {
+        "base_model": base_model,
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": tags,
+        "datasets": [recipe["data"]["path"]],
+        "license": license_,
+    }
     where = f"step {step}" if step is not None else "before the first GRPO step"
     sections = [
         "---\n" + yaml.safe_dump(metadata, sort_keys=False) + "---",
@@ -52,8 +71,10 @@ def model_card(recipe: dict, *, kind: str, run: str, step: int | None, checkpoin
         "## Training setup\n\n" + _table(_setup_rows(recipe, kind)),
     ]
     if metrics:
-        sections.append(f"## Metrics of step {step - 1}\n\n" + _table(
-            [(k, _value(v)) for k, v in metrics.items() if k not in ("run", "step", "checkpoint")], "metric"))
+        sections.append(
+            f"## Metrics of step {step - 1}\n\n"
+            + _table([(k, _value(v)) for k, v in metrics.items() if k not in ("run", "step", "checkpoint")], "metric")
+        )
     sections.append("## Data\n\n" + _table(_data_rows(recipe, data), "data"))
     if evals:
         sections.append("## Held-out evaluation\n\n" + _eval_table(evals))
@@ -68,18 +89,29 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
     model, grpo, rollout, reward, judge = (recipe[k] for k in ("model", "grpo", "rollout", "reward", "judge"))
     if kind == "sft":
         sft = recipe["sft"]
-        return [("method", "supervised fine-tuning on assistant tokens, packed"),
-                ("data", sft["path"] or recipe["data"]["path"]),
-                ("epochs", sft["epochs"]), ("learning rate", sft["learning_rate"]),
-                ("warmup steps", sft["warmup_steps"]),
-                ("batch", f"{sft['micro_batch_size']} packs x {sft['gradient_accumulation']} accumulation steps, "
-                          f"pack length {sft['pack_length']}"),
-                ("max prompt / response / total tokens",
-                 f"{sft['max_prompt_tokens']} / {sft['max_response_tokens']} / {sft['max_total_tokens']}"),
-                ("precision", f"{model['precision']} (weights {model['dtype']})"), ("seed", recipe["run"]["seed"])]
+        return [
+            ("method", "supervised fine-tuning on assistant tokens, packed"),
+            ("data", sft["path"] or recipe["data"]["path"]),
+            ("epochs", sft["epochs"]),
+            ("learning rate", sft["learning_rate"]),
+            ("warmup steps", sft["warmup_steps"]),
+            (
+                "batch",
+                f"{sft['micro_batch_size']} packs x {sft['gradient_accumulation']} accumulation steps, "
+                f"pack length {sft['pack_length']}",
+            ),
+            (
+                "max prompt / response / total tokens",
+                f"{sft['max_prompt_tokens']} / {sft['max_response_tokens']} / {sft['max_total_tokens']}",
+            ),
+            ("precision", f"{model['precision']} (weights {model['dtype']})"),
+            ("seed", recipe["run"]["seed"]),
+        ]
     judge_model = judge["model"] or f"{model['policy']} (the base policy model)"
-    judged = (f"{reward['verification_reward']} x ({reward['rubric_weight']} x rubric score + "
-              f"{reward['citation_weight']} x citation score [{reward['citation_score']}])")
+    judged = (
+        f"{reward['verification_reward']} x ({reward['rubric_weight']} x rubric score + "
+        f"{reward['citation_weight']} x citation score [{reward['citation_score']}])"
+    )
     if reward["format_weight"]:
         judged += f" + {reward['format_weight']} x format score"
     learner = grpo["learner"]
@@ -88,19 +120,31 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         if grpo["deepspeed_offload_optimizer"]:
             learner += ", optimizer offloaded to CPU"
     rows = [
-        ("algorithm", f"GRPO, policy_loss {grpo['policy_loss']}, advantage {grpo['advantage']} "
-                      f"(std ddof {grpo['advantage_std_ddof']})"),
-        ("KL", f"kl_estimator {grpo['kl_estimator']}, beta {grpo['beta']}"
-               + (f", reference {model['reference']}" if model["reference"] else ", reference = starting policy")),
+        (
+            "algorithm",
+            f"GRPO, policy_loss {grpo['policy_loss']}, advantage {grpo['advantage']} "
+            f"(std ddof {grpo['advantage_std_ddof']})",
+        ),
+        (
+            "KL",
+            f"kl_estimator {grpo['kl_estimator']}, beta {grpo['beta']}"
+            + (f", reference {model['reference']}" if model["reference"] else ", reference = starting policy"),
+        ),
         ("clip eps (low / high)", f"{grpo['clip_eps_low']} / {grpo['clip_eps_high']}"),
         ("loss_aggregation", grpo["loss_aggregation"]),
         ("reward (judged prompts)", judged),
         ("reward (prompts without rubrics)", f"verifier {reward['verifier']}"),
         ("judge", f"{judge['engine']}: {judge_model}, mode {judge['mode']}"),
-        ("batch shape", f"{rollout['prompts_per_step']} prompts x {rollout['samples_per_prompt']} samples per step, "
-                        f"{grpo['minibatches']} optimizer step(s) per batch, micro batch {grpo['micro_batch_size']}"),
-        ("learning rate", f"{grpo['learning_rate']} (AdamW, constant, weight decay {grpo['weight_decay']}, "
-                          f"max grad norm {grpo['max_grad_norm']})"),
+        (
+            "batch shape",
+            f"{rollout['prompts_per_step']} prompts x {rollout['samples_per_prompt']} samples per step, "
+            f"{grpo['minibatches']} optimizer step(s) per batch, micro batch {grpo['micro_batch_size']}",
+        ),
+        (
+            "learning rate",
+            f"{grpo['learning_rate']} (AdamW, constant, weight decay {grpo['weight_decay']}, "
+            f"max grad norm {grpo['max_grad_norm']})",
+        ),
         ("max prompt / response tokens", f"{recipe['data']['max_prompt_tokens']} / {rollout['max_new_tokens']}"),
         ("sampling", f"temperature {rollout['temperature']}, top_p {rollout['top_p']}, engine {rollout['engine']}"),
         ("precision", f"{model['precision']} (weights {model['dtype']})"),
@@ -109,15 +153,22 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
     ]
     if kind == "teacher":
         teacher = recipe["teacher"]
-        rows.append(("EMA teacher", f"alpha {teacher['alpha_start']} -> {teacher['alpha_end']} over "
-                                    f"{teacher['schedule_steps']} steps, every {teacher['update_interval']} step(s)"))
+        rows.append(
+            (
+                "EMA teacher",
+                f"alpha {teacher['alpha_start']} -> {teacher['alpha_end']} over "
+                f"{teacher['schedule_steps']} steps, every {teacher['update_interval']} step(s)",
+            )
+        )
     return rows
 
 
 def _data_rows(recipe: dict, data: dict | None) -> list[tuple[str, str]]:
     source = recipe["data"]
-    rows = [("source", f"{source['path']} (format {source['format']})"),
-            ("held out for evaluation", f"data.validation_fraction {source['validation_fraction']}")]
+    rows = [
+        ("source", f"{source['path']} (format {source['format']})"),
+        ("held out for evaluation", f"data.validation_fraction {source['validation_fraction']}"),
+    ]
     if data:
         rows.append(("prompts", f"{data['train']} train, {data['validation']} validation"))
         if data.get("quarantined") is not None:
@@ -126,24 +177,52 @@ def _data_rows(recipe: dict, data: dict | None) -> list[tuple[str, str]]:
 
 
 def _eval_table(evals: list[dict]) -> str:
-    header = ("step", "policy", "mode", "prompts", "format-valid", "citations valid", "judge score", "reward",
-              "pass@1", "pass@k")
-    rows = [(e["step"], e["phase"], e["mode"], e["prompts"], f"{e['format_valid']:.0%}", f"{e['citation_valid']:.0%}",
-             "-" if e["judge_score"] is None else f"{e['judge_score']:.3f}", f"{e['reward']:.3f}",
-             f"{e['pass_at_1']:.0%}", f"{e['pass_at_k']:.0%} (k={e['k']})") for e in evals]
+    header = (
+        "step",
+        "policy",
+        "mode",
+        "prompts",
+        "format-valid",
+        "citations valid",
+        "judge score",
+        "reward",
+        "pass@1",
+        "pass@k",
+    )
+    rows = [
+        (
+            e["step"],
+            e["phase"],
+            e["mode"],
+            e["prompts"],
+            f"{e['format_valid']:.0%}",
+            f"{e['citation_valid']:.0%}",
+            "-" if e["judge_score"] is None else f"{e['judge_score']:.3f}",
+            f"{e['reward']:.3f}",
+            f"{e['pass_at_1']:.0%}",
+            f"{e['pass_at_k']:.0%} (k={e['k']})",
+        )
+        for e in evals
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def _reproduce(recipe: dict, kind: str, step: int | None) -> str:
     steps = f" --set grpo.steps={step}" if kind != "sft" and step else ""
-    what = ("this checkpoint is the SFT checkpoint of the new run" if kind == "sft" else
-            f"the new run's checkpoint of step {step} is this one" if kind == "grpo" else
-            f"the new run's teacher of step {step} is this one")
-    return (f"## Reproduce\n\nSave the resolved recipe below (every setting of the run) as `recipe.yaml`, then"
-            f"\n\n```bash\nrefiner run recipe.yaml{steps} --run-dir NEW_RUN_DIR\n```\n\n"
-            f"With the same seed, data and machine kind, {what}.\n\n"
-            f"```yaml\n{yaml.safe_dump(recipe, sort_keys=False)}```")
+    what = (
+        "this checkpoint is the SFT checkpoint of the new run"
+        if kind == "sft"
+        else f"the new run's checkpoint of step {step} is this one"
+        if kind == "grpo"
+        else f"the new run's teacher of step {step} is this one"
+    )
+    return (
+        f"## Reproduce\n\nSave the resolved recipe below (every setting of the run) as `recipe.yaml`, then"
+        f"\n\n```bash\nrefiner run recipe.yaml{steps} --run-dir NEW_RUN_DIR\n```\n\n"
+        f"With the same seed, data and machine kind, {what}.\n\n"
+        f"```yaml\n{yaml.safe_dump(recipe, sort_keys=False)}```"
+    )
 
 
 def known_notes(recipe: dict, data: dict | None) -> list[str]:
@@ -151,23 +230,33 @@ def known_notes(recipe: dict, data: dict | None) -> list[str]:
     model, judge, grpo = recipe["model"], recipe["judge"], recipe["grpo"]
     notes = []
     if model["policy"] == "tiny-qwen3":
-        notes.append("tiny-qwen3 is a ~230k-parameter model with random initial weights, built from a config: "
-                     "this checkpoint exercises the pipeline; it is not a useful model.")
+        notes.append(
+            "tiny-qwen3 is a ~230k-parameter model with random initial weights, built from a config: "
+            "this checkpoint exercises the pipeline; it is not a useful model."
+        )
     if judge["engine"] == "transformers" and judge["model"] in ("", model["policy"]):
-        notes.append(f"The judge is the base policy model itself ({model['policy']}), a small model: its rubric "
-                     "scores are weak, noisy evidence of quality"
-                     + (" (mode expected_score: a probability-weighted score, never a parse failure)."
-                        if judge["mode"] == "expected_score" else "; unparseable judgments count as judge.on_failure "
-                        f"'{judge['on_failure']}'."))
+        notes.append(
+            f"The judge is the base policy model itself ({model['policy']}), a small model: its rubric "
+            "scores are weak, noisy evidence of quality"
+            + (
+                " (mode expected_score: a probability-weighted score, never a parse failure)."
+                if judge["mode"] == "expected_score"
+                else f"; unparseable judgments count as judge.on_failure '{judge['on_failure']}'."
+            )
+        )
     if grpo["beta"] == 0:
         notes.append("beta = 0: no KL penalty, nothing holds the policy near its reference.")
     if model["lora_rank"] and not model["lora_save_merged"]:
-        notes.append(f"A GRPO checkpoint holds the rank-{model['lora_rank']} LoRA adapter in adapter/, not merged "
-                     "weights: load the base model, then peft.PeftModel.from_pretrained(base, THIS_FOLDER, "
-                     "subfolder='adapter') (model.lora_save_merged writes merged weights too).")
+        notes.append(
+            f"A GRPO checkpoint holds the rank-{model['lora_rank']} LoRA adapter in adapter/, not merged "
+            "weights: load the base model, then peft.PeftModel.from_pretrained(base, THIS_FOLDER, "
+            "subfolder='adapter') (model.lora_save_merged writes merged weights too)."
+        )
     if data and data.get("quarantined"):
-        notes.append(f"{data['quarantined']} input rows were quarantined (not trained on); see them with "
-                     "refiner sql RUN_DIR \"SELECT * FROM quarantine\".")
+        notes.append(
+            f"{data['quarantined']} input rows were quarantined (not trained on); see them with "
+            'refiner sql RUN_DIR "SELECT * FROM quarantine".'
+        )
     return notes
 
 
@@ -192,8 +281,11 @@ def prompt_counts(run_dir: Path) -> dict | None:
     if not prompts.is_file():
         return None
     splits = pq.read_table(prompts, columns=["split"]).column("split").to_pylist()
-    return {"train": splits.count("train"), "validation": splits.count("validation"),
-            "quarantined": pq.read_metadata(quarantine).num_rows if quarantine.is_file() else None}
+    return {
+        "train": splits.count("train"),
+        "validation": splits.count("validation"),
+        "quarantined": pq.read_metadata(quarantine).num_rows if quarantine.is_file() else None,
+    }
 
 
 def parent_checkpoint(recipe: dict, kind: str, step: int | None) -> str:
@@ -206,9 +298,18 @@ def parent_checkpoint(recipe: dict, kind: str, step: int | None) -> str:
     return recipe["model"]["policy"]
 
 
-def write_model_card(folder: Path, run_dir: Path | str, *, kind: str, run: str, step: int | None,
-                     checkpoint: Path | str | None = None, parent: str | None = None, metrics: dict | None = None,
-                     evals: list[dict] | None = None) -> Path | None:
+def write_model_card(
+    folder: Path,
+    run_dir: Path | str,
+    *,
+    kind: str,
+    run: str,
+    step: int | None,
+    checkpoint: Path | str | None = None,
+    parent: str | None = None,
+    metrics: dict | None = None,
+    evals: list[dict] | None = None,
+) -> Path | None:
     """Write `folder`/README.md from the run folder's resolved recipe. `checkpoint` is the folder's final path
     (default `folder`: a card written inside an atomic_dir names the folder it becomes); paths inside the run folder
     are shown relative to it. `parent` defaults to parent_checkpoint. None (nothing written) when the run folder
@@ -220,9 +321,17 @@ def write_model_card(folder: Path, run_dir: Path | str, *, kind: str, run: str, 
     if not recipe_path.is_file():
         return None
     recipe = yaml.safe_load(recipe_path.read_text())
-    text = model_card(recipe, kind=kind, run=run, step=step, checkpoint=_shown(checkpoint or folder, run_dir),
-                      parent=_shown(parent, run_dir) if parent else parent_checkpoint(recipe, kind, step),
-                      metrics=metrics, evals=evals, data=prompt_counts(run_dir))
+    text = model_card(
+        recipe,
+        kind=kind,
+        run=run,
+        step=step,
+        checkpoint=_shown(checkpoint or folder, run_dir),
+        parent=_shown(parent, run_dir) if parent else parent_checkpoint(recipe, kind, step),
+        metrics=metrics,
+        evals=evals,
+        data=prompt_counts(run_dir),
+    )
     tmp, path = atomic_path(Path(folder) / MODEL_CARD)
     try:
         tmp.write_text(text, encoding="utf-8")

@@ -8,8 +8,12 @@ import io
 from pathlib import Path
 
 # Held-out eval panels: (summary key, title); rates are drawn as percentages.
-EVAL_PANELS = [("format_valid", "eval: format-valid (%)"), ("citation_valid", "eval: citations valid (%)"),
-               ("judge_score", "eval: judge rubric score"), ("pass_at_k", "eval: pass@k (%)")]
+EVAL_PANELS = [
+    ("format_valid", "eval: format-valid (%)"),
+    ("citation_valid", "eval: citations valid (%)"),
+    ("judge_score", "eval: judge rubric score"),
+    ("pass_at_k", "eval: pass@k (%)"),
+]
 RATES = {"format_valid", "citation_valid", "pass_at_k"}
 DPI = 100
 # A data: URI is stored in every version of its artifact (one per step): past this many PNG bytes the embedded
@@ -31,8 +35,9 @@ def plot_steps(steps: list[dict], path: Path, evals: list[dict] | None = None) -
     return Path(path)
 
 
-def plot_steps_embedded(steps: list[dict], path: Path, evals: list[dict] | None = None,
-                        max_bytes: int = EMBEDDED_PNG_BYTES) -> str:
+def plot_steps_embedded(
+    steps: list[dict], path: Path, evals: list[dict] | None = None, max_bytes: int = EMBEDDED_PNG_BYTES
+) -> str:
     """plot_steps, and the same figure as a `data:image/png;base64,` URI of at most max_bytes PNG bytes (drawn at
     a lower resolution when needed; never below MIN_EMBEDDED_DPI)."""
     plt = _pyplot()
@@ -71,8 +76,12 @@ def _pyplot():
 
 def _draw(steps: list[dict], evals: list[dict] | None):
     plt = _pyplot()
-    panels = [("reward_mean", "reward (mean ± std)"), ("kl", "KL to reference"), ("loss", "loss"),
-              ("response_length_mean", "response tokens (mean)")]
+    panels = [
+        ("reward_mean", "reward (mean ± std)"),
+        ("kl", "KL to reference"),
+        ("loss", "loss"),
+        ("response_length_mean", "response tokens (mean)"),
+    ]
     if evals:  # training curves on the first row, held-out curves on the second
         fig, axes = plt.subplots(2, 4, figsize=(16, 6), constrained_layout=True)
         step_axes, eval_axes = list(axes[0]), list(axes[1])
@@ -98,8 +107,9 @@ def _draw(steps: list[dict], evals: list[dict] | None):
 def _eval_panel(ax, evals: list[dict], key: str) -> None:
     scale = 100.0 if key in RATES else 1.0
     for mode in sorted({e["mode"] for e in evals}):
-        trained = [e for e in evals if e["mode"] == mode and e["phase"] != "base"] or \
-                  [e for e in evals if e["mode"] == mode]
+        trained = [e for e in evals if e["mode"] == mode and e["phase"] != "base"] or [
+            e for e in evals if e["mode"] == mode
+        ]
         points = [(e["step"], e[key] * scale) for e in trained if e[key] is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=mode)

@@ -21,7 +21,8 @@ import pyarrow as pa
 VIEWS: dict[str, tuple[str, str]] = {
     "reward_by_step": (
         "Reward, KL, loss and response length per step.",
-        "SELECT run, step, reward_mean, reward_std, kl, loss, response_length_mean FROM steps ORDER BY run, step"),
+        "SELECT run, step, reward_mean, reward_std, kl, loss, response_length_mean FROM steps ORDER BY run, step",
+    ),
     "rubric_pass_rates": (
         "Per rubric (source, title): judgments, mean oriented score, share fully met (1.0), failed judgments.",
         # aggregated per rubric before the join: 2.5x faster than joining every judgment (bench/sql_scale.py)
@@ -30,12 +31,14 @@ VIEWS: dict[str, tuple[str, str]] = {
         "count(*) FILTER (WHERE failure IS NOT NULL) AS failed FROM judge_scores GROUP BY ALL) "
         "SELECT s.run, r.source, r.title, sum(judged) AS judged, sum(total) / sum(scored) AS mean_score, "
         "sum(met) / sum(judged) AS full_pass_rate, sum(failed) AS failed "
-        "FROM s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2, 3"),
+        "FROM s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2, 3",
+    ),
     "citation_quality": (
         "Per step: answers present, valid format, citations per response, share of cited IDs that exist.",
         "SELECT run, step, count(*) AS rollouts, avg(has_answer::INT) AS answer_rate, avg(format_ok::INT) AS "
         "format_ok_rate, avg(n_citations) AS citations_mean, sum(n_invalid_citations) AS invalid_citations, "
-        "avg(citation_valid_fraction) AS valid_id_fraction FROM reward_inputs GROUP BY ALL ORDER BY 1, 2"),
+        "avg(citation_valid_fraction) AS valid_id_fraction FROM reward_inputs GROUP BY ALL ORDER BY 1, 2",
+    ),
     "length_vs_reward": (
         "Per step and response-length decile: mean length and mean reward (the reward used for training).",
         "WITH r AS (SELECT run, step, prompt_id, sample_idx, reward FROM rewards WHERE reward_version = 'train'), "
@@ -43,15 +46,18 @@ VIEWS: dict[str, tuple[str, str]] = {
         "ntile(10) OVER (PARTITION BY o.run, o.step ORDER BY o.response_tokens) AS length_decile "
         "FROM rollouts o JOIN r USING (run, step, prompt_id, sample_idx)) "
         "SELECT run, step, length_decile, count(*) AS rollouts, avg(response_tokens) AS tokens_mean, "
-        "avg(reward) AS reward_mean FROM j GROUP BY ALL ORDER BY 1, 2, 3"),
+        "avg(reward) AS reward_mean FROM j GROUP BY ALL ORDER BY 1, 2, 3",
+    ),
     "judge_failures": (
         "Failed judgments by step and failure kind (the text before ':'), with an example.",
         "SELECT run, step, split_part(failure, ':', 1) AS failure_kind, count(*) AS n, any_value(failure) AS "
-        "example FROM judge_scores WHERE failure IS NOT NULL GROUP BY ALL ORDER BY 1, 2, 4 DESC"),
+        "example FROM judge_scores WHERE failure IS NOT NULL GROUP BY ALL ORDER BY 1, 2, 4 DESC",
+    ),
     "quarantine_summary": (
         "Rejected input rows per stage and reason, with an example row reference.",
         "SELECT run, stage, reason, count(*) AS rows, min(row_ref) AS example_row FROM quarantine "
-        "GROUP BY ALL ORDER BY 1, 2, 4 DESC"),
+        "GROUP BY ALL ORDER BY 1, 2, 4 DESC",
+    ),
 }
 
 
@@ -78,8 +84,9 @@ def open_runs(run_dirs: list[str | Path]) -> duckdb.DuckDBPyConnection:
     names = [(db.parent.name if db.name == "catalog.duckdb" else db.stem) for db in dbs]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise CatalogError(f"several run folders are named {', '.join(repeated)}: each run is attached under "
-                           "its folder's name")
+        raise CatalogError(
+            f"several run folders are named {', '.join(repeated)}: each run is attached under its folder's name"
+        )
     con = duckdb.connect(str(dbs[0]), read_only=True)
     try:
         _define_session(con, names, dbs)
@@ -98,13 +105,16 @@ def _define_session(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[
             raise CatalogError(f"cannot attach {db} as {name!r}: {e}") from e
     if len(dbs) > 1:
         tables: dict[str, list[str]] = {}
-        for catalog, table in con.execute("SELECT table_catalog, table_name FROM information_schema.tables WHERE "
-                                          "table_schema = 'main' ORDER BY table_name").fetchall():
+        for catalog, table in con.execute(
+            "SELECT table_catalog, table_name FROM information_schema.tables WHERE "
+            "table_schema = 'main' ORDER BY table_name"
+        ).fetchall():
             if catalog in catalogs:
                 tables.setdefault(table, []).append(catalog)
         for table, in_catalogs in tables.items():
-            union = " UNION ALL BY NAME ".join(f'SELECT * FROM "{_ident(c)}".main."{_ident(table)}"'
-                                               for c in in_catalogs)
+            union = " UNION ALL BY NAME ".join(
+                f'SELECT * FROM "{_ident(c)}".main."{_ident(table)}"' for c in in_catalogs
+            )
             con.execute(f'CREATE TEMP VIEW "{_ident(table)}" AS {union}')
     con.execute("SET enable_external_access = false")  # only the attached catalogs stay readable
     for name, (_, sql) in VIEWS.items():
@@ -122,9 +132,11 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
         if statement.type == duckdb.StatementType.SELECT or _explains_a_select(con, statement):
             continue
         text = " ".join(statement.query.split())
-        raise QueryRefused(f"refused: the catalog is read-only and only SELECT statements run (SHOW, DESCRIBE, "
-                           f"SUMMARIZE and EXPLAIN SELECT too), not {statement.type.name}: "
-                           f"{text[:80]}{'…' if len(text) > 80 else ''}")
+        raise QueryRefused(
+            f"refused: the catalog is read-only and only SELECT statements run (SHOW, DESCRIBE, "
+            f"SUMMARIZE and EXPLAIN SELECT too), not {statement.type.name}: "
+            f"{text[:80]}{'…' if len(text) > 80 else ''}"
+        )
 
 
 _EXPLAIN = re.compile(r"EXPLAIN\s+(ANALYZE\s+)?", re.IGNORECASE)
@@ -137,7 +149,7 @@ def _explains_a_select(con: duckdb.DuckDBPyConnection, statement) -> bool:
     if prefix is None:
         return False
     try:
-        explained = con.extract_statements(statement.query[prefix.end():])
+        explained = con.extract_statements(statement.query[prefix.end() :])
     except duckdb.Error:
         return False
     return len(explained) == 1 and explained[0].type == duckdb.StatementType.SELECT
@@ -179,14 +191,18 @@ def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
     return table.num_rows
 
 
-SHOW_STEPS = ("SELECT step, round(reward_mean, 3) AS reward, round(reward_std, 3) AS std, round(kl, 5) AS kl, "
-              "round(loss, 4) AS loss, round(response_length_mean, 1) AS length, round(rollout_seconds, 1) AS "
-              "rollout_s, round(judge_seconds, 1) AS judge_s, round(update_seconds, 1) AS update_s FROM steps "
-              "ORDER BY step")
-SHOW_EXTREMES = ("WITH r AS (SELECT step, prompt_id, sample_idx, reward FROM rewards WHERE reward_version = 'train') "
-                 "SELECT r.step, r.prompt_id, r.sample_idx, round(r.reward, 3) AS reward, o.response_text "
-                 "FROM r JOIN rollouts o USING (step, prompt_id, sample_idx) WHERE r.step = (SELECT max(step) FROM r) "
-                 "ORDER BY r.reward DESC, r.prompt_id, r.sample_idx")
+SHOW_STEPS = (
+    "SELECT step, round(reward_mean, 3) AS reward, round(reward_std, 3) AS std, round(kl, 5) AS kl, "
+    "round(loss, 4) AS loss, round(response_length_mean, 1) AS length, round(rollout_seconds, 1) AS "
+    "rollout_s, round(judge_seconds, 1) AS judge_s, round(update_seconds, 1) AS update_s FROM steps "
+    "ORDER BY step"
+)
+SHOW_EXTREMES = (
+    "WITH r AS (SELECT step, prompt_id, sample_idx, reward FROM rewards WHERE reward_version = 'train') "
+    "SELECT r.step, r.prompt_id, r.sample_idx, round(r.reward, 3) AS reward, o.response_text "
+    "FROM r JOIN rollouts o USING (step, prompt_id, sample_idx) WHERE r.step = (SELECT max(step) FROM r) "
+    "ORDER BY r.reward DESC, r.prompt_id, r.sample_idx"
+)
 
 
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict:

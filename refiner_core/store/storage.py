@@ -7,9 +7,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -17,7 +18,6 @@ import pyarrow.parquet as pq
 
 from refiner_core.runtime.faults import write_fault
 from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, to_arrow
-
 
 PARTIAL_SUFFIX = ".partial"  # a write in progress: hidden, and removed by the next run if its writer died
 
@@ -49,8 +49,11 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 def remove_partial_writes(folder: Path) -> list[Path]:
     """Remove what writers killed mid-write left in `folder` (their temporary files and folders); only safe while
     no writer is running there, i.e. under the run folder's lock."""
-    leftovers = sorted(p for p in Path(folder).rglob(f".*{PARTIAL_SUFFIX}*")
-                       if p.name.endswith((PARTIAL_SUFFIX, f"{PARTIAL_SUFFIX}.wal")))
+    leftovers = sorted(
+        p
+        for p in Path(folder).rglob(f".*{PARTIAL_SUFFIX}*")
+        if p.name.endswith((PARTIAL_SUFFIX, f"{PARTIAL_SUFFIX}.wal"))
+    )
     for path in leftovers:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

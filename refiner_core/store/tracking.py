@@ -15,8 +15,8 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 LEDGER_DIR = "tracking"
 _OPEN: dict[tuple[str, str], object] = {}  # (run folder, backend) -> its tracker, open until close_trackers
@@ -61,8 +61,14 @@ class MLflowTracker:
         self.client = MlflowClient(tracking_uri=uri)
         if not ledger.get("id"):
             experiment = self.client.get_experiment_by_name(run)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                run, artifact_location=None if settings.get("mlflow_tracking_uri") else (store / "artifacts").as_uri())
+            experiment_id = (
+                experiment.experiment_id
+                if experiment
+                else self.client.create_experiment(
+                    run,
+                    artifact_location=None if settings.get("mlflow_tracking_uri") else (store / "artifacts").as_uri(),
+                )
+            )
             ledger["id"] = self.client.create_run(experiment_id, run_name=run).info.run_id
             ledger["tracking_uri"] = uri
         self.run_id = ledger["id"]
@@ -91,9 +97,15 @@ class WandbTracker:
         import wandb
 
         ledger.setdefault("id", secrets.token_hex(4))  # any string names a W&B run; kept for a resume
-        self.run = wandb.init(project=run, name=run, id=ledger["id"], resume="allow", dir=str(run_dir),
-                              mode=os.environ.get("WANDB_MODE", "offline"),
-                              settings=wandb.Settings(silent=True, console="off"))  # the run's own output stays ours
+        self.run = wandb.init(
+            project=run,
+            name=run,
+            id=ledger["id"],
+            resume="allow",
+            dir=str(run_dir),
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            settings=wandb.Settings(silent=True, console="off"),
+        )  # the run's own output stays ours
         self.run.define_metric("eval_step")
         self.run.define_metric("eval/*", step_metric="eval_step")
 
@@ -116,8 +128,11 @@ class WandbTracker:
 
 
 TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "mlflow": MLflowTracker, "wandb": WandbTracker}
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow-skinny"),
-            "wandb": ("wandb", "wandb")}  # (module imported, package to install)
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "wandb": ("wandb", "wandb"),
+}  # (module imported, package to install)
 
 
 def tracker_problems(report_to: list) -> list[str]:
@@ -129,15 +144,20 @@ def tracker_problems(report_to: list) -> list[str]:
         if name not in TRACKERS:
             problems.append(f"run.report_to: {name!r} is not a tracker; choose from {sorted(TRACKERS)} ([] = none)")
         elif importlib.util.find_spec(PACKAGES[name][0]) is None:
-            problems.append(f"run.report_to: {name!r} needs the {PACKAGES[name][1]} package, which is not installed "
-                            f"(pip install {PACKAGES[name][1]}), or leave {name!r} out of run.report_to")
+            problems.append(
+                f"run.report_to: {name!r} needs the {PACKAGES[name][1]} package, which is not installed "
+                f"(pip install {PACKAGES[name][1]}), or leave {name!r} out of run.report_to"
+            )
     return problems
 
 
 def step_metrics(row: dict) -> dict[str, float]:
     """The numeric columns of a steps row, named steps/<column>."""
-    return {f"steps/{k}": float(v) for k, v in row.items()
-            if k not in SKIPPED_COLUMNS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        f"steps/{k}": float(v)
+        for k, v in row.items()
+        if k not in SKIPPED_COLUMNS and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def eval_metrics(summary: dict) -> dict[str, float]:
@@ -146,15 +166,25 @@ def eval_metrics(summary: dict) -> dict[str, float]:
     return {f"{prefix}/{m}": float(summary[m]) for m in EVAL_METRICS if summary.get(m) is not None}
 
 
-def report(run_dir: Path | str, run: str, settings: dict, *, steps: list[dict], evals: list[dict],
-           rollouts: dict[int, str], warn: Callable[[str], None]) -> dict[str, int]:
+def report(
+    run_dir: Path | str,
+    run: str,
+    settings: dict,
+    *,
+    steps: list[dict],
+    evals: list[dict],
+    rollouts: dict[int, str],
+    warn: Callable[[str], None],
+) -> dict[str, int]:
     """Send what each backend of settings['report_to'] has not been sent yet: steps rows, eval summary rows and
     rollout samples ({step: markdown}). Returns {backend: items sent}; a backend that fails is reported to `warn`
     and skipped (its ledger records none of them, so they are sent again next time)."""
     run_dir = Path(run_dir)
-    items = ([(f"step {r['step']}", "metrics", r["step"], step_metrics(r)) for r in steps]
-             + [(f"eval {e['step']} {e['phase']} {e['mode']}", "metrics", e["step"], eval_metrics(e)) for e in evals]
-             + [(f"rollouts {step}", "text", step, markdown) for step, markdown in sorted(rollouts.items())])
+    items = (
+        [(f"step {r['step']}", "metrics", r["step"], step_metrics(r)) for r in steps]
+        + [(f"eval {e['step']} {e['phase']} {e['mode']}", "metrics", e["step"], eval_metrics(e)) for e in evals]
+        + [(f"rollouts {step}", "text", step, markdown) for step, markdown in sorted(rollouts.items())]
+    )
     sent = {}
     for name in settings.get("report_to") or []:
         ledger_path = run_dir / LEDGER_DIR / f"{name}.json"
@@ -176,8 +206,10 @@ def report(run_dir: Path | str, run: str, settings: dict, *, steps: list[dict], 
             tracker.flush()
         except Exception as e:  # noqa: BLE001 - a tracker never fails the run
             _close(key)  # the next attempt starts it afresh
-            warn(f"run.report_to {name!r}: logging failed ({type(e).__name__}: {e}); the run goes on, and the "
-                 "items are sent again with the next step")
+            warn(
+                f"run.report_to {name!r}: logging failed ({type(e).__name__}: {e}); the run goes on, and the "
+                "items are sent again with the next step"
+            )
             if ledger.get("id"):  # the tracker's run was created: the next attempt continues it
                 _write_ledger(ledger, ledger_path)
             continue

@@ -36,8 +36,10 @@ class Tool(Protocol):
 
 def tool_schema(tool: Tool) -> dict:
     """The function description a Hermes-style system prompt lists (and `apply_chat_template(tools=...)` takes)."""
-    return {"type": "function",
-            "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+    }
 
 
 TOOLS: dict[str, str] = {"python": "refiner_core.agent.tools.python_sandbox:make_python_tool"}

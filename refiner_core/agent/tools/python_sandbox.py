@@ -74,8 +74,9 @@ from pathlib import Path
 
 from refiner_core.agent.tools.base import ToolResult
 
-INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap; scripts/setup.sh does it when "
-                "run as root)")
+INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap; scripts/setup.sh does it when run as root)"
+)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -146,16 +147,51 @@ _LIMIT_SIGNALS = {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "file_size_limit"
 
 # Syscall numbers the seccomp filter looks at, by architecture, with its AUDIT_ARCH_* value.
 _SYSCALLS = {
-    "x86_64": (0xC000003E, {"add_key": 248, "request_key": 249, "keyctl": 250, "memfd_create": 319,
-                            "memfd_secret": 447, "shmget": 29, "shmat": 30, "msgget": 68, "unshare": 272,
-                            "clone": 56, "clone3": 435}),
-    "aarch64": (0xC00000B7, {"add_key": 217, "request_key": 218, "keyctl": 219, "memfd_create": 279,
-                             "memfd_secret": 447, "shmget": 194, "shmat": 196, "msgget": 186, "unshare": 97,
-                             "clone": 220, "clone3": 435}),
+    "x86_64": (
+        0xC000003E,
+        {
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            "memfd_create": 319,
+            "memfd_secret": 447,
+            "shmget": 29,
+            "shmat": 30,
+            "msgget": 68,
+            "unshare": 272,
+            "clone": 56,
+            "clone3": 435,
+        },
+    ),
+    "aarch64": (
+        0xC00000B7,
+        {
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            "memfd_create": 279,
+            "memfd_secret": 447,
+            "shmget": 194,
+            "shmat": 196,
+            "msgget": 186,
+            "unshare": 97,
+            "clone": 220,
+            "clone3": 435,
+        },
+    ),
 }
 # Refused outright: the kernel keyring, memory the address-space limit does not count, new namespaces.
-DENIED_SYSCALLS = ("add_key", "request_key", "keyctl", "memfd_create", "memfd_secret", "shmget", "shmat", "msgget",
-                   "unshare")
+DENIED_SYSCALLS = (
+    "add_key",
+    "request_key",
+    "keyctl",
+    "memfd_create",
+    "memfd_secret",
+    "shmget",
+    "shmat",
+    "msgget",
+    "unshare",
+)
 _X32_SYSCALL_BIT, _CLONE_NEWUSER = 0x40000000, 0x10000000
 _EPERM, _ENOSYS = 1, 38
 _SECCOMP_RET_ALLOW = 0x7FFF0000
@@ -179,21 +215,30 @@ def seccomp_program(machine: str | None = None) -> bytes:
     (the C library then falls back to clone); everything else is allowed."""
     machine = machine or platform.machine()
     if machine not in _SYSCALLS:
-        raise SandboxUnavailable(f"the Python sandbox has no seccomp filter for {machine}: it runs on "
-                                 f"{' and '.join(_SYSCALLS)} only")
+        raise SandboxUnavailable(
+            f"the Python sandbox has no seccomp filter for {machine}: it runs on {' and '.join(_SYSCALLS)} only"
+        )
     arch, number = _SYSCALLS[machine]
     load, jump_eq, jump_ge, jump_set, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K
     # seccomp_data: nr at offset 0, arch at 4, the low half of args[0] at 16. A string names the next instruction;
     # jumps go forward only.
     assembly = [
-        (load, 4), (jump_eq, arch, None, "deny"), (load, 0),
+        (load, 4),
+        (jump_eq, arch, None, "deny"),
+        (load, 0),
         *([(jump_ge, _X32_SYSCALL_BIT, "deny", None)] if machine == "x86_64" else []),  # x32 calls set this bit
-        (jump_eq, number["clone3"], "enosys", None), (jump_eq, number["clone"], "clone", None),
+        (jump_eq, number["clone3"], "enosys", None),
+        (jump_eq, number["clone"], "clone", None),
         *[(jump_eq, number[name], "deny", None) for name in DENIED_SYSCALLS],
         (ret, _SECCOMP_RET_ALLOW),
-        "clone", (load, 16), (jump_set, _CLONE_NEWUSER, "deny", None), (ret, _SECCOMP_RET_ALLOW),
-        "deny", (ret, 0x00050000 | _EPERM),  # SECCOMP_RET_ERRNO | errno
-        "enosys", (ret, 0x00050000 | _ENOSYS),
+        "clone",
+        (load, 16),
+        (jump_set, _CLONE_NEWUSER, "deny", None),
+        (ret, _SECCOMP_RET_ALLOW),
+        "deny",
+        (ret, 0x00050000 | _EPERM),  # SECCOMP_RET_ERRNO | errno
+        "enosys",
+        (ret, 0x00050000 | _ENOSYS),
     ]
     at, n = {}, 0
     for entry in assembly:
@@ -220,8 +265,10 @@ def code_problem(code: str, max_bytes: int) -> str | None:
     try:
         size = len(code.encode())
     except UnicodeEncodeError as e:
-        return (f"bad_code: the code holds {code[e.start]!r}, an unpaired surrogate that UTF-8 cannot encode "
-                f"(at index {e.start})")
+        return (
+            f"bad_code: the code holds {code[e.start]!r}, an unpaired surrogate that UTF-8 cannot encode "
+            f"(at index {e.start})"
+        )
     if size > max_bytes:
         return f"code_too_long: {size} bytes, the limit is {max_bytes}"
     return None
@@ -244,8 +291,13 @@ def _status(code: int | None, timed_out: bool) -> str:
 class PythonSandbox:
     """Runs code strings in fresh sandboxed interpreters, at most `concurrency` at once."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), interpreter: str = sys.executable,
-                 concurrency: int = 4, uid_base: int = 61000):
+    def __init__(
+        self,
+        limits: SandboxLimits = SandboxLimits(),
+        interpreter: str = sys.executable,
+        concurrency: int = 4,
+        uid_base: int = 61000,
+    ):
         self.limits = limits
         self.interpreter = interpreter
         self.concurrency = max(1, concurrency)
@@ -283,8 +335,15 @@ class PythonSandbox:
     def command(self, code: str, uid: int, seccomp_fd: int) -> list[str]:
         lim = self.limits
         bwrap = _program("bwrap")  # first: the missing piece people are most likely to lack
-        prlimit = [_program("prlimit"), f"--cpu={lim.cpu_seconds}:{lim.cpu_seconds + 1}", f"--as={lim.memory_bytes}",
-                   f"--nproc={lim.max_processes}", f"--fsize={lim.max_file_bytes}", "--core=0", "--"]
+        prlimit = [
+            _program("prlimit"),
+            f"--cpu={lim.cpu_seconds}:{lim.cpu_seconds + 1}",
+            f"--as={lim.memory_bytes}",
+            f"--nproc={lim.max_processes}",
+            f"--fsize={lim.max_file_bytes}",
+            "--core=0",
+            "--",
+        ]
         box = [bwrap, "--ro-bind", "/usr", "/usr"]
         for link in ("/bin", "/lib", "/lib64", "/lib32", "/sbin"):
             if os.path.islink(link):
@@ -310,14 +369,42 @@ class PythonSandbox:
         box += ["--dir", "/dev"]
         for device in ("null", "zero", "full", "random", "urandom", "tty"):
             box += ["--dev-bind-try", f"/dev/{device}", f"/dev/{device}"]
-        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                             ("stderr", "/proc/self/fd/2")):
+        for name, target in (
+            ("fd", "/proc/self/fd"),
+            ("stdin", "/proc/self/fd/0"),
+            ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"),
+        ):
             box += ["--symlink", target, f"/dev/{name}"]
-        box += ["--proc", "/proc", "--remount-ro", "/", "--chdir", "/tmp", "--unshare-pid", "--unshare-net",
-                "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-                "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-                "--setenv", "LANG", "C.UTF-8", "--seccomp", str(seccomp_fd),
-                "--cap-add", "CAP_SYS_ADMIN"]  # for the launcher's remount only
+        box += [
+            "--proc",
+            "/proc",
+            "--remount-ro",
+            "/",
+            "--chdir",
+            "/tmp",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/local/bin:/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--seccomp",
+            str(seccomp_fd),
+            "--cap-add",
+            "CAP_SYS_ADMIN",
+        ]  # for the launcher's remount only
         # bwrap's --size caps the bytes of /tmp but not its inodes: the launcher remounts it with an inode cap, then
         # setpriv drops every capability before the interpreter starts.
         launcher = [self.interpreter, "-I", "-S", "-B", "-c", _LAUNCHER, str(lim.tmp_inodes)]
@@ -337,9 +424,16 @@ class PythonSandbox:
         try:
             with os.fdopen(seccomp_write, "wb") as pipe:
                 pipe.write(seccomp_program())
-            proc = subprocess.Popen(self.command(code, uid, seccomp_read), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, start_new_session=True,
-                                    close_fds=True, pass_fds=(seccomp_read,))
+            proc = subprocess.Popen(
+                self.command(code, uid, seccomp_read),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={},
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(seccomp_read,),
+            )
         finally:
             os.close(seccomp_read)
         out, err = _Capped(proc.stdout, lim.max_output_bytes), _Capped(proc.stderr, lim.max_output_bytes)
@@ -355,8 +449,9 @@ class PythonSandbox:
             except ProcessLookupError:
                 pass
             proc.wait()
-        return ExecResult(_status(code_, timed_out), code_, out.text(), err.text(), out.total, err.total,
-                          time.monotonic() - t0)
+        return ExecResult(
+            _status(code_, timed_out), code_, out.text(), err.text(), out.total, err.total, time.monotonic() - t0
+        )
 
 
 UID_LOCK_DIR = "/run/refiner-sandbox-uids"
@@ -390,8 +485,10 @@ def _claim_uids(first: int, count: int) -> tuple[tuple[int, ...], list[int]]:
     if len(uids) < count:
         for fd in locks:
             os.close(fd)
-        raise SandboxUnavailable(f"no {count} free sandbox uids in {first}..{first + UID_SEARCH_SPAN - 1}: too many "
-                                 "sandboxes run on this machine")
+        raise SandboxUnavailable(
+            f"no {count} free sandbox uids in {first}..{first + UID_SEARCH_SPAN - 1}: too many "
+            "sandboxes run on this machine"
+        )
     return tuple(uids), locks
 
 
@@ -425,8 +522,13 @@ def _uid_has_processes(uid: int) -> bool:
 def _interpreter_roots(interpreter: str) -> tuple[str, ...]:
     """Folders the interpreter needs, outermost only: its prefix (a virtual environment, bound at its own path so
     the interpreter finds pyvenv.cfg) and the base installation it runs from."""
-    probe = subprocess.run([interpreter, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-                           capture_output=True, text=True, timeout=60, check=True)
+    probe = subprocess.run(
+        [interpreter, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     found = probe.stdout.splitlines()
     prefixes = sorted({os.path.abspath(p) for p in found} | {os.path.realpath(p) for p in found}, key=len)
     return tuple(p for i, p in enumerate(prefixes) if not any(p == q or p.startswith(q + "/") for q in prefixes[:i]))
@@ -453,7 +555,8 @@ def check_sandbox(interpreter: str = sys.executable) -> None:
         raise SandboxUnavailable(
             f"bubblewrap is installed but cannot create the sandbox here (status {result.status}): "
             f"{result.stderr.strip()[:500]}. It needs user or mount namespaces (run as root, or enable "
-            "kernel.unprivileged_userns_clone); the Python tool never runs code unsandboxed.")
+            "kernel.unprivileged_userns_clone); the Python tool never runs code unsandboxed."
+        )
     _checked[key] = "ok"
 
 
@@ -471,18 +574,30 @@ def python_tool_result(result: ExecResult) -> ToolResult:
     elif result.status not in ("ok", "error"):
         parts.append(f"error: the code was stopped ({result.status})")
     text = "\n".join(parts) if parts else "(no output)"
-    return ToolResult(text=text, status=result.status, exit_code=result.exit_code, stdout=result.stdout,
-                      stderr=result.stderr, seconds=result.seconds, failure=None)
+    return ToolResult(
+        text=text,
+        status=result.status,
+        exit_code=result.exit_code,
+        stdout=result.stdout,
+        stderr=result.stderr,
+        seconds=result.seconds,
+        failure=None,
+    )
 
 
 class PythonTool:
     """The 'python' tool: {"code": "..."} runs in the sandbox; stdout (and stderr) come back to the model."""
 
     name = "python"
-    description = ("Run Python 3 code in a sandbox (no network, no files kept between calls) and return what it "
-                   "prints. Use print() to see results.")
-    parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
-                  "required": ["code"]}
+    description = (
+        "Run Python 3 code in a sandbox (no network, no files kept between calls) and return what it "
+        "prints. Use print() to see results."
+    )
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "Python source"}},
+        "required": ["code"],
+    }
 
     def __init__(self, sandbox: PythonSandbox):
         self.sandbox = sandbox
@@ -491,8 +606,10 @@ class PythonTool:
         bad = [_bad_arguments(a, self.sandbox.limits.max_code_bytes) for a in arguments]
         runnable = [a["code"] for a, why in zip(arguments, bad) if why is None]
         ran = iter(self.sandbox.run_many(runnable))
-        return [ToolResult(f"error: {why}", "invalid_call", failure=why) if why else python_tool_result(next(ran))
-                for why in bad]
+        return [
+            ToolResult(f"error: {why}", "invalid_call", failure=why) if why else python_tool_result(next(ran))
+            for why in bad
+        ]
 
     def close(self) -> None:
         self.sandbox.close()
