@@ -22,8 +22,8 @@ import duckdb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from refiner_core.publish.run_sql import VIEWS, open_runs  # noqa: E402
 from refiner_core.schema import ALL_TABLES, duckdb_ddl  # noqa: E402
-from refiner_core.store.run_sql import VIEWS, open_runs  # noqa: E402
 
 BASELINE = "SELECT prompt_id, count(*) FROM rollouts GROUP BY prompt_id"
 DOCUMENTED_QUERIES = {

@@ -110,7 +110,7 @@ def sql(
     """Run a read-only SQL query against the catalogs of one or several runs (no file access from SQL)."""
     import duckdb
 
-    from refiner_core.store.run_sql import CatalogError, QueryRefused, export, open_runs, run_query
+    from refiner_core.publish.run_sql import CatalogError, QueryRefused, export, open_runs, run_query
 
     if fmt not in ("table", "csv", "json"):
         _fail(f"--format must be table, csv or json, not {fmt!r}")
@@ -178,7 +178,7 @@ def show(
     and worst rollout of the last step."""
     import duckdb
 
-    from refiner_core.store.run_sql import CatalogError, open_runs, run_summary
+    from refiner_core.publish.run_sql import CatalogError, open_runs, run_summary
 
     try:
         con = open_runs([run_dir])
@@ -231,7 +231,7 @@ def plot(
     output: Path | None = typer.Option(None, "-o", "--output", help="PNG path (default: RUN_DIR/curves.png)."),
 ) -> None:
     """Plot reward, KL, loss and response length per step (and held-out eval curves when the run has them) to a PNG."""
-    from refiner_core.store.plots import eval_summary, plot_steps
+    from refiner_core.publish.plots import eval_summary, plot_steps
     from refiner_core.store.storage import query as run_query
 
     db = run_dir / "catalog.duckdb"
@@ -297,8 +297,8 @@ def push(
 ) -> None:
     """Publish a checkpoint (weights, config, tokenizer, model card; never the optimizer state) to the Hugging Face
     Hub. The token comes from HF_TOKEN or `hf auth login`. An incomplete checkpoint exits 2, a Hub error 1."""
-    from refiner_core.store.hub import PushError, choose_checkpoint, plan_push
-    from refiner_core.store.hub import push as push_plan
+    from refiner_core.publish.hub import PushError, choose_checkpoint, plan_push
+    from refiner_core.publish.hub import push as push_plan
 
     if step is not None and sft:
         _fail("--step and --sft exclude each other")

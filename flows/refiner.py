@@ -27,10 +27,10 @@ from refiner_core.config import (
 from refiner_core.data.rows import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.preflight import resolve
+from refiner_core.publish.tracking import close_trackers
 from refiner_core.runtime import cluster, live
 from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.store.storage import read_rows
-from refiner_core.store.tracking import close_trackers
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints

@@ -262,7 +262,7 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         from refiner_core.agent.rollout import agent_problems
 
         problems += agent_problems(cfg.rollout.agent)
-    from refiner_core.store.tracking import tracker_problems
+    from refiner_core.publish.tracking import tracker_problems
 
     problems += tracker_problems(cfg.run.report_to)
     return problems

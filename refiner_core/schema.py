@@ -366,7 +366,7 @@ RESCORES = Table(
             "inputs_hash",
             S,
             "Hash of the step's reward_inputs and judge_scores rows the version was computed from "
-            "(refiner_core.store.catalog.STEP_INPUTS_HASH_SQL).",
+            "(refiner_core.reward.compose.STEP_INPUTS_HASH_SQL).",
         ),
     ),
 )

@@ -15,10 +15,10 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from refiner_core.data.text_safety import markdown_code_block, markdown_inline
-from refiner_core.store.model_card import RECIPE_FILE, write_model_card
-from refiner_core.store.plots import eval_summary, plot_steps_embedded
-from refiner_core.store.run_sql import open_runs, run_query, run_summary
-from refiner_core.store.tracking import report
+from refiner_core.publish.model_card import RECIPE_FILE, write_model_card
+from refiner_core.publish.plots import eval_summary, plot_steps_embedded
+from refiner_core.publish.run_sql import open_runs, run_query, run_summary
+from refiner_core.publish.tracking import report
 
 EXCERPT_CHARS = 600
 
@@ -91,7 +91,7 @@ def report_step(
     run_dir: str, run: str, step: int, recipe: dict, steps: list[dict], evals: list[dict], rollouts: str
 ) -> None:
     """Send the steps rows, eval results and this step's best and worst rollout to run.report_to's trackers
-    (refiner_core.store.tracking: what a tracker already has is not sent again; a failing tracker is a warning)."""
+    (refiner_core.publish.tracking: what a tracker already has is not sent again; a failing tracker is a warning)."""
     log = get_run_logger()
     sent = report(run_dir, run, recipe["run"], steps=steps, evals=evals, rollouts={step: rollouts}, warn=log.warning)
     if sent:

@@ -5,8 +5,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from refiner_core.data.rows import Rejection, TooManyRejected, check_rejected_fraction
-from refiner_core.runtime.faults import stage_fault
-from refiner_core.store.catalog import build_catalog
+from refiner_core.publish.catalog import build_catalog
+from refiner_core.store.faults import stage_fault
 
 
 @task(name="publish-catalog", cache_policy=None, persist_result=False, retries=1)

@@ -6,11 +6,11 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.data.rows import accepted_raw_rows
+from refiner_core.data.rubric_fields import load_static_rubrics
 from refiner_core.data.sources import load_rows, load_source
 from refiner_core.models import refiner_home
 from refiner_core.rubrics.generate import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics.join import join_rubrics
-from refiner_core.rubrics.normalise import load_static_rubrics
 from refiner_core.schema import QUARANTINE, RUBRICS
 from refiner_core.store.storage import read_rows, write_table
 from tasks.catalog import fail_if_too_many_rejected

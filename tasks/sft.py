@@ -7,11 +7,11 @@ from prefect import get_run_logger
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_model, load_tokenizer
+from refiner_core.publish.model_card import write_model_card
 from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
 from refiner_core.sft.data import SFTLimits, stats_rows
 from refiner_core.sft.data import prepare_sft as prepare_sft_core
 from refiner_core.sft.train import SFTSettings, packed_rows, train_sft
-from refiner_core.store.model_card import write_model_card
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_json, write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage

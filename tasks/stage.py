@@ -17,11 +17,11 @@ from prefect.exceptions import MissingContextError
 from refiner_core import code_version
 from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
+from refiner_core.data.rubric_fields import RubricError
 from refiner_core.data.sources import SourceError
-from refiner_core.rubrics.normalise import RubricError
 from refiner_core.runtime import live
-from refiner_core.runtime.faults import stage_fault
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
+from refiner_core.store.faults import stage_fault
 from refiner_core.store.storage import dir_hash, file_hash, json_hash
 from tasks.progress import ui_progress
 

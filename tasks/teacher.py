@@ -8,10 +8,10 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
+from refiner_core.publish.model_card import write_model_card
 from refiner_core.runtime import live
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES
-from refiner_core.store.model_card import write_model_card
 from refiner_core.store.storage import atomic_dir, dir_hash, write_table
 from tasks.sampling import response_columns, rollout_engine, sampling_params, step_prompts
 from tasks.stage import stage

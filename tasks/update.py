@@ -10,10 +10,10 @@ from prefect import get_run_logger
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
+from refiner_core.publish.model_card import write_model_card
 from refiner_core.runtime import live
 from refiner_core.schema import ADVANTAGES, STEPS
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
-from refiner_core.store.model_card import write_model_card
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_table
 from tasks.stage import stage
 

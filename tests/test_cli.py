@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from conftest import run_cli
 from flows.cli import app
+from refiner_core.publish.catalog import build_catalog
 from refiner_core.schema import ALL_TABLES
-from refiner_core.store.catalog import build_catalog
 from refiner_core.store.storage import write_table
 
 runner = CliRunner()

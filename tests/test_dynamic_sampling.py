@@ -88,7 +88,7 @@ def sampled_run(prefect_server, tmp_path_factory):
 
 def _sql(run_dir: Path, sql: str) -> list[tuple]:
     """A query as `refiner sql RUN_DIR SQL` runs it."""
-    from refiner_core.store.run_sql import open_runs, run_query
+    from refiner_core.publish.run_sql import open_runs, run_query
 
     con = open_runs([run_dir])
     try:
@@ -195,8 +195,8 @@ def test_rollout_files_without_a_round_column_stay_readable(tmp_path):
     """A catalog built from rollouts written before `round` existed, beside new ones: old rows read as NULL."""
     from datetime import datetime
 
+    from refiner_core.publish.catalog import build_catalog
     from refiner_core.schema import ROLLOUTS, to_arrow
-    from refiner_core.store.catalog import build_catalog
     from refiner_core.store.storage import query, write_table
 
     def row(prompt_id: str, sampling_round: int) -> dict:

@@ -250,7 +250,7 @@ def test_cached_rerun_does_not_reevaluate(sft_eval_run):
 
 def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
     from conftest import run_cli
-    from refiner_core.store.plots import eval_summary
+    from refiner_core.publish.plots import eval_summary
 
     _, run_dir, result, _ = sft_eval_run
     summary = eval_summary(run_dir / "catalog.duckdb")

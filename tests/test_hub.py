@@ -22,9 +22,9 @@ from huggingface_hub.utils import filter_repo_objects
 
 from conftest import run_cli
 from refiner_core.config import load_recipe
+from refiner_core.publish.hub import PushError, choose_checkpoint, plan_push, push
+from refiner_core.publish.model_card import write_model_card
 from refiner_core.store.checkpoints import PRUNED_LIST
-from refiner_core.store.hub import PushError, choose_checkpoint, plan_push, push
-from refiner_core.store.model_card import write_model_card
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"

@@ -1,5 +1,6 @@
-"""The shape of refiner_core: no import cycle between its modules (imports inside functions count), storage I/O
-knows nothing of rewards, and the NumPy/DuckDB paths (rescore, the catalog) load no torch."""
+"""The shape of refiner_core: its packages and top-level modules in layers, each importing only layers below it (imports
+inside functions count), hence no import cycle; storage I/O knows nothing of rewards, and the NumPy/DuckDB paths
+(rescore, the catalog) load no torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,30 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "refiner_core"
+
+
+# Bottom to top: a package (or top-level module) may import only those before it.
+LAYERS = [
+    "refiner_core",
+    "schema",
+    "config",
+    "algo",
+    "store",
+    "data",
+    "models",
+    "runtime",
+    "learners",
+    "rollout",
+    "rubrics",
+    "reward",
+    "judges",
+    "eval",
+    "agent",
+    "sft",
+    "grpo",
+    "publish",
+    "preflight",
+]
 
 
 def _module_name(path: Path) -> str:
@@ -82,20 +107,34 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_refiner_core_has_no_import_cycle():
     graph = import_graph()
-    assert "refiner_core.rubrics.normalise" in graph and graph["refiner_core.rubrics.join"] >= {
-        "refiner_core.rubrics.normalise"
+    assert "refiner_core.data.rubric_fields" in graph and graph["refiner_core.rubrics.join"] >= {
+        "refiner_core.data.rubric_fields"
     }
     assert cycles(graph) == []
 
 
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    graph = import_graph()
+    assert {layer(m) for m in graph} == set(LAYERS), "a new package or top-level module needs its place in LAYERS"
+    upward = sorted(
+        (m, t) for m, targets in graph.items() for t in targets if LAYERS.index(layer(t)) > LAYERS.index(layer(m))
+    )
+    assert upward == []
+
+
 def test_storage_io_knows_nothing_of_rewards_or_the_catalog():
     graph = import_graph()
-    assert not graph["refiner_core.store.storage"] & {"refiner_core.reward.compose", "refiner_core.store.catalog"}
-    assert not graph["refiner_core.rubrics.normalise"] & {"refiner_core.data.rows", "refiner_core.rubrics.generate"}
+    assert not graph["refiner_core.store.storage"] & {"refiner_core.reward.compose", "refiner_core.publish.catalog"}
+    assert not graph["refiner_core.data.rubric_fields"] & {"refiner_core.data.rows", "refiner_core.rubrics.generate"}
 
 
 @pytest.mark.parametrize(
-    "module", ["refiner_core.reward.rescore", "refiner_core.store.catalog", "refiner_core.algo.advantages"]
+    "module", ["refiner_core.reward.rescore", "refiner_core.publish.catalog", "refiner_core.algo.advantages"]
 )
 def test_numpy_and_duckdb_paths_load_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"

@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard
 
 from conftest import catalog_rows
 from refiner_core.config import load_recipe
-from refiner_core.store.model_card import model_card
+from refiner_core.publish.model_card import model_card
 from refiner_core.store.storage import dir_hash
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_tensorboard_and_mlflow_hold_the_steps_table(evaluated_run):
 
 
 def test_sft_and_teacher_checkpoints_get_their_own_cards(tmp_path):
-    from refiner_core.store.model_card import write_model_card
+    from refiner_core.publish.model_card import write_model_card
 
     recipe = load_recipe(REPO / "recipes" / "co-rewarding-2.yaml", ["sft.enabled=true", "sft.epochs=3"]).to_dict()
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))

@@ -154,7 +154,7 @@ def test_prepare_stage_quarantine_is_queryable_with_refiner_sql(prefect_server, 
     data = {**dataclasses.asdict(DataConfig()), "max_prompt_tokens": 2000, "max_rejected_fraction": 0.9}
     manifest = prepare_only(data, str(tmp_path / "ok"))
     assert manifest["rows_out"] == len(EXPECTED["valid_ids"])
-    from refiner_core.store.catalog import build_catalog
+    from refiner_core.publish.catalog import build_catalog
 
     build_catalog(tmp_path / "ok" / "catalog.duckdb", {"quarantine": [manifest["quarantine"]["path"]]})
     result = CliRunner().invoke(
@@ -285,8 +285,8 @@ def test_the_length_precheck_never_rejects_a_row_that_fits(tiny_tokenizer):
 
 def test_a_run_that_quarantined_rows_ends_with_a_warning(tmp_path):
     from refiner_core.data.rows import Rejection, quarantine_warning
+    from refiner_core.publish.catalog import build_catalog
     from refiner_core.schema import QUARANTINE
-    from refiner_core.store.catalog import build_catalog
     from refiner_core.store.storage import write_table
 
     prepare = [

@@ -224,7 +224,7 @@ def test_unrenderable_snippet_lists_are_quarantined(snippet, detail):
 
 
 def test_rubrics_given_as_one_object_of_both_lists(tmp_path):
-    from refiner_core.rubrics.normalise import RubricError, instance_rubrics
+    from refiner_core.data.rubric_fields import RubricError, instance_rubrics
 
     both = {"positive": ["Names Fleming.", {"description": "Gives 1928.", "weight": 2}], "negative": ["Says 1945."]}
     expected = [("positive", "Names Fleming.", 1.0), ("positive", "Gives 1928.", 2.0), ("negative", "Says 1945.", 1.0)]

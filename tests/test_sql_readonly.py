@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from refiner_core.publish.catalog import build_catalog
+from refiner_core.publish.run_sql import QueryRefused, open_runs, run_query
 from refiner_core.schema import ALL_TABLES
-from refiner_core.store.catalog import build_catalog
-from refiner_core.store.run_sql import QueryRefused, open_runs, run_query
 from refiner_core.store.storage import write_table
 
 runner = CliRunner()

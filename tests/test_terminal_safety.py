@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from refiner_core.data.text_safety import markdown_code_block, markdown_inline, visible
-from refiner_core.store.plots import DPI, EMBEDDED_PNG_BYTES, plot_steps_embedded
+from refiner_core.publish.plots import DPI, EMBEDDED_PNG_BYTES, plot_steps_embedded
 from test_cli import _catalog
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 
 from refiner_core.config import load_recipe
 from refiner_core.preflight import check_values
-from refiner_core.store.tracking import TRACKERS, close_trackers, report
+from refiner_core.publish.tracking import TRACKERS, close_trackers, report
 
 STEPS = [
     {
@@ -175,7 +175,7 @@ def test_preflight_refuses_unknown_or_missing_trackers():
 
 def test_importing_refiner_core_imports_no_tracker_package():
     code = (
-        "import sys, refiner_core.store.tracking, refiner_core.preflight, refiner_core.store.model_card; "
+        "import sys, refiner_core.publish.tracking, refiner_core.preflight, refiner_core.publish.model_card; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorboard', 'wandb')))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

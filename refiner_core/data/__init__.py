@@ -1,1 +1,2 @@
-"""Rows of the data sources, their validation and the quarantine; sources, prompts and answer formats."""
+"""Rows of the data sources, their validation (rubric fields included) and the quarantine; sources, prompts and
+answer formats."""

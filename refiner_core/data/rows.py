@@ -16,7 +16,7 @@ from pathlib import Path
 
 from refiner_core.data.formats import check_citations, parse_answer, render_snippets, tool_snippet_ids
 from refiner_core.data.prompts import refiner_messages, render_prompt
-from refiner_core.rubrics.normalise import RubricError, instance_rubrics
+from refiner_core.data.rubric_fields import RubricError, instance_rubrics
 from refiner_core.store.storage import query
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")

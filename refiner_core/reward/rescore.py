@@ -20,9 +20,8 @@ import duckdb
 
 from refiner_core.algo.advantages import group_advantages
 from refiner_core.config import RecipeConfig, RewardConfig
-from refiner_core.reward.compose import compute_rewards, weight_row
+from refiner_core.reward.compose import STEP_INPUTS_HASH_SQL, compute_rewards, weight_row
 from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
-from refiner_core.store.catalog import STEP_INPUTS_HASH_SQL
 from refiner_core.store.storage import json_hash, query, read_rows, replace_version_rows, write_table
 
 RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "filter_zero_std_groups")

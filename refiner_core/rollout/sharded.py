@@ -16,7 +16,7 @@ from pathlib import Path
 
 from refiner_core.models import Adapter
 from refiner_core.rollout.base import Generation, SamplingParams, make_engine
-from refiner_core.runtime.faults import stage_fault
+from refiner_core.store.faults import stage_fault
 
 
 class EngineActor:

@@ -1,1 +1,2 @@
-"""Instance rubrics: one rubric's normalisation, generation over an OpenAI-compatible API, joining."""
+"""Instance rubrics: generation over an OpenAI-compatible API, joining per prompt (a rubric's normalisation is
+data/rubric_fields.py, since row validation needs it)."""

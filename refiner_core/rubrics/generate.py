@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.rubrics.normalise import RubricError, instance_rubrics
+from refiner_core.data.rubric_fields import RubricError, instance_rubrics
 from refiner_core.runtime.http_chat import AnswerCache, ChatError, RetryPolicy, chat_with_retries
 from refiner_core.store.storage import json_hash
 

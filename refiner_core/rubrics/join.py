@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from refiner_core.data.rows import Rejection
+from refiner_core.data.rubric_fields import RubricError, instance_rubrics
 from refiner_core.rubrics.generate import RubricGenerationError
-from refiner_core.rubrics.normalise import RubricError, instance_rubrics
 
 
 def join_rubrics(

@@ -1,2 +1,2 @@
-"""Processes and live state: child processes, the run lock, progress, registries, fault points, Ray, engines kept
-for a run, the HTTP chat client, hardware detection."""
+"""Processes and live state: child processes, the run lock, progress, registries, Ray, engines kept for a run,
+the HTTP chat client, hardware detection."""

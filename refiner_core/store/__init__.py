@@ -1,1 +1,2 @@
-"""Files and tables: storage I/O, the catalog, checkpoints, SQL over runs, cards, the Hub, trackers, plots."""
+"""Files and tables at the bottom of the stack: storage I/O (Parquet, JSON, DuckDB, atomic writes), the fault
+points that test them, checkpoints."""

@@ -16,8 +16,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refiner_core.runtime.faults import write_fault
 from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, to_arrow
+from refiner_core.store.faults import write_fault
 
 PARTIAL_SUFFIX = ".partial"  # a write in progress: hidden, and removed by the next run if its writer died
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 
 from refiner_core.models import ADAPTER_DIR
+from refiner_core.publish.model_card import MODEL_CARD
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
-from refiner_core.store.model_card import MODEL_CARD
 
 CHECKPOINTS = "checkpoints"
 SFT_CHECKPOINT = "sft"

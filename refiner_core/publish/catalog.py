@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from refiner_core.reward.compose import REWARD_SQL
+from refiner_core.reward.compose import REWARD_SQL, STEP_INPUTS_HASH_SQL
 from refiner_core.schema import ALL_TABLES, duckdb_ddl
 from refiner_core.store.storage import catalog_copy
 
@@ -41,16 +41,6 @@ CREATE VIEW rewards_recomputed AS
 SELECT run, step, prompt_id, sample_idx, reward_version, recomputed.reward AS reward_sql, stored.reward
 FROM ({REWARD_SQL}) recomputed
 JOIN rewards stored USING (run, step, prompt_id, sample_idx, reward_version)
-"""
-
-# What a step's rewards are computed from, one hash per (run, step): its reward_inputs and judge_scores rows
-# (without how a judgment was obtained: latency, attempts, cache hit). A `refiner rescore` version records it.
-STEP_INPUTS_HASH_SQL = """
-SELECT run, step, hash(list(row_hash ORDER BY row_hash))::VARCHAR AS inputs_hash FROM (
-  SELECT run, step, hash(i) AS row_hash FROM reward_inputs i
-  UNION ALL
-  SELECT run, step, hash(s) FROM (SELECT * EXCLUDE (latency_seconds, attempts, cache_hit) FROM judge_scores) s
-) GROUP BY run, step
 """
 
 # The reward figures of `steps`, per reward version: training's and each rescore's, side by side. `stale`: a
