@@ -20,7 +20,6 @@ and the median process CPU seconds per step with its ratio (steadier than wall t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -113,14 +112,12 @@ def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> l
     tokenizer = load_tokenizer(model_path)
     policy = load_model(model_path, trainable=True)
     packed = combo["layout"] == "pack"
-    grpo = dataclasses.asdict(
-        GRPOConfig(
-            beta=0.0,
-            learning_rate=5e-6,
-            pack_length=args.pack_length if packed else 0,
-            micro_batch_size=1 if packed else args.micro_batch_size,
-            share_prompt=combo["layout"] == "share",
-        )
+    grpo = GRPOConfig(
+        beta=0.0,
+        learning_rate=5e-6,
+        pack_length=args.pack_length if packed else 0,
+        micro_batch_size=1 if packed else args.micro_batch_size,
+        share_prompt=combo["layout"] == "share",
     )
     learner = TorchLearner(policy, None, tokenizer.pad_token_id, learner_settings(grpo, 1.0, combo["precision"]))
     sync = None

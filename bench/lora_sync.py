@@ -43,7 +43,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = str(resolve_model("smollm2-135m-instruct"))
     tokenizer = load_tokenizer(path)
-    grpo = {**GRPOConfig().__dict__, "micro_batch_size": 8, "learning_rate": 1e-3, "beta": 0.0}
+    grpo = GRPOConfig(micro_batch_size=8, learning_rate=1e-3, beta=0.0)
     lora = {
         "lora_rank": args.rank,
         "lora_alpha": 2.0 * args.rank,

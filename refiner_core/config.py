@@ -12,10 +12,12 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 
-def opt(default: Any, help: str, **kw: Any) -> Any:
+def opt(default: Any, help: str, column: str | None = None, **kw: Any) -> Any:
+    """A documented field. `column` names the table column that records it (RewardConfig -> reward_weights)."""
+    metadata = {"help": help, **({"column": column} if column else {})}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
+    return field(default=default, metadata=metadata, **kw)
 
 
 @dataclass
@@ -137,7 +139,16 @@ class ModelConfig:
 
 SOURCE_FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
 SourceFormat = Literal["auto", "jsonl", "parquet", "disk", "hub"]
-REFINER_FIELDS = ("id", "question", "reasoning", "tool_output", "answer", "positive_rubrics", "negative_rubrics")
+REFINER_FIELDS = (
+    "id",
+    "question",
+    "reasoning",
+    "tool_output",
+    "answer",
+    "supporting_ids",
+    "positive_rubrics",
+    "negative_rubrics",
+)
 CHAT_FIELDS = ("id", "messages", "ground_truth", "dataset", "positive_rubrics", "negative_rubrics", "twin_id")
 RUBRIC_FIELDS = ("id", "positive_rubrics", "negative_rubrics")
 FIELDS_HELP = (
@@ -148,10 +159,12 @@ FIELDS_HELP = (
 
 
 @dataclass
-class DataConfig:
+class SourceConfig:
+    """Where rows come from: the fields DataConfig and SFTConfig share."""
+
     path: str = opt(
         "data/refiner/samples.jsonl",
-        "Rows for GRPO: a .jsonl or .parquet file, a datasets.save_to_disk folder, or a hub dataset name "
+        "Rows: a .jsonl or .parquet file, a datasets.save_to_disk folder, or a hub dataset name "
         "(format 'hub'); relative paths are resolved from the repo.",
     )
     format: SourceFormat = opt(
@@ -162,6 +175,10 @@ class DataConfig:
     fields: dict = opt({}, FIELDS_HELP)
     split: str = opt("train", "Split to read from a save_to_disk DatasetDict or a hub dataset.")
     hub_config: str = opt("", "Hub dataset configuration (subset) name; '' = the default one.")
+
+
+@dataclass
+class DataConfig(SourceConfig):
     max_prompts: int = opt(0, "Keep at most this many prompts after validation (0 = all).")
     validation_fraction: float = opt(0.0, "Fraction of rows held out as 'validation' (seeded); GRPO trains on 'train'.")
     max_prompt_tokens: int = opt(6144, "Rows whose rendered prompt exceeds this many tokens are dropped (counted).")
@@ -387,27 +404,51 @@ class JudgeConfig:
 
 @dataclass
 class RewardConfig:
-    verification_reward: float = opt(10.0, "Multiplier on the judged part (rubric and citation scores in [0, 1]).")
-    rubric_weight: float = opt(1.0, "Weight of the rubric score inside the judged part.")
-    citation_weight: float = opt(0.2, "Weight of the citation-validity score inside the judged part.")
-    format_weight: float = opt(0.0, "Weight of the format score (added outside the multiplier).")
-    gate_judge_score_with_format_bonus: bool = opt(False, "Zero the judged part when the format is invalid.")
-    non_stop_penalty: bool = opt(False, "Replace the reward of responses that hit the length limit.")
-    non_stop_penalty_value: float = opt(0.0, "The reward given to such responses when non_stop_penalty is on.")
+    """The reward's weights. Every field but `verifier` is also a reward_weights column (schema.py derives them
+    from here, in this order), so each reward version records the settings it was computed with."""
+
+    verification_reward: float = opt(
+        10.0, "Multiplier on the judged part (rubric and citation scores in [0, 1]).", column="verification_reward"
+    )
+    rubric_weight: float = opt(1.0, "Weight of the rubric score inside the judged part.", column="rubric_weight")
+    citation_weight: float = opt(0.2, "Weight of the citation score inside the judged part.", column="citation_weight")
     citation_score: Literal["valid_ids", "f1", "dr_tulu"] = opt(
         "valid_ids",
         "The citation score in the judged part: 'valid_ids' = fraction of cited IDs present in the "
         "tool output (no judge call); 'f1' = claim-level F1 of citation support, each cited claim judged against "
         "its cited snippets (one judge call per cited claim, written to citation_claims); 'dr_tulu' = 0.6 F1 + "
         "0.4 valid-ID fraction.",
+        column="citation_score_kind",
+    )
+    format_weight: float = opt(
+        0.0, "Weight of the format score (added outside the multiplier).", column="format_weight"
+    )
+    gate_judge_score_with_format_bonus: bool = opt(
+        False, "Zero the judged part when the format is invalid.", column="gate_judge_score_with_format_bonus"
+    )
+    non_stop_penalty: bool = opt(
+        False, "Replace the reward of responses that hit the length limit.", column="non_stop_penalty"
+    )
+    non_stop_penalty_value: float = opt(
+        0.0, "The reward given to such responses when non_stop_penalty is on.", column="non_stop_penalty_value"
     )
     overlong_buffer: int = opt(
         0,
         "DAPO overlong penalty buffer B in tokens (0 = off): a response of L tokens "
         "gets min(0, -(L - (L_max - B)) / B * overlong_factor), L_max = "
         "rollout.max_new_tokens.",
+        column="overlong_buffer",
     )
-    overlong_factor: float = opt(1.0, "DAPO overlong penalty factor f (the penalty at L_max).")
+    overlong_factor: float = opt(
+        1.0, "DAPO overlong penalty factor f (the penalty at L_max).", column="overlong_factor"
+    )
+    distractor_penalty: float = opt(
+        0.0,
+        "Subtracted from the reward (outside the multiplier) when the answer cites a distractor: a snippet of the "
+        "tool output that the row does not list in supporting_ids. Checked against the data, no judge call; rows "
+        "without supporting_ids are never penalised.",
+        column="distractor_penalty",
+    )
     verifier: str = opt(
         "ground_truth",
         "Scores prompts that have no rubrics (prompts with rubrics are judged): "
@@ -419,6 +460,16 @@ class RewardConfig:
         "majority answer of an EMA teacher's rollouts (Co-rewarding-II, section teacher). Pseudo-labels "
         "are columns of reward_inputs.",
     )
+
+
+def reward_weight_fields() -> list[tuple[str, str, Any, str]]:
+    """(config field, reward_weights column, Python type, help) of every recorded reward setting, in order."""
+    hints = typing.get_type_hints(RewardConfig)
+    return [
+        (f.name, f.metadata["column"], hints[f.name], f.metadata["help"])
+        for f in dataclasses.fields(RewardConfig)
+        if "column" in f.metadata
+    ]
 
 
 @dataclass
@@ -588,13 +639,9 @@ class GRPOConfig:
 
 
 @dataclass
-class SFTConfig:
-    enabled: bool = opt(False, "Run the SFT warm start; GRPO policy and KL reference then start from its checkpoint.")
+class SFTConfig(SourceConfig):
     path: str = opt("", "SFT rows (same formats as data.path); '' = data.path. Rows without an answer are skipped.")
-    format: SourceFormat = opt("auto", "Format of sft.path (see data.format).")
-    fields: dict = opt({}, FIELDS_HELP)
-    split: str = opt("train", "Split to read from a save_to_disk DatasetDict or a hub dataset.")
-    hub_config: str = opt("", "Hub dataset configuration (subset) name; '' = the default one.")
+    enabled: bool = opt(False, "Run the SFT warm start; GRPO policy and KL reference then start from its checkpoint.")
     max_prompt_tokens: int = opt(6144, "Tokens before the first assistant turn.")
     prompt_policy: Literal["drop", "truncate"] = opt(
         "drop", "Over max_prompt_tokens: 'drop' the example, or 'truncate' (keep the last tokens of the prompt)."

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
+from refiner_core.config import GRPOConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
@@ -20,19 +21,21 @@ from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 NOT_FROM_GRPO = ("work_root", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged")
 
 
-def learner_settings(grpo: dict, temperature: float, precision: str, lora: dict | None = None) -> LearnerSettings:
+def learner_settings(grpo: GRPOConfig, temperature: float, precision: str, lora: dict | None = None) -> LearnerSettings:
     """The learner's view of the GRPO config; the sampling temperature comes from the rollout config, the
     compute precision and the LoRA settings (model.lora_*) from the model config."""
     lora = {**(lora or {})}
     if "lora_target_modules" in lora:
         lora["lora_target_modules"] = tuple(lora["lora_target_modules"])
-    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo["adam_betas"]), **lora}
-    fields = {k: grpo[k] for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in NOT_FROM_GRPO}
+    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo.adam_betas), **lora}
+    fields = {
+        k: getattr(grpo, k) for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in NOT_FROM_GRPO
+    }
     return LearnerSettings(**fields, **given)
 
 
 def build_train_samples(
-    rollouts: list[dict], rewards: list[dict], grpo: dict
+    rollouts: list[dict], rewards: list[dict], grpo: GRPOConfig
 ) -> tuple[list[TrainSample], list[dict], dict]:
     """Join rewards to rollouts and compute group advantages -> (train samples, advantage rows, stats)."""
     keys = {(r["prompt_id"], r["sample_idx"]) for r in rewards}
@@ -63,7 +66,7 @@ def grpo_loop(
     learner,
     prompts: list[list[int]],
     reward_fn: Callable[[Generation], float],
-    grpo: dict,
+    grpo: GRPOConfig,
     params: SamplingParams,
     steps: int,
     prompts_per_step: int,

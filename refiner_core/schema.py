@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from refiner_core.config import reward_weight_fields
+
 
 @dataclass(frozen=True)
 class Column:
@@ -49,6 +51,12 @@ PROMPTS = Table(
         _c("reasoning", S, "The search agent's reasoning given to the refiner."),
         _c("tool_output", S, "Raw search-tool output with <snippet id=...> blocks."),
         _c("snippet_ids", pa.list_(S), "IDs of the snippets present in tool_output."),
+        _c(
+            "supporting_ids",
+            pa.list_(S),
+            "IDs of the snippets that support the reference answer (data field supporting_ids); the others are "
+            "distractors. NULL when the row does not label them.",
+        ),
         _c("reference_answer", S, "Reference refined answer in the target format (may be empty)."),
         _c(
             "ground_truth", S, "Chat rows: the answer a ground-truth verifier checks responses against; NULL otherwise."
@@ -236,6 +244,17 @@ _REWARD_INPUT_COLUMNS = (
     _c("n_invalid_citations", I, "Cited IDs not present in the prompt's tool output."),
     _c("citation_valid_fraction", F, "Fraction of cited IDs that are valid (0 with no answer or no citation)."),
     _c(
+        "n_distractor_citations",
+        I,
+        "Cited IDs present in the tool output but not among the prompt's supporting_ids (distractors); NULL when "
+        "the prompt does not label its supporting snippets.",
+    ),
+    _c(
+        "cites_distractor",
+        B,
+        "n_distractor_citations > 0: the answer cites a snippet that does not support it; NULL without labels.",
+    ),
+    _c(
         "claims", I, "Claims in the answer (cited spans + uncited factual sentences); NULL when claims were not judged."
     ),
     _c(
@@ -262,21 +281,15 @@ REWARD_INPUTS = Table(
     _ROLLOUT_KEY + _REWARD_INPUT_COLUMNS,
 )
 
-_REWARD_WEIGHT_COLUMNS = (
-    _c("verification_reward", F, "Multiplier applied to the judged part."),
-    _c("rubric_weight", F, "Weight of rubric_score in the judged part."),
-    _c("citation_weight", F, "Weight of citation_score in the judged part."),
-    _c(
-        "citation_score_kind",
-        S,
-        "Which citation score enters the reward: 'valid_ids', 'f1' or 'dr_tulu' (0.6 F1 + 0.4 valid-ID fraction).",
-    ),
-    _c("format_weight", F, "Weight of format_score."),
-    _c("gate_judge_score_with_format_bonus", B, "Zero the judged part when the format is invalid."),
-    _c("non_stop_penalty", B, "Replace the reward of responses that hit the length limit."),
-    _c("non_stop_penalty_value", F, "The reward given instead when non_stop_penalized."),
-    _c("overlong_buffer", I, "DAPO overlong buffer B in tokens (0 = off)."),
-    _c("overlong_factor", F, "DAPO overlong factor f."),
+
+def _arrow_type(python_type) -> pa.DataType:
+    return {float: F, int: I, bool: B}.get(python_type, S)  # str and Literal[...] settings are strings
+
+
+# Derived from RewardConfig (its fields that name a column), plus the judge's failure treatment.
+_REWARD_WEIGHT_COLUMNS = tuple(
+    _c(column, _arrow_type(type_), doc) for _, column, type_, doc in reward_weight_fields()
+) + (
     _c(
         "on_failure",
         S,
@@ -320,12 +333,13 @@ REWARDS = Table(
         _c("gated", B, "True when the judged part was zeroed because format_ok is false (gating on)."),
         _c("non_stop_penalized", B, "True when the reward was replaced by the non-stop penalty."),
         _c("overlong_penalty", F, "max(-f, min(0, -(L - (L_max - B)) / B * f)), 0 when the buffer is off."),
+        _c("distractor_term", F, "-distractor_penalty when cites_distractor, else 0."),
         _c("dropped", B, "Left out of the update: a judgment failed under on_failure 'drop'."),
         _c(
             "reward",
             F,
-            "verification_reward * judged_score + format_weight * format_score + overlong_penalty, "
-            "or non_stop_penalty_value when non_stop_penalized.",
+            "verification_reward * judged_score + format_weight * format_score + overlong_penalty + "
+            "distractor_term, or non_stop_penalty_value when non_stop_penalized.",
         ),
     ),
 )

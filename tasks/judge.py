@@ -5,7 +5,8 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.config import RewardConfig
-from refiner_core.judges.base import make_judge, score_rollouts
+from refiner_core.judges.base import make_judge
+from refiner_core.reward.score import score_rollouts
 from refiner_core.runtime import live
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.store.storage import read_rows, write_table

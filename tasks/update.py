@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
+from refiner_core.config import GRPOConfig
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
@@ -48,8 +49,9 @@ def grpo_update(
     reward_rows = [
         r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"
     ]
-    samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo_cfg)
-    settings = learner_settings(grpo_cfg, temperature, precision, lora)
+    grpo = GRPOConfig(**grpo_cfg)
+    samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo)
+    settings = learner_settings(grpo, temperature, precision, lora)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
     model = live.model_folder(policy)
@@ -58,7 +60,7 @@ def grpo_update(
     saved_state = any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES)
     if step > 0 and not live.is_unsaved(policy) and not saved_state:
         log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
-    learner_key = live.learner_key(grpo_cfg["learner"], model, reference, settings, dtype)
+    learner_key = live.learner_key(grpo.learner, model, reference, settings, dtype)
     learner = live.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
     if learner is None and live.is_unsaved(policy):  # a retry after a failed step: its learner was dropped
         raise FileNotFoundError(
@@ -73,7 +75,7 @@ def grpo_update(
         else f"learner loaded from {policy['path']}",
     )
     learner = learner or make_learner(
-        grpo_cfg["learner"], policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
+        grpo.learner, policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
     )
     try:
         metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)

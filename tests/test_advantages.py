@@ -65,11 +65,11 @@ def test_ddof_outside_0_1_is_an_error():
 
 def test_group_advantages_reads_the_config_field():
     rows = [{"prompt_id": g, "sample_idx": i, "reward": r} for i, (r, g) in enumerate(zip(REWARDS, GROUPS))]
-    grpo = load_recipe(None, ["grpo.advantage_std_ddof=1", "grpo.advantage_eps=0"]).to_dict()["grpo"]
+    grpo = load_recipe(None, ["grpo.advantage_std_ddof=1", "grpo.advantage_eps=0"]).grpo
     out, _ = group_advantages(rows, grpo)
     assert [round(a["advantage"], 6) for a in out[:4]] == [0.866025, -0.866025, -0.866025, 0.866025]
-    grpo0 = load_recipe(None, ["grpo.advantage_eps=0"]).to_dict()["grpo"]
-    assert grpo0["advantage_std_ddof"] == 0
+    grpo0 = load_recipe(None, ["grpo.advantage_eps=0"]).grpo
+    assert grpo0.advantage_std_ddof == 0
     out0, _ = group_advantages(rows, grpo0)
     assert [round(a["advantage"], 6) for a in out0[:4]] == [1.0, -1.0, -1.0, 1.0]
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import catalog_rows
 from refiner_core.config import RewardConfig, load_recipe
-from refiner_core.judges.base import score_rollouts
+from refiner_core.reward.score import score_rollouts
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,8 @@ claim judgments (a rule-based judge: a claim is fully supported when its text ap
 import math
 
 from refiner_core.config import RewardConfig
-from refiner_core.judges.base import score_rollouts
 from refiner_core.reward.citations import citation_scores, extract_claims, snippet_texts
+from refiner_core.reward.score import score_rollouts
 
 TOOL = (
     "<snippet id=s1>Title: A\nText: Fleming found penicillin in 1928.</snippet>\n"

@@ -222,19 +222,23 @@ def test_eval_reward_parts_match_the_training_reward_code(sft_eval_run):
     _, run_dir, _, _ = sft_eval_run
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
     try:
-        cur = con.execute("SELECT e.*, p.snippet_ids FROM evals e JOIN prompts p USING (run, prompt_id)")
+        cur = con.execute(
+            "SELECT e.*, p.snippet_ids, p.supporting_ids FROM evals e JOIN prompts p USING (run, prompt_id)"
+        )
         names = [d[0] for d in cur.description]
         rows = [dict(zip(names, r)) for r in cur.fetchall()]
     finally:
         con.close()
     for row in rows:
-        parts = format_parts(row["response_text"], row["snippet_ids"])
+        parts = format_parts(row["response_text"], row["snippet_ids"], row["supporting_ids"])
         assert {k: row[k] for k in parts} == parts
+        assert row["supporting_ids"] is not None  # the sample rows label their supporting snippets
         assert row["passed"] == passes(row, 0.5)
         assert row["reward"] == pytest.approx(
             row["verification_reward"]
             * (row["rubric_weight"] * row["rubric_score"] + row["citation_weight"] * row["citation_score"])
             + row["format_weight"] * row["format_score"]
+            + row["distractor_term"]
         )
 
 
@@ -261,8 +265,8 @@ def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
     assert code == 0, err
     from PIL import Image
 
-    with Image.open(tmp_path / "curves.png") as png:  # two rows of four panels: training and held-out curves
-        assert png.size == (1600, 600)
+    with Image.open(tmp_path / "curves.png") as png:  # training curves above, held-out curves below
+        assert png.size == (2000, 600)  # five held-out panels under four training ones
 
 
 def test_documented_eval_query_runs_on_a_real_catalog(sft_eval_run):

@@ -9,6 +9,7 @@ import torch
 from conftest import learner_settings
 from refiner_core.algo.advantages import compute_advantages, zero_std_groups
 from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
+from refiner_core.config import GRPOConfig
 from refiner_core.learners.base import TrainSample, collate
 from refiner_core.learners.torch_learner import TorchLearner
 
@@ -34,7 +35,7 @@ def test_dropped_rollouts_leave_the_update_and_their_group_uses_the_others():
     rewards += [{"prompt_id": "b", "sample_idx": i, "reward": 2.0, "dropped": False} for i in range(2)]
     rows, stats = group_advantages(
         rewards,
-        {"advantage": "group_std", "advantage_eps": 1e-9, "advantage_std_ddof": 0, "filter_zero_std_groups": True},
+        GRPOConfig(advantage="group_std", advantage_eps=1e-9, advantage_std_ddof=0, filter_zero_std_groups=True),
     )
     by = {(r["prompt_id"], r["sample_idx"]): r for r in rows}
     # mean 2, std 1: the dropped 100 is ignored

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from fault_server import LoopbackServer
 from refiner_core.config import RewardConfig
-from refiner_core.judges.base import score_rollouts
 from refiner_core.judges.openai_judge import make_openai_judge
+from refiner_core.reward.score import score_rollouts
 from test_openai_judge import make_batch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ CORE = REPO / "refiner_core"
 # Bottom to top: a package (or top-level module) may import only those before it.
 LAYERS = [
     "refiner_core",
-    "schema",
     "config",
+    "schema",
     "algo",
     "store",
     "data",
@@ -28,8 +28,8 @@ LAYERS = [
     "learners",
     "rollout",
     "rubrics",
-    "reward",
     "judges",
+    "reward",
     "eval",
     "agent",
     "sft",

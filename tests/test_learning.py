@@ -1,7 +1,5 @@
 """GRPO that does not learn is not GRPO: the tiny model must climb a toy reward."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -18,7 +16,7 @@ def _run(tiny_model_path, tiny_tokenizer, reward_fn, steps, precision="fp32", **
     torch.manual_seed(0)
     policy = load_model(tiny_model_path, trainable=True)
     reference = load_model(tiny_model_path)
-    grpo = dataclasses.asdict(GRPOConfig(micro_batch_size=32, **grpo_overrides))
+    grpo = GRPOConfig(micro_batch_size=32, **grpo_overrides)
     learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, learner_settings(grpo, 1.0, precision))
     engine = HFRolloutEngine(policy, tiny_tokenizer, batch_size=64, precision=precision)  # the live weights
     prompts = [

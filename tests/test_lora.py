@@ -5,7 +5,6 @@ with lora_save_merged, the merged weights; a vLLM engine built with adapter_rank
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -118,7 +117,7 @@ def test_reward_rises_through_adapters_only_on_smollm2():
     torch.manual_seed(0)
     path = resolve_model("smollm2-135m-instruct")
     tokenizer = load_tokenizer(path)
-    grpo = dataclasses.asdict(GRPOConfig(micro_batch_size=32, learning_rate=3e-3, beta=0.0))
+    grpo = GRPOConfig(micro_batch_size=32, learning_rate=3e-3, beta=0.0)
     settings = grpo_learner_settings(
         grpo,
         1.0,

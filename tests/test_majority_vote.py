@@ -96,7 +96,7 @@ def test_twin_verifier_labels_each_view_by_the_other_views_majority():
 
 
 def test_without_ground_truth_correct_is_null_and_rewards_still_come_from_the_label():
-    from refiner_core.judges.base import score_rollouts
+    from refiner_core.reward.score import score_rollouts
 
     class NoJudge:  # verified prompts must not reach a judge
         name = "none"

@@ -11,8 +11,8 @@ import pytest
 
 from fault_server import CLIENT_TIMEOUT, FaultServer
 from refiner_core.config import RewardConfig
-from refiner_core.judges.base import JudgeFailed, score_rollouts
 from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
+from refiner_core.reward.score import JudgeFailed, score_rollouts
 from refiner_core.runtime.http_chat import AnswerCache, RetryPolicy
 from refiner_core.schema import JUDGE_SCORES
 from refiner_core.store.storage import read_rows, write_table

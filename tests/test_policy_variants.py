@@ -585,9 +585,7 @@ OPTIONS = [
 def test_recipe_option_runs_one_update(tiny_model_path, overrides):
     from refiner_core.models import load_model
 
-    grpo = load_recipe(None, [*overrides, "grpo.minibatches=2", "grpo.beta=0.05", "grpo.learning_rate=1e-3"]).to_dict()[
-        "grpo"
-    ]
+    grpo = load_recipe(None, [*overrides, "grpo.minibatches=2", "grpo.beta=0.05", "grpo.learning_rate=1e-3"]).grpo
     g = torch.Generator().manual_seed(0)
     rollouts, rewards = [], []
     for p in range(2):
@@ -613,30 +611,30 @@ def test_recipe_option_runs_one_update(tiny_model_path, overrides):
     assert all(math.isfinite(metrics[k]) for k in ("loss", "pg_loss", "kl", "grad_norm"))
     assert metrics["grad_norm"] > 0
     assert any((p.detach() - q).abs().max() > 0 for p, q in zip(policy.parameters(), before))
-    assert ("entropy" in metrics) == (grpo["entropy_coef"] != 0)
+    assert ("entropy" in metrics) == (grpo.entropy_coef != 0)
 
 
 def test_defaults_keep_the_clipped_surrogate_and_token_truncation():
-    grpo = load_recipe(None).to_dict()["grpo"]
+    grpo = load_recipe(None).grpo
     assert (
-        grpo["policy_loss"],
-        grpo["kl_estimator"],
-        grpo["entropy_coef"],
-        grpo["tis_cap"],
-        grpo["tis_floor"],
-        grpo["tis_level"],
-        grpo["tis_mode"],
-        grpo["advantage"],
+        grpo.policy_loss,
+        grpo.kl_estimator,
+        grpo.entropy_coef,
+        grpo.tis_cap,
+        grpo.tis_floor,
+        grpo.tis_level,
+        grpo.tis_mode,
+        grpo.advantage,
     ) == ("ppo_clip", "k3", 0.0, 0.0, 0.0, "token", "truncate", "group_std")
 
 
 def test_unknown_names_and_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="not one of"):
         load_recipe(None, ["grpo.policy_loss=ppo2"])
-    grpo = load_recipe(None, ["grpo.policy_loss=dual_clip", "grpo.dual_clip_c=0.9"]).to_dict()["grpo"]
+    grpo = load_recipe(None, ["grpo.policy_loss=dual_clip", "grpo.dual_clip_c=0.9"]).grpo
     with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
         learner_settings(grpo, 1.0, "fp32")
-    grpo = load_recipe(None, ["grpo.tis_cap=2", "grpo.tis_floor=3"]).to_dict()["grpo"]
+    grpo = load_recipe(None, ["grpo.tis_cap=2", "grpo.tis_floor=3"]).grpo
     with pytest.raises(ValueError, match="tis_floor"):
         learner_settings(grpo, 1.0, "fp32")
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "ratio_k1", "k1+", "k2+", "k3+"}

@@ -16,7 +16,7 @@ from refiner_core.preflight import check_recipe
 
 REPO = Path(__file__).parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
-COLUMNS = "id, question, reasoning, tool_output, answer, positive_rubrics, negative_rubrics"
+COLUMNS = "id, question, reasoning, tool_output, answer, supporting_ids, positive_rubrics, negative_rubrics"
 
 
 def problems(*overrides: str, recipe: Path = REPO / "recipes" / "tiny.yaml") -> list[str]:

@@ -3,7 +3,8 @@ import math
 import pytest
 
 from refiner_core.config import RewardConfig
-from refiner_core.reward.compose import compute_rewards, format_parts, orient, parse_judge_output, weight_row
+from refiner_core.judges.base import parse_judge_output
+from refiner_core.reward.compose import compute_rewards, format_parts, orient, weight_row
 
 IDS = ["a1b2c3", "d4e5f6"]
 GOOD = "<answer><snippet id=a1b2c3,d4e5f6>claim</snippet> and <snippet id=ffffff>bad</snippet></answer>"
@@ -118,7 +119,47 @@ def test_format_parts_counts_each_cited_id():
         "n_citations": 0,
         "n_invalid_citations": 0,
         "citation_valid_fraction": 0.0,
+        "n_distractor_citations": None,
+        "cites_distractor": None,
     }
+
+
+# Three snippets: S1 and S2 support the answer, D1 is the distractor.
+SNIPPETS, SUPPORTING = ["S1", "S2", "D1"], ["S1", "S2"]
+
+
+@pytest.mark.parametrize(
+    "text,n_distractor,cites",
+    [
+        ("<answer><snippet id=S1>a</snippet> <snippet id=S2>b</snippet></answer>", 0, False),
+        ("<answer><snippet id=S1,D1>a</snippet></answer>", 1, True),
+        ("<answer><snippet id=D1>a</snippet> <snippet id=D1,S2>b</snippet></answer>", 2, True),
+        ("<answer><snippet id=XX>invented</snippet></answer>", 0, False),  # an invalid ID is not a distractor
+        ("<answer>no citation</answer>", 0, False),
+        ("prose, no answer block, mentions D1", 0, False),
+    ],
+)
+def test_distractor_citations_hand_counted(text, n_distractor, cites):
+    parts = format_parts(text, SNIPPETS, SUPPORTING)
+    assert (parts["n_distractor_citations"], parts["cites_distractor"]) == (n_distractor, cites)
+    unlabeled = format_parts(text, SNIPPETS, None)  # a row without supporting_ids is never judged on distractors
+    assert (unlabeled["n_distractor_citations"], unlabeled["cites_distractor"]) == (None, None)
+
+
+def test_distractor_penalty_enters_the_reward_outside_the_multiplier():
+    clean = format_parts("<answer><snippet id=S1>a</snippet></answer>", SNIPPETS, SUPPORTING)
+    dirty = format_parts("<answer><snippet id=S1,D1>a</snippet></answer>", SNIPPETS, SUPPORTING)
+    unlabeled = format_parts("<answer><snippet id=S1,D1>a</snippet></answer>", SNIPPETS, None)
+    inputs = [_inputs(sample_idx=i, **parts) for i, parts in enumerate((clean, dirty, unlabeled))]
+    scores = [_score_row(0.5, sample_idx=i) for i in range(3)]
+    weights = dict(verification_reward=10.0, rubric_weight=1.0, citation_weight=0.2, format_weight=1.0)
+    rows = _rewards(inputs, scores, distractor_penalty=2.0, **weights)
+    # judged part: 1.0 * 0.5 + 0.2 * citation_valid_fraction (1.0 each) = 0.7; x10 = 7.0; + format 1.0 = 8.0
+    assert [r["distractor_term"] for r in rows] == [0.0, -2.0, 0.0]
+    assert [r["reward"] for r in rows] == pytest.approx([8.0, 6.0, 8.0])
+    assert [r["distractor_penalty"] for r in rows] == [2.0] * 3
+    off = _rewards(inputs, scores, **weights)  # the default penalty is 0: the reward is unchanged
+    assert [r["reward"] for r in off] == pytest.approx([8.0, 8.0, 8.0])
 
 
 def test_rubric_mean_under_each_failure_treatment():

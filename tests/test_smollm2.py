@@ -7,9 +7,9 @@ import json
 import pytest
 
 from refiner_core.data.prompts import judge_messages, refiner_messages, render_prompt
+from refiner_core.judges.base import parse_judge_output
 from refiner_core.judges.transformers_judge import make_transformers_judge
 from refiner_core.models import SMOLLM2, load_model, load_tokenizer, resolve_model
-from refiner_core.reward.compose import parse_judge_output
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 

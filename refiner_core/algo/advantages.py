@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from refiner_core.config import GRPOConfig
+
 
 def _std(values: np.ndarray, ddof: int) -> float:
     return float(values.std(ddof=ddof)) if len(values) > ddof else 0.0
@@ -98,7 +100,7 @@ def zero_std_groups(rewards: Sequence[float], groups: Sequence) -> set:
     return {k for k in np.unique(g).tolist() if np.ptp(r[g == k]) == 0}
 
 
-def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]:
+def group_advantages(rewards: list[dict], grpo: GRPOConfig) -> tuple[list[dict], dict]:
     """Per reward row (keyed by prompt_id, sample_idx): its group-relative advantage and whether it is trained.
 
     Rows marked `dropped` (a failed judgment under judge.on_failure 'drop') take no part: their group's
@@ -107,7 +109,7 @@ def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]
     values = [r["reward"] for r in kept]
     groups = [r["prompt_id"] for r in kept]
     adv = (
-        compute_advantages(values, groups, grpo["advantage"], grpo["advantage_eps"], grpo["advantage_std_ddof"])
+        compute_advantages(values, groups, grpo.advantage, grpo.advantage_eps, grpo.advantage_std_ddof)
         if kept
         else np.array([])
     )
@@ -119,7 +121,7 @@ def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]
             "sample_idx": r["sample_idx"],
             "reward": r["reward"],
             "advantage": advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0),
-            "trained": not r.get("dropped") and not (grpo["filter_zero_std_groups"] and r["prompt_id"] in flat),
+            "trained": not r.get("dropped") and not (grpo.filter_zero_std_groups and r["prompt_id"] in flat),
         }
         for r in rewards
     ]
@@ -127,7 +129,7 @@ def group_advantages(rewards: list[dict], grpo: dict) -> tuple[list[dict], dict]
         "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
         "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),
         "informative_groups": len(set(groups) - flat),
-        "dropped_groups": len(flat) if grpo["filter_zero_std_groups"] else 0,
+        "dropped_groups": len(flat) if grpo.filter_zero_std_groups else 0,
     }
     return rows, stats
 

@@ -176,7 +176,21 @@ def check_row(row: dict) -> tuple[str, str] | None:
         check = check_citations(parsed, ids)
         if check.n_invalid:
             return "unknown_snippet_id", f"answer cites IDs absent from tool_output: {sorted(set(check.invalid_ids))}"
-    return _check_rubrics(row)
+    return _check_supporting_ids(row.get("supporting_ids"), ids) or _check_rubrics(row)
+
+
+def _check_supporting_ids(supporting, snippet_ids: list[str]) -> tuple[str, str] | None:
+    """supporting_ids, when given, is a non-empty list of IDs of the row's own snippets."""
+    if supporting is None:
+        return None
+    if not isinstance(supporting, list) or not all(isinstance(i, str) for i in supporting):
+        return "wrong_type", f"field 'supporting_ids' must be a list of snippet IDs, got {supporting!r}"
+    if not supporting:
+        return "unknown_supporting_id", "supporting_ids is empty: name at least one snippet, or leave the field out"
+    unknown = sorted(set(supporting) - set(snippet_ids))
+    if unknown:
+        return "unknown_supporting_id", f"supporting_ids names IDs absent from tool_output: {unknown}"
+    return None
 
 
 def _check_rubrics(row: dict) -> tuple[str, str] | None:
@@ -291,6 +305,7 @@ def prompt_fields(row: dict) -> dict:
             "reasoning": row["reasoning"],
             "tool_output": row["tool_output"],
             "answer": row.get("answer") or "",
+            "supporting_ids": row.get("supporting_ids"),
             "ground_truth": None,
             "twin_id": None,
         }
@@ -308,6 +323,7 @@ def prompt_fields(row: dict) -> dict:
         "reasoning": "",
         "tool_output": "\n".join(m["content"] for m in prompt if m["role"] == "tool"),
         "answer": answer,
+        "supporting_ids": None,
         "ground_truth": truth,
         "twin_id": str(twin) if twin not in (None, "") else None,
     }
@@ -387,6 +403,7 @@ def prepare_prompts(
                 "reasoning": view["reasoning"],
                 "tool_output": view["tool_output"],
                 "snippet_ids": tool_snippet_ids(view["tool_output"]),
+                "supporting_ids": view["supporting_ids"],
                 "reference_answer": answer,
                 "ground_truth": view["ground_truth"],
                 "twin_id": view["twin_id"],

@@ -140,6 +140,7 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
         for r in group:
             by_prompt.setdefault(r["prompt_id"], []).append(bool(r["passed"]))
         n = len(group)
+        labeled = [r["cites_distractor"] for r in group if r.get("cites_distractor") is not None]
         k = min(pass_k, *(len(v) for v in by_prompt.values())) if pass_k else 1
         summary.append(
             {
@@ -150,6 +151,8 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
                 "responses": n,
                 "format_valid": sum(bool(r["format_ok"]) for r in group) / n,
                 "citation_valid": sum(citation_validity(r) for r in group) / n,
+                # Among responses to prompts that label their supporting snippets; None when none do.
+                "cites_distractor": sum(labeled) / len(labeled) if labeled else None,
                 "judge_score": _mean([r["rubric_score"] for r in group if r["verifier"] == "judge"]),
                 "reward": sum(r["reward"] for r in group) / n,
                 "stopped": sum(r["finish_reason"] == "stop" for r in group) / n,
@@ -174,6 +177,7 @@ def format_table(summary: list[dict]) -> str:
         "prompts",
         "format-valid",
         "citations valid",
+        "cites distractor",
         "judge score",
         "reward",
         "stopped",
@@ -191,6 +195,7 @@ def format_table(summary: list[dict]) -> str:
                 str(s["prompts"]),
                 f"{s['format_valid']:.0%}",
                 f"{s['citation_valid']:.0%}",
+                "-" if s["cites_distractor"] is None else f"{s['cites_distractor']:.0%}",
                 judge,
                 f"{s['reward']:.2f}",
                 f"{s['stopped']:.0%}",
@@ -219,7 +224,7 @@ def score_responses(
 ) -> list[dict]:
     """Score eval responses with the training reward code and return `evals` rows. Modes are scored apart: a
     greedy and a sampled response can share a sample index."""
-    from refiner_core.judges.base import score_rollouts
+    from refiner_core.reward.score import score_rollouts
     from refiner_core.schema import EVALS
 
     rows = []

@@ -1,4 +1,4 @@
-"""Judge scoring: format/citation checks plus an LLM rubric judge, composed into rewards.
+"""The judge interface: chat-message lists in, raw text completions out, and the parse of a score.
 
 A judge turns chat-message lists into raw text completions. Judges register in JUDGES by "module:factory"
 string: 'transformers' runs a model in-process, 'openai' calls an OpenAI-compatible server (cached, concurrent).
@@ -8,22 +8,12 @@ A judge may also offer `complete_detailed`, returning one `Completion` per conve
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from refiner_core.config import RewardConfig
-from refiner_core.data.formats import parse_answer
-from refiner_core.data.prompts import claim_support_messages, judge_messages
-from refiner_core.reward.citations import (
-    NO_ANSWER_SCORES,
-    NOT_JUDGED_SCORES,
-    citation_scores,
-    extract_claims,
-    snippet_texts,
-)
-from refiner_core.reward.compose import compute_rewards, format_parts, orient, parse_judge_output, weight_row
-from refiner_core.reward.verifiers import make_verifier, verdict_columns
 from refiner_core.runtime.registry import resolve
 
 
@@ -44,10 +34,6 @@ class Completion:
     cache_hit: bool = False
     judge_model: str = ""
     prompt_hash: str = ""
-
-
-class JudgeFailed(RuntimeError):
-    """judge.on_failure 'fail': some (rollout, rubric) pair got no valid judgment."""
 
 
 JUDGES: dict[str, str] = {
@@ -86,182 +72,37 @@ def judge_completions(judge: Judge, conversations: list[list[dict]]) -> list[Com
     ]
 
 
-@dataclass
-class Scored:
-    """A step's judgments and the rewards computed from them (one list of table rows each)."""
-
-    judge_scores: list[dict]
-    citation_claims: list[dict]
-    reward_inputs: list[dict]
-    reward_weights: list[dict]
-    rewards: list[dict]
+_JSON_OBJ_RE = re.compile(r"\{[^{}]*\}")
 
 
-def score_rollouts(
-    rollouts: list[dict],
-    prompts: dict[str, dict],
-    rubrics: dict[str, list[dict]],
-    judge: Judge,
-    weights: RewardConfig,
-    on_failure: str,
-    max_response_chars: int,
-    max_new_tokens: int,
-    version: str = "train",
-) -> Scored:
-    """Judge every (rollout, rubric) pair (and every cited claim when the citation score needs it), verify the
-    prompts without rubrics, and compute rewards by REWARD_SQL."""
-    pairs, conversations = [], []
-    for r in rollouts:
-        prompt = prompts[r["prompt_id"]]
-        answer = judged_text(r["response_text"])[:max_response_chars]
-        for rubric in rubrics.get(r["prompt_id"], []):
-            pairs.append((r, rubric))
-            conversations.append(judge_messages(prompt["question"], answer, rubric["description"]))
-    claims = _claims_to_judge(rollouts, prompts, rubrics) if weights.citation_score != "valid_ids" else []
-    claim_conversations = [c["conversation"] for _, found in claims for c in found or () if c["conversation"]]
-    outputs = judge_completions(judge, conversations + claim_conversations)
-    rubric_outputs, claim_outputs = outputs[: len(conversations)], iter(outputs[len(conversations) :])
+@dataclass(frozen=True)
+class JudgeParse:
+    raw_score: float | None  # on the judge's 0-2 scale
+    failure: str | None
 
-    score_rows = []
-    for (r, rubric), done in zip(pairs, rubric_outputs, strict=True):
-        score, raw_score, failure = _parsed(done)
-        score_rows.append(
-            {
-                "run": r["run"],
-                "step": r["step"],
-                "prompt_id": r["prompt_id"],
-                "sample_idx": r["sample_idx"],
-                "rubric_id": rubric["rubric_id"],
-                "kind": rubric["kind"],
-                "weight": rubric["weight"],
-                "judge": judge.name,
-                "raw_output": done.text,
-                "raw_score": raw_score,
-                "score": score,
-                "oriented_score": None if score is None else orient(score, rubric["kind"]),
-                "failure": failure,
-                "latency_seconds": done.latency_seconds,
-                "attempts": done.attempts,
-                "cache_hit": done.cache_hit,
-                "judge_model": done.judge_model,
-                "prompt_hash": done.prompt_hash,
-            }
-        )
-    claim_rows, citation = _judged_claims(claims, claim_outputs)
-    failures = [s for s in score_rows + claim_rows if s["failure"] is not None]
-    if on_failure == "fail" and failures:
-        first = failures[0]
-        raise JudgeFailed(
-            f"{len(failures)} of {len(score_rows) + len(claim_rows)} judgments failed "
-            f"(judge.on_failure='fail'); first: prompt {first['prompt_id']} sample "
-            f"{first['sample_idx']}: {first['failure']}"
-        )
-
-    verifier = make_verifier(weights.verifier)
-    unjudged = [r for r in rollouts if not rubrics.get(r["prompt_id"])]
-    verdicts = dict(
-        zip(((r["prompt_id"], r["sample_idx"]) for r in unjudged), verifier(unjudged, prompts) if unjudged else [])
-    )
-    input_rows = []
-    for r in rollouts:
-        key = (r["prompt_id"], r["sample_idx"])
-        verdict = verdicts.get(key)
-        input_rows.append(
-            {
-                "run": r["run"],
-                "step": r["step"],
-                "prompt_id": r["prompt_id"],
-                "sample_idx": r["sample_idx"],
-                "verifier": "judge" if verdict is None else weights.verifier,
-                **verdict_columns(verdict),
-                **format_parts(r["response_text"], prompts[r["prompt_id"]]["snippet_ids"]),
-                **citation.get(key, NOT_JUDGED_SCORES),
-                "finish_reason": r["finish_reason"],
-                "response_tokens": r["response_tokens"],
-                "max_new_tokens": max_new_tokens,
-            }
-        )
-    weight_rows = [
-        weight_row(run, step, version, weights, on_failure)
-        for run, step in sorted({(r["run"], r["step"]) for r in rollouts})
-    ]
-    return Scored(score_rows, claim_rows, input_rows, weight_rows, compute_rewards(input_rows, score_rows, weight_rows))
+    @property
+    def score(self) -> float | None:
+        """0/1/2 -> 0/0.5/1; fractional scores (probability-weighted judges) map linearly."""
+        return None if self.raw_score is None else self.raw_score / 2.0
 
 
-def _parsed(done: Completion) -> tuple[float | None, float | None, str | None]:
-    """(score in [0, 1], raw 0-2 score, failure) of one judge answer."""
-    if done.text is None or done.failure is not None:
-        return None, None, done.failure or "no_answer"
-    parsed = parse_judge_output(done.text)
-    return parsed.score, parsed.raw_score, parsed.failure
-
-
-def _claims_to_judge(
-    rollouts: list[dict], prompts: dict[str, dict], rubrics: dict[str, list[dict]]
-) -> list[tuple[dict, list[dict] | None]]:
-    """(rollout, its claims) for each judged rollout; each claim carries the judge conversation rating it (None
-    when no call is needed: uncited, or citing only invented IDs). No answer block: claims None."""
-    claims = []
-    for r in rollouts:
-        prompt = prompts[r["prompt_id"]]
-        if not rubrics.get(r["prompt_id"]):
-            continue  # verified prompts have no snippets to cite
-        found = extract_claims(r["response_text"], prompt["snippet_ids"])
-        texts = snippet_texts(prompt["tool_output"])
-        claims.append(
-            (
-                r,
-                None
-                if found is None
-                else [
-                    {
-                        "claim": c,
-                        "conversation": claim_support_messages(c.text, [(i, texts.get(i, "")) for i in c.valid_ids])
-                        if c.valid_ids
-                        else None,
-                    }
-                    for c in found
-                ],
-            )
-        )
-    return claims
-
-
-def _judged_claims(claims: list[tuple[dict, list[dict] | None]], outputs) -> tuple[list[dict], dict]:
-    """citation_claims rows and per-rollout precision/recall/F1, consuming the claim judgments in order."""
-    rows, scores = [], {}
-    for r, found in claims:
-        key = (r["prompt_id"], r["sample_idx"])
-        if found is None:
-            scores[key] = NO_ANSWER_SCORES
+def parse_judge_output(text: str) -> JudgeParse:
+    """The first JSON object with a 'score' key; the score must be a number in [0, 2]."""
+    for match in _JSON_OBJ_RE.finditer(text):
+        try:
+            obj = json.loads(match.group(0))
+        except json.JSONDecodeError:
             continue
-        supports = []
-        for idx, item in enumerate(found):
-            claim, done = item["claim"], next(outputs) if item["conversation"] else None
-            support, _, failure = _parsed(done) if done is not None else (0.0 if claim.cited_ids else None, None, None)
-            supports.append(support)
-            rows.append(
-                {
-                    "run": r["run"],
-                    "step": r["step"],
-                    "prompt_id": r["prompt_id"],
-                    "sample_idx": r["sample_idx"],
-                    "claim_idx": idx,
-                    "claim": claim.text,
-                    "cited_ids": list(claim.cited_ids),
-                    "valid_ids": list(claim.valid_ids),
-                    "support": support if claim.cited_ids else None,
-                    "raw_output": None if done is None else done.text,
-                    "failure": failure,
-                    "cache_hit": None if done is None else done.cache_hit,
-                    "prompt_hash": None if done is None else done.prompt_hash,
-                }
-            )
-        scores[key] = citation_scores(supports, [bool(item["claim"].cited_ids) for item in found])
-    return rows, scores
-
-
-def judged_text(response_text: str) -> str:
-    """What the judge sees: the text inside <answer> when present, else the whole response."""
-    parsed = parse_answer(response_text)
-    return parsed.answer_text if parsed.has_answer else response_text
+        if not isinstance(obj, dict) or "score" not in obj:
+            continue
+        value = obj["score"]
+        if isinstance(value, bool):
+            return JudgeParse(None, f"non_numeric: score {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return JudgeParse(None, f"non_numeric: score {value!r}")
+        if not 0.0 <= number <= 2.0:
+            return JudgeParse(None, f"out_of_range: score {value!r} not in [0, 2]")
+        return JudgeParse(number, None)
+    return JudgeParse(None, "unparseable: no JSON object with a 'score' key")

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from refiner_core.config import JudgeConfig
-from refiner_core.judges.base import Completion
+from refiner_core.judges.base import Completion, parse_judge_output
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
-from refiner_core.reward.compose import parse_judge_output
 from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_with_retries
 
 # What a GET /models entry says about the weights behind a name (vLLM: `root` is the folder or hub id it loaded,

@@ -114,6 +114,8 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
     )
     if reward["format_weight"]:
         judged += f" + {reward['format_weight']} x format score"
+    if reward.get("distractor_penalty"):
+        judged += f" - {reward['distractor_penalty']} if it cites a distractor snippet"
     learner = grpo["learner"]
     if learner == "deepspeed":
         learner += f", ZeRO stage {grpo['zero_stage']}, {grpo['world_size']} rank(s)"
@@ -184,6 +186,7 @@ def _eval_table(evals: list[dict]) -> str:
         "prompts",
         "format-valid",
         "citations valid",
+        "cites distractor",
         "judge score",
         "reward",
         "pass@1",
@@ -197,6 +200,7 @@ def _eval_table(evals: list[dict]) -> str:
             e["prompts"],
             f"{e['format_valid']:.0%}",
             f"{e['citation_valid']:.0%}",
+            "-" if e.get("cites_distractor") is None else f"{e['cites_distractor']:.0%}",
             "-" if e["judge_score"] is None else f"{e['judge_score']:.3f}",
             f"{e['reward']:.3f}",
             f"{e['pass_at_1']:.0%}",

@@ -11,10 +11,11 @@ from pathlib import Path
 EVAL_PANELS = [
     ("format_valid", "eval: format-valid (%)"),
     ("citation_valid", "eval: citations valid (%)"),
+    ("cites_distractor", "eval: cites a distractor (%)"),
     ("judge_score", "eval: judge rubric score"),
     ("pass_at_k", "eval: pass@k (%)"),
 ]
-RATES = {"format_valid", "citation_valid", "pass_at_k"}
+RATES = {"format_valid", "citation_valid", "cites_distractor", "pass_at_k"}
 DPI = 100
 # A data: URI is stored in every version of its artifact (one per step): past this many PNG bytes the embedded
 # copy is drawn at a lower resolution (RUN_DIR/curves.png keeps DPI).
@@ -83,8 +84,11 @@ def _draw(steps: list[dict], evals: list[dict] | None):
         ("response_length_mean", "response tokens (mean)"),
     ]
     if evals:  # training curves on the first row, held-out curves on the second
-        fig, axes = plt.subplots(2, 4, figsize=(16, 6), constrained_layout=True)
+        columns = len(EVAL_PANELS)
+        fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 6), constrained_layout=True)
         step_axes, eval_axes = list(axes[0]), list(axes[1])
+        for ax in step_axes[len(panels) :]:
+            ax.axis("off")
     else:
         fig, axes = plt.subplots(2, 2, figsize=(9, 6), constrained_layout=True)
         step_axes, eval_axes = list(axes.flat), []
@@ -110,10 +114,10 @@ def _eval_panel(ax, evals: list[dict], key: str) -> None:
         trained = [e for e in evals if e["mode"] == mode and e["phase"] != "base"] or [
             e for e in evals if e["mode"] == mode
         ]
-        points = [(e["step"], e[key] * scale) for e in trained if e[key] is not None]
+        points = [(e["step"], e[key] * scale) for e in trained if e.get(key) is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=mode)
-        base = [e for e in evals if e["mode"] == mode and e["phase"] == "base" and e[key] is not None]
+        base = [e for e in evals if e["mode"] == mode and e["phase"] == "base" and e.get(key) is not None]
         if base and len(trained) != len(base):
             ax.scatter([0], [base[0][key] * scale], marker="x", s=60, label=f"{mode}, base model")
     ax.legend(fontsize=7)

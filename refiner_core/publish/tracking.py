@@ -21,7 +21,16 @@ from pathlib import Path
 LEDGER_DIR = "tracking"
 _OPEN: dict[tuple[str, str], object] = {}  # (run folder, backend) -> its tracker, open until close_trackers
 SKIPPED_COLUMNS = ("run", "step", "checkpoint")
-EVAL_METRICS = ("format_valid", "citation_valid", "judge_score", "reward", "stopped", "pass_at_1", "pass_at_k")
+EVAL_METRICS = (
+    "format_valid",
+    "citation_valid",
+    "cites_distractor",
+    "judge_score",
+    "reward",
+    "stopped",
+    "pass_at_1",
+    "pass_at_k",
+)
 
 
 class TensorBoardTracker:

@@ -1,48 +1,9 @@
-"""Judge-output parsing, rubric orientation, format facts, and the one SQL definition of the reward."""
+"""Rubric orientation, format facts, and the one SQL definition of the reward."""
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass
-
-from refiner_core.config import RewardConfig
+from refiner_core.config import RewardConfig, reward_weight_fields
 from refiner_core.data.formats import check_citations, parse_answer
-
-_JSON_OBJ_RE = re.compile(r"\{[^{}]*\}")
-
-
-@dataclass(frozen=True)
-class JudgeParse:
-    raw_score: float | None  # on the judge's 0-2 scale
-    failure: str | None
-
-    @property
-    def score(self) -> float | None:
-        """0/1/2 -> 0/0.5/1; fractional scores (probability-weighted judges) map linearly."""
-        return None if self.raw_score is None else self.raw_score / 2.0
-
-
-def parse_judge_output(text: str) -> JudgeParse:
-    """The first JSON object with a 'score' key; the score must be a number in [0, 2]."""
-    for match in _JSON_OBJ_RE.finditer(text):
-        try:
-            obj = json.loads(match.group(0))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or "score" not in obj:
-            continue
-        value = obj["score"]
-        if isinstance(value, bool):
-            return JudgeParse(None, f"non_numeric: score {value!r}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            return JudgeParse(None, f"non_numeric: score {value!r}")
-        if not 0.0 <= number <= 2.0:
-            return JudgeParse(None, f"out_of_range: score {value!r} not in [0, 2]")
-        return JudgeParse(number, None)
-    return JudgeParse(None, "unparseable: no JSON object with a 'score' key")
 
 
 def orient(score: float, kind: str) -> float:
@@ -54,11 +15,16 @@ def orient(score: float, kind: str) -> float:
     raise ValueError(f"rubric kind must be 'positive' or 'negative', got {kind!r}")
 
 
-def format_parts(response_text: str, valid_ids: list[str]) -> dict:
-    """Format and citation-validity facts of one response (reward_inputs columns)."""
+def format_parts(response_text: str, valid_ids: list[str], supporting_ids: list[str] | None = None) -> dict:
+    """Format and citation facts of one response (reward_inputs columns). A distractor is a snippet of the tool
+    output outside `supporting_ids`; None (the row labels none) leaves the distractor columns NULL."""
     parsed = parse_answer(response_text)
     check = check_citations(parsed, valid_ids)
     format_ok = parsed.has_answer and parsed.well_formed
+    distractors = None
+    if supporting_ids is not None:
+        off_topic = set(valid_ids) - set(supporting_ids)
+        distractors = sum(i in off_topic for i in parsed.cited_ids) if parsed.has_answer else 0
     return {
         "has_answer": parsed.has_answer,
         "format_ok": format_ok,
@@ -66,27 +32,15 @@ def format_parts(response_text: str, valid_ids: list[str]) -> dict:
         "n_citations": check.n_citations,
         "n_invalid_citations": check.n_invalid,
         "citation_valid_fraction": check.score if parsed.has_answer else 0.0,
+        "n_distractor_citations": distractors,
+        "cites_distractor": None if distractors is None else distractors > 0,
     }
 
 
 def weight_row(run: str, step: int, version: str, weights: RewardConfig, on_failure: str) -> dict:
     """One reward_weights row: the settings a reward version is computed with."""
-    return {
-        "run": run,
-        "step": step,
-        "reward_version": version,
-        "verification_reward": weights.verification_reward,
-        "rubric_weight": weights.rubric_weight,
-        "citation_weight": weights.citation_weight,
-        "citation_score_kind": weights.citation_score,
-        "format_weight": weights.format_weight,
-        "gate_judge_score_with_format_bonus": weights.gate_judge_score_with_format_bonus,
-        "non_stop_penalty": weights.non_stop_penalty,
-        "non_stop_penalty_value": weights.non_stop_penalty_value,
-        "overlong_buffer": weights.overlong_buffer,
-        "overlong_factor": weights.overlong_factor,
-        "on_failure": on_failure,
-    }
+    settings = {column: getattr(weights, name) for name, column, _, _ in reward_weight_fields()}
+    return {"run": run, "step": step, "reward_version": version, **settings, "on_failure": on_failure}
 
 
 # The one definition of the reward. Reads three relations: reward_inputs (per rollout), judge_scores (per
@@ -122,6 +76,7 @@ parts AS (
               THEN greatest(-w.overlong_factor, least(0.0, -(i.response_tokens - (i.max_new_tokens - w.overlong_buffer))
                                                           / w.overlong_buffer * w.overlong_factor))
               ELSE 0.0 END AS overlong_penalty,
+         CASE WHEN coalesce(i.cites_distractor, false) THEN -w.distractor_penalty ELSE 0.0 END AS distractor_term,
          w.on_failure = 'drop' AND coalesce(r.rubrics_failed, 0) > 0 AS dropped
   FROM reward_inputs i
   JOIN reward_weights w ON i.run = w.run AND i.step = w.step
@@ -138,7 +93,7 @@ judged AS (
 )
 SELECT *,
        CASE WHEN non_stop_penalized THEN non_stop_penalty_value
-            ELSE verification_reward * judged_score + format_weight * format_score + overlong_penalty
+            ELSE verification_reward * judged_score + format_weight * format_score + overlong_penalty + distractor_term
        END AS reward
 FROM judged
 ORDER BY run, step, reward_version, prompt_id, sample_idx

@@ -154,7 +154,6 @@ def rescore_run(
     version = version or version_name(new)
     if version == "train":
         raise RescoreError("'train' is the version training used; choose another name")
-    grpo = {n: getattr(new.grpo, n) for n in RESCORABLE_GRPO}
     settings = settings_flags(base, new)
     out_root, summary = run_dir / "rescores" / version, []
     written: dict[str, list[str]] = {"rewards": [], "reward_weights": [], "advantages": [], "rescores": []}
@@ -169,7 +168,7 @@ def rescore_run(
         run = inputs[0]["run"] if inputs else new.run.name
         weights = [weight_row(run, step, version, new.reward, new.judge.on_failure)]
         rewards = compute_rewards(inputs, scores, weights)
-        advantages, _ = group_advantages(rewards, grpo)
+        advantages, _ = group_advantages(rewards, new.grpo)
         advantage_rows = [{"run": run, "step": step, "reward_version": version, **a} for a in advantages]
         source = [
             {
