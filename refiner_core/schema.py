@@ -247,12 +247,13 @@ _REWARD_INPUT_COLUMNS = (
         "n_distractor_citations",
         I,
         "Cited IDs present in the tool output but not among the prompt's supporting_ids (distractors); NULL when "
-        "the prompt does not label its supporting snippets.",
+        "the prompt does not label its supporting snippets or the response has no answer block.",
     ),
     _c(
         "cites_distractor",
         B,
-        "n_distractor_citations > 0: the answer cites a snippet that does not support it; NULL without labels.",
+        "n_distractor_citations > 0: the answer cites a snippet that does not support it; NULL without labels or "
+        "answer.",
     ),
     _c(
         "claims", I, "Claims in the answer (cited spans + uncited factual sentences); NULL when claims were not judged."

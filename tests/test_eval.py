@@ -77,7 +77,7 @@ def test_passed_needs_valid_format_valid_citations_and_the_rubric_threshold():
 
 
 def test_summary_by_hand():
-    def row(prompt, idx, ok, citation, rubric, passed_, reward, finish="stop", mode="sampled"):
+    def row(prompt, idx, ok, citation, rubric, passed_, reward, finish="stop", mode="sampled", distractor=None):
         return {
             "step": 3,
             "phase": "grpo",
@@ -91,13 +91,14 @@ def test_summary_by_hand():
             "passed": passed_,
             "reward": reward,
             "finish_reason": finish,
+            "cites_distractor": distractor,
         }
 
     rows = [
-        row("p", 0, True, 1.0, 0.8, True, 9.0),
-        row("p", 1, False, 0.0, 0.2, False, 2.0, "length"),
-        row("q", 0, True, 0.5, 0.6, False, 6.0),
-        row("q", 1, False, 0.0, 0.4, False, 4.0),
+        row("p", 0, True, 1.0, 0.8, True, 9.0, distractor=True),
+        row("p", 1, False, 0.0, 0.2, False, 2.0, "length", distractor=False),
+        row("q", 0, True, 0.5, 0.6, False, 6.0, distractor=False),
+        row("q", 1, False, 0.0, 0.4, False, 4.0),  # q's row labels no supporting snippets here: not counted
     ]
     rows.append(row("p", 0, True, 1.0, 0.5, True, 7.0, mode="greedy"))
     greedy, sampled = summarize(rows, pass_k=2)
@@ -108,11 +109,13 @@ def test_summary_by_hand():
     assert sampled["judge_score"] == pytest.approx(2.0 / 4)
     assert sampled["reward"] == pytest.approx(21.0 / 4)
     assert sampled["stopped"] == 0.75
+    assert sampled["cites_distractor"] == pytest.approx(1 / 3) and greedy["cites_distractor"] is None
     assert sampled["pass_at_1"] == pytest.approx((0.5 + 0.0) / 2)  # p: 1 of 2 passed, q: none
     assert sampled["pass_at_k"] == pytest.approx((1.0 + 0.0) / 2)  # p: any of 2 passed
     table = format_table([greedy, sampled]).splitlines()
     assert table[0].split()[:3] == ["step", "policy", "mode"]
-    assert table[2].split()[:5] == ["3", "grpo", "sampled", "2", "50%"]
+    assert table[2].split()[:7] == ["3", "grpo", "sampled", "2", "50%", "38%", "33%"]
+    assert table[1].split()[6] == "-"  # no labelled prompt answered greedily
 
 
 def _eval_states(flow_run_id) -> list[tuple[str, str]]:

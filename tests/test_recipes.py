@@ -84,7 +84,9 @@ def test_the_recipe_as_published_needs_its_checkpoint(name):
 def test_main_job_recipe_passes_preflight_and_holds_prompts_out():
     cfg = load_recipe(REPO / "recipes" / "refiner-smollm2.yaml")
     assert check_recipe(cfg) == []
-    assert cfg.sft.enabled and cfg.eval.every == cfg.grpo.steps and cfg.data.validation_fraction > 0
+    assert cfg.sft.enabled and cfg.data.validation_fraction > 0
+    assert 0 < cfg.eval.every < cfg.grpo.steps and cfg.grpo.steps % cfg.eval.every == 0  # a curve, ending at the last
+    assert cfg.reward.distractor_penalty > 0  # the part of the reward GRPO learns beyond SFT
 
 
 @pytest.mark.parametrize(

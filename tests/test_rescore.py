@@ -60,6 +60,8 @@ def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
             "reward.citation_weight=0.5",
             "--set",
             "reward.verification_reward=3",
+            "--set",
+            "reward.distractor_penalty=2",
             "--name",
             "cw05",
         ],
@@ -81,7 +83,10 @@ def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
         expected = (
             t["non_stop_penalty_value"]
             if t["non_stop_penalized"]
-            else 3.0 * judged_part + t["format_weight"] * t["format_score"] + t["overlong_penalty"]
+            else 3.0 * judged_part
+            + t["format_weight"] * t["format_score"]
+            + t["overlong_penalty"]
+            - 2.0 * bool(t["cites_distractor"])  # NULL (no answer block) costs nothing
         )
         assert math.isclose(r["reward"], expected, abs_tol=1e-12)
     # the advantages of the new version are the group advantages of its rewards

@@ -136,7 +136,7 @@ SNIPPETS, SUPPORTING = ["S1", "S2", "D1"], ["S1", "S2"]
         ("<answer><snippet id=D1>a</snippet> <snippet id=D1,S2>b</snippet></answer>", 2, True),
         ("<answer><snippet id=XX>invented</snippet></answer>", 0, False),  # an invalid ID is not a distractor
         ("<answer>no citation</answer>", 0, False),
-        ("prose, no answer block, mentions D1", 0, False),
+        ("prose, no answer block, mentions D1", None, None),  # no answer: not counted either way
     ],
 )
 def test_distractor_citations_hand_counted(text, n_distractor, cites):
@@ -281,3 +281,19 @@ def test_weights_are_one_row_per_version_and_versions_do_not_mix():
     ]
     rows = compute_rewards([_inputs()], [_score_row(0.5)], weights)
     assert {r["reward_version"]: r["reward"] for r in rows} == {"train": 5.0, "v2": 0.5}
+
+
+def test_reward_weights_are_listed_once_in_reward_config():
+    """A new RewardConfig field with a column reaches the reward_weights table and every weight row unaided."""
+    import dataclasses
+
+    from refiner_core.config import reward_weight_fields
+    from refiner_core.schema import REWARD_WEIGHTS
+
+    columns = [column for _, column, _, _ in reward_weight_fields()]
+    assert REWARD_WEIGHTS.column_names == ["run", "step", "reward_version", *columns, "on_failure"]
+    recorded = {f.name for f in dataclasses.fields(RewardConfig)} - {name for name, _, _, _ in reward_weight_fields()}
+    assert recorded == {"verifier"}  # a per-row choice, stored in reward_inputs.verifier
+    row = weight_row("r", 3, "v", RewardConfig(distractor_penalty=1.5, citation_score="f1"), "skip")
+    assert list(row) == REWARD_WEIGHTS.column_names
+    assert (row["distractor_penalty"], row["citation_score_kind"], row["on_failure"]) == (1.5, "f1", "skip")

@@ -17,14 +17,15 @@ def orient(score: float, kind: str) -> float:
 
 def format_parts(response_text: str, valid_ids: list[str], supporting_ids: list[str] | None = None) -> dict:
     """Format and citation facts of one response (reward_inputs columns). A distractor is a snippet of the tool
-    output outside `supporting_ids`; None (the row labels none) leaves the distractor columns NULL."""
+    output outside `supporting_ids`; the distractor columns are NULL when the row labels none (None) or the
+    response has no answer block (nothing was cited, so nothing was chosen)."""
     parsed = parse_answer(response_text)
     check = check_citations(parsed, valid_ids)
     format_ok = parsed.has_answer and parsed.well_formed
     distractors = None
-    if supporting_ids is not None:
+    if supporting_ids is not None and parsed.has_answer:
         off_topic = set(valid_ids) - set(supporting_ids)
-        distractors = sum(i in off_topic for i in parsed.cited_ids) if parsed.has_answer else 0
+        distractors = sum(i in off_topic for i in parsed.cited_ids)
     return {
         "has_answer": parsed.has_answer,
         "format_ok": format_ok,
