@@ -269,7 +269,7 @@ def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
     from PIL import Image
 
     with Image.open(tmp_path / "curves.png") as png:  # training curves above, held-out curves below
-        assert png.size == (2000, 600)  # five held-out panels under four training ones
+        assert png.size == (2400, 600)  # six held-out panels under four training ones
 
 
 def test_documented_eval_query_runs_on_a_real_catalog(sft_eval_run):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 # Held-out eval panels: (summary key, title); rates are drawn as percentages.
 EVAL_PANELS = [
+    ("reward", "eval: reward (training reward code)"),
     ("format_valid", "eval: format-valid (%)"),
     ("citation_valid", "eval: citations valid (%)"),
     ("cites_distractor", "eval: cites a distractor (%)"),
