@@ -291,7 +291,7 @@ def test_a_cached_hub_dataset_loads_offline_with_its_config_and_split(tmp_path):
     problems = _load_offline(hf_home, "acme/refiner-rows", "hub", {"question": "prompt"}, "train", "main")["problems"]
     assert problems == [
         "data.fields: question -> 'prompt': no such column in acme/refiner-rows; its columns: id, "
-        "question, reasoning, tool_output, answer, positive_rubrics, negative_rubrics"
+        "question, reasoning, tool_output, answer, supporting_ids, positive_rubrics, negative_rubrics"
     ]
     got = _load_offline(hf_home, "acme/refiner-rows", "hub", None, "validation", "main")
     assert "split 'validation'" in got["error"] and "['train', 'test']" in got["error"]

@@ -216,8 +216,9 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert deployments["refiner-smollm2"].schedules[0].schedule.cron == "0 2 * * *"
         tiny = deployments["refiner-tiny"]
 
-        # A short schedule (a run 20 s from now) with this test's run folder and a one-step run.
-        due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=20)
+        # A short schedule (a run 60 s from now) with this test's run folder and a one-step run. The scheduler only
+        # creates runs that are still ahead of it: a loaded machine can delay its first pass by tens of seconds.
+        due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=60)
         client.create_deployment_schedules(
             tiny.id,
             [

@@ -185,6 +185,7 @@ def test_tool_output_given_as_a_list_of_snippet_structs_is_rendered(tmp_path, ti
         **sample_rows(1)[0],
         "id": "s1",
         "answer": "<answer><snippet id=a1,b2>Fleming, 1928.</snippet></answer>",
+        "supporting_ids": ["a1", "b2"],
         "tool_output": SNIPPETS,
     }
     path = tmp_path / "snippets.parquet"
@@ -197,7 +198,7 @@ def test_tool_output_given_as_a_list_of_snippet_structs_is_rendered(tmp_path, ti
         "<snippet id=b2>Text: The 1945 prize was shared.</snippet>"
     )
     [prompt], dropped = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0)
-    assert dropped == [] and prompt["snippet_ids"] == ["a1", "b2"]
+    assert dropped == [] and prompt["snippet_ids"] == ["a1", "b2"] and prompt["supporting_ids"] == ["a1", "b2"]
     assert "Search tool output:\n<snippet id=a1>Title: Discovery of penicillin\n" in prompt["prompt_text"]
 
 
