@@ -13,13 +13,14 @@ import time
 
 from common import setup
 
+from refiner_core.config import JudgeConfig
 from refiner_core.judges.transformers_judge import make_transformers_judge
 
 
 def main() -> None:
     args, path, conversations = setup(default_pairs=48)
     judge = make_transformers_judge(
-        path, {"batch_size": 8, "max_new_tokens": 4, "mode": "expected_score", "share_prefix": False}
+        path, JudgeConfig(batch_size=8, max_new_tokens=4, mode="expected_score", share_prefix=False)
     )  # plain batches: the order is what is measured
     judge.complete(conversations[:2])  # warm-up
     seconds, scores = {}, {}

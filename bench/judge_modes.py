@@ -12,6 +12,7 @@ import time
 
 from common import setup
 
+from refiner_core.config import JudgeConfig
 from refiner_core.judges.transformers_judge import make_transformers_judge
 
 
@@ -19,7 +20,7 @@ def main() -> None:
     args, path, conversations = setup(default_pairs=32)
     seconds = {}
     for mode in ("json", "expected_score"):
-        judge = make_transformers_judge(path, {"batch_size": 16, "max_new_tokens": 8, "mode": mode})
+        judge = make_transformers_judge(path, JudgeConfig(batch_size=16, max_new_tokens=8, mode=mode))
         judge.complete(conversations[:2])  # warm-up
         t0 = time.perf_counter()
         judge.complete(conversations)

@@ -12,12 +12,13 @@ import time
 
 from common import setup
 
+from refiner_core.config import JudgeConfig
 from refiner_core.judges.transformers_judge import make_transformers_judge
 
 
 def main() -> None:
     args, path, conversations = setup(default_pairs=56)
-    judge = make_transformers_judge(path, {"batch_size": 16, "max_new_tokens": 4, "mode": "expected_score"})
+    judge = make_transformers_judge(path, JudgeConfig(batch_size=16, max_new_tokens=4, mode="expected_score"))
     judge.complete(conversations[:2])  # warm-up
     seconds, scores = {}, {}
     for label, share in (("plain", False), ("shared", True)):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import ConfigError, RewardConfig
+from refiner_core.config import ConfigError, JudgeConfig, RewardConfig
 from refiner_core.eval.evaluate import (
     EvalSettings,
     format_table,
@@ -74,7 +74,7 @@ def evaluate(
         judge_cfg,
         dtype,
         precision,
-        lambda: make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision),
+        lambda: make_judge(judge_cfg["engine"], judge_model["path"], JudgeConfig(**judge_cfg), dtype, precision),
     )
     rows = score_responses(
         responses,

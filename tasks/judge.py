@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import RewardConfig
+from refiner_core.config import JudgeConfig, RewardConfig
 from refiner_core.judges.base import make_judge
 from refiner_core.reward.score import score_rollouts
 from refiner_core.runtime import live
@@ -55,7 +55,7 @@ def judge(
             judge_cfg,
             dtype,
             precision,
-            lambda: make_judge(judge_cfg["engine"], judge_model["path"], judge_cfg, dtype, precision),
+            lambda: make_judge(judge_cfg["engine"], judge_model["path"], JudgeConfig(**judge_cfg), dtype, precision),
         )
         if needs_judge
         else None

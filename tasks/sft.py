@@ -4,6 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core.config import source_config
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_model, load_tokenizer
@@ -24,7 +25,7 @@ def prepare_sft(
     """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
     sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out."""
     log = get_run_logger()
-    raw = load_source(sft_file, sft_cfg)
+    raw = load_source(sft_file, source_config(sft_cfg))
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     held_out = [p for p in read_rows(prompts["prompts"]["path"]) if p["split"] == "validation"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import catalog_rows
-from refiner_core.config import RewardConfig, load_recipe
+from refiner_core.config import JudgeConfig, RewardConfig, load_recipe
 from refiner_core.reward.score import score_rollouts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_correct_answer_gets_the_verification_reward(tiny_model_path):
         for i, text in enumerate([r"6*7 = \boxed{42}", r"\boxed{41}", ""])
     ]
     judge = make_transformers_judge(
-        str(tiny_model_path), {"batch_size": 4, "max_new_tokens": 4, "mode": "expected_score"}
+        str(tiny_model_path), JudgeConfig(batch_size=4, max_new_tokens=4, mode="expected_score")
     )
     scored = score_rollouts(
         rollouts,

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from fault_server import LoopbackServer
-from refiner_core.config import RewardConfig
+from refiner_core.config import JudgeConfig, RewardConfig
 from refiner_core.judges.openai_judge import make_openai_judge
 from refiner_core.reward.score import score_rollouts
 from test_openai_judge import make_batch
@@ -99,14 +99,16 @@ class ConstantJudge(LoopbackServer):
 def _judge(server: ConstantJudge, cache_dir: Path, **cfg):
     judge = make_openai_judge(
         "",
-        {
-            "base_url": server.base_url,
-            "mode": "json",
-            "max_new_tokens": 8,
-            "concurrency": 4,
-            "cache_path": str(cache_dir),
-            **cfg,
-        },
+        JudgeConfig(
+            **{
+                "base_url": server.base_url,
+                "mode": "json",
+                "max_new_tokens": 8,
+                "concurrency": 4,
+                "cache_path": str(cache_dir),
+                **cfg,
+            }
+        ),
     )
     judge.progress = False
     return judge
@@ -180,7 +182,7 @@ def test_the_key_is_the_same_in_another_process(tmp_path):
 
 def _judge_in_child(base_url: str, cache_dir: str) -> dict:
     judge = make_openai_judge(
-        "", {"base_url": base_url, "mode": "json", "max_new_tokens": 8, "concurrency": 4, "cache_path": cache_dir}
+        "", JudgeConfig(base_url=base_url, mode="json", max_new_tokens=8, concurrency=4, cache_path=cache_dir)
     )
     judge.progress = False
     scores = _scores(judge)

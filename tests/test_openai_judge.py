@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from fault_server import CLIENT_TIMEOUT, FaultServer
-from refiner_core.config import RewardConfig
+from refiner_core.config import JudgeConfig, RewardConfig
 from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
 from refiner_core.reward.score import JudgeFailed, score_rollouts
 from refiner_core.runtime.http_chat import AnswerCache, RetryPolicy
@@ -158,7 +158,7 @@ def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, m
             "cache_path": str(tmp_path / "cache"),
             "concurrency": 2,
         }
-        judge = make_openai_judge("", cfg)
+        judge = make_openai_judge("", JudgeConfig(**cfg))
         judge.progress = False
         assert judge.model == "fault-judge"  # from GET /v1/models
         assert "sk-secret" not in repr(judge)
@@ -168,9 +168,9 @@ def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, m
         assert not any("sk-secret" in p.read_text() for p in (tmp_path / "cache").rglob("*.json"))
     monkeypatch.delenv("MY_JUDGE_KEY")
     with pytest.raises(ValueError, match="MY_JUDGE_KEY"):
-        make_openai_judge("", {**cfg, "api_model": "x"})
+        make_openai_judge("", JudgeConfig(**{**cfg, "api_model": "x"}))
     with pytest.raises(ValueError, match="json"):
-        make_openai_judge("", {**cfg, "mode": "expected_score"})
+        make_openai_judge("", JudgeConfig(**{**cfg, "mode": "expected_score"}))
 
 
 def test_pairs_spread_over_several_servers_each_pair_to_one_and_cached_once(tmp_path):
@@ -187,15 +187,15 @@ def test_pairs_spread_over_several_servers_each_pair_to_one_and_cached_once(tmp_
             "cache_path": str(tmp_path / "cache"),
             "concurrency": 4,
         }
-        judge = make_openai_judge("", cfg)
+        judge = make_openai_judge("", JudgeConfig(**cfg))
         scores, _ = _score(judge, batch)
         assert len(scores) == pairs and not [s for s in scores if s["failure"]]
         assert first.requests + second.requests == pairs and first.requests > 0 and second.requests > 0
         assert not set(first.seen) & set(second.seen), "a pair went to one server only"
-        rescored, _ = _score(make_openai_judge("", cfg), batch)
+        rescored, _ = _score(make_openai_judge("", JudgeConfig(**cfg)), batch)
         assert all(r["cache_hit"] for r in rescored) and first.requests + second.requests == pairs
         assert [r["raw_output"] for r in rescored] == [r["raw_output"] for r in scores]
-        uncached = make_openai_judge("", {**cfg, "cache": False})
+        uncached = make_openai_judge("", JudgeConfig(**{**cfg, "cache": False}))
         _score(uncached, batch)
         assert all(n == 2 for n in first.seen.values()) and all(n == 2 for n in second.seen.values())
 
@@ -209,16 +209,16 @@ def test_servers_of_other_weights_are_refused(tmp_path):
             "api_model": "fault-judge",
         }
         with pytest.raises(ValueError, match="judge servers report different weights for 'fault-judge'"):
-            make_openai_judge("", cfg)
+            make_openai_judge("", JudgeConfig(**cfg))
         with pytest.raises(ValueError, match="does not list 'other'"):
-            make_openai_judge("", {**cfg, "api_model": "other"})
+            make_openai_judge("", JudgeConfig(**{**cfg, "api_model": "other"}))
 
 
 def test_transformers_judge_fills_the_new_columns(tiny_model_path):
     from refiner_core.judges.base import make_judge
 
     cfg = {"mode": "expected_score", "max_new_tokens": 4, "batch_size": 8, "share_prefix": True, "prefill": True}
-    judge = make_judge("transformers", str(tiny_model_path), cfg)
+    judge = make_judge("transformers", str(tiny_model_path), JudgeConfig(**cfg))
     scores = score_rollouts(
         *make_batch(n_prompts=1, samples=2, n_rubrics=2), judge, RewardConfig(), "zero", 2000, 64
     ).judge_scores

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import refiner_core.judges.transformers_judge as transformers_judge
+from refiner_core.config import JudgeConfig
 from refiner_core.data.prompts import judge_messages, refiner_messages, render_chat, render_prompt
 from refiner_core.data.rows import prepare_prompts, validate_rows
 from refiner_core.data.sources import load_rows
@@ -138,7 +139,7 @@ def test_real_judge_prompt_has_no_forged_turn(smollm2_path, monkeypatch):
     (measured: benign ~0.2, injected ~1.75-1.85 both before and after the fix), so the guarantee tested is the
     one the prompt builder owns: no forged judge turn in the token ids."""
     judge = transformers_judge.make_transformers_judge(
-        str(smollm2_path), {"batch_size": 4, "max_new_tokens": 4, "mode": "expected_score"}
+        str(smollm2_path), JudgeConfig(batch_size=4, max_new_tokens=4, mode="expected_score")
     )
     tok = judge.engine.tokenizer
     seen: list[list[int]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from refiner_core.config import JudgeConfig
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.models import load_model
 from refiner_core.rollout.base import SamplingParams, first_stop
@@ -58,7 +59,7 @@ def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
     from refiner_core.judges.transformers_judge import make_transformers_judge, prefix_groups
 
     judge = make_transformers_judge(
-        str(tiny_model_path), {"batch_size": 3, "max_new_tokens": 4, "mode": "expected_score"}
+        str(tiny_model_path), JudgeConfig(batch_size=3, max_new_tokens=4, mode="expected_score")
     )
     conversations = [
         judge_messages(q, r, c)

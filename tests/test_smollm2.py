@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from refiner_core.config import JudgeConfig
 from refiner_core.data.prompts import judge_messages, refiner_messages, render_prompt
 from refiner_core.judges.base import parse_judge_output
 from refiner_core.judges.transformers_judge import make_transformers_judge
@@ -43,12 +44,12 @@ def test_rollout_and_judges_on_smollm2(smollm2_path):
     assert all(lp <= 0 for g in gens for lp in g.logprobs)
     conversations = [judge_messages("Who wrote Hamlet?", "Shakespeare wrote Hamlet.", "Names Shakespeare.")]
     expected = make_transformers_judge(
-        str(smollm2_path), {"batch_size": 2, "max_new_tokens": 4, "mode": "expected_score"}
+        str(smollm2_path), JudgeConfig(batch_size=2, max_new_tokens=4, mode="expected_score")
     )
     payload = json.loads(expected.complete(conversations)[0])
     assert abs(sum(payload["p"]) - 1) < 1e-3 and 0 <= payload["score"] <= 2
     assert parse_judge_output(expected.complete(conversations)[0]).failure is None
-    as_json = make_transformers_judge(str(smollm2_path), {"batch_size": 2, "max_new_tokens": 4, "mode": "json"})
+    as_json = make_transformers_judge(str(smollm2_path), JudgeConfig(batch_size=2, max_new_tokens=4, mode="json"))
     raw = as_json.complete(conversations)[0]
     assert raw.startswith('{"score":')  # prefilled; whatever follows is parsed or recorded as a failure
     parsed = parse_judge_output(raw)

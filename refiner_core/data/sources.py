@@ -10,6 +10,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
+from refiner_core.config import SourceConfig
 from refiner_core.data.rows import RawRow, check_row, read_jsonl
 
 FORMATS = ("auto", "jsonl", "parquet", "disk", "hub")
@@ -62,9 +63,9 @@ def load_rows(
     return [apply_field_mapping(r, fields or {}) for r in rows]
 
 
-def load_source(path: str, section: dict) -> list[RawRow]:
-    """load_rows with the source fields of a config section (data, sft: format, fields, split, hub_config)."""
-    return load_rows(path, section["format"], section["fields"], section["split"], section["hub_config"])
+def load_source(path: str, source: SourceConfig) -> list[RawRow]:
+    """load_rows of `path` (the section's path, resolved) with the section's format, fields, split and hub_config."""
+    return load_rows(path, source.format, source.fields, source.split, source.hub_config)
 
 
 def apply_field_mapping(row: RawRow, fields: dict) -> RawRow:

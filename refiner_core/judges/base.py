@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from refiner_core.config import JudgeConfig
 from refiner_core.runtime.registry import resolve
 
 
@@ -42,9 +43,11 @@ JUDGES: dict[str, str] = {
 }
 
 
-def make_judge(kind: str, model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> Judge:
+def make_judge(
+    kind: str, model_path: str, settings: JudgeConfig, dtype: str = "float32", precision: str = "fp32"
+) -> Judge:
     """`precision` is the in-process judges' compute precision (model.precision); a served judge ignores it."""
-    judge = resolve(JUDGES, "judge engine", kind)(model_path, cfg, dtype, precision=precision)
+    judge = resolve(JUDGES, "judge engine", kind)(model_path, settings, dtype, precision=precision)
     if not getattr(judge, "model_name", ""):
         try:
             judge.model_name = str(model_path)

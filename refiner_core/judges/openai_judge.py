@@ -212,10 +212,10 @@ def same_weights(model: str, base_urls: list[str], api_key: str, timeout_seconds
         )
 
 
-def make_openai_judge(model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32") -> OpenAIJudge:
-    """`model_path` (the located judge checkpoint) is not used: the server holds the model. `cfg`: the judge
-    section (JudgeConfig fields; those left out take JudgeConfig's defaults)."""
-    judge = JudgeConfig(**cfg)
+def make_openai_judge(
+    model_path: str, judge: JudgeConfig, dtype: str = "float32", precision: str = "fp32"
+) -> OpenAIJudge:
+    """`model_path` (the located judge checkpoint) is not used: the server holds the model."""
     if judge.mode != "json":
         raise ValueError(f"judge.engine 'openai' supports judge.mode 'json' only, not {judge.mode!r}")
     api_key = api_key_from_env(judge.api_key_env)

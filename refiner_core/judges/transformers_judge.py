@@ -156,12 +156,10 @@ def prefix_groups(prompts: list[list[int]], min_shared: float = 0.5) -> list[lis
 
 
 def make_transformers_judge(
-    model_path: str, cfg: dict, dtype: str = "float32", precision: str = "fp32"
+    model_path: str, judge: JudgeConfig, dtype: str = "float32", precision: str = "fp32"
 ) -> TransformersJudge:
-    """`cfg`: the judge section (JudgeConfig fields; those left out take JudgeConfig's defaults)."""
     from refiner_core.models import load_model, load_tokenizer
 
-    judge = JudgeConfig(**cfg)
     engine = HFRolloutEngine(
         load_model(model_path, dtype), load_tokenizer(model_path), batch_size=judge.batch_size, precision=precision
     )
