@@ -270,7 +270,14 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert "injected fault in stage 'judge'" in failed.state.message
         assert retry_logged(client, failing.id) == f"prefect flow-run retry {failing.id}"
         assert subflow_task_states(client, failed)["judge[step=0]"] == "Failed"
-        failed_at = failed.state.timestamp
+        # The worker sees the run's process exit (status 1) after the run's own final state, and reports a run that
+        # is not final by then as crashed: a retry issued before that check would be marked crashed.
+        worker_log, deadline = tmp_path / "worker.log", time.time() + 60
+        while worker_log.read_text().count("prefect.flow_runs.runner - Process for flow run") < 2:  # both runs
+            assert time.time() < deadline, "the worker did not see the failed run's process exit"
+            time.sleep(0.5)
+        time.sleep(2)  # the worker's state check follows the exit line
+        failed_at = client.read_flow_run(failing.id).state.timestamp
         prefect_cli(["flow-run", "retry", str(failing.id)], env)
         retried = wait_final(client, failing.id, after=failed_at)
         assert retried.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
