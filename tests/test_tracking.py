@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -107,10 +108,18 @@ def test_wandb_offline_run_holds_the_steps_values(tmp_path):
     """No network: the W&B run is written offline under RUN_DIR/wandb (`wandb sync` uploads it later); its history
     records, read back from the run file, hold the steps values."""
     assert _report(tmp_path, ["wandb"]) == ({"wandb": 5}, [])
-    close_trackers(tmp_path)  # the run's end: the W&B run is finished and its file complete
+    close_trackers(tmp_path)  # the run's end: the W&B run is finished
     ledger = json.loads((tmp_path / "tracking" / "wandb.json").read_text())
     [run_file] = (tmp_path / "wandb").glob(f"offline-run-*-{ledger['id']}/run-{ledger['id']}.wandb")
-    history = [h for h in _wandb_history(run_file) if "steps/loss" in h]
+    # W&B's writer keeps the file's last 32 KiB block in memory until its stream closes, which happens in its service
+    # process shortly after finish() returns (later still on a loaded machine): read the file once it holds the exit
+    records = _wandb_records(run_file)
+    deadline = time.monotonic() + 120
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = _wandb_records(run_file)
+    assert any(r.WhichOneof("record_type") == "exit" for r in records), "the W&B run file was never completed"
+    history = [h for h in map(_history_row, records) if h and "steps/loss" in h]
     assert [(h["_step"], h["steps/loss"], h["steps/reward_mean"]) for h in history] == [
         (0, 0.5, 1.25),
         (1, 0.4, 2.25),
@@ -121,9 +130,9 @@ def test_wandb_offline_run_holds_the_steps_values(tmp_path):
     assert json.loads(table.read_text())["data"] == [[2, "**best**: reward 3"]]
 
 
-def _wandb_history(run_file) -> list[dict]:
-    """The history records of a W&B run file: LevelDB-log blocks of 32 KiB (after a 7-byte ':W&B' header), each
-    chunk a 7-byte header (CRC, little-endian length, type: 1 full, 2 first, 3 middle, 4 last) + protobuf bytes."""
+def _wandb_records(run_file) -> list:
+    """The records of a W&B run file: LevelDB-log blocks of 32 KiB (after a 7-byte ':W&B' header), each chunk a
+    7-byte header (CRC, little-endian length, type: 1 full, 2 first, 3 middle, 4 last) + protobuf bytes."""
     import struct
 
     from wandb.proto import wandb_internal_pb2
@@ -142,11 +151,15 @@ def _wandb_history(run_file) -> list[dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunks)
             chunks = b""
-            if record.WhichOneof("record_type") == "history":
-                records.append(
-                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-                )
+            records.append(record)
     return records
+
+
+def _history_row(record) -> dict | None:
+    """A history record's values by name; None for other records."""
+    if record.WhichOneof("record_type") != "history":
+        return None
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
 
 
 def test_a_failing_tracker_is_a_warning_and_is_retried_later(tmp_path, monkeypatch):
