@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refiner_core.config import GRPOConfig  # noqa: E402
+from refiner_core.config import GRPOConfig, ModelConfig  # noqa: E402
 from refiner_core.grpo import learner_settings  # noqa: E402
 from refiner_core.learners.base import TrainSample  # noqa: E402
 from refiner_core.learners.torch_learner import make_torch_learner  # noqa: E402
@@ -44,13 +44,9 @@ def main() -> None:
     path = str(resolve_model("smollm2-135m-instruct"))
     tokenizer = load_tokenizer(path)
     grpo = GRPOConfig(micro_batch_size=8, learning_rate=1e-3, beta=0.0)
-    lora = {
-        "lora_rank": args.rank,
-        "lora_alpha": 2.0 * args.rank,
-        "lora_dropout": 0.0,
-        "lora_target_modules": ["all-linear"],
-        "lora_save_merged": False,
-    }
+    lora = ModelConfig(
+        lora_rank=args.rank, lora_alpha=2.0 * args.rank, lora_dropout=0.0, lora_target_modules=["all-linear"]
+    )
     learner = make_torch_learner(path, path, tokenizer, learner_settings(grpo, 1.0, "fp32", lora), None)
     prompts = [tokenizer(f"Write a short note about the number {i}.")["input_ids"] for i in range(8)]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=64, seed=0)

@@ -53,19 +53,24 @@ def greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
 
 
 def compare(sft: dict[str, dict], grpo: dict[str, dict]) -> dict:
-    """Rates before and after and the discordant prompts of `cites_distractor` (prompts both answered)."""
+    """Rates before and after over the prompts both answered; the distractor rates and the discordant prompts
+    over those both answered with an answer block (cites_distractor is NULL without one: such a pair says nothing
+    of distractors)."""
     prompts = sorted(set(sft) & set(grpo))
-    before = [bool(sft[p]["cites_distractor"]) for p in prompts]
-    after = [bool(grpo[p]["cites_distractor"]) for p in prompts]
-    n = len(prompts)
+    labelled = [
+        p for p in prompts if sft[p]["cites_distractor"] is not None and grpo[p]["cites_distractor"] is not None
+    ]
+    before = [bool(sft[p]["cites_distractor"]) for p in labelled]
+    after = [bool(grpo[p]["cites_distractor"]) for p in labelled]
 
     def rate(rows: dict[str, dict], key: str) -> float:
-        return sum(bool(rows[p][key]) for p in prompts) / n
+        return sum(bool(rows[p][key]) for p in prompts) / len(prompts)
 
     return {
-        "prompts": n,
-        "distractor_before": sum(before) / n,
-        "distractor_after": sum(after) / n,
+        "prompts": len(prompts),
+        "labelled": len(labelled),
+        "distractor_before": sum(before) / max(len(labelled), 1),
+        "distractor_after": sum(after) / max(len(labelled), 1),
         "format_before": rate(sft, "format_ok"),
         "format_after": rate(grpo, "format_ok"),
         "pass_before": rate(sft, "passed"),
@@ -110,12 +115,12 @@ def main() -> None:
         per_seed[seed] = {step: compare(sft, rows) for (phase, step), rows in sorted(evals.items()) if phase == "grpo"}
 
     print(f"\nheld-out greedy answers, SFT checkpoint (step 0) against each GRPO step; recipe {RECIPE.name}")
-    header = "seed  step  prompts  cites distractor  format-valid  pass@1     fixed/broken  McNemar p  wall s"
+    header = "seed  step  prompts  labelled  cites distractor  format-valid  pass@1     fixed/broken  McNemar p  wall s"
     print(header)
     for seed, steps in per_seed.items():
         for step, c in steps.items():
             print(
-                f"{seed:<4}  {step:<4}  {c['prompts']:<7}  "
+                f"{seed:<4}  {step:<4}  {c['prompts']:<7}  {c['labelled']:<8}  "
                 f"{c['distractor_before']:>4.0%} -> {c['distractor_after']:<4.0%}    "
                 f"{c['format_before']:>4.0%} -> {c['format_after']:<4.0%}  "
                 f"{c['pass_before']:>3.0%} -> {c['pass_after']:<4.0%}  "
@@ -129,7 +134,8 @@ def main() -> None:
         f"\nlast step, {len(margins)} seeds: distractor citations down by "
         + ", ".join(f"{m:.0%}" for m in margins)
         + f" points (mean {sum(margins) / len(margins):.1%}, spread {min(margins):.0%} to {max(margins):.0%}); "
-        f"pooled over {sum(c['prompts'] for c in last.values())} prompt evaluations: {fixed} fixed, {broken} broken, "
+        f"pooled over {sum(c['labelled'] for c in last.values())} labelled prompt evaluations: "
+        f"{fixed} fixed, {broken} broken, "
         f"exact McNemar p = {mcnemar_p(fixed, broken):.3g}"
     )
 

@@ -3,6 +3,7 @@ catalog."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -16,11 +17,12 @@ from refiner_core.config import (
     FLOW_ONLY_GRPO_FIELDS,
     FLOW_ONLY_ROLLOUT_FIELDS,
     LORA_FIELDS,
+    ROLLOUT_ENGINE_FIELDS,
     SFT_PREPARE_FIELDS,
     SFT_TRAIN_FIELDS,
     SOURCE_FIELDS,
     drop,
-    engine_adapter_rank,
+    engine_settings,
     pick,
     recipe_from_dict,
 )
@@ -94,7 +96,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     # model.precision 'auto' resolved on the machine that computes, before any cache key sees it
     cfg, precision_line = resolved_recipe(recipe_from_dict(recipe))
     conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
-    conf["rollout"]["adapter_rank"] = engine_adapter_rank(cfg)  # LoRA adapters synced as adapters (0: merged)
+    engine_cfg = asdict(engine_settings(cfg))  # the rollout engines: built once, fed each step's weights
     log = get_run_logger()
     log.info(precision_line)
     if cfg.run.keep_engines:  # engines live for the run (refiner_core.runtime.live) until the end hooks close them
@@ -142,6 +144,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 policy=policy,
                 judge_model=judge_model,
                 eval_cfg=drop(conf["eval"], FLOW_ONLY_EVAL_FIELDS),
+                engine_cfg=engine_cfg,
                 rollout_cfg=pick(conf["rollout"], EVAL_ROLLOUT_FIELDS),
                 judge_cfg=conf["judge"],
                 reward_cfg=conf["reward"],
@@ -185,7 +188,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
 
     policy = teacher = start  # the EMA teacher (Co-rewarding-II) starts as the starting policy
     teaching = cfg.reward.verifier == "co_rewarding_teacher"
-    rollout_cfg = drop(conf["rollout"], FLOW_ONLY_ROLLOUT_FIELDS)
+    rollout_cfg = drop(conf["rollout"], FLOW_ONLY_ROLLOUT_FIELDS + ROLLOUT_ENGINE_FIELDS)
     grpo_cfg = drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS)
     if cfg.rollout.dynamic_sampling:  # groups replaced by more sampling are left out of the update
         grpo_cfg["filter_zero_std_groups"] = True
@@ -211,6 +214,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             step=step,
             prompts=grpo_prompts,
             policy=policies[max(step - ahead, 0)],
+            engine_cfg=engine_cfg,
             rollout_cfg=rollout_cfg,
             seed=seed,
             dtype=dtype,
@@ -232,6 +236,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 step=step,
                 prompts=grpo_prompts,
                 teacher=teacher,
+                engine_cfg=engine_cfg,
                 rollout_cfg=rollout_cfg,
                 seed=seed,
                 dtype=dtype,
@@ -258,6 +263,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                     step=step,
                     prompts=grpo_prompts,
                     policy=policy,
+                    engine_cfg=engine_cfg,
                     rollout_cfg=rollout_cfg,
                     seed=seed,
                     dtype=dtype,

@@ -723,26 +723,39 @@ FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evalua
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 # model fields the learner reads
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged")
-# Settings of the rollout engine itself (not of sampling): engines built with other ones are other engines.
-# adapter_rank is not a field: the flow adds it to the rollout section (engine_adapter_rank).
-ROLLOUT_ENGINE_FIELDS = (
-    "engine",
-    "batch_size",
-    "tensor_parallel_size",
-    "gpu_memory_utilization",
-    "num_engines",
-    "adapter_rank",
-)
-EVAL_ROLLOUT_FIELDS = (*ROLLOUT_ENGINE_FIELDS, "top_p", "max_new_tokens", "stop")
+EVAL_ROLLOUT_FIELDS = ("top_p", "max_new_tokens", "stop")  # the rollout settings an evaluation samples with
 
 
-def engine_adapter_rank(cfg: RecipeConfig) -> int:
-    """The LoRA rank of the adapters rollout engines take each step (model.lora_sync 'adapter' with the vllm
-    engine, whose LoRA kernels apply them), else 0: engines take merged weights."""
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a rollout engine is built with (how it samples is refiner_core.rollout.base.SamplingParams): engines
+    built with other settings are other engines. The run derives it from the recipe (engine_settings)."""
+
+    engine: str = field(metadata={"help": "rollout.engine."})
+    batch_size: int = field(metadata={"help": "rollout.batch_size."})
+    tensor_parallel_size: int = field(metadata={"help": "rollout.tensor_parallel_size."})
+    gpu_memory_utilization: float = field(metadata={"help": "rollout.gpu_memory_utilization."})
+    num_engines: int = field(metadata={"help": "rollout.num_engines."})
+    adapter_rank: int = field(
+        metadata={
+            "help": "LoRA rank of the adapters the engine takes as adapters each step (vLLM's LoRA kernels apply "
+            "them); 0: it takes merged weights."
+        }
+    )
+
+
+# The rollout section's fields that build the engine: the sampling stages take them as an EngineSettings.
+ROLLOUT_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSettings) if f.name != "adapter_rank")
+
+
+def engine_settings(cfg: RecipeConfig) -> EngineSettings:
+    """The rollout engines' settings: the rollout section's, and the LoRA rank of the adapters they take each step
+    (model.lora_sync 'adapter' with the vllm engine), else 0 (merged weights)."""
     model = cfg.model
     if model.lora_sync == "auto":
         raise ValueError("model.lora_sync 'auto' is resolved per run (refiner_core.runtime.hardware.resolved_recipe)")
-    return model.lora_rank if model.lora_sync == "adapter" and cfg.rollout.engine == "vllm" else 0
+    adapter_rank = model.lora_rank if model.lora_sync == "adapter" and cfg.rollout.engine == "vllm" else 0
+    return EngineSettings(**{k: getattr(cfg.rollout, k) for k in ROLLOUT_ENGINE_FIELDS}, adapter_rank=adapter_rank)
 
 
 def pick(section: dict, names: tuple[str, ...]) -> dict:

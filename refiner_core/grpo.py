@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
-from refiner_core.config import GRPOConfig
+from refiner_core.config import LORA_FIELDS, GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
@@ -21,13 +21,15 @@ from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 NOT_FROM_GRPO = ("work_root", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged")
 
 
-def learner_settings(grpo: GRPOConfig, temperature: float, precision: str, lora: dict | None = None) -> LearnerSettings:
+def learner_settings(
+    grpo: GRPOConfig, temperature: float, precision: str, model: ModelConfig | None = None
+) -> LearnerSettings:
     """The learner's view of the GRPO config; the sampling temperature comes from the rollout config, the
-    compute precision and the LoRA settings (model.lora_*) from the model config."""
-    lora = {**(lora or {})}
-    if "lora_target_modules" in lora:
-        lora["lora_target_modules"] = tuple(lora["lora_target_modules"])
-    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo.adam_betas), **lora}
+    compute precision and the LoRA settings (model.lora_*; None: full weights) from the model config."""
+    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo.adam_betas)}
+    if model is not None:
+        given.update({k: getattr(model, k) for k in LORA_FIELDS})
+        given["lora_target_modules"] = tuple(model.lora_target_modules)
     fields = {
         k: getattr(grpo, k) for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in NOT_FROM_GRPO
     }

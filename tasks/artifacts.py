@@ -14,6 +14,7 @@ import yaml
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from refiner_core.config import RunConfig
 from refiner_core.data.text_safety import markdown_code_block, markdown_inline
 from refiner_core.publish.model_card import RECIPE_FILE, write_model_card
 from refiner_core.publish.plots import eval_summary, plot_steps_embedded
@@ -93,7 +94,9 @@ def report_step(
     """Send the steps rows, eval results and this step's best and worst rollout to run.report_to's trackers
     (refiner_core.publish.tracking: what a tracker already has is not sent again; a failing tracker is a warning)."""
     log = get_run_logger()
-    sent = report(run_dir, run, recipe["run"], steps=steps, evals=evals, rollouts={step: rollouts}, warn=log.warning)
+    sent = report(
+        run_dir, run, RunConfig(**recipe["run"]), steps=steps, evals=evals, rollouts={step: rollouts}, warn=log.warning
+    )
     if sent:
         log.info("report_to: %s", ", ".join(f"{name} ({n} new)" for name, n in sent.items()))
 

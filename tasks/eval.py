@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import ConfigError, JudgeConfig, RewardConfig
+from refiner_core.config import ConfigError, EngineSettings, EvalConfig, JudgeConfig, RewardConfig
 from refiner_core.eval.evaluate import (
     EvalSettings,
     format_table,
@@ -34,6 +34,7 @@ def evaluate(
     policy: dict,
     judge_model: dict,
     eval_cfg: dict,
+    engine_cfg: dict,
     rollout_cfg: dict,
     judge_cfg: dict,
     reward_cfg: dict,
@@ -44,7 +45,7 @@ def evaluate(
     """Held-out prompts -> responses from the policy (the recipe's rollout engine) -> training reward code ->
     evals/step=N/<phase>.parquet and a summary (format-valid rate, citation validity, judge score, pass@k)."""
     log = get_run_logger()
-    settings = EvalSettings.from_config(eval_cfg, rollout_cfg)
+    settings = EvalSettings.from_config(EvalConfig(**eval_cfg), **rollout_cfg)
     prompt_rows = read_rows(prompts["prompts"]["path"])
     chosen = held_out_prompts(prompt_rows, settings.prompts)
     if not chosen:
@@ -57,7 +58,9 @@ def evaluate(
             f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
             "run.keep_last); keep it with run.keep_every, or evaluate a new run"
         )
-    engine, acquired = rollout_engine(run_dir, rollout_cfg, policy, dtype, precision)  # the run's live one
+    engine, acquired = rollout_engine(
+        run_dir, EngineSettings(**engine_cfg), policy, dtype, precision
+    )  # the run's live one
     log.info("eval step %d: %s", step, acquired.describe())
     responses = generate_responses(engine, chosen, settings, seed)
     live.release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
@@ -67,14 +70,14 @@ def evaluate(
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
     if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
+    judge_settings = JudgeConfig(**judge_cfg)
     scorer = live.judge(
         run_dir,
-        judge_cfg["engine"],
         judge_model,
-        judge_cfg,
+        judge_settings,
         dtype,
         precision,
-        lambda: make_judge(judge_cfg["engine"], judge_model["path"], JudgeConfig(**judge_cfg), dtype, precision),
+        lambda: make_judge(judge_settings.engine, judge_model["path"], judge_settings, dtype, precision),
     )
     rows = score_responses(
         responses,

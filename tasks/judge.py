@@ -47,15 +47,15 @@ def judge(
     needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
     if judge_cfg["serve"] and needs_judge:
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
+    settings = JudgeConfig(**judge_cfg)
     scorer = (
         live.judge(
             run_dir,
-            judge_cfg["engine"],
             judge_model,
-            judge_cfg,
+            settings,
             dtype,
             precision,
-            lambda: make_judge(judge_cfg["engine"], judge_model["path"], JudgeConfig(**judge_cfg), dtype, precision),
+            lambda: make_judge(settings.engine, judge_model["path"], settings, dtype, precision),
         )
         if needs_judge
         else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from refiner_core.config import EngineSettings
 from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.sharded import ShardedEngine
@@ -42,25 +43,25 @@ def round_folder(step_folder: Path, round: int) -> Path:
     return step_folder / f"round={round}" if round else step_folder
 
 
-def rollout_engine(run_dir: str, rollout_cfg: dict, policy: dict, dtype: str, precision: str):
+def rollout_engine(run_dir: str, engine: EngineSettings, policy: dict, dtype: str, precision: str):
     """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.runtime.live), else
     one built from the checkpoint. Hand it back with `live.release`."""
 
     def build(path: str):
-        settings = (rollout_cfg["engine"], path, rollout_cfg["batch_size"], dtype, precision)
+        settings = (engine.engine, path, engine.batch_size, dtype, precision)
         gpu = {
-            "tensor_parallel_size": rollout_cfg["tensor_parallel_size"],
-            "gpu_memory_utilization": rollout_cfg["gpu_memory_utilization"],
-            "adapter_rank": rollout_cfg["adapter_rank"],
+            "tensor_parallel_size": engine.tensor_parallel_size,
+            "gpu_memory_utilization": engine.gpu_memory_utilization,
+            "adapter_rank": engine.adapter_rank,
         }
-        if rollout_cfg["num_engines"] > 1:  # Ray actors (run.ray_address; preflight checks it is set)
+        if engine.num_engines > 1:  # Ray actors (run.ray_address; preflight checks it is set)
             return ShardedEngine(
-                *settings, **gpu, num_engines=rollout_cfg["num_engines"], markers=str(Path(run_dir) / ".faults")
+                *settings, **gpu, num_engines=engine.num_engines, markers=str(Path(run_dir) / ".faults")
             )
         return make_engine(*settings, **gpu)
 
     return live.rollout_engine(
-        run_dir, live.engine_key(rollout_cfg, live.model_folder(policy), dtype, precision), policy, build
+        run_dir, live.engine_key(engine, live.model_folder(policy), dtype, precision), policy, build
     )
 
 

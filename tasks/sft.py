@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import source_config
+from refiner_core.config import SFTConfig
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_model, load_tokenizer
@@ -25,7 +25,8 @@ def prepare_sft(
     """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
     sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out."""
     log = get_run_logger()
-    raw = load_source(sft_file, source_config(sft_cfg))
+    sft = SFTConfig(**sft_cfg)
+    raw = load_source(sft_file, sft)
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     held_out = [p for p in read_rows(prompts["prompts"]["path"]) if p["split"] == "validation"]
@@ -33,10 +34,10 @@ def prepare_sft(
         checked.rows,
         tokenizer,
         run,
-        SFTLimits.from_config(sft_cfg),
-        sft_cfg["validation_fraction"],
+        SFTLimits.from_config(sft),
+        sft.validation_fraction,
         seed,
-        sft_cfg["histogram_bins"],
+        sft.histogram_bins,
         held_out,
     )
     rejected = checked.rejected + prepared.rejected
@@ -76,7 +77,7 @@ def prepare_sft(
         stats["dropped"],
         100 * stats["packing"]["train"]["efficiency"],
     )
-    fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), sft_cfg["max_rejected_fraction"])
+    fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), sft.max_rejected_fraction)
     if not stats["train_examples"]:
         raise ValueError(f"prepare-sft: no training examples left from {sft_file} (see {out / 'stats.json'})")
     return manifest
@@ -97,7 +98,12 @@ def sft_train(
     torch.manual_seed(seed)
     model = load_model(policy["path"], dtype, trainable=True)
     history = train_sft(
-        model, train, validation, tokenizer.pad_token_id, SFTSettings.from_config(sft_cfg, seed), precision=precision
+        model,
+        train,
+        validation,
+        tokenizer.pad_token_id,
+        SFTSettings.from_config(SFTConfig(**sft_cfg), seed),
+        precision=precision,
     )
 
     final = Path(run_dir) / "checkpoints" / "sft"

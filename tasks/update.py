@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
-from refiner_core.config import GRPOConfig
+from refiner_core.config import GRPOConfig, ModelConfig
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
@@ -41,7 +41,7 @@ def grpo_update(
     and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
     (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash.
     policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps). lora: the
-    model.lora_* settings (rank 0: full weights). The update
+    model.lora_* fields (rank 0: full weights). The update
     draws no random numbers (no dropout, no sampling), and leaves torch's process-wide generator alone: an hf
     rollout sampled ahead in another thread seeds it and draws from it."""
     log = get_run_logger()
@@ -51,7 +51,7 @@ def grpo_update(
     ]
     grpo = GRPOConfig(**grpo_cfg)
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo)
-    settings = learner_settings(grpo, temperature, precision, lora)
+    settings = learner_settings(grpo, temperature, precision, ModelConfig(**lora) if lora else None)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
     model = live.model_folder(policy)

@@ -140,3 +140,38 @@ def test_numpy_and_duckdb_paths_load_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def config_dict_parameters(source: str) -> list[str]:
+    """Function parameters that take a recipe section as a dict: named *_cfg, or annotated `dict` and named cfg,
+    config, settings or after a section (model and data name manifests: a checkpoint's path and hash, a stage's
+    statistics)."""
+    sections = {"cfg", "config", "settings", "rubrics", "sft", "rollout", "agent", "judge", "reward", "grpo", "eval"}
+    sections.add("lora")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for arg in node.args.args + node.args.kwonlyargs:
+                annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+                if arg.arg.endswith("_cfg") or (arg.arg in sections and annotation.split(" |")[0] == "dict"):
+                    found.append(f"{node.name}({arg.arg}: {annotation or '?'})")
+    return found
+
+
+def test_the_dict_parameter_finder_finds_one():
+    assert config_dict_parameters("def f(a, rollout_cfg, *, settings: dict | None = None, row: dict): ...") == [
+        "f(rollout_cfg: ?)",
+        "f(settings: dict | None)",
+    ]
+
+
+def test_the_core_takes_recipe_sections_as_dataclasses():
+    """Stages receive their sections as dicts (their cache keys hash them) and hand refiner_core the section's
+    dataclass, so the core reads a documented field, never a key with a repeated default. refiner_core.config is
+    where dicts become sections."""
+    found = {
+        str(path.relative_to(REPO)): names
+        for path in sorted(CORE.rglob("*.py"))
+        if path != CORE / "config.py" and (names := config_dict_parameters(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}

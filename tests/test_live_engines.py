@@ -4,12 +4,14 @@ results of one that rebuilds them every step."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import catalog_rows, learner_settings
+from refiner_core.config import EngineSettings
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
@@ -17,14 +19,9 @@ from refiner_core.runtime import live
 from refiner_core.store.storage import dir_hash
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-ROLLOUT_CFG = {
-    "engine": "hf",
-    "batch_size": 8,
-    "tensor_parallel_size": 1,
-    "gpu_memory_utilization": 0.9,
-    "num_engines": 1,
-    "adapter_rank": 0,
-}
+ENGINE = EngineSettings(
+    engine="hf", batch_size=8, tensor_parallel_size=1, gpu_memory_utilization=0.9, num_engines=1, adapter_rank=0
+)
 
 
 def _checkpoint(base: Path, folder: Path, scale: float) -> dict:
@@ -68,15 +65,15 @@ def run_dir(tmp_path):
 
 
 def _build(path: str):
-    return make_engine("hf", path, ROLLOUT_CFG["batch_size"])
+    return make_engine("hf", path, ENGINE.batch_size)
 
 
 def test_in_place_sync_from_checkpoint_equals_a_fresh_engine(checkpoints, run_dir, tiny_tokenizer):
     """Tolerance: exact. The same fp32 weights run the same kernels, so log-probs and seeded samples are equal
     bit for bit; the old weights' log-probs differ by far more than any rounding."""
     old, new = checkpoints
-    key = live.engine_key(ROLLOUT_CFG, old["path"], "float32", "fp32")
-    assert key == live.engine_key(ROLLOUT_CFG, new["path"], "float32", "fp32")  # same model, other weights
+    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
+    assert key == live.engine_key(ENGINE, new["path"], "float32", "fp32")  # same model, other weights
     engine, got = live.rollout_engine(run_dir, key, old, _build)
     assert got.how == "built"
     old_logprobs = _logprobs(engine, tiny_tokenizer)
@@ -106,7 +103,7 @@ def test_sync_from_the_live_learner_reads_no_checkpoint(checkpoints, run_dir, ti
     from refiner_core.learners.torch_learner import make_torch_learner
 
     old, _ = checkpoints
-    key = live.engine_key(ROLLOUT_CFG, old["path"], "float32", "fp32")
+    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
     engine, got = live.rollout_engine(run_dir, key, old, _build)
     live.release(run_dir, engine, got)
 
@@ -155,7 +152,7 @@ def test_learner_is_reused_only_for_its_own_weights(checkpoints, run_dir, tiny_t
 
 def test_failed_load_never_passes_for_either_weights(checkpoints, run_dir, tmp_path):
     old, _ = checkpoints
-    key = live.engine_key(ROLLOUT_CFG, old["path"], "float32", "fp32")
+    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
     engine, got = live.rollout_engine(run_dir, key, old, _build)
     live.release(run_dir, engine, got)
     empty = tmp_path / "no-weights"
@@ -169,7 +166,7 @@ def test_failed_load_never_passes_for_either_weights(checkpoints, run_dir, tmp_p
 
 def test_no_registry_builds_and_closes_and_closing_a_run_closes_its_engines(checkpoints, tmp_path, run_dir):
     old, _ = checkpoints
-    key = live.engine_key(ROLLOUT_CFG, old["path"], "float32", "fp32")
+    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
     elsewhere = tmp_path / "not-kept"
     engine, got = live.rollout_engine(elsewhere, key, old, _build)
     assert got.how == "fresh" and live.release(elsewhere, engine, got) == "closed" and engine.model is None
@@ -282,7 +279,7 @@ def test_vllm_in_place_sync_equals_a_fresh_engine(checkpoints, run_dir, tiny_tok
 
     old, new = checkpoints
     build = lambda path: make_vllm_engine(path, batch_size=8, progress=False)  # noqa: E731
-    cfg = {**ROLLOUT_CFG, "engine": "vllm"}
+    cfg = dataclasses.replace(ENGINE, engine="vllm")
     key = live.engine_key(cfg, old["path"], "float32", "fp32")
     sample = _fixed_tokens(tiny_tokenizer)[0]
     tokens = sample.prompt_ids + sample.response_ids

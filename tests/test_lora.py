@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import learner_settings, vllm_logprob_gap
-from refiner_core.config import ConfigError, GRPOConfig, recipe_from_dict
+from refiner_core.config import ConfigError, GRPOConfig, ModelConfig, recipe_from_dict
 from refiner_core.grpo import grpo_loop
 from refiner_core.grpo import learner_settings as grpo_learner_settings
 from refiner_core.learners.base import TrainSample, collate, token_logprobs
@@ -122,7 +122,7 @@ def test_reward_rises_through_adapters_only_on_smollm2():
         grpo,
         1.0,
         "fp32",
-        {"lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]},
+        ModelConfig(lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, lora_target_modules=["all-linear"]),
     )
     learner = make_torch_learner(path, path, tokenizer, settings, None)
     engine = HFRolloutEngine(learner.policy, tokenizer, batch_size=64)  # samples from base + adapters

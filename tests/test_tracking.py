@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from refiner_core.config import load_recipe
+from refiner_core.config import RunConfig, load_recipe
 from refiner_core.preflight import check_values
 from refiner_core.publish.tracking import TRACKERS, close_trackers, report
 
@@ -56,7 +56,7 @@ def _report(run_dir, backends, steps=STEPS, evals=EVALS, rollouts=None):
     sent = report(
         run_dir,
         "r",
-        {"report_to": backends},
+        RunConfig(report_to=backends),
         steps=steps,
         evals=evals,
         rollouts=rollouts or {2: "**best**: reward 3"},

@@ -9,6 +9,7 @@ from pathlib import Path
 from refiner_core import REPO_ROOT
 from refiner_core.agent.loop import AgentRollout, AgentSettings, model_scorer, run_agent
 from refiner_core.agent.tools.base import make_tool
+from refiner_core.config import AgentConfig
 from refiner_core.rollout.base import RolloutEngine, SamplingParams
 
 
@@ -36,23 +37,23 @@ def agent_rollouts(
     prompts: list[list[int]],
     chosen: list[str],
     params: SamplingParams,
-    agent: dict,
+    agent: AgentConfig,
     budget: int,
     desc: str = "",
 ) -> list[AgentRollout]:
     """Run the agent loop over the step's prompts with the configured tools (closed afterwards); `budget` caps
     each conversation's response tokens, sampled and inserted."""
-    tools = {name: make_tool(name, agent) for name in agent["tools"]}
+    tools = {name: make_tool(name, agent) for name in agent.tools}
     scripted, score = {}, None
-    if agent["scripted_path"]:
-        scripted = read_scripted(agent["scripted_path"], chosen, params.n)
+    if agent.scripted_path:
+        scripted = read_scripted(agent.scripted_path, chosen, params.n)
         if scripted:
             from refiner_core.models import load_model
 
             score = model_scorer(load_model(policy_path), params.temperature)
-    if agent["max_turn_tokens"] > 0:
-        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, agent["max_turn_tokens"]))
-    settings = AgentSettings(max_turns=agent["max_turns"], max_response_tokens=budget)
+    if agent.max_turn_tokens > 0:
+        params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, agent.max_turn_tokens))
+    settings = AgentSettings(max_turns=agent.max_turns, max_response_tokens=budget)
     try:
         return run_agent(engine, tokenizer, prompts, params, tools, settings, desc=desc, scripted=scripted, score=score)
     finally:

@@ -8,9 +8,11 @@ by their weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import comb
 
+from refiner_core.config import EvalConfig
 from refiner_core.rollout.base import RolloutEngine, SamplingParams
 
 PHASES = ("base", "sft", "grpo")
@@ -30,17 +32,19 @@ class EvalSettings:
     stop: tuple[str, ...]
 
     @classmethod
-    def from_config(cls, eval_cfg: dict, rollout_cfg: dict) -> EvalSettings:
+    def from_config(cls, eval: EvalConfig, top_p: float, max_new_tokens: int, stop: Sequence[str]) -> EvalSettings:
+        """The eval section's settings, sampling with the rollout section's top_p, stop strings and (unless
+        eval.max_new_tokens sets its own) length limit."""
         return cls(
-            prompts=eval_cfg["prompts"],
-            greedy=eval_cfg["greedy"],
-            samples=eval_cfg["samples"],
-            temperature=eval_cfg["temperature"],
-            top_p=rollout_cfg["top_p"],
-            pass_k=eval_cfg["pass_k"] or eval_cfg["samples"],
-            pass_rubric_score=eval_cfg["pass_rubric_score"],
-            max_new_tokens=eval_cfg["max_new_tokens"] or rollout_cfg["max_new_tokens"],
-            stop=tuple(rollout_cfg["stop"]),
+            prompts=eval.prompts,
+            greedy=eval.greedy,
+            samples=eval.samples,
+            temperature=eval.temperature,
+            top_p=top_p,
+            pass_k=eval.pass_k or eval.samples,
+            pass_rubric_score=eval.pass_rubric_score,
+            max_new_tokens=eval.max_new_tokens or max_new_tokens,
+            stop=tuple(stop),
         )
 
     def sampling(self, seed: int) -> dict[str, SamplingParams]:

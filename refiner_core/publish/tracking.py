@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from refiner_core.config import RunConfig
+
 LEDGER_DIR = "tracking"
 _OPEN: dict[tuple[str, str], object] = {}  # (run folder, backend) -> its tracker, open until close_trackers
 SKIPPED_COLUMNS = ("run", "step", "checkpoint")
@@ -36,7 +38,7 @@ EVAL_METRICS = (
 class TensorBoardTracker:
     """Event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR/tensorboard`)."""
 
-    def __init__(self, run_dir: Path, run: str, settings: dict, ledger: dict) -> None:
+    def __init__(self, run_dir: Path, run: str, settings: RunConfig, ledger: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
@@ -60,11 +62,11 @@ class MLflowTracker:
     RUN_DIR/mlruns (mlflow.db, artifacts/: `mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlruns/mlflow.db`); its
     ID and store are kept in the ledger, so a resumed run continues the same MLflow run."""
 
-    def __init__(self, run_dir: Path, run: str, settings: dict, ledger: dict) -> None:
+    def __init__(self, run_dir: Path, run: str, settings: RunConfig, ledger: dict) -> None:
         from mlflow.tracking import MlflowClient
 
         store = (run_dir / "mlruns").resolve()  # the default: an SQLite store (MLflow 3 refuses a plain folder)
-        uri = settings.get("mlflow_tracking_uri") or ledger.get("tracking_uri") or f"sqlite:///{store / 'mlflow.db'}"
+        uri = settings.mlflow_tracking_uri or ledger.get("tracking_uri") or f"sqlite:///{store / 'mlflow.db'}"
         if uri.startswith(f"sqlite:///{store}"):
             store.mkdir(parents=True, exist_ok=True)
         self.client = MlflowClient(tracking_uri=uri)
@@ -75,7 +77,7 @@ class MLflowTracker:
                 if experiment
                 else self.client.create_experiment(
                     run,
-                    artifact_location=None if settings.get("mlflow_tracking_uri") else (store / "artifacts").as_uri(),
+                    artifact_location=None if settings.mlflow_tracking_uri else (store / "artifacts").as_uri(),
                 )
             )
             ledger["id"] = self.client.create_run(experiment_id, run_name=run).info.run_id
@@ -102,7 +104,7 @@ class WandbTracker:
     """A Weights & Biases run in RUN_DIR/wandb, offline unless WANDB_MODE says otherwise (`wandb sync` uploads it);
     resumed by the ID kept in the ledger."""
 
-    def __init__(self, run_dir: Path, run: str, settings: dict, ledger: dict) -> None:
+    def __init__(self, run_dir: Path, run: str, settings: RunConfig, ledger: dict) -> None:
         import wandb
 
         ledger.setdefault("id", secrets.token_hex(4))  # any string names a W&B run; kept for a resume
@@ -178,14 +180,14 @@ def eval_metrics(summary: dict) -> dict[str, float]:
 def report(
     run_dir: Path | str,
     run: str,
-    settings: dict,
+    settings: RunConfig,
     *,
     steps: list[dict],
     evals: list[dict],
     rollouts: dict[int, str],
     warn: Callable[[str], None],
 ) -> dict[str, int]:
-    """Send what each backend of settings['report_to'] has not been sent yet: steps rows, eval summary rows and
+    """Send what each backend of settings.report_to has not been sent yet: steps rows, eval summary rows and
     rollout samples ({step: markdown}). Returns {backend: items sent}; a backend that fails is reported to `warn`
     and skipped (its ledger records none of them, so they are sent again next time)."""
     run_dir = Path(run_dir)
@@ -195,7 +197,7 @@ def report(
         + [(f"rollouts {step}", "text", step, markdown) for step, markdown in sorted(rollouts.items())]
     )
     sent = {}
-    for name in settings.get("report_to") or []:
+    for name in settings.report_to:
         ledger_path = run_dir / LEDGER_DIR / f"{name}.json"
         ledger = json.loads(ledger_path.read_text()) if ledger_path.is_file() else {"sent": []}
         done = set(ledger["sent"])

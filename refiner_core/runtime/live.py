@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refiner_core.config import ROLLOUT_ENGINE_FIELDS
+from refiner_core.config import EngineSettings, JudgeConfig
 from refiner_core.models import Adapter, adapter_weights, checkpoint_adapter, lora_adapter
 from refiner_core.store.storage import file_hash, json_hash
 
@@ -232,9 +232,8 @@ def _content(path: Path):
     return {k: v for k, v in data.items() if k not in SAVE_NOTES} if isinstance(data, dict) else data
 
 
-def engine_key(rollout_cfg: dict, model_path: str | Path, dtype: str, precision: str) -> str:
-    engine = {k: rollout_cfg[k] for k in ROLLOUT_ENGINE_FIELDS}
-    return json_hash([engine, model_identity(model_path), dtype, precision])
+def engine_key(engine: EngineSettings, model_path: str | Path, dtype: str, precision: str) -> str:
+    return json_hash([dataclasses.asdict(engine), model_identity(model_path), dtype, precision])
 
 
 @dataclass
@@ -413,14 +412,19 @@ def keep_learner(
 
 
 def judge(
-    run_dir: str | Path, kind: str, model: dict, cfg: dict, dtype: str, precision: str, build: Callable[[], Any]
+    run_dir: str | Path,
+    model: dict,
+    settings: JudgeConfig,
+    dtype: str,
+    precision: str,
+    build: Callable[[], Any],
 ) -> Any:
     """The judge `build()` makes, kept for the run when it holds its model in this process: keyed by the judge
     model's path and content hash, its settings, dtype and precision."""
     run = _run(run_dir)
-    if run is None or kind not in IN_PROCESS_JUDGES:
+    if run is None or settings.engine not in IN_PROCESS_JUDGES:
         return build()
-    key = json_hash([kind, model["path"], model["hash"], cfg, dtype, precision])
+    key = json_hash([model["path"], model["hash"], dataclasses.asdict(settings), dtype, precision])
     with _LOCK:
         kept = run.judges.get(key)
     if kept is None:

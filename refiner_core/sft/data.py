@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refiner_core.algo.packing import pack_sequences, packing_efficiency
+from refiner_core.config import SFTConfig
 from refiner_core.data.prompts import refiner_messages, render_chat
 from refiner_core.data.rows import Rejection, is_chat_row, split_of
 
@@ -35,8 +36,8 @@ class SFTLimits:
     pack_length: int = 8192
 
     @classmethod
-    def from_config(cls, sft: dict) -> SFTLimits:
-        return cls(**{k: sft[k] for k in cls.__dataclass_fields__})
+    def from_config(cls, sft: SFTConfig) -> SFTLimits:
+        return cls(**{k: getattr(sft, k) for k in cls.__dataclass_fields__})
 
 
 @dataclass

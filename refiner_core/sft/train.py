@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from refiner_core.algo.packing import IGNORE_INDEX, PackedRow, concat_pack
+from refiner_core.config import SFTConfig
 from refiner_core.learners.base import autocast
 from refiner_core.runtime.progress import progress_bar
 
@@ -31,8 +32,8 @@ class SFTSettings:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, sft: dict, seed: int) -> SFTSettings:
-        return cls(**{k: sft[k] for k in cls.__dataclass_fields__ if k != "seed"}, seed=seed)
+    def from_config(cls, sft: SFTConfig, seed: int) -> SFTSettings:
+        return cls(**{k: getattr(sft, k) for k in cls.__dataclass_fields__ if k != "seed"}, seed=seed)
 
 
 def packed_rows(examples: list[dict]) -> list[PackedRow]:

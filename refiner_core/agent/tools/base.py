@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from refiner_core.config import AgentConfig
 from refiner_core.runtime.registry import resolve
 
 
@@ -45,5 +46,5 @@ def tool_schema(tool: Tool) -> dict:
 TOOLS: dict[str, str] = {"python": "refiner_core.agent.tools.python_sandbox:make_python_tool"}
 
 
-def make_tool(name: str, settings: dict) -> Tool:
+def make_tool(name: str, settings: AgentConfig) -> Tool:
     return resolve(TOOLS, "tool", name)(settings)

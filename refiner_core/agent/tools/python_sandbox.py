@@ -73,6 +73,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from refiner_core.agent.tools.base import ToolResult
+from refiner_core.config import AgentConfig
 
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap; scripts/setup.sh does it when run as root)"
@@ -623,15 +624,15 @@ def _bad_arguments(arguments: dict, max_code_bytes: int) -> str | None:
     return code_problem(arguments["code"], max_code_bytes)
 
 
-def make_python_tool(settings: dict) -> PythonTool:
-    """settings: the agent config's sandbox fields (sandbox_* names) and tool_concurrency."""
+def make_python_tool(settings: AgentConfig) -> PythonTool:
+    """The python tool with the agent section's sandbox limits and tool_concurrency."""
     check_sandbox()
     limits = SandboxLimits(
-        cpu_seconds=settings.get("sandbox_cpu_seconds", SandboxLimits.cpu_seconds),
-        wall_seconds=settings.get("sandbox_wall_seconds", SandboxLimits.wall_seconds),
-        memory_bytes=settings.get("sandbox_memory_mb", SandboxLimits.memory_bytes >> 20) << 20,
-        max_processes=settings.get("sandbox_max_processes", SandboxLimits.max_processes),
-        max_file_bytes=settings.get("sandbox_max_file_mb", SandboxLimits.max_file_bytes >> 20) << 20,
-        max_output_bytes=settings.get("sandbox_max_output_bytes", SandboxLimits.max_output_bytes),
+        cpu_seconds=settings.sandbox_cpu_seconds,
+        wall_seconds=settings.sandbox_wall_seconds,
+        memory_bytes=settings.sandbox_memory_mb << 20,
+        max_processes=settings.sandbox_max_processes,
+        max_file_bytes=settings.sandbox_max_file_mb << 20,
+        max_output_bytes=settings.sandbox_max_output_bytes,
     )
-    return PythonTool(PythonSandbox(limits, concurrency=settings.get("tool_concurrency", 4)))
+    return PythonTool(PythonSandbox(limits, concurrency=settings.tool_concurrency))
