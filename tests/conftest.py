@@ -155,7 +155,9 @@ def vllm_logprob_gap(
     them under the same temperature and `precision`. Returns the gaps over the sampled tokens."""
     import torch
 
-    from refiner_core.learners.base import TrainSample, collate, token_logprobs
+    from refiner_core.learners.base import TrainSample
+    from refiner_core.learners.batching import collate
+    from refiner_core.learners.logprobs import token_logprobs
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
     engine = make_vllm_engine(

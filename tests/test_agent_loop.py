@@ -15,7 +15,9 @@ from refiner_core.agent.rollout import turn_rows
 from refiner_core.agent.tools.base import tool_schema
 from refiner_core.agent.tools.python_sandbox import PythonSandbox, PythonTool, SandboxLimits, check_sandbox
 from refiner_core.data.prompts import render_prompt
-from refiner_core.learners.base import TrainSample, collate, token_logprobs
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate
+from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.models import load_model
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
@@ -313,7 +315,7 @@ def test_vllm_engine_drives_the_same_loop(tiny_model_path, tiny_tokenizer, pytho
 
 def test_collate_honours_the_loss_mask_padded_and_packed():
     """Hand-laid rows: positions scoring a tool token carry no mask, in padded and in packed rows alike."""
-    from refiner_core.learners.base import collate_rows
+    from refiner_core.learners.batching import collate_rows
 
     a = TrainSample([1, 2], [10, 11, 12, 13, 14], 1.0, [-0.1, -0.2, 0.0, 0.0, -0.5], [True, True, False, False, True])
     b = TrainSample([3], [20, 21], -1.0, [-0.3, -0.4])  # no mask: every response token was sampled

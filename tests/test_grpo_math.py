@@ -10,7 +10,8 @@ from conftest import learner_settings
 from refiner_core.algo.advantages import compute_advantages, zero_std_groups
 from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
 from refiner_core.config import GRPOConfig
-from refiner_core.learners.base import TrainSample, collate
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate
 from refiner_core.learners.torch_learner import TorchLearner
 
 

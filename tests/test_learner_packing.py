@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from conftest import learner_settings
-from refiner_core.learners.base import TrainSample, collate, collate_rows, pack_rows, token_logprobs
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate, collate_group, collate_rows, pack_rows, prompt_groups
+from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
 
@@ -115,8 +117,6 @@ def _grouped_samples(groups=3, size=4, seed=1):
 
 
 def test_shared_prompt_logprobs_equal_per_sequence_logprobs(tiny_model_path):
-    from refiner_core.learners.base import collate_group, prompt_groups
-
     model = load_model(tiny_model_path)
     samples = _grouped_samples()
     groups = prompt_groups(samples)

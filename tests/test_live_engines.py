@@ -12,7 +12,9 @@ import torch
 
 from conftest import catalog_rows, learner_settings
 from refiner_core.config import EngineSettings
-from refiner_core.learners.base import TrainSample, collate, token_logprobs
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate
+from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.runtime import live

@@ -15,7 +15,9 @@ from conftest import learner_settings, vllm_logprob_gap
 from refiner_core.config import ConfigError, GRPOConfig, ModelConfig, recipe_from_dict
 from refiner_core.grpo import grpo_loop
 from refiner_core.grpo import learner_settings as grpo_learner_settings
-from refiner_core.learners.base import TrainSample, collate, token_logprobs
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate
+from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.learners.lora import ADAPTER_DIR, AdaptersOff
 from refiner_core.learners.torch_learner import make_torch_learner
 from refiner_core.models import checkpoint_adapter, load_model, load_tokenizer

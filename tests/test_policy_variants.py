@@ -23,7 +23,9 @@ from refiner_core.algo.advantages import compute_advantages
 from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, Sequences, grpo_token_loss, importance_weights
 from refiner_core.config import load_recipe
 from refiner_core.grpo import build_train_samples, learner_settings
-from refiner_core.learners.base import TrainSample, collate_group, collate_rows, token_logprobs, token_scores
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate_group, collate_rows
+from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.torch_learner import TorchLearner
 
 F64 = torch.float64

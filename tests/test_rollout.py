@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from refiner_core.config import JudgeConfig
-from refiner_core.learners.base import TrainSample, collate, token_logprobs
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate
+from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.models import load_model
 from refiner_core.rollout.base import SamplingParams, first_stop
 from refiner_core.rollout.hf_engine import HFRolloutEngine

@@ -13,7 +13,9 @@ import torch
 pytestmark = pytest.mark.slow  # ~40 s for the engine tests, ~60 s more for the pipeline run on 2 CPU cores
 
 from conftest import vllm_logprob_gap  # noqa: E402
-from refiner_core.learners.base import TrainSample, collate, token_logprobs  # noqa: E402
+from refiner_core.learners.base import TrainSample  # noqa: E402
+from refiner_core.learners.batching import collate  # noqa: E402
+from refiner_core.learners.logprobs import token_logprobs  # noqa: E402
 from refiner_core.models import load_model  # noqa: E402
 from refiner_core.rollout.base import SamplingParams, first_stop  # noqa: E402
 

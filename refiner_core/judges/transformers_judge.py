@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from refiner_core.config import JudgeConfig
 from refiner_core.data.prompts import render_prompt
-from refiner_core.learners.base import autocast
+from refiner_core.learners.logprobs import autocast
 from refiner_core.rollout.base import SamplingParams, left_padded
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.runtime.progress import progress_bar

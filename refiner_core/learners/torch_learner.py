@@ -10,16 +10,9 @@ from pathlib import Path
 import torch
 
 from refiner_core.algo.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
-from refiner_core.learners.base import (
-    LearnerSettings,
-    TrainSample,
-    collate_group,
-    collate_rows,
-    pack_rows,
-    prompt_groups,
-    token_logprobs,
-    token_scores,
-)
+from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.batching import collate_group, collate_rows, pack_rows, prompt_groups
+from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
 from refiner_core.models import Adapter
 from refiner_core.runtime.progress import progress_bar

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from refiner_core.learners.base import autocast
+from refiner_core.learners.logprobs import autocast
 from refiner_core.models import Adapter, adapter_weights
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
 from refiner_core.runtime.progress import progress_bar

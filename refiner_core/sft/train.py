@@ -16,7 +16,7 @@ import torch
 
 from refiner_core.algo.packing import IGNORE_INDEX, PackedRow, concat_pack
 from refiner_core.config import SFTConfig
-from refiner_core.learners.base import autocast
+from refiner_core.learners.logprobs import autocast
 from refiner_core.runtime.progress import progress_bar
 
 
