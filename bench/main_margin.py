@@ -4,9 +4,11 @@ Runs the main job (recipes/refiner-smollm2.yaml) once per seed into its own fold
 and costs seconds) and compares, on the held-out prompts answered greedily, the SFT checkpoint (step 0) with the
 policy after each evaluated GRPO step:
 
-- per seed: the share of answers that cite a distractor snippet (one the row's supporting_ids leaves out), format
-  validity and pass@1, and an exact McNemar test over the prompts (b = prompts whose answer stopped citing a
-  distractor, c = prompts whose answer started to; p = two-sided binomial tail of min(b, c) in b + c at 1/2);
+- per seed: the share of answers that cite a distractor snippet (one the row's supporting_ids leaves out), the
+  share of supporting snippets cited and the citations per answer (citing less is another way to avoid
+  distractors), format validity and pass@1, and an exact McNemar test over the prompts (b = prompts whose answer
+  stopped citing a distractor, c = prompts whose answer started to; p = two-sided binomial tail of min(b, c) in
+  b + c at 1/2);
 - over the seeds: the margin on each (its spread), and the McNemar test with the prompts of every seed pooled.
 
 The seed changes everything a run draws: the held-out split, SFT's shuffling, GRPO's sampling.
@@ -43,7 +45,8 @@ def greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
 
     columns, rows = query(
         run_dir / "catalog.duckdb",
-        "SELECT phase, step, prompt_id, cites_distractor, format_ok, passed FROM evals WHERE mode = 'greedy'",
+        "SELECT phase, step, prompt_id, cites_distractor, supporting_recall, n_citations, format_ok, passed "
+        "FROM evals WHERE mode = 'greedy'",
     )
     out: dict[tuple[str, int], dict[str, dict]] = {}
     for row in rows:
@@ -63,6 +66,9 @@ def compare(sft: dict[str, dict], grpo: dict[str, dict]) -> dict:
     before = [bool(sft[p]["cites_distractor"]) for p in labelled]
     after = [bool(grpo[p]["cites_distractor"]) for p in labelled]
 
+    def mean(rows: dict[str, dict], key: str) -> float:
+        return sum(rows[p][key] for p in labelled) / max(len(labelled), 1)
+
     def rate(rows: dict[str, dict], key: str) -> float:
         return sum(bool(rows[p][key]) for p in prompts) / len(prompts)
 
@@ -71,6 +77,10 @@ def compare(sft: dict[str, dict], grpo: dict[str, dict]) -> dict:
         "labelled": len(labelled),
         "distractor_before": sum(before) / max(len(labelled), 1),
         "distractor_after": sum(after) / max(len(labelled), 1),
+        "recall_before": mean(sft, "supporting_recall"),
+        "recall_after": mean(grpo, "supporting_recall"),
+        "citations_before": mean(sft, "n_citations"),
+        "citations_after": mean(grpo, "n_citations"),
         "format_before": rate(sft, "format_ok"),
         "format_after": rate(grpo, "format_ok"),
         "pass_before": rate(sft, "passed"),
@@ -115,13 +125,18 @@ def main() -> None:
         per_seed[seed] = {step: compare(sft, rows) for (phase, step), rows in sorted(evals.items()) if phase == "grpo"}
 
     print(f"\nheld-out greedy answers, SFT checkpoint (step 0) against each GRPO step; recipe {RECIPE.name}")
-    header = "seed  step  prompts  labelled  cites distractor  format-valid  pass@1     fixed/broken  McNemar p  wall s"
+    header = (
+        "seed  step  prompts  labelled  cites distractor  supporting cited  citations    format-valid  pass@1     "
+        "fixed/broken  McNemar p  wall s"
+    )
     print(header)
     for seed, steps in per_seed.items():
         for step, c in steps.items():
             print(
                 f"{seed:<4}  {step:<4}  {c['prompts']:<7}  {c['labelled']:<8}  "
                 f"{c['distractor_before']:>4.0%} -> {c['distractor_after']:<4.0%}    "
+                f"{c['recall_before']:>4.0%} -> {c['recall_after']:<4.0%}    "
+                f"{c['citations_before']:>3.1f} -> {c['citations_after']:<4.1f}  "
                 f"{c['format_before']:>4.0%} -> {c['format_after']:<4.0%}  "
                 f"{c['pass_before']:>3.0%} -> {c['pass_after']:<4.0%}  "
                 f"{c['fixed']:>2} / {c['broken']:<2}       {mcnemar_p(c['fixed'], c['broken']):<9.3g}  "

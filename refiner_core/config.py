@@ -454,6 +454,13 @@ class RewardConfig:
         "without supporting_ids are never penalised.",
         column="distractor_penalty",
     )
+    supporting_recall_weight: float = opt(
+        0.0,
+        "Added to the reward (outside the multiplier) times the share of the row's supporting_ids the answer cites: "
+        "with distractor_penalty, citing fewer snippets is no longer a way to avoid distractors. Checked against "
+        "the data, no judge call; rows without supporting_ids and answers without an answer block add 0.",
+        column="supporting_recall_weight",
+    )
     verifier: str = opt(
         "ground_truth",
         "Scores prompts that have no rubrics (prompts with rubrics are judged): "

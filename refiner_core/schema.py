@@ -256,6 +256,11 @@ _REWARD_INPUT_COLUMNS = (
         "answer.",
     ),
     _c(
+        "supporting_recall",
+        F,
+        "Share of the prompt's supporting_ids the answer cites (0 to 1); NULL without labels or answer.",
+    ),
+    _c(
         "claims", I, "Claims in the answer (cited spans + uncited factual sentences); NULL when claims were not judged."
     ),
     _c(
@@ -335,12 +340,13 @@ REWARDS = Table(
         _c("non_stop_penalized", B, "True when the reward was replaced by the non-stop penalty."),
         _c("overlong_penalty", F, "max(-f, min(0, -(L - (L_max - B)) / B * f)), 0 when the buffer is off."),
         _c("distractor_term", F, "-distractor_penalty when cites_distractor, else 0."),
+        _c("recall_term", F, "supporting_recall_weight * supporting_recall (0 when it is NULL)."),
         _c("dropped", B, "Left out of the update: a judgment failed under on_failure 'drop'."),
         _c(
             "reward",
             F,
             "verification_reward * judged_score + format_weight * format_score + overlong_penalty + "
-            "distractor_term, or non_stop_penalty_value when non_stop_penalized.",
+            "distractor_term + recall_term, or non_stop_penalty_value when non_stop_penalized.",
         ),
     ),
 )

@@ -77,7 +77,9 @@ def test_passed_needs_valid_format_valid_citations_and_the_rubric_threshold():
 
 
 def test_summary_by_hand():
-    def row(prompt, idx, ok, citation, rubric, passed_, reward, finish="stop", mode="sampled", distractor=None):
+    def row(
+        prompt, idx, ok, citation, rubric, passed_, reward, finish="stop", mode="sampled", distractor=None, recall=None
+    ):
         return {
             "step": 3,
             "phase": "grpo",
@@ -92,12 +94,13 @@ def test_summary_by_hand():
             "reward": reward,
             "finish_reason": finish,
             "cites_distractor": distractor,
+            "supporting_recall": recall,
         }
 
     rows = [
-        row("p", 0, True, 1.0, 0.8, True, 9.0, distractor=True),
-        row("p", 1, False, 0.0, 0.2, False, 2.0, "length", distractor=False),
-        row("q", 0, True, 0.5, 0.6, False, 6.0, distractor=False),
+        row("p", 0, True, 1.0, 0.8, True, 9.0, distractor=True, recall=1.0),
+        row("p", 1, False, 0.0, 0.2, False, 2.0, "length", distractor=False, recall=0.5),
+        row("q", 0, True, 0.5, 0.6, False, 6.0, distractor=False, recall=0.0),
         row("q", 1, False, 0.0, 0.4, False, 4.0),  # q's row labels no supporting snippets here: not counted
     ]
     rows.append(row("p", 0, True, 1.0, 0.5, True, 7.0, mode="greedy"))
@@ -110,12 +113,13 @@ def test_summary_by_hand():
     assert sampled["reward"] == pytest.approx(21.0 / 4)
     assert sampled["stopped"] == 0.75
     assert sampled["cites_distractor"] == pytest.approx(1 / 3) and greedy["cites_distractor"] is None
+    assert sampled["supporting_recall"] == pytest.approx(1.5 / 3) and greedy["supporting_recall"] is None
     assert sampled["pass_at_1"] == pytest.approx((0.5 + 0.0) / 2)  # p: 1 of 2 passed, q: none
     assert sampled["pass_at_k"] == pytest.approx((1.0 + 0.0) / 2)  # p: any of 2 passed
     table = format_table([greedy, sampled]).splitlines()
     assert table[0].split()[:3] == ["step", "policy", "mode"]
-    assert table[2].split()[:7] == ["3", "grpo", "sampled", "2", "50%", "38%", "33%"]
-    assert table[1].split()[6] == "-"  # no labelled prompt answered greedily
+    assert table[2].split()[:8] == ["3", "grpo", "sampled", "2", "50%", "38%", "33%", "50%"]
+    assert table[1].split()[6:8] == ["-", "-"]  # no labelled prompt answered greedily
 
 
 def _eval_states(flow_run_id) -> list[tuple[str, str]]:
@@ -242,6 +246,7 @@ def test_eval_reward_parts_match_the_training_reward_code(sft_eval_run):
             * (row["rubric_weight"] * row["rubric_score"] + row["citation_weight"] * row["citation_score"])
             + row["format_weight"] * row["format_score"]
             + row["distractor_term"]
+            + row["recall_term"]
         )
 
 

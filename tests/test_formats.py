@@ -73,6 +73,7 @@ def test_empty_id_inside_a_citation_list_is_a_format_error():
         "citation_valid_fraction": 1.0,
         "n_distractor_citations": None,
         "cites_distractor": None,
+        "supporting_recall": None,
     }
     assert parse_answer("<answer><snippet id=P1, P2>Both say so.</snippet></answer>").well_formed
     # A reference answer with an empty ID is quarantined, not trained on.

@@ -34,17 +34,27 @@ def test_mcnemar_p_matches_an_exact_rational_reference():
             assert mcnemar_p(b, n - b) == pytest.approx(float(min(Fraction(1), 2 * tail)), rel=1e-12, abs=0)
 
 
-def _rows(cites: dict[str, bool | None], format_ok: bool = True) -> dict[str, dict]:
+def _rows(cites: dict[str, bool | None], recall: float = 1.0) -> dict[str, dict]:
+    """Eval rows: an answer citing `recall` of 2 supporting snippets (and the distractor where cites is True)."""
     return {
-        p: {"cites_distractor": v, "format_ok": format_ok and v is not None, "passed": False} for p, v in cites.items()
+        p: {
+            "cites_distractor": v,
+            "supporting_recall": None if v is None else recall,
+            "n_citations": 0 if v is None else 2 * recall + v,
+            "format_ok": v is not None,
+            "passed": False,
+        }
+        for p, v in cites.items()
     }
 
 
 def test_compare_counts_fixed_and_broken_over_labelled_pairs():
     sft = _rows({"a": True, "b": True, "c": False, "d": True, "e": False, "only-sft": True})
-    grpo = _rows({"a": False, "b": True, "c": True, "d": None, "e": False})  # d lost its answer block
+    grpo = _rows({"a": False, "b": True, "c": True, "d": None, "e": False}, recall=0.5)  # d lost its answer block
     got = compare(sft, grpo)
     assert (got["prompts"], got["labelled"]) == (5, 4)  # d is answered by both, but not labelled after GRPO
     assert (got["fixed"], got["broken"]) == (1, 1)  # a stopped citing a distractor, c started; d is neither
     assert (got["distractor_before"], got["distractor_after"]) == (0.5, 0.5)  # of a, b, c, e
     assert (got["format_before"], got["format_after"]) == (1.0, 0.8)  # over all 5: d's answer is not format-valid
+    assert (got["recall_before"], got["recall_after"]) == (1.0, 0.5)
+    assert (got["citations_before"], got["citations_after"]) == (2.5, 1.5)  # 2 * recall + distractor: a b c e

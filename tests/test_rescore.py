@@ -62,6 +62,8 @@ def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
             "reward.verification_reward=3",
             "--set",
             "reward.distractor_penalty=2",
+            "--set",
+            "reward.supporting_recall_weight=1.5",
             "--name",
             "cw05",
         ],
@@ -87,6 +89,7 @@ def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
             + t["format_weight"] * t["format_score"]
             + t["overlong_penalty"]
             - 2.0 * bool(t["cites_distractor"])  # NULL (no answer block) costs nothing
+            + 1.5 * (t["supporting_recall"] or 0.0)
         )
         assert math.isclose(r["reward"], expected, abs_tol=1e-12)
     # the advantages of the new version are the group advantages of its rewards

@@ -121,6 +121,7 @@ def test_format_parts_counts_each_cited_id():
         "citation_valid_fraction": 0.0,
         "n_distractor_citations": None,
         "cites_distractor": None,
+        "supporting_recall": None,
     }
 
 
@@ -160,6 +161,36 @@ def test_distractor_penalty_enters_the_reward_outside_the_multiplier():
     assert [r["distractor_penalty"] for r in rows] == [2.0] * 3
     off = _rewards(inputs, scores, **weights)  # the default penalty is 0: the reward is unchanged
     assert [r["reward"] for r in off] == pytest.approx([8.0, 8.0, 8.0])
+
+
+@pytest.mark.parametrize(
+    ("text", "recall"),
+    [
+        ("<answer><snippet id=S1,S2>a</snippet></answer>", 1.0),  # both supporting snippets
+        ("<answer><snippet id=S1>a</snippet> <snippet id=S1>b</snippet></answer>", 0.5),  # one, twice: still one
+        ("<answer><snippet id=S2,D1>a</snippet></answer>", 0.5),  # a distractor adds nothing
+        ("<answer>no citation</answer>", 0.0),
+        ("no answer block <snippet id=S1>a</snippet>", None),  # nothing was chosen
+    ],
+)
+def test_supporting_recall_hand_computed(text, recall):
+    assert format_parts(text, SNIPPETS, SUPPORTING)["supporting_recall"] == recall
+    assert format_parts(text, SNIPPETS, None)["supporting_recall"] is None  # unlabelled row
+
+
+def test_supporting_recall_weight_enters_the_reward_outside_the_multiplier():
+    labels = (SNIPPETS, SUPPORTING)
+    both = format_parts("<answer><snippet id=S1,S2>a</snippet></answer>", *labels)
+    one = format_parts("<answer><snippet id=S1>a</snippet></answer>", *labels)
+    none = format_parts("no answer", *labels)
+    inputs = [_inputs(sample_idx=i, **parts) for i, parts in enumerate((both, one, none))]
+    scores = [_score_row(0.5, sample_idx=i) for i in range(3)]
+    weights = dict(verification_reward=10.0, rubric_weight=1.0, citation_weight=0.2, format_weight=1.0)
+    rows = _rewards(inputs, scores, supporting_recall_weight=2.0, **weights)
+    assert [r["recall_term"] for r in rows] == [2.0, 1.0, 0.0]  # 2 x recall; NULL recall adds 0
+    # 10 * (0.5 + 0.2 * valid fraction) + format + recall_term: 8.0 + 2.0, 8.0 + 1.0, 10 * 0.5 + 0 + 0
+    assert [r["reward"] for r in rows] == pytest.approx([10.0, 9.0, 5.0])
+    assert [r["reward"] for r in _rewards(inputs, scores, **weights)] == pytest.approx([8.0, 8.0, 5.0])
 
 
 def test_rubric_mean_under_each_failure_treatment():

@@ -145,6 +145,7 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
             by_prompt.setdefault(r["prompt_id"], []).append(bool(r["passed"]))
         n = len(group)
         labeled = [r["cites_distractor"] for r in group if r.get("cites_distractor") is not None]
+        recalls = [r["supporting_recall"] for r in group if r.get("supporting_recall") is not None]
         k = min(pass_k, *(len(v) for v in by_prompt.values())) if pass_k else 1
         summary.append(
             {
@@ -157,6 +158,7 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
                 "citation_valid": sum(citation_validity(r) for r in group) / n,
                 # Among responses to prompts that label their supporting snippets; None when none do.
                 "cites_distractor": sum(labeled) / len(labeled) if labeled else None,
+                "supporting_recall": _mean(recalls),
                 "judge_score": _mean([r["rubric_score"] for r in group if r["verifier"] == "judge"]),
                 "reward": sum(r["reward"] for r in group) / n,
                 "stopped": sum(r["finish_reason"] == "stop" for r in group) / n,
@@ -182,6 +184,7 @@ def format_table(summary: list[dict]) -> str:
         "format-valid",
         "citations valid",
         "cites distractor",
+        "supporting cited",
         "judge score",
         "reward",
         "stopped",
@@ -200,6 +203,7 @@ def format_table(summary: list[dict]) -> str:
                 f"{s['format_valid']:.0%}",
                 f"{s['citation_valid']:.0%}",
                 "-" if s["cites_distractor"] is None else f"{s['cites_distractor']:.0%}",
+                "-" if s["supporting_recall"] is None else f"{s['supporting_recall']:.0%}",
                 judge,
                 f"{s['reward']:.2f}",
                 f"{s['stopped']:.0%}",

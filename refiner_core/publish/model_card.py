@@ -116,6 +116,8 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         judged += f" + {reward['format_weight']} x format score"
     if reward.get("distractor_penalty"):
         judged += f" - {reward['distractor_penalty']} if it cites a distractor snippet"
+    if reward.get("supporting_recall_weight"):
+        judged += f" + {reward['supporting_recall_weight']} x the share of supporting snippets cited"
     learner = grpo["learner"]
     if learner == "deepspeed":
         learner += f", ZeRO stage {grpo['zero_stage']}, {grpo['world_size']} rank(s)"
@@ -187,6 +189,7 @@ def _eval_table(evals: list[dict]) -> str:
         "format-valid",
         "citations valid",
         "cites distractor",
+        "supporting cited",
         "judge score",
         "reward",
         "pass@1",
@@ -201,6 +204,7 @@ def _eval_table(evals: list[dict]) -> str:
             f"{e['format_valid']:.0%}",
             f"{e['citation_valid']:.0%}",
             "-" if e.get("cites_distractor") is None else f"{e['cites_distractor']:.0%}",
+            "-" if e.get("supporting_recall") is None else f"{e['supporting_recall']:.0%}",
             "-" if e["judge_score"] is None else f"{e['judge_score']:.3f}",
             f"{e['reward']:.3f}",
             f"{e['pass_at_1']:.0%}",

@@ -27,6 +27,7 @@ EVAL_METRICS = (
     "format_valid",
     "citation_valid",
     "cites_distractor",
+    "supporting_recall",
     "judge_score",
     "reward",
     "stopped",

@@ -17,15 +17,16 @@ def orient(score: float, kind: str) -> float:
 
 def format_parts(response_text: str, valid_ids: list[str], supporting_ids: list[str] | None = None) -> dict:
     """Format and citation facts of one response (reward_inputs columns). A distractor is a snippet of the tool
-    output outside `supporting_ids`; the distractor columns are NULL when the row labels none (None) or the
-    response has no answer block (nothing was cited, so nothing was chosen)."""
+    output outside `supporting_ids`; the distractor and supporting-recall columns are NULL when the row labels none
+    (None) or the response has no answer block (nothing was cited, so nothing was chosen)."""
     parsed = parse_answer(response_text)
     check = check_citations(parsed, valid_ids)
     format_ok = parsed.has_answer and parsed.well_formed
-    distractors = None
+    distractors = recall = None
     if supporting_ids is not None and parsed.has_answer:
         off_topic = set(valid_ids) - set(supporting_ids)
         distractors = sum(i in off_topic for i in parsed.cited_ids)
+        recall = len(set(supporting_ids) & set(parsed.cited_ids)) / len(set(supporting_ids))
     return {
         "has_answer": parsed.has_answer,
         "format_ok": format_ok,
@@ -35,6 +36,7 @@ def format_parts(response_text: str, valid_ids: list[str], supporting_ids: list[
         "citation_valid_fraction": check.score if parsed.has_answer else 0.0,
         "n_distractor_citations": distractors,
         "cites_distractor": None if distractors is None else distractors > 0,
+        "supporting_recall": recall,
     }
 
 
@@ -78,6 +80,7 @@ parts AS (
                                                           / w.overlong_buffer * w.overlong_factor))
               ELSE 0.0 END AS overlong_penalty,
          CASE WHEN coalesce(i.cites_distractor, false) THEN -w.distractor_penalty ELSE 0.0 END AS distractor_term,
+         w.supporting_recall_weight * coalesce(i.supporting_recall, 0.0) AS recall_term,
          w.on_failure = 'drop' AND coalesce(r.rubrics_failed, 0) > 0 AS dropped
   FROM reward_inputs i
   JOIN reward_weights w ON i.run = w.run AND i.step = w.step
@@ -95,6 +98,7 @@ judged AS (
 SELECT *,
        CASE WHEN non_stop_penalized THEN non_stop_penalty_value
             ELSE verification_reward * judged_score + format_weight * format_score + overlong_penalty + distractor_term
+                 + recall_term
        END AS reward
 FROM judged
 ORDER BY run, step, reward_version, prompt_id, sample_idx
