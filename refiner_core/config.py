@@ -177,11 +177,6 @@ class SourceConfig:
     hub_config: str = opt("", "Hub dataset configuration (subset) name; '' = the default one.")
 
 
-def source_config(section: dict) -> SourceConfig:
-    """The source fields of a data or sft section given as a dict (as stages receive their config)."""
-    return SourceConfig(**{f.name: section[f.name] for f in dataclasses.fields(SourceConfig)})
-
-
 @dataclass
 class DataConfig(SourceConfig):
     max_prompts: int = opt(0, "Keep at most this many prompts after validation (0 = all).")

@@ -18,7 +18,7 @@ from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 
 # LearnerSettings that are not GRPO settings: the job folders' root (set by the update stage from its run folder)
 # and LoRA (the model config's).
-NOT_FROM_GRPO = ("work_root", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged")
+NOT_FROM_GRPO = ("work_root", *LORA_FIELDS)
 
 
 def learner_settings(

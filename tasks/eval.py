@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import ConfigError, EngineSettings, EvalConfig, JudgeConfig, RewardConfig
+from refiner_core.config import ConfigError, EvalConfig, JudgeConfig, RewardConfig
 from refiner_core.eval.evaluate import (
     EvalSettings,
     format_table,
@@ -58,9 +58,7 @@ def evaluate(
             f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
             "run.keep_last); keep it with run.keep_every, or evaluate a new run"
         )
-    engine, acquired = rollout_engine(
-        run_dir, EngineSettings(**engine_cfg), policy, dtype, precision
-    )  # the run's live one
+    engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)  # the run's live one
     log.info("eval step %d: %s", step, acquired.describe())
     responses = generate_responses(engine, chosen, settings, seed)
     live.release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
@@ -77,7 +75,7 @@ def evaluate(
         judge_settings,
         dtype,
         precision,
-        lambda: make_judge(judge_settings.engine, judge_model["path"], judge_settings, dtype, precision),
+        lambda: make_judge(judge_model["path"], judge_settings, dtype, precision),
     )
     rows = score_responses(
         responses,

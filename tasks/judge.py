@@ -55,7 +55,7 @@ def judge(
             settings,
             dtype,
             precision,
-            lambda: make_judge(settings.engine, judge_model["path"], settings, dtype, precision),
+            lambda: make_judge(judge_model["path"], settings, dtype, precision),
         )
         if needs_judge
         else None

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import source_config
+from refiner_core.config import DataConfig
 from refiner_core.data.rows import TooManyRejected, prepare_prompts, validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_tokenizer
@@ -20,7 +20,7 @@ __all__ = ["TooManyRejected", "prepare_data"]
 def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: int, policy: dict) -> dict:
     """Stage 1: validate refiner rows, render chat prompts, apply token limits -> prompts + quarantine."""
     log = get_run_logger()
-    raw = load_source(data_file, source_config(data))
+    raw = load_source(data_file, DataConfig(**data))
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     prompts, dropped = prepare_prompts(

@@ -8,7 +8,7 @@ from prefect import get_run_logger
 from refiner_core.agent.rollout import agent_rollouts
 from refiner_core.agent.rollout import rollout_row as agent_rollout_row
 from refiner_core.agent.rollout import turn_rows as agent_turn_rows
-from refiner_core.config import AgentConfig, EngineSettings
+from refiner_core.config import AgentConfig
 from refiner_core.models import load_tokenizer
 from refiner_core.runtime import live
 from refiner_core.schema import ROLLOUTS, TURNS
@@ -40,7 +40,7 @@ def rollout(
     log = get_run_logger()
     chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed, round_prompt_ids)
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
-    engine, acquired = rollout_engine(run_dir, EngineSettings(**engine_cfg), policy, dtype, precision)
+    engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)
     log.info("rollout step %d: %s", step, acquired.describe())
     try:  # an engine that failed mid-sampling (a dead worker) is not kept: the retry builds another
         params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import source_config
+from refiner_core.config import SourceConfig
 from refiner_core.data.rows import accepted_raw_rows
 from refiner_core.data.rubric_fields import load_static_rubrics
 from refiner_core.data.sources import load_rows, load_source
@@ -39,7 +39,7 @@ def ingest_rubrics(
         source, source_rows = rubric_file, load_rows(rubric_file, "auto", rubric_cfg.get("fields"))
     else:
         source = data_file
-        source_rows = accepted_raw_rows(load_source(data_file, source_config(data)))
+        source_rows = accepted_raw_rows(load_source(data_file, SourceConfig(**data)))
     generated = {"calls": 0, "cached": 0, "failed_calls": 0}  # answers paid for, served from cache, no answer
     generate = None
     if rubric_cfg.get("generation_endpoint"):

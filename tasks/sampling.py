@@ -43,9 +43,10 @@ def round_folder(step_folder: Path, round: int) -> Path:
     return step_folder / f"round={round}" if round else step_folder
 
 
-def rollout_engine(run_dir: str, engine: EngineSettings, policy: dict, dtype: str, precision: str):
+def rollout_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, precision: str):
     """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.runtime.live), else
-    one built from the checkpoint. Hand it back with `live.release`."""
+    one built from the checkpoint (engine_cfg: an EngineSettings as a dict). Hand it back with `live.release`."""
+    engine = EngineSettings(**engine_cfg)
 
     def build(path: str):
         settings = (engine.engine, path, engine.batch_size, dtype, precision)

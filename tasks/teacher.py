@@ -8,7 +8,6 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
-from refiner_core.config import EngineSettings
 from refiner_core.publish.model_card import write_model_card
 from refiner_core.runtime import live
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
@@ -37,7 +36,7 @@ def teacher_rollout(
     """G responses of the teacher to the same prompts the policy answers at this step -> teacher_rollouts."""
     log = get_run_logger()
     chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
-    engine, acquired = rollout_engine(run_dir, EngineSettings(**engine_cfg), teacher, dtype, precision)
+    engine, acquired = rollout_engine(run_dir, engine_cfg, teacher, dtype, precision)
     log.info("teacher-rollout step %d: %s", step, acquired.describe())
     params = sampling_params(rollout_cfg, seed * 100_003 + step + TEACHER_SEED_OFFSET)
     generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")

@@ -218,7 +218,7 @@ def test_transformers_judge_fills_the_new_columns(tiny_model_path):
     from refiner_core.judges.base import make_judge
 
     cfg = {"mode": "expected_score", "max_new_tokens": 4, "batch_size": 8, "share_prefix": True, "prefill": True}
-    judge = make_judge("transformers", str(tiny_model_path), JudgeConfig(**cfg))
+    judge = make_judge(str(tiny_model_path), JudgeConfig(engine="transformers", **cfg))
     scores = score_rollouts(
         *make_batch(n_prompts=1, samples=2, n_rubrics=2), judge, RewardConfig(), "zero", 2000, 64
     ).judge_scores

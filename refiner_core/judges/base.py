@@ -43,11 +43,10 @@ JUDGES: dict[str, str] = {
 }
 
 
-def make_judge(
-    kind: str, model_path: str, settings: JudgeConfig, dtype: str = "float32", precision: str = "fp32"
-) -> Judge:
-    """`precision` is the in-process judges' compute precision (model.precision); a served judge ignores it."""
-    judge = resolve(JUDGES, "judge engine", kind)(model_path, settings, dtype, precision=precision)
+def make_judge(model_path: str, settings: JudgeConfig, dtype: str = "float32", precision: str = "fp32") -> Judge:
+    """The judge settings.engine names. `precision` is the in-process judges' compute precision (model.precision);
+    a served judge ignores it."""
+    judge = resolve(JUDGES, "judge engine", settings.engine)(model_path, settings, dtype, precision=precision)
     if not getattr(judge, "model_name", ""):
         try:
             judge.model_name = str(model_path)

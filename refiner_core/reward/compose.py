@@ -24,9 +24,10 @@ def format_parts(response_text: str, valid_ids: list[str], supporting_ids: list[
     format_ok = parsed.has_answer and parsed.well_formed
     distractors = recall = None
     if supporting_ids is not None and parsed.has_answer:
-        off_topic = set(valid_ids) - set(supporting_ids)
+        supporting = set(supporting_ids)
+        off_topic = set(valid_ids) - supporting
         distractors = sum(i in off_topic for i in parsed.cited_ids)
-        recall = len(set(supporting_ids) & set(parsed.cited_ids)) / len(set(supporting_ids))
+        recall = len(supporting & set(parsed.cited_ids)) / len(supporting)
     return {
         "has_answer": parsed.has_answer,
         "format_ok": format_ok,
