@@ -189,25 +189,32 @@ POLICY_LOSSES: dict[
 
 # --- Truncated / masked importance sampling against the rollout engine (pi_old / pi_rollout), detached ---
 def tis_token(log_ratio: Tensor, sequences: Sequences) -> Tensor:
-    """One ratio per token. TRL vllm_importance_sampling_mode token_*, verl rollout_is 'token'."""
+    """One ratio per token. TRL vllm_importance_sampling_mode token_*, verl rollout_is 'token', open-instruct
+    rho_* (per token)."""
     return log_ratio
 
 
 def tis_sequence(log_ratio: Tensor, sequences: Sequences) -> Tensor:
     """One ratio per sequence, the product of its trained tokens' ratios, on each of them. TRL
-    vllm_importance_sampling_mode sequence_*, verl rollout_is 'sequence'."""
+    vllm_importance_sampling_mode sequence_*, verl rollout_is 'sequence' (open-instruct's rho_mask_sequence_level
+    uses the geometric mean instead: equal for one-token sequences only)."""
     return sequences.sum(log_ratio)
 
 
 def tis_truncate(ratio: Tensor, floor: float, cap: float) -> Tensor:
     """clamp(ratio, floor, cap) (floor 0: no lower bound). TRL *_truncate (clip_min, clip_max); verl rollout_is
-    with rollout_is_threshold = cap and no lower bound; open-instruct rho_clamp_lower/upper_bound."""
+    with rollout_is_threshold = cap when floor is 0 (verl has no lower bound); open-instruct
+    rho_clamp_lower/upper_bound with rho_mask_* off (token level)."""
     return torch.clamp(ratio, min=floor if floor > 0 else None, max=cap)
 
 
 def tis_mask(ratio: Tensor, floor: float, cap: float) -> Tensor:
-    """ratio where floor <= ratio <= cap, else 0 (the token, or the whole sequence, leaves the loss). TRL
-    *_mask (clip_min, clip_max)."""
+    """ratio where floor <= ratio <= cap, else 0. A token weighted 0 (under tis_level 'sequence', every token of
+    its sequence) loses its policy-gradient term only: it still counts in the aggregation's denominator and still
+    carries its KL and entropy terms. TRL *_mask (clip_min, clip_max) and open-instruct rho_mask_lower/upper_bound
+    (token level, with rho_clamp_* off or no tighter) do the same. verl rollout_is with rollout_rs token_k1 /
+    seq_sum_k1 (rollout_rs_threshold '1/cap_1/floor') gives the same weights but takes the token out of its
+    response mask, so out of the denominator, the KL and the entropy too."""
     return torch.where((ratio >= floor) & (ratio <= cap), ratio, torch.zeros_like(ratio))
 
 
@@ -218,7 +225,9 @@ TIS_MODES: dict[str, Callable[[Tensor, float, float], Tensor]] = {"truncate": ti
 def importance_weights(
     old_logp: Tensor, rollout_logp: Tensor, sequences: Sequences, *, level: str, mode: str, floor: float, cap: float
 ) -> Tensor:
-    """Per-token weights on the policy-gradient term correcting for the rollout engine's numerics (detached)."""
+    """Per-token weights on the policy-gradient term only, correcting for the rollout engine's numerics (detached;
+    0 off the response mask). The loss is aggregated over the response mask whatever the weights, so a weight of
+    0 removes the token's policy gradient and nothing else."""
     log_ratio = TIS_LEVELS[level](old_logp.detach() - rollout_logp, sequences)
     return TIS_MODES[mode](torch.exp(log_ratio), floor, cap) * sequences.mask
 
