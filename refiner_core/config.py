@@ -628,8 +628,10 @@ class GRPOConfig:
     )
     tis_mode: Literal["truncate", "mask"] = opt(
         "truncate",
-        "tis_cap: 'truncate' clamps the ratio into [tis_floor, tis_cap]; 'mask' keeps it inside and "
-        "drops the token (or the whole sequence) outside (TRL vllm_importance_sampling_mode *_truncate / *_mask).",
+        "tis_cap: 'truncate' clamps the ratio into [tis_floor, tis_cap]; 'mask' keeps it inside and zeroes the "
+        "policy-gradient weight outside (the token, or under tis_level 'sequence' its whole sequence, keeps its "
+        "share of the aggregation's denominator, its KL and entropy terms); TRL vllm_importance_sampling_mode "
+        "*_truncate / *_mask. docs/grpo.md.",
     )
     filter_zero_std_groups: bool = opt(
         False,
