@@ -298,6 +298,7 @@ def make_vllm_engine(
     sleep_level: int = 1,
     weight_transfer: str = "auto",
     weight_bucket_mb: int = 512,
+    vllm_options: dict | None = None,
 ) -> VLLMRolloutEngine:
     """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
     'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
@@ -308,7 +309,8 @@ def make_vllm_engine(
     On GPU: `sleep_level` > 0 builds it with vLLM's sleep mode (where the platform has it), so it can free the GPU
     between rollouts; `weight_transfer` picks vLLM's weight-transfer backend for new weights (refiner_core.runtime.
     weight_transfer.choose_transport), sent `weight_bucket_mb` at a time. On CPU neither exists: weights arrive
-    through host memory and the engine cannot sleep."""
+    through host memory and the engine cannot sleep. `vllm_options`: more LLM(...) arguments, over these (the GPU
+    check's random weights: load_format 'dummy')."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(
             f"vllm engine: unknown precision {precision!r}; choose from ['bf16', 'fp32'] "
@@ -325,7 +327,9 @@ def make_vllm_engine(
     threads = torch.get_num_threads()
     from vllm import LLM
 
-    options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {}
+    options: dict = {"enforce_eager": not on_gpu}  # CUDA graphs on GPU; eager is required on CPU
+    if on_gpu:
+        options["gpu_memory_utilization"] = gpu_memory_utilization
     transport = wt.choose_transport(weight_transfer, on_gpu)
     if transport == "delta" and tensor_parallel_size != 1:
         raise ValueError("vllm engine: weight_transfer 'delta' (vLLM's sparse_nccl) needs tensor_parallel_size 1")
@@ -347,12 +351,11 @@ def make_vllm_engine(
         model=weights_path,
         tokenizer=str(model_path),
         dtype="bfloat16" if precision == "bf16" else dtype,
-        enforce_eager=not on_gpu,  # CUDA graphs on GPU; eager is required on CPU
         tensor_parallel_size=tensor_parallel_size,
         max_num_seqs=max(int(batch_size), 1),
         logprobs_mode="processed_logprobs",  # log-probs of the tempered (and top-p) distribution that sampled
         seed=0,
-        **options,
+        **{**options, **(vllm_options or {})},
     )
     if not on_gpu and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # vLLM's CPU worker lowers the process's torch threads; the learner needs them
