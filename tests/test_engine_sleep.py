@@ -97,7 +97,8 @@ class _Records(logging.Handler):
 @pytest.mark.slow
 def test_vllm_cpu_sync_sends_the_engines_dtype_and_logs_one_line(tiny_model_path, tmp_path, capfd):
     """A bf16 engine given fp32 learner weights: they are cast here (vLLM warned once per tensor when it cast
-    them, 29 warnings for the tiny model and 245 for SmolLM2, plus 'RotaryEmbedding: Failed to load weights'), and
+    them, 15 warnings per sync for the tiny model and 123 for SmolLM2, plus 'RotaryEmbedding: Failed to load
+    weights'), and
     the engine equals a fresh one on the new weights (tolerance 1e-5 on log-probs: two engines over the same bf16
     weights)."""
     pytest.importorskip("vllm")
