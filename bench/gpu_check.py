@@ -29,6 +29,7 @@ import gc
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -660,8 +661,8 @@ def main() -> int:
     failed = False
     began = time.perf_counter()
     for part in parts:
-        left = args.budget - (time.perf_counter() - began) if args.budget else args.timeout
-        if left < 30:
+        left = args.budget - (time.perf_counter() - began)
+        if args.budget and left < 30:
             line = {"part": part, "ok": False, "error": f"not run: {left:.0f} s of the --budget left"}
             print(json.dumps(line), flush=True)
             results.append(line)
@@ -671,11 +672,17 @@ def main() -> int:
         folder.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, __file__, "--child", part, "--root", str(folder), *(["--cpu"] if args.cpu else [])]
         start = time.perf_counter()
+        # its own process group: a part out of time goes with every process it started (engine cores, ranks)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+        )
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=min(args.timeout, left - 10), cwd=REPO)
-            out, err, code = done.stdout, done.stderr, done.returncode
-        except subprocess.TimeoutExpired as e:
-            out, err, code = (e.stdout or b"").decode(), (e.stderr or b"").decode(), "timeout"
+            out, err = proc.communicate(timeout=min(args.timeout, left - 10) if args.budget else args.timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            code = "timeout"
         (root / f"{part}.log").write_text(err)
         lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
         for line in lines:
