@@ -302,6 +302,27 @@ class RolloutConfig:
         default_factory=AgentConfig,
         metadata={"help": "Multi-turn tool calling (GRPO-TCR): the agent loop, its tools and their sandbox."},
     )
+    sleep_level: Literal[0, 1, 2] = opt(
+        1,
+        "vllm engine on GPU (vLLM's sleep mode): when the engine holds more of its GPU than is left free, it sleeps "
+        "through the judge and the update and wakes for the next rollout instead of being closed and rebuilt. 1: its "
+        "weights wait in host memory; 2: they are dropped (no host copy; each wake loads the whole policy from the "
+        "learner or the checkpoint, which a sync after an update does anyway); 0: no sleep mode, the engine is "
+        "closed as before. Engines that cannot sleep (hf; vllm on CPU) are kept or closed by memory alone.",
+    )
+    weight_transfer: Literal["auto", "host", "ipc", "nccl", "delta"] = opt(
+        "auto",
+        "vllm engine on GPU: how a learner's weights reach it (vLLM's weight-transfer API). 'ipc': CUDA IPC, the "
+        "learner's tensors on the engine's GPUs (the torch learner; DeepSpeed ranks on this machine); 'nccl': NCCL "
+        "broadcast from DeepSpeed rank 0 (ranks on other GPUs or machines); 'delta': NCCL carrying only the "
+        "elements that changed (vLLM's sparse_nccl engine: tensor_parallel_size 1); 'host': a state dict through "
+        "host memory, the CPU path; 'auto': 'ipc' on GPU, 'host' on CPU. docs/engines.md.",
+    )
+    weight_bucket_mb: int = opt(
+        512,
+        "Weight transfer on GPU: MiB of weights gathered (ZeRO-3), packed in the engine's dtype and in flight at "
+        "once; the whole state dict is never held twice.",
+    )
 
 
 @dataclass
@@ -746,6 +767,9 @@ class EngineSettings:
             "them); 0: it takes merged weights."
         }
     )
+    sleep_level: int = field(default=1, metadata={"help": "rollout.sleep_level."})
+    weight_transfer: str = field(default="auto", metadata={"help": "rollout.weight_transfer."})
+    weight_bucket_mb: int = field(default=512, metadata={"help": "rollout.weight_bucket_mb."})
 
 
 # The rollout section's fields that build the engine: the sampling stages take them as an EngineSettings.

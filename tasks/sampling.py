@@ -54,6 +54,9 @@ def rollout_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, pre
             "tensor_parallel_size": engine.tensor_parallel_size,
             "gpu_memory_utilization": engine.gpu_memory_utilization,
             "adapter_rank": engine.adapter_rank,
+            "sleep_level": engine.sleep_level,
+            "weight_transfer": engine.weight_transfer,
+            "weight_bucket_mb": engine.weight_bucket_mb,
         }
         if engine.num_engines > 1:  # Ray actors (run.ray_address; preflight checks it is set)
             return ShardedEngine(

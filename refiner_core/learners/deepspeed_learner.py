@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
@@ -154,6 +155,7 @@ class DeepSpeedLearner:
         self.updates = 0  # train steps since launch
         self._jobs = 0
         self._exported_at = -1  # `updates` when the weights in self.export were written
+        self._sent: str | None = None  # the weights last sent to an engine over vLLM's weight transfer
         self._proc = None
         self._dead = ""  # why the ranks are gone, once they are
         self._tail: collections.deque[str] = collections.deque(maxlen=60)
@@ -239,13 +241,31 @@ class DeepSpeedLearner:
 
         threading.Thread(target=pump, daemon=True).start()
 
-    def _call(self, kind: str, samples: list[TrainSample] | None = None, **payload) -> Path:
-        """Hand the ranks one job and wait until every rank has done it; returns the job's folder."""
+    def _call(
+        self,
+        kind: str,
+        samples: list[TrainSample] | None = None,
+        serve: Callable[[dict], None] | None = None,
+        meanwhile: Callable[[], None] | None = None,
+        **payload,
+    ) -> Path:
+        """Hand the ranks one job and wait until every rank has done it; returns the job's folder. `meanwhile` runs
+        once the job is posted (a call that needs the ranks at the same time); `serve` takes each bucket rank 0
+        offers (bucket_NNNN.json), acknowledged once it returns (bucket_NNNN.ack)."""
         started = self._proc is None
         self.start()
         job_dir = self._post(kind, samples, payload)
+        served = 0
         try:
+            if meanwhile is not None:
+                meanwhile()
             while not (job_dir / "done").exists():
+                offered = job_dir / f"bucket_{served + 1:04d}.json"
+                if serve is not None and offered.exists():
+                    serve(json.loads(offered.read_text()))
+                    served += 1
+                    offered.with_suffix(".ack").touch()
+                    continue
                 if self._proc.poll() is not None:
                     self._died(
                         f"deepspeed learner: the ranks exited with {self._proc.returncode} during a "
@@ -329,6 +349,40 @@ class DeepSpeedLearner:
             self._call("export", path=str(self.export))
             self._exported_at = self.updates
         return checkpoint_weights(self.export)
+
+    @property
+    def sends_weights(self) -> bool:
+        """Whether the ranks send their weights to a vLLM engine themselves (GPU, full weights; a LoRA learner
+        hands over its adapter or merged weights instead)."""
+        return self.device == "cuda" and not self.s.lora_rank
+
+    def send_weights(self, engine, holding: str | None = None, sending: str = "") -> None:
+        """Stream the ranks' current weights into a vLLM engine built for vLLM's weight transfer
+        (refiner_core.runtime.weight_transfer): ZeRO-3 parameters gathered a bucket at a time and packed in the
+        engine's dtype, handed over by CUDA IPC (a handle from each rank on an engine GPU) or broadcast by rank 0
+        over NCCL, whole or as a delta. Nothing is written and no state dict reaches this process. `holding`
+        names the weights the engine holds: a delta is sent only against the weights these ranks sent it last
+        (`sending` names them), else every element goes."""
+        from refiner_core.runtime import weight_transfer as wt
+
+        if engine.transport in ("nccl", "delta") and not engine.transfer_ready:
+            init = wt.nccl_init_info(self.hosts[0][0], free_port(), engine.workers)
+            self._call("transfer_init", init=init, meanwhile=lambda: engine.init_transfer(init))
+            self._sent = None  # a new group: whatever the engine holds, it did not get it from this one
+        delta = engine.transport == "delta" and holding is not None and holding == self._sent
+        engine.start_update()
+        self._call(
+            "send_weights",
+            serve=engine.apply_update,
+            transport=engine.transport,
+            dtype=wt.dtype_name(engine.dtype),
+            bucket_bytes=engine.bucket_bytes,
+            tied=engine.tied,
+            engine_gpus=engine.workers,
+            delta=delta,
+        )
+        engine.finish_update()
+        self._sent = sending
 
     def adapter(self) -> Adapter:
         """The ranks' current LoRA adapter, exported for a rollout engine that applies it to the base."""

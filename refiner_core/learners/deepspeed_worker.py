@@ -160,6 +160,106 @@ def export_adapter(engine, zero_stage: int, path: Path, rank: int) -> None:
             engine.module.save_pretrained(str(path))
 
 
+class WeightSender:
+    """This rank's part in sending the weights to a vLLM engine (refiner_core.runtime.weight_transfer): every rank
+    gathers each bucket of ZeRO-3 parameters (a collective); a rank whose GPU the engine uses packs it in the
+    engine's dtype and offers CUDA IPC handles, merged on rank 0, or rank 0 broadcasts it over NCCL (whole, or
+    as a delta against what it sent last). Rank 0 writes each bucket's update_info to the job folder and waits
+    for the flow process's acknowledgement: the engine has loaded it, its buffer can go."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.group = None  # rank 0's NCCL communicator with the engine's workers
+        self.sent: dict[str, torch.Tensor] = {}  # delta: the tensors last sent, as the engine holds them
+
+    def init(self, init: dict) -> None:
+        """Rank 0 opens the NCCL group the engine joins (vLLM's nccl_common.trainer_init, in 0.26 and 0.32)."""
+        if self.rank == 0:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+            self.group = trainer_init({k: init[k] for k in ("master_address", "master_port", "world_size")})
+        self.sent = {}
+
+    def send(self, engine, zero_stage: int, job_dir: Path, job: dict) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        from refiner_core.runtime import weight_transfer as wt
+
+        dtype = wt.torch_dtype(job["dtype"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        params = list(engine.module.named_parameters())
+        shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in params}
+        # the output layer's alias goes with the embeddings; in place (deltas) the engine's tied layer is the same
+        aliases = {} if job["transport"] == "delta" else wt.output_alias(shapes, job["tied"])
+        local_gpu = torch.cuda.current_device()
+        packs = self.rank == 0 or (job["transport"] == "ipc" and local_gpu < job["engine_gpus"])
+        sizes = [math.prod(shapes[name]) * itemsize for name, _ in params]
+        for number, bucket in enumerate(wt.plan_buckets(sizes, job["bucket_bytes"]), 1):
+            names = [params[i][0] for i in bucket]
+            members = [params[i][1] for i in bucket]
+            gathered = deepspeed.zero.GatheredParameters(members) if zero_stage == 3 else nullcontext()
+            with gathered:  # the full parameters exist on every rank only inside this block
+                buffer, views = wt.pack([p.data for p in members], dtype) if packs else (None, [])
+            torch.cuda.synchronize()
+            for alias, source in aliases.items():
+                if source in names and packs:
+                    names, views = [*names, alias], [*views, views[names.index(source)]]
+            info = self._offer(job, names, views, shapes) if packs else None
+            if job["transport"] == "ipc" and self.world > 1:
+                offered = [None] * self.world
+                dist.all_gather_object(offered, info["handles"] if info else None)
+                if self.rank == 0:
+                    info = wt.ipc_update_info(names, views, wt.merge_handles(offered))
+            elif info is not None and job["transport"] == "ipc":
+                info = wt.ipc_update_info(names, views, info["handles"])
+            if self.rank == 0:
+                _offer_bucket(job_dir, number, info, self._broadcast if job["transport"] != "ipc" else None)
+            if self.world > 1:
+                dist.barrier()  # the engine holds the bucket: every rank frees its buffer
+            del buffer, views
+        torch.cuda.ipc_collect()
+
+    def _offer(self, job: dict, names: list[str], views: list, shapes: dict) -> dict | None:
+        """This rank's part of a bucket's update_info: IPC handles, or (rank 0) what NCCL will broadcast."""
+        from refiner_core.runtime import weight_transfer as wt
+
+        if job["transport"] == "ipc":
+            return {"handles": wt.ipc_handles(views)}
+        if job["transport"] == "nccl":
+            self._pending = list(views)
+            return wt.update_info(names, views)
+        patches = {}
+        for name, view in zip(names, views):
+            old = self.sent.get(name)
+            patches[name] = wt.sparse_patch(old, view) if job["delta"] and old is not None else wt.full_patch(view)
+            self.sent[name] = view.clone()
+        if not wt.sparse_patches_use_checkpoint_names():  # vLLM 0.26 indexes its fused runtime parameters
+            patches, shapes = wt.runtime_patches(patches, shapes), wt.runtime_shapes(shapes)
+        self._pending = [t for indices, values in patches.values() for t in (indices, values)]
+        return wt.sparse_update_info(patches, shapes)
+
+    def _broadcast(self) -> None:
+        stream = torch.cuda.current_stream()
+        for tensor in self._pending:
+            self.group.broadcast(tensor, src=0, stream=stream)
+        torch.cuda.synchronize()
+        self._pending = []
+
+
+def _offer_bucket(job_dir: Path, number: int, info: dict, broadcast=None, poll: float = 0.001) -> None:
+    """Rank 0: write the bucket's update_info for the flow process (which hands it to the engine), broadcast its
+    tensors when the transport is NCCL (the engine receives while the flow process's update_weights waits), then
+    wait until the flow process acknowledges that the engine loaded it."""
+    offered = job_dir / f"bucket_{number:04d}.json"
+    partial = offered.with_suffix(".part")
+    partial.write_text(json.dumps(info))
+    partial.rename(offered)  # whole or not at all
+    if broadcast is not None:
+        broadcast()
+    _wait_for(offered.with_suffix(".ack"), poll)
+
+
 def try_resume(engine, state_dir: str, zero_stage: int, world: int, lr: float, rank: int) -> int:
     """Load the previous step's optimizer state when it exists and was written by the same layout; returns
     the Adam step count found (0 = fresh)."""
@@ -231,6 +331,7 @@ def main(work_dir: str) -> None:
     resumed = try_resume(engine, launch["resume_dir"], launch["zero_stage"], world, settings.learning_rate, rank)
     if rank == 0:
         (work_dir / "ready.json").write_text(json.dumps({"start_seconds": time.time() - t0, "adam_steps": resumed}))
+    sender = WeightSender(rank, world)
     number = 0
     while True:
         number += 1
@@ -241,12 +342,18 @@ def main(work_dir: str) -> None:
             break
         if job["kind"] == "train":
             _train(job_dir, engine, reference, launch, settings, resumed, rank, world)
+            if on_gpu:  # activations' cached blocks back to the GPU: a sleeping rollout engine wakes into them
+                torch.cuda.empty_cache()
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":
             export_weights(engine, launch["zero_stage"], Path(job["path"]), rank, settings)
         elif job["kind"] == "export_adapter":
             export_adapter(engine, launch["zero_stage"], Path(job["path"]), rank)
+        elif job["kind"] == "transfer_init":
+            sender.init(job["init"])
+        elif job["kind"] == "send_weights":
+            sender.send(engine, launch["zero_stage"], job_dir, job)
         else:
             raise ValueError(f"unknown job kind {job['kind']!r} in {job_dir}")
         dist.barrier()

@@ -50,6 +50,17 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Free the engine's memory before the next stage needs it."""
 
+    # Sleep mode: an engine with sleep_level > 0 frees its device memory between rollouts instead of being closed
+    # (refiner_core.runtime.live). Engines that cannot sleep have sleep_level 0, and both methods do nothing.
+    sleep_level: int  # 0: cannot sleep; 1: its weights wait in host memory; 2: they are dropped
+
+    def sleep(self) -> None:
+        """Free the device memory the engine holds (KV cache; weights as sleep_level says) until `wake_up`."""
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take the memory back: ('weights',) first when new weights are about to be loaded, then ('kv_cache',);
+        None for everything."""
+
 
 def free_bytes(device_type: str) -> int:
     """Memory still available on a device: the GPU's free memory, or the machine's available RAM."""
@@ -108,9 +119,13 @@ def make_engine(
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float = 0.9,
     adapter_rank: int = 0,
+    sleep_level: int = 1,
+    weight_transfer: str = "auto",
+    weight_bucket_mb: int = 512,
 ) -> RolloutEngine:
-    """The engine `kind` over a checkpoint folder; the GPU settings matter to engines that manage GPU memory, and
-    adapter_rank (LoRA adapters of up to that rank taken as adapters) to engines with LoRA kernels."""
+    """The engine `kind` over a checkpoint folder; the GPU settings (memory share, sleep level, how weights arrive)
+    matter to engines that manage GPU memory, and adapter_rank (LoRA adapters of up to that rank taken as adapters)
+    to engines with LoRA kernels."""
     return resolve(ENGINES, "rollout engine", kind)(
         model_path,
         batch_size,
@@ -119,4 +134,7 @@ def make_engine(
         tensor_parallel_size=tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization,
         adapter_rank=adapter_rank,
+        sleep_level=sleep_level,
+        weight_transfer=weight_transfer,
+        weight_bucket_mb=weight_bucket_mb,
     )

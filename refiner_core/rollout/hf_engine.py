@@ -108,6 +108,14 @@ class HFRolloutEngine:
     def close(self) -> None:
         self.model = None
 
+    sleep_level = 0  # no sleep mode: kept or closed by memory alone
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        pass
+
     def batch_order(self, prompts: list[list[int]]) -> list[int]:
         """Longest prompts first: batches then hold similar lengths, so little compute goes to padding."""
         if not self.sort_by_length:
@@ -126,9 +134,13 @@ def make_hf_engine(
     tensor_parallel_size: int = 1,
     gpu_memory_utilization: float = 0.9,
     adapter_rank: int = 0,
+    sleep_level: int = 1,
+    weight_transfer: str = "auto",
+    weight_bucket_mb: int = 512,
 ) -> HFRolloutEngine:
-    """One device, memory as the model needs: the parallelism and GPU-memory settings do not apply, and LoRA
-    adapters are merged into the weights (adapter_rank does not apply)."""
+    """One device, memory as the model needs: the parallelism, GPU-memory, sleep and weight-transfer settings do
+    not apply (new weights are copied into its parameters), and LoRA adapters are merged into the weights
+    (adapter_rank does not apply)."""
     from refiner_core.models import load_model, load_tokenizer
 
     return HFRolloutEngine(

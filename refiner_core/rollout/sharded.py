@@ -33,6 +33,7 @@ class EngineActor:
         gpu_memory_utilization: float,
         markers: str,
         adapter_rank: int = 0,
+        gpu: dict | None = None,
     ):
         self.engine = make_engine(
             kind,
@@ -43,6 +44,7 @@ class EngineActor:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             adapter_rank=adapter_rank,
+            **(gpu or {}),
         )
         self.markers = markers
 
@@ -59,6 +61,15 @@ class EngineActor:
 
     def takes_adapters(self) -> bool:
         return getattr(self.engine, "takes_adapters", False)
+
+    def sleep_level(self) -> int:
+        return self.engine.sleep_level
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        self.engine.wake_up(tags)
 
     def pid(self) -> int:
         return os.getpid()
@@ -79,6 +90,9 @@ class ShardedEngine:
         num_engines: int,
         markers: str = "",
         adapter_rank: int = 0,
+        sleep_level: int = 1,
+        weight_transfer: str = "auto",
+        weight_bucket_mb: int = 512,
     ):
         import ray
 
@@ -97,12 +111,15 @@ class ShardedEngine:
                 gpu_memory_utilization,
                 markers,
                 adapter_rank,
+                {"sleep_level": sleep_level, "weight_transfer": weight_transfer, "weight_bucket_mb": weight_bucket_mb},
             )
             for _ in range(num_engines)
         ]
         self.name, self.weights_hash = kind, ""
         ray.get([a.pid.remote() for a in self.actors])  # built (or failed) before the stage goes on
         self.takes_adapters = ray.get(self.actors[0].takes_adapters.remote())
+        self.sleep_level = min(ray.get([a.sleep_level.remote() for a in self.actors]))
+        self.asleep = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         import ray
@@ -137,6 +154,20 @@ class ShardedEngine:
 
         sizes = ray.get([a.memory_bytes.remote() for a in self.actors])
         return sum(held for held, _ in sizes), min(free for _, free in sizes)
+
+    def sleep(self) -> None:
+        import ray
+
+        if self.sleep_level and not self.asleep:
+            ray.get([a.sleep.remote() for a in self.actors])
+            self.asleep = True
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        import ray
+
+        if self.asleep:
+            ray.get([a.wake_up.remote(tags) for a in self.actors])
+            self.asleep = tags is not None and "kv_cache" not in tags
 
     def close(self) -> None:
         import ray

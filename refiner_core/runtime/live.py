@@ -240,19 +240,22 @@ def engine_key(engine: EngineSettings, model_path: str | Path, dtype: str, preci
 class Acquired:
     """How a stage got its engine: 'built' from the checkpoint ('fresh' where the run keeps no engines), 'kept'
     (it already held these weights) or 'synced' (weights loaded in place from `source`, the learner's memory or the
-    checkpoint files, in `sync_seconds`)."""
+    checkpoint files, in `sync_seconds`); `wake_seconds` > 0 when it slept since its last stage (sleep mode)."""
 
     how: str
     source: str = ""
     sync_seconds: float = 0.0
     key: str = ""  # the registry slot the engine goes back to
+    wake_seconds: float = 0.0
 
     def describe(self) -> str:
+        kept = f"engine woken from sleep in {self.wake_seconds:.3f} s" if self.wake_seconds else "engine kept"
         if self.how == "synced":
-            return f"engine kept, weights synced in place from the {self.source} in {self.sync_seconds:.3f} s"
+            return f"{kept}, weights synced in place from the {self.source} in {self.sync_seconds:.3f} s"
+        if self.how == "kept":
+            return f"{kept}, weights already current"
         return {
             "built": "engine built from the checkpoint",
-            "kept": "engine kept, weights already current",
             "fresh": "engine built from the checkpoint (run.keep_engines false)",
         }[self.how]
 
@@ -271,48 +274,95 @@ def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[
     if engine is None:  # unsaved weights: built from the folder they were trained from, then synced
         engine, acquired = build(model_folder(policy)), Acquired("built", key=key)
         engine.weights_hash = None if is_unsaved(policy) else policy["hash"]
-    if engine.weights_hash != policy["hash"]:
-        start = time.perf_counter()
-        try:
-            with _lent_learner(run, policy["hash"]) as learner:
-                if learner is not None:  # an engine with LoRA kernels takes the adapter alone
-                    adapters = takes_adapters(engine) and learner.s.lora_rank
-                    engine.load_weights(learner.adapter() if adapters else learner.weights())
-                    source = "learner's memory"
-            if learner is None and is_unsaved(policy):
-                raise StaleWeights(
-                    f"the weights of {policy['path']} were never saved (run.save_every) and the live "
-                    "learner no longer holds them: run again to recompute them"
-                )
-            if learner is None:
-                engine.load_weights(checkpoint_weights(policy["path"], adapters=takes_adapters(engine)))
-                source = "checkpoint files"
-        except BaseException:  # half-loaded weights are neither the old nor the new: the engine goes
-            engine.close()
-            raise
-        engine.weights_hash = policy["hash"]
-        acquired = Acquired("synced", source, time.perf_counter() - start, key)
+    try:
+        if is_asleep(engine):  # memory for the weights first, written over by a sync, then for the KV cache
+            start = time.perf_counter()
+            engine.wake_up(("weights",))
+            acquired.wake_seconds = time.perf_counter() - start
+        if engine.weights_hash != policy["hash"]:
+            start = time.perf_counter()
+            source = _sync(run, engine, policy)
+            engine.weights_hash = policy["hash"]
+            acquired = Acquired("synced", source, time.perf_counter() - start, key, acquired.wake_seconds)
+        if is_asleep(engine):
+            start = time.perf_counter()
+            engine.wake_up(("kv_cache",))
+            acquired.wake_seconds += time.perf_counter() - start
+    except BaseException:  # half-loaded weights are neither the old nor the new: the engine goes
+        engine.close()
+        raise
     if engine.weights_hash != policy["hash"]:
         raise StaleWeights(f"rollout engine holds weights {engine.weights_hash!r}, the stage needs {policy['hash']!r}")
     return engine, acquired
 
 
+def _sync(run: _Run, engine, policy: dict) -> str:
+    """Load `policy`'s weights into the engine in place; returns where they came from."""
+    holding = engine.weights_hash
+    with _lent_learner(run, policy["hash"]) as learner:
+        if learner is not None:
+            if takes_adapters(engine) and learner.s.lora_rank:  # an engine with LoRA kernels takes the adapter alone
+                engine.load_weights(learner.adapter())
+            elif streams(engine, learner):  # the learner's ranks send to the engine (vLLM's weight transfer)
+                learner.send_weights(engine, holding=holding, sending=policy["hash"])
+            else:
+                engine.load_weights(learner.weights())
+            return "learner's memory"
+    if is_unsaved(policy):
+        raise StaleWeights(
+            f"the weights of {policy['path']} were never saved (run.save_every) and the live "
+            "learner no longer holds them: run again to recompute them"
+        )
+    if hasattr(engine, "load_checkpoint") and lora_adapter(policy["path"]) is None:
+        engine.load_checkpoint(policy["path"])  # read a tensor at a time where the engine streams
+    else:
+        engine.load_weights(checkpoint_weights(policy["path"], adapters=takes_adapters(engine)))
+    return "checkpoint files"
+
+
+def streams(engine, learner) -> bool:
+    """Whether the learner's own processes send weights to the engine over vLLM's weight-transfer API (an engine
+    built for IPC, NCCL or deltas, a learner with ranks that send), rather than handing over a state dict."""
+    return getattr(engine, "transport", "host") != "host" and getattr(learner, "sends_weights", False)
+
+
+def is_asleep(engine) -> bool:
+    return bool(getattr(engine, "asleep", False))
+
+
 def release(run_dir: str | Path, engine, acquired: Acquired) -> str:
-    """Done with an engine of `rollout_engine`: kept for the run's next stages when the run keeps engines and
-    the engine leaves its device enough memory (`fits`), else closed. Returns 'kept' or 'closed'."""
+    """Done with an engine of `rollout_engine`: kept for the run's next stages when the run keeps engines, awake
+    when it leaves its device enough memory (`fits`), else asleep when it can sleep (sleep mode frees its device
+    memory until the next stage wakes it), else closed. Returns 'kept', 'asleep' or 'closed'."""
     run = _run(run_dir)
-    if run is not None and fits(engine):
+    how = keeping(engine) if run is not None else "closed"
+    if how != "closed":
+        with _LOCK:
+            free_slot = acquired.key not in run.rollout
+        if free_slot and how == "asleep":
+            engine.sleep()
+            if engine.sleep_level >= 2:  # its weights are gone: the next stage loads them whatever it needs
+                engine.weights_hash = None
         with _LOCK:
             if acquired.key not in run.rollout:
                 run.rollout[acquired.key] = engine
-                return "kept"
+                return how
     engine.close()
     return "closed"
 
 
+def keeping(engine) -> str:
+    """How `release` keeps an engine: 'kept' awake when that leaves its device as much free memory as it holds
+    (`fits`), 'asleep' when it does not but the engine can sleep, else 'closed'."""
+    if fits(engine):
+        return "kept"
+    return "asleep" if getattr(engine, "sleep_level", 0) else "closed"
+
+
 def fits(engine) -> bool:
-    """Whether keeping the engine still leaves its device at least as much free memory as the engine holds: an
-    engine that reserved most of a GPU (vLLM's gpu_memory_utilization 0.9) is closed before the learner runs."""
+    """Whether keeping the engine awake still leaves its device at least as much free memory as it holds: an
+    engine that reserved most of a GPU (vLLM's gpu_memory_utilization 0.9) does not, and sleeps (or, unable to
+    sleep, is closed) before the learner runs. An engine asleep holds nothing."""
     held, free = engine.memory_bytes()
     return free >= held
 
