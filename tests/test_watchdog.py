@@ -34,7 +34,7 @@ def test_work_that_stops_moving_is_stopped_with_what_it_was_doing():
     """A loop that keeps running Python but no longer updates its bar (a loop polling a worker that never answers)
     gets Stalled raised in it, with the bar's label and position."""
     work, reported = Work("rollout[step=3]"), []
-    with pytest.raises(Stalled) as stalled:
+    with pytest.raises(Stalled):
         with working(work), Watchdog(work, stall_seconds=0.3, log=reported.append, interval=0.05):
             bar = progress_bar(16, "rollout step 3", "seq", disable=True)
             bar.update(12)

@@ -84,7 +84,7 @@ parts AS (
   WHERE before IS NOT NULL AND now IS NOT NULL
 )
 SELECT run, step, CASE WHEN reward_mean > reward0 THEN max(before - now) ELSE 0.0 END AS value,
-       arg_max(printf('%s %.2f -> %.2f while the reward rose %.3f -> %.3f', part, before, now, reward0, reward_mean),
+       arg_max(printf('%s %.2f -> %.2f while the reward went %.3f -> %.3f', part, before, now, reward0, reward_mean),
                before - now) AS detail
 FROM parts GROUP BY run, step, reward0, reward_mean
 """,
