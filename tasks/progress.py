@@ -109,15 +109,17 @@ def _duration(seconds: float) -> str:
 
 
 @contextmanager
-def watched_stage(name: str, log: logging.Logger | logging.LoggerAdapter, interval: float = 2.0) -> Iterator[Work]:
-    """The block is one stage attempt: its bars go to the UI, to plain log lines off a terminal (at most every
-    run.progress_every seconds) and to a watchdog that fails the attempt when they stop moving for
-    run.stall_seconds (Stalled, with what it was doing and how far it got; retried like any failure)."""
+def watched_stage(
+    name: str, log: logging.Logger | logging.LoggerAdapter, stage: str = "", interval: float = 2.0
+) -> Iterator[Work]:
+    """The block is one attempt (`name`, e.g. 'judge[step=3]') of `stage`: its bars go to the UI, to plain log lines
+    off a terminal (at most every run.progress_every seconds) and to a watchdog that fails the attempt when they stop
+    moving for run.stall_seconds (Stalled, with what it was doing and how far it got; retried like any failure)."""
     from prefect.context import TaskRunContext
 
     settings = SETTINGS
     work = Work(name)
-    ui = UIProgress(name, interval)
+    ui = UIProgress(stage or name, interval)
     if TaskRunContext.get() is not None:  # a stage called outside Prefect has no UI to mirror to
         work.listeners.append(ui.listen)
     terminal = sys.stderr.isatty() if settings.terminal is None else settings.terminal

@@ -190,7 +190,7 @@ def stage(name: str) -> Callable[[Callable], Stage]:
             step, markers = kwargs.get("step"), Path(kwargs["run_dir"]) / ".faults"
             stage_fault(name, step, markers)
             t0 = time.time()
-            with watched_stage(_attempt_name(name, kwargs), _logger()):  # its bars: UI, log lines, watchdog
+            with watched_stage(_attempt_name(name, kwargs), _logger(), name):  # its bars: UI, log lines, watchdog
                 manifest = fn(*args, **kwargs)
             stage_fault(name, step, markers, phase="end")
             manifest["seconds"] = round(time.time() - t0, 3)

@@ -360,3 +360,28 @@ def test_show_summarises_steps_and_the_best_and_worst_rollout(judged_run):
     assert "best of step 1: reward 2.5 (p2 #1): answer 1p21" in result.output
     assert "worst of step 1: reward 1.0 (p1 #0): answer 1p10" in result.output
     assert runner.invoke(app, ["show", str(judged_run.parent / "nothing")]).exit_code == 2
+
+
+def test_show_adds_the_judge_cost_and_the_monitors_that_tripped(tmp_path):
+    steps = [
+        s | {"judge_requests": 5, "judge_prompt_tokens": 150 * (s["step"] + 1), "judge_completion_tokens": 10}
+        for s in _steps("r", 2)
+    ]
+    for s in steps:
+        s["judge_cost_usd"] = (s["judge_prompt_tokens"] * 2.0 + s["judge_completion_tokens"] * 8.0) / 1e6
+    event = {
+        "run": "r",
+        "step": 1,
+        "monitor": "citation_drift",
+        "value": 0.5,
+        "threshold": 0.4,
+        "action": "warn",
+        "outcome": "warned",
+        "detail": "citations per answer 2.00 -> 1.00",
+    }
+    run_dir = _catalog(tmp_path / "run", {"steps": steps, "monitor_events": [event]})
+    result = runner.invoke(app, ["show", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert "judge over 2 step(s): 10 requests, 450 prompt + 20 completion tokens, $0.0011" in result.output
+    assert "monitors tripped (1;" in result.output and "citation_drift" in result.output
+    assert "citations per answer 2.00 -> 1.00" in result.output

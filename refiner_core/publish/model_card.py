@@ -80,7 +80,8 @@ def model_card(
     if evals:
         sections.append("## Held-out evaluation\n\n" + _eval_table(evals))
     if judge_cost:
-        sections.append("## Judge cost\n\n" + judge_cost_line(judge_cost, recipe["judge"]))
+        prices = (recipe["judge"].get("price_per_mtok_in", 0.0), recipe["judge"].get("price_per_mtok_out", 0.0))
+        sections.append("## Judge cost\n\n" + judge_cost_line(judge_cost, *prices))
     sections.append(_reproduce(recipe, kind, step))
     notes = known_notes(recipe, data)
     if notes:
@@ -88,12 +89,13 @@ def model_card(
     return "\n\n".join(sections) + "\n"
 
 
-def judge_cost_line(cost: dict, judge: dict) -> str:
-    """The run's judge ledger up to this checkpoint: `cost` sums the steps rows' judge_* columns ('steps' of them)."""
+def judge_cost_line(cost: dict, price_in: float, price_out: float) -> str:
+    """The run's judge ledger up to this checkpoint: `cost` sums the steps rows' judge_* columns ('steps' of them);
+    the prices are dollars per million prompt / completion tokens."""
     return (
         f"{cost['judge_requests']} requests, {cost['judge_prompt_tokens']} prompt and "
         f"{cost['judge_completion_tokens']} completion tokens over {cost['steps']} GRPO step(s): "
-        f"${cost['judge_cost_usd']:.4f} at ${judge['price_per_mtok_in']:g} / ${judge['price_per_mtok_out']:g} per "
+        f"${cost['judge_cost_usd']:.4f} at ${price_in:g} / ${price_out:g} per "
         "million prompt / completion tokens (judge.price_per_mtok_in / _out; held-out evaluations not included)."
     )
 
