@@ -85,8 +85,9 @@ class RunConfig:
         1800.0,
         "Watchdog: a stage showing progress (samples generated, judgments made, micro-batches trained) that stops "
         "for this many seconds fails with what it was doing and how far it got, plus what a liveness check says "
-        "(a judge server that is down or not answering); its retry starts afresh. 0 = off. Loading models or "
-        "starting servers shows no progress and is not watched (they have their own timeouts).",
+        "(a judge server that is down or not answering); its retry starts afresh. 0 = off. Keep it above the longest "
+        "wait between two updates of a bar (one generation batch, one micro-batch). Loading models or starting "
+        "servers shows no progress and is not watched (they have their own timeouts).",
     )
     progress_every: float = opt(
         30.0,
@@ -962,6 +963,12 @@ class MonitorsConfig:
         "supporting snippets cited, no distractor cited, verified correct) while the mean reward rose.",
     )
     verified_drop_action: MonitorAction = opt("warn", _ACTION_HELP)
+    verified_flat: float = opt(
+        3.0,
+        "Rise of the mean reward since the first step, in units of the first step's reward std, while the verifiable "
+        "shares (as verified_drop's) did not rise on average.",
+    )
+    verified_flat_action: MonitorAction = opt("warn", _ACTION_HELP)
     heldout_gap: float = opt(
         2.0,
         "At an evaluated step: training-reward gain minus held-out-reward gain since the start, in units of the first "

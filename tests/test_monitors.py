@@ -94,7 +94,9 @@ def test_every_check_against_hand_computed_figures(hacked_run):
     expected = {
         ("verified_drop", 0): 0.0,  # the reward did not rise
         ("verified_drop", 1): 0.75 - 0.25,  # supporting snippets cited; no distractor went 0.5 -> 1 (a gain)
-        ("heldout_gap", 1): ((7.5 - 4.0) - (5.0 - 5.0)) / 1.0,  # in units of step 0's reward std (5, 3: 1)
+        ("verified_flat", 0): 0.0,
+        ("verified_flat", 1): (7.5 - 4.0) / 1.0,  # shares moved 0, 0, -0.5, +0.5: 0 on average; std of 5, 3: 1
+        ("heldout_gap", 1): ((7.5 - 4.0) - (5.0 - 5.0)) / 1.0,  # in units of step 0's reward std
         ("part_dominance", 0): 2.25 / (1.0 + 2.25),  # rubric 40, 60 (var 1) and distractor 0, -3 (var 2.25)
         ("part_dominance", 1): 0.0,  # no part varies
         ("length_drift", 0): 0.0,
@@ -117,6 +119,7 @@ def test_default_thresholds_trip_on_the_hacked_step_only(hacked_run):
     events = {e.monitor: e for e in tripped(db, 1, MonitorsConfig())}
     assert set(events) == {
         "verified_drop",
+        "verified_flat",
         "heldout_gap",
         "length_drift",
         "citation_drift",

@@ -7,6 +7,8 @@ The figures compare a step with the run's first step (its baseline) unless said 
 - verified_drop: the largest fall of a verifiable part (a share checked against the data, not the judge: format
   valid, citation IDs valid, supporting snippets cited, no distractor cited, verified correct) while the reward
   rose: the reward found another way up.
+- verified_flat: the reward's rise in units of the first step's reward std, while the verifiable shares did not
+  rise on average: the reward went up and nothing checked against the data did.
 - heldout_gap: at an evaluated step, how far the training reward rose beyond the held-out reward (greedy answers
   to held-out prompts, same reward code), in units of the first step's reward std.
 - part_dominance: the largest share one reward part has of the summed variances of the parts (rubric, citation,
@@ -36,7 +38,7 @@ STEP_FIGURES = """
 CREATE VIEW monitor_step_figures AS
 WITH r AS (
   SELECT r.*, o.response_token_ids, o.response_logprobs
-  FROM rewards r JOIN rollouts o USING (run, step, prompt_id, sample_idx)
+  FROM rewards r LEFT JOIN rollouts o USING (run, step, prompt_id, sample_idx)  -- tokens: repetition, entropy
   WHERE r.reward_version = 'train'
 ), per_rollout AS (
   SELECT *,
@@ -87,6 +89,28 @@ SELECT run, step, CASE WHEN reward_mean > reward0 THEN max(before - now) ELSE 0.
        arg_max(printf('%s %.2f -> %.2f while the reward went %.3f -> %.3f', part, before, now, reward0, reward_mean),
                before - now) AS detail
 FROM parts GROUP BY run, step, reward0, reward_mean
+""",
+    "verified_flat": """
+WITH f AS (SELECT *, first_value(reward_mean) OVER w AS reward0, first_value(reward_std) OVER w AS std0,
+                  first_value(format_valid) OVER w AS format_valid0,
+                  first_value(citation_ids_valid) OVER w AS citation_ids_valid0,
+                  first_value(supporting_cited) OVER w AS supporting_cited0,
+                  first_value(no_distractor) OVER w AS no_distractor0,
+                  first_value(verified_correct) OVER w AS verified_correct0
+           FROM monitor_step_figures WINDOW w AS (PARTITION BY run ORDER BY step)),
+gains AS (
+  SELECT run, step, reward0, reward_mean, std0, avg(now - before) AS part_gain FROM f,
+  LATERAL (VALUES (format_valid0, format_valid), (citation_ids_valid0, citation_ids_valid),
+                  (supporting_cited0, supporting_cited), (no_distractor0, no_distractor),
+                  (verified_correct0, verified_correct)) v(before, now)
+  WHERE before IS NOT NULL AND now IS NOT NULL
+  GROUP BY run, step, reward0, reward_mean, std0
+)
+SELECT run, step,
+       CASE WHEN part_gain <= 0 THEN greatest(reward_mean - reward0, 0) / greatest(std0, 1e-6) ELSE 0.0 END AS value,
+       printf('the reward went %.3f -> %.3f while the verifiable shares moved %+.3f on average', reward0, reward_mean,
+              part_gain) AS detail
+FROM gains
 """,
     "heldout_gap": """
 WITH held AS (
