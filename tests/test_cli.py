@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import duckdb
@@ -385,3 +386,26 @@ def test_show_adds_the_judge_cost_and_the_monitors_that_tripped(tmp_path):
     assert "judge over 2 step(s): 10 requests, 450 prompt + 20 completion tokens, $0.0011" in result.output
     assert "monitors tripped (1;" in result.output and "citation_drift" in result.output
     assert "citations per answer 2.00 -> 1.00" in result.output
+
+
+def test_example_commands_quote_the_run_folder():
+    import shlex
+
+    from flows.supervisor import EXAMPLE_SQL, example_commands
+
+    folder = Path("/tmp/runs/it's a run")
+    commands = example_commands(folder)
+    assert [shlex.split(c)[1:] for c in commands] == [["sql", str(folder), sql] for sql in EXAMPLE_SQL[:2]]
+
+
+def test_a_fresh_prefect_home_is_made_and_holds_the_memo_store(tmp_path, monkeypatch):
+    from flows.supervisor import prefect_home_ready
+
+    home = tmp_path / "fresh" / ".prefect"
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    for name in ("PREFECT_SERVER_MEMO_STORE_PATH", "PREFECT_MEMO_STORE_PATH"):  # unset here, as before afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    prefect_home_ready()
+    assert home.is_dir()
+    assert os.environ["PREFECT_SERVER_MEMO_STORE_PATH"] == str(home / "memo_store.toml")
