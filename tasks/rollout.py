@@ -100,7 +100,9 @@ def rollout(
                 prompt_ids,
                 params,
                 per_part=rollout_cfg["groups_per_part"] or max(1, engine_cfg["batch_size"] // params.n),
-                folder=parts_folder(path.parent, [CODE_VERSION, policy["hash"], chosen, asdict(params), engine_cfg]),
+                folder=parts_folder(
+                    path.parent, [CODE_VERSION, policy["hash"], chosen, asdict(params), engine_cfg, dtype, precision]
+                ),
                 to_rows=to_rows,
                 step=step,
                 markers=Path(run_dir) / ".faults",
