@@ -202,3 +202,37 @@ def test_a_fail_fails_the_run_and_a_later_run_goes_on(prefect_server, hacked_run
     assert _outcomes(hacked_run)["entropy_collapse"] == "failed"
     assert checks_and_acts(str(hacked_run), 1, settings, return_state=True).is_completed()
     assert _outcomes(hacked_run)["entropy_collapse"] == "failed"
+
+
+MAIN_JOB = Path(__file__).parent / "data" / "main-seed42"
+
+
+def test_the_main_jobs_citing_less_shortcut_trips_a_default_monitor_at_its_step(tmp_path):
+    """The main job (recipes/refiner-smollm2.yaml, seed 42) learned to cite one snippet instead of two: the reward
+    rose while the share of supporting snippets cited fell, and the KL to the SFT policy jumped. tests/data/main-seed42
+    is an extract of that run's folder (runs/refiner-smollm2, run with the code of commit 1296f85): its 'train'
+    rewards rows with the columns the monitors read, its steps' kl and reward_mean, its greedy held-out rewards; not its
+    rollouts (the token-level checks have no figures here). With the default settings the shortcut trips
+    verified_drop at step 2, the first step whose reward rose above step 0's, and kl_jump at step 3; nothing before."""
+    import pyarrow.parquet as pq
+
+    files = {}
+    for name in ("rewards", "steps", "evals"):
+        rows = pq.read_table(MAIN_JOB / f"{name}.parquet").to_pylist()
+        write_table(ALL_TABLES[name], _table(name, rows), tmp_path / f"{name}.parquet")
+        files[name] = [tmp_path / f"{name}.parquet"]
+    build_catalog(tmp_path / "catalog.duckdb", files)
+    db = tmp_path / "catalog.duckdb"
+    tripped_at = {step: {e.monitor: e for e in tripped(db, step, MonitorsConfig())} for step in range(4)}
+    assert [sorted(events) for events in tripped_at.values()] == [
+        [],
+        [],
+        ["verified_drop"],
+        ["kl_jump", "verified_drop"],
+    ]
+    shortcut = tripped_at[2]["verified_drop"]
+    assert shortcut.line() == (
+        "monitor verified_drop tripped at step 2: 0.306 >= 0.25 (supporting_cited 0.81 -> 0.50 while the reward went "
+        "6.899 -> 7.332); action warn"
+    )
+    assert tripped_at[3]["kl_jump"].detail == "KL 5.5293 after at most 0.0815 before"
