@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -178,7 +179,7 @@ def show(
     and worst rollout of the last step."""
     import duckdb
 
-    from refiner_core.publish.run_sql import CatalogError, open_runs, run_summary
+    from refiner_core.publish.run_sql import CatalogError, monitor_events, open_runs, run_summary
 
     try:
         con = open_runs([run_dir])
@@ -186,6 +187,7 @@ def show(
         _fail(str(e))
     try:
         summary = run_summary(con)
+        monitor_columns, monitors = monitor_events(con)
     except duckdb.Error as e:
         _fail(str(e), code=1)
     finally:
@@ -203,6 +205,18 @@ def show(
                 f"{which} of step {r['step']}: reward {r['reward']} ({visible(str(r['prompt_id']))} "
                 f"#{r['sample_idx']}): {text[:width]}{'…' if len(text) > width else ''}"
             )
+    judge = summary["judge"]
+    if judge and judge["requests"] is not None:
+        cost = (
+            "not priced (judge.price_per_mtok_in / _out)" if judge["cost_usd"] is None else f"${judge['cost_usd']:.4f}"
+        )
+        typer.echo(
+            f"judge over {judge['steps']} step(s): {judge['requests']} requests, {judge['prompt_tokens']} prompt + "
+            f"{judge['completion_tokens']} completion tokens, {cost}"
+        )
+    if monitors:
+        typer.echo(f"monitors tripped ({len(monitors)}; refiner sql RUN_DIR 'SELECT * FROM monitor_events'):")
+        _print_table(monitor_columns, monitors, 80)
 
 
 @app.command()
@@ -277,7 +291,8 @@ def rescore(
         [(s.step, s.rollouts, round(s.train_reward_mean, 4), round(s.reward_mean, 4), s.changed) for s in steps],
         40,
     )
-    typer.echo(f'\ncompare: refiner sql {run_dir} "SELECT * FROM step_rewards ORDER BY step, reward_version"')
+    compare = shlex.join(["refiner", "sql", str(run_dir), "SELECT * FROM step_rewards ORDER BY step, reward_version"])
+    typer.echo(f"\ncompare: {compare}")
 
 
 @app.command()

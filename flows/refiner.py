@@ -3,6 +3,7 @@ catalog."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from refiner_core.config import (
     EVAL_ROLLOUT_FIELDS,
     FLOW_ONLY_EVAL_FIELDS,
     FLOW_ONLY_GRPO_FIELDS,
+    FLOW_ONLY_JUDGE_FIELDS,
     FLOW_ONLY_ROLLOUT_FIELDS,
     LORA_FIELDS,
     ROLLOUT_ENGINE_FIELDS,
@@ -28,6 +30,7 @@ from refiner_core.config import (
 )
 from refiner_core.data.rows import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
+from refiner_core.judges.cost import check_budget, usage_cost
 from refiner_core.preflight import resolve
 from refiner_core.publish.tracking import close_trackers
 from refiner_core.runtime import cluster, live
@@ -40,7 +43,9 @@ from tasks.eval import evaluate
 from tasks.judge import judge
 from tasks.judge_server import stop_judge_servers
 from tasks.model import locate_model
+from tasks.monitors import act_on_monitors, check_monitors
 from tasks.prepare import prepare_data
+from tasks.progress import configure as watch_stages
 from tasks.rollout import rollout
 from tasks.rubrics import ingest_rubrics
 from tasks.sampling import refill_prompts
@@ -99,6 +104,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     engine_cfg = asdict(engine_settings(cfg))  # the rollout engines: built once, fed each step's weights
     log = get_run_logger()
     log.info(precision_line)
+    watch_stages(cfg.run.stall_seconds, cfg.run.progress_every)  # the watchdog and plain-log progress of stages
     if cfg.run.keep_engines:  # engines live for the run (refiner_core.runtime.live) until the end hooks close them
         from prefect.runtime import flow_run
 
@@ -111,6 +117,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     base = model(cfg.model.policy)
     judge_model = model(cfg.judge.model) if cfg.judge.model else base
     common = {"run_dir": run_dir}
+    judge_cfg = drop(conf["judge"], FLOW_ONLY_JUDGE_FIELDS)  # prices and budget: read here and by the catalog
+    judge_price = (cfg.judge.price_per_mtok_in, cfg.judge.price_per_mtok_out)
     data_file = repo_path(cfg.data.path, cfg.data.format)
 
     prompts = prepare_data.with_options(**retry)(
@@ -146,7 +154,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 eval_cfg=drop(conf["eval"], FLOW_ONLY_EVAL_FIELDS),
                 engine_cfg=engine_cfg,
                 rollout_cfg=pick(conf["rollout"], EVAL_ROLLOUT_FIELDS),
-                judge_cfg=conf["judge"],
+                judge_cfg=judge_cfg,
                 reward_cfg=conf["reward"],
                 seed=seed,
                 dtype=dtype,
@@ -181,7 +189,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         )
         start = warm["policy"]
         manifests += [sft_data, warm]
-        publish_catalog(**common, manifests=manifests)
+        publish_catalog(**common, manifests=manifests, judge_price=judge_price)
     reference = model(cfg.model.reference) if cfg.model.reference else start
     if eval_at:
         evaluate_policy(start, 0, "sft" if cfg.sft.enabled else "base")
@@ -201,6 +209,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             ahead,
         )
     policies = [start]  # policies[n]: the policy after n updates
+    step_costs: list[float] = []  # judge dollars of each step so far (judge.budget_usd)
     sampled_ahead: dict[int, Submitted] = {}
 
     def sample_ahead(step: int) -> None:
@@ -245,6 +254,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             if teaching
             else None
         )
+        spent = [m["judge_usage"] for m in manifests if "judge_usage" in m]  # every judging stage so far
+        check_budget(cfg.judge, spent, step_costs, step)  # stops before the step that would exceed it
         rolled, scored = [], []  # one manifest per sampling round
         for sampling_round in range(max_rounds):
             fresh = None
@@ -280,7 +291,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                     prompts=prompts,
                     rubrics=rubrics,
                     judge_model=judge_model,
-                    judge_cfg=conf["judge"],
+                    judge_cfg=judge_cfg,
                     reward_cfg=conf["reward"],
                     max_new_tokens=cfg.rollout.max_new_tokens,
                     dtype=dtype,
@@ -307,6 +318,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         )
         policy = updated["policy"]
         policies.append(policy)
+        step_costs.append(sum(usage_cost(m["judge_usage"], cfg.judge) for m in scored))
         if ahead and step + 1 + ahead < cfg.grpo.steps:
             sample_ahead(step + 1 + ahead)
         if teaching:
@@ -322,8 +334,10 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 **common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every
             )
         manifests += [*rolled, *scored, updated]
-        publish_catalog(**common, manifests=manifests)  # inspectable after every step
+        publish_catalog(**common, manifests=manifests, judge_price=judge_price)  # inspectable after every step
         publish_step_artifacts(run_dir, run, step)
+        events = check_monitors(**common, run=run, step=step, monitors_cfg=conf["monitors"])
+        act_on_monitors(run_dir, step, events, cfg.monitors.pause_timeout_seconds)  # pause or fail, as configured
         log.info(
             "step %d done: %s",
             step,
@@ -334,7 +348,8 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
 
     summary = [row for evaluated in evaluations for row in evaluated["summary"]]
     if summary:
-        log.info('held-out evaluation (refiner sql %s "SELECT * FROM evals"):\n%s', run_dir, format_table(summary))
+        query = shlex.join(["refiner", "sql", run_dir, "SELECT * FROM evals"])
+        log.info("held-out evaluation (%s):\n%s", query, format_table(summary))
     if quarantined := quarantine_warning(run_dir):
         log.warning(quarantined)
     return {

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -98,6 +99,7 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
     run prints its cause and exits 1, Ctrl-C exits 130, SIGTERM raises Terminated."""
     if cfg.run.prefect_home == "run":  # read by prefect at import time, below
         os.environ["PREFECT_HOME"] = str(folder / ".prefect")
+    prefect_home_ready()
     if refresh:
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     from flows.prefect_server import launch_temporary_server, start_temporary_server, stop_temporary_server
@@ -150,11 +152,27 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
         from refiner_core.eval.evaluate import format_table
 
         typer.echo(f"\nheld-out evaluation (SELECT * FROM evals):\n{visible(format_table(state.result()['evals']))}")
-    me = sys.argv[0] if Path(sys.argv[0]).name == "refiner" else "refiner"
     typer.echo(f"\ncatalog: {db}\nexample queries:")
-    for sql in EXAMPLE_SQL[:2]:
-        typer.echo(f'  {me} sql {folder} "{sql}"')
-    typer.echo(f'or from Python: duckdb.connect("{db}", read_only=True)')
+    for command in example_commands(folder):
+        typer.echo(f"  {command}")
+    typer.echo(f"or from Python: duckdb.connect({str(db)!r}, read_only=True)")
+
+
+def example_commands(folder: Path) -> list[str]:
+    """The example queries as shell commands that can be copied as they are: every word quoted where the shell
+    would split or expand it (a run folder with a space or a quote in its name)."""
+    me = sys.argv[0] if Path(sys.argv[0]).name == "refiner" else "refiner"
+    return [shlex.join([me, "sql", str(folder), sql]) for sql in EXAMPLE_SQL[:2]]
+
+
+def prefect_home_ready() -> None:
+    """PREFECT_HOME (default ~/.prefect) exists, and the server keeps its memo store there: it would otherwise look
+    for ~/.prefect/memo_store.toml even when PREFECT_HOME is elsewhere, and warn on a first run in a fresh home
+    ('Unable to write to memo_store.toml ... FileNotFoundError')."""
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    if not ({"PREFECT_SERVER_MEMO_STORE_PATH", "PREFECT_MEMO_STORE_PATH"} & set(os.environ)):
+        os.environ["PREFECT_SERVER_MEMO_STORE_PATH"] = str(home / "memo_store.toml")
 
 
 _FAILED_STATE = re.compile(r"Finished in state (Failed|Crashed)")

@@ -81,6 +81,20 @@ class RunConfig:
         "for the run and stop it at its end; else a running cluster's address ('auto', 'ray://HOST:10001'), joined "
         "for the run. The stages stay Prefect tasks in the flow's process; Ray places the engines. docs/scaling.md.",
     )
+    stall_seconds: float = opt(
+        1800.0,
+        "Watchdog: a stage showing progress (samples generated, judgments made, micro-batches trained) that stops "
+        "for this many seconds fails with what it was doing and how far it got, plus what a liveness check says "
+        "(a judge server that is down or not answering); its retry starts afresh. 0 = off. Keep it above the longest "
+        "wait between two updates of a bar (one generation batch, one micro-batch). Loading models or starting "
+        "servers shows no progress and is not watched (they have their own timeouts).",
+    )
+    progress_every: float = opt(
+        30.0,
+        "Without a terminal (output to a file or pipe), long work (rollout, judge, update, SFT, eval) logs a progress "
+        "line (done/total, rate, ETA) at most every this many seconds; work done sooner logs none. 0 = off. On a "
+        "terminal the progress bars show it.",
+    )
 
 
 @dataclass
@@ -323,6 +337,13 @@ class RolloutConfig:
         "Weight transfer on GPU: MiB of weights gathered (ZeRO-3), packed in the engine's dtype and in flight at "
         "once; the whole state dict is never held twice.",
     )
+    groups_per_part: int = opt(
+        0,
+        "A rollout stage samples the step's groups in parts of this many prompts (0 = the groups of one engine batch: "
+        "batch_size // samples_per_prompt), each written to disk as it is done: a rollout killed midway samples only "
+        "the parts not yet written, with the same samples (each part is seeded by its place in the step). Agent "
+        "rollouts (rollout.agent) sample the step as one part.",
+    )
 
 
 @dataclass
@@ -420,6 +441,31 @@ class JudgeConfig:
         "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
         "(oriented), 'skip' leaves it out of the mean, 'drop' leaves the whole rollout out of the update (its "
         "group's advantages come from the others), 'fail' fails the judge stage (rows are not written).",
+    )
+    max_requests_per_minute: int = opt(
+        0,
+        "engine 'openai': at most this many requests (retries included) in any 60 s, over all the run's judge "
+        "stages and servers of the judge; requests wait their turn. 0 = no limit.",
+    )
+    max_tokens_per_minute: int = opt(
+        0,
+        "engine 'openai': at most this many tokens (prompt + completion) in any 60 s; a request counts as its "
+        "characters / 4 plus judge.max_new_tokens until the server's `usage` says what it took. 0 = no limit.",
+    )
+    price_per_mtok_in: float = opt(
+        0.0,
+        "Judge price in dollars per million prompt tokens: with price_per_mtok_out it turns the tokens of each "
+        "judgment (judge_scores.prompt_tokens / completion_tokens) into steps.judge_cost_usd, the run's total in "
+        "`refiner show` and the model card. Not part of any cache key: a price set later applies to every step.",
+    )
+    price_per_mtok_out: float = opt(
+        0.0, "Judge price in dollars per million completion tokens (see price_per_mtok_in)."
+    )
+    budget_usd: float = opt(
+        0.0,
+        "Stop the run cleanly before the GRPO step whose judge would exceed this many dollars in all (training and "
+        "held-out judgments, at the prices above; the next step is assumed to cost as much as the dearest so far). "
+        "A resumable failure: raise it and run again, finished stages are cached. 0 = no budget.",
     )
 
 
@@ -744,6 +790,8 @@ SFT_TRAIN_FIELDS = (
 )
 FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow runs; no single update reads it
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
+# What the judge's answers cost and how much may be spent: the flow and the catalog read them, no judgment does.
+FLOW_ONLY_JUDGE_FIELDS = ("price_per_mtok_in", "price_per_mtok_out", "budget_usd")
 # How many rounds the flow samples a step in; one round samples the prompts it is given.
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 # model fields the learner reads
@@ -809,6 +857,10 @@ class RecipeConfig:
     teacher: TeacherConfig = field(
         default_factory=TeacherConfig,
         metadata={"help": "Co-rewarding-II: the EMA teacher whose rollouts vote the policy's pseudo-labels."},
+    )
+    monitors: MonitorsConfig = field(
+        default_factory=lambda: MonitorsConfig(),
+        metadata={"help": "Reward-hacking monitors checked after every step: warn, pause or fail the run."},
     )
 
     def to_dict(self) -> dict:
@@ -912,3 +964,65 @@ def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str,
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((name, repr(default), f.metadata["help"]))
     return rows
+
+
+MonitorAction = Literal["warn", "pause", "fail"]
+_ACTION_HELP = (
+    "What a tripped check does: 'warn' (a log line, a Prefect artifact, a monitor_events row), 'pause' (that, then the "
+    "flow run pauses until resumed from the Prefect UI or `prefect flow-run resume ID`) or 'fail' (that, then the run "
+    "fails; running it again goes on past the events already acted on)."
+)
+
+
+@dataclass
+class MonitorsConfig:
+    """Reward-hacking monitors (refiner_core/publish/monitors.py): SQL views of the catalog, each giving one figure per
+    step, checked after the step's judge and update. A check trips when its figure reaches its threshold (0 = off)."""
+
+    enabled: bool = opt(True, "Check the monitors after every step (false: none is checked).")
+    pause_timeout_seconds: float = opt(
+        86400.0, "A paused run that nobody resumes within this many seconds fails (resumable: run it again)."
+    )
+    verified_drop: float = opt(
+        0.25,
+        "Largest fall, since the first step, of a verifiable part's share (format valid, citation IDs valid, "
+        "supporting snippets cited, no distractor cited, verified correct) while the mean reward rose.",
+    )
+    verified_drop_action: MonitorAction = opt("warn", _ACTION_HELP)
+    verified_flat: float = opt(
+        3.0,
+        "Rise of the mean reward since the first step, in units of the first step's reward std, while the verifiable "
+        "shares (as verified_drop's) did not rise on average.",
+    )
+    verified_flat_action: MonitorAction = opt("warn", _ACTION_HELP)
+    heldout_gap: float = opt(
+        2.0,
+        "At an evaluated step: training-reward gain minus held-out-reward gain since the start, in units of the first "
+        "step's reward std (needs eval.every).",
+    )
+    heldout_gap_action: MonitorAction = opt("warn", _ACTION_HELP)
+    part_dominance: float = opt(
+        0.95,
+        "Largest share one reward part (rubric, citation, format, distractor, recall, overlong) has of the "
+        "parts' summed variances in a step.",
+    )
+    part_dominance_action: MonitorAction = opt("warn", _ACTION_HELP)
+    length_drift: float = opt(
+        0.5, "Relative change of the mean response length since the first step, while the mean reward rose."
+    )
+    length_drift_action: MonitorAction = opt("warn", _ACTION_HELP)
+    citation_drift: float = opt(
+        0.4, "Relative change of the mean citations per answer since the first step, while the mean reward rose."
+    )
+    citation_drift_action: MonitorAction = opt("warn", _ACTION_HELP)
+    repetition: float = opt(0.5, "Mean share of repeated token 4-grams in a step's responses.")
+    repetition_action: MonitorAction = opt("warn", _ACTION_HELP)
+    entropy_collapse: float = opt(
+        0.5,
+        "1 - the step's mean sampled-token entropy estimate (-log p of the sampled tokens) over the first step's.",
+    )
+    entropy_collapse_action: MonitorAction = opt("warn", _ACTION_HELP)
+    kl_jump: float = opt(
+        10.0, "The step's KL to the reference over the largest KL of the earlier steps (at least 0.01)."
+    )
+    kl_jump_action: MonitorAction = opt("warn", _ACTION_HELP)

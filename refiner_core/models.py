@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +205,12 @@ def checkpoint_adapter(path: Path | str) -> Adapter | None:
     return None if any(Path(path).glob("*.safetensors")) else lora_adapter(path)
 
 
+# One model load at a time in a process: transformers builds a model on torch's "meta" device first, a setting two
+# threads loading at once (a rollout sampled ahead beside a judge or an update, grpo.async_steps) would share:
+# "Cannot copy out of meta tensor".
+LOADING_MODELS = threading.RLock()
+
+
 def load_model(path: Path | str, dtype: str = "float32", trainable: bool = False, device: str | None = None):
     """An HF causal LM on `device` (default: default_device()). An adapter-only LoRA checkpoint loads as its base
     with the adapters merged in."""
@@ -214,11 +221,12 @@ def load_model(path: Path | str, dtype: str = "float32", trainable: bool = False
     hf_logging.disable_progress_bar()  # per-load weight bars drown the pipeline's own progress
 
     adapter = checkpoint_adapter(path)
-    if adapter:
-        model = _merged(adapter, dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
-    model = model.to(device or default_device())
+    with LOADING_MODELS:
+        if adapter:
+            model = _merged(adapter, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        model = model.to(device or default_device())
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)

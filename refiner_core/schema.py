@@ -177,6 +177,13 @@ JUDGE_SCORES = Table(
             "Hash of the exact judge prompt (chat messages); with the model and sampling settings "
             "it keys the judge cache.",
         ),
+        _c(
+            "prompt_tokens",
+            I,
+            "Prompt tokens the judgment cost: the server's `usage` (openai), the rendered prompt counted in-process "
+            "(transformers); 0 on a cache hit (nothing paid); NULL when unknown (no usage sent, no answer).",
+        ),
+        _c("completion_tokens", I, "Completion tokens the judgment cost (as prompt_tokens; 0 for 'expected_score')."),
     ),
 )
 
@@ -416,6 +423,8 @@ CITATION_CLAIMS = Table(
         _c("failure", S, "NULL when parsed; otherwise why."),
         _c("cache_hit", B, "The answer came from the judge cache (no request)."),
         _c("prompt_hash", S, "Hash of the exact judge prompt."),
+        _c("prompt_tokens", I, "Prompt tokens the judgment cost (as judge_scores.prompt_tokens; NULL without a call)."),
+        _c("completion_tokens", I, "Completion tokens the judgment cost (NULL without a call)."),
     ),
 )
 
@@ -484,6 +493,15 @@ STEPS = Table(
             "Path of the checkpoint written by this step (removed later unless run.keep_last / keep_every keep it).",
         ),
         _c("checkpoint_bytes", I, "Bytes written for this step's checkpoint (weights, tokenizer, optimizer state)."),
+        _c("judge_requests", I, "Requests the step's rubric judgments made (judge_scores.attempts summed)."),
+        _c("judge_prompt_tokens", I, "Prompt tokens of the step's judgments (judge_scores and citation_claims)."),
+        _c("judge_completion_tokens", I, "Completion tokens of the step's judgments."),
+        _c(
+            "judge_cost_usd",
+            F,
+            "The step's judge tokens at judge.price_per_mtok_in / price_per_mtok_out of the run's recipe, priced "
+            "when the catalog is built (so a price set later applies to every step); NULL in the step's own file.",
+        ),
     ),
 )
 
@@ -668,6 +686,29 @@ TEACHER_UPDATES = Table(
     ),
 )
 
+MONITOR_EVENTS = Table(
+    "monitor_events",
+    "One row per reward-hacking monitor that tripped at a step (refiner_core/publish/monitors.py; the figures of every "
+    "step are in the `monitors` view): its figure, threshold, action and what was done.",
+    ("run", "step", "monitor"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "GRPO step whose judge and update tripped it."),
+        _c("monitor", S, "The check: 'verified_drop', 'kl_jump', ... (monitors.<check> in the recipe)."),
+        _c("value", F, "The step's figure (monitor_<check> view)."),
+        _c("threshold", F, "monitors.<check>: the figure trips at this value or above."),
+        _c("action", S, "monitors.<check>_action: 'warn', 'pause' or 'fail'."),
+        _c(
+            "outcome",
+            S,
+            "'warned'; 'resumed' (the run paused and was resumed); 'failed' (it failed the run: a run of the folder "
+            "after it goes on past this event); NULL while a pause waits.",
+        ),
+        _c("detail", S, "The figures behind the value, in words."),
+        _c("created_at", TS, "When the check ran."),
+    ),
+)
+
 ALL_TABLES: dict[str, Table] = {
     t.name: t
     for t in (
@@ -690,6 +731,7 @@ ALL_TABLES: dict[str, Table] = {
         TURNS,
         TEACHER_ROLLOUTS,
         TEACHER_UPDATES,
+        MONITOR_EVENTS,
     )
 }
 

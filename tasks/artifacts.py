@@ -75,6 +75,7 @@ def refresh_model_cards(run_dir: str, run: str, step: int, recipe: dict, steps: 
             step=step + 1,
             metrics=row,
             evals=[e for e in evals if e["step"] == step + 1 and e["phase"] == "grpo"],
+            judge_cost=judge_cost_to(steps, step),
         )
     sft = Path(run_dir) / "checkpoints" / "sft"
     if step == 0 and recipe["sft"]["enabled"] and sft.is_dir():
@@ -86,6 +87,13 @@ def refresh_model_cards(run_dir: str, run: str, step: int, recipe: dict, steps: 
             step=None,
             evals=[e for e in evals if e["step"] == 0 and e["phase"] == "sft"],
         )
+
+
+def judge_cost_to(steps: list[dict], step: int) -> dict:
+    """The judge ledger of steps 0..`step` (steps rows): requests, tokens and dollars summed."""
+    upto = [r for r in steps if r["step"] <= step]
+    columns = ("judge_requests", "judge_prompt_tokens", "judge_completion_tokens", "judge_cost_usd")
+    return {"steps": len(upto), **{c: sum(r.get(c) or 0 for r in upto) for c in columns}}
 
 
 def report_step(

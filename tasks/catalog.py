@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -10,8 +11,9 @@ from refiner_core.store.faults import stage_fault
 
 
 @task(name="publish-catalog", cache_policy=None, persist_result=False, retries=1)
-def publish_catalog(*, run_dir: str, manifests: list[dict]) -> dict:
-    """Rebuild runs/<run>/catalog.duckdb from the Parquet files named in this run's manifests.
+def publish_catalog(*, run_dir: str, manifests: list[dict], judge_price: tuple[float, float] | None = None) -> dict:
+    """Rebuild runs/<run>/catalog.duckdb from the Parquet files named in this run's manifests; `judge_price`
+    (judge.price_per_mtok_in / _out) prices the steps' judge tokens.
 
     Not cached: it is cheap and always reflects exactly the files of the current invocation."""
     stage_fault("publish-catalog", None, Path(run_dir) / ".faults")
@@ -22,8 +24,10 @@ def publish_catalog(*, run_dir: str, manifests: list[dict]) -> dict:
                 files.setdefault(table, []).append(entry["path"])
     for path in sorted(Path(run_dir).glob("rescores/*/step=*/*.parquet")):  # `refiner rescore` versions
         files.setdefault(path.stem, []).append(str(path))
+    for path in sorted(Path(run_dir).glob("monitors/step=*/monitor_events.parquet")):  # the monitors' findings
+        files.setdefault(path.stem, []).append(str(path))
     db = Path(run_dir) / "catalog.duckdb"
-    counts = build_catalog(db, files)
+    counts = build_catalog(db, files, judge_price)
     get_run_logger().info("catalog %s: %s", db, ", ".join(f"{k}={v}" for k, v in counts.items()))
     return {"catalog": str(db), "counts": counts}
 
@@ -51,6 +55,6 @@ def fail_if_too_many_rejected(
         check_rejected_fraction(rejected, total, max_fraction, manifests[-1]["quarantine"]["path"], n_rejected)
     except TooManyRejected as e:
         raise TooManyRejected(
-            f'{e} Query it: refiner sql {run_dir} "SELECT * FROM quarantine"; catalog '
+            f"{e} Query it: {shlex.join(['refiner', 'sql', str(run_dir), 'SELECT * FROM quarantine'])}; catalog "
             f"{publish_quarantine(run_dir, manifests)}"
         ) from None

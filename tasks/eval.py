@@ -77,6 +77,7 @@ def evaluate(
         precision,
         lambda: make_judge(judge_model["path"], judge_settings, dtype, precision),
     )
+    requests, tokens = getattr(scorer, "requests_made", 0), list(getattr(scorer, "tokens_used", (0, 0)))
     rows = score_responses(
         responses,
         {p["prompt_id"]: p for p in prompt_rows},
@@ -94,4 +95,14 @@ def evaluate(
     summary = summarize(rows, settings.pass_k)
     log.info("eval step %d (%s policy), %d held-out prompts:\n%s", step, phase, len(chosen), format_table(summary))
     path = Path(run_dir) / "evals" / f"step={step}" / f"{phase}.parquet"
-    return {"evals": {"path": str(path), "hash": write_table(EVALS, rows, path)}, "summary": summary}
+    used = list(getattr(scorer, "tokens_used", (0, 0)))  # what this evaluation's judgments cost (judge.budget_usd)
+    usage = {
+        "requests": getattr(scorer, "requests_made", 0) - requests,
+        "prompt_tokens": used[0] - tokens[0],
+        "completion_tokens": used[1] - tokens[1],
+    }
+    return {
+        "evals": {"path": str(path), "hash": write_table(EVALS, rows, path)},
+        "summary": summary,
+        "judge_usage": usage,
+    }

@@ -95,6 +95,14 @@ def judge(
             sum(s["attempts"] or 0 for s in scores),
             sum((s["attempts"] or 0) > 1 for s in scores),
         )
+    usage = judge_usage(scores + scored.citation_claims)
+    if usage["unknown"]:
+        log.warning(
+            "judge step %d: %d judgments came without a token count (the server sent no `usage`): "
+            "their tokens are not in the cost ledger",
+            step,
+            usage["unknown"],
+        )
     if getattr(scorer, "cache_off_reason", ""):
         log.warning("judge step %d: %s", step, scorer.cache_off_reason)
     tables = {
@@ -108,4 +116,17 @@ def judge(
         name: {"path": str(out / f"{name}.parquet"), "hash": write_table(table, rows, out / f"{name}.parquet")}
         for name, (table, rows) in tables.items()
     }
-    return {**manifest, "judge_failures": failed}
+    return {**manifest, "judge_failures": failed, "judge_usage": usage}
+
+
+def judge_usage(judgments: list[dict]) -> dict:
+    """Requests and tokens of a step's judgments (judge_scores and citation_claims rows): what the step's judge
+    cost. `unknown`: answered requests whose tokens nobody reported."""
+    return {
+        "requests": sum(j.get("attempts") or 0 for j in judgments),
+        "prompt_tokens": sum(j["prompt_tokens"] or 0 for j in judgments),
+        "completion_tokens": sum(j["completion_tokens"] or 0 for j in judgments),
+        "unknown": sum(
+            j["raw_output"] is not None and not j["cache_hit"] and j["prompt_tokens"] is None for j in judgments
+        ),
+    }

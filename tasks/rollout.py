@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -10,11 +12,13 @@ from refiner_core.agent.rollout import rollout_row as agent_rollout_row
 from refiner_core.agent.rollout import turn_rows as agent_turn_rows
 from refiner_core.config import AgentConfig
 from refiner_core.models import load_tokenizer
+from refiner_core.rollout.base import SamplingParams, part_ranges
 from refiner_core.runtime import live
 from refiner_core.schema import ROLLOUTS, TURNS
-from refiner_core.store.storage import write_table
+from refiner_core.store.faults import stage_fault
+from refiner_core.store.storage import json_hash, read_rows, write_table
 from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
-from tasks.stage import stage
+from tasks.stage import CODE_VERSION, stage
 
 ROUND_SEED_OFFSET = 1_000_033  # a later sampling round of a step draws other random numbers than its first
 
@@ -42,6 +46,30 @@ def rollout(
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
     engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)
     log.info("rollout step %d: %s", step, acquired.describe())
+    path = round_folder(Path(run_dir) / "rollouts" / f"step={step}", round) / "rollouts.parquet"
+
+    def to_rows(outputs: list[tuple[int, int, dict]]) -> list[dict]:
+        """rollouts rows of (prompt index in the step, sample index, response columns)."""
+        now = datetime.now(UTC)
+        return [
+            {
+                "run": run,
+                "step": step,
+                "prompt_id": chosen[p],
+                "sample_idx": s,
+                "policy": policy["path"],
+                "policy_hash": policy["hash"],
+                "engine": engine.name,
+                "temperature": params.temperature,
+                "seed": params.seed,
+                "prompt_token_ids": prompt_ids[p],
+                **response,
+                "created_at": now,
+                "round": round,
+            }
+            for p, s, response in outputs
+        ]
+
     try:  # an engine that failed mid-sampling (a dead worker) is not kept: the retry builds another
         params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
         agent, turns = AgentConfig(**rollout_cfg["agent"]), None
@@ -67,34 +95,25 @@ def rollout(
                 )
             ]
         else:
-            outputs = [
-                (g.prompt_index, g.sample_idx, response_columns(g))
-                for g in engine.generate(prompt_ids, params, desc=f"rollout step {step}")
-            ]
+            rows = sample_in_parts(
+                engine,
+                prompt_ids,
+                params,
+                per_part=rollout_cfg["groups_per_part"] or max(1, engine_cfg["batch_size"] // params.n),
+                folder=parts_folder(
+                    path.parent, [CODE_VERSION, policy["hash"], chosen, asdict(params), engine_cfg, dtype, precision]
+                ),
+                to_rows=to_rows,
+                step=step,
+                markers=Path(run_dir) / ".faults",
+                log=log,
+            )
     except BaseException:
         engine.close()
         raise
     live.release(run_dir, engine, acquired)  # kept for the next step, or closed to free memory for the learner
-    now = datetime.now(UTC)
-    rows = [
-        {
-            "run": run,
-            "step": step,
-            "prompt_id": chosen[p],
-            "sample_idx": s,
-            "policy": policy["path"],
-            "policy_hash": policy["hash"],
-            "engine": engine.name,
-            "temperature": params.temperature,
-            "seed": params.seed,
-            "prompt_token_ids": prompt_ids[p],
-            **response,
-            "created_at": now,
-            "round": round,
-        }
-        for p, s, response in outputs
-    ]
-    path = round_folder(Path(run_dir) / "rollouts" / f"step={step}", round) / "rollouts.parquet"
+    if turns is not None:
+        rows = to_rows(outputs)
     stopped = sum(r["finish_reason"] == "stop" for r in rows)
     log.info(
         "rollout step %d round %d: %d prompts x %d samples, %d/%d stopped, mean %.1f tokens",
@@ -106,8 +125,11 @@ def rollout(
         len(rows),
         sum(r["response_tokens"] for r in rows) / max(len(rows), 1),
     )
+    written = write_table(ROLLOUTS, rows, path)
+    for stale in path.parent.glob(f"{PARTS_PREFIX}*"):  # every part is in rollouts.parquet now
+        shutil.rmtree(stale, ignore_errors=True)
     manifest = {
-        "rollouts": {"path": str(path), "hash": write_table(ROLLOUTS, rows, path)},
+        "rollouts": {"path": str(path), "hash": written},
         "rows": len(rows),
         "prompt_ids": chosen,
         "weight_sync_seconds": acquired.sync_seconds,
@@ -125,3 +147,59 @@ def rollout(
             sum(r["tool_rounds"] for r in rows) / max(len(rows), 1),
         )
     return manifest
+
+
+PARTS_PREFIX = ".parts-"
+
+
+def parts_folder(step_folder: Path, inputs: list) -> Path:
+    """Where a rollout's parts go: named by a hash of what decides its samples (code, policy, prompts, sampling and
+    engine settings), so that parts of other inputs are never reused; those are removed."""
+    folder = step_folder / f"{PARTS_PREFIX}{json_hash(inputs)[:16]}"
+    for other in step_folder.glob(f"{PARTS_PREFIX}*"):
+        if other != folder:
+            shutil.rmtree(other, ignore_errors=True)
+    return folder
+
+
+def sample_in_parts(
+    engine,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    *,
+    per_part: int,
+    folder: Path,
+    to_rows,
+    step: int,
+    markers: Path,
+    log,
+) -> list[dict]:
+    """The step's rollouts rows, sampled `per_part` prompts at a time, each part written to `folder` as it is done;
+    parts already there (an earlier attempt was killed after writing them) are read, not sampled again. A part is
+    seeded by its place in the step (prompt_offset), so the samples do not depend on which parts were reused."""
+    ranges = part_ranges(len(prompt_ids), per_part)
+    rows, reused = [], []
+    for k, (start, end) in enumerate(ranges):
+        part = folder / f"part-{k:04d}.parquet"
+        if part.is_file():
+            rows += read_rows(part)
+            reused.append(k)
+            continue
+        desc = f"rollout step {step}" + (f" part {k + 1}/{len(ranges)}" if len(ranges) > 1 else "")
+        generations = engine.generate(prompt_ids[start:end], replace(params, prompt_offset=start), desc=desc)
+        part_rows = to_rows([(start + g.prompt_index, g.sample_idx, response_columns(g)) for g in generations])
+        write_table(ROLLOUTS, part_rows, part)
+        stage_fault("rollout", step, markers, phase=f"part{k}")
+        rows += part_rows
+    if reused:
+        log.info(
+            "rollout step %d: %d of %d parts (%d of %d groups) were written by an earlier attempt and are kept; "
+            "sampled the other %d",
+            step,
+            len(reused),
+            len(ranges),
+            sum(ranges[k][1] - ranges[k][0] for k in reused),
+            len(prompt_ids),
+            len(ranges) - len(reused),
+        )
+    return rows

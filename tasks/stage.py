@@ -23,7 +23,7 @@ from refiner_core.runtime import live
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.store.faults import stage_fault
 from refiner_core.store.storage import dir_hash, file_hash, json_hash
-from tasks.progress import ui_progress
+from tasks.progress import watched_stage
 
 CODE_VERSION = code_version()
 
@@ -190,7 +190,7 @@ def stage(name: str) -> Callable[[Callable], Stage]:
             step, markers = kwargs.get("step"), Path(kwargs["run_dir"]) / ".faults"
             stage_fault(name, step, markers)
             t0 = time.time()
-            with ui_progress(name):  # the stage's bars, also in the UI
+            with watched_stage(_attempt_name(name, kwargs), _logger(), name):  # its bars: UI, log lines, watchdog
                 manifest = fn(*args, **kwargs)
             stage_fault(name, step, markers, phase="end")
             manifest["seconds"] = round(time.time() - t0, 3)
@@ -213,13 +213,17 @@ def stage(name: str) -> Callable[[Callable], Stage]:
     return decorate
 
 
+def _attempt_name(name: str, kwargs: dict) -> str:
+    step, sampling_round = kwargs.get("step"), kwargs.get("round")
+    if step is None:
+        return name
+    return f"{name}[step={step},round={sampling_round}]" if sampling_round else f"{name}[step={step}]"
+
+
 def _run_name(name: str) -> Callable[[], str]:
     def render() -> str:
         from prefect.runtime import task_run
 
-        step, sampling_round = task_run.parameters.get("step"), task_run.parameters.get("round")
-        if step is None:
-            return name
-        return f"{name}[step={step},round={sampling_round}]" if sampling_round else f"{name}[step={step}]"
+        return _attempt_name(name, task_run.parameters)
 
     return render

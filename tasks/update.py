@@ -134,6 +134,11 @@ def grpo_update(
         "judge_seconds": sum(m["seconds"] for m in scores),
         "checkpoint": saved["path"],
         "checkpoint_bytes": 0 if live.is_unsaved(saved) else folder_bytes(Path(saved["path"])),
+        **{
+            f"judge_{k}": sum(m.get("judge_usage", {}).get(k, 0) for m in scores)
+            for k in ("requests", "prompt_tokens", "completion_tokens")
+        },
+        "judge_cost_usd": None,  # priced by the catalog (judge.price_per_mtok_*), in no cache key
     }
     metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
     advantages_path = metrics_path.with_name("advantages.parquet")

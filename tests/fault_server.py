@@ -29,6 +29,7 @@ class LoopbackServer:
         return self
 
     def __exit__(self, *exc):
+        getattr(self, "closing", threading.Event()).set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -37,13 +38,17 @@ class FaultServer(LoopbackServer):
     """Chat-completions on loopback. Per prompt (hash of the messages), deterministically:
     0 sleeps past the client timeout once, 1 answers 500 once, 2 answers 429 once, 3 answers a junk body once,
     4 answers 503 while `permanent_faults` is on, 5 always answers prose (not score JSON); others a score.
-    `latency` is added to every reply (a remote judge). Counts every request it receives."""
+    `latency` is added to every reply (a remote judge). Counts every request it receives. Every reply reports its
+    `usage` (prompt tokens: the messages' JSON characters / 4; completion: the content's characters / 4 + 1), kept
+    in `usage` by prompt hash. While `stopped` is set, chat completions get no answer (GET /models still does): a
+    server whose model died behind its API."""
 
     def __init__(self, latency: float = 0.0, faults: bool = True, root: str = ""):
         self.latency, self.faults, self.permanent_faults = latency, faults, True
         self.card = {"id": "fault-judge", "object": "model", **({"root": root} if root else {})}
-        self.requests, self.seen, self.auth = 0, {}, set()
+        self.requests, self.seen, self.auth, self.usage = 0, {}, set(), {}
         self.lock = threading.Lock()
+        self.stopped, self.closing = threading.Event(), threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -72,6 +77,9 @@ class FaultServer(LoopbackServer):
                     n = outer.seen[key] = outer.seen.get(key, 0) + 1
                     outer.auth.add(self.headers.get("Authorization", ""))
                 kind = int(key, 16) % FAULTS if outer.faults else -1
+                if outer.stopped.is_set():
+                    outer.closing.wait(60)  # no answer, until the server closes
+                    return
                 if outer.latency:
                     time.sleep(outer.latency)
                 if kind == 0 and n == 1:
@@ -85,9 +93,14 @@ class FaultServer(LoopbackServer):
                     return self._send(200, raw=b"<html>not json")
                 if kind == 4 and outer.permanent_faults:
                     return self._send(503, {"error": "overloaded"})
-                if kind == 5:
-                    return self._send(200, _reply("The response is good, I would say."))
-                return self._send(200, _reply(json.dumps({"score": int(key, 16) % 3})))
+                content = "The response is good, I would say." if kind == 5 else json.dumps({"score": int(key, 16) % 3})
+                usage = {
+                    "prompt_tokens": len(json.dumps(body["messages"])) // 4,
+                    "completion_tokens": len(content) // 4 + 1,
+                }
+                with outer.lock:
+                    outer.usage[key] = usage
+                return self._send(200, {**_reply(content), "usage": usage})
 
         ThreadingHTTPServer.request_queue_size = 128  # accept every concurrent connection at once
         self.listen(Handler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import duckdb
@@ -360,3 +361,51 @@ def test_show_summarises_steps_and_the_best_and_worst_rollout(judged_run):
     assert "best of step 1: reward 2.5 (p2 #1): answer 1p21" in result.output
     assert "worst of step 1: reward 1.0 (p1 #0): answer 1p10" in result.output
     assert runner.invoke(app, ["show", str(judged_run.parent / "nothing")]).exit_code == 2
+
+
+def test_show_adds_the_judge_cost_and_the_monitors_that_tripped(tmp_path):
+    steps = [
+        s | {"judge_requests": 5, "judge_prompt_tokens": 150 * (s["step"] + 1), "judge_completion_tokens": 10}
+        for s in _steps("r", 2)
+    ]
+    for s in steps:
+        s["judge_cost_usd"] = (s["judge_prompt_tokens"] * 2.0 + s["judge_completion_tokens"] * 8.0) / 1e6
+    event = {
+        "run": "r",
+        "step": 1,
+        "monitor": "citation_drift",
+        "value": 0.5,
+        "threshold": 0.4,
+        "action": "warn",
+        "outcome": "warned",
+        "detail": "citations per answer 2.00 -> 1.00",
+    }
+    run_dir = _catalog(tmp_path / "run", {"steps": steps, "monitor_events": [event]})
+    result = runner.invoke(app, ["show", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert "judge over 2 step(s): 10 requests, 450 prompt + 20 completion tokens, $0.0011" in result.output
+    assert "monitors tripped (1;" in result.output and "citation_drift" in result.output
+    assert "citations per answer 2.00 -> 1.00" in result.output
+
+
+def test_example_commands_quote_the_run_folder():
+    import shlex
+
+    from flows.supervisor import EXAMPLE_SQL, example_commands
+
+    folder = Path("/tmp/runs/it's a run")
+    commands = example_commands(folder)
+    assert [shlex.split(c)[1:] for c in commands] == [["sql", str(folder), sql] for sql in EXAMPLE_SQL[:2]]
+
+
+def test_a_fresh_prefect_home_is_made_and_holds_the_memo_store(tmp_path, monkeypatch):
+    from flows.supervisor import prefect_home_ready
+
+    home = tmp_path / "fresh" / ".prefect"
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    for name in ("PREFECT_SERVER_MEMO_STORE_PATH", "PREFECT_MEMO_STORE_PATH"):  # unset here, as before afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    prefect_home_ready()
+    assert home.is_dir()
+    assert os.environ["PREFECT_SERVER_MEMO_STORE_PATH"] == str(home / "memo_store.toml")

@@ -9,7 +9,7 @@ import duckdb
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, run_cli
+from conftest import REPO, catalog_rows, run_cli
 from refiner_core.config import recipe_from_dict
 
 STAGES = ("prepare-data", "ingest-rubrics", "rollout", "judge", "grpo-update")
@@ -329,3 +329,37 @@ def test_deleted_outputs_are_recomputed_not_trusted(finished_run):
     assert tasks["prepare-data"][0] == "Completed" and tasks["rollout[step=1]"][0] == "Completed"
     assert tasks["rollout[step=0]"][0] == "Cached"  # its file is intact
     assert _counts(run_dir) == before
+
+
+def test_judge_prices_apply_afterwards_and_a_budget_stops_before_the_step_that_would_exceed_it(finished_run):
+    """Prices are in no cache key: set on a finished run, every stage stays Cached and the catalog prices each step's
+    judge tokens. A budget that the first step's cost leaves no room for stops the run before step 1 (resumable);
+    a larger one lets the same command finish."""
+    from refiner_core.judges.cost import JudgeBudgetExceeded
+
+    recipe, run_dir, _ = finished_run
+    [(prompt_tokens, completion_tokens, requests)] = catalog_rows(
+        run_dir, "SELECT sum(prompt_tokens), sum(completion_tokens), sum(attempts) FROM judge_scores WHERE step = 0"
+    )
+    assert prompt_tokens > 0 and completion_tokens == 0 and requests > 0  # expected_score writes no token
+    priced = {**recipe, "judge": {**recipe["judge"], "price_per_mtok_in": 1000.0, "price_per_mtok_out": 2000.0}}
+    step0 = prompt_tokens * 1000.0 / 1e6
+    tight = {**priced, "judge": {**priced["judge"], "budget_usd": 1.5 * step0}}
+    state, tasks = _run(tight, run_dir)
+    assert state.is_failed()
+    with pytest.raises(JudgeBudgetExceeded, match=r"step 1 would cost about"):
+        state.result()
+    assert tasks["grpo-update[step=0]"][0] == "Cached" and "judge[step=1]" not in tasks
+    steps = "SELECT step, judge_requests, judge_prompt_tokens, judge_cost_usd FROM steps ORDER BY step"
+    assert catalog_rows(run_dir, steps)[0] == (0, requests, prompt_tokens, pytest.approx(step0))
+
+    roomy = {**priced, "judge": {**priced["judge"], "budget_usd": 1e9}}
+    state, tasks = _run(roomy, run_dir)
+    assert state.is_completed(), state.message
+    assert {s for name, (s, _) in tasks.items() if name.split("[")[0] in STAGES} == {"Cached"}
+    rows = catalog_rows(run_dir, steps)
+    judged = catalog_rows(run_dir, "SELECT step, sum(prompt_tokens) FROM judge_scores GROUP BY step ORDER BY step")
+    assert [(s, t, c) for s, _, t, c in rows] == [(s, t, pytest.approx(t * 1000.0 / 1e6)) for s, t in judged]
+    card = (run_dir / "checkpoints" / "step_0002" / "README.md").read_text()
+    total = sum(t for _, t in judged) * 1000.0 / 1e6
+    assert f"over 2 GRPO step(s): ${total:.4f} at $1000 / $2000 per million" in card

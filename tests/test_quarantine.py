@@ -300,7 +300,7 @@ def test_a_run_that_quarantined_rows_ends_with_a_warning(tmp_path):
     build_catalog(tmp_path / "catalog.duckdb", {"quarantine": [tmp_path / "q1.parquet", tmp_path / "q2.parquet"]})
     assert quarantine_warning(tmp_path) == (
         "4 rows quarantined (prepare: invalid_json 1, non_utf8 2; rubrics: missing_rubrics 1); "
-        f'see them: refiner sql {tmp_path} "SELECT * FROM quarantine"'
+        f"see them: refiner sql {tmp_path} 'SELECT * FROM quarantine'"
     )
     build_catalog(tmp_path / "catalog.duckdb", {"quarantine": []})
     assert quarantine_warning(tmp_path) is None

@@ -99,6 +99,8 @@ def _score_row(oriented, weight=1.0, sample_idx=0, rubric="r0"):
         "cache_hit": False,
         "judge_model": "j",
         "prompt_hash": "h",
+        "prompt_tokens": 10,
+        "completion_tokens": 1,
     }
 
 

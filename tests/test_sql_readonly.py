@@ -55,6 +55,7 @@ REFUSED = [
     "CHECKPOINT",
     "VACUUM",
     "BEGIN TRANSACTION",
+    "UPDATE EXTENSIONS",  # a statement kind the Python API cannot name
 ]
 
 

@@ -84,13 +84,13 @@ def test_bars_report_to_listeners_even_when_not_drawn():
     from refiner_core.runtime.progress import listening, progress_bar
 
     seen = []
-    with listening(lambda label, done, total, unit: seen.append((label, done, total, unit))):
+    with listening(lambda bar: seen.append((bar.label, int(bar.done), bar.total, bar.closed_at is not None))):
         bar = progress_bar(5, "rollout step 0", "seq", disable=True)  # as off a terminal
         bar.update(2)
         bar.update(3)
         bar.close()
     progress_bar(1, "after", "seq", disable=True).update(1)  # nobody listens any more
-    assert seen == [("rollout step 0", 0, 5, "seq"), ("rollout step 0", 2, 5, "seq"), ("rollout step 0", 5, 5, "seq")]
+    assert seen == [("rollout step 0", d, 5, closed) for d, closed in [(0, False), (2, False), (5, False), (5, True)]]
 
 
 def test_a_write_killed_before_its_rename_leaves_only_a_hidden_partial_file(tmp_path):

@@ -11,6 +11,7 @@ import json
 import math
 import random
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -292,7 +293,7 @@ def quarantine_warning(run_dir: Path | str) -> str | None:
     by_stage = "; ".join(f"{stage}: {', '.join(reasons)}" for stage, reasons in stages.items())
     return (
         f"{sum(counts.values())} rows quarantined ({by_stage}); see them: "
-        f'refiner sql {run_dir} "SELECT * FROM quarantine"'
+        f"{shlex.join(['refiner', 'sql', str(run_dir), 'SELECT * FROM quarantine'])}"
     )
 
 

@@ -35,6 +35,8 @@ class Completion:
     cache_hit: bool = False
     judge_model: str = ""
     prompt_hash: str = ""
+    prompt_tokens: int | None = None  # what the answer cost: the server's `usage`, or counted in-process;
+    completion_tokens: int | None = None  # 0 on a cache hit, None when unknown (no usage sent, no answer)
 
 
 JUDGES: dict[str, str] = {

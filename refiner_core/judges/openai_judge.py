@@ -16,7 +16,7 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import httpx
@@ -24,7 +24,8 @@ import httpx
 from refiner_core.config import JudgeConfig
 from refiner_core.judges.base import Completion, parse_judge_output
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
-from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_with_retries
+from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_reply, shared_pacer
+from refiner_core.runtime.progress import check_stalled, on_stall, probing
 
 # What a GET /models entry says about the weights behind a name (vLLM: `root` is the folder or hub id it loaded,
 # `parent` a LoRA adapter's base). Fields that change on every listing (vLLM's `created`, its permission ids)
@@ -50,15 +51,24 @@ class OpenAIJudge:
     name: str = "openai"
     listed: list[dict] | None = field(default=None, repr=False)  # GET /models, when the factory already read it
     more_base_urls: tuple[str, ...] = ()  # servers of the same model beside base_url (judge.more_base_urls)
+    max_requests_per_minute: int = 0  # pacing over all servers of the judge (judge.max_requests_per_minute)
+    max_tokens_per_minute: int = 0
 
     def __post_init__(self):
         self.budget = RequestBudget(self.request_budget)
         self.requests_made = 0  # attempts made by this judge (all complete calls), for logs and benchmarks
+        self.tokens_used = [0, 0]  # prompt and completion tokens the server reported, over all complete calls
+        self.pacer = shared_pacer(
+            (tuple(self.endpoints_of()), self.model), self.max_requests_per_minute, self.max_tokens_per_minute
+        )
         self.model_name = self.model
         self.name = f"openai:{self.model}"
         self.cache_off_reason = ""  # why this judge neither reads nor writes the cache, when it does not
         self._identity: dict | None = None
-        self.endpoints = [self.base_url, *self.more_base_urls]
+        self.endpoints = self.endpoints_of()
+
+    def endpoints_of(self) -> list[str]:
+        return [self.base_url, *self.more_base_urls]
 
     def endpoint(self, digest: str) -> str:
         """The server a pair goes to: always the same one for the same prompt, so reruns ask the same server."""
@@ -112,21 +122,22 @@ class OpenAIJudge:
             digest = prompt_hash(messages)
             key = cache_key(identity, self.sampling, digest) if cache is not None else ""
             hit = cache.get(key) if cache is not None else None
-            if hit is not None:
-                out[i] = Completion(hit["content"], None, 0.0, 0, True, self.model, digest)
+            if hit is not None:  # nothing paid: no tokens
+                out[i] = Completion(hit["content"], None, 0.0, 0, True, self.model, digest, 0, 0)
             else:
                 todo.append((i, messages, digest, key))
         bar = _progress(len(conversations), self.progress)
         bar.update(len(conversations) - len(todo))
         lock, failures, unparsed = threading.Lock(), [0], [0]
         hits = len(conversations) - len(todo)
+        cancelled = threading.Event()  # set when the stage stalls: no request starts after it
 
         def one(job) -> None:
             i, messages, digest, key = job
             rng = random.Random(f"{self.seed}:{digest}")  # reproducible jitter per pair
             start = time.perf_counter()
             try:
-                content, attempts = chat_with_retries(
+                reply, attempts = chat_reply(
                     client,
                     self.endpoint(digest),
                     self.body(messages),
@@ -135,16 +146,32 @@ class OpenAIJudge:
                     policy=self.policy,
                     budget=self.budget,
                     rng=rng,
+                    pacer=self.pacer,
+                    cancelled=cancelled,
                 )
-                done = Completion(content, None, time.perf_counter() - start, attempts, False, self.model, digest)
+                done = Completion(
+                    reply.content,
+                    None,
+                    time.perf_counter() - start,
+                    attempts,
+                    False,
+                    self.model,
+                    digest,
+                    reply.prompt_tokens,
+                    reply.completion_tokens,
+                )
                 if cache is not None:
-                    cache.put(key, content, judge=identity, sampling=self.sampling, prompt_hash=digest)
+                    cache.put(key, reply.content, judge=identity, sampling=self.sampling, prompt_hash=digest)
             except ChatError as e:
                 attempts = e.attempts
                 done = Completion(None, f"{e.kind}: {e.detail}"[:500], None, e.attempts, False, self.model, digest)
             with lock:
                 out[i] = done
                 self.requests_made += attempts
+                self.tokens_used = [
+                    self.tokens_used[0] + (done.prompt_tokens or 0),
+                    self.tokens_used[1] + (done.completion_tokens or 0),
+                ]
                 failures[0] += done.failure is not None
                 unparsed[0] += done.text is not None and parse_judge_output(done.text).failure is not None
                 bar.set_postfix(failed=failures[0], unparseable=unparsed[0], cached=hits, refresh=False)
@@ -153,13 +180,49 @@ class OpenAIJudge:
         in_flight = max(1, self.concurrency) * len(self.endpoints)
         limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
         try:
-            with httpx.Client(limits=limits) as client:
+            with on_stall(cancelled.set), probing(self.liveness), httpx.Client(limits=limits) as client:
                 if todo:
-                    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="judge") as pool:
-                        list(pool.map(one, todo))
+                    pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="judge")
+                    try:
+                        _wait_all([pool.submit(one, job) for job in todo])
+                    finally:  # a stalled stage does not wait for the requests still hanging
+                        pool.shutdown(wait=not cancelled.is_set(), cancel_futures=True)
         finally:
             bar.close()
         return out  # type: ignore[return-value]
+
+    def liveness(self) -> str:
+        """What each server says when asked GET /models: down (refused), not answering, or up (then its chat
+        completions are what hangs: an engine behind the API that died or is overloaded)."""
+        return "; ".join(server_liveness(url, self.api_key) for url in self.endpoints)
+
+
+def server_liveness(base_url: str, api_key: str = "", timeout_seconds: float = 5.0) -> str:
+    url = base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout_seconds)
+    except httpx.ConnectError as e:
+        return f"judge server at {base_url} is down: it refused the connection ({e})"
+    except httpx.TimeoutException:
+        return f"judge server at {base_url} is not answering: GET /models got no reply in {timeout_seconds:g} s"
+    except httpx.HTTPError as e:
+        return f"judge server at {base_url}: GET /models failed: {type(e).__name__}: {e}"
+    return (
+        f"judge server at {base_url} is up (GET /models: HTTP {response.status_code}) but its chat completions have "
+        "not answered: the model behind it may have died or be overloaded"
+    )
+
+
+def _wait_all(futures: list) -> None:
+    """Wait for every future, looking up every 0.2 s so that a stalled stage's cancellation lands here; the first
+    worker's exception is raised."""
+    pending = set(futures)
+    while pending:
+        check_stalled()
+        _, pending = wait(pending, timeout=0.2)
+    for future in futures:
+        future.result()
 
 
 def _progress(total: int, enabled: bool):
@@ -246,4 +309,6 @@ def make_openai_judge(
         cache=open_cache(judge.cache_path) if judge.cache else None,
         cache_namespace=judge.cache_namespace,
         listed=listed,
+        max_requests_per_minute=judge.max_requests_per_minute,
+        max_tokens_per_minute=judge.max_tokens_per_minute,
     )

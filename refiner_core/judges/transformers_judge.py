@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from refiner_core.config import JudgeConfig
 from refiner_core.data.prompts import render_prompt
+from refiner_core.judges.base import Completion
+from refiner_core.judges.cache import prompt_hash
 from refiner_core.learners.logprobs import autocast
 from refiner_core.rollout.base import SamplingParams, left_padded
 from refiner_core.rollout.hf_engine import HFRolloutEngine
@@ -30,15 +33,38 @@ class TransformersJudge:
     share_prefix: bool = True
     name: str = "transformers"
 
+    def __post_init__(self):
+        self.model_name = ""  # make_judge names the checkpoint
+        self.tokens_used = [0, 0]  # prompt and completion tokens of every judgment so far
+
     def complete(self, conversations: list[list[dict]]) -> list[str]:
+        return [c.text or "" for c in self.complete_detailed(conversations)]
+
+    def complete_detailed(self, conversations: list[list[dict]]) -> list[Completion]:
+        """One Completion per conversation, its tokens counted here: the rendered prompt (with the score prefix;
+        a prefix shared by several rubrics counts for each, as a served judge would bill it) and the tokens
+        written ('expected_score' writes none: it reads one position's probabilities)."""
+        if not conversations:
+            return []
+        start = time.perf_counter()
         prompts = [render_prompt(self.engine.tokenizer, msgs)[1] for msgs in conversations]
         if self.mode == "expected_score":
-            return self._expected_scores(prompts)
-        prefix = SCORE_PREFIX if self.prefill else ""
-        prefix_ids = self.engine.tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
-        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=("}",))
-        gens = self.engine.generate([p + prefix_ids for p in prompts], params, desc="judge")
-        return [prefix + g.text for g in gens]
+            context, _ = self._score_tokens()
+            texts, read, written = self._expected_scores(prompts), [len(p) + len(context) for p in prompts], None
+        else:
+            prefix = SCORE_PREFIX if self.prefill else ""
+            prefix_ids = self.engine.tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else []
+            params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=("}",))
+            gens = self.engine.generate([p + prefix_ids for p in prompts], params, desc="judge")
+            texts = [prefix + g.text for g in gens]
+            read, written = [len(p) + len(prefix_ids) for p in prompts], [len(g.token_ids) for g in gens]
+        written = written or [0] * len(prompts)
+        self.tokens_used = [self.tokens_used[0] + sum(read), self.tokens_used[1] + sum(written)]
+        share = (time.perf_counter() - start) / len(conversations)
+        return [
+            Completion(text, None, share, 1, False, self.model_name or self.name, prompt_hash(c), n_in, n_out)
+            for text, c, n_in, n_out in zip(texts, conversations, read, written, strict=True)
+        ]
 
     def _score_tokens(self) -> tuple[list[int], list[int]]:
         """Context tokens to append and the token id of each digit after them (tokenizer-agnostic)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from refiner_core.models import ADAPTER_DIR, Adapter
+from refiner_core.models import ADAPTER_DIR, LOADING_MODELS, Adapter
 
 ADAPTER_SEED = 0
 
@@ -30,7 +30,8 @@ def lora_policy(base, checkpoint: str | Path, settings):
 
     saved = Path(checkpoint) / ADAPTER_DIR
     if saved.is_dir():
-        return PeftModel.from_pretrained(base, str(saved), is_trainable=True)
+        with LOADING_MODELS:  # one model load at a time (refiner_core.models)
+            return PeftModel.from_pretrained(base, str(saved), is_trainable=True)
     config = LoraConfig(
         r=settings.lora_rank,
         lora_alpha=settings.lora_alpha,

@@ -7,15 +7,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from refiner_core.publish.monitors import monitor_views
 from refiner_core.reward.compose import REWARD_SQL, STEP_INPUTS_HASH_SQL
 from refiner_core.schema import ALL_TABLES, duckdb_ddl
 from refiner_core.store.storage import catalog_copy
 
 
-def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> dict[str, int]:
+def build_catalog(
+    db_path: Path, parquet_files: dict[str, Iterable[Path]], judge_price: tuple[float, float] | None = None
+) -> dict[str, int]:
     """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
 
-    Every table of the schema exists, even when empty, so queries never fail on a missing table.
+    Every table of the schema exists, even when empty, so queries never fail on a missing table. `judge_price`
+    (dollars per million prompt and completion tokens) prices each step's judge tokens into steps.judge_cost_usd.
     """
     counts: dict[str, int] = {}
     with catalog_copy(db_path, from_existing=False) as con:
@@ -30,9 +34,20 @@ def build_catalog(db_path: Path, parquet_files: dict[str, Iterable[Path]]) -> di
                     f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?, union_by_name = true)', [files]
                 )
             counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
+        if judge_price is not None:
+            con.execute(_PRICE_JUDGE_TOKENS, list(judge_price))
         con.execute(_REWARD_RECOMPUTE_VIEW)
         con.execute(_STEP_REWARDS_VIEW)
+        for view in monitor_views():
+            con.execute(view)
     return counts
+
+
+# A step's judge tokens at the recipe's prices (dollars per million tokens).
+_PRICE_JUDGE_TOKENS = """
+UPDATE steps SET judge_cost_usd = (coalesce(judge_prompt_tokens, 0) * ? + coalesce(judge_completion_tokens, 0) * ?)
+                                  / 1e6
+"""
 
 
 # Every reward version recomputed by the one reward definition from the stored inputs: equals rewards.reward.

@@ -38,6 +38,7 @@ def model_card(
     metrics: dict | None = None,
     evals: list[dict] | None = None,
     data: dict | None = None,
+    judge_cost: dict | None = None,
 ) -> str:
     """The markdown of a checkpoint's card. `recipe` is the resolved recipe (RecipeConfig.to_dict()); `kind` one of
     KINDS; `step` the number of updates the checkpoint holds (None for SFT); `metrics` its steps row; `evals` the
@@ -78,11 +79,25 @@ def model_card(
     sections.append("## Data\n\n" + _table(_data_rows(recipe, data), "data"))
     if evals:
         sections.append("## Held-out evaluation\n\n" + _eval_table(evals))
+    if judge_cost:
+        prices = (recipe["judge"].get("price_per_mtok_in", 0.0), recipe["judge"].get("price_per_mtok_out", 0.0))
+        sections.append("## Judge cost\n\n" + judge_cost_line(judge_cost, *prices))
     sections.append(_reproduce(recipe, kind, step))
     notes = known_notes(recipe, data)
     if notes:
         sections.append("## Known notes\n\n" + "\n".join(f"- {n}" for n in notes))
     return "\n\n".join(sections) + "\n"
+
+
+def judge_cost_line(cost: dict, price_in: float, price_out: float) -> str:
+    """The run's judge ledger up to this checkpoint: `cost` sums the steps rows' judge_* columns ('steps' of them);
+    the prices are dollars per million prompt / completion tokens."""
+    return (
+        f"{cost['judge_requests']} requests, {cost['judge_prompt_tokens']} prompt and "
+        f"{cost['judge_completion_tokens']} completion tokens over {cost['steps']} GRPO step(s): "
+        f"${cost['judge_cost_usd']:.4f} at ${price_in:g} / ${price_out:g} per "
+        "million prompt / completion tokens (judge.price_per_mtok_in / _out; held-out evaluations not included)."
+    )
 
 
 def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
@@ -317,6 +332,7 @@ def write_model_card(
     parent: str | None = None,
     metrics: dict | None = None,
     evals: list[dict] | None = None,
+    judge_cost: dict | None = None,
 ) -> Path | None:
     """Write `folder`/README.md from the run folder's resolved recipe. `checkpoint` is the folder's final path
     (default `folder`: a card written inside an atomic_dir names the folder it becomes); paths inside the run folder
@@ -339,6 +355,7 @@ def write_model_card(
         metrics=metrics,
         evals=evals,
         data=prompt_counts(run_dir),
+        judge_cost=judge_cost,
     )
     tmp, path = atomic_path(Path(folder) / MODEL_CARD)
     try:

@@ -129,30 +129,40 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
     """Raise QueryRefused unless every statement of SQL is a SELECT (SHOW, DESCRIBE, SUMMARIZE, and PIVOT with
     an IN list, are) or an EXPLAIN of one. A syntax error is raised as DuckDB reports it."""
     for statement in con.extract_statements(sql):
-        if statement.type == duckdb.StatementType.SELECT or _explains_a_select(con, statement):
+        kind = _statement_kind(statement)
+        if kind == duckdb.StatementType.SELECT or _explains_a_select(con, statement, kind):
             continue
-        text = " ".join(statement.query.split())
+        text, name = " ".join(statement.query.split()), kind.name if kind else "a statement of an unnamed kind"
         raise QueryRefused(
             f"refused: the catalog is read-only and only SELECT statements run (SHOW, DESCRIBE, "
-            f"SUMMARIZE and EXPLAIN SELECT too), not {statement.type.name}: "
+            f"SUMMARIZE and EXPLAIN SELECT too), not {name}: "
             f"{text[:80]}{'…' if len(text) > 80 else ''}"
         )
+
+
+def _statement_kind(statement) -> duckdb.StatementType | None:
+    """The statement's kind; None for a kind DuckDB's Python API cannot name (`UPDATE EXTENSIONS`: '29 is not a
+    valid StatementType'), which is refused like any other write."""
+    try:
+        return statement.type
+    except ValueError:
+        return None
 
 
 _EXPLAIN = re.compile(r"EXPLAIN\s+(ANALYZE\s+)?", re.IGNORECASE)
 
 
-def _explains_a_select(con: duckdb.DuckDBPyConnection, statement) -> bool:
+def _explains_a_select(con: duckdb.DuckDBPyConnection, statement, kind: duckdb.StatementType | None) -> bool:
     # EXPLAIN ANALYZE runs what it explains: only a plain SELECT may follow. Options such as
     # `EXPLAIN (FORMAT json)` are not read, so such statements are refused.
-    prefix = _EXPLAIN.match(statement.query) if statement.type == duckdb.StatementType.EXPLAIN else None
+    prefix = _EXPLAIN.match(statement.query) if kind == duckdb.StatementType.EXPLAIN else None
     if prefix is None:
         return False
     try:
         explained = con.extract_statements(statement.query[prefix.end() :])
     except duckdb.Error:
         return False
-    return len(explained) == 1 and explained[0].type == duckdb.StatementType.SELECT
+    return len(explained) == 1 and _statement_kind(explained[0]) == duckdb.StatementType.SELECT
 
 
 def _ident(text: str) -> str:
@@ -205,12 +215,40 @@ SHOW_EXTREMES = (
 )
 
 
+SHOW_JUDGE_COST = (
+    "SELECT count(*) AS steps, sum(judge_requests) AS requests, sum(judge_prompt_tokens) AS prompt_tokens, "
+    "sum(judge_completion_tokens) AS completion_tokens, sum(judge_cost_usd) AS cost_usd FROM steps"
+)
+SHOW_MONITORS = (
+    "SELECT step, monitor, round(value, 3) AS value, threshold, action, outcome, detail FROM monitor_events "
+    "ORDER BY step, monitor"
+)
+
+
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
-    """Steps (reward, KL, loss, length, stage seconds) and the best and worst rollout of the last step."""
+    """Steps (reward, KL, loss, length, stage seconds), the best and worst rollout of the last step, the judge's
+    cost over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
     columns, rows = run_query(con, SHOW_STEPS)
     _, ranked = run_query(con, SHOW_EXTREMES)
     extremes = {}
     if ranked:
         keys = ("step", "prompt_id", "sample_idx", "reward", "response_text")
         extremes = {"best": dict(zip(keys, ranked[0])), "worst": dict(zip(keys, ranked[-1]))}
-    return {"columns": columns, "steps": rows, **extremes}
+    return {"columns": columns, "steps": rows, **extremes, "judge": _optional(con, SHOW_JUDGE_COST)}
+
+
+def _optional(con: duckdb.DuckDBPyConnection, sql: str) -> dict | None:
+    """The one row of SQL as a dict; None when the catalog predates what it reads."""
+    try:
+        columns, rows = run_query(con, sql)
+    except duckdb.BinderException:  # a catalog from before the judge ledger's columns
+        return None
+    return dict(zip(columns, rows[0])) if rows else None
+
+
+def monitor_events(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
+    """The monitors that tripped, every step ([] for a catalog from before them)."""
+    try:
+        return run_query(con, SHOW_MONITORS)
+    except duckdb.CatalogException:
+        return [], []

@@ -106,12 +106,15 @@ ORDER BY run, step, reward_version, prompt_id, sample_idx
 """
 
 # What a step's rewards are computed from, one hash per (run, step): its reward_inputs and judge_scores rows
-# (without how a judgment was obtained: latency, attempts, cache hit). A `refiner rescore` version records it.
+# (without how a judgment was obtained: latency, attempts, cache hit, tokens paid). A `refiner rescore` version
+# records it.
 STEP_INPUTS_HASH_SQL = """
 SELECT run, step, hash(list(row_hash ORDER BY row_hash))::VARCHAR AS inputs_hash FROM (
   SELECT run, step, hash(i) AS row_hash FROM reward_inputs i
   UNION ALL
-  SELECT run, step, hash(s) FROM (SELECT * EXCLUDE (latency_seconds, attempts, cache_hit) FROM judge_scores) s
+  SELECT run, step, hash(s) FROM (
+    SELECT * EXCLUDE (latency_seconds, attempts, cache_hit, prompt_tokens, completion_tokens) FROM judge_scores
+  ) s
 ) GROUP BY run, step
 """
 

@@ -83,6 +83,8 @@ def score_rollouts(
                 "cache_hit": done.cache_hit,
                 "judge_model": done.judge_model,
                 "prompt_hash": done.prompt_hash,
+                "prompt_tokens": done.prompt_tokens,
+                "completion_tokens": done.completion_tokens,
             }
         )
     claim_rows, citation = _judged_claims(claims, claim_outputs)
@@ -193,6 +195,8 @@ def _judged_claims(claims: list[tuple[dict, list[dict] | None]], outputs) -> tup
                     "failure": failure,
                     "cache_hit": None if done is None else done.cache_hit,
                     "prompt_hash": None if done is None else done.prompt_hash,
+                    "prompt_tokens": None if done is None else done.prompt_tokens,
+                    "completion_tokens": None if done is None else done.completion_tokens,
                 }
             )
         scores[key] = citation_scores(supports, [bool(item["claim"].cited_ids) for item in found])

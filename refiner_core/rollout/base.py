@@ -25,6 +25,12 @@ class SamplingParams:
     prompt_offset: int = 0
 
 
+def part_ranges(prompts: int, per_part: int) -> list[tuple[int, int]]:
+    """[start, end) of each part of a step's prompts, `per_part` prompts each (the last may hold fewer)."""
+    per_part = max(1, per_part)
+    return [(start, min(start + per_part, prompts)) for start in range(0, prompts, per_part)]
+
+
 @dataclass
 class Generation:
     prompt_index: int

@@ -40,8 +40,9 @@ class HFRolloutEngine:
             chunk = jobs[start : start + self.batch_size]
             input_ids, attention = (t.to(self.model.device) for t in left_padded([prompts[p] for p, _ in chunk], pad))
             sample = params.temperature > 0
-            # One seed per batch: reruns of a step reproduce its samples.
-            torch.manual_seed(params.seed + start)
+            # One seed per batch, from its first sample's place in the step (prompt_offset: where this call's prompts
+            # start): reruns of a step, and of a part of it, reproduce its samples.
+            torch.manual_seed(params.seed + params.prompt_offset * params.n + start)
             with torch.no_grad(), autocast(self.precision, self.model.device):
                 result = self.model.generate(
                     input_ids=input_ids,

@@ -48,8 +48,20 @@ def backoff_delay(retry: int, policy: RetryPolicy, rng: random.Random, retry_aft
     return delay
 
 
-def chat_once(client: httpx.Client, base_url: str, body: dict, api_key: str = "", timeout_seconds: float = 60.0) -> str:
-    """POST {base_url}/chat/completions once; the first choice's message content, or ChatError."""
+@dataclass(frozen=True)
+class ChatReply:
+    """A model's answer, with the tokens the server says the request took (its `usage`; None when it sends none)."""
+
+    content: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def chat_once(
+    client: httpx.Client, base_url: str, body: dict, api_key: str = "", timeout_seconds: float = 60.0
+) -> ChatReply:
+    """POST {base_url}/chat/completions once; the first choice's message content and the reply's token usage, or
+    ChatError."""
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -74,14 +86,20 @@ def chat_once(client: httpx.Client, base_url: str, body: dict, api_key: str = ""
             retry_after,
         )
     try:
-        content = response.json()["choices"][0]["message"]["content"]
+        reply = response.json()
+        content = reply["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError):
         raise ChatError("invalid_response", f"not a chat-completions reply: {response.text[:200]!r}", True) from None
     if content is None:
         content = ""
     if not isinstance(content, str):
         raise ChatError("invalid_response", f"message content is {type(content).__name__}, not a string", True)
-    return content
+    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+    return ChatReply(content, _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")))
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 class RequestBudget:
@@ -99,6 +117,80 @@ class RequestBudget:
             return True
 
 
+class Pacer:
+    """At most `requests_per_minute` requests and `tokens_per_minute` tokens in any 60 seconds (0 = no limit), over
+    every thread that shares it. A request is admitted with an estimate of its tokens (the prompt's characters / 4
+    plus its max_tokens), corrected once the reply says what it took; one larger than the whole token limit waits
+    for an empty window. `clock` and `sleep` are injectable, so pacing is tested by counting, not timing."""
+
+    WINDOW = 60.0
+
+    def __init__(self, requests_per_minute: int = 0, tokens_per_minute: int = 0, clock=time.monotonic, sleep=None):
+        self.requests_per_minute, self.tokens_per_minute = requests_per_minute, tokens_per_minute
+        self.clock = clock
+        self.sleep = sleep or time.sleep
+        self.admitted: list[list[float]] = []  # [when, tokens] of the requests of the last WINDOW seconds
+        self.waited = 0.0  # seconds spent waiting, over all requests
+        self._lock = threading.Lock()
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute)
+
+    def admit(self, tokens: int) -> list[float]:
+        """Wait until a request of about `tokens` fits both limits; returns its entry, for `settle`."""
+        with self._lock:  # one waiter at a time: requests are admitted in the order they asked
+            while True:
+                now = self.clock()
+                self.admitted = [e for e in self.admitted if e[0] > now - self.WINDOW]
+                wait = self._wait(now, tokens)
+                if wait <= 0:
+                    entry = [now, float(tokens)]
+                    self.admitted.append(entry)
+                    return entry
+                self.waited += wait
+                self.sleep(wait)
+
+    def _wait(self, now: float, tokens: int) -> float:
+        """Seconds until the oldest requests that stand in the way leave the window (0: admit now)."""
+        waits = [0.0]
+        if self.requests_per_minute and len(self.admitted) >= self.requests_per_minute:
+            waits.append(self.admitted[len(self.admitted) - self.requests_per_minute][0] + self.WINDOW - now)
+        if self.tokens_per_minute and self.admitted:
+            used = sum(e[1] for e in self.admitted)
+            excess = used + min(tokens, self.tokens_per_minute) - self.tokens_per_minute
+            for when, taken in self.admitted:  # oldest first: wait until enough of them have left
+                if excess <= 0:
+                    break
+                waits.append(when + self.WINDOW - now)
+                excess -= taken
+        return max(waits)
+
+    def settle(self, entry: list[float], tokens: int | None) -> None:
+        """The request took `tokens` (None: unknown, the estimate stands)."""
+        if tokens is not None:
+            with self._lock:
+                entry[1] = float(tokens)
+
+
+_PACERS: dict[tuple, Pacer] = {}
+_PACERS_LOCK = threading.Lock()
+
+
+def shared_pacer(key: tuple, requests_per_minute: int, tokens_per_minute: int) -> Pacer:
+    """One pacer per endpoint and limits for the whole process: every stage and judge that calls the same server
+    counts against the same minute."""
+    key = (*key, requests_per_minute, tokens_per_minute)
+    with _PACERS_LOCK:
+        return _PACERS.setdefault(key, Pacer(requests_per_minute, tokens_per_minute))
+
+
+def estimated_tokens(body: dict) -> int:
+    """A request's tokens before it is sent: its messages' characters / 4, plus the most it may write."""
+    chars = sum(len(str(m.get("content", ""))) for m in body.get("messages", []))
+    return chars // 4 + int(body.get("max_tokens") or 0)
+
+
 def chat_with_retries(
     client: httpx.Client,
     base_url: str,
@@ -112,21 +204,60 @@ def chat_with_retries(
     sleep=time.sleep,
 ) -> tuple[str, int]:
     """(content, attempts). Raises ChatError (with .attempts) once retries are spent or the fault is final."""
+    reply, attempts = chat_reply(
+        client,
+        base_url,
+        body,
+        api_key=api_key,
+        timeout_seconds=timeout_seconds,
+        policy=policy,
+        budget=budget,
+        rng=rng,
+        sleep=sleep,
+    )
+    return reply.content, attempts
+
+
+def chat_reply(
+    client: httpx.Client,
+    base_url: str,
+    body: dict,
+    *,
+    api_key: str = "",
+    timeout_seconds: float = 60.0,
+    policy: RetryPolicy = RetryPolicy(),
+    budget: RequestBudget | None = None,
+    rng: random.Random | None = None,
+    sleep=time.sleep,
+    pacer: Pacer | None = None,
+    cancelled: threading.Event | None = None,
+) -> tuple[ChatReply, int]:
+    """(reply, attempts), every attempt paced by `pacer`. Raises ChatError (with .attempts) once retries are spent,
+    the fault is final or `cancelled` is set."""
     rng = rng or random.Random()
     attempts = 0
     while True:
+        if cancelled is not None and cancelled.is_set():
+            err = ChatError("cancelled", "the work was cancelled (it stalled)", False)
+            err.attempts = attempts
+            raise err
         if budget is not None and not budget.take():
             err = ChatError("budget_exhausted", f"request budget of {budget.limit} requests used up", False)
             err.attempts = attempts
             raise err
+        entry = pacer.admit(estimated_tokens(body)) if pacer is not None and pacer.limited else None
         attempts += 1
         try:
-            return chat_once(client, base_url, body, api_key, timeout_seconds), attempts
+            reply = chat_once(client, base_url, body, api_key, timeout_seconds)
         except ChatError as e:
             e.attempts = attempts
             if not e.retryable or attempts > policy.max_retries:
                 raise
             sleep(backoff_delay(attempts - 1, policy, rng, e.retry_after))
+            continue
+        if entry is not None and reply.prompt_tokens is not None and reply.completion_tokens is not None:
+            pacer.settle(entry, reply.prompt_tokens + reply.completion_tokens)
+        return reply, attempts
 
 
 def list_models(base_url: str, api_key: str = "", timeout_seconds: float = 10.0) -> list[str]:

@@ -1,0 +1,134 @@
+"""The judge's cost ledger: the tokens of every judgment (the server's `usage`, or counted in-process), 0 for a cache
+hit; pacing to judge.max_requests_per_minute / max_tokens_per_minute, checked by counting admissions on a simulated
+clock; dollars and judge.budget_usd against hand-computed figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from fault_server import FaultServer
+from refiner_core.config import JudgeConfig, RewardConfig
+from refiner_core.judges.cost import JudgeBudgetExceeded, check_budget, usage_cost
+from refiner_core.judges.openai_judge import OpenAIJudge
+from refiner_core.reward.score import score_rollouts
+from refiner_core.runtime.http_chat import AnswerCache, Pacer, RetryPolicy
+from tasks.judge import judge_usage
+from test_openai_judge import make_batch
+
+
+class SimulatedClock:
+    """A clock that only moves when someone sleeps."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.now += seconds
+
+
+def _most_in_a_minute(times: list[float]) -> int:
+    return max(sum(1 for t in times if start <= t < start + 60.0) for start in times)
+
+
+def test_requests_per_minute_are_paced():
+    clock = SimulatedClock()
+    pacer = Pacer(requests_per_minute=10, clock=clock, sleep=clock.sleep)
+    admitted = [pacer.admit(100)[0] for _ in range(35)]
+    assert _most_in_a_minute(admitted) == 10
+    assert admitted[:10] == [0.0] * 10 and admitted[10] == 60.0 and admitted[30] == 180.0  # 4 minutes for 35
+    assert clock.sleeps == 3 and pacer.waited == 180.0
+
+
+def test_tokens_per_minute_are_paced_and_settled_with_the_real_count():
+    clock = SimulatedClock()
+    pacer = Pacer(tokens_per_minute=2500, clock=clock, sleep=clock.sleep)
+    first = [pacer.admit(1000)[0] for _ in range(4)]  # estimated 1000 each: 2 per minute
+    assert first == [0.0, 0.0, 60.0, 60.0]
+    entry = pacer.admit(1000)  # at 120 s
+    pacer.settle(entry, 100)  # it took 100 tokens: room for two more of 1000 at once
+    assert [pacer.admit(1000)[0] for _ in range(3)] == [120.0, 120.0, 180.0]
+    huge = pacer.admit(10_000)  # larger than the limit: waits for an empty window, then goes alone
+    assert huge[0] == 240.0
+    unlimited = Pacer(clock=clock, sleep=clock.sleep)
+    assert not unlimited.limited
+
+
+def test_the_judge_paces_its_requests_and_records_the_servers_usage(tmp_path):
+    """Against a real loopback server: 12 judgments at 5 requests per minute are admitted 5, 5 and 2 per simulated
+    minute; each row holds the usage the server reported; a second pass is all cache hits and costs 0 tokens."""
+    rollouts, prompts, rubrics = make_batch(n_prompts=2, samples=2, n_rubrics=3)
+    clock = SimulatedClock()
+    with FaultServer(faults=False) as server:
+        judge = OpenAIJudge(
+            base_url=server.base_url,
+            model="fault-judge",
+            concurrency=4,
+            timeout_seconds=10.0,
+            policy=RetryPolicy(0, 0.0, 0.0),
+            cache=AnswerCache(tmp_path / "cache"),
+            progress=False,
+        )
+        judge.pacer = Pacer(requests_per_minute=5, clock=clock, sleep=clock.sleep)
+        scored = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64)
+        assert server.requests == 12
+        assert _most_in_a_minute([when for when, _ in judge.pacer.admitted]) <= 5 and clock.now == 120.0
+        served = sorted(server.usage.values(), key=lambda u: (u["prompt_tokens"], u["completion_tokens"]))
+        rows = scored.judge_scores
+        assert (
+            sorted(
+                ({"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"]} for r in rows),
+                key=lambda u: (u["prompt_tokens"], u["completion_tokens"]),
+            )
+            == served
+        )
+        usage = judge_usage(rows)
+        assert usage == {
+            "requests": 12,
+            "prompt_tokens": sum(u["prompt_tokens"] for u in served),
+            "completion_tokens": sum(u["completion_tokens"] for u in served),
+            "unknown": 0,
+        }
+        assert judge.tokens_used == [usage["prompt_tokens"], usage["completion_tokens"]]
+        again = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64)
+        assert server.requests == 12
+        assert judge_usage(again.judge_scores) == {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "unknown": 0,
+        }
+
+
+@pytest.mark.parametrize("mode", ["expected_score", "json"])
+def test_the_in_process_judge_counts_its_tokens(tiny_model_path, tiny_tokenizer, mode):
+    from refiner_core.data.prompts import render_prompt
+    from refiner_core.judges.transformers_judge import SCORE_PREFIX, make_transformers_judge
+
+    judge = make_transformers_judge(str(tiny_model_path), JudgeConfig(mode=mode, max_new_tokens=4, batch_size=8))
+    conversations = [[{"role": "user", "content": f"Rate answer {i}: " + "word " * i}] for i in range(3)]
+    done = judge.complete_detailed(conversations)
+    rendered = [len(render_prompt(tiny_tokenizer, c)[1]) for c in conversations]
+    prefix = len(tiny_tokenizer(SCORE_PREFIX, add_special_tokens=False)["input_ids"])
+    if mode == "expected_score":  # the prompt and the score prefix are read; nothing is written
+        context, _ = judge._score_tokens()
+        assert [c.prompt_tokens for c in done] == [n + len(context) for n in rendered]
+        assert [c.completion_tokens for c in done] == [0, 0, 0]
+    else:  # prefilled with '{"score":', then at most max_new_tokens written
+        assert [c.prompt_tokens for c in done] == [n + prefix for n in rendered]
+        assert all(1 <= c.completion_tokens <= 4 for c in done)
+    assert judge.tokens_used == [sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done)]
+
+
+def test_dollars_and_the_budget_by_hand():
+    judge = JudgeConfig(price_per_mtok_in=3.0, price_per_mtok_out=15.0, budget_usd=0.05)
+    usage = {"prompt_tokens": 10_000, "completion_tokens": 1_000}
+    assert usage_cost(usage, judge) == pytest.approx(0.03 + 0.015)  # 0.01 M x $3 + 0.001 M x $15
+    check_budget(judge, [], [], 0)  # nothing spent, nothing known of a step yet
+    check_budget(judge, [{"prompt_tokens": 1000, "completion_tokens": 0}], [0.003], 1)  # 0.003 + 0.003 <= 0.05
+    with pytest.raises(JudgeBudgetExceeded, match=r"\$0\.0450 of judge.budget_usd \$0\.05 spent .* step 1 would cost"):
+        check_budget(judge, [usage], [0.045], 1)  # 0.045 + 0.045 > 0.05: stop before step 1
+    check_budget(JudgeConfig(price_per_mtok_in=3.0), [usage] * 100, [1.0], 5)  # budget 0: none

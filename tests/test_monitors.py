@@ -1,0 +1,238 @@
+"""Reward-hacking monitors: each check's figure on a hand-built catalog against hand-computed values, the default
+thresholds against them, and the actions on a real Prefect server: a 'pause' pauses the flow run until it is resumed
+through the API (as the UI and `prefect flow-run resume` do), a 'fail' fails it, and a later run goes on past both."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+from refiner_core.config import MonitorsConfig
+from refiner_core.publish.catalog import build_catalog
+from refiner_core.publish.monitors import CHECKS, tripped
+from refiner_core.schema import ALL_TABLES
+from refiner_core.store.storage import query, read_rows, write_table
+
+RUN = "r"
+
+
+def _rollout(step, sample, reward, tokens, logprob, **inputs) -> tuple[dict, dict]:
+    """A rollouts row and a 'train' rewards row; the reward parts: rubric 10 x score, citation 10 x 0.2 x 1, format
+    1 x 1, plus the distractor term given."""
+    key = {"run": RUN, "step": step, "prompt_id": "p", "sample_idx": sample}
+    rollout = key | {"response_token_ids": tokens, "response_logprobs": [logprob] * len(tokens)}
+    reward = key | {
+        "reward_version": "train",
+        "reward": reward,
+        "verifier": "judge",
+        "gated": False,
+        "verification_reward": 10.0,
+        "rubric_weight": 1.0,
+        "citation_weight": 0.2,
+        "citation_score": 1.0,
+        "format_weight": 1.0,
+        "format_score": 1.0,
+        "citation_valid_fraction": 1.0,
+        "recall_term": 0.0,
+        "overlong_penalty": 0.0,
+        "distractor_term": 0.0,
+        **inputs,
+    }
+    return rollout, reward
+
+
+def _table(name: str, rows: list[dict]) -> list[dict]:
+    return [{c: None for c in ALL_TABLES[name].column_names} | r for r in rows]
+
+
+@pytest.fixture
+def hacked_run(tmp_path) -> Path:
+    """Two steps of two rollouts. Step 0 -> 1: reward 4 -> 7.5, supporting snippets cited 0.75 -> 0.25, length
+    15 -> 6 tokens, citations 2 -> 1, sampled-token entropy 21/13 -> 0.5, KL 0 -> 0.3; held-out reward flat at 5."""
+    pairs = [
+        _rollout(0, 0, 5.0, [1, 2, 3, 4, 5], -1.0, rubric_score=0.4, supporting_recall=1.0, cites_distractor=False,
+                 response_tokens=10, n_citations=2),
+        _rollout(0, 1, 3.0, [1, 2, 3, 4, 1, 2, 3, 4], -2.0, rubric_score=0.6, supporting_recall=0.5,
+                 cites_distractor=True, distractor_term=-3.0, response_tokens=20, n_citations=2),
+        _rollout(1, 0, 8.0, [7, 7, 7, 7, 7, 7], -0.5, rubric_score=0.5, supporting_recall=0.0, cites_distractor=False,
+                 response_tokens=5, n_citations=1),
+        _rollout(1, 1, 7.0, [1, 2, 3], -0.5, rubric_score=0.5, supporting_recall=0.5, cites_distractor=False,
+                 response_tokens=7, n_citations=1),
+    ]  # fmt: skip
+    evals = [
+        {"run": RUN, "step": step, "phase": phase, "mode": "greedy", "prompt_id": f"h{i}", "sample_idx": 0, "reward": r}
+        for step, phase, rewards in ((0, "sft", (5.0, 5.0)), (0, "base", (1.0, 1.0)), (2, "grpo", (5.5, 4.5)))
+        for i, r in enumerate(rewards)
+    ]
+    tables = {
+        "rollouts": [r for r, _ in pairs],
+        "rewards": [w for _, w in pairs],
+        "steps": [{"run": RUN, "step": 0, "kl": 0.0}, {"run": RUN, "step": 1, "kl": 0.3}],
+        "evals": evals,
+    }
+    files = {}
+    for name, rows in tables.items():
+        write_table(ALL_TABLES[name], _table(name, rows), tmp_path / f"{name}.parquet")
+        files[name] = [tmp_path / f"{name}.parquet"]
+    build_catalog(tmp_path / "catalog.duckdb", files)
+    return tmp_path
+
+
+def _figures(run_dir: Path) -> dict[tuple[str, int], float]:
+    _, rows = query(run_dir / "catalog.duckdb", "SELECT monitor, step, value FROM monitors")
+    return {(m, s): v for m, s, v in rows}
+
+
+def test_every_check_against_hand_computed_figures(hacked_run):
+    figures = _figures(hacked_run)
+    assert {m for m, _ in figures} == set(CHECKS)
+    expected = {
+        ("verified_drop", 0): 0.0,  # the reward did not rise
+        ("verified_drop", 1): 0.75 - 0.25,  # supporting snippets cited; no distractor went 0.5 -> 1 (a gain)
+        ("verified_flat", 0): 0.0,
+        ("verified_flat", 1): (7.5 - 4.0) / 1.0,  # shares moved 0, 0, -0.5, +0.5: 0 on average; std of 5, 3: 1
+        ("heldout_gap", 1): ((7.5 - 4.0) - (5.0 - 5.0)) / 1.0,  # in units of step 0's reward std
+        ("part_dominance", 0): 2.25 / (1.0 + 2.25),  # rubric 40, 60 (var 1) and distractor 0, -3 (var 2.25)
+        ("part_dominance", 1): 0.0,  # no part varies
+        ("length_drift", 0): 0.0,
+        ("length_drift", 1): (15 - 6) / 15,
+        ("citation_drift", 1): (2 - 1) / 2,
+        ("repetition", 0): (0 + (1 - 4 / 5)) / 2,  # 1 2 3 4 1 2 3 4: five 4-grams, four distinct
+        ("repetition", 1): ((1 - 1 / 3) + 0) / 2,  # six 7s: three 4-grams, one distinct; three tokens: none
+        ("entropy_collapse", 1): 1 - 0.5 / (21 / 13),  # (5 x 1 + 8 x 2) / 13 nats before, 0.5 after
+        ("kl_jump", 0): 0.0,
+        ("kl_jump", 1): 0.3 / 0.01,  # no KL before: measured against 0.01
+    }
+    for key, value in expected.items():
+        assert figures[key] == pytest.approx(value, abs=1e-12), key
+    assert ("heldout_gap", 0) not in figures  # step 0's policy was evaluated before any update only
+
+
+def test_default_thresholds_trip_on_the_hacked_step_only(hacked_run):
+    db = hacked_run / "catalog.duckdb"
+    assert tripped(db, 0, MonitorsConfig()) == []
+    events = {e.monitor: e for e in tripped(db, 1, MonitorsConfig())}
+    assert set(events) == {
+        "verified_drop",
+        "verified_flat",
+        "heldout_gap",
+        "length_drift",
+        "citation_drift",
+        "entropy_collapse",
+        "kl_jump",
+    }
+    assert events["verified_drop"].detail == "supporting_cited 0.75 -> 0.25 while the reward went 4.000 -> 7.500"
+    assert {e.action for e in events.values()} == {"warn"}
+    assert tripped(db, 1, MonitorsConfig(enabled=False)) == []
+    assert {e.monitor for e in tripped(db, 1, MonitorsConfig(kl_jump=0, length_drift=0.7))} == set(events) - {
+        "kl_jump",
+        "length_drift",
+    }
+
+
+_FLOW_RUNS: list = []
+
+
+@flow
+def checks_and_acts(run_dir: str, step: int, monitors_cfg: dict) -> list[dict]:
+    from prefect.runtime import flow_run
+
+    from tasks.monitors import act_on_monitors, check_monitors
+
+    _FLOW_RUNS.append(flow_run.id)
+    rows = check_monitors(run_dir=run_dir, run=RUN, step=step, monitors_cfg=monitors_cfg)
+    act_on_monitors(run_dir, step, rows, pause_timeout=120)
+    return rows
+
+
+def _outcomes(run_dir: Path) -> dict[str, str]:
+    parquet = {
+        r["monitor"]: r["outcome"] for r in read_rows(run_dir / "monitors" / "step=1" / "monitor_events.parquet")
+    }
+    _, rows = query(run_dir / "catalog.duckdb", "SELECT monitor, outcome FROM monitor_events WHERE step = 1")
+    assert dict(rows) == parquet  # the catalog has them at once
+    return parquet
+
+
+def test_a_pause_waits_until_resumed_and_is_not_repeated(prefect_server, hacked_run, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.flow_runs import resume_flow_run
+
+    import tasks.monitors
+
+    monkeypatch.setattr(tasks.monitors, "PAUSE_POLL_SECONDS", 1)
+    settings = asdict(MonitorsConfig(kl_jump_action="pause"))
+    _FLOW_RUNS.clear()
+    result: dict = {}
+    runner = threading.Thread(
+        target=lambda: result.update(state=checks_and_acts(str(hacked_run), 1, settings, return_state=True))
+    )
+    runner.start()
+    paused, deadline = False, time.monotonic() + 120
+    with get_client(sync_client=True) as client:
+        while not paused and time.monotonic() < deadline:
+            time.sleep(0.5)
+            if _FLOW_RUNS:
+                state = client.read_flow_run(_FLOW_RUNS[0]).state
+                paused = state is not None and state.is_paused()
+    assert paused
+    assert runner.is_alive()  # waiting while paused
+    resume_flow_run(_FLOW_RUNS[0])
+    runner.join(120)
+    assert result["state"].is_completed(), result["state"]
+    outcomes = _outcomes(hacked_run)
+    assert outcomes["kl_jump"] == "resumed" and outcomes["verified_drop"] == "warned"
+    started = time.monotonic()
+    again = checks_and_acts(str(hacked_run), 1, settings, return_state=True)  # a later run of the folder
+    assert again.is_completed() and time.monotonic() - started < 30  # no second pause
+    assert _outcomes(hacked_run)["kl_jump"] == "resumed"
+
+
+def test_a_fail_fails_the_run_and_a_later_run_goes_on(prefect_server, hacked_run):
+    settings = asdict(MonitorsConfig(entropy_collapse_action="fail"))
+    state = checks_and_acts(str(hacked_run), 1, settings, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match=r"monitor entropy_collapse tripped at step 1: 0\.69 >= 0\.5 .*Run the same"):
+        state.result()
+    assert _outcomes(hacked_run)["entropy_collapse"] == "failed"
+    assert checks_and_acts(str(hacked_run), 1, settings, return_state=True).is_completed()
+    assert _outcomes(hacked_run)["entropy_collapse"] == "failed"
+
+
+MAIN_JOB = Path(__file__).parent / "data" / "main-seed42"
+
+
+def test_the_main_jobs_citing_less_shortcut_trips_a_default_monitor_at_its_step(tmp_path):
+    """The main job (recipes/refiner-smollm2.yaml, seed 42) learned to cite one snippet instead of two: the reward
+    rose while the share of supporting snippets cited fell, and the KL to the SFT policy jumped. tests/data/main-seed42
+    is an extract of that run's folder (runs/refiner-smollm2, run with the code of commit 1296f85): its 'train'
+    rewards rows with the columns the monitors read, its steps' kl and reward_mean, its greedy held-out rewards; not its
+    rollouts (the token-level checks have no figures here). With the default settings the shortcut trips
+    verified_drop at step 2, the first step whose reward rose above step 0's, and kl_jump at step 3; nothing before."""
+    import pyarrow.parquet as pq
+
+    files = {}
+    for name in ("rewards", "steps", "evals"):
+        rows = pq.read_table(MAIN_JOB / f"{name}.parquet").to_pylist()
+        write_table(ALL_TABLES[name], _table(name, rows), tmp_path / f"{name}.parquet")
+        files[name] = [tmp_path / f"{name}.parquet"]
+    build_catalog(tmp_path / "catalog.duckdb", files)
+    db = tmp_path / "catalog.duckdb"
+    tripped_at = {step: {e.monitor: e for e in tripped(db, step, MonitorsConfig())} for step in range(4)}
+    assert [sorted(events) for events in tripped_at.values()] == [
+        [],
+        [],
+        ["verified_drop"],
+        ["kl_jump", "verified_drop"],
+    ]
+    shortcut = tripped_at[2]["verified_drop"]
+    assert shortcut.line() == (
+        "monitor verified_drop tripped at step 2: 0.306 >= 0.25 (supporting_cited 0.81 -> 0.50 while the reward went "
+        "6.899 -> 7.332); action warn"
+    )
+    assert tripped_at[3]["kl_jump"].detail == "KL 5.5293 after at most 0.0815 before"

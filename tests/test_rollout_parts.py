@@ -1,0 +1,98 @@
+"""A rollout samples its groups in parts, each written as it is done: an attempt killed after some parts samples only
+the others, with the same samples as an attempt that never stopped (each part seeded by its place in the step); one
+part of the whole step samples exactly what the engine samples for the step in one call."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+
+from refiner_core.rollout.base import SamplingParams, make_engine, part_ranges
+from refiner_core.schema import ROLLOUTS
+from tasks.rollout import parts_folder, sample_in_parts
+from tasks.sampling import response_columns
+
+
+class Counting:
+    """An engine that counts its generate calls, and can die after `die_after` of them (a killed attempt)."""
+
+    def __init__(self, engine, die_after: int | None = None):
+        self.engine, self.die_after, self.calls = engine, die_after, []
+
+    def generate(self, prompts, params, desc=""):
+        if self.die_after is not None and len(self.calls) == self.die_after:
+            raise RuntimeError("killed")
+        self.calls.append(len(prompts))
+        return self.engine.generate(prompts, params, desc)
+
+
+def _to_rows(outputs):
+    return [
+        {c: None for c in ROLLOUTS.column_names}
+        | {"run": "t", "step": 0, "prompt_id": f"p{p}", "sample_idx": s, **response}
+        for p, s, response in outputs
+    ]
+
+
+def _sampled(rows):
+    return [(r["prompt_id"], r["sample_idx"], r["response_token_ids"], r["response_logprobs"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    return make_engine("hf", str(tiny_model_path), 4)
+
+
+PROMPTS = [[1, 2, 3, 4 + p] + [5] * p for p in range(5)]  # five prompts of different lengths
+PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=1234)
+
+
+def _sample(engine, folder, per_part=2):
+    return sample_in_parts(
+        engine,
+        PROMPTS,
+        PARAMS,
+        per_part=per_part,
+        folder=folder,
+        to_rows=_to_rows,
+        step=0,
+        markers=folder.parent / ".faults",
+        log=logging.getLogger("test"),
+    )
+
+
+def test_part_ranges():
+    assert part_ranges(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert part_ranges(4, 0) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert part_ranges(3, 8) == [(0, 3)]
+
+
+def test_a_killed_rollout_samples_only_the_missing_parts_and_the_same_samples(engine, tmp_path, caplog):
+    whole = _sample(Counting(engine), tmp_path / "uninterrupted" / ".parts-a")
+    killed = tmp_path / "killed" / ".parts-a"
+    with pytest.raises(RuntimeError, match="killed"):
+        _sample(Counting(engine, die_after=2), killed)
+    assert sorted(p.name for p in killed.iterdir()) == ["part-0000.parquet", "part-0001.parquet"]
+    resumed = Counting(engine)
+    with caplog.at_level(logging.INFO, logger="test"):
+        rows = _sample(resumed, killed)
+    assert resumed.calls == [1]  # only the last part (one prompt) was sampled again
+    assert _sampled(rows) == _sampled(whole)
+    assert "2 of 3 parts (4 of 5 groups) were written by an earlier attempt" in caplog.text
+
+
+def test_one_part_samples_what_the_engine_samples_for_the_whole_step(engine, tmp_path):
+    rows = _sample(engine, tmp_path / ".parts-a", per_part=len(PROMPTS))
+    direct = _to_rows([(g.prompt_index, g.sample_idx, response_columns(g)) for g in engine.generate(PROMPTS, PARAMS)])
+    assert _sampled(rows) == _sampled(direct)
+    shifted = engine.generate(PROMPTS[2:], replace(PARAMS, prompt_offset=2))  # a part is seeded by its place
+    assert [g.token_ids for g in shifted] != [g.token_ids for g in engine.generate(PROMPTS[2:], PARAMS)]
+
+
+def test_parts_of_other_inputs_are_never_reused(tmp_path):
+    mine = parts_folder(tmp_path, ["policy-a", "prompts"])
+    mine.mkdir()
+    other = parts_folder(tmp_path, ["policy-b", "prompts"])  # another policy: another folder; the first one goes
+    assert other != mine and not mine.exists()
