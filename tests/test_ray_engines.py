@@ -66,7 +66,10 @@ def test_two_ray_engines_equal_one_and_survive_a_killed_worker(
     assert (tmp_path / "two" / ".faults" / "kill-rollout-engine").exists(), "a worker was killed mid-rollout"
 
     # nothing lost, nothing doubled, and the same tokens: vllm seeds every prompt by its index in the step, and the
-    # engines' in-place sync at step 1 gives them the learner's new weights
+    # engines' in-place sync at step 1 gives them the learner's new weights. The log-probs agree to bf16's rounding
+    # (2**-8 relative), not exactly: vLLM's CPU kernels are not batch invariant, and an engine sampling half the step
+    # runs other batch shapes (measured: up to 2e-3 at -7.6 on an AVX-512-BF16 Xeon, whether sharded by Ray or by
+    # hand in one process; exact on an AVX2 EPYC)
     rows = {
         name: catalog_rows(tmp_path / name, f"SELECT {ROLLOUT_COLUMNS} FROM rollouts ORDER BY ALL")
         for name in ("one", "two")
@@ -74,7 +77,7 @@ def test_two_ray_engines_equal_one_and_survive_a_killed_worker(
     assert len(rows["two"]) == len(rows["one"]) == 2 * 4 * 4
     assert [r[:5] for r in rows["two"]] == [r[:5] for r in rows["one"]]
     for a, b in zip(rows["two"], rows["one"]):
-        assert a[5] == pytest.approx(b[5], abs=1e-5)
+        assert a[5] == pytest.approx(b[5], rel=2**-8)
     log = "\n".join(p.read_text() for p in sorted((tmp_path / "two" / "logs").glob("run-*.log")))
     assert "ray: started for the run on this machine" in log
     assert "rollout step 1: engine kept, weights synced in place" in log
