@@ -321,6 +321,50 @@ def push(
     typer.echo(f"uploaded to {repo}: {url}")
 
 
+@app.command()
+def compare(
+    sides: list[str] = typer.Argument(
+        ...,
+        help="A B: two evaluated policies, each RUN_DIR (its last evaluated policy), RUN_DIR@STEP, RUN_DIR@base or "
+        "RUN_DIR@sft. With --pool, more pairs follow: A B A2 B2 ...",
+    ),
+    pool: bool = typer.Option(False, "--pool", help="Pool several pairs (e.g. one per seed) into one comparison."),
+    mode: str = typer.Option("greedy", "--mode", help="greedy | sampled (per-prompt means of the sampled answers)."),
+    alpha: float = typer.Option(0.05, "--alpha", help="Significance level of the exit code and the * marks."),
+    level: float = typer.Option(0.95, "--level", help="Confidence level of the bootstrap intervals."),
+    resamples: int = typer.Option(10_000, "--resamples", help="Bootstrap resamples."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    list_prompts: int = typer.Option(8, "--list", help="Prompts named per change in the table output (0 = all)."),
+) -> None:
+    """Compare two evaluated policies (two runs, or two steps of one run) on the held-out prompts both evaluated.
+
+    Every binary eval column gets an exact McNemar test and the prompts it fixed or broke, every continuous one a
+    paired bootstrap interval of B - A. Exit code, as diff's: 0 no column differs at --alpha, 1 some column does,
+    2 trouble (a side names no evaluated policy, the sides share no prompt, bad arguments)."""
+    from refiner_core.publish.compare import CompareError, format_comparison, load_side
+    from refiner_core.publish.compare import compare as compare_sides
+
+    if mode not in ("greedy", "sampled"):
+        _fail(f"--mode must be greedy or sampled, not {mode!r}")
+    if len(sides) < 2 or len(sides) % 2:
+        _fail(f"give sides in pairs (A B, with --pool A B A2 B2 ...); got {len(sides)}")
+    if not 0 < alpha < 1 or not 0 < level < 1 or resamples < 1:
+        _fail("--alpha and --level must lie in (0, 1), --resamples be positive")
+    try:
+        loaded = [load_side(spec, mode) for spec in sides]
+        result = compare_sides(
+            list(zip(loaded[::2], loaded[1::2])), pool=pool, alpha=alpha, level=level, resamples=resamples, seed=seed
+        )
+    except CompareError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        typer.echo(visible(format_comparison(result, list_prompts)))
+    raise typer.Exit(1 if result.differs else 0)
+
+
 judge_app = typer.Typer(no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API.")
 app.add_typer(judge_app, name="judge")
 
