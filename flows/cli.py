@@ -60,14 +60,22 @@ def run(
             )
         )
     folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
+    _run_locked(cfg, folder, refresh, debug, f"refiner run {recipe}")
+
+
+def _run_locked(cfg, folder: Path, refresh: bool, debug: bool, command: str, before=None) -> None:
+    """Run the pipeline in `folder` holding its lock (exit 3 when another run holds it); `before` is called once
+    the lock is held."""
     folder.mkdir(parents=True, exist_ok=True)
     from refiner_core.runtime.runlock import BUSY_EXIT_CODE, RunFolderBusy, acquire, release
 
     try:
-        acquire(folder, command=f"refiner run {recipe}", warn=_warn)
+        acquire(folder, command=command, warn=_warn)
     except RunFolderBusy as e:
         _fail(str(e), code=BUSY_EXIT_CODE)
     try:
+        if before is not None:
+            before()
         with interrupts_never_lost():
             run_in_folder(cfg, folder, refresh, debug, warn=_warn)
     except Terminated:
@@ -178,7 +186,7 @@ def show(
     and worst rollout of the last step."""
     import duckdb
 
-    from refiner_core.publish.run_sql import CatalogError, open_runs, run_summary
+    from refiner_core.publish.run_sql import CatalogError, fork_origin, open_runs, run_summary
 
     try:
         con = open_runs([run_dir])
@@ -186,6 +194,7 @@ def show(
         _fail(str(e))
     try:
         summary = run_summary(con)
+        origin = fork_origin(con)
     except duckdb.Error as e:
         _fail(str(e), code=1)
     finally:
@@ -194,6 +203,8 @@ def show(
         _fail("the run has no finished steps yet", code=1)
     _warn_stale_rescores([run_dir])
     typer.echo(f"run {run_dir}: {len(summary['steps'])} step{'s' if len(summary['steps']) != 1 else ''}")
+    if origin:
+        typer.echo(visible(origin))
     _print_table(summary["columns"], summary["steps"], 0)
     for which in ("best", "worst"):
         if which in summary:
@@ -319,6 +330,56 @@ def push(
     except PushError as e:
         _fail(str(e), code=1)
     typer.echo(f"uploaded to {repo}: {url}")
+
+
+@app.command()
+def fork(
+    parent: Path = typer.Argument(..., exists=True, file_okay=False, help="The run folder to fork."),
+    new: Path = typer.Argument(..., help="The fork's run folder (new, or a fork of PARENT at the same step)."),
+    at: int = typer.Option(..., "--at", help="The first step the fork computes with its own settings."),
+    overrides: list[str] = typer.Option([], "--set", help="A setting of the fork: section.field=value (repeatable)."),
+    debug: bool = typer.Option(False, "--debug", help="Also show Prefect's failure tracebacks on the terminal."),
+) -> None:
+    """Fork a run at step N: NEW runs PARENT's recipe for steps 0..N-1, reusing PARENT's stages (hard-linked, not
+    recomputed or copied: their cache keys match), then runs on from step N with the --set settings.
+
+    A setting that the stages before step 0 read (data, rubrics, SFT, the base model, the seed, the precision)
+    changes step 0's rollout: such a fork reuses no step and says why. Running the same command again resumes the
+    fork. Exit codes as `refiner run`'s; 2 also for a fork that cannot be made (the parent has not finished step
+    N-1, or pruned its checkpoint)."""
+    from flows.run_folder import ForkError, plan_fork
+    from refiner_core.store.forks import shared_disk, write_fork
+
+    try:
+        cfg, record = plan_fork(parent, new, at, overrides)
+    except ForkError as e:
+        _fail(str(e))
+    problems = check_recipe(cfg)
+    if problems:
+        _fail("\n  ".join([f"the fork's recipe: {len(problems)} problem(s), nothing was run:", *problems]))
+    changed = " ".join(f"--set {s}" for s in record.settings) or "no setting changed"
+    if record.shares_steps and at:
+        typer.echo(
+            f"fork {record.run} of {record.parent_run} at step {at}: steps 0-{at - 1} with {record.parent_run}'s "
+            f"recipe (reused where cached), steps {at}-{cfg.grpo.steps - 1} with {changed}",
+            err=True,
+        )
+    else:
+        typer.echo(f"fork {record.run} of {record.parent_run}: every step with {changed}", err=True)
+    if record.note:
+        _warn(record.note)
+    _run_locked(cfg, Path(record.run_dir), False, debug, f"refiner fork {parent} --at {at}", lambda: write_fork(record))
+    disk = shared_disk(record.parent_dir, record.run_dir)
+    typer.echo(
+        f"\nfork disk: {_mib(disk['own'])} of its own ({disk['own'] / max(disk['parent'], 1):.1%} of the parent's "
+        f"{_mib(disk['parent'])}), {_mib(disk['shared'])} hard-linked from {record.parent_dir}\n"
+        f'compare the branches: refiner sql {record.parent_dir} {record.run_dir} "SELECT step, run, '
+        'round(reward_mean, 3) AS reward, round(kl, 5) AS kl FROM steps ORDER BY step, run"'
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 @app.command()

@@ -886,3 +886,15 @@ def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str,
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             rows.append((name, repr(default), f.metadata["help"]))
     return rows
+
+
+# What the stages before the first GRPO step read (locate-model, prepare-data, ingest-rubrics, prepare-sft, sft-train
+# in flows/refiner.py; None: the whole section). Every step starts from their output, so a fork that changes one
+# of these settings shares no step with its parent (refiner_core.store.forks).
+BEFORE_STEPS_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "run": ("seed",),
+    "model": ("policy", "max_position_embeddings", "dtype", "precision"),
+    "data": None,
+    "rubrics": None,
+    "sft": ("enabled", *SFT_PREPARE_FIELDS, *SFT_TRAIN_FIELDS),
+}

@@ -668,6 +668,28 @@ TEACHER_UPDATES = Table(
     ),
 )
 
+FORKS = Table(
+    "forks",
+    "A fork's origin (`refiner fork`): the run it forked from, at which step, with which settings. Steps before "
+    "fork_step are the parent's, reused (hard-linked) where their cache keys matched.",
+    ("run", "parent_run"),
+    (
+        _c("run", S, "The fork's run name."),
+        _c("parent_run", S, "The run it forked from."),
+        _c("parent_dir", S, "The parent's run folder."),
+        _c("fork_step", I, "The first step the fork computed with its own settings; steps before it ran the parent's."),
+        _c("settings", S, "The settings that differ from the parent's recipe, as --set flags."),
+        _c(
+            "shares_steps",
+            B,
+            "Whether steps before fork_step are the parent's; false when a setting the stages before step 0 read "
+            "changed (then every step is the fork's own).",
+        ),
+        _c("note", S, "Why no step is shared, or what kept stages from being reused (a code version change)."),
+        _c("created_at", S, "When the fork was made (UTC, ISO 8601)."),
+    ),
+)
+
 ALL_TABLES: dict[str, Table] = {
     t.name: t
     for t in (
@@ -690,6 +712,7 @@ ALL_TABLES: dict[str, Table] = {
         TURNS,
         TEACHER_ROLLOUTS,
         TEACHER_UPDATES,
+        FORKS,
     )
 }
 

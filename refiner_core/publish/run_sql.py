@@ -214,3 +214,29 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
         keys = ("step", "prompt_id", "sample_idx", "reward", "response_text")
         extremes = {"best": dict(zip(keys, ranked[0])), "worst": dict(zip(keys, ranked[-1]))}
     return {"columns": columns, "steps": rows, **extremes}
+
+
+def fork_origin(con: duckdb.DuckDBPyConnection) -> str | None:
+    """A line naming the run's parent and fork step when the run is a fork (`refiner fork`); None otherwise, and for
+    catalogs from before forks."""
+    try:
+        rows = con.execute(
+            "SELECT parent_run, parent_dir, fork_step, settings, shares_steps, note FROM forks ORDER BY run"
+        ).fetchall()
+    except duckdb.CatalogException:
+        return None
+    lines = []
+    for parent, parent_dir, at, settings, shares, note in rows:
+        changed = settings or "no setting changed"
+        if shares:
+            lines.append(
+                f"fork of {parent} ({parent_dir}) at step {at}: steps 0-{at - 1} are {parent}'s, "
+                f"steps from {at} ran with {changed}"
+                if at
+                else f"fork of {parent} ({parent_dir}) with {changed}"
+            )
+        else:
+            lines.append(f"forked from {parent} ({parent_dir}) with {changed}; it shares no step with it")
+        if note:
+            lines.append(f"  note: {note}")
+    return "\n".join(lines) or None
