@@ -426,8 +426,86 @@ def compare(
     raise typer.Exit(1 if result.differs else 0)
 
 
-judge_app = typer.Typer(no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API.")
+judge_app = typer.Typer(
+    no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API, check how far it can be trusted."
+)
 app.add_typer(judge_app, name="judge")
+
+
+@judge_app.command("agreement")
+def judge_agreement(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run folder with stored judgments."),
+    judge_config: Path | None = typer.Option(
+        None,
+        "--judge-config",
+        exists=True,
+        dir_okay=False,
+        help="YAML with a judge: section (settings as in a recipe, laid over the run's): the judge to compare with.",
+    ),
+    labels: Path | None = typer.Option(
+        None,
+        "--labels",
+        exists=True,
+        dir_okay=False,
+        help="JSONL or CSV of labels: step, prompt_id, sample_idx, rubric_id, and passed and/or score (oriented, 0-1).",
+    ),
+    sample: int = typer.Option(32, "--sample", help="--judge-config: stored rollouts re-judged (all their rubrics)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sample."),
+    name: str | None = typer.Option(None, "--name", help="The check's name (default: derived from its settings)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the agreement rows as JSON."),
+) -> None:
+    """How far a run's judge can be trusted: re-judge a seeded sample of its stored rollouts with another judge
+    (--judge-config), or read a person's labels (--labels), and store per rubric group Cohen's kappa of the pass/fail
+    verdicts, Spearman's rho of the scores, how well the judge's score separates the other side's passes from its
+    fails, and the spread of the judge's own scores (catalog tables judge_agreement, judge_checks). Exit 2 on bad
+    input (no catalog, neither or both of --judge-config and --labels, labels naming no stored judgment)."""
+    from refiner_core.publish.judge_agreement import AgreementError, check_judge
+
+    try:
+        check = check_judge(
+            run_dir.resolve(), judge_config=judge_config, labels=labels, sample=sample, seed=seed, name=name
+        )
+    except AgreementError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(check.agreement, indent=1, default=str))
+        return
+    typer.echo(
+        f"check {check.name}: {check.pairs} (rollout, rubric) pairs of {check.rollouts} rollouts against {check.other}"
+    )
+    number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    columns = [
+        "rubric group",
+        "pairs",
+        "kappa",
+        "spearman",
+        "separation",
+        "pass",
+        "other pass",
+        "score mean",
+        "score std",
+        "p10-p90",
+    ]
+    rows = [
+        (
+            a["rubric_group"],
+            a["pairs"],
+            number(a["kappa"], ".3f"),
+            number(a["spearman"], ".3f"),
+            number(a["separation_auc"], ".3f"),
+            number(a["pass_rate"], ".0%"),
+            number(a["other_pass_rate"], ".0%"),
+            number(a["score_mean"], ".3f"),
+            number(a["score_std"], ".4f"),
+            "-" if a["score_p10"] is None else f"{a['score_p10']:.3f}-{a['score_p90']:.3f}",
+        )
+        for a in check.agreement
+    ]
+    _print_table(columns, rows, 40)
+    typer.echo(
+        f'stored: {check.folder}; refiner sql {run_dir} "SELECT * FROM judge_agreement WHERE check_name = '
+        f"'{check.name}'\"",
+    )
 
 
 @judge_app.command("serve")

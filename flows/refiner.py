@@ -15,6 +15,7 @@ from refiner_core.config import (
     EVAL_ROLLOUT_FIELDS,
     FLOW_ONLY_EVAL_FIELDS,
     FLOW_ONLY_GRPO_FIELDS,
+    FLOW_ONLY_JUDGE_FIELDS,
     FLOW_ONLY_ROLLOUT_FIELDS,
     LORA_FIELDS,
     ROLLOUT_ENGINE_FIELDS,
@@ -29,11 +30,13 @@ from refiner_core.config import (
 from refiner_core.data.rows import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.preflight import resolve
+from refiner_core.publish.ledger import ledger_catalogs
 from refiner_core.publish.tracking import close_trackers
 from refiner_core.runtime import cluster, live
 from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.store.forks import read_fork
 from refiner_core.store.storage import read_rows
+from tasks.anchors import judge_anchors
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
@@ -129,8 +132,13 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     common = {"run_dir": run_dir}
     data_file = repo_path(cfg.data.path, cfg.data.format)
 
+    ledgers = {  # data.skip_solved_from / data.weights_from: earlier runs' difficulty ledgers, by content
+        f"{kind}_ledger_files": ledger_catalogs([repo_path(d) for d in folders])
+        for kind, folders in (("skip", cfg.data.skip_solved_from), ("weight", cfg.data.weights_from))
+        if folders
+    }
     prompts = prepare_data.with_options(**retry)(
-        **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base
+        **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base, **ledgers
     )
     rubrics = ingest_rubrics.with_options(**retry)(
         **common,
@@ -162,7 +170,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                 eval_cfg=drop(conf["eval"], FLOW_ONLY_EVAL_FIELDS),
                 engine_cfg=engine_cfg,
                 rollout_cfg=pick(conf["rollout"], EVAL_ROLLOUT_FIELDS),
-                judge_cfg=conf["judge"],
+                judge_cfg=drop(conf["judge"], FLOW_ONLY_JUDGE_FIELDS),
                 reward_cfg=conf["reward"],
                 seed=seed,
                 dtype=dtype,
@@ -299,13 +307,30 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                     prompts=prompts,
                     rubrics=rubrics,
                     judge_model=judge_model,
-                    judge_cfg=conf["judge"],
+                    judge_cfg=drop(conf["judge"], FLOW_ONLY_JUDGE_FIELDS),
                     reward_cfg=conf["reward"],
                     max_new_tokens=cfg.rollout.max_new_tokens,
                     dtype=dtype,
                     precision=precision,
                     round=sampling_round,
                     **({"teacher_rollouts": taught} if teaching else {}),
+                )
+            )
+        if step == 0:  # judge.anchor_every re-judges some of step 0's rollouts
+            anchors = {"rollouts": rolled[0], "scores": scored[0], "step": 0}
+        if cfg.judge.anchor_every and step % cfg.judge.anchor_every == 0:
+            manifests.append(
+                judge_anchors.with_options(**retry)(
+                    **common,
+                    run=run,
+                    step=step,
+                    anchors={**anchors, "count": cfg.judge.anchor_rollouts, "seed": seed},
+                    prompts=prompts,
+                    rubrics=rubrics,
+                    judge_model=judge_model,
+                    judge_cfg=drop(conf["judge"], FLOW_ONLY_JUDGE_FIELDS),
+                    dtype=dtype,
+                    precision=precision,
                 )
             )
         updated = grpo_update.with_options(**retry)(

@@ -184,6 +184,18 @@ class DataConfig(SourceConfig):
     max_prompt_tokens: int = opt(6144, "Rows whose rendered prompt exceeds this many tokens are dropped (counted).")
     max_reference_tokens: int = opt(1024, "Rows whose reference answer exceeds this many tokens are dropped (counted).")
     max_rejected_fraction: float = opt(0.5, "Fail the stage when more than this fraction of rows is rejected.")
+    skip_solved_from: list = opt(
+        [],
+        "Run folders whose difficulty ledger (catalog view prompt_difficulty over all of them) takes prompts out of "
+        "this run's training split: those every sampled rollout solved there (always_solved) and those none solved "
+        "(never_solved), which give GRPO no gradient. Prompts they never sampled stay. Recorded in prompt_selection.",
+    )
+    weights_from: list = opt(
+        [],
+        "Run folders whose difficulty ledger weights how often a training prompt is drawn: 4 p (1 - p) of its pass "
+        "rate p there, at least 0.05; prompts they never sampled weigh 1. Steps then draw their prompts without "
+        "replacement in proportion to the weights (seeded per step) instead of going through shuffled epochs.",
+    )
 
 
 @dataclass
@@ -400,6 +412,13 @@ class JudgeConfig:
         "(oriented), 'skip' leaves it out of the mean, 'drop' leaves the whole rollout out of the update (its "
         "group's advantages come from the others), 'fail' fails the judge stage (rows are not written).",
     )
+    anchor_every: int = opt(
+        0,
+        "Re-judge a fixed set of anchor rollouts (judge.anchor_rollouts of step 0's, seeded) with the run's judge "
+        "at step 0 and every anchor_every steps, beside the judgment they got at step 0: table judge_anchors, view "
+        "judge_drift (a judge whose scores drift over the run shows there). 0 = off.",
+    )
+    anchor_rollouts: int = opt(8, "judge.anchor_every: how many of step 0's rollouts are anchors (all their rubrics).")
 
 
 @dataclass
@@ -721,6 +740,7 @@ SFT_TRAIN_FIELDS = (
 )
 FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow runs; no single update reads it
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
+FLOW_ONLY_JUDGE_FIELDS = ("anchor_every", "anchor_rollouts")  # the flow's anchor re-judging; a step's judge does not
 # How many rounds the flow samples a step in; one round samples the prompts it is given.
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 # model fields the learner reads

@@ -23,6 +23,8 @@ def publish_catalog(*, run_dir: str, manifests: list[dict]) -> dict:
                 files.setdefault(table, []).append(entry["path"])
     for path in sorted(Path(run_dir).glob("rescores/*/step=*/*.parquet")):  # `refiner rescore` versions
         files.setdefault(path.stem, []).append(str(path))
+    for path in sorted(Path(run_dir).glob("judge_checks/*/*.parquet")):  # `refiner judge agreement` checks
+        files.setdefault(path.stem, []).append(str(path))
     db = Path(run_dir) / "catalog.duckdb"
     fork = read_fork(run_dir)  # a fork's catalog: every row is the fork's, its origin in `forks`
     counts = build_catalog(db, files, run=fork.run if fork else None, rows={"forks": fork_rows(fork)} if fork else None)

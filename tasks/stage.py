@@ -30,12 +30,14 @@ CODE_VERSION = code_version()
 
 
 def _content(value: Any, key: str) -> Any:
-    """Parameters named *_file enter the key by content, so an edited input file (or a save_to_disk folder)
-    invalidates the stage."""
+    """Parameters named *_file (and lists named *_files) enter the key by content, so an edited input file (or a
+    save_to_disk folder) invalidates the stage."""
     if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_file():
         return {"path": value, "content": file_hash(value)}
     if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_dir():
         return {"path": value, "content": dir_hash(value)}
+    if key.endswith("_files") and isinstance(value, list):  # e.g. the catalogs of another run's difficulty ledger
+        return [_content(v, key[:-1]) for v in value]
     return value
 
 

@@ -18,6 +18,7 @@ from refiner_core.eval.stats import (
     mcnemar_p,
     mcnemar_p_exact,
     paired_bootstrap_ci,
+    separation_auc,
     spearman,
 )
 
@@ -132,3 +133,11 @@ def test_spearman_with_ties_by_hand():
     assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0, abs=1e-15)
     assert spearman([0.5, 0.5, 0.5], [0.1, 0.9, 0.4]) is None  # a constant side: undefined
     assert spearman([1.0], [2.0]) is None
+
+
+def test_separation_auc_by_hand():
+    # positives 0.9, 0.6, 0.5; negatives 0.5, 0.2: pairs won 2 + 2 + (1 + 0.5 tie) = 5.5 of 6
+    assert separation_auc([0.9, 0.6, 0.5, 0.5, 0.2], [True, True, True, False, False]) == pytest.approx(5.5 / 6)
+    assert separation_auc([0.5] * 4, [True, False, True, False]) == 0.5  # one score for all: no separation
+    assert separation_auc([0.1, 0.9], [True, False]) == 0.0
+    assert separation_auc([0.1, 0.9], [True, True]) is None

@@ -159,3 +159,19 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
     if denominator == 0:
         return None
     return float((dx * dy).sum() / denominator)
+
+
+def separation_auc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
+    """How well `scores` separate the items labelled True from those labelled False: the probability that a random
+    True item scores higher than a random False one, ties counting 1/2 (the ROC AUC, Mann-Whitney U / (n1 n0)).
+    0.5 is no separation. None when either label is absent."""
+    if len(scores) != len(labels):
+        raise ValueError(f"paired values need equal lengths; got {len(scores)} and {len(labels)}")
+    positives = [s for s, y in zip(scores, labels) if y]
+    negatives = [s for s, y in zip(scores, labels) if not y]
+    if not positives or not negatives:
+        return None
+    ranks = average_ranks(list(scores))
+    rank_sum = sum(r for r, y in zip(ranks, labels) if y)
+    u = rank_sum - len(positives) * (len(positives) + 1) / 2
+    return u / (len(positives) * len(negatives))
