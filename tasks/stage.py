@@ -163,8 +163,9 @@ class Stage:
             manifest, adopted = adopt(manifest, kwargs["run_dir"])
             if adopted:
                 _logger().info(
-                    "%s: reused from %s (%d files hard-linked: %s)",
+                    "%s%s: reused from %s (%d files hard-linked: %s)",
                     self.name,
+                    "" if kwargs.get("step") is None else f"[step={kwargs['step']}]",
                     read_fork(kwargs["run_dir"]).parent_dir,
                     len(adopted),
                     ", ".join(adopted[:3]) + (", …" if len(adopted) > 3 else ""),

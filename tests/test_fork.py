@@ -109,6 +109,18 @@ def test_fork_reuses_the_steps_before_it_and_trains_on_with_its_settings(parent,
     assert f"is a fork of run `{parent.name}`" in card and "at step 1" in card
     assert _snapshot(parent) == before  # nothing of the parent was written or touched
 
+    from refiner_core.reward.rescore import rescore_run
+
+    recipe = load_recipe(fork_dir / "recipe.yaml")  # rescoring a fork covers its parent's steps too, under its name
+    version, rescored = rescore_run(fork_dir, recipe, load_recipe(fork_dir / "recipe.yaml", ["reward.format_weight=2"]))
+    assert [s.rollouts for s in rescored] == [16, 16]
+    con = duckdb.connect(str(fork_dir / "catalog.duckdb"), read_only=True)
+    assert con.execute(
+        "SELECT DISTINCT run, stale FROM step_rewards WHERE reward_version = ?", [version]
+    ).fetchall() == [("lr", False)]
+    con.close()
+    assert _snapshot(parent) == before
+
     rerun = _run(load_recipe(fork_dir / "recipe.yaml").to_dict(), fork_dir)  # resuming a fork: all Cached
     assert {s for n, s in rerun.items() if n.split("[")[0] in ("rollout", "judge", "grpo-update")} == {"Cached"}
 
