@@ -22,21 +22,13 @@ import argparse
 import subprocess
 import sys
 import time
-from math import comb
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RECIPE = REPO / "recipes" / "refiner-smollm2.yaml"
 
-
-def mcnemar_p(b: int, c: int) -> float:
-    """Exact two-sided McNemar p-value: discordant pairs b and c, each equally likely under no change."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(comb(n, i) for i in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2 * tail)
+from refiner_core.eval.stats import mcnemar_p  # noqa: E402  (after the repository is on sys.path)
 
 
 def greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:

@@ -61,14 +61,22 @@ def run(
             )
         )
     folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
+    _run_locked(cfg, folder, refresh, debug, f"refiner run {recipe}")
+
+
+def _run_locked(cfg, folder: Path, refresh: bool, debug: bool, command: str, before=None) -> None:
+    """Run the pipeline in `folder` holding its lock (exit 3 when another run holds it); `before` is called once
+    the lock is held."""
     folder.mkdir(parents=True, exist_ok=True)
     from refiner_core.runtime.runlock import BUSY_EXIT_CODE, RunFolderBusy, acquire, release
 
     try:
-        acquire(folder, command=f"refiner run {recipe}", warn=_warn)
+        acquire(folder, command=command, warn=_warn)
     except RunFolderBusy as e:
         _fail(str(e), code=BUSY_EXIT_CODE)
     try:
+        if before is not None:
+            before()
         with interrupts_never_lost():
             run_in_folder(cfg, folder, refresh, debug, warn=_warn)
     except Terminated:
@@ -179,7 +187,7 @@ def show(
     and worst rollout of the last step."""
     import duckdb
 
-    from refiner_core.publish.run_sql import CatalogError, monitor_events, open_runs, run_summary
+    from refiner_core.publish.run_sql import CatalogError, fork_origin, monitor_events, open_runs, run_summary
 
     try:
         con = open_runs([run_dir])
@@ -188,6 +196,7 @@ def show(
     try:
         summary = run_summary(con)
         monitor_columns, monitors = monitor_events(con)
+        origin = fork_origin(con)
     except duckdb.Error as e:
         _fail(str(e), code=1)
     finally:
@@ -196,6 +205,8 @@ def show(
         _fail("the run has no finished steps yet", code=1)
     _warn_stale_rescores([run_dir])
     typer.echo(f"run {run_dir}: {len(summary['steps'])} step{'s' if len(summary['steps']) != 1 else ''}")
+    if origin:
+        typer.echo(visible(origin))
     _print_table(summary["columns"], summary["steps"], 0)
     for which in ("best", "worst"):
         if which in summary:
@@ -336,8 +347,180 @@ def push(
     typer.echo(f"uploaded to {repo}: {url}")
 
 
-judge_app = typer.Typer(no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API.")
+@app.command()
+def fork(
+    parent: Path = typer.Argument(..., exists=True, file_okay=False, help="The run folder to fork."),
+    new: Path = typer.Argument(..., help="The fork's run folder (new, or a fork of PARENT at the same step)."),
+    at: int = typer.Option(..., "--at", help="The first step the fork computes with its own settings."),
+    overrides: list[str] = typer.Option([], "--set", help="A setting of the fork: section.field=value (repeatable)."),
+    debug: bool = typer.Option(False, "--debug", help="Also show Prefect's failure tracebacks on the terminal."),
+) -> None:
+    """Fork a run at step N: NEW runs PARENT's recipe for steps 0..N-1, reusing PARENT's stages (hard-linked, not
+    recomputed or copied: their cache keys match), then runs on from step N with the --set settings.
+
+    A setting that the stages before step 0 read (data, rubrics, SFT, the base model, the seed, the precision)
+    changes step 0's rollout: such a fork reuses no step and says why. Running the same command again resumes the
+    fork. Exit codes as `refiner run`'s; 2 also for a fork that cannot be made (the parent has not finished step
+    N-1, or pruned its checkpoint)."""
+    from flows.run_folder import ForkError, plan_fork
+    from refiner_core.store.forks import shared_disk, write_fork
+
+    try:
+        cfg, record = plan_fork(parent, new, at, overrides)
+    except ForkError as e:
+        _fail(str(e))
+    problems = check_recipe(cfg)
+    if problems:
+        _fail("\n  ".join([f"the fork's recipe: {len(problems)} problem(s), nothing was run:", *problems]))
+    changed = " ".join(f"--set {s}" for s in record.settings) or "no setting changed"
+    if record.shares_steps and at:
+        typer.echo(
+            f"fork {record.run} of {record.parent_run} at step {at}: steps 0-{at - 1} with {record.parent_run}'s "
+            f"recipe (reused where cached), steps {at}-{cfg.grpo.steps - 1} with {changed}",
+            err=True,
+        )
+    else:
+        typer.echo(f"fork {record.run} of {record.parent_run}: every step with {changed}", err=True)
+    if record.note:
+        _warn(record.note)
+    _run_locked(cfg, Path(record.run_dir), False, debug, f"refiner fork {parent} --at {at}", lambda: write_fork(record))
+    disk = shared_disk(record.parent_dir, record.run_dir)
+    typer.echo(
+        f"\nfork disk: {_mib(disk['own'])} of its own ({disk['own'] / max(disk['parent'], 1):.1%} of the parent's "
+        f"{_mib(disk['parent'])}), {_mib(disk['shared'])} hard-linked from {record.parent_dir}\n"
+        f'compare the branches: refiner sql {record.parent_dir} {record.run_dir} "SELECT step, run, '
+        'round(reward_mean, 3) AS reward, round(kl, 5) AS kl FROM steps ORDER BY step, run"'
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@app.command()
+def compare(
+    sides: list[str] = typer.Argument(
+        ...,
+        help="A B: two evaluated policies, each RUN_DIR (its last evaluated policy), RUN_DIR@STEP, RUN_DIR@base or "
+        "RUN_DIR@sft. With --pool, more pairs follow: A B A2 B2 ...",
+    ),
+    pool: bool = typer.Option(False, "--pool", help="Pool several pairs (e.g. one per seed) into one comparison."),
+    mode: str = typer.Option("greedy", "--mode", help="greedy | sampled (per-prompt means of the sampled answers)."),
+    alpha: float = typer.Option(0.05, "--alpha", help="Significance level of the exit code and the * marks."),
+    level: float = typer.Option(0.95, "--level", help="Confidence level of the bootstrap intervals."),
+    resamples: int = typer.Option(10_000, "--resamples", help="Bootstrap resamples."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    list_prompts: int = typer.Option(8, "--list", help="Prompts named per change in the table output (0 = all)."),
+) -> None:
+    """Compare two evaluated policies (two runs, or two steps of one run) on the held-out prompts both evaluated.
+
+    Every binary eval column gets an exact McNemar test and the prompts it fixed or broke, every continuous one a
+    paired bootstrap interval of B - A. Exit code, as diff's: 0 no column differs at --alpha, 1 some column does,
+    2 trouble (a side names no evaluated policy, the sides share no prompt, bad arguments)."""
+    from refiner_core.publish.compare import CompareError, format_comparison, load_side
+    from refiner_core.publish.compare import compare as compare_sides
+
+    if mode not in ("greedy", "sampled"):
+        _fail(f"--mode must be greedy or sampled, not {mode!r}")
+    if len(sides) < 2 or len(sides) % 2:
+        _fail(f"give sides in pairs (A B, with --pool A B A2 B2 ...); got {len(sides)}")
+    if not 0 < alpha < 1 or not 0 < level < 1 or resamples < 1:
+        _fail("--alpha and --level must lie in (0, 1), --resamples be positive")
+    try:
+        loaded = [load_side(spec, mode) for spec in sides]
+        result = compare_sides(
+            list(zip(loaded[::2], loaded[1::2])), pool=pool, alpha=alpha, level=level, resamples=resamples, seed=seed
+        )
+    except CompareError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        typer.echo(visible(format_comparison(result, list_prompts)))
+    raise typer.Exit(1 if result.differs else 0)
+
+
+judge_app = typer.Typer(
+    no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API, check how far it can be trusted."
+)
 app.add_typer(judge_app, name="judge")
+
+
+@judge_app.command("agreement")
+def judge_agreement(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="A run folder with stored judgments."),
+    judge_config: Path | None = typer.Option(
+        None,
+        "--judge-config",
+        exists=True,
+        dir_okay=False,
+        help="YAML with a judge: section (settings as in a recipe, laid over the run's): the judge to compare with.",
+    ),
+    labels: Path | None = typer.Option(
+        None,
+        "--labels",
+        exists=True,
+        dir_okay=False,
+        help="JSONL or CSV of labels: step, prompt_id, sample_idx, rubric_id, and passed and/or score (oriented, 0-1).",
+    ),
+    sample: int = typer.Option(32, "--sample", help="--judge-config: stored rollouts re-judged (all their rubrics)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sample."),
+    name: str | None = typer.Option(None, "--name", help="The check's name (default: derived from its settings)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the agreement rows as JSON."),
+) -> None:
+    """How far a run's judge can be trusted: re-judge a seeded sample of its stored rollouts with another judge
+    (--judge-config), or read a person's labels (--labels), and store per rubric group Cohen's kappa of the pass/fail
+    verdicts, Spearman's rho of the scores, how well the judge's score separates the other side's passes from its
+    fails, and the spread of the judge's own scores (catalog tables judge_agreement, judge_checks). Exit 2 on bad
+    input (no catalog, neither or both of --judge-config and --labels, labels naming no stored judgment)."""
+    from refiner_core.publish.judge_agreement import AgreementError, check_judge
+
+    try:
+        check = check_judge(
+            run_dir.resolve(), judge_config=judge_config, labels=labels, sample=sample, seed=seed, name=name
+        )
+    except AgreementError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(check.agreement, indent=1, default=str))
+        return
+    typer.echo(
+        f"check {check.name}: {check.pairs} (rollout, rubric) pairs of {check.rollouts} rollouts against {check.other}"
+    )
+    number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    columns = [
+        "rubric group",
+        "pairs",
+        "kappa",
+        "spearman",
+        "separation",
+        "pass",
+        "other pass",
+        "score mean",
+        "score std",
+        "p10-p90",
+    ]
+    rows = [
+        (
+            a["rubric_group"],
+            a["pairs"],
+            number(a["kappa"], ".3f"),
+            number(a["spearman"], ".3f"),
+            number(a["separation_auc"], ".3f"),
+            number(a["pass_rate"], ".0%"),
+            number(a["other_pass_rate"], ".0%"),
+            number(a["score_mean"], ".3f"),
+            number(a["score_std"], ".4f"),
+            "-" if a["score_p10"] is None else f"{a['score_p10']:.3f}-{a['score_p90']:.3f}",
+        )
+        for a in check.agreement
+    ]
+    _print_table(columns, rows, 40)
+    typer.echo(
+        f'stored: {check.folder}; refiner sql {run_dir} "SELECT * FROM judge_agreement WHERE check_name = '
+        f"'{check.name}'\"",
+    )
 
 
 @judge_app.command("serve")

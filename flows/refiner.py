@@ -10,7 +10,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
-from flows.run_folder import holds_run_folder, resolve_run_dir
+from flows.run_folder import holds_run_folder, resolve_run_dir, run_name
 from refiner_core.algo.advantages import informative_prompt_ids
 from refiner_core.config import (
     EVAL_ROLLOUT_FIELDS,
@@ -32,10 +32,13 @@ from refiner_core.data.rows import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.judges.cost import check_budget, usage_cost
 from refiner_core.preflight import resolve
+from refiner_core.publish.ledger import ledger_catalogs
 from refiner_core.publish.tracking import close_trackers
 from refiner_core.runtime import cluster, live
 from refiner_core.runtime.hardware import resolved_recipe
+from refiner_core.store.forks import read_fork
 from refiner_core.store.storage import read_rows
+from tasks.anchors import judge_anchors
 from tasks.artifacts import publish_step_artifacts
 from tasks.catalog import publish_catalog
 from tasks.checkpoints import prune_checkpoints
@@ -65,9 +68,15 @@ def train_rewards(scores: list[dict]) -> list[dict]:
     return [r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"]
 
 
-def run_name(name: str, run_dir: str) -> str:
-    """run.name, or else the run folder's name: runs in different folders can be told apart."""
-    return name or Path(run_dir).name
+def step_settings(cfg, conf: dict) -> tuple[bool, dict, dict, int]:
+    """What a step's stages read of a recipe besides whole sections: whether an EMA teacher votes the labels, the
+    rollout and update settings, and how many sampling rounds a step may take."""
+    rollout_cfg = drop(conf["rollout"], FLOW_ONLY_ROLLOUT_FIELDS + ROLLOUT_ENGINE_FIELDS)
+    grpo_cfg = drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS)
+    if cfg.rollout.dynamic_sampling:  # groups replaced by more sampling are left out of the update
+        grpo_cfg["filter_zero_std_groups"] = True
+    max_rounds = 1 + cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else 1
+    return cfg.reward.verifier == "co_rewarding_teacher", rollout_cfg, grpo_cfg, max_rounds
 
 
 def _flow_run_name() -> str:
@@ -100,8 +109,6 @@ _END_HOOKS = dict(on_completion=_ENDS, on_failure=_ENDS, on_crashed=_ENDS, on_ca
 def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     # model.precision 'auto' resolved on the machine that computes, before any cache key sees it
     cfg, precision_line = resolved_recipe(recipe_from_dict(recipe))
-    conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
-    engine_cfg = asdict(engine_settings(cfg))  # the rollout engines: built once, fed each step's weights
     log = get_run_logger()
     log.info(precision_line)
     watch_stages(cfg.run.stall_seconds, cfg.run.progress_every)  # the watchdog and plain-log progress of stages
@@ -112,7 +119,18 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     if cfg.run.ray_address:  # Ray places the rollout engines (rollout.num_engines); the end hooks leave it
         log.info(cluster.connect(cfg.run.ray_address))
     retry = {"retries": cfg.run.retries, "retry_delay_seconds": cfg.run.retry_delay_seconds}
-    run, seed, dtype, precision = run_name(cfg.run.name, run_dir), cfg.run.seed, cfg.model.dtype, cfg.model.precision
+    run, own = run_name(cfg.run.name, run_dir), cfg
+    # A fork (refiner fork) runs each step before its fork step with the recipe its ancestor ran it with: their
+    # stages are the ancestor's (Cached); the step loop switches recipes where they change.
+    fork = read_fork(run_dir)
+    segments = [(s["until"], recipe_from_dict(s["recipe"])) for s in fork.segments] if fork else []
+    recipe_of = lambda step: next((r for until, r in segments if step < until), own)  # noqa: E731
+    if segments:
+        log.info("fork of %s at step %d: steps 0-%d run as they ran there", fork.parent_dir, fork.at, fork.at - 1)
+    cfg = recipe_of(0)
+    conf = cfg.to_dict()  # validated and complete: defaults filled in, so cache keys see every setting
+    engine_cfg = asdict(engine_settings(cfg))  # the rollout engines: built once, fed each step's weights
+    seed, dtype, precision = cfg.run.seed, cfg.model.dtype, cfg.model.precision
     model = lambda spec: locate_model(spec, cfg.model.max_position_embeddings, seed)  # noqa: E731
     base = model(cfg.model.policy)
     judge_model = model(cfg.judge.model) if cfg.judge.model else base
@@ -121,8 +139,13 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
     judge_price = (cfg.judge.price_per_mtok_in, cfg.judge.price_per_mtok_out)
     data_file = repo_path(cfg.data.path, cfg.data.format)
 
+    ledgers = {  # data.skip_solved_from / data.weights_from: earlier runs' difficulty ledgers, by content
+        f"{kind}_ledger_files": ledger_catalogs([repo_path(d) for d in folders])
+        for kind, folders in (("skip", cfg.data.skip_solved_from), ("weight", cfg.data.weights_from))
+        if folders
+    }
     prompts = prepare_data.with_options(**retry)(
-        **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base
+        **common, run=run, data_file=data_file, data=conf["data"], seed=seed, policy=base, **ledgers
     )
     rubrics = ingest_rubrics.with_options(**retry)(
         **common,
@@ -195,12 +218,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
         evaluate_policy(start, 0, "sft" if cfg.sft.enabled else "base")
 
     policy = teacher = start  # the EMA teacher (Co-rewarding-II) starts as the starting policy
-    teaching = cfg.reward.verifier == "co_rewarding_teacher"
-    rollout_cfg = drop(conf["rollout"], FLOW_ONLY_ROLLOUT_FIELDS + ROLLOUT_ENGINE_FIELDS)
-    grpo_cfg = drop(conf["grpo"], FLOW_ONLY_GRPO_FIELDS)
-    if cfg.rollout.dynamic_sampling:  # groups replaced by more sampling are left out of the update
-        grpo_cfg["filter_zero_std_groups"] = True
-    max_rounds = 1 + cfg.rollout.dynamic_sampling_max_rounds if cfg.rollout.dynamic_sampling else 1
+    teaching, rollout_cfg, grpo_cfg, max_rounds = step_settings(cfg, conf)
     ahead = cfg.grpo.async_steps
     if ahead and cfg.rollout.engine == "hf":
         log.warning(
@@ -234,7 +252,15 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
 
     for step in range(min(ahead + 1, cfg.grpo.steps) if ahead else 0):
         sample_ahead(step)
-    for step in range(cfg.grpo.steps):
+    for step in range(own.grpo.steps):
+        if recipe_of(step) is not cfg:  # a fork's next segment (its own settings from its fork step on)
+            cfg = recipe_of(step)
+            conf = cfg.to_dict()
+            engine_cfg = asdict(engine_settings(cfg))
+            teaching, rollout_cfg, grpo_cfg, max_rounds = step_settings(cfg, conf)
+            eval_at = eval_steps(cfg.grpo.steps, cfg.eval.every)
+            judge_model = model(cfg.judge.model) if cfg.judge.model else base
+            reference = model(cfg.model.reference) if cfg.model.reference else start
         # run.save_every: steps in between keep their weights in the live learner; the EMA teacher and an eval
         # read the policy's checkpoint, and the last step's is the run's result
         save = teaching or (step + 1) % cfg.run.save_every == 0 or step + 1 in (cfg.grpo.steps, *eval_at)
@@ -300,6 +326,23 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                     **({"teacher_rollouts": taught} if teaching else {}),
                 )
             )
+        if step == 0:  # judge.anchor_every re-judges some of step 0's rollouts
+            anchors = {"rollouts": rolled[0], "scores": scored[0], "step": 0}
+        if cfg.judge.anchor_every and step % cfg.judge.anchor_every == 0:
+            manifests.append(
+                judge_anchors.with_options(**retry)(
+                    **common,
+                    run=run,
+                    step=step,
+                    anchors={**anchors, "count": cfg.judge.anchor_rollouts, "seed": seed},
+                    prompts=prompts,
+                    rubrics=rubrics,
+                    judge_model=judge_model,
+                    judge_cfg=drop(conf["judge"], FLOW_ONLY_JUDGE_FIELDS),
+                    dtype=dtype,
+                    precision=precision,
+                )
+            )
         updated = grpo_update.with_options(**retry)(
             **common,
             run=run,
@@ -331,7 +374,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             evaluate_policy(policy, step + 1, "grpo")
         if save:  # the newest written checkpoint keeps its optimizer state: a resume continues from it
             prune_checkpoints(
-                **common, newest_step=step + 1, keep_last=cfg.run.keep_last, keep_every=cfg.run.keep_every
+                **common, newest_step=step + 1, keep_last=own.run.keep_last, keep_every=own.run.keep_every
             )
         manifests += [*rolled, *scored, updated]
         publish_catalog(**common, manifests=manifests, judge_price=judge_price)  # inspectable after every step

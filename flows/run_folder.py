@@ -3,8 +3,12 @@
 `holds_run_folder` wraps the pipeline flow so that every way of running it (`refiner run`, a Prefect worker, a
 scheduled or retried flow run) resolves the folder template, takes the folder's lock (refiner_core.runtime.runlock),
 stops children and removes unfinished writes that an earlier, killed run left behind (refiner_core.runtime.procs,
-refiner_core.store.storage), writes the recipe it runs to RUN_DIR/recipe.yaml and sends every log line to
-RUN_DIR/logs/run-<time>.log: each run folder has what `refiner sql`, `show`, `plot` and `rescore` read.
+refiner_core.store.storage), writes the recipe it runs to RUN_DIR/recipe.yaml (and the code version its stage
+caches are keyed by to RUN_DIR/code_version) and sends every log line to RUN_DIR/logs/run-<time>.log: each run folder
+has what `refiner sql`, `show`, `plot`, `rescore` and `fork` read.
+
+`plan_fork` checks and records a fork (`refiner fork`): a new folder that runs its parent's recipe up to a step and
+its own settings from there, reusing the parent's stages through their cache keys (refiner_core.store.forks).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from refiner_core import code_version
 from refiner_core.runtime.procs import PROCS_DIR_ENV, stop_leftovers
 from refiner_core.runtime.runlock import format_run_dir, run_lock
 from refiner_core.store.storage import remove_partial_writes
@@ -25,6 +30,7 @@ from refiner_core.store.storage import remove_partial_writes
 PROCS_SUBDIR = ".procs"
 LOGS_SUBDIR = "logs"
 RECIPE_FILE = "recipe.yaml"
+CODE_VERSION_FILE = "code_version"
 
 
 def resolve_run_dir(run_dir: str) -> str:
@@ -118,6 +124,7 @@ def write_recipe(folder: Path, recipe: dict) -> None:
 
     resolved, _ = resolved_recipe(recipe_from_dict(recipe))
     (folder / RECIPE_FILE).write_text(yaml.safe_dump(resolved.to_dict(), sort_keys=False))
+    (folder / CODE_VERSION_FILE).write_text(code_version() + "\n")  # what a fork's reuse depends on
 
 
 def holds_run_folder(fn):
@@ -151,3 +158,108 @@ def holds_run_folder(fn):
                     os.environ[PROCS_DIR_ENV] = previous
 
     return wrapper
+
+
+class ForkError(ValueError):
+    """A fork that cannot be made as asked: nothing was written."""
+
+
+def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
+    """The fork of run folder `parent` at step `at` into `new` with `overrides` (--set): its resolved recipe and its
+    record (refiner_core.store.forks.Fork), checked but not yet written. Raises ForkError when the parent has not
+    finished step at-1 or kept no checkpoint of it, when the fork would compute no step, or when `new` holds
+    another run."""
+    from datetime import UTC, datetime
+
+    from refiner_core.config import ConfigError, load_recipe
+    from refiner_core.reward.rescore import changed_settings
+    from refiner_core.runtime.hardware import resolved_recipe
+    from refiner_core.store.checkpoints import step_checkpoints
+    from refiner_core.store.forks import Fork, changed_before_steps, read_fork, trunk_segments
+
+    parent, new = parent.resolve(), new.resolve()
+    if not (parent / RECIPE_FILE).is_file():
+        raise ForkError(f"{parent} has no {RECIPE_FILE}: not a run folder")
+    if new == parent:
+        raise ForkError("the fork needs a folder of its own")
+    try:
+        base = load_recipe(parent / RECIPE_FILE)
+        named = any(o.split("=", 1)[0].strip() == "run.name" for o in overrides)
+        cfg, _ = resolved_recipe(load_recipe(parent / RECIPE_FILE, [*([] if named else ["run.name="]), *overrides]))
+    except ConfigError as e:
+        raise ForkError(str(e)) from None
+    if not 0 <= at < cfg.grpo.steps:
+        raise ForkError(f"--at {at}: the fork would compute no step (grpo.steps {cfg.grpo.steps}); raise grpo.steps")
+    if base.grpo.async_steps or cfg.grpo.async_steps:
+        raise ForkError("forks of runs that sample ahead (grpo.async_steps) are not supported")
+    if at > 0:
+        done = _finished_steps(parent)
+        if at - 1 not in done:
+            raise ForkError(
+                f"{parent} has not finished step {at - 1} (finished: {_ranges(done) or 'none'}): fork at a step "
+                "up to one after its last finished step"
+            )
+        kept = step_checkpoints(parent / "checkpoints")
+        if at not in kept:
+            raise ForkError(
+                f"{parent}/checkpoints/step_{at:04d} (the policy after step {at - 1}) was pruned (run.keep_last, "
+                f"run.keep_every): fork at a step whose checkpoint is kept: --at {', '.join(map(str, sorted(kept)))}"
+            )
+    existing = read_fork(new)
+    if existing is not None and (existing.parent_dir, existing.at) != (str(parent), at):
+        raise ForkError(f"{new} is already a fork of {existing.parent_dir} at step {existing.at}")
+    if existing is None and new.exists() and any(new.iterdir()):
+        raise ForkError(f"{new} exists and holds another run: choose a new folder")
+    settings = [
+        f"{name}={_flag_value(cfg.to_dict(), name)}" for name in changed_settings(base, cfg) if name != "run.name"
+    ]
+    changed = changed_before_steps(base.to_dict(), cfg.to_dict())
+    notes = []
+    if changed:
+        notes.append(
+            f"{', '.join(changed)} changed: the stages before step 0 read "
+            f"{'these settings' if len(changed) > 1 else 'it'}, so step 0's rollout differs and no step of "
+            f"{parent.name} is reused; the fork computes every step with its own recipe"
+        )
+    recorded = (parent / CODE_VERSION_FILE).read_text().strip() if (parent / CODE_VERSION_FILE).is_file() else None
+    if recorded is None:
+        notes.append(f"{parent.name} records no code version: its stages are reused only if the code is unchanged")
+    elif recorded != code_version():
+        notes.append(
+            f"{parent.name} ran code version {recorded}, this is {code_version()}: stage cache keys hold the code "
+            "version, so none of its stages can be reused and the fork recomputes them"
+        )
+    fork = Fork(
+        run_dir=str(new),
+        run=run_name(cfg.run.name, str(new)),
+        parent_dir=str(parent),
+        parent_run=run_name(base.run.name, str(parent)),
+        at=at,
+        settings=settings,
+        shares_steps=not changed,
+        note="; ".join(notes),
+        segments=trunk_segments(read_fork(parent), base.to_dict(), at) if not changed else [],
+        created_at=existing.created_at if existing else datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    return cfg, fork
+
+
+def run_name(name: str, run_dir: str) -> str:
+    """run.name, or else the run folder's name: runs in different folders can be told apart."""
+    return name or Path(run_dir).name
+
+
+def _flag_value(recipe: dict, dotted: str) -> str:
+    import json
+
+    section, name = dotted.split(".", 1)
+    value = recipe[section][name]
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _finished_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("=")[1]) for p in run_dir.glob("metrics/step=*/steps.parquet"))
+
+
+def _ranges(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else ", ".join(map(str, steps))

@@ -198,6 +198,18 @@ class DataConfig(SourceConfig):
     max_prompt_tokens: int = opt(6144, "Rows whose rendered prompt exceeds this many tokens are dropped (counted).")
     max_reference_tokens: int = opt(1024, "Rows whose reference answer exceeds this many tokens are dropped (counted).")
     max_rejected_fraction: float = opt(0.5, "Fail the stage when more than this fraction of rows is rejected.")
+    skip_solved_from: list = opt(
+        [],
+        "Run folders whose difficulty ledger (catalog view prompt_difficulty over all of them) takes prompts out of "
+        "this run's training split: those every sampled rollout solved there (always_solved) and those none solved "
+        "(never_solved), which give GRPO no gradient. Prompts they never sampled stay. Recorded in prompt_selection.",
+    )
+    weights_from: list = opt(
+        [],
+        "Run folders whose difficulty ledger weights how often a training prompt is drawn: 4 p (1 - p) of its pass "
+        "rate p there, at least 0.05; prompts they never sampled weigh 1. Steps then draw their prompts without "
+        "replacement in proportion to the weights (seeded per step) instead of going through shuffled epochs.",
+    )
 
 
 @dataclass
@@ -467,6 +479,13 @@ class JudgeConfig:
         "held-out judgments, at the prices above; the next step is assumed to cost as much as the dearest so far). "
         "A resumable failure: raise it and run again, finished stages are cached. 0 = no budget.",
     )
+    anchor_every: int = opt(
+        0,
+        "Re-judge a fixed set of anchor rollouts (judge.anchor_rollouts of step 0's, seeded) with the run's judge "
+        "at step 0 and every anchor_every steps, beside the judgment they got at step 0: table judge_anchors, view "
+        "judge_drift (a judge whose scores drift over the run shows there). 0 = off.",
+    )
+    anchor_rollouts: int = opt(8, "judge.anchor_every: how many of step 0's rollouts are anchors (all their rubrics).")
 
 
 @dataclass
@@ -790,8 +809,7 @@ SFT_TRAIN_FIELDS = (
 )
 FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow runs; no single update reads it
 FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
-# What the judge's answers cost and how much may be spent: the flow and the catalog read them, no judgment does.
-FLOW_ONLY_JUDGE_FIELDS = ("price_per_mtok_in", "price_per_mtok_out", "budget_usd")
+FLOW_ONLY_JUDGE_FIELDS = ("price_per_mtok_in", "price_per_mtok_out", "budget_usd", "anchor_every", "anchor_rollouts")
 # How many rounds the flow samples a step in; one round samples the prompts it is given.
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 # model fields the learner reads
@@ -1026,3 +1044,15 @@ class MonitorsConfig:
         10.0, "The step's KL to the reference over the largest KL of the earlier steps (at least 0.01)."
     )
     kl_jump_action: MonitorAction = opt("warn", _ACTION_HELP)
+
+
+# What the stages before the first GRPO step read (locate-model, prepare-data, ingest-rubrics, prepare-sft, sft-train
+# in flows/refiner.py; None: the whole section). Every step starts from their output, so a fork that changes one
+# of these settings shares no step with its parent (refiner_core.store.forks).
+BEFORE_STEPS_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "run": ("seed",),
+    "model": ("policy", "max_position_embeddings", "dtype", "precision"),
+    "data": None,
+    "rubrics": None,
+    "sft": ("enabled", *SFT_PREPARE_FIELDS, *SFT_TRAIN_FIELDS),
+}

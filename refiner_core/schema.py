@@ -709,6 +709,116 @@ MONITOR_EVENTS = Table(
     ),
 )
 
+FORKS = Table(
+    "forks",
+    "A fork's origin (`refiner fork`): the run it forked from, at which step, with which settings. Steps before "
+    "fork_step are the parent's, reused (hard-linked) where their cache keys matched.",
+    ("run", "parent_run"),
+    (
+        _c("run", S, "The fork's run name."),
+        _c("parent_run", S, "The run it forked from."),
+        _c("parent_dir", S, "The parent's run folder."),
+        _c("fork_step", I, "The first step the fork computed with its own settings; steps before it ran the parent's."),
+        _c("settings", S, "The settings that differ from the parent's recipe, as --set flags."),
+        _c(
+            "shares_steps",
+            B,
+            "Whether steps before fork_step are the parent's; false when a setting the stages before step 0 read "
+            "changed (then every step is the fork's own).",
+        ),
+        _c("note", S, "Why no step is shared, or what kept stages from being reused (a code version change)."),
+        _c("created_at", S, "When the fork was made (UTC, ISO 8601)."),
+    ),
+)
+
+JUDGE_CHECKS = Table(
+    "judge_checks",
+    "One row per (rollout, rubric) of a judge check (`refiner judge agreement`): the run's judgment beside another "
+    "judge's, or a person's label, of the same pair.",
+    ("run", "check_name", "step", "prompt_id", "sample_idx", "rubric_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("check_name", S, "The check: 'judge-<hash>' for another judge, 'labels-<file>' for labels (or --name)."),
+        _c("step", I, "GRPO step of the rollout."),
+        _c("prompt_id", S, "Prompt ID."),
+        _c("sample_idx", I, "Sample index."),
+        _c("rubric_id", S, "Rubric ID (joins rubrics)."),
+        _c("rubric_group", S, "The static rubric's title, or 'instance positive' / 'instance negative'."),
+        _c("score", F, "The run's judge: oriented score (judge_scores.oriented_score); NULL when it failed."),
+        _c("other_score", F, "The other judge's oriented score, or the label's; NULL when it failed or gave none."),
+        _c("other_passed", B, "The other judge's or the label's verdict (oriented score >= the threshold)."),
+        _c("other_failure", S, "Why the other judge gave no score; NULL otherwise."),
+    ),
+)
+
+JUDGE_AGREEMENT = Table(
+    "judge_agreement",
+    "Per judge check and rubric group ('all' for every pair): how the run's judge agrees with another judge or "
+    "with labels, and how far its own scores spread.",
+    ("run", "check_name", "rubric_group"),
+    (
+        _c("run", S, "Run name."),
+        _c("check_name", S, "The check (judge_checks.check_name)."),
+        _c("other", S, "What the run's judge was checked against: the other judge's settings, or the labels file."),
+        _c("rubric_group", S, "The static rubric's title, 'instance positive', 'instance negative' or 'all'."),
+        _c("pairs", I, "(rollout, rubric) pairs both sides scored."),
+        _c("failed", I, "Pairs the other side gave no score for (left out)."),
+        _c("threshold", F, "Oriented score at or above which a judgment passes (eval.pass_rubric_score)."),
+        _c("kappa", F, "Cohen's kappa of the two pass/fail verdicts; NULL when undefined (one verdict for all)."),
+        _c("spearman", F, "Spearman's rank correlation of the two scores; NULL when either side is constant."),
+        _c(
+            "separation_auc",
+            F,
+            "How well the run judge's score separates the pairs the other side passes from those it fails "
+            "(ROC AUC: 0.5 = not at all, 1 = perfectly); NULL when the other side passes all or none.",
+        ),
+        _c("pass_rate", F, "Share of pairs the run's judge passes."),
+        _c("other_pass_rate", F, "Share of pairs the other side passes."),
+        _c("score_mean", F, "Mean of the run judge's scores over the pairs."),
+        _c("score_std", F, "Standard deviation (ddof 0) of the run judge's scores: their spread."),
+        _c("score_p10", F, "10th percentile of the run judge's scores."),
+        _c("score_p90", F, "90th percentile of the run judge's scores."),
+        _c("other_score_std", F, "Standard deviation of the other side's scores."),
+        _c("sample_rollouts", I, "Rollouts in the check's sample."),
+        _c("seed", I, "Seed of the sample."),
+        _c("created_at", S, "When the check ran (UTC, ISO 8601)."),
+    ),
+)
+
+JUDGE_ANCHORS = Table(
+    "judge_anchors",
+    "judge.anchor_every: a fixed set of step 0's rollouts, re-judged every N steps by the run's judge, beside the "
+    "judgment they got at step 0 (view judge_drift).",
+    ("run", "step", "prompt_id", "sample_idx", "rubric_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("step", I, "The step whose judge stage re-judged the anchors."),
+        _c("anchor_step", I, "The step whose rollouts are the anchors (0)."),
+        _c("prompt_id", S, "Prompt ID of the anchor rollout."),
+        _c("sample_idx", I, "Sample index of the anchor rollout."),
+        _c("rubric_id", S, "Rubric ID."),
+        _c("score", F, "Oriented score now; NULL when the judgment failed."),
+        _c("first_score", F, "Oriented score the rollout got when it was judged at anchor_step."),
+        _c("failure", S, "Why the judgment failed; NULL otherwise."),
+    ),
+)
+
+PROMPT_SELECTION = Table(
+    "prompt_selection",
+    "data.skip_solved_from / data.weights_from: each training prompt's figures in the earlier runs' difficulty "
+    "ledger (view prompt_difficulty), whether it was taken out of training, and its sampling weight.",
+    ("run", "prompt_id"),
+    (
+        _c("run", S, "Run name."),
+        _c("prompt_id", S, "Training prompt ID."),
+        _c("ledger_runs", S, "The run folders whose ledger was read."),
+        _c("ledger_rollouts", I, "Rollouts of the prompt there (0: never sampled)."),
+        _c("ledger_pass_rate", F, "Share of them that solved it; NULL when never sampled."),
+        _c("skipped", S, "'always solved' or 'never solved' (data.skip_solved_from): not trained on; NULL if kept."),
+        _c("weight", F, "Sampling weight (data.weights_from): 4 p (1 - p), at least 0.05, 1 if never sampled."),
+    ),
+)
+
 ALL_TABLES: dict[str, Table] = {
     t.name: t
     for t in (
@@ -732,6 +842,11 @@ ALL_TABLES: dict[str, Table] = {
         TEACHER_ROLLOUTS,
         TEACHER_UPDATES,
         MONITOR_EVENTS,
+        FORKS,
+        JUDGE_CHECKS,
+        JUDGE_AGREEMENT,
+        JUDGE_ANCHORS,
+        PROMPT_SELECTION,
     )
 }
 

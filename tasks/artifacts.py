@@ -66,7 +66,7 @@ def refresh_model_cards(run_dir: str, run: str, step: int, recipe: dict, steps: 
     after the update wrote the first card), and after step 0 the SFT checkpoint's card with its evaluation. Runs
     after every step, cached ones included; the card is not part of the checkpoint's hash."""
     row = next((r for r in steps if r["step"] == step), {})
-    if row.get("checkpoint") and Path(row["checkpoint"]).is_dir():
+    if row.get("checkpoint") and _written_here(Path(row["checkpoint"]), run_dir):
         write_model_card(
             row["checkpoint"],
             run_dir,
@@ -78,7 +78,7 @@ def refresh_model_cards(run_dir: str, run: str, step: int, recipe: dict, steps: 
             judge_cost=judge_cost_to(steps, step),
         )
     sft = Path(run_dir) / "checkpoints" / "sft"
-    if step == 0 and recipe["sft"]["enabled"] and sft.is_dir():
+    if step == 0 and recipe["sft"]["enabled"] and _written_here(sft, run_dir):
         write_model_card(
             sft,
             run_dir,
@@ -94,6 +94,14 @@ def judge_cost_to(steps: list[dict], step: int) -> dict:
     upto = [r for r in steps if r["step"] <= step]
     columns = ("judge_requests", "judge_prompt_tokens", "judge_completion_tokens", "judge_cost_usd")
     return {"steps": len(upto), **{c: sum(r.get(c) or 0 for r in upto) for c in columns}}
+
+
+def _written_here(checkpoint: Path, run_dir: str) -> bool:
+    """A checkpoint folder this run wrote: inside its folder, its card no hard link to another run's (a fork's
+    steps before its fork step are its parent's checkpoints, described by the parent's cards)."""
+    card = checkpoint / "README.md"
+    inside = checkpoint.resolve().is_relative_to(Path(run_dir).resolve())
+    return checkpoint.is_dir() and inside and (not card.exists() or card.stat().st_nlink == 1)
 
 
 def report_step(

@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from refiner_core.data.rows import Rejection, TooManyRejected, check_rejected_fraction
 from refiner_core.publish.catalog import build_catalog
 from refiner_core.store.faults import stage_fault
+from refiner_core.store.forks import fork_rows, read_fork
 
 
 @task(name="publish-catalog", cache_policy=None, persist_result=False, retries=1)
@@ -26,8 +27,13 @@ def publish_catalog(*, run_dir: str, manifests: list[dict], judge_price: tuple[f
         files.setdefault(path.stem, []).append(str(path))
     for path in sorted(Path(run_dir).glob("monitors/step=*/monitor_events.parquet")):  # the monitors' findings
         files.setdefault(path.stem, []).append(str(path))
+    for path in sorted(Path(run_dir).glob("judge_checks/*/*.parquet")):  # `refiner judge agreement` checks
+        files.setdefault(path.stem, []).append(str(path))
     db = Path(run_dir) / "catalog.duckdb"
-    counts = build_catalog(db, files, judge_price)
+    fork = read_fork(run_dir)  # a fork's catalog: every row is the fork's, its origin in `forks`
+    counts = build_catalog(
+        db, files, judge_price, run=fork.run if fork else None, rows={"forks": fork_rows(fork)} if fork else None
+    )
     get_run_logger().info("catalog %s: %s", db, ", ".join(f"{k}={v}" for k, v in counts.items()))
     return {"catalog": str(db), "counts": counts}
 

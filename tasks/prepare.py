@@ -4,11 +4,12 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import DataConfig
+from refiner_core.config import ConfigError, DataConfig
 from refiner_core.data.rows import TooManyRejected, prepare_prompts, validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_tokenizer
-from refiner_core.schema import PROMPTS, QUARANTINE
+from refiner_core.publish.ledger import prompt_ledger, select_prompts
+from refiner_core.schema import PROMPT_SELECTION, PROMPTS, QUARANTINE
 from refiner_core.store.storage import write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
@@ -17,8 +18,20 @@ __all__ = ["TooManyRejected", "prepare_data"]
 
 
 @stage("prepare-data")
-def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: int, policy: dict) -> dict:
-    """Stage 1: validate refiner rows, render chat prompts, apply token limits -> prompts + quarantine."""
+def prepare_data(
+    *,
+    run_dir: str,
+    run: str,
+    data_file: str,
+    data: dict,
+    seed: int,
+    policy: dict,
+    skip_ledger_files: list[str] | None = None,
+    weight_ledger_files: list[str] | None = None,
+) -> dict:
+    """Stage 1: validate refiner rows, render chat prompts, apply token limits -> prompts + quarantine. With the
+    catalogs of data.skip_solved_from / data.weights_from (hashed by content into the cache key), the training
+    split leaves out prompts those runs always or never solved, and carries sampling weights (prompt_selection)."""
     log = get_run_logger()
     raw = load_source(data_file, DataConfig(**data))
     checked = validate_rows(raw)
@@ -54,6 +67,32 @@ def prepare_data(*, run_dir: str, run: str, data_file: str, data: dict, seed: in
         "rejected": counts,
         "train_ids": sorted(p["prompt_id"] for p in prompts if p["split"] == "train"),
     }
+    if skip_ledger_files or weight_ledger_files:
+        kept, weights, selection = select_prompts(
+            run,
+            manifest["train_ids"],
+            prompt_ledger(skip_ledger_files or []),
+            prompt_ledger(weight_ledger_files or []),
+            ", ".join(dict.fromkeys([*data["skip_solved_from"], *data["weights_from"]])),
+        )
+        if not kept:
+            raise ConfigError(
+                f"data.skip_solved_from left no training prompt: all {len(selection)} were always or never solved "
+                f"in {', '.join(data['skip_solved_from'])}"
+            )
+        path = out / "prompt_selection.parquet"
+        manifest["prompt_selection"] = {"path": str(path), "hash": write_table(PROMPT_SELECTION, selection, path)}
+        manifest["train_ids"] = kept
+        if weights:
+            manifest["train_weights"] = weights
+        log.info(
+            "prepare-data: difficulty ledger kept %d of %d training prompts (%d always solved, %d never solved)%s",
+            len(kept),
+            len(selection),
+            sum(r["skipped"] == "always solved" for r in selection),
+            sum(r["skipped"] == "never solved" for r in selection),
+            f", weights {min(weights.values()):.2f}-{max(weights.values()):.2f}" if weights else "",
+        )
     log.info("prepare-data: %d rows in, %d prompts out, rejected %s", len(raw), len(prompts), counts or "none")
     fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), data["max_rejected_fraction"])
     return manifest

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from refiner_core.config import EngineSettings
-from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids
+from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids, weighted_step_prompt_ids
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.sharded import ShardedEngine
 from refiner_core.runtime import live
@@ -21,6 +21,15 @@ def step_prompts(
     the same step, and every sampler of the step (the policy, an EMA teacher) answers the same ones."""
     by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     train_ids = prompts["train_ids"]
+    if chosen is None and prompts.get("train_weights"):  # data.weights_from: drawn by the difficulty ledger
+        chosen = weighted_step_prompt_ids(
+            train_ids,
+            prompts["train_weights"],
+            step,
+            min(rollout_cfg["prompts_per_step"], len(train_ids)),
+            seed,
+            twin_of=_twins(by_id),
+        )
     if chosen is None:
         chosen = step_prompt_ids(
             train_ids, step, min(rollout_cfg["prompts_per_step"], len(train_ids)), seed, twin_of=_twins(by_id)

@@ -22,6 +22,7 @@ from refiner_core.data.sources import SourceError
 from refiner_core.runtime import live
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.store.faults import stage_fault
+from refiner_core.store.forks import adopt, ancestors, read_fork, rebase
 from refiner_core.store.storage import dir_hash, file_hash, json_hash
 from tasks.progress import watched_stage
 
@@ -29,12 +30,14 @@ CODE_VERSION = code_version()
 
 
 def _content(value: Any, key: str) -> Any:
-    """Parameters named *_file enter the key by content, so an edited input file (or a save_to_disk folder)
-    invalidates the stage."""
+    """Parameters named *_file (and lists named *_files) enter the key by content, so an edited input file (or a
+    save_to_disk folder) invalidates the stage."""
     if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_file():
         return {"path": value, "content": file_hash(value)}
     if key.endswith("_file") and isinstance(value, str) and value and Path(value).is_dir():
         return {"path": value, "content": dir_hash(value)}
+    if key.endswith("_files") and isinstance(value, list):  # e.g. the catalogs of another run's difficulty ledger
+        return [_content(v, key[:-1]) for v in value]
     return value
 
 
@@ -49,7 +52,36 @@ def _without_timings(value: Any) -> Any:
 
 def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     material = {k: _content(_without_timings(v), k) for k, v in sorted(parameters.items())}
-    return f"{context.task.name}-{json_hash([CODE_VERSION, material])}"
+    return _ancestor_key(context, material) or _key(context.task.name, material)
+
+
+def _key(name: str, material: dict[str, Any]) -> str:
+    return f"{name}-{json_hash([CODE_VERSION, material])}"
+
+
+def _ancestor_key(context: TaskRunContext, material: dict[str, Any]) -> str | None:
+    """In a fork (refiner fork), the key of a result an ancestor run computed with these inputs: the material with
+    the fork's folder and run name read as the ancestor's. None when no ancestor has one, or the stage is being
+    recomputed (--refresh, damaged outputs): a recomputed result is recorded under the fork's own key, never over
+    an ancestor's."""
+    run_dir = material.get("run_dir")
+    fork = read_fork(run_dir) if isinstance(run_dir, str) else None
+    if fork is None or context.task.refresh_cache or _refreshing_all():
+        return None
+    for folder, run in ancestors(run_dir):
+        mapped = rebase(material, run_dir, folder)
+        if mapped.get("run") == fork.run:
+            mapped["run"] = run
+        key = _key(context.task.name, mapped)
+        if context.result_store.exists(key):
+            return key
+    return None
+
+
+def _refreshing_all() -> bool:
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().tasks.refresh_cache)
 
 
 # Errors a retry cannot fix: the same rows, files or settings would fail again.
@@ -127,6 +159,17 @@ class Stage:
 
     def _checked(self, state, kwargs: dict) -> dict:
         manifest = state.result()  # raises the stage's exception when it failed
+        if state.name == "Cached" and read_fork(kwargs["run_dir"]) is not None:  # maybe an ancestor's result
+            manifest, adopted = adopt(manifest, kwargs["run_dir"])
+            if adopted:
+                _logger().info(
+                    "%s%s: reused from %s (%d files hard-linked: %s)",
+                    self.name,
+                    "" if kwargs.get("step") is None else f"[step={kwargs['step']}]",
+                    read_fork(kwargs["run_dir"]).parent_dir,
+                    len(adopted),
+                    ", ".join(adopted[:3]) + (", …" if len(adopted) > 3 else ""),
+                )
         if state.name == "Cached":
             damaged = damaged_outputs(manifest, kwargs["run_dir"])
             if damaged:

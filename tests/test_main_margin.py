@@ -1,37 +1,9 @@
-"""bench/main_margin.py's statistics: the exact McNemar p-value against hand-computed binomial tails and a float64
-reference, and the SFT-vs-GRPO comparison on hand-made eval rows (answers without an answer block are left out of
-the distractor counts, not counted as fixed)."""
+"""bench/main_margin.py's SFT-vs-GRPO comparison on hand-made eval rows (answers without an answer block are left out
+of the distractor counts, not counted as fixed); its McNemar test is refiner_core.eval.stats's (tests/test_stats.py)."""
 
 from __future__ import annotations
 
-from fractions import Fraction
-from math import comb
-
-import pytest
-
 from bench.main_margin import compare, mcnemar_p
-
-
-@pytest.mark.parametrize(
-    ("b", "c", "expected"),
-    [
-        (0, 0, 1.0),  # no discordant prompt: no evidence either way
-        (3, 0, 0.25),  # 2 * (1/2)^3
-        (0, 3, 0.25),  # symmetric
-        (5, 1, 0.21875),  # 2 * (1 + 6) / 64
-        (12, 2, 2 * (1 + 14 + 91) / 2**14),  # the main job's pooled figure: 0.0129...
-        (4, 4, 1.0),  # the two-sided tail is capped at 1
-    ],
-)
-def test_mcnemar_p_is_the_two_sided_binomial_tail(b, c, expected):
-    assert mcnemar_p(b, c) == pytest.approx(expected, rel=1e-12)
-
-
-def test_mcnemar_p_matches_an_exact_rational_reference():
-    for n in range(1, 40):
-        for b in range(n + 1):
-            tail = sum(Fraction(comb(n, i), 2**n) for i in range(min(b, n - b) + 1))
-            assert mcnemar_p(b, n - b) == pytest.approx(float(min(Fraction(1), 2 * tail)), rel=1e-12, abs=0)
 
 
 def _rows(cites: dict[str, bool | None], recall: float = 1.0) -> dict[str, dict]:
@@ -58,3 +30,10 @@ def test_compare_counts_fixed_and_broken_over_labelled_pairs():
     assert (got["format_before"], got["format_after"]) == (1.0, 0.8)  # over all 5: d's answer is not format-valid
     assert (got["recall_before"], got["recall_after"]) == (1.0, 0.5)
     assert (got["citations_before"], got["citations_after"]) == (2.5, 1.5)  # 2 * recall + distractor: a b c e
+
+
+def test_the_bench_uses_the_product_mcnemar_test():
+    from refiner_core.eval import stats
+
+    assert mcnemar_p is stats.mcnemar_p
+    assert mcnemar_p(12, 2) == stats.mcnemar_p(12, 2)

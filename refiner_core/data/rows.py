@@ -514,3 +514,28 @@ def refill_prompt_ids(
     order = sorted(p for p in train_ids if p not in taken)
     random.Random(f"refill {seed} {step} {sampling_round}").shuffle(order)  # a str seed hashes by SHA-512: stable
     return order[:count]
+
+
+def weighted_step_prompt_ids(
+    train_ids: list[str],
+    weights: dict[str, float],
+    step: int,
+    per_step: int,
+    seed: int,
+    twin_of: dict[str, str] | None = None,
+) -> list[str]:
+    """Prompts for a GRPO step drawn without replacement with probability proportional to their weight
+    (data.weights_from; prompts without a weight count 1): each gets the key u ** (1 / w), u uniform from a
+    generator seeded by (seed, step), and the `per_step` largest keys are taken (Efraimidis and Spirakis), so a
+    step never holds a prompt twice and a rerun draws the same ones. With `twin_of`, a question and its twin are one
+    unit carrying the lead view's weight, as in step_prompt_ids."""
+    if twin_of:
+        train = set(train_ids)
+        leads = [p for p in train_ids if not (twin_of.get(p) in train and twin_of[p] < p)]
+        chosen = weighted_step_prompt_ids(leads, weights, step, min(per_step, len(leads)), seed)
+        return [q for p in chosen for q in (p, twin_of.get(p)) if q in train]
+    if not 0 < per_step <= len(train_ids):
+        raise ValueError(f"prompts per step must be in 1..{len(train_ids)} (the training prompts), got {per_step}")
+    rng = random.Random(f"weighted {seed} {step}")  # a str seed hashes by SHA-512: stable across processes
+    keys = {p: rng.random() ** (1.0 / max(weights.get(p, 1.0), 1e-12)) for p in sorted(train_ids)}
+    return sorted(keys, key=lambda p: (-keys[p], p))[:per_step]

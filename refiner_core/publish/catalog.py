@@ -9,17 +9,23 @@ from pathlib import Path
 
 from refiner_core.publish.monitors import monitor_views
 from refiner_core.reward.compose import REWARD_SQL, STEP_INPUTS_HASH_SQL
-from refiner_core.schema import ALL_TABLES, duckdb_ddl
+from refiner_core.schema import ALL_TABLES, duckdb_ddl, to_arrow
 from refiner_core.store.storage import catalog_copy
 
 
 def build_catalog(
-    db_path: Path, parquet_files: dict[str, Iterable[Path]], judge_price: tuple[float, float] | None = None
+    db_path: Path,
+    parquet_files: dict[str, Iterable[Path]],
+    judge_price: tuple[float, float] | None = None,
+    run: str | None = None,
+    rows: dict | None = None,
 ) -> dict[str, int]:
     """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
 
     Every table of the schema exists, even when empty, so queries never fail on a missing table. `judge_price`
     (dollars per million prompt and completion tokens) prices each step's judge tokens into steps.judge_cost_usd.
+    `run`: the run column of every file's rows is this name (a fork's catalog: the steps it shares are its parent's
+    files, written under the parent's name). `rows`: rows to add besides the files, by table name.
     """
     counts: dict[str, int] = {}
     with catalog_copy(db_path, from_existing=False) as con:
@@ -29,10 +35,20 @@ def build_catalog(
             missing = [f for f in files if not Path(f).exists()]
             if missing:  # never publish a catalog that silently lacks rows
                 raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
-            if files:  # by name: files written before a column existed (rollouts.round) leave it NULL
+            if files and run is not None and "run" in table.column_names:
+                con.execute(
+                    f'INSERT INTO "{name}" BY NAME SELECT * REPLACE (?::VARCHAR AS run) '
+                    "FROM read_parquet(?, union_by_name = true)",
+                    [run, files],
+                )
+            elif files:  # by name: files written before a column existed (rollouts.round) leave it NULL
                 con.execute(
                     f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?, union_by_name = true)', [files]
                 )
+            if rows and rows.get(name):
+                con.register("added_rows", to_arrow(table, rows[name]))
+                con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM added_rows')
+                con.unregister("added_rows")
             counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
         if judge_price is not None:
             con.execute(_PRICE_JUDGE_TOKENS, list(judge_price))

@@ -39,11 +39,13 @@ def model_card(
     evals: list[dict] | None = None,
     data: dict | None = None,
     judge_cost: dict | None = None,
+    fork: dict | None = None,
 ) -> str:
     """The markdown of a checkpoint's card. `recipe` is the resolved recipe (RecipeConfig.to_dict()); `kind` one of
     KINDS; `step` the number of updates the checkpoint holds (None for SFT); `metrics` its steps row; `evals` the
     eval summary rows of this checkpoint (refiner_core.eval.evaluate.summarize); `data` counts of the prepared
-    prompts ({'train', 'validation', 'quarantined'})."""
+    prompts ({'train', 'validation', 'quarantined'}); `fork` the run's fork record (refiner_core.store.forks.Fork as a
+    dict) when it is a fork."""
     if kind not in KINDS:
         raise ValueError(f"model card kind {kind!r}: one of {sorted(KINDS)}")
     model, grpo = recipe["model"], recipe["grpo"]
@@ -71,6 +73,8 @@ def model_card(
         f"(base model `{model['policy']}`).",
         "## Training setup\n\n" + _table(_setup_rows(recipe, kind)),
     ]
+    if fork:
+        sections.insert(3, _lineage(fork))
     if metrics:
         sections.append(
             f"## Metrics of step {step - 1}\n\n"
@@ -98,6 +102,25 @@ def judge_cost_line(cost: dict, price_in: float, price_out: float) -> str:
         f"${cost['judge_cost_usd']:.4f} at ${price_in:g} / ${price_out:g} per "
         "million prompt / completion tokens (judge.price_per_mtok_in / _out; held-out evaluations not included)."
     )
+
+
+def _lineage(fork: dict) -> str:
+    changed = " ".join(f"`--set {s}`" for s in fork["settings"]) or "no setting changed"
+    if fork["shares_steps"]:
+        origin = (
+            f"Run `{fork['run']}` is a fork of run `{fork['parent_run']}` (`{fork['parent_dir']}`) at step "
+            f"{fork['at']}: steps 0-{fork['at'] - 1} are that run's, with its recipe; from step {fork['at']} on it "
+            f"trains with {changed}."
+        )
+    else:
+        origin = (
+            f"Run `{fork['run']}` was forked from run `{fork['parent_run']}` (`{fork['parent_dir']}`) with {changed}; "
+            "it shares no step with it."
+        )
+    again = " ".join(["refiner fork", fork["parent_dir"], "NEW_RUN_DIR", f"--at {fork['at']}"])
+    again += "".join(f" --set {s}" for s in fork["settings"])
+    note = f" {fork['note']}." if fork.get("note") else ""
+    return f"## Lineage\n\n{origin}{note} The same fork again:\n\n```bash\n{again}\n```"
 
 
 def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
@@ -338,6 +361,7 @@ def write_model_card(
     (default `folder`: a card written inside an atomic_dir names the folder it becomes); paths inside the run folder
     are shown relative to it. `parent` defaults to parent_checkpoint. None (nothing written) when the run folder
     holds no recipe.yaml (a stage run outside a pipeline run)."""
+    from refiner_core.store.forks import read_fork
     from refiner_core.store.storage import atomic_path
 
     run_dir = Path(run_dir)
@@ -356,6 +380,7 @@ def write_model_card(
         evals=evals,
         data=prompt_counts(run_dir),
         judge_cost=judge_cost,
+        fork=fork.to_dict() if (fork := read_fork(run_dir)) else None,
     )
     tmp, path = atomic_path(Path(folder) / MODEL_CARD)
     try:

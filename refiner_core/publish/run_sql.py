@@ -17,6 +17,14 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+# Whether a training rollout solved its prompt, as an eval answer passes (refiner_core.eval.evaluate.passed at the
+# default eval.pass_rubric_score): training's rewards rows.
+SOLVED_SQL = (
+    "SELECT run, step, prompt_id, CASE WHEN verifier = 'judge' THEN coalesce(format_ok AND n_citations > 0 AND "
+    "n_invalid_citations = 0 AND rubric_score >= 0.5, false) ELSE coalesce(correct = 1.0, false) END AS solved "
+    "FROM rewards WHERE reward_version = 'train'"
+)
+
 # name -> (what it shows, SQL). Defined on the session, not in the catalog: older catalogs get them too.
 VIEWS: dict[str, tuple[str, str]] = {
     "reward_by_step": (
@@ -57,6 +65,30 @@ VIEWS: dict[str, tuple[str, str]] = {
         "Rejected input rows per stage and reason, with an example row reference.",
         "SELECT run, stage, reason, count(*) AS rows, min(row_ref) AS example_row FROM quarantine "
         "GROUP BY ALL ORDER BY 1, 2, 4 DESC",
+    ),
+    "prompt_history": (
+        "Per run, training prompt and step: rollouts sampled, how many solved it (verified: correct; judged: "
+        "format-valid, citing, no invented ID, rubric score >= 0.5, as an eval pass), and the pass rate.",
+        f"WITH r AS ({SOLVED_SQL}) SELECT run, prompt_id, step, count(*) AS rollouts, "
+        "count(*) FILTER (WHERE solved) AS solved, avg(solved::INT) AS pass_rate FROM r GROUP BY ALL "
+        "ORDER BY 1, 2, 3",
+    ),
+    "prompt_difficulty": (
+        "The difficulty ledger: per training prompt over every run of the session, the runs and steps that sampled "
+        "it, its pass rate, whether every rollout (always_solved) or none (never_solved) solved it, and its pass-rate "
+        "history in (run, step) order; data.skip_solved_from and data.weights_from read it.",
+        "SELECT prompt_id, count(DISTINCT run) AS runs, count(*) AS steps, sum(rollouts) AS rollouts, "
+        "sum(solved) AS solved, sum(solved) / sum(rollouts) AS pass_rate, sum(solved) = sum(rollouts) AS "
+        "always_solved, sum(solved) = 0 AS never_solved, list(round(pass_rate, 3) ORDER BY run, step) AS history "
+        "FROM prompt_history GROUP BY prompt_id ORDER BY pass_rate, prompt_id",
+    ),
+    "judge_drift": (
+        "judge.anchor_every: per step, the anchor rollouts' judgments against the ones they got at step 0: mean "
+        "|difference| (drift), and the share whose verdict (oriented score >= 0.5) flipped.",
+        "SELECT run, step, count(*) AS judgments, avg(score) AS score_mean, avg(first_score) AS first_score_mean, "
+        "avg(abs(score - first_score)) AS mean_abs_drift, avg(((score >= 0.5) <> (first_score >= 0.5))::INT) AS "
+        "verdict_flips, count(*) FILTER (WHERE failure IS NOT NULL) AS failed FROM judge_anchors GROUP BY ALL "
+        "ORDER BY 1, 2",
     ),
 }
 
@@ -252,3 +284,29 @@ def monitor_events(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tupl
         return run_query(con, SHOW_MONITORS)
     except duckdb.CatalogException:
         return [], []
+
+
+def fork_origin(con: duckdb.DuckDBPyConnection) -> str | None:
+    """A line naming the run's parent and fork step when the run is a fork (`refiner fork`); None otherwise, and for
+    catalogs from before forks."""
+    try:
+        rows = con.execute(
+            "SELECT parent_run, parent_dir, fork_step, settings, shares_steps, note FROM forks ORDER BY run"
+        ).fetchall()
+    except duckdb.CatalogException:
+        return None
+    lines = []
+    for parent, parent_dir, at, settings, shares, note in rows:
+        changed = settings or "no setting changed"
+        if shares:
+            lines.append(
+                f"fork of {parent} ({parent_dir}) at step {at}: steps 0-{at - 1} are {parent}'s, "
+                f"steps from {at} ran with {changed}"
+                if at
+                else f"fork of {parent} ({parent_dir}) with {changed}"
+            )
+        else:
+            lines.append(f"forked from {parent} ({parent_dir}) with {changed}; it shares no step with it")
+        if note:
+            lines.append(f"  note: {note}")
+    return "\n".join(lines) or None

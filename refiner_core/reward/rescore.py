@@ -22,6 +22,7 @@ from refiner_core.algo.advantages import group_advantages
 from refiner_core.config import RecipeConfig, RewardConfig
 from refiner_core.reward.compose import STEP_INPUTS_HASH_SQL, compute_rewards, weight_row
 from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
+from refiner_core.store.forks import read_fork
 from refiner_core.store.storage import json_hash, query, read_rows, replace_version_rows, write_table
 
 RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "filter_zero_std_groups")
@@ -107,16 +108,17 @@ def settings_flags(base: RecipeConfig, new: RecipeConfig) -> str:
     return shlex.join(flags)
 
 
-def inputs_hash(score_dir: Path) -> str:
+def inputs_hash(score_dir: Path, run: str | None = None) -> str:
     """STEP_INPUTS_HASH_SQL over one step's stored reward_inputs and judge_scores, loaded into the catalog's table
-    types, so that it equals what the catalog computes from the same rows."""
+    types (with `run` as their run, as a fork's catalog names them), so that it equals what the catalog computes
+    from the same rows."""
     con = duckdb.connect()
     try:
         for table in (REWARD_INPUTS, JUDGE_SCORES):
             con.execute(duckdb_ddl(table))
             con.execute(
-                f'INSERT INTO "{table.name}" BY NAME SELECT * FROM read_parquet(?)',
-                [[str(p) for p in round_files(score_dir, table.name)]],
+                f'INSERT INTO "{table.name}" BY NAME SELECT * REPLACE (coalesce(?, run) AS run) FROM read_parquet(?)',
+                [run, [str(p) for p in round_files(score_dir, table.name)]],
             )
         [(digest,)] = con.execute(f"SELECT inputs_hash FROM ({STEP_INPUTS_HASH_SQL})").fetchall()
         return digest
@@ -157,9 +159,13 @@ def rescore_run(
     settings = settings_flags(base, new)
     out_root, summary = run_dir / "rescores" / version, []
     written: dict[str, list[str]] = {"rewards": [], "reward_weights": [], "advantages": [], "rescores": []}
+    fork = read_fork(run_dir)  # a fork's catalog names every row after the fork, its parent's steps included
     for step in steps:
         inputs = read_step(score_files[step], "reward_inputs")
         scores = read_step(score_files[step], "judge_scores")
+        if fork is not None:
+            inputs = [{**r, "run": fork.run} for r in inputs]
+            scores = [{**r, "run": fork.run} for r in scores]
         trained = {
             (r["prompt_id"], r["sample_idx"]): r["reward"]
             for r in read_step(score_files[step], "rewards")
@@ -176,7 +182,7 @@ def rescore_run(
                 "step": step,
                 "reward_version": version,
                 "settings": settings,
-                "inputs_hash": inputs_hash(score_files[step]),
+                "inputs_hash": inputs_hash(score_files[step], fork.run if fork else None),
             }
         ]
         out = out_root / f"step={step}"

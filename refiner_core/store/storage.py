@@ -175,3 +175,18 @@ def append_catalog_rows(db_path: Path, table: Table, parquet: Path, where: str, 
             con.execute(duckdb_ddl(table))
         con.execute(f'DELETE FROM "{table.name}" WHERE {where}', params)
         con.execute(f'INSERT INTO "{table.name}" BY NAME SELECT * FROM read_parquet(?)', [str(parquet)])
+
+
+def replace_rows(db_path: Path, files: dict[str, list[str]], column: str, value: str) -> None:
+    """Swap the rows whose `column` is `value` in tables of a published catalog for the given Parquet files,
+    atomically (a judge check run again replaces its earlier rows)."""
+    with catalog_copy(db_path, from_existing=True) as con:
+        present = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        for name, paths in files.items():
+            table = ALL_TABLES[name]
+            if column not in table.column_names:
+                raise ValueError(f"table {name} has no column {column!r}")
+            if name not in present:  # a catalog published before the table existed
+                con.execute(duckdb_ddl(table))
+            con.execute(f'DELETE FROM "{name}" WHERE "{column}" = ?', [value])
+            con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [paths])

@@ -1,0 +1,341 @@
+"""Two evaluated policies compared on the held-out prompts both answered, with paired statistics.
+
+A side is a run folder and, optionally, which of its evaluated policies: `RUN` (the last one evaluated), `RUN@N`
+(after N GRPO updates; at 0 the SFT checkpoint when the run has one, else the base model), `RUN@base`, `RUN@sft`.
+Every numeric or boolean column of `evals` is compared over the prompts both sides evaluated (greedy answers by
+default): an exact McNemar test on the binary ones, with the prompts each change fixed or broke, and a seeded
+paired bootstrap interval of the mean difference on the continuous ones (refiner_core.eval.stats). Several pairs of
+sides (e.g. one per seed) are pooled only when asked; the pooled units are (pair, prompt), the bootstrap resamples
+within each pair, and prompts that several pairs evaluated are named, since their evaluations are not independent.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from refiner_core.config import reward_weight_fields
+from refiner_core.eval.stats import discordant, mcnemar_p, paired_bootstrap_ci
+from refiner_core.schema import EVALS
+from refiner_core.store.storage import query
+
+
+class CompareError(ValueError):
+    """A side that names no evaluated policy, or nothing the two sides share."""
+
+
+# evals columns that say which policy, prompt or setting a row is, not how the answer did
+_IDENTITY = {"run", "step", "phase", "mode", "prompt_id", "sample_idx", "policy", "policy_hash", "temperature"}
+_SETTINGS = {"max_new_tokens", "on_failure", *(column for _, column, _, _ in reward_weight_fields())}
+_DUPLICATES = {"format_score"}  # format_ok as 1.0 / 0.0
+# Binary columns and whether True is the better value (None: neither). `correct` and `label_correct` hold 1.0 / 0.0.
+BINARY: dict[str, bool | None] = {
+    "passed": True,
+    "format_ok": True,
+    "has_answer": True,
+    "cites_distractor": False,
+    "stopped": True,  # finish_reason = 'stop'
+    "correct": True,
+    "label_correct": True,
+    "gated": False,
+    "non_stop_penalized": False,
+    "dropped": False,
+    "label_tied": None,
+}
+FIRST = ("passed", "format_ok", "cites_distractor", "stopped", "reward", "rubric_score", "response_tokens")
+
+
+def compared_columns() -> list[str]:
+    """The evals columns compared, headline ones first: every boolean and numeric column but identity, settings and
+    duplicates, and `stopped` (derived from finish_reason)."""
+    numeric = [
+        c.name
+        for c in EVALS.columns
+        if str(c.type) in ("bool", "double", "int64") and c.name not in _IDENTITY | _SETTINGS | _DUPLICATES
+    ]
+    names = [*numeric, "stopped"]
+    return [n for n in FIRST if n in names] + [n for n in names if n not in FIRST]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One evaluated policy of a run folder."""
+
+    spec: str
+    run_dir: str
+    run: str
+    step: int
+    phase: str
+    mode: str
+    rows: dict[str, list[dict]]  # prompt_id -> its eval rows of this mode
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec} ({self.phase} at step {self.step}, run {self.run})"
+
+
+_SPEC = re.compile(r"^(?P<dir>.+?)(@(?P<at>\d+|base|sft|grpo))?$")
+
+
+def parse_spec(spec: str) -> tuple[Path, str | None]:
+    """'runs/a@3' -> (runs/a, '3'); 'runs/a' -> (runs/a, None)."""
+    match = _SPEC.match(spec)
+    if not match:
+        raise CompareError(f"{spec!r}: expected RUN_DIR, RUN_DIR@STEP, RUN_DIR@base or RUN_DIR@sft")
+    return Path(match["dir"]), match["at"]
+
+
+def load_side(spec: str, mode: str = "greedy") -> Side:
+    """The side `spec` names, with its eval rows of `mode`."""
+    run_dir, at = parse_spec(spec)
+    db = run_dir if run_dir.suffix == ".duckdb" else run_dir / "catalog.duckdb"
+    if not db.is_file():
+        raise CompareError(f"{spec}: no catalog at {db}")
+    _, evaluated = query(db, "SELECT DISTINCT step, phase FROM evals WHERE mode = ? ORDER BY step, phase", [mode])
+    if not evaluated:
+        raise CompareError(f"{spec}: the run has no {mode} held-out evaluation (eval.every, eval.greedy/samples)")
+    step, phase = _choose(spec, at, [(s, p) for s, p in evaluated])
+    columns, rows = query(
+        db,
+        "SELECT *, finish_reason = 'stop' AS stopped FROM evals WHERE mode = ? AND step = ? AND phase = ? "
+        "ORDER BY prompt_id, sample_idx",
+        [mode, step, phase],
+    )
+    by_prompt: dict[str, list[dict]] = {}
+    for row in rows:
+        r = dict(zip(columns, row))
+        by_prompt.setdefault(r["prompt_id"], []).append(r)
+    run = next(iter(by_prompt.values()))[0]["run"]
+    return Side(spec, str(run_dir), run, step, phase, mode, by_prompt)
+
+
+def _choose(spec: str, at: str | None, evaluated: list[tuple[int, str]]) -> tuple[int, str]:
+    order = {"base": 0, "sft": 1, "grpo": 2}
+    options = ", ".join(f"@{s}" if p == "grpo" else f"@{p}" for s, p in evaluated)
+    if at is None:
+        return max(evaluated, key=lambda sp: (sp[0], order[sp[1]]))
+    if at in order:
+        found = [sp for sp in evaluated if sp[1] == at]
+        if not found:
+            raise CompareError(f"{spec}: no {at} policy was evaluated; evaluated: {options}")
+        return max(found)
+    found = [sp for sp in evaluated if sp[0] == int(at)]
+    if not found:
+        raise CompareError(f"{spec}: step {at} was not evaluated; evaluated: {options}")
+    return max(found, key=lambda sp: order[sp[1]])  # at 0: the SFT checkpoint rather than the base model
+
+
+@dataclass
+class ColumnResult:
+    column: str
+    kind: str  # 'binary' or 'continuous'
+    n: int  # pairs where both sides have a value
+    a_mean: float | None
+    b_mean: float | None
+    diff: float | None
+    p: float | None = None  # binary: exact McNemar p
+    ci_low: float | None = None  # continuous: bootstrap interval of the mean of B - A
+    ci_high: float | None = None
+    became_true: list[str] = field(default_factory=list)
+    became_false: list[str] = field(default_factory=list)
+    fixed: list[str] | None = None  # binary with a better value: the units that changed towards it
+    broken: list[str] | None = None
+    significant: bool = False
+
+
+@dataclass
+class Comparison:
+    pairs: list[tuple[str, str]]  # (A label, B label) of each pair
+    mode: str
+    units: int  # paired (pair, prompt) evaluations
+    pooled: bool
+    repeated_prompts: dict[str, int]  # prompt -> pairs that evaluated it (pooled only; > 1)
+    only_a: list[str]  # prompts only side A evaluated (first pair)
+    only_b: list[str]
+    alpha: float
+    level: float
+    resamples: int
+    seed: int
+    columns: list[ColumnResult]
+
+    @property
+    def differs(self) -> bool:
+        return any(c.significant for c in self.columns)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "differs": self.differs}
+
+
+def _value(rows: list[dict], column: str) -> float | None:
+    """A prompt's value of `column`: its one greedy answer's, or the mean over its sampled answers (None when no
+    answer has one)."""
+    values = [r[column] for r in rows if r.get(column) is not None]
+    if not values:
+        return None
+    return sum(float(v) for v in values) / len(values)
+
+
+def compare(
+    pairs: list[tuple[Side, Side]],
+    *,
+    pool: bool = False,
+    alpha: float = 0.05,
+    level: float = 0.95,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> Comparison:
+    """Paired statistics of every compared column over the prompts both sides of each pair evaluated. Several pairs
+    need `pool`: their units are pooled, the bootstrap resampling within each pair."""
+    if not pairs:
+        raise CompareError("nothing to compare")
+    if len(pairs) > 1 and not pool:
+        raise CompareError(f"{len(pairs)} pairs given: pooling them is explicit (--pool), or compare each pair alone")
+    if len({a.mode for a, b in pairs} | {b.mode for a, b in pairs}) != 1:
+        raise CompareError("every side must be compared in the same mode")
+    units: list[tuple[int, str]] = []
+    for index, (a, b) in enumerate(pairs):
+        shared = sorted(set(a.rows) & set(b.rows))
+        if not shared:
+            raise CompareError(f"{a.spec} and {b.spec} share no evaluated prompt (different held-out sets)")
+        units += [(index, p) for p in shared]
+    per_prompt: dict[str, int] = {}
+    for _, prompt in units:
+        per_prompt[prompt] = per_prompt.get(prompt, 0) + 1
+    name = (lambda u: u[1]) if len(pairs) == 1 else (lambda u: f"{u[1]} (pair {u[0] + 1})")
+    binary_mode = pairs[0][0].mode == "greedy"  # sampled answers: per-prompt rates, compared as continuous
+    results = []
+    for column in compared_columns():
+        a_values, b_values, kept = [], [], []
+        for unit in units:
+            a_side, b_side = pairs[unit[0]]
+            x, y = _value(a_side.rows[unit[1]], column), _value(b_side.rows[unit[1]], column)
+            if x is not None and y is not None:
+                a_values.append(x)
+                b_values.append(y)
+                kept.append(unit)
+        if not kept:
+            continue  # no prompt has this column on both sides (e.g. verifier columns of a judged run)
+        a_mean, b_mean = sum(a_values) / len(kept), sum(b_values) / len(kept)
+        if column in BINARY and binary_mode:
+            results.append(_binary(column, a_values, b_values, [name(u) for u in kept], alpha))
+        else:
+            ci = paired_bootstrap_ci(
+                a_values, b_values, seed=seed, resamples=resamples, level=level, strata=[u[0] for u in kept]
+            )
+            results.append(
+                ColumnResult(
+                    column,
+                    "continuous",
+                    len(kept),
+                    a_mean,
+                    b_mean,
+                    ci.mean_diff,
+                    ci_low=ci.low,
+                    ci_high=ci.high,
+                    significant=ci.excludes_zero,
+                )
+            )
+    first_a, first_b = pairs[0]
+    return Comparison(
+        pairs=[(a.label, b.label) for a, b in pairs],
+        mode=first_a.mode,
+        units=len(units),
+        pooled=len(pairs) > 1,
+        repeated_prompts={p: n for p, n in sorted(per_prompt.items()) if n > 1},
+        only_a=sorted(set(first_a.rows) - set(first_b.rows)),
+        only_b=sorted(set(first_b.rows) - set(first_a.rows)),
+        alpha=alpha,
+        level=level,
+        resamples=resamples,
+        seed=seed,
+        columns=results,
+    )
+
+
+def _binary(column: str, a: list[float], b: list[float], names: list[str], alpha: float) -> ColumnResult:
+    changed = discordant([x == 1.0 for x in a], [y == 1.0 for y in b])
+    p = mcnemar_p(len(changed.became_true), len(changed.became_false))
+    better = BINARY[column]
+    fixed = broken = None
+    if better is not None:
+        fixed_idx, broken_idx = changed.fixed_broken(better)
+        fixed, broken = [names[i] for i in fixed_idx], [names[i] for i in broken_idx]
+    a_mean, b_mean = sum(a) / len(a), sum(b) / len(b)
+    return ColumnResult(
+        column,
+        "binary",
+        len(a),
+        a_mean,
+        b_mean,
+        b_mean - a_mean,
+        p=p,
+        became_true=[names[i] for i in changed.became_true],
+        became_false=[names[i] for i in changed.became_false],
+        fixed=fixed,
+        broken=broken,
+        significant=p < alpha,
+    )
+
+
+def format_comparison(result: Comparison, list_prompts: int = 8) -> str:
+    """The comparison as plain text: who is compared on what, one line per column, then the prompts behind each
+    binary change (the first `list_prompts` of each list; 0 = all)."""
+    lines = []
+    for index, (a, b) in enumerate(result.pairs):
+        prefix = f"pair {index + 1}: " if result.pooled else ""
+        lines += [f"{prefix}A = {a}", f"{' ' * len(prefix)}B = {b}"]
+    what = "greedy answers" if result.mode == "greedy" else "sampled answers (per-prompt means)"
+    over = f"{result.units} paired prompt evaluations" + (
+        f" pooled over {len(result.pairs)} pairs" if result.pooled else ""
+    )
+    lines.append(f"{what}, {over}")
+    if result.only_a or result.only_b:
+        lines.append(
+            f"left out (evaluated by one side only): {len(result.only_a)} prompts of A, {len(result.only_b)} of B"
+        )
+    if result.repeated_prompts:
+        lines.append(
+            f"{len(result.repeated_prompts)} prompts are in the held-out sets of several pairs (their evaluations "
+            "are not independent): " + _names(list(result.repeated_prompts), list_prompts)
+        )
+    header = ("column", "kind", "n", "A", "B", "B - A", "test", "fixed", "broken")
+    table = [header]
+    for c in result.columns:
+        if c.kind == "binary":
+            test = f"McNemar p = {c.p:.3g}"
+            a, b, d = f"{c.a_mean:.0%}", f"{c.b_mean:.0%}", f"{c.diff:+.0%}"
+            fixed = str(len(c.fixed)) if c.fixed is not None else f"{len(c.became_true)} became true"
+            broken = str(len(c.broken)) if c.broken is not None else f"{len(c.became_false)} became false"
+        else:
+            test = f"CI [{c.ci_low:+.3g}, {c.ci_high:+.3g}]"
+            a, b, d = f"{c.a_mean:.4g}", f"{c.b_mean:.4g}", f"{c.diff:+.3g}"
+            fixed = broken = ""
+        table.append((c.column, c.kind, str(c.n), a, b, d, test + (" *" if c.significant else ""), fixed, broken))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines.append("")
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines.append(
+        f"\ntest: exact McNemar p (binary), {result.level:.0%} paired bootstrap interval of B - A "
+        f"({result.resamples} resamples, seed {result.seed}); * = p < {result.alpha:g} or an interval without 0"
+    )
+    changes = [c for c in result.columns if c.kind == "binary" and (c.became_true or c.became_false)]
+    if changes:
+        lines.append("\nprompts behind each change:")
+        for c in changes:
+            if c.fixed is not None:
+                parts = [f"fixed {_names(c.fixed, list_prompts)}" if c.fixed else "", ""]
+                parts[1] = f"broken {_names(c.broken, list_prompts)}" if c.broken else ""
+            else:
+                parts = [
+                    f"became true {_names(c.became_true, list_prompts)}" if c.became_true else "",
+                    f"became false {_names(c.became_false, list_prompts)}" if c.became_false else "",
+                ]
+            lines.append(f"  {c.column}: " + "; ".join(p for p in parts if p))
+    return "\n".join(lines)
+
+
+def _names(names: list[str], limit: int) -> str:
+    shown = names if not limit or len(names) <= limit else names[:limit]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f", … ({more} more)" if more else "")

@@ -1,0 +1,193 @@
+"""`refiner judge agreement`: a run's stored judgments checked against another judge or a person's labels.
+
+Another judge (`--judge-config FILE`: a recipe fragment whose `judge:` section is laid over the run's) re-judges
+every rubric of a seeded sample of the run's stored rollouts, with the same judge prompts training used; labels
+(`--labels FILE`, JSONL or CSV: step, prompt_id, sample_idx, rubric_id and `passed` and/or `score`, an oriented
+score in [0, 1]) give the second opinion themselves. The pairs go to RUN_DIR/judge_checks/NAME/judge_checks.parquet,
+the agreement per rubric group (refiner_core.eval.judge_checks) to judge_agreement.parquet, both into the catalog.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from refiner_core.config import ConfigError, JudgeConfig, load_recipe, recipe_from_dict
+from refiner_core.eval.judge_checks import agreement_rows, check_rows, rejudge, rubric_group, sample_keys
+from refiner_core.publish.run_sql import catalog_path
+from refiner_core.schema import JUDGE_AGREEMENT, JUDGE_CHECKS
+from refiner_core.store.storage import json_hash, query, replace_rows, write_table
+
+CHECKS_DIR = "judge_checks"
+
+
+class AgreementError(ValueError):
+    """A check that cannot run as asked: no catalog, a bad judge config or labels file."""
+
+
+@dataclass
+class Check:
+    name: str
+    other: str
+    agreement: list[dict]
+    pairs: int
+    rollouts: int
+    folder: str
+
+
+def _stored(db: Path) -> list[dict]:
+    columns, rows = query(
+        db,
+        "SELECT s.run, s.step, s.prompt_id, s.sample_idx, s.rubric_id, s.oriented_score, r.source, r.title, r.kind "
+        "FROM judge_scores s JOIN rubrics r USING (run, prompt_id, rubric_id) "
+        "ORDER BY s.step, s.prompt_id, s.sample_idx, s.rubric_id",
+    )
+    return [dict(zip(columns, r)) for r in rows]
+
+
+def read_labels(path: Path) -> dict[tuple, tuple[float | None, str | None]]:
+    """(step, prompt_id, sample_idx, rubric_id) -> (oriented score, None) from a JSONL or CSV labels file; a label
+    with `passed` only scores 1.0 or 0.0."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise AgreementError(f"--labels {path}: {e}") from None
+    if path.suffix == ".csv":
+        records = list(csv.DictReader(text.splitlines()))
+    else:
+        try:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise AgreementError(f"--labels {path}: not JSON lines ({e})") from None
+    labels = {}
+    for n, record in enumerate(records, 1):
+        try:
+            key = (int(record["step"]), str(record["prompt_id"]), int(record["sample_idx"]), str(record["rubric_id"]))
+            score = record.get("score")
+            if score in (None, ""):
+                passed = record["passed"]
+                passed = passed.strip().lower() in ("1", "true", "yes") if isinstance(passed, str) else bool(passed)
+                score = 1.0 if passed else 0.0
+            score = float(score)
+        except (KeyError, TypeError, ValueError) as e:
+            raise AgreementError(
+                f"--labels {path} record {n}: needs step, prompt_id, sample_idx, rubric_id and passed or score ({e})"
+            ) from None
+        if not 0.0 <= score <= 1.0:
+            raise AgreementError(f"--labels {path} record {n}: score {score} is not an oriented score in [0, 1]")
+        labels[key] = (score, None)
+    return labels
+
+
+def other_judge(run_dir: Path, config: Path):
+    """The judge a --judge-config file describes (its `judge:` section over the run's), and a description."""
+    from refiner_core.judges.base import make_judge
+    from refiner_core.models import resolve_model
+    from refiner_core.runtime.hardware import resolved_recipe
+
+    recipe, _ = resolved_recipe(load_recipe(run_dir / "recipe.yaml"))  # model.precision 'auto' as a run resolves it
+    try:
+        section = (yaml.safe_load(config.read_text()) or {}).get("judge")
+    except (OSError, yaml.YAMLError, AttributeError) as e:
+        raise AgreementError(f"--judge-config {config}: {e}") from None
+    if not isinstance(section, dict):
+        raise AgreementError(f"--judge-config {config}: expected a 'judge:' section (judge settings as in a recipe)")
+    try:
+        given = recipe_from_dict({"judge": section}).judge  # typed and checked like a recipe's
+        settings = JudgeConfig(**{**asdict(recipe.judge), **{k: getattr(given, k) for k in section}})
+    except ConfigError as e:
+        raise AgreementError(f"--judge-config {config}: {e}") from None
+    spec = settings.model or recipe.model.policy
+    path = (
+        resolve_model(spec, recipe.model.max_position_embeddings, recipe.run.seed)
+        if settings.engine != "openai"
+        else spec
+    )
+    try:
+        judge = make_judge(str(path), settings, recipe.model.dtype, recipe.model.precision)
+    except ValueError as e:
+        raise AgreementError(f"--judge-config {config}: {e}") from None
+    what = settings.api_model or settings.base_url if settings.engine == "openai" else spec
+    return judge, settings, f"judge {settings.engine} {what}, mode {settings.mode}"
+
+
+def check_judge(
+    run_dir: Path,
+    *,
+    judge_config: Path | None = None,
+    labels: Path | None = None,
+    sample: int = 32,
+    seed: int = 0,
+    name: str | None = None,
+) -> Check:
+    """Run one judge check on a run folder and store it (files and catalog)."""
+    if (judge_config is None) == (labels is None):
+        raise AgreementError("give either --judge-config FILE or --labels FILE")
+    try:
+        db = catalog_path(run_dir)
+    except ValueError as e:
+        raise AgreementError(str(e)) from None
+    stored = _stored(db)
+    if not stored:
+        raise AgreementError(f"{run_dir} has no stored judgments (judge_scores is empty)")
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    run = stored[0]["run"]
+    groups = {(s["prompt_id"], s["rubric_id"]): rubric_group(s) for s in stored}
+    if labels is not None:
+        other = read_labels(labels)
+        known = {(s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"]) for s in stored}
+        unknown = sorted(set(other) - known)
+        if unknown:
+            raise AgreementError(
+                f"--labels {labels}: {len(unknown)} labels name no stored judgment of the run, e.g. {unknown[0]}"
+            )
+        rollouts = {k[:3] for k in other}
+        name = name or f"labels-{labels.stem}"
+        description = f"labels {labels}"
+    else:
+        judge, settings, description = other_judge(run_dir, judge_config)
+        rollouts = set(sample_keys({(s["step"], s["prompt_id"], s["sample_idx"]) for s in stored}, sample, seed))
+        other = _rejudged(db, judge, settings, rollouts)
+        name = name or f"judge-{json_hash([asdict(settings), sample, seed])[:8]}"
+    checks = check_rows(run, name, stored, other, groups, recipe.eval.pass_rubric_score)
+    agreement = agreement_rows(
+        checks,
+        other=description,
+        threshold=recipe.eval.pass_rubric_score,
+        sample_rollouts=len(rollouts),
+        seed=seed,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    folder = run_dir / CHECKS_DIR / name
+    written = {}
+    for table, rows in ((JUDGE_CHECKS, checks), (JUDGE_AGREEMENT, agreement)):
+        write_table(table, rows, folder / f"{table.name}.parquet")
+        written[table.name] = [str(folder / f"{table.name}.parquet")]
+    replace_rows(db, written, "check_name", name)
+    return Check(name, description, agreement, len(checks), len(rollouts), str(folder))
+
+
+def _rejudged(db: Path, judge, settings: JudgeConfig, keys: set[tuple]) -> dict[tuple, tuple[float | None, str | None]]:
+    columns, rows = query(
+        db,
+        "SELECT o.*, i.max_new_tokens FROM rollouts o JOIN reward_inputs i USING (run, step, prompt_id, sample_idx)",
+    )
+    rollouts = [
+        r for r in (dict(zip(columns, row)) for row in rows) if (r["step"], r["prompt_id"], r["sample_idx"]) in keys
+    ]
+    columns, rows = query(db, "SELECT * FROM prompts")
+    prompts = {r["prompt_id"]: r for r in (dict(zip(columns, row)) for row in rows)}
+    columns, rows = query(db, "SELECT * FROM rubrics ORDER BY prompt_id, rubric_id")
+    rubrics: dict[str, list[dict]] = {}
+    for r in (dict(zip(columns, row)) for row in rows):
+        rubrics.setdefault(r["prompt_id"], []).append(r)
+    scores = rejudge(rollouts, prompts, rubrics, judge, settings.max_response_chars)
+    return {
+        (s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"]): (s["oriented_score"], s["failure"])
+        for s in scores
+    }

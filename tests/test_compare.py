@@ -1,0 +1,138 @@
+"""`refiner compare` on real catalogs built from hand-made eval rows: which policy each side names, the paired
+statistics of every column against values computed by hand, the prompts behind each change, pooling, the JSON
+output and the exit codes."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from refiner_core.eval.stats import paired_bootstrap_ci
+from refiner_core.publish.catalog import build_catalog
+from refiner_core.publish.compare import CompareError, compare, compared_columns, load_side
+from refiner_core.schema import EVALS
+from refiner_core.store.storage import write_table
+
+runner = CliRunner()
+PROMPTS = [f"p{i}" for i in range(10)]
+
+
+def _row(run: str, step: int, phase: str, prompt: str, passed: bool, distractor: bool | None, reward: float, tokens):
+    return {c: None for c in EVALS.column_names} | {
+        "run": run,
+        "step": step,
+        "phase": phase,
+        "mode": "greedy",
+        "prompt_id": prompt,
+        "sample_idx": 0,
+        "policy": f"{run}/checkpoints/step_{step:04d}",
+        "policy_hash": "h",
+        "temperature": 0.0,
+        "response_text": "<answer>x</answer>",
+        "response_tokens": tokens,
+        "format_ok": True,
+        "cites_distractor": distractor,
+        "reward": reward,
+        "finish_reason": "stop",
+        "passed": passed,
+    }
+
+
+def _catalog(folder: Path, rows: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_table(EVALS, rows, folder / "evals.parquet")
+    build_catalog(folder / "catalog.duckdb", {"evals": [folder / "evals.parquet"]})
+    return folder
+
+
+A_PASSED = [True, True, False, False, False, False, False, False, False, False]
+B_PASSED = [True, False, True, True, True, True, True, False, False, False]  # p2-p6 fixed, p1 broken
+A_DISTRACTOR = [True, True, True, False, False, None, False, False, False, False]
+B_DISTRACTOR = [False, False, True, False, True, None, False, False, False, False]  # p0, p1 fixed; p4 broken
+A_REWARD = [1.0, 2.0, 0.5, 0.0, 1.5, 2.0, 0.25, 1.0, 0.75, 0.5]
+B_REWARD = [1.5, 1.0, 2.5, 1.0, 2.0, 2.5, 0.25, 1.5, 0.5, 2.0]
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Run a: base and sft at step 0, grpo at 2. Run b: grpo at 2 with other answers; its held-out set lacks p9
+    and has an extra prompt q."""
+    a = [_row("a", 0, phase, p, False, True, 0.0, 50) for phase in ("base", "sft") for p in PROMPTS]
+    a += [
+        _row("a", 2, "grpo", p, ok, d, r, 40)
+        for p, ok, d, r in zip(PROMPTS, A_PASSED, A_DISTRACTOR, A_REWARD, strict=True)
+    ]
+    b = [
+        _row("b", 2, "grpo", p, ok, d, r, 45)
+        for p, ok, d, r in zip(PROMPTS, B_PASSED, B_DISTRACTOR, B_REWARD, strict=True)
+        if p != "p9"
+    ]
+    b.append(_row("b", 2, "grpo", "q", True, False, 3.0, 45))
+    return _catalog(tmp_path / "a", a), _catalog(tmp_path / "b", b)
+
+
+def test_sides_name_the_evaluated_policy(runs):
+    a, _ = runs
+    assert (load_side(str(a)).step, load_side(str(a)).phase) == (2, "grpo")  # the last one evaluated
+    assert load_side(f"{a}@0").phase == "sft"  # step 0: the SFT checkpoint rather than the base model
+    assert load_side(f"{a}@base").phase == "base"
+    with pytest.raises(CompareError, match="step 1 was not evaluated; evaluated: @base, @sft, @2"):
+        load_side(f"{a}@1")
+    with pytest.raises(CompareError, match="no catalog"):
+        load_side(f"{a}/missing")
+
+
+def test_paired_statistics_by_hand(runs):
+    a, b = runs
+    result = compare([(load_side(str(a)), load_side(str(b)))], resamples=2000, seed=3)
+    by = {c.column: c for c in result.columns}
+    assert result.units == 9 and result.only_a == ["p9"] and result.only_b == ["q"]
+    passed = by["passed"]  # over p0-p8: A passes p0, p1; B passes p0, p2-p6
+    assert (passed.n, passed.a_mean, passed.b_mean) == (9, 2 / 9, 6 / 9)
+    assert (passed.fixed, passed.broken) == (["p2", "p3", "p4", "p5", "p6"], ["p1"])
+    assert passed.p == float(2 * Fraction(1 + 6, 2**6))  # b = 5, c = 1: 2 * P(X <= 1), X ~ Bin(6, 1/2)
+    distractor = by["cites_distractor"]  # lower is better; p5 has no label on either side: left out
+    assert distractor.n == 8
+    assert (distractor.fixed, distractor.broken) == (["p0", "p1"], ["p4"])
+    assert distractor.p == 1.0
+    reward = by["reward"]
+    expected = paired_bootstrap_ci(A_REWARD[:9], B_REWARD[:9], seed=3, resamples=2000)
+    assert reward.diff == pytest.approx(sum(B_REWARD[:9]) / 9 - sum(A_REWARD[:9]) / 9, abs=1e-12)
+    assert (reward.ci_low, reward.ci_high) == (expected.low, expected.high)
+    tokens = by["response_tokens"]  # +5 on every prompt: an interval of exactly [5, 5]
+    assert (tokens.diff, tokens.ci_low, tokens.ci_high, tokens.significant) == (5.0, 5.0, 5.0, True)
+    assert "judged_score" not in by  # NULL on both sides: nothing to compare
+    assert not {"temperature", "sample_idx", "format_score", "verification_reward"} & set(compared_columns())
+    assert result.differs
+
+
+def test_pooling_is_explicit_and_names_repeated_prompts(runs):
+    a, b = runs
+    pair = (load_side(str(a)), load_side(str(b)))
+    with pytest.raises(CompareError, match="pooling them is explicit"):
+        compare([pair, pair])
+    pooled = compare([pair, (load_side(f"{a}@0"), load_side(str(b)))], pool=True, resamples=500)
+    assert pooled.units == 18 and pooled.pooled
+    assert pooled.repeated_prompts == {p: 2 for p in PROMPTS[:9]}
+    assert "p2 (pair 1)" in {c.column: c for c in pooled.columns}["passed"].fixed
+
+
+def test_cli_table_json_and_exit_codes(runs):
+    a, b = runs
+    shown = runner.invoke(app, ["compare", str(a), str(b), "--resamples", "500"])
+    assert shown.exit_code == 1, shown.output  # response_tokens differs on every prompt
+    assert "McNemar p = 0.219" in shown.output and "fixed p2, p3, p4, p5, p6; broken p1" in shown.output
+    assert "left out (evaluated by one side only): 1 prompts of A, 1 of B" in shown.output
+    as_json = runner.invoke(app, ["compare", f"{a}@2", str(b), "--json", "--resamples", "500"])
+    data = json.loads(as_json.stdout)
+    assert data["differs"] is True and {c["column"] for c in data["columns"]} >= {"passed", "reward"}
+    same = runner.invoke(app, ["compare", f"{a}@sft", f"{a}@base", "--resamples", "200"])
+    assert same.exit_code == 0, same.output  # identical answers: no column differs
+    assert runner.invoke(app, ["compare", f"{a}@7", str(b)]).exit_code == 2
+    assert runner.invoke(app, ["compare", str(a)]).exit_code == 2
+    assert runner.invoke(app, ["compare", str(a), str(b), str(a), str(b)]).exit_code == 2  # no --pool

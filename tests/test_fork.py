@@ -1,0 +1,201 @@
+"""`refiner fork` on the tiny recipe: a fork runs its parent's recipe before the fork step, served from the parent's
+stage cache (`Cached`, hard-linked files, identical tables), and its own settings from the fork step; a setting the
+stages before step 0 read makes it share no step and says which; a fork of a fork reuses both; the parent folder
+is never written; forks that cannot be made are refused before anything runs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import duckdb
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import REPO
+from flows.cli import app
+from flows.run_folder import ForkError, plan_fork
+from refiner_core.config import load_recipe
+from refiner_core.store.forks import Fork, changed_before_steps, read_fork, shared_disk, trunk_segments, write_fork
+
+TABLES = {  # table -> its key, to compare rows in order
+    "prompts": "prompt_id",
+    "rubrics": "prompt_id, rubric_id",
+    "rollouts": "step, prompt_id, sample_idx",
+    "judge_scores": "step, prompt_id, sample_idx, rubric_id",
+    "reward_inputs": "step, prompt_id, sample_idx",
+    "rewards": "step, prompt_id, sample_idx, reward_version",
+    "advantages": "step, prompt_id, sample_idx, reward_version",
+    "steps": "step",
+}
+
+
+def _task_states(flow_run_id) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+    return {r.name: r.state.name for r in runs}
+
+
+def _run(recipe: dict, run_dir: Path):
+    from flows.refiner import refiner_pipeline
+
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    return _task_states(state.state_details.flow_run_id)
+
+
+def _fork(parent: Path, new: Path, at: int, overrides: list[str]):
+    cfg, record = plan_fork(parent, new, at, overrides)
+    new.mkdir(parents=True, exist_ok=True)
+    write_fork(record)
+    return record, _run(cfg.to_dict(), new)
+
+
+def _rows(run_dir: Path, table: str, where: str = "") -> list[tuple]:
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute(f"SELECT * EXCLUDE (run) FROM {table} {where} ORDER BY {TABLES[table]}").fetchall()
+    finally:
+        con.close()
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def parent(prefect_server, tiny_model_path, tmp_path_factory):
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml").to_dict()
+    run_dir = tmp_path_factory.mktemp("parent").resolve()
+    _run(recipe, run_dir)
+    return run_dir
+
+
+def test_fork_reuses_the_steps_before_it_and_trains_on_with_its_settings(parent, tmp_path):
+    before = _snapshot(parent)
+    fork_dir = tmp_path / "lr"
+    record, states = _fork(parent, fork_dir, 1, ["grpo.learning_rate=0.01"])
+    assert record.shares_steps and record.settings == ["grpo.learning_rate=0.01"] and record.run == "lr"
+    for name in ("prepare-data", "ingest-rubrics", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]"):
+        assert states[name] == "Cached", (name, states)
+    assert states["grpo-update[step=1]"] == "Completed"  # the new learning rate
+    # step 1's rollout and judgments read the same policy and settings as the parent's: the cache reuses them too
+    assert states["rollout[step=1]"] == states["judge[step=1]"] == "Cached"
+    for table in TABLES:
+        where = "" if table in ("prompts", "rubrics") else "WHERE step < 1"
+        assert _rows(fork_dir, table, where) == _rows(parent, table, where), table
+    assert _rows(fork_dir, "steps", "WHERE step = 1") != _rows(parent, "steps", "WHERE step = 1")
+    con = duckdb.connect(str(fork_dir / "catalog.duckdb"), read_only=True)
+    assert con.execute("SELECT DISTINCT run FROM rollouts").fetchall() == [("lr",)]
+    assert con.execute("SELECT parent_run, fork_step, settings, shares_steps FROM forks").fetchall() == [
+        (parent.name, 1, "--set grpo.learning_rate=0.01", True)
+    ]
+    assert con.execute("SELECT lr FROM steps ORDER BY step").fetchall() == [(1e-3,), (0.01,)]
+    con.close()
+    for shared in ("rollouts/step=0/rollouts.parquet", "scores/step=0/rewards.parquet", "checkpoints/step_0001"):
+        target = fork_dir / shared
+        files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file())
+        assert files and all(os.path.samefile(f, parent / f.relative_to(fork_dir)) for f in files), shared
+    assert not os.path.samefile(
+        fork_dir / "checkpoints/step_0002/model.safetensors", parent / "checkpoints/step_0002/model.safetensors"
+    )
+    disk = shared_disk(parent, fork_dir)
+    assert disk["shared"] > 0 and disk["own"] > 0
+    card = (fork_dir / "checkpoints/step_0002/README.md").read_text()
+    assert f"is a fork of run `{parent.name}`" in card and "at step 1" in card
+    assert _snapshot(parent) == before  # nothing of the parent was written or touched
+
+    from refiner_core.reward.rescore import rescore_run
+
+    recipe = load_recipe(fork_dir / "recipe.yaml")  # rescoring a fork covers its parent's steps too, under its name
+    version, rescored = rescore_run(fork_dir, recipe, load_recipe(fork_dir / "recipe.yaml", ["reward.format_weight=2"]))
+    assert [s.rollouts for s in rescored] == [16, 16]
+    con = duckdb.connect(str(fork_dir / "catalog.duckdb"), read_only=True)
+    assert con.execute(
+        "SELECT DISTINCT run, stale FROM step_rewards WHERE reward_version = ?", [version]
+    ).fetchall() == [("lr", False)]
+    con.close()
+    assert _snapshot(parent) == before
+
+    rerun = _run(load_recipe(fork_dir / "recipe.yaml").to_dict(), fork_dir)  # resuming a fork: all Cached
+    assert {s for n, s in rerun.items() if n.split("[")[0] in ("rollout", "judge", "grpo-update")} == {"Cached"}
+
+    nested = tmp_path / "lr-again"  # a fork of the fork, changing nothing: every stage comes from an ancestor
+    record, states = _fork(fork_dir, nested, 1, [])
+    assert record.parent_run == "lr" and record.settings == []
+    assert {s for n, s in states.items() if n.split("[")[0] in ("rollout", "judge", "grpo-update")} == {"Cached"}, (
+        states
+    )
+    assert _rows(nested, "steps") == _rows(fork_dir, "steps")
+    assert _snapshot(parent) == before
+
+    shown = CliRunner().invoke(app, ["show", str(fork_dir)])
+    assert f"fork of {parent.name} ({parent}) at step 1: steps 0-0 are {parent.name}'s" in shown.output
+
+
+def test_a_setting_read_before_step_0_shares_no_step_and_says_which(parent, tmp_path):
+    record, states = _fork(parent, tmp_path / "split", 0, ["data.validation_fraction=0.3", "grpo.steps=1"])
+    assert not record.shares_steps
+    assert "data.validation_fraction changed" in record.note and "no step of" in record.note
+    assert states["prepare-data"] == "Completed" and states["rollout[step=0]"] == "Completed"
+    assert changed_before_steps(
+        load_recipe(parent / "recipe.yaml").to_dict(), load_recipe(parent / "recipe.yaml", ["run.seed=1"]).to_dict()
+    ) == ["run.seed"]
+
+
+def _fake_parent(folder: Path, finished: int, checkpoints: list[int]) -> Path:
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["grpo.steps=4"]).to_dict()
+    recipe["model"]["precision"] = "fp32"
+    recipe["model"]["lora_sync"] = "merged"
+    folder.mkdir(parents=True)
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    for step in range(finished):
+        (folder / "metrics" / f"step={step}").mkdir(parents=True)
+        (folder / "metrics" / f"step={step}" / "steps.parquet").write_bytes(b"")
+    for step in checkpoints:
+        (folder / "checkpoints" / f"step_{step:04d}").mkdir(parents=True)
+    return folder
+
+
+def test_forks_that_cannot_be_made_are_refused_before_anything_runs(tmp_path):
+    parent = _fake_parent(tmp_path / "p", finished=3, checkpoints=[2, 3])
+    with pytest.raises(ForkError, match="has not finished step 3"):
+        plan_fork(parent, tmp_path / "f", 4, ["grpo.steps=6"])
+    with pytest.raises(ForkError, match=r"step_0001 \(the policy after step 0\) was pruned.*--at 2, 3"):
+        plan_fork(parent, tmp_path / "f", 1, [])
+    with pytest.raises(ForkError, match="would compute no step"):
+        plan_fork(parent, tmp_path / "f", 3, ["grpo.steps=3"])
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "catalog.duckdb").write_text("")
+    with pytest.raises(ForkError, match="holds another run"):
+        plan_fork(parent, tmp_path / "busy", 2, [])
+    cfg, record = plan_fork(parent, tmp_path / "f", 2, ["rollout.temperature=0.5"])
+    assert (
+        record.shares_steps
+        and cfg.rollout.temperature == 0.5
+        and record.segments[0]["recipe"]["rollout"]["temperature"] == 1.0
+    )
+    assert "records no code version" in record.note
+    assert read_fork(tmp_path / "f") is None  # planning writes nothing
+    result = CliRunner().invoke(app, ["fork", str(parent), str(tmp_path / "g"), "--at", "1"])
+    assert result.exit_code == 2 and "was pruned" in result.output
+    assert not (tmp_path / "g").exists()
+
+
+def test_a_fork_of_a_fork_runs_each_step_with_the_recipe_that_computed_it():
+    """P's steps 0-1, then A's (a fork of P at 2) up to B's fork step: a fork of a fork inherits its parent's
+    segments before the parent's own fork step."""
+    a = Fork("a", "a", "p", "p", 2, [], True, "", segments=[{"until": 2, "recipe": {"name": "P"}}])
+    assert trunk_segments(a, {"name": "A"}, 5) == [
+        {"until": 2, "recipe": {"name": "P"}},
+        {"until": 5, "recipe": {"name": "A"}},
+    ]
+    assert trunk_segments(a, {"name": "A"}, 1) == [{"until": 1, "recipe": {"name": "P"}}]  # before A's own steps
+    assert trunk_segments(None, {"name": "P"}, 3) == [{"until": 3, "recipe": {"name": "P"}}]
+    assert trunk_segments(None, {"name": "P"}, 0) == []
+    unshared = Fork("a", "a", "p", "p", 2, [], False, "data.path changed", segments=[])
+    assert trunk_segments(unshared, {"name": "A"}, 3) == [{"until": 3, "recipe": {"name": "A"}}]

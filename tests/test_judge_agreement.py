@@ -1,0 +1,207 @@
+"""`refiner judge agreement` on a constructed run whose kappa is known by hand: a real catalog, and a real judge
+over the OpenAI API on loopback that re-judges the stored rollouts; labels files; the CLI's table and errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import duckdb
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from conftest import REPO
+from fault_server import LoopbackServer
+from flows.cli import app
+from refiner_core.config import load_recipe
+from refiner_core.publish.catalog import build_catalog
+from refiner_core.publish.judge_agreement import AgreementError, check_judge
+from refiner_core.schema import ALL_TABLES
+from refiner_core.store.storage import write_table
+
+runner = CliRunner()
+VERDICTS = [2, 2, 0, 1]  # what the loopback judge answers for rollouts 0-3: oriented 1, 1, 0, 0.5 -> T, T, F, T
+STORED = [[0.9, 0.8, 0.2], [0.7, 0.6, 0.6], [0.1, 0.6, 0.3], [0.4, 0.5, 0.9]]  # the run's judge, rubric by rubric
+RUBRICS = [  # (rubric_id, kind, source, title)
+    ("static-citation-discipline", "positive", "static", "Citation Discipline"),
+    ("pos-0", "positive", "instance", "Names Canberra."),
+    ("neg-0", "negative", "instance", "Names Sydney."),
+]
+
+
+class VerdictJudge(LoopbackServer):
+    """An OpenAI-compatible judge on loopback: reads 'verdict N' from the response it is shown and answers N for a
+    positive criterion, 2 - N for a negative one (so every rubric of a rollout gets the oriented score N / 2)."""
+
+    def __init__(self):
+        self.requests = 0
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, obj: dict) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802
+                self._send({"object": "list", "data": [{"id": "verdict-judge", "object": "model"}]})
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.requests += 1
+                text = body["messages"][-1]["content"]
+                verdict = int(re.search(r"verdict (\d)", text).group(1))
+                score = 2 - verdict if "Must not name Sydney" in text else verdict
+                message = {"role": "assistant", "content": json.dumps({"score": score})}
+                self._send(
+                    {
+                        "object": "chat.completion",
+                        "model": "verdict-judge",
+                        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                    }
+                )
+
+        self.listen(Handler)
+
+
+def _table(name: str, rows: list[dict], folder: Path) -> Path:
+    table = ALL_TABLES[name]
+    path = folder / f"{name}.parquet"
+    write_table(table, [{c: None for c in table.column_names} | r for r in rows], path)
+    return path
+
+
+@pytest.fixture
+def judged_run(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "src").mkdir(parents=True)
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml").to_dict()
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    key = {"run": "run", "step": 0, "prompt_id": "q1"}
+    files = {
+        "prompts": _table(
+            "prompts",
+            [
+                {
+                    "run": "run",
+                    "prompt_id": "q1",
+                    "split": "train",
+                    "question": "Capital of Australia?",
+                    "snippet_ids": ["S1"],
+                    "tool_output": "<snippet id=S1>Canberra</snippet>",
+                }
+            ],
+            run_dir / "src",
+        ),
+        "rubrics": _table(
+            "rubrics",
+            [
+                {
+                    "run": "run",
+                    "prompt_id": "q1",
+                    "rubric_id": rid,
+                    "kind": kind,
+                    "source": source,
+                    "title": title,
+                    "description": "Must not name Sydney." if kind == "negative" else title,
+                    "weight": 1.0,
+                }
+                for rid, kind, source, title in RUBRICS
+            ],
+            run_dir / "src",
+        ),
+        "rollouts": _table(
+            "rollouts",
+            [
+                {
+                    **key,
+                    "sample_idx": i,
+                    "response_text": f"<answer>verdict {v}</answer>",
+                    "response_tokens": 5,
+                    "finish_reason": "stop",
+                }
+                for i, v in enumerate(VERDICTS)
+            ],
+            run_dir / "src",
+        ),
+        "reward_inputs": _table(
+            "reward_inputs", [{**key, "sample_idx": i, "max_new_tokens": 32} for i in range(4)], run_dir / "src"
+        ),
+        "judge_scores": _table(
+            "judge_scores",
+            [
+                {**key, "sample_idx": i, "rubric_id": rid, "kind": kind, "oriented_score": STORED[i][j]}
+                for i in range(4)
+                for j, (rid, kind, _, _) in enumerate(RUBRICS)
+            ],
+            run_dir / "src",
+        ),
+    }
+    build_catalog(run_dir / "catalog.duckdb", {name: [path] for name, path in files.items()})
+    return run_dir
+
+
+def test_agreement_with_another_judge_on_a_case_with_known_kappa(judged_run, tmp_path):
+    with VerdictJudge() as server:
+        config = tmp_path / "judge.yaml"
+        config.write_text(
+            yaml.safe_dump({"judge": {"engine": "openai", "mode": "json", "base_url": server.base_url, "cache": False}})
+        )
+        check = check_judge(judged_run, judge_config=config, sample=10, seed=0, name="loopback")
+        assert server.requests == 12  # every rubric of the 4 rollouts, once
+    rows = {a["rubric_group"]: a for a in check.agreement}
+    everything = rows["all"]
+    # 12 pairs: both pass 7, only the run's judge 1, only the other 2, neither 2 (threshold 0.5).
+    # p_o = 9/12, p_e = (8 * 9 + 4 * 3) / 144 = 84/144, kappa = (108 - 84) / (144 - 84) = 0.4
+    assert (everything["pairs"], everything["failed"]) == (12, 0)
+    assert everything["kappa"] == pytest.approx(0.4, abs=1e-12)
+    assert (everything["pass_rate"], everything["other_pass_rate"]) == (8 / 12, 9 / 12)
+    # Citation Discipline alone: run T, T, F, F against T, T, F, T: p_o = 3/4, p_e = 1/2 -> kappa 0.5; the one
+    # failed pair (0.1) scores below every passed one (0.9, 0.7, 0.4): separation 1
+    static = rows["Citation Discipline"]
+    assert static["kappa"] == pytest.approx(0.5, abs=1e-12) and static["separation_auc"] == 1.0
+    assert static["score_std"] == pytest.approx(float(__import__("numpy").std([0.9, 0.7, 0.1, 0.4])), abs=1e-15)
+    assert set(rows) == {"all", "Citation Discipline", "instance positive", "instance negative"}
+    con = duckdb.connect(str(judged_run / "catalog.duckdb"), read_only=True)
+    assert con.execute(
+        "SELECT count(*), count(other_score) FROM judge_checks WHERE check_name = 'loopback'"
+    ).fetchone() == (12, 12)
+    assert con.execute("SELECT kappa FROM judge_agreement WHERE rubric_group = 'all'").fetchone()[0] == pytest.approx(
+        0.4
+    )
+    con.close()
+
+
+def test_labels_file_and_its_errors(judged_run, tmp_path):
+    labels = tmp_path / "labels.csv"  # a person passes rollouts 0 and 1 on every rubric, fails 2 and 3
+    labels.write_text(
+        "step,prompt_id,sample_idx,rubric_id,passed\n"
+        + "".join(f"0,q1,{i},{rid},{i < 2}\n" for i in range(4) for rid, *_ in RUBRICS)
+    )
+    result = runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(labels), "--json"])
+    assert result.exit_code == 0, result.output
+    everything = {a["rubric_group"]: a for a in json.loads(result.stdout)}["all"]
+    # the run's verdicts: rollouts 0, 1: T T F, T T T (5 of the 6 labelled pass); rollouts 2, 3: F T F, F T T (3)
+    # both pass 5, run only 3, label only 1, neither 3: p_o = 8/12, p_e = (8 * 6 + 4 * 6) / 144 = 1/2 -> kappa 1/3
+    assert everything["kappa"] == pytest.approx(1 / 3, abs=1e-12)
+    shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(labels)])
+    assert "check labels-labels: 12 (rollout, rubric) pairs of 4 rollouts" in shown.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"step": 3, "prompt_id": "q1", "sample_idx": 0, "rubric_id": "pos-0", "score": 1}) + "\n")
+    with pytest.raises(AgreementError, match="1 labels name no stored judgment"):
+        check_judge(judged_run, labels=bad)
+    bad.write_text(json.dumps({"step": 0, "prompt_id": "q1"}) + "\n")
+    assert runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(bad)]).exit_code == 2
+    assert runner.invoke(app, ["judge", "agreement", str(judged_run)]).exit_code == 2  # neither option

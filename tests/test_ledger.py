@@ -1,0 +1,147 @@
+"""Two tiny runs: the first re-judges anchor rollouts every step (judge.anchor_every: judge_anchors, judge_drift); the
+second takes the difficulty ledger back in, dropping the prompts the first always or never solved
+(data.skip_solved_from) and drawing its prompts by weights from a third, hand-made run's ledger (data.weights_from)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from conftest import REPO
+from refiner_core.config import load_recipe
+from refiner_core.data.rows import weighted_step_prompt_ids
+from refiner_core.publish.catalog import build_catalog
+from refiner_core.publish.ledger import MIN_WEIGHT, prompt_weight, select_prompts
+from refiner_core.publish.run_sql import open_runs, run_query
+from refiner_core.schema import REWARDS
+from refiner_core.store.storage import write_table
+
+# the hand-made run: prompt -> verdicts of its rollouts (pass rates 1/2, 1/4, 1, 0)
+HAND_MADE = {"ref-001": [1, 1, 0, 0], "ref-002": [1, 0, 0, 0], "ref-003": [1, 1, 1, 1], "ref-004": [0, 0, 0, 0]}
+
+
+def _run(recipe: dict, run_dir: Path) -> None:
+    from flows.refiner import refiner_pipeline
+
+    state = refiner_pipeline(recipe=recipe, run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+
+
+def _query(run_dirs: list[Path], sql: str) -> list[tuple]:
+    con = open_runs(run_dirs)
+    try:
+        return run_query(con, sql)[1]
+    finally:
+        con.close()
+
+
+def _hand_made_run(folder: Path) -> Path:
+    """A catalog whose rewards table says which rollouts solved their prompt (a judged answer passes when it is
+    format-valid, cites, invents no ID and scores at least 0.5)."""
+    rows = [
+        {c: None for c in REWARDS.column_names}
+        | {
+            "run": "hand",
+            "step": 0,
+            "prompt_id": prompt,
+            "sample_idx": i,
+            "reward_version": "train",
+            "verifier": "judge",
+            "format_ok": True,
+            "n_citations": 1,
+            "n_invalid_citations": 0,
+            "rubric_score": 0.9 if solved else 0.1,
+        }
+        for prompt, verdicts in HAND_MADE.items()
+        for i, solved in enumerate(verdicts)
+    ]
+    folder.mkdir(parents=True)
+    write_table(REWARDS, rows, folder / "rewards.parquet")
+    build_catalog(folder / "catalog.duckdb", {"rewards": [folder / "rewards.parquet"]})
+    return folder
+
+
+def test_ledger_figures_and_selection_by_hand(tmp_path):
+    hand = _hand_made_run(tmp_path / "hand")
+    ledger = {
+        r[0]: r
+        for r in _query([hand], "SELECT prompt_id, pass_rate, always_solved, never_solved FROM prompt_difficulty")
+    }
+    assert ledger == {
+        "ref-001": ("ref-001", 0.5, False, False),
+        "ref-002": ("ref-002", 0.25, False, False),
+        "ref-003": ("ref-003", 1.0, True, False),
+        "ref-004": ("ref-004", 0.0, False, True),
+    }
+    assert (prompt_weight(0.5), prompt_weight(0.25), prompt_weight(1.0)) == (1.0, 0.75, MIN_WEIGHT)
+    entries = {
+        p: {"rollouts": 4, "pass_rate": r[1], "always_solved": r[2], "never_solved": r[3]} for p, r in ledger.items()
+    }
+    kept, weights, rows = select_prompts("b", ["ref-001", "ref-003", "ref-004", "ref-009"], entries, entries, "hand")
+    assert kept == ["ref-001", "ref-009"] and weights == {"ref-001": 1.0, "ref-009": 1.0}
+    assert [r["skipped"] for r in rows] == [None, "always solved", "never solved", None]
+    # weighted draws: seeded per step, never the same prompt twice in a step, heavier prompts drawn more often
+    ids = [f"p{i}" for i in range(10)]
+    heavy = {p: (1.0 if p == "p0" else 0.05) for p in ids}
+    draws = [weighted_step_prompt_ids(ids, heavy, step, 3, seed=1) for step in range(200)]
+    assert all(len(set(d)) == 3 for d in draws)
+    assert draws[5] == weighted_step_prompt_ids(ids, heavy, 5, 3, seed=1)
+    assert sum("p0" in d for d in draws) > 190  # p0 weighs 20x any other prompt
+
+
+@pytest.fixture(scope="module")
+def anchored(prefect_server, tiny_model_path, tmp_path_factory):
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["judge.anchor_every=1", "judge.anchor_rollouts=2"]).to_dict()
+    run_dir = tmp_path_factory.mktemp("anchored").resolve()
+    _run(recipe, run_dir)
+    return run_dir
+
+
+def test_anchor_rollouts_are_rejudged_every_step(anchored):
+    rows = _query(
+        [anchored],
+        "SELECT a.step, count(*), count(DISTINCT (a.prompt_id, a.sample_idx)), "
+        "bool_and(a.first_score = s.oriented_score) FROM judge_anchors a JOIN judge_scores s ON s.step = 0 "
+        "AND (s.prompt_id, s.sample_idx, s.rubric_id) = (a.prompt_id, a.sample_idx, a.rubric_id) "
+        "GROUP BY a.step ORDER BY a.step",
+    )
+    rubrics = _query(
+        [anchored],
+        "SELECT count(*) FROM judge_scores WHERE step = 0 AND (prompt_id, sample_idx) IN "
+        "(SELECT (prompt_id, sample_idx) FROM judge_anchors WHERE step = 0)",
+    )[0][0]
+    assert rows == [(0, rubrics, 2, True), (1, rubrics, 2, True)]  # the same anchors, beside their step-0 scores
+    drift = _query([anchored], "SELECT step, judgments, mean_abs_drift FROM judge_drift ORDER BY step")
+    assert [(s, n) for s, n, _ in drift] == [(0, rubrics), (1, rubrics)]
+    assert all(d is not None and 0 <= d < 0.05 for _, _, d in drift)  # one judge, fixed weights: scores barely move
+
+
+def test_a_run_takes_the_ledger_of_earlier_runs_back_in(anchored, tmp_path):
+    hand = _hand_made_run(tmp_path / "hand")
+    recipe = load_recipe(
+        REPO / "recipes" / "tiny.yaml", [f"data.skip_solved_from=[{anchored}]", f"data.weights_from=[{hand}]"]
+    ).to_dict()
+    run_dir = tmp_path / "next"
+    _run(recipe, run_dir)
+    ledger = _query([anchored], "SELECT prompt_id FROM prompt_difficulty WHERE always_solved OR never_solved")
+    dropped = {p for (p,) in ledger}
+    assert dropped  # the tiny random model solves nothing: every prompt it sampled is never solved
+    selection = dict(_query([run_dir], "SELECT prompt_id, skipped FROM prompt_selection"))
+    assert {p for p, why in selection.items() if why} == dropped
+    sampled = {p for (p,) in _query([run_dir], "SELECT DISTINCT prompt_id FROM rollouts")}
+    assert sampled and not sampled & dropped
+    weights = dict(_query([run_dir], "SELECT prompt_id, weight FROM prompt_selection WHERE skipped IS NULL"))
+    assert {p: weights[p] for p in HAND_MADE if p in weights} == {
+        p: w
+        for p, w in {"ref-001": 1.0, "ref-002": 0.75, "ref-003": MIN_WEIGHT, "ref-004": MIN_WEIGHT}.items()
+        if p in weights
+    }
+    kept = sorted(weights)
+    for step in (0, 1):
+        drawn = {p for (p,) in _query([run_dir], f"SELECT DISTINCT prompt_id FROM rollouts WHERE step = {step}")}
+        assert drawn == set(weighted_step_prompt_ids(kept, weights, step, 4, seed=42))
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM prompt_selection").fetchone()[0] == len(selection)
+    con.close()
