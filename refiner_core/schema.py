@@ -592,6 +592,31 @@ EVALS = Table(
             "A pass for pass@k: correct = 1 for verified prompts; for judged ones format_ok, at least "
             "one citation, none invalid, and rubric_score >= eval.pass_rubric_score.",
         ),
+        _c(
+            "boxed",
+            B,
+            "Verified prompts: the final answer (an agent's last assistant turn) holds a \\boxed{}; NULL for judged.",
+        ),
+        _c("turns", I, "Agent evaluations: assistant turns of the conversation; NULL for single responses."),
+        _c("tool_calls", I, "Agent evaluations: tool calls written (Hermes blocks), run or not."),
+        _c(
+            "well_formed_calls",
+            I,
+            "Agent evaluations: calls that parsed into a call of an offered tool with usable arguments (status "
+            "other than 'invalid_call').",
+        ),
+        _c(
+            "tool_errors",
+            I,
+            "Agent evaluations: calls whose result was not 'ok' (an error exit, a sandbox limit, an invalid call "
+            "or a refusal).",
+        ),
+        _c(
+            "refused_calls",
+            I,
+            "Agent evaluations: calls refused by rollout.agent.max_calls_per_turn or tool_seconds_per_rollout.",
+        ),
+        _c("tool_rounds", I, "Agent evaluations: assistant turns whose tool calls ran (what the TCR reward counts)."),
     ),
 )
 
