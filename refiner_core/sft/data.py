@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,8 +160,9 @@ def offered_tools(row: dict) -> tuple[set[str] | None, str | None]:
         return names, None
     names = set()
     for m in row["messages"]:
-        if m.get("role") == "system" and isinstance(m.get("content"), str) and "<tools>" in m["content"]:
-            block = m["content"].split("<tools>", 1)[1].split("</tools>", 1)[0]
+        if not isinstance(m, dict) or m.get("role") != "system" or not isinstance(m.get("content"), str):
+            continue
+        for block in re.findall(r"<tools>(.*?)</tools>", m["content"], re.DOTALL):
             for line in block.splitlines():
                 try:
                     name = _tool_name(json.loads(line)) if line.strip() else None
