@@ -12,7 +12,7 @@ cold-start checkpoint (step 0) with the policy after each evaluated GRPO step:
 
 The seed changes everything a run draws: the held-out split, the cold start's order, GRPO's samples.
 
-    .venv/bin/python bench/tcr_margin.py [--seeds 42 7] [--runs-root runs/tcr-margin] [--set K=V ...]
+    .venv/bin/python bench/tcr_margin.py [--seeds 42 7] [--runs-root runs/tcr-margin] [--set K=V ...] [--reuse]
 """
 
 from __future__ import annotations
@@ -101,12 +101,16 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[42, 7])
     ap.add_argument("--runs-root", type=Path, default=REPO / "runs" / "tcr-margin")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V", help="recipe override")
+    ap.add_argument(
+        "--reuse", action="store_true", help="read finished run folders as they are, without running the recipe"
+    )
     args = ap.parse_args()
 
     per_seed, seconds, base_called = {}, {}, {}
     for seed in args.seeds:
         run_dir = args.runs_root / f"seed-{seed}"
-        seconds[seed] = run_recipe(run_dir, seed, args.overrides)
+        reuse = args.reuse and (run_dir / "catalog.duckdb").is_file()
+        seconds[seed] = float("nan") if reuse else run_recipe(run_dir, seed, args.overrides)
         evals = greedy_evals(run_dir)
         cold = evals[("sft", 0)]
         base = evals.get(("base", 0), {})
