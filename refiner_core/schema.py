@@ -642,7 +642,7 @@ TURNS = Table(
             "status",
             S,
             "Tool rows: 'ok', 'error' (non-zero exit), 'timeout', 'cpu_limit', 'file_size_limit', "
-            "'killed:SIG...' or 'invalid_call' (never ran; see failure).",
+            "'killed:SIG...', 'invalid_call' or 'refused' (never ran; see failure).",
         ),
         _c("exit_code", I, "Tool rows: the process's exit code (NULL when it never ran or was timed out)."),
         _c("stdout", S, "Tool rows: stdout excerpt."),
@@ -654,7 +654,8 @@ TURNS = Table(
             "Tool rows: why the call could not run ('bad_json: ...', 'unknown_tool: ...', "
             "'missing_arguments: ...', 'missing_argument: ...', 'wrong_type: ...', 'unclosed_tool_call: "
             "...', 'bad_code: ...' (a NUL or an unpaired surrogate in the code), 'code_too_long: "
-            "...'); NULL if it ran.",
+            "...'), 'refused: max_calls_per_turn: ...' or 'refused: tool_seconds_per_rollout: ...' "
+            "(past rollout.agent's caps); NULL if it ran.",
         ),
         _c(
             "finish_reason",

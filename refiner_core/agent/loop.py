@@ -256,8 +256,8 @@ def _refusal(rollout: AgentRollout, k: int, call: ToolCall, tools, settings: Age
     taken = rollout.tool_seconds + reserved.get(rollout, 0.0)
     if taken + worst > settings.tool_seconds:
         return (
-            f"{REFUSED}: tool_seconds_per_rollout: {taken:.1f} of {settings.tool_seconds:g} s of tool time used, "
-            f"and a call may take {worst:g} s"
+            f"{REFUSED}: tool_seconds_per_rollout: {taken:.1f} of {settings.tool_seconds:g} s of tool time used or "
+            f"reserved, and a call may take {worst:g} s"
         )
     reserved[rollout] = reserved.get(rollout, 0.0) + worst
     return None
