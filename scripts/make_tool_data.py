@@ -3,10 +3,12 @@
 Eight question families that a 135M model cannot answer in its head but one line of Python can (products of
 4-digit numbers, sums of squares, modular powers, prime counts, greatest common divisors, digit sums of powers of
 two, sums and differences of 5-digit numbers, ratios of factorials), the families of data/math-tools/train.jsonl.
-Two files, as chat rows:
+Each family is asked in three wordings (WORDINGS); the cold start uses the first alone, the GRPO questions all
+three, so GRPO trains and is evaluated on wordings the cold start never saw. Two files, as chat rows:
 
   data/math-tools/questions.jsonl   the questions GRPO trains on and evaluates (`id`, `messages`: a system
-                                    message naming the tool and the call format, the question; `ground_truth`)
+                                    message naming the tool and the call format, the question in one of its
+                                    family's wordings, drawn at random; `ground_truth`)
   data/math-tools/cold-start.jsonl  the SFT cold start: conversations in which the assistant writes Python in a
                                     Hermes <tool_call>, reads the `tool` message with what the code printed, and
                                     answers in \\boxed{}; about one in six first writes code that fails, reads the
@@ -23,6 +25,7 @@ numbers): whichever split a seed holds out, the cold start has never seen it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -56,22 +59,25 @@ FAILING_SHARE = 1 / 6
 @dataclass(frozen=True)
 class Problem:
     family: str
-    numbers: tuple[int, ...]  # what the question asks about: two problems with the same numbers are the same
-    question: str
+    asked: tuple[int, ...]  # the numbers, in the order the question names them
     code: str  # prints the answer
     failing_code: str  # a plausible first try that raises
     answer: int
+    question: str = ""  # the family's first wording unless reworded
+
+    def __post_init__(self):
+        if not self.question:
+            object.__setattr__(self, "question", WORDINGS[self.family][0].format(*self.asked))
 
     @property
     def key(self) -> tuple:
-        return (self.family, self.numbers)
+        """Two problems with the same key ask for the same number, however worded."""
+        return problem_key(self.family, self.asked)
 
 
 def product(rng: random.Random) -> Problem:
     a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
-    return Problem(
-        "product", (min(a, b), max(a, b)), f"What is {a} * {b}?", f"print({a} * {b})", f"print({a} x {b})", a * b
-    )
+    return Problem("product", (a, b), f"print({a} * {b})", f"print({a} x {b})", a * b)
 
 
 def sum_of_squares(rng: random.Random) -> Problem:
@@ -79,7 +85,6 @@ def sum_of_squares(rng: random.Random) -> Problem:
     return Problem(
         "sum_of_squares",
         (n,),
-        f"What is the sum of the squares of the integers from 1 to {n}?",
         f"print(sum(k * k for k in range(1, {n} + 1)))",
         "print(sum(k * k for k in range(1, n + 1)))",
         sum(k * k for k in range(1, n + 1)),
@@ -94,7 +99,6 @@ def modular_power(rng: random.Random) -> Problem:
     return Problem(
         "modular_power",
         (b, e, m),
-        f"What is {b}^{e} mod {m}?",
         f"print(pow({b}, {e}, {m}))",
         f"print(pow({b}, {e}) mod {m})",
         pow(b, e, m),
@@ -106,7 +110,6 @@ def prime_count(rng: random.Random) -> Problem:
     return Problem(
         "prime_count",
         (n,),
-        f"How many prime numbers are less than {n}?",
         f"print(sum(all(k % d for d in range(2, int(k ** 0.5) + 1)) for k in range(2, {n})))",
         f"print(sum(isprime(k) for k in range(2, {n})))",
         sum(all(k % d for d in range(2, int(k**0.5) + 1)) for k in range(2, n)),
@@ -118,8 +121,7 @@ def gcd(rng: random.Random) -> Problem:
     a, b = g * rng.randint(200, 4000), g * rng.randint(200, 4000)
     return Problem(
         "gcd",
-        (min(a, b), max(a, b)),
-        f"What is the greatest common divisor of {a} and {b}?",
+        (a, b),
         f"import math\nprint(math.gcd({a}, {b}))",
         f"print(math.gcd({a}, {b}))",
         math.gcd(a, b),
@@ -131,7 +133,6 @@ def digit_sum(rng: random.Random) -> Problem:
     return Problem(
         "digit_sum",
         (n,),
-        f"What is the sum of the digits of 2^{n}?",
         f"print(sum(int(d) for d in str(2 ** {n})))",
         f"print(sum(int(d) for d in 2 ** {n}))",
         sum(int(d) for d in str(2**n)),
@@ -143,7 +144,6 @@ def add_subtract(rng: random.Random) -> Problem:
     return Problem(
         "add_subtract",
         (a, b, c),
-        f"What is {a} + {b} - {c}?",
         f"print({a} + {b} - {c})",
         f"print({a} + {b} - {c}",
         a + b - c,
@@ -156,7 +156,6 @@ def factorial_ratio(rng: random.Random) -> Problem:
     return Problem(
         "factorial_ratio",
         (n, m),
-        f"What is {n} factorial divided by {m} factorial?",
         f"import math\nprint(math.factorial({n}) // math.factorial({m}))",
         f"print(math.factorial({n}) // math.factorial({m}))",
         math.factorial(n) // math.factorial(m),
@@ -175,28 +174,72 @@ FAMILIES = {
 }
 
 
-# Each family's wording, its numbers captured; the order of two factors does not make another question.
-QUESTIONS = {
-    "product": r"What is (\d+) \* (\d+)\?",
-    "sum_of_squares": r"What is the sum of the squares of the integers from 1 to (\d+)\?",
-    "modular_power": r"What is (\d+)\^(\d+) mod (\d+)\?",
-    "prime_count": r"How many prime numbers are less than (\d+)\?",
-    "gcd": r"What is the greatest common divisor of (\d+) and (\d+)\?",
-    "digit_sum": r"What is the sum of the digits of 2\^(\d+)\?",
-    "add_subtract": r"What is (\d+) \+ (\d+) - (\d+)\?",
-    "factorial_ratio": r"What is (\d+) factorial divided by (\d+) factorial\?",
+# How each family is asked: the first wording is the one the cold start uses (and train.jsonl); the GRPO questions
+# use all three, so GRPO trains on wordings the cold start never saw. {0}, {1}, {2}: the numbers as asked.
+WORDINGS = {
+    "product": ("What is {0} * {1}?", "Multiply {0} by {1}.", "Compute the product of {0} and {1}."),
+    "sum_of_squares": (
+        "What is the sum of the squares of the integers from 1 to {0}?",
+        "Add up k^2 for every integer k from 1 to {0}.",
+        "Compute 1^2 + 2^2 + ... + {0}^2.",
+    ),
+    "modular_power": (
+        "What is {0}^{1} mod {2}?",
+        "Find the remainder when {0}^{1} is divided by {2}.",
+        "Compute {0} to the power {1}, modulo {2}.",
+    ),
+    "prime_count": (
+        "How many prime numbers are less than {0}?",
+        "Count the primes below {0}.",
+        "How many primes p satisfy p < {0}?",
+    ),
+    "gcd": (
+        "What is the greatest common divisor of {0} and {1}?",
+        "Find gcd({0}, {1}).",
+        "What is the largest integer that divides both {0} and {1}?",
+    ),
+    "digit_sum": (
+        "What is the sum of the digits of 2^{0}?",
+        "Add up the decimal digits of 2 to the power {0}.",
+        "Compute the digit sum of 2^{0}.",
+    ),
+    "add_subtract": (
+        "What is {0} + {1} - {2}?",
+        "Compute {0} plus {1} minus {2}.",
+        "Start from {0}, add {1}, then subtract {2}. What do you get?",
+    ),
+    "factorial_ratio": (
+        "What is {0} factorial divided by {1} factorial?",
+        "Compute {0}! / {1}!.",
+        "What is the value of {0}! divided by {1}!?",
+    ),
 }
-COMMUTATIVE = {"product", "gcd"}
+COMMUTATIVE = {"product", "gcd"}  # the order of two factors does not make another question
+
+
+def _pattern(wording: str) -> re.Pattern:
+    return re.compile(re.sub(r"\\\{\d\\\}", lambda _: r"(\d+)", re.escape(wording)))
+
+
+PATTERNS = [(family, _pattern(w)) for family, wordings in WORDINGS.items() for w in wordings]
+
+
+def problem_key(family: str, asked: tuple[int, ...]) -> tuple:
+    return (family, tuple(sorted(asked)) if family in COMMUTATIVE else asked)
 
 
 def problem_of_question(text: str) -> tuple | None:
     """The key (family, numbers) of a question in one of the families' wordings; None for another question."""
-    for family, pattern in QUESTIONS.items():
-        found = re.fullmatch(pattern, text)
+    for family, pattern in PATTERNS:
+        found = pattern.fullmatch(text)
         if found:
-            numbers = tuple(int(n) for n in found.groups())
-            return (family, tuple(sorted(numbers)) if family in COMMUTATIVE else numbers)
+            return problem_key(family, tuple(int(n) for n in found.groups()))
     return None
+
+
+def reworded(problem: Problem, wording: int) -> Problem:
+    """The problem asked in its family's `wording`-th way."""
+    return dataclasses.replace(problem, question=WORDINGS[problem.family][wording].format(*problem.asked))
 
 
 def draw(count: int, rng: random.Random, taken: set[tuple]) -> list[Problem]:
@@ -292,7 +335,7 @@ def make(questions: int, count: int, seed: int, tool, excluded=EXCLUDED) -> tupl
     excluded files' questions) asks."""
     rng = random.Random(seed)
     taken = excluded_keys(excluded)
-    asked = draw(questions, rng, taken)
+    asked = [reworded(p, rng.randrange(len(WORDINGS[p.family]))) for p in draw(questions, rng, taken)]
     return question_rows(asked), trajectories(draw(count, rng, taken), seed + 1, tool)
 
 

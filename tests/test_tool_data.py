@@ -15,7 +15,7 @@ from refiner_core.data.rows import split_of, validate_rows
 from refiner_core.data.sources import load_rows
 from refiner_core.reward.ground_truth import last_boxed
 from refiner_core.sft.data import SFTLimits, normalise_tool_rows, prepare_sft
-from scripts.make_tool_data import FAMILIES, make, problem_of_question
+from scripts.make_tool_data import FAMILIES, PATTERNS, WORDINGS, make, problem_of_question, reworded
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "math-tools"
@@ -43,9 +43,20 @@ def test_every_question_is_one_of_the_families():
     for make_problem in FAMILIES.values():
         for _ in range(20):
             problem = make_problem(rng)
-            assert problem_of_question(problem.question) == problem.key
+            for k in range(len(WORDINGS[problem.family])):
+                assert problem_of_question(reworded(problem, k).question) == problem.key
     families = Counter(problem_of_question(_question(r))[0] for r in COLD)
     assert set(families) == set(FAMILIES) and min(families.values()) == 40
+
+
+def _wording(question: str) -> int:
+    return next(k for k, (family, pattern) in enumerate(PATTERNS) if pattern.fullmatch(question)) % 3
+
+
+def test_grpo_asks_in_wordings_the_cold_start_never_saw():
+    assert {_wording(_question(r)) for r in COLD} == {0}
+    asked = Counter(_wording(_question(r)) for r in QUESTIONS)
+    assert set(asked) == {0, 1, 2} and min(asked.values()) > len(QUESTIONS) / 5
 
 
 def test_cold_start_conversations_call_the_tool_read_it_and_answer_right():
