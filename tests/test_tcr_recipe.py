@@ -183,3 +183,34 @@ def test_refiner_plot_draws_the_tool_use_panels(tcr_run, tmp_path):
     columns, _ = query(run_dir / "catalog.duckdb", "SELECT * FROM steps LIMIT 0")
     out = plot_steps([dict(zip(columns, r)) for r in steps], tmp_path / "curves.png", evals=evals)
     assert out.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_smollm2_after_the_cold_start_calls_the_tool_where_the_base_model_does_not(prefect_server, tmp_path):
+    """The recipe on SmolLM2-135M-Instruct, shortened: a cold start on 64 conversations, one GRPO step, four
+    held-out questions. The base model never writes a tool call; the cold-start checkpoint does."""
+    from flows.refiner import refiner_pipeline
+
+    check_sandbox()
+    lines = (REPO / "data" / "math-tools" / "cold-start.jsonl").read_text().splitlines()
+    (tmp_path / "cold.jsonl").write_text("\n".join(lines[:64]) + "\n")
+    overrides = [
+        f"sft.path={tmp_path / 'cold.jsonl'}",
+        "sft.epochs=2",
+        "rollout.prompts_per_step=2",
+        "rollout.samples_per_prompt=2",
+        "grpo.steps=1",
+        "eval.every=1",
+        "eval.prompts=4",
+        "run.save_every=1",
+    ]
+    run_dir = tmp_path / "run"
+    state = refiner_pipeline(recipe=load_recipe(RECIPE, overrides).to_dict(), run_dir=str(run_dir), return_state=True)
+    assert state.is_completed(), state.message
+    called = dict(
+        query(
+            run_dir / "catalog.duckdb",
+            "SELECT phase, avg((tool_calls > 0)::INT) FROM evals WHERE step = 0 GROUP BY phase",
+        )[1]
+    )
+    assert called["base"] == 0.0 and called["sft"] >= 0.5, called
