@@ -283,6 +283,17 @@ class AgentConfig:
         "later turns are sampled. For demonstrations and tests; '' = off. The stage cache keys the path, not the "
         "file's content: rerun with --refresh after editing it.",
     )
+    max_calls_per_turn: int = opt(
+        4,
+        "Tool calls one assistant turn may make; the calls past them are not run: each is answered "
+        "'error: refused: ...' and recorded with status 'refused' (no tool round for the TCR reward).",
+    )
+    tool_seconds_per_rollout: float = opt(
+        60.0,
+        "Tool time budget of one conversation, in seconds: a call runs only while its worst case (the python "
+        "tool's sandbox_wall_seconds) fits in what is left of the budget after the conversation's earlier calls; "
+        "a call that does not fit is refused like one past max_calls_per_turn. At least sandbox_wall_seconds.",
+    )
 
 
 @dataclass
@@ -814,7 +825,8 @@ FLOW_ONLY_JUDGE_FIELDS = ("price_per_mtok_in", "price_per_mtok_out", "budget_usd
 FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
 # model fields the learner reads
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged")
-EVAL_ROLLOUT_FIELDS = ("top_p", "max_new_tokens", "stop")  # the rollout settings an evaluation samples with
+# the rollout settings an evaluation samples with (an agent recipe's evaluation runs the same tool-calling loop)
+EVAL_ROLLOUT_FIELDS = ("top_p", "max_new_tokens", "stop", "agent")
 
 
 @dataclass(frozen=True)

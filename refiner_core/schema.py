@@ -610,6 +610,31 @@ EVALS = Table(
             "A pass for pass@k: correct = 1 for verified prompts; for judged ones format_ok, at least "
             "one citation, none invalid, and rubric_score >= eval.pass_rubric_score.",
         ),
+        _c(
+            "boxed",
+            B,
+            "Verified prompts: the final answer (an agent's last assistant turn) holds a \\boxed{}; NULL for judged.",
+        ),
+        _c("turns", I, "Agent evaluations: assistant turns of the conversation; NULL for single responses."),
+        _c("tool_calls", I, "Agent evaluations: tool calls written (Hermes blocks), run or not."),
+        _c(
+            "well_formed_calls",
+            I,
+            "Agent evaluations: calls that parsed into a call of an offered tool with usable arguments (status "
+            "other than 'invalid_call').",
+        ),
+        _c(
+            "tool_errors",
+            I,
+            "Agent evaluations: calls whose result was not 'ok' (an error exit, a sandbox limit, an invalid call "
+            "or a refusal).",
+        ),
+        _c(
+            "refused_calls",
+            I,
+            "Agent evaluations: calls refused by rollout.agent.max_calls_per_turn or tool_seconds_per_rollout.",
+        ),
+        _c("tool_rounds", I, "Agent evaluations: assistant turns whose tool calls ran (what the TCR reward counts)."),
     ),
 )
 
@@ -635,7 +660,7 @@ TURNS = Table(
             "status",
             S,
             "Tool rows: 'ok', 'error' (non-zero exit), 'timeout', 'cpu_limit', 'file_size_limit', "
-            "'killed:SIG...' or 'invalid_call' (never ran; see failure).",
+            "'killed:SIG...', 'invalid_call' or 'refused' (never ran; see failure).",
         ),
         _c("exit_code", I, "Tool rows: the process's exit code (NULL when it never ran or was timed out)."),
         _c("stdout", S, "Tool rows: stdout excerpt."),
@@ -647,7 +672,8 @@ TURNS = Table(
             "Tool rows: why the call could not run ('bad_json: ...', 'unknown_tool: ...', "
             "'missing_arguments: ...', 'missing_argument: ...', 'wrong_type: ...', 'unclosed_tool_call: "
             "...', 'bad_code: ...' (a NUL or an unpaired surrogate in the code), 'code_too_long: "
-            "...'); NULL if it ran.",
+            "...'), 'refused: max_calls_per_turn: ...' or 'refused: tool_seconds_per_rollout: ...' "
+            "(past rollout.agent's caps); NULL if it ran.",
         ),
         _c(
             "finish_reason",

@@ -4,7 +4,8 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import ConfigError, EvalConfig, JudgeConfig, RewardConfig
+from refiner_core.agent.rollout import agent_eval_responses
+from refiner_core.config import AgentConfig, ConfigError, EvalConfig, JudgeConfig, RewardConfig
 from refiner_core.eval.evaluate import (
     EvalSettings,
     format_table,
@@ -14,6 +15,7 @@ from refiner_core.eval.evaluate import (
     summarize,
 )
 from refiner_core.judges.base import make_judge
+from refiner_core.models import load_tokenizer
 from refiner_core.runtime import live
 from refiner_core.schema import EVALS
 from refiner_core.store.storage import read_rows, write_table
@@ -43,9 +45,12 @@ def evaluate(
     precision: str,
 ) -> dict:
     """Held-out prompts -> responses from the policy (the recipe's rollout engine) -> training reward code ->
-    evals/step=N/<phase>.parquet and a summary (format-valid rate, citation validity, judge score, pass@k)."""
+    evals/step=N/<phase>.parquet and a summary (format-valid rate, citation validity, judge score, pass@k; for an
+    agent recipe the same tool-calling loop as its rollouts, and its tool-use columns)."""
     log = get_run_logger()
-    settings = EvalSettings.from_config(EvalConfig(**eval_cfg), **rollout_cfg)
+    sampling = {k: v for k, v in rollout_cfg.items() if k != "agent"}
+    agent = AgentConfig(**rollout_cfg["agent"])
+    settings = EvalSettings.from_config(EvalConfig(**eval_cfg), **sampling)
     prompt_rows = read_rows(prompts["prompts"]["path"])
     chosen = held_out_prompts(prompt_rows, settings.prompts)
     if not chosen:
@@ -60,7 +65,11 @@ def evaluate(
         )
     engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)  # the run's live one
     log.info("eval step %d: %s", step, acquired.describe())
-    responses = generate_responses(engine, chosen, settings, seed)
+    if agent.enabled:
+        tokenizer = load_tokenizer(live.model_folder(policy))
+        responses = agent_eval_responses(engine, tokenizer, chosen, settings.sampling(seed), agent)
+    else:
+        responses = generate_responses(engine, chosen, settings, seed)
     live.release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
 
     rubric_rows: dict[str, list[dict]] = {}

@@ -10,7 +10,7 @@ from refiner_core.data.sources import load_source
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.publish.model_card import write_model_card
 from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
-from refiner_core.sft.data import SFTLimits, stats_rows
+from refiner_core.sft.data import SFTLimits, normalise_tool_rows, stats_rows
 from refiner_core.sft.data import prepare_sft as prepare_sft_core
 from refiner_core.sft.train import SFTSettings, packed_rows, train_sft
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_json, write_table
@@ -23,11 +23,13 @@ def prepare_sft(
     *, run_dir: str, run: str, sft_file: str, sft_cfg: dict, seed: int, policy: dict, prompts: dict
 ) -> dict:
     """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
-    sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out."""
+    sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out;
+    tool-using conversations are rendered as the agent loop tokenizes them."""
     log = get_run_logger()
     sft = SFTConfig(**sft_cfg)
     raw = load_source(sft_file, sft)
-    checked = validate_rows(raw)
+    usable, tool_rejected = normalise_tool_rows(raw)  # tool-using conversations: calls as Hermes blocks, checked
+    checked = validate_rows(usable)
     tokenizer = load_tokenizer(policy["path"])
     held_out = [p for p in read_rows(prompts["prompts"]["path"]) if p["split"] == "validation"]
     prepared = prepare_sft_core(
@@ -40,8 +42,8 @@ def prepare_sft(
         sft.histogram_bins,
         held_out,
     )
-    rejected = checked.rejected + prepared.rejected
-    stats = {**prepared.stats, "rows_in": len(raw), "invalid_rows": len(checked.rejected)}
+    rejected = tool_rejected + checked.rejected + prepared.rejected
+    stats = {**prepared.stats, "rows_in": len(raw), "invalid_rows": len(tool_rejected) + len(checked.rejected)}
     out = Path(run_dir) / "sft"
     manifest = {
         "sft_examples": {

@@ -327,3 +327,108 @@ def test_collate_honours_the_loss_mask_padded_and_packed():
     packed = collate_rows([[a, b]], pad_id=0)
     assert packed["mask"][0].tolist() == [0, 1, 1, 0, 0, 1, 0, 1, 1]
     assert packed["rollout_logprobs"][0].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0, -0.5, 0, -0.3, -0.4])
+
+
+def _print_call(text: str) -> str:
+    return f'<tool_call>{{"name": "python", "arguments": {{"code": "print({text!r})"}}}}</tool_call>'
+
+
+class CountingTool:
+    """The real python tool, remembering every call it was handed to run."""
+
+    def __init__(self, tool):
+        self.tool, self.ran = tool, []
+        self.name, self.description, self.parameters = tool.name, tool.description, tool.parameters
+        self.max_seconds = tool.max_seconds
+
+    def run_many(self, arguments):
+        self.ran.extend(arguments)
+        return self.tool.run_many(arguments)
+
+    def close(self):
+        self.tool.close()
+
+
+def test_calls_past_the_caps_are_refused_never_run_and_earn_no_tool_round(tiny_model_path, tiny_tokenizer, tmp_path):
+    """A turn's calls past max_calls_per_turn, and calls whose worst case (the sandbox's 2 s wall clock) no longer
+    fits in the conversation's 5 s of tool time, are answered 'refused' and never reach the sandbox; a turn whose
+    calls all failed to run is no tool round, so the TCR reward pays nothing for them."""
+    from refiner_core.agent.tcr import tcr_verifier
+
+    check_sandbox()
+    tool = CountingTool(PythonTool(PythonSandbox(SandboxLimits(wall_seconds=2.0), concurrency=2)))
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=2)
+    prompt = render_prompt(tiny_tokenizer, [{"role": "user", "content": "What is 6 * 7?"}])[1]
+    scripted = {
+        # 5 calls: two fit the budget (2 x 2 s reserved of 5 s), the third does not, the last two pass the cap of 3
+        (0, 0): ["".join(_print_call(f"a{k}") for k in range(5)), _print_call("b0") + _print_call("b1"), "\\boxed{42}"],
+        # three malformed calls and one past the cap: nothing ran
+        (0, 1): [BAD_JSON * 3 + _print_call("never"), "\\boxed{41}"],
+    }
+    try:
+        a, b = run_agent(
+            engine,
+            tiny_tokenizer,
+            [prompt],
+            SamplingParams(n=2, max_new_tokens=8, seed=0),
+            {"python": tool},
+            AgentSettings(max_turns=4, max_response_tokens=2000, max_calls_per_turn=3, tool_seconds=5.0),
+            scripted=scripted,
+            score=model_scorer(model, 1.0),
+        )
+    finally:
+        tool.close()
+    calls = [(t.turn, t.status, t.failure and t.failure.split(":")[1].strip()) for t in a.turns if t.role == "tool"]
+    assert calls == [
+        (0, "ok", None),
+        (0, "ok", None),
+        (0, "refused", "tool_seconds_per_rollout"),
+        (0, "refused", "max_calls_per_turn"),
+        (0, "refused", "max_calls_per_turn"),
+        (1, "ok", None),
+        (1, "ok", None),
+    ]
+    assert [t.text for t in a.turns if t.role == "tool" and t.status == "ok"] == ["a0", "a1", "b0", "b1"]
+    assert [t.text for t in a.turns if t.role == "tool"][
+        3
+    ] == "error: refused: max_calls_per_turn: at most 3 tool calls per turn"
+    assert all(t.exit_code is None and t.seconds == 0 for t in a.turns if t.status == "refused")
+    assert [arguments["code"] for arguments in tool.ran] == ["print('a0')", "print('a1')", "print('b0')", "print('b1')"]
+    assert 0 < a.tool_seconds <= 5.0 and a.tool_rounds == 2 and a.finish_reason == "stop"
+    assert [t.status for t in b.turns if t.role == "tool"] == ["invalid_call"] * 3 + ["refused"]
+    assert b.tool_rounds == 0 and b.tool_seconds == 0
+
+    # The refusals are a queryable status ...
+    path = tmp_path / "turns.parquet"
+    rows = [
+        row
+        for r in (a, b)
+        for row in turn_rows(r, {"run": "r", "step": 0, "prompt_id": "p", "sample_idx": r.sample_idx})
+    ]
+    write_table(TURNS, rows, path)
+    refused = duckdb.execute(
+        "SELECT trim(split_part(failure, ':', 2)) AS why, count(*) FROM read_parquet(?) WHERE status = 'refused' "
+        "GROUP BY 1 ORDER BY 1",
+        [str(path)],
+    ).fetchall()
+    assert refused == [("max_calls_per_turn", 3), ("tool_seconds_per_rollout", 1)]
+    # ... and the TCR reward sees no tool round where no call ran: -1 for the wrong answer, not -0.9.
+    verdicts = tcr_verifier()(
+        [
+            {"prompt_id": "p", "final_text": r.final_text, "response_text": "", "tool_rounds": r.tool_rounds}
+            for r in (a, b)
+        ],
+        {"p": {"ground_truth": "42"}},
+    )
+    assert [(v.correct, v.score) for v in verdicts] == [(1.0, 1.0), (0.0, -1.0)]
+
+
+def test_preflight_refuses_caps_that_stop_every_call():
+    from refiner_core.agent.rollout import agent_problems
+    from refiner_core.config import AgentConfig
+
+    assert agent_problems(AgentConfig()) == []
+    problems = agent_problems(AgentConfig(max_calls_per_turn=0, tool_seconds_per_rollout=5.0))
+    assert any("max_calls_per_turn = 0" in p for p in problems)
+    assert any("tool_seconds_per_rollout = 5.0: at least sandbox_wall_seconds (10.0)" in p for p in problems)

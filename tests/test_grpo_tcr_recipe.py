@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from refiner_core.config import load_recipe
+from refiner_core.preflight import check_recipe
 from refiner_core.store.storage import query
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,11 @@ def test_published_settings():
     assert (cfg.grpo.loss_aggregation, cfg.grpo.learning_rate) == ("token_mean", 1e-6)
     assert (cfg.reward.verifier, cfg.reward.overlong_buffer, cfg.reward.overlong_factor) == ("tcr", 3000, 1.0)
     assert cfg.reward.verification_reward == 1.0
+    # stage 1, the multi-turn SFT cold start, is one --set away (off: model.policy is its checkpoint)
+    assert not cfg.sft.enabled and cfg.sft.epochs == 10 and cfg.sft.path == "data/math-tools/cold-start.jsonl"
+    assert (cfg.rollout.agent.max_calls_per_turn, cfg.rollout.agent.tool_seconds_per_rollout) == (4, 60.0)
+    both = load_recipe(REPO / "recipes" / "grpo-tcr.yaml", ["sft.enabled=true", "model.policy=smollm2-135m-instruct"])
+    assert check_recipe(both) == []
 
 
 def test_turns_cover_every_token_and_masks_cover_the_models(tcr_run):

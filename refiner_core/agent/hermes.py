@@ -68,6 +68,11 @@ def _parse_block(raw: str, known_tools) -> ToolCall:
     return ToolCall(name, arguments, raw)
 
 
+def hermes_block(name: str, arguments: dict) -> str:
+    """One tool call as the policy is taught to write it (what parse_tool_calls reads back)."""
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+
+
 def invalid_call_result(call: ToolCall) -> ToolResult:
     return ToolResult(text=f"error: {call.failure}", status="invalid_call", failure=call.failure)
 

@@ -9,6 +9,10 @@ appended. The loss mask is true exactly on sampled tokens; inserted tokens carry
 A conversation ends when a turn makes no tool call ('stop', or 'length' if the turn was cut), when the total
 token budget after the prompt runs out ('length'), or when a turn still calls tools at `max_turns`
 ('max_turns': those calls are not run).
+
+A policy cannot stall a run with tool calls: a turn's calls past `max_calls_per_turn`, and any call whose worst
+case (the tool's `max_seconds`) no longer fits in the conversation's tool-time budget, are refused: answered
+'error: refused: ...', recorded with status 'refused', never run, and no tool round for the TCR reward.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ EXCERPT_CHARS = 2000
 class AgentSettings:
     max_turns: int = 16  # assistant turns per conversation
     max_response_tokens: int = 10480  # sampled + inserted tokens after the prompt
+    max_calls_per_turn: int = 4  # calls of one turn past this many are refused
+    tool_seconds: float = 60.0  # tool time of one conversation: a call runs only if its worst case still fits
 
 
 @dataclass
@@ -65,6 +71,7 @@ class AgentRollout:
     finish_reason: str = ""
     tool_rounds: int = 0  # assistant turns with at least one call that ran (valid call, tool executed)
     final_text: str = ""  # the last assistant turn's text: where the final answer is read
+    tool_seconds: float = 0.0  # what the conversation's calls that ran took
 
     @property
     def open(self) -> bool:
@@ -82,11 +89,13 @@ def tool_message_ids(tokenizer, contents: list[str]) -> list[int]:
     """Token ids the chat template puts after an assistant turn's content for these tool messages, through the
     generation prompt of the next assistant turn. Only this piece is rendered and tokenized: the conversation
     before it is never re-tokenized. Starts with the template's end-of-turn token."""
-    messages = [
-        {"role": "user", "content": "?"},
-        {"role": "assistant", "content": "!"},
-        *[{"role": "tool", "content": c} for c in contents],
-    ]
+    return following_ids(tokenizer, [{"role": "tool", "content": c} for c in contents])
+
+
+def following_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids the chat template puts after an assistant turn's content for the messages that follow it (tool
+    results, or a user turn), through the generation prompt of the next assistant turn; contents as plain text."""
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}, *messages]
     rendered = render_chat(tokenizer, messages, add_generation_prompt=True)
     if len(rendered.content_spans) < 2:
         raise ValueError("the chat template rewrites message contents; cannot tell where the tool messages begin")
@@ -95,6 +104,18 @@ def tool_message_ids(tokenizer, contents: list[str]) -> list[int]:
     if cut < len(rendered.offsets) and rendered.offsets[cut][0] != end:
         raise ValueError("the chat template's tokens after an assistant turn do not start at a token boundary")
     return rendered.input_ids[cut:]
+
+
+def end_of_turn_id(tokenizer, eos: set[int]) -> int:
+    """The token that ends an assistant turn the loop writes itself (a scripted turn): the template's end-of-turn
+    token where it is an end-of-sequence token of the engine, else the tokenizer's EOS."""
+    framing = tool_message_ids(tokenizer, ["."])  # starts with the template's end-of-turn token
+    return framing[0] if framing and framing[0] in eos else tokenizer.eos_token_id
+
+
+def assistant_turn_ids(tokenizer, text: str, end: int) -> list[int]:
+    """An assistant turn written as text (not sampled): tokenized once, as plain text, plus the end-of-turn token."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [end]
 
 
 def run_agent(
@@ -149,7 +170,7 @@ def run_agent(
             calls.extend((r, k, c) for k, c in enumerate(found) if not finished)
         if not calls:
             break
-        results = _execute(calls, tools)
+        results = _execute(calls, tools, settings)
         follow: list[AgentRollout] = []
         for r in dict.fromkeys(c[0] for c in calls):
             mine = [(k, call, res) for (owner, k, call), res in zip(calls, results) if owner is r]
@@ -164,7 +185,7 @@ def run_agent(
             start, end = r.add(ids, [0.0] * len(ids), sampled=False)
             for k, call, res in mine:
                 r.turns.append(_tool_turn(turn, k, call, res, start, end))
-            r.tool_rounds += any(res.status != "invalid_call" for _, _, res in mine)
+            r.tool_rounds += any(res.status not in NOT_RUN for _, _, res in mine)
             follow.append(r)
         turn += 1
         if not follow:
@@ -210,15 +231,8 @@ def _scripted_turns(scripted, turn, rollouts, prompts, tokenizer, eos, score) ->
         return {}
     if score is None:
         raise ValueError("scripted turns need a scorer for the policy's log-probs")
-    framing = tool_message_ids(tokenizer, ["."])  # starts with the template's end-of-turn token
-    end = framing[0] if framing and framing[0] in eos else tokenizer.eos_token_id
-    completions = [
-        tokenizer(scripted[(r.prompt_index, r.sample_idx)][turn], add_special_tokens=False, split_special_tokens=True)[
-            "input_ids"
-        ]
-        + [end]
-        for r in todo
-    ]
+    end = end_of_turn_id(tokenizer, eos)
+    completions = [assistant_turn_ids(tokenizer, scripted[(r.prompt_index, r.sample_idx)][turn], end) for r in todo]
     logprobs = score([prompts[r.prompt_index] + r.token_ids for r in todo], completions)
     return {
         (r.prompt_index, r.sample_idx): Generation(
@@ -228,12 +242,40 @@ def _scripted_turns(scripted, turn, rollouts, prompts, tokenizer, eos, score) ->
     }
 
 
-def _execute(calls: list[tuple[AgentRollout, int, ToolCall]], tools: dict[str, Tool]) -> list[ToolResult]:
-    """Run every valid call of the turn, grouped by tool (each tool runs its calls concurrently, bounded)."""
+REFUSED = "refused"
+NOT_RUN = ("invalid_call", REFUSED)  # statuses of calls that never ran: no tool round
+
+
+def _refusal(rollout: AgentRollout, k: int, call: ToolCall, tools, settings: AgentSettings, reserved: dict):
+    """Why the k-th call of a conversation's turn may not run, or None (then its worst case is reserved)."""
+    if k >= settings.max_calls_per_turn:
+        return f"{REFUSED}: max_calls_per_turn: at most {settings.max_calls_per_turn} tool calls per turn"
+    if call.failure is not None:
+        return None
+    worst = tools[call.name].max_seconds
+    taken = rollout.tool_seconds + reserved.get(rollout, 0.0)
+    if taken + worst > settings.tool_seconds:
+        return (
+            f"{REFUSED}: tool_seconds_per_rollout: {taken:.1f} of {settings.tool_seconds:g} s of tool time used or "
+            f"reserved, and a call may take {worst:g} s"
+        )
+    reserved[rollout] = reserved.get(rollout, 0.0) + worst
+    return None
+
+
+def _execute(
+    calls: list[tuple[AgentRollout, int, ToolCall]], tools: dict[str, Tool], settings: AgentSettings
+) -> list[ToolResult]:
+    """Run every valid call of the turn that the caps let through, grouped by tool (each tool runs its calls
+    concurrently, bounded); the others are answered as invalid or refused."""
     results: list[ToolResult | None] = [None] * len(calls)
     by_tool: dict[str, list[int]] = {}
-    for i, (_, _, call) in enumerate(calls):
-        if call.failure is not None:
+    reserved: dict[AgentRollout, float] = {}
+    for i, (rollout, k, call) in enumerate(calls):
+        refusal = _refusal(rollout, k, call, tools, settings, reserved)
+        if refusal is not None:
+            results[i] = ToolResult(text=f"error: {refusal}", status=REFUSED, failure=refusal)
+        elif call.failure is not None:
             results[i] = invalid_call_result(call)
         else:
             by_tool.setdefault(call.name, []).append(i)
@@ -244,6 +286,7 @@ def _execute(calls: list[tuple[AgentRollout, int, ToolCall]], tools: dict[str, T
             if not res.seconds:
                 res.seconds = (time.monotonic() - t0) / len(idx)
             results[i] = res
+            calls[i][0].tool_seconds += res.seconds
     return results  # type: ignore[return-value]
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from refiner_core import REPO_ROOT
-from refiner_core.agent.loop import AgentRollout, AgentSettings, model_scorer, run_agent
+from refiner_core.agent.loop import REFUSED, AgentRollout, AgentSettings, model_scorer, run_agent
 from refiner_core.agent.tools.base import make_tool
 from refiner_core.config import AgentConfig
 from refiner_core.rollout.base import RolloutEngine, SamplingParams
@@ -53,12 +53,22 @@ def agent_rollouts(
             score = model_scorer(load_model(policy_path), params.temperature)
     if agent.max_turn_tokens > 0:
         params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, agent.max_turn_tokens))
-    settings = AgentSettings(max_turns=agent.max_turns, max_response_tokens=budget)
+    settings = agent_settings(agent, budget)
     try:
         return run_agent(engine, tokenizer, prompts, params, tools, settings, desc=desc, scripted=scripted, score=score)
     finally:
         for tool in tools.values():
             tool.close()
+
+
+def agent_settings(agent: AgentConfig, budget: int) -> AgentSettings:
+    """The loop's settings from rollout.agent, with `budget` response tokens per conversation."""
+    return AgentSettings(
+        max_turns=agent.max_turns,
+        max_response_tokens=budget,
+        max_calls_per_turn=agent.max_calls_per_turn,
+        tool_seconds=agent.tool_seconds_per_rollout,
+    )
 
 
 def rollout_row(r: AgentRollout, tokenizer) -> dict:
@@ -72,6 +82,69 @@ def rollout_row(r: AgentRollout, tokenizer) -> dict:
         "finish_reason": r.finish_reason,
         "tool_rounds": r.tool_rounds,
         "final_text": r.final_text,
+    }
+
+
+def call_counts(r: AgentRollout) -> dict:
+    """A conversation's assistant turns and tool calls by outcome (refiner_core.eval.evaluate.AGENT_COLUMNS)."""
+    calls = [t for t in r.turns if t.role == "tool"]
+    return {
+        "turns": sum(t.role == "assistant" for t in r.turns),
+        "tool_calls": len(calls),
+        "well_formed_calls": sum(t.status != "invalid_call" for t in calls),
+        "tool_errors": sum(t.status != "ok" for t in calls),
+        "refused_calls": sum(t.status == REFUSED for t in calls),
+        "tool_rounds": r.tool_rounds,
+    }
+
+
+def agent_eval_responses(
+    engine: RolloutEngine, tokenizer, prompts: list[dict], modes: dict[str, SamplingParams], agent: AgentConfig
+) -> list[dict]:
+    """Held-out conversations for every eval mode (refiner_core.eval.evaluate.EvalSettings.sampling): the same
+    loop, tools and caps as training, never scripted; each mode's max_new_tokens is a conversation's budget.
+    Rollout-shaped rows with the eval `mode`, the final answer's turn and the call counts."""
+    tools = {name: make_tool(name, agent) for name in agent.tools}
+    rows = []
+    try:
+        for mode, params in modes.items():
+            budget = params.max_new_tokens
+            if agent.max_turn_tokens > 0:
+                params = dataclasses.replace(params, max_new_tokens=min(budget, agent.max_turn_tokens))
+            conversations = run_agent(
+                engine,
+                tokenizer,
+                [p["prompt_token_ids"] for p in prompts],
+                params,
+                tools,
+                agent_settings(agent, budget),
+                desc=f"eval {mode}",
+            )
+            rows += [
+                eval_row(c, prompts[c.prompt_index], mode, params, budget, engine.name, tokenizer)
+                for c in conversations
+            ]
+    finally:
+        for tool in tools.values():
+            tool.close()
+    return rows
+
+
+def eval_row(
+    c: AgentRollout, prompt: dict, mode: str, params: SamplingParams, budget: int, engine: str, tokenizer
+) -> dict:
+    """One held-out conversation as an eval response row (refiner_core.eval.evaluate.score_responses reads it)."""
+    return {
+        "mode": mode,
+        "prompt_id": prompt["prompt_id"],
+        "sample_idx": c.sample_idx,
+        "temperature": params.temperature,
+        "seed": params.seed,
+        "engine": engine,
+        "prompt_token_ids": prompt["prompt_token_ids"],
+        **rollout_row(c, tokenizer),
+        "max_new_tokens": budget,
+        **call_counts(c),
     }
 
 
@@ -91,6 +164,7 @@ def agent_problems(agent) -> list[str]:
         problems.append(f"rollout.agent.tools = {agent.tools!r}: choose one or more of {sorted(TOOLS)}")
     for name in (
         "max_turns",
+        "max_calls_per_turn",
         "tool_concurrency",
         "sandbox_cpu_seconds",
         "sandbox_memory_mb",
@@ -102,6 +176,11 @@ def agent_problems(agent) -> list[str]:
             problems.append(f"rollout.agent.{name} = {getattr(agent, name)!r}: must be at least 1")
     if agent.sandbox_wall_seconds <= 0 or agent.max_turn_tokens < 0:
         problems.append("rollout.agent: sandbox_wall_seconds must be positive and max_turn_tokens at least 0")
+    elif agent.tool_seconds_per_rollout < agent.sandbox_wall_seconds:
+        problems.append(
+            f"rollout.agent.tool_seconds_per_rollout = {agent.tool_seconds_per_rollout!r}: at least "
+            f"sandbox_wall_seconds ({agent.sandbox_wall_seconds!r}), or no call could ever run"
+        )
     if agent.scripted_path:
         path = Path(agent.scripted_path)
         if not (path if path.is_absolute() else REPO_ROOT / path).is_file():

@@ -17,6 +17,8 @@ from refiner_core.rollout.base import RolloutEngine, SamplingParams
 
 PHASES = ("base", "sft", "grpo")
 MODES = ("greedy", "sampled")
+# Per-response counts of an agent evaluation (multi-turn tool calling), NULL for single responses.
+AGENT_COLUMNS = ("turns", "tool_calls", "well_formed_calls", "tool_errors", "refused_calls", "tool_rounds")
 
 
 @dataclass(frozen=True)
@@ -165,9 +167,57 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
                 "pass_at_1": sum(pass_at_k(len(v), sum(v), 1) for v in by_prompt.values()) / len(by_prompt),
                 "k": k,
                 "pass_at_k": sum(pass_at_k(len(v), sum(v), k) for v in by_prompt.values()) / len(by_prompt),
+                **answer_summary(group),
             }
         )
     return summary
+
+
+def answer_summary(group: list[dict]) -> dict:
+    """Over one (step, phase, mode)'s responses to verified prompts: accuracy, the share answered in a \\boxed{},
+    mean tokens; over its agent conversations: the share that called a tool, the shares of calls that were well
+    formed and that failed, and assistant turns per answer. None where the group has no such response."""
+    verified = [r for r in group if r.get("verifier") not in (None, "judge")]
+    agent = [r for r in group if r.get("turns") is not None]
+    calls = sum(r["tool_calls"] for r in agent)
+    return {
+        "accuracy": _mean([float(r["correct"] == 1.0) for r in verified]),
+        "boxed": _mean([float(r["boxed"]) for r in verified if r.get("boxed") is not None]),
+        "mean_tokens": _mean([r["response_tokens"] for r in group if r.get("response_tokens") is not None]),
+        "tool_call_rate": _mean([float(r["tool_calls"] > 0) for r in agent]),
+        "well_formed_calls": sum(r["well_formed_calls"] for r in agent) / calls if calls else None,
+        "tool_errors": sum(r["tool_errors"] for r in agent) / calls if calls else None,
+        "turns": _mean([r["turns"] for r in agent]),
+    }
+
+
+# Summary columns (header, summary key, rate?) of verified prompts and of agent conversations: shown where some
+# evaluated row has the group's first one, so a refiner run's table stays as it was.
+VERIFIED_COLUMNS = (("accuracy", "accuracy", True), ("boxed", "boxed", True))
+AGENT_SUMMARY_COLUMNS = (
+    ("turns", "turns", False),
+    ("tool calls", "tool_call_rate", True),
+    ("well-formed calls", "well_formed_calls", True),
+    ("tool errors", "tool_errors", True),
+)
+
+
+def answer_columns(summary: list[dict]) -> list[tuple[str, str, bool]]:
+    """The answer columns for these summary rows: accuracy and answered in a box where prompts were verified, the
+    tool-use columns where conversations ran the agent loop, and then mean tokens."""
+    shown = [
+        column
+        for group in (VERIFIED_COLUMNS, AGENT_SUMMARY_COLUMNS)
+        if any(s.get(group[0][1]) is not None for s in summary)
+        for column in group
+    ]
+    return shown + [("mean tokens", "mean_tokens", False)] if shown else []
+
+
+def answer_cell(value: float | None, rate: bool) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0%}" if rate else f"{value:.1f}"
 
 
 def _mean(values: list[float]) -> float | None:
@@ -191,6 +241,8 @@ def format_table(summary: list[dict]) -> str:
         "pass@1",
         "pass@k",
     )
+    extra = answer_columns(summary)
+    header = header + tuple(name for name, _, _ in extra)
     lines = [header]
     for s in summary:
         judge = "-" if s["judge_score"] is None else f"{s['judge_score']:.3f}"
@@ -209,6 +261,7 @@ def format_table(summary: list[dict]) -> str:
                 f"{s['stopped']:.0%}",
                 f"{s['pass_at_1']:.0%}",
                 f"{s['pass_at_k']:.0%} (k={s['k']})",
+                *(answer_cell(s.get(key), rate) for _, key, rate in extra),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -232,6 +285,7 @@ def score_responses(
 ) -> list[dict]:
     """Score eval responses with the training reward code and return `evals` rows. Modes are scored apart: a
     greedy and a sampled response can share a sample index."""
+    from refiner_core.reward.ground_truth import last_boxed
     from refiner_core.reward.score import score_rollouts
     from refiner_core.schema import EVALS
 
@@ -270,6 +324,10 @@ def score_responses(
                 "response_text": r["response_text"],
                 "response_tokens": r["response_tokens"],
                 "passed": passed(parts, pass_rubric_score),
+                "boxed": None
+                if parts["verifier"] == "judge"
+                else last_boxed(r.get("final_text") or r["response_text"]) is not None,
+                **{name: r.get(name) for name in AGENT_COLUMNS},
             }
             row.update({name: parts[name] for name in EVALS.column_names if name not in row})
             rows.append(row)

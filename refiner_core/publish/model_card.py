@@ -219,6 +219,9 @@ def _data_rows(recipe: dict, data: dict | None) -> list[tuple[str, str]]:
 
 
 def _eval_table(evals: list[dict]) -> str:
+    from refiner_core.eval.evaluate import answer_cell, answer_columns
+
+    extra = answer_columns(evals)  # accuracy, answered in a box, tool use: where the evaluation has them
     header = (
         "step",
         "policy",
@@ -247,9 +250,11 @@ def _eval_table(evals: list[dict]) -> str:
             f"{e['reward']:.3f}",
             f"{e['pass_at_1']:.0%}",
             f"{e['pass_at_k']:.0%} (k={e['k']})",
+            *(answer_cell(e.get(key), rate) for _, key, rate in extra),
         )
         for e in evals
     ]
+    header += tuple(name for name, _, _ in extra)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 

@@ -16,7 +16,27 @@ EVAL_PANELS = [
     ("judge_score", "eval: judge rubric score"),
     ("pass_at_k", "eval: pass@k (%)"),
 ]
-RATES = {"format_valid", "citation_valid", "cites_distractor", "pass_at_k"}
+# Drawn where the evaluation has them (verified prompts; agent conversations), beside the panels above.
+ANSWER_PANELS = [
+    ("accuracy", "eval: accuracy (%)"),
+    ("boxed", "eval: answered in a box (%)"),
+    ("tool_call_rate", "eval: called a tool (%)"),
+    ("well_formed_calls", "eval: well-formed calls (%)"),
+    ("tool_errors", "eval: tool errors (% of calls)"),
+    ("turns", "eval: turns per answer"),
+    ("mean_tokens", "eval: response tokens (mean)"),
+]
+RATES = {
+    "format_valid",
+    "citation_valid",
+    "cites_distractor",
+    "pass_at_k",
+    "accuracy",
+    "boxed",
+    "tool_call_rate",
+    "well_formed_calls",
+    "tool_errors",
+}
 DPI = 100
 # A data: URI is stored in every version of its artifact (one per step): past this many PNG bytes the embedded
 # copy is drawn at a lower resolution (RUN_DIR/curves.png keeps DPI).
@@ -84,11 +104,13 @@ def _draw(steps: list[dict], evals: list[dict] | None):
         ("loss", "loss"),
         ("response_length_mean", "response tokens (mean)"),
     ]
-    if evals:  # training curves on the first row, held-out curves on the second
+    eval_panels = EVAL_PANELS + [p for p in ANSWER_PANELS if any(e.get(p[0]) is not None for e in evals or [])]
+    if evals:  # training curves on the first row, held-out curves on the rows below
         columns = len(EVAL_PANELS)
-        fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 6), constrained_layout=True)
-        step_axes, eval_axes = list(axes[0]), list(axes[1])
-        for ax in step_axes[len(panels) :]:
+        rows = 1 + -(-len(eval_panels) // columns)
+        fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3 * rows), constrained_layout=True)
+        step_axes, eval_axes = list(axes[0]), [ax for row in axes[1:] for ax in row]
+        for ax in step_axes[len(panels) :] + eval_axes[len(eval_panels) :]:
             ax.axis("off")
     else:
         fig, axes = plt.subplots(2, 2, figsize=(9, 6), constrained_layout=True)
@@ -101,7 +123,7 @@ def _draw(steps: list[dict], evals: list[dict] | None):
             std = [s["reward_std"] for s in steps]
             ax.fill_between(x, [a - b for a, b in zip(y, std)], [a + b for a, b in zip(y, std)], alpha=0.2)
         _style(ax, title)
-    for ax, (key, title) in zip(eval_axes, EVAL_PANELS):
+    for ax, (key, title) in zip(eval_axes, eval_panels):
         _eval_panel(ax, evals, key)
         _style(ax, title)
     run = steps[0]["run"] if steps else ""
@@ -121,7 +143,8 @@ def _eval_panel(ax, evals: list[dict], key: str) -> None:
         base = [e for e in evals if e["mode"] == mode and e["phase"] == "base" and e.get(key) is not None]
         if base and len(trained) != len(base):
             ax.scatter([0], [base[0][key] * scale], marker="x", s=60, label=f"{mode}, base model")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a panel without data (a judged-only metric of a verified run) has none
+        ax.legend(fontsize=7)
 
 
 def _style(ax, title: str) -> None:

@@ -33,6 +33,13 @@ EVAL_METRICS = (
     "stopped",
     "pass_at_1",
     "pass_at_k",
+    "accuracy",
+    "boxed",
+    "mean_tokens",
+    "tool_call_rate",
+    "well_formed_calls",
+    "tool_errors",
+    "turns",
 )
 
 

@@ -5,12 +5,22 @@ Assistant spans are found by rendering prefixes of the conversation with the tok
 turn k = where it ends) and mapping those character offsets onto the tokens of the full rendering. No special
 token is searched for, so any template that renders prefixes consistently works; one that does not (e.g. it
 rewrites earlier turns) is reported instead of producing a wrong mask.
+
+Tool-using conversations (a `tool` turn, or an assistant turn that calls a tool: Hermes `<tool_call>` blocks in
+its content or OpenAI `tool_calls`) are checked first (normalise_tool_rows): OpenAI calls are written as Hermes
+blocks, the form the policy writes and the loop parses, and a row is quarantined with the reason when a message
+has an unknown role, a tool turn has no call before it, a call has no result after it, a call does not parse, or
+it calls a tool the row does not offer (its `tools` list, else the <tools> block of its system message). Such a
+conversation is tokenized by the agent loop's own rendering (refiner_core.agent.render.loop_tokens): the tokens
+SFT trains on are the tokens the policy continues from at rollout, and the loss covers the assistant's text and
+end-of-turn tokens only (tool results, system and user turns are masked).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +28,7 @@ import numpy as np
 from refiner_core.algo.packing import pack_sequences, packing_efficiency
 from refiner_core.config import SFTConfig
 from refiner_core.data.prompts import refiner_messages, render_chat
-from refiner_core.data.rows import Rejection, is_chat_row, split_of
+from refiner_core.data.rows import CHAT_ROLES, RawRow, Rejection, is_chat_row, split_of
 
 
 class TemplateError(ValueError):
@@ -101,6 +111,174 @@ def render_with_mask(tokenizer, messages: list[dict]) -> Rendered:
     return Rendered(encoded.input_ids, mask)
 
 
+def render_as_loop(tokenizer, messages: list[dict]) -> Rendered:
+    """A tool-using conversation as the agent loop's token ids, the loss on the assistant's tokens."""
+    from refiner_core.agent.render import loop_tokens
+
+    try:
+        ids, mask = loop_tokens(tokenizer, messages)
+    except ValueError as e:  # a template that rewrites contents: the loop could not frame tool results either
+        raise TemplateError(str(e)) from e
+    return Rendered(ids, mask)
+
+
+def is_tool_conversation(messages: list) -> bool:
+    """A `tool` turn, or an assistant turn with OpenAI tool_calls or a Hermes <tool_call> block."""
+    return any(
+        isinstance(m, dict)
+        and (
+            m.get("role") == "tool"
+            or bool(m.get("tool_calls"))
+            or (m.get("role") == "assistant" and isinstance(m.get("content"), str) and "<tool_call>" in m["content"])
+        )
+        for m in messages
+    )
+
+
+# How a conversation becomes tokens and a loss mask: the chat template's rendering, or the agent loop's.
+RENDERERS = {"chat": render_with_mask, "agent": render_as_loop}
+
+
+def renderer(messages: list[dict]) -> str:
+    return "agent" if is_tool_conversation(messages) else "chat"
+
+
+def offered_tools(row: dict) -> tuple[set[str] | None, str | None]:
+    """(names of the tools a chat row offers, None) or (None, why its `tools` list is unusable). The row's `tools`
+    list (OpenAI function objects or names), else the tools its system message lists in a <tools> block (as
+    hermes_system_prompt writes them, one JSON object a line), else none."""
+    if row.get("tools") is not None:
+        listed = row["tools"]
+        if not isinstance(listed, list):
+            return None, f"'tools' must be a list, got {type(listed).__name__}"
+        names = set()
+        for k, item in enumerate(listed):
+            name = _tool_name(item)
+            if name is None:
+                return None, f"tools[{k}] names no tool: expected a name or {{'function': {{'name': ...}}}}"
+            names.add(name)
+        return names, None
+    names = set()
+    for m in row["messages"]:
+        if not isinstance(m, dict) or m.get("role") != "system" or not isinstance(m.get("content"), str):
+            continue
+        for block in re.findall(r"<tools>(.*?)</tools>", m["content"], re.DOTALL):
+            for line in block.splitlines():
+                try:
+                    name = _tool_name(json.loads(line)) if line.strip() else None
+                except json.JSONDecodeError:
+                    continue
+                if name:
+                    names.add(name)
+    return names, None
+
+
+def _tool_name(item) -> str | None:
+    if isinstance(item, str):
+        return item or None
+    if isinstance(item, dict):
+        inner = item.get("function", item)
+        name = inner.get("name") if isinstance(inner, dict) else None
+        return name if isinstance(name, str) and name else None
+    return None
+
+
+def _assistant_text(k: int, message: dict, offered: set[str]) -> tuple[str | None, int, tuple[str, str] | None]:
+    """(the turn's text with its OpenAI tool_calls written as Hermes blocks, its calls, None) or (None, 0,
+    (reason, detail))."""
+    from refiner_core.agent.hermes import hermes_block, parse_tool_calls
+
+    content = message.get("content")
+    content = "" if content is None and message.get("tool_calls") else content
+    if not isinstance(content, str):
+        return None, 0, ("invalid_messages", f"message {k} content must be a string, got {type(content).__name__}")
+    blocks = []
+    for j, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: no function name")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments are not JSON: {e.msg}")
+        if not isinstance(arguments, dict):
+            return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments must be a JSON object")
+        blocks.append(hermes_block(name, arguments))
+    text = "\n".join(([content] if content else []) + blocks)
+    calls = parse_tool_calls(text, offered)
+    for call in calls:
+        if call.failure is None:
+            continue
+        if call.failure.startswith("unknown_tool"):
+            offers = ", ".join(sorted(offered)) or "no tool (no 'tools' list, no <tools> block in its system message)"
+            return None, 0, ("unknown_tool", f"message {k} calls {call.name!r}; the row offers {offers}")
+        return None, 0, ("bad_tool_call", f"message {k}: {call.failure}")
+    return text, len(calls), None
+
+
+def hermes_conversation(row: dict) -> tuple[list[dict] | None, tuple[str, str] | None]:
+    """(the row's messages, every call written as a Hermes block, None) or (None, (reason, detail)): an unknown
+    role, a tool turn with no call before it, a call with no result after it, a call that does not parse, a call
+    to a tool the row does not offer."""
+    offered, problem = offered_tools(row)
+    if problem:
+        return None, ("invalid_tools", problem)
+    out: list[dict] = []
+    pending, caller = 0, -1  # calls of the last assistant turn still waiting for their result
+    for k, m in enumerate(row["messages"]):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in CHAT_ROLES:
+            return None, ("unknown_role", f"message {k} has role {role!r}; expected one of {list(CHAT_ROLES)}")
+        if role == "tool":
+            if not pending:
+                return None, ("tool_turn_without_call", f"message {k} is a tool result with no tool call before it")
+            pending -= 1
+            out.append({"role": "tool", "content": m.get("content")})
+            continue
+        if pending:
+            return None, _without_result(caller, pending)
+        if role == "assistant":
+            text, pending, problem = _assistant_text(k, m, offered)
+            if problem:
+                return None, problem
+            caller = k
+            out.append({"role": "assistant", "content": text})
+        else:
+            out.append({"role": role, "content": m.get("content")})
+    if pending:
+        return None, _without_result(caller, pending)
+    return out, None
+
+
+def _without_result(caller: int, pending: int) -> tuple[str, str]:
+    return "tool_call_without_result", f"message {caller}: {pending} tool call(s) with no tool result after them"
+
+
+def normalise_tool_rows(raw_rows: list[RawRow]) -> tuple[list[RawRow], list[Rejection]]:
+    """Tool-using chat rows with their calls in the Hermes format; the rows that cannot be, as rejections. Other
+    rows pass unchanged (validate_rows checks them)."""
+    kept, rejected = [], []
+    for raw in raw_rows:
+        data = raw.data
+        if data is None or not is_chat_row(data) or not isinstance(data["messages"], list):
+            kept.append(raw)
+            continue
+        if not is_tool_conversation(data["messages"]) and all(
+            isinstance(m, dict) and m.get("role") in CHAT_ROLES for m in data["messages"]
+        ):
+            kept.append(raw)
+            continue
+        messages, problem = hermes_conversation(data)
+        if problem:
+            rejected.append(Rejection(raw.row_ref, *problem, raw.raw))
+        else:
+            kept.append(RawRow(raw.row_ref, raw.raw, {**data, "messages": messages}, raw.error))
+    return kept, rejected
+
+
 def apply_limits(rendered: Rendered, limits: SFTLimits) -> tuple[Rendered | None, str | None, list[str]]:
     """(kept example or None, drop reason, truncations applied). Prompt truncation keeps the prompt's last
     tokens (nearest the answer); response and total truncation cut the end."""
@@ -170,7 +348,7 @@ def prepare_sft(
     rows, held_out_rows = without_held_out(rows, held_out)
     seen: set[str] = set()
     kept: list[tuple[dict, Rendered, str, list[str]]] = []
-    skipped_no_answer = 0
+    skipped_no_answer = tool_conversations = 0
     truncations: dict[str, int] = {}
     for row in rows:
         raw = json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")}, default=str)
@@ -186,7 +364,7 @@ def prepare_sft(
             continue
         seen.add(digest)
         try:
-            rendered = render_with_mask(tokenizer, messages)
+            rendered = RENDERERS[renderer(messages)](tokenizer, messages)
         except TemplateError as e:
             out.rejected.append(Rejection(row["row_ref"], "template_error", str(e), raw))
             continue
@@ -196,6 +374,7 @@ def prepare_sft(
             continue
         for t in truncated:
             truncations[t] = truncations.get(t, 0) + 1
+        tool_conversations += renderer(messages) == "agent"
         kept.append((row, limited, digest, truncated))
 
     splits = assign_splits([d for _, _, d, _ in kept], validation_fraction, seed)
@@ -245,6 +424,7 @@ def prepare_sft(
         "held_out_rows": held_out_rows,
         "examples_out": len(out.examples),
         "skipped_no_answer": skipped_no_answer,
+        "tool_conversations": tool_conversations,  # kept examples rendered as the agent loop tokenizes them
         "dropped": dropped,
         "truncated": truncations,
         "train_examples": sum(e["split"] == "train" for e in out.examples),
@@ -259,12 +439,29 @@ def prepare_sft(
 
 
 def without_held_out(rows: list[dict], held_out: list[dict]) -> tuple[list[dict], int]:
-    """Rows that are not held-out prompts (same ID or same content), and how many were left out: the warm start
-    must not imitate the reference answer of a prompt the evaluation scores."""
+    """Rows that are not held-out prompts (same ID or same content; for chat rows also the same question: the
+    last user message before the first answer), and how many were left out: the warm start must not imitate the
+    reference answer of a prompt the evaluation scores."""
     ids = {p["prompt_id"] for p in held_out}
     hashes = {p["content_hash"] for p in held_out}
-    kept = [r for r in rows if r["id"] not in ids and r["content_hash"] not in hashes]
+    questions = {p["question"] for p in held_out if p.get("question")}
+    kept = [
+        r for r in rows if r["id"] not in ids and r["content_hash"] not in hashes and chat_question(r) not in questions
+    ]
     return kept, len(rows) - len(kept)
+
+
+def chat_question(row: dict) -> str | None:
+    """A chat row's question: its last user message before the first assistant turn (None for refiner rows)."""
+    if not is_chat_row(row):
+        return None
+    asked = None
+    for m in row["messages"]:
+        if m["role"] == "assistant":
+            break
+        if m["role"] == "user":
+            asked = m["content"]
+    return asked
 
 
 def _limit_detail(reason: str, rendered: Rendered, limits: SFTLimits) -> str:
@@ -319,6 +516,7 @@ def stats_rows(run: str, stats: dict) -> list[dict]:
     for name in ("rows_in", "examples_out", "skipped_no_answer", "train_examples", "validation_examples"):
         add("count", name, stats[name])
     add("count", "held_out_rows", stats.get("held_out_rows", 0))
+    add("count", "tool_conversations", stats.get("tool_conversations", 0))
     for reason, n in stats["dropped"].items():
         add("dropped", reason, n)
     for reason, n in stats["truncated"].items():

@@ -29,6 +29,7 @@ class Tool(Protocol):
     name: str
     description: str
     parameters: dict  # JSON schema of the arguments object
+    max_seconds: float  # the most wall time one call can take (the loop reserves it against a conversation's budget)
 
     def run_many(self, arguments: list[dict]) -> list[ToolResult]: ...
 

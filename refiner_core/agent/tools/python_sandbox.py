@@ -602,6 +602,7 @@ class PythonTool:
 
     def __init__(self, sandbox: PythonSandbox):
         self.sandbox = sandbox
+        self.max_seconds = sandbox.limits.wall_seconds  # then the call's processes are killed
 
     def run_many(self, arguments: list[dict]) -> list[ToolResult]:
         bad = [_bad_arguments(a, self.sandbox.limits.max_code_bytes) for a in arguments]
