@@ -381,7 +381,7 @@ def test_show_adds_the_judge_cost_and_the_monitors_that_tripped(tmp_path):
         "detail": "citations per answer 2.00 -> 1.00",
     }
     run_dir = _catalog(tmp_path / "run", {"steps": steps, "monitor_events": [event]})
-    result = runner.invoke(app, ["show", str(run_dir)])
+    result = runner.invoke(app, ["show", str(run_dir)], env={"COLUMNS": "200"})  # the detail cell unwrapped
     assert result.exit_code == 0, result.output
     assert "judge over 2 step(s): 10 requests, 450 prompt + 20 completion tokens, $0.0011" in result.output
     assert "monitors tripped (1;" in result.output and "citation_drift" in result.output

@@ -7,6 +7,8 @@ import base64
 import io
 from pathlib import Path
 
+from refiner_core.eval.evaluate import answer_columns
+
 # Held-out eval panels: (summary key, title); rates are drawn as percentages.
 EVAL_PANELS = [
     ("reward", "eval: reward (training reward code)"),
@@ -104,7 +106,8 @@ def _draw(steps: list[dict], evals: list[dict] | None):
         ("loss", "loss"),
         ("response_length_mean", "response tokens (mean)"),
     ]
-    eval_panels = EVAL_PANELS + [p for p in ANSWER_PANELS if any(e.get(p[0]) is not None for e in evals or [])]
+    shown = {key for _, key, _ in answer_columns(evals or [])}  # as the eval table shows them
+    eval_panels = EVAL_PANELS + [p for p in ANSWER_PANELS if p[0] in shown]
     if evals:  # training curves on the first row, held-out curves on the rows below
         columns = len(EVAL_PANELS)
         rows = 1 + -(-len(eval_panels) // columns)
