@@ -55,13 +55,13 @@ def run(
         _fail(str(e))
     problems = check_recipe(cfg)
     if problems:
-        _fail(
-            "\n  ".join(
-                [f"{recipe}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, nothing was run:", *problems]
-            )
-        )
+        _fail(_problems(recipe, problems, "nothing was run"))
     folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
     _run_locked(cfg, folder, refresh, debug, f"refiner run {recipe}")
+
+
+def _problems(recipe: Path, problems: list[str], when: str) -> str:
+    return "\n  ".join([f"{recipe}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, {when}:", *problems])
 
 
 def _run_locked(cfg, folder: Path, refresh: bool, debug: bool, command: str, before=None) -> None:
@@ -235,8 +235,11 @@ def config(
     recipe: Path | None = typer.Argument(None, exists=True, dir_okay=False, help="Recipe to resolve."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: section.field=value."),
     fields: bool = typer.Option(False, "--fields", help="List every field with its default and help text."),
+    check: bool = typer.Option(
+        False, "--check", help="Run the preflight checks `refiner run` runs (nothing starts); exit 2 on a problem."
+    ),
 ) -> None:
-    """Print the resolved config of a recipe (YAML), or document every field."""
+    """Print the resolved config of a recipe (YAML), or document every field, or check it."""
     import yaml
 
     if fields:
@@ -247,6 +250,12 @@ def config(
         cfg = load_recipe(recipe, overrides)
     except (ConfigError, OSError) as e:
         _fail(str(e))
+    if check:
+        problems = check_recipe(cfg)
+        if problems:
+            _fail(_problems(recipe, problems, "found before running"))
+        typer.echo(f"{recipe}: no problem found")
+        return
     typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 

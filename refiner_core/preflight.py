@@ -195,10 +195,7 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             f"judge.serve = true: judge.base_url {cfg.judge.base_url!r} must name a host and port "
             "on this machine (e.g. http://127.0.0.1:8011/v1) for the server the run starts"
         )
-    from refiner_core.reward.verifiers import VERIFIERS
-
-    if cfg.reward.verifier not in VERIFIERS:
-        problems.append(f"reward.verifier = {cfg.reward.verifier!r}: choose from {sorted(VERIFIERS)}")
+    problems += backend_problems(cfg)
     if not 0 <= cfg.reward.overlong_buffer <= cfg.rollout.max_new_tokens:
         problems.append(
             f"reward.overlong_buffer = {cfg.reward.overlong_buffer}: must be between 0 (off) and "
@@ -266,6 +263,31 @@ def check_values(cfg: RecipeConfig) -> list[str]:
 
     problems += tracker_problems(cfg.run.report_to)
     return problems
+
+
+def backend_problems(cfg: RecipeConfig) -> list[str]:
+    """Every backend name of the recipe, checked against its table (or imported, for an import path), so a typo
+    fails before anything runs, with the closest name."""
+    from refiner_core.agent.tools.base import TOOLS
+    from refiner_core.judges.base import JUDGES
+    from refiner_core.learners.base import LEARNERS
+    from refiner_core.reward.verifiers import VERIFIERS
+    from refiner_core.rollout.base import ENGINES
+    from refiner_core.runtime.registry import problem
+
+    names = [
+        ("rollout.engine", ENGINES, "rollout engine", cfg.rollout.engine),
+        ("judge.engine", JUDGES, "judge engine", cfg.judge.engine),
+        ("grpo.learner", LEARNERS, "learner", cfg.grpo.learner),
+        ("reward.verifier", VERIFIERS, "verifier", cfg.reward.verifier),
+    ]
+    if cfg.rollout.agent.enabled:
+        names += [("rollout.agent.tools", TOOLS, "tool", tool) for tool in cfg.rollout.agent.tools]
+    return [
+        f"{where} = {name!r}: {trouble}"
+        for where, table, kind, name in names
+        if (trouble := problem(table, kind, name))
+    ]
 
 
 def _loopback_port(base_url: str) -> bool:

@@ -353,7 +353,7 @@ def test_calls_past_the_caps_are_refused_never_run_and_earn_no_tool_round(tiny_m
     """A turn's calls past max_calls_per_turn, and calls whose worst case (the sandbox's 2 s wall clock) no longer
     fits in the conversation's 5 s of tool time, are answered 'refused' and never reach the sandbox; a turn whose
     calls all failed to run is no tool round, so the TCR reward pays nothing for them."""
-    from refiner_core.agent.tcr import tcr_verifier
+    from refiner_core.reward.tcr import tcr_verifier
 
     check_sandbox()
     tool = CountingTool(PythonTool(PythonSandbox(SandboxLimits(wall_seconds=2.0), concurrency=2)))

@@ -5,6 +5,7 @@ inside functions count), hence no import cycle; storage I/O knows nothing of rew
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,14 +40,18 @@ LAYERS = [
 ]
 
 
+REGISTRY_ENTRY = re.compile(r"^refiner_core(\.\w+)+:\w+$")
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(registry_edges: bool = False) -> dict[str, set[str]]:
     """refiner_core module -> the refiner_core modules it imports anywhere in its source (a package's own
-    __init__ counts as a module)."""
+    __init__ counts as a module). With `registry_edges`, a backend table's "module:factory" string counts as an
+    import of that module (it is imported when chosen), though a table and its backends import each other."""
     modules = {_module_name(p): p for p in CORE.rglob("*.py")}
 
     def resolve(dotted: str) -> str | None:
@@ -64,6 +69,8 @@ def import_graph() -> dict[str, set[str]]:
                 targets |= {resolve(alias.name) for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets |= {resolve(f"{node.module}.{alias.name}") or resolve(node.module) for alias in node.names}
+            elif registry_edges and isinstance(node, ast.Constant) and REGISTRY_ENTRY.match(str(node.value)):
+                targets.add(resolve(node.value.partition(":")[0]))  # a backend table's "module:factory": an import
         graph[name] = {t for t in targets if t and t != name}
     return graph
 
@@ -119,7 +126,8 @@ def layer(module: str) -> str:
 
 
 def test_every_package_imports_only_the_layers_below_it():
-    graph = import_graph()
+    graph = import_graph(registry_edges=True)
+    assert "refiner_core.reward.tcr" in graph["refiner_core.reward.verifiers"], "registry strings are edges"
     assert {layer(m) for m in graph} == set(LAYERS), "a new package or top-level module needs its place in LAYERS"
     upward = sorted(
         (m, t) for m, targets in graph.items() for t in targets if LAYERS.index(layer(t)) > LAYERS.index(layer(m))

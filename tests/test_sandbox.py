@@ -304,7 +304,8 @@ def test_recipe_with_the_python_tool_is_refused_before_running_without_bubblewra
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "grpo-tcr.yaml"
     cfg = load_recipe(recipe, ["model.policy=tiny-qwen3", "rollout.agent.tools=[python, browser]"])
     assert [p for p in check_values(cfg) if "rollout.agent" in p] == [
-        "rollout.agent.tools = ['python', 'browser']: choose one or more of ['python']"
+        "rollout.agent.tools = 'browser': unknown tool; choose from ['python'] or give an import path "
+        "'package.module:factory'"
     ]
     monkeypatch.setenv("PATH", "/nonexistent")
     problems = [p for p in check_values(load_recipe(recipe)) if "rollout.agent" in p]

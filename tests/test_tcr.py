@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refiner_core.agent.tcr import tool_call_reward
+from refiner_core.reward.tcr import tool_call_reward
 
 
 @pytest.mark.parametrize(

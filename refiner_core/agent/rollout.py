@@ -159,8 +159,7 @@ def agent_problems(agent) -> list[str]:
     from refiner_core.agent.tools.python_sandbox import SandboxUnavailable, check_sandbox
 
     problems = []
-    unknown = [t for t in agent.tools if t not in TOOLS]
-    if unknown or not agent.tools:
+    if not agent.tools:  # each name is checked with the other backends' (preflight.backend_problems)
         problems.append(f"rollout.agent.tools = {agent.tools!r}: choose one or more of {sorted(TOOLS)}")
     for name in (
         "max_turns",

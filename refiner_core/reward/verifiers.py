@@ -96,7 +96,7 @@ VERIFIERS: dict[str, str] = {
     "majority_vote": "refiner_core.reward.verifiers:self_majority_verifier",
     "co_rewarding": "refiner_core.reward.verifiers:twin_majority_verifier",
     "co_rewarding_teacher": "refiner_core.reward.verifiers:teacher_majority_verifier",
-    "tcr": "refiner_core.agent.tcr:tcr_verifier",
+    "tcr": "refiner_core.reward.tcr:tcr_verifier",
 }
 
 
