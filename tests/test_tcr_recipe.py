@@ -15,10 +15,9 @@ from refiner_core.agent.rollout import eval_row
 from refiner_core.agent.tools.python_sandbox import PythonSandbox, PythonTool, SandboxLimits, check_sandbox
 from refiner_core.config import RewardConfig, load_recipe
 from refiner_core.data.prompts import render_prompt
-from refiner_core.eval.evaluate import format_table, score_responses, summarize
+from refiner_core.eval.evaluate import format_table, markdown_table, score_responses, summarize
 from refiner_core.models import load_model
 from refiner_core.preflight import check_recipe
-from refiner_core.publish.model_card import _eval_table
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.store.storage import query
@@ -104,9 +103,10 @@ def test_agent_evaluations_count_calls_turns_and_boxed_answers(tiny_model_path, 
     assert summary["turns"] == 2.0 and summary["mean_tokens"] == (a["response_tokens"] + b["response_tokens"]) / 2
     header = format_table([summary]).splitlines()[0]
     for column in ("accuracy", "boxed", "tool calls", "well-formed calls", "tool errors", "turns", "mean tokens"):
-        assert column in header and column in _eval_table([summary]).splitlines()[0]
+        assert column in header and column in markdown_table([summary]).splitlines()[0]
     judged = {**summary, **dict.fromkeys(("accuracy", "boxed", "tool_call_rate", "turns"))}
-    assert "accuracy" not in format_table([judged]) and "tool calls" not in _eval_table([judged])
+    assert "accuracy" not in format_table([judged]) and "tool calls" not in markdown_table([judged])
+    assert "format-valid" not in format_table([summary]) and "format-valid" in markdown_table([judged])
 
 
 @pytest.fixture(scope="module")

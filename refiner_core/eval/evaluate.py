@@ -224,48 +224,50 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def format_table(summary: list[dict]) -> str:
-    """The summary as a fixed-width text table, one line per evaluated policy and mode."""
-    header = (
-        "step",
-        "policy",
-        "mode",
-        "prompts",
-        "format-valid",
-        "citations valid",
-        "cites distractor",
-        "supporting cited",
-        "judge score",
-        "reward",
-        "stopped",
-        "pass@1",
-        "pass@k",
-    )
+def eval_table(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The held-out table's header and cells, one row per evaluated policy and mode: the one rendering behind the
+    eval log's text table and the model card's markdown. The refiner's columns (format, citations, judge score)
+    are left out when every row answered verified prompts only (a math or agent evaluation)."""
+    refiner = any(s.get("accuracy") is None or s.get("judge_score") is not None for s in summary)
     extra = answer_columns(summary)
-    header = header + tuple(name for name, _, _ in extra)
-    lines = [header]
+    header = ["step", "policy", "mode", "prompts"]
+    if refiner:
+        header += ["format-valid", "citations valid", "cites distractor", "supporting cited", "judge score"]
+    header += ["reward", "stopped", "pass@1", "pass@k", *(name for name, _, _ in extra)]
+    rows = []
     for s in summary:
-        judge = "-" if s["judge_score"] is None else f"{s['judge_score']:.3f}"
-        lines.append(
-            (
-                str(s["step"]),
-                s["phase"],
-                s["mode"],
-                str(s["prompts"]),
-                f"{s['format_valid']:.0%}",
-                f"{s['citation_valid']:.0%}",
-                "-" if s["cites_distractor"] is None else f"{s['cites_distractor']:.0%}",
-                "-" if s["supporting_recall"] is None else f"{s['supporting_recall']:.0%}",
-                judge,
-                f"{s['reward']:.2f}",
-                f"{s['stopped']:.0%}",
-                f"{s['pass_at_1']:.0%}",
-                f"{s['pass_at_k']:.0%} (k={s['k']})",
-                *(answer_cell(s.get(key), rate) for _, key, rate in extra),
-            )
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+        cells = [str(s["step"]), s["phase"], s["mode"], str(s["prompts"])]
+        if refiner:
+            cells += [
+                answer_cell(s["format_valid"], True),
+                answer_cell(s["citation_valid"], True),
+                answer_cell(s.get("cites_distractor"), True),
+                answer_cell(s.get("supporting_recall"), True),
+                "-" if s["judge_score"] is None else f"{s['judge_score']:.3f}",
+            ]
+        cells += [
+            f"{s['reward']:.2f}",
+            answer_cell(s.get("stopped"), True),
+            f"{s['pass_at_1']:.0%}",
+            f"{s['pass_at_k']:.0%} (k={s['k']})",
+            *(answer_cell(s.get(key), rate) for _, key, rate in extra),
+        ]
+        rows.append(cells)
+    return header, rows
+
+
+def format_table(summary: list[dict]) -> str:
+    """The held-out table as fixed-width text (the eval stage's log)."""
+    header, rows = eval_table(summary)
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *rows])
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """The held-out table in markdown (model cards)."""
+    header, rows = eval_table(summary)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def score_responses(

@@ -82,7 +82,9 @@ def model_card(
         )
     sections.append("## Data\n\n" + _table(_data_rows(recipe, data), "data"))
     if evals:
-        sections.append("## Held-out evaluation\n\n" + _eval_table(evals))
+        from refiner_core.eval.evaluate import markdown_table
+
+        sections.append("## Held-out evaluation\n\n" + markdown_table(evals))
     if judge_cost:
         prices = (recipe["judge"].get("price_per_mtok_in", 0.0), recipe["judge"].get("price_per_mtok_out", 0.0))
         sections.append("## Judge cost\n\n" + judge_cost_line(judge_cost, *prices))
@@ -216,47 +218,6 @@ def _data_rows(recipe: dict, data: dict | None) -> list[tuple[str, str]]:
         if data.get("quarantined") is not None:
             rows.append(("quarantined rows", data["quarantined"]))
     return rows
-
-
-def _eval_table(evals: list[dict]) -> str:
-    from refiner_core.eval.evaluate import answer_cell, answer_columns
-
-    extra = answer_columns(evals)  # accuracy, answered in a box, tool use: where the evaluation has them
-    header = (
-        "step",
-        "policy",
-        "mode",
-        "prompts",
-        "format-valid",
-        "citations valid",
-        "cites distractor",
-        "supporting cited",
-        "judge score",
-        "reward",
-        "pass@1",
-        "pass@k",
-    )
-    rows = [
-        (
-            e["step"],
-            e["phase"],
-            e["mode"],
-            e["prompts"],
-            f"{e['format_valid']:.0%}",
-            f"{e['citation_valid']:.0%}",
-            "-" if e.get("cites_distractor") is None else f"{e['cites_distractor']:.0%}",
-            "-" if e.get("supporting_recall") is None else f"{e['supporting_recall']:.0%}",
-            "-" if e["judge_score"] is None else f"{e['judge_score']:.3f}",
-            f"{e['reward']:.3f}",
-            f"{e['pass_at_1']:.0%}",
-            f"{e['pass_at_k']:.0%} (k={e['k']})",
-            *(answer_cell(e.get(key), rate) for _, key, rate in extra),
-        )
-        for e in evals
-    ]
-    header += tuple(name for name, _, _ in extra)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def _reproduce(recipe: dict, kind: str, step: int | None) -> str:
