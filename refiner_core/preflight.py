@@ -7,11 +7,10 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 from refiner_core import REPO_ROOT
-from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig
+from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig, checked_fields
 from refiner_core.data.rows import UTF8_BOM, parse_jsonl_line
 from refiner_core.data.sources import SourceError, cached_hub_columns, detect_format, hub_offline
 from refiner_core.models import SMOLLM2, TINY_QWEN3
@@ -39,94 +38,6 @@ FIELD_KINDS: dict[str, tuple[set[str], str]] = {
     "ground_truth": ({"string", "integer", "number"}, "a string or a number"),
     "positive_rubrics": _RUBRIC_KINDS,
     "negative_rubrics": _RUBRIC_KINDS,
-}
-
-Rule = tuple[Callable[[float], bool], str]
-AT_LEAST_1: Rule = (lambda v: v >= 1, "must be at least 1")
-NON_NEGATIVE: Rule = (lambda v: v >= 0, "must be >= 0")
-POSITIVE: Rule = (lambda v: v > 0, "must be > 0")
-FRACTION: Rule = (lambda v: 0 <= v <= 1, "must be between 0 and 1")
-HOLDOUT: Rule = (lambda v: 0 <= v < 1, "must be in [0, 1) (1 would hold out every row)")
-# GRPO compares the samples of one prompt: with a single sample every advantage is 0 and nothing is learned.
-GROUP: Rule = (lambda v: v >= 2, "must be at least 2 (GRPO learns from differences within a group)")
-
-VALUE_RULES: dict[str, Rule] = {
-    "run.retries": NON_NEGATIVE,
-    "run.retry_delay_seconds": NON_NEGATIVE,
-    "run.num_threads": NON_NEGATIVE,
-    "run.save_every": AT_LEAST_1,
-    "model.lora_rank": NON_NEGATIVE,
-    "model.lora_dropout": FRACTION,
-    "model.max_position_embeddings": AT_LEAST_1,
-    "data.max_prompts": NON_NEGATIVE,
-    "data.validation_fraction": HOLDOUT,
-    "data.max_prompt_tokens": AT_LEAST_1,
-    "data.max_reference_tokens": AT_LEAST_1,
-    "data.max_rejected_fraction": FRACTION,
-    "rubrics.max_rejected_fraction": FRACTION,
-    "rubrics.generation_timeout_seconds": POSITIVE,
-    "rubrics.generation_max_tokens": AT_LEAST_1,
-    "rollout.samples_per_prompt": GROUP,
-    "rollout.prompts_per_step": AT_LEAST_1,
-    "rollout.temperature": POSITIVE,
-    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-    "rollout.max_new_tokens": AT_LEAST_1,
-    "rollout.batch_size": AT_LEAST_1,
-    "rollout.dynamic_sampling_max_rounds": NON_NEGATIVE,
-    "rollout.num_engines": AT_LEAST_1,
-    "judge.max_new_tokens": AT_LEAST_1,
-    "judge.batch_size": AT_LEAST_1,
-    "judge.max_response_chars": AT_LEAST_1,
-    "judge.concurrency": AT_LEAST_1,
-    "judge.timeout_seconds": POSITIVE,
-    "judge.max_retries": NON_NEGATIVE,
-    "judge.request_budget": NON_NEGATIVE,
-    "judge.backoff_seconds": NON_NEGATIVE,
-    "grpo.steps": AT_LEAST_1,
-    "grpo.learning_rate": POSITIVE,
-    "grpo.weight_decay": NON_NEGATIVE,
-    "grpo.max_grad_norm": NON_NEGATIVE,
-    "grpo.beta": NON_NEGATIVE,
-    "grpo.kl_clamp": POSITIVE,
-    "grpo.clip_eps_low": NON_NEGATIVE,
-    "grpo.clip_eps_high": NON_NEGATIVE,
-    "grpo.advantage_eps": NON_NEGATIVE,
-    "grpo.loss_constant": POSITIVE,
-    "grpo.micro_batch_size": AT_LEAST_1,
-    "grpo.minibatches": AT_LEAST_1,
-    "grpo.tis_cap": NON_NEGATIVE,
-    "grpo.tis_floor": NON_NEGATIVE,
-    "grpo.pack_length": NON_NEGATIVE,
-    "grpo.async_steps": NON_NEGATIVE,
-    "grpo.dual_clip_c": (lambda v: v > 1, "must be > 1 (the bound -A * c lies beyond the clipped ratio 1 + eps)"),
-    "grpo.sapo_tau_pos": POSITIVE,
-    "grpo.sapo_tau_neg": POSITIVE,
-    "grpo.entropy_coef": (lambda v: v >= 0, "must be >= 0 (a bonus on entropy; a negative one would reward collapse)"),
-    "sft.max_prompt_tokens": AT_LEAST_1,
-    "sft.max_response_tokens": AT_LEAST_1,
-    "sft.max_total_tokens": AT_LEAST_1,
-    "sft.pack_length": AT_LEAST_1,
-    "sft.validation_fraction": HOLDOUT,
-    "sft.epochs": AT_LEAST_1,
-    "sft.learning_rate": POSITIVE,
-    "sft.warmup_steps": NON_NEGATIVE,
-    "sft.weight_decay": NON_NEGATIVE,
-    "sft.max_grad_norm": NON_NEGATIVE,
-    "sft.micro_batch_size": AT_LEAST_1,
-    "sft.gradient_accumulation": AT_LEAST_1,
-    "sft.histogram_bins": AT_LEAST_1,
-    "sft.max_rejected_fraction": FRACTION,
-    "eval.every": NON_NEGATIVE,
-    "eval.prompts": NON_NEGATIVE,
-    "eval.samples": NON_NEGATIVE,
-    "eval.temperature": POSITIVE,
-    "eval.pass_k": NON_NEGATIVE,
-    "eval.pass_rubric_score": FRACTION,
-    "eval.max_new_tokens": NON_NEGATIVE,
-    "teacher.alpha_start": FRACTION,
-    "teacher.alpha_end": FRACTION,
-    "teacher.schedule_steps": NON_NEGATIVE,
-    "teacher.update_interval": AT_LEAST_1,
 }
 
 
@@ -167,13 +78,9 @@ def check_recipe(cfg: RecipeConfig) -> list[str]:
 
 
 def check_values(cfg: RecipeConfig) -> list[str]:
-    conf = cfg.to_dict()
-    problems = []
-    for name, (ok, requirement) in VALUE_RULES.items():
-        section, key = name.split(".")
-        value = conf[section][key]
-        if not ok(value):
-            problems.append(f"{name} = {value!r}: {requirement}")
+    problems = [
+        f"{name} = {value!r}: {check.requirement}" for name, value, check in checked_fields(cfg) if not check.ok(value)
+    ]
     if cfg.eval.every and not cfg.data.validation_fraction:
         problems.append(
             "eval.every > 0 evaluates held-out prompts, and data.validation_fraction = 0 holds out none: "
