@@ -82,13 +82,14 @@ def compare(sft: dict[str, dict], grpo: dict[str, dict]) -> dict:
     }
 
 
-def run_main_job(run_dir: Path, seed: int, extra: list[str]) -> float:
+def run_recipe(recipe: Path, run_dir: Path, seed: int, extra: list[str]) -> float:
+    """`refiner run RECIPE` into run_dir with run.seed and the extra --set assignments; its wall seconds."""
     cmd = [
         sys.executable,
         "-m",
         "flows.cli",
         "run",
-        str(RECIPE),
+        str(recipe),
         "--run-dir",
         str(run_dir),
         "--set",
@@ -111,7 +112,7 @@ def main() -> None:
     per_seed, seconds = {}, {}
     for seed in args.seeds:
         run_dir = args.runs_root / f"seed-{seed}"
-        seconds[seed] = run_main_job(run_dir, seed, args.overrides)
+        seconds[seed] = run_recipe(RECIPE, run_dir, seed, args.overrides)
         evals = greedy_evals(run_dir)
         sft = evals[("sft", 0)]
         per_seed[seed] = {step: compare(sft, rows) for (phase, step), rows in sorted(evals.items()) if phase == "grpo"}

@@ -26,32 +26,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from refiner_core.eval.stats import mcnemar_p  # noqa: E402  (after the repository is on sys.path)
+from bench.main_margin import run_recipe  # noqa: E402  (after the repository is on sys.path)
+from refiner_core.eval.stats import mcnemar_p  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tcr-smollm2.yaml"
 COLUMNS = "phase, step, prompt_id, passed, boxed, tool_calls, well_formed_calls, turns, response_tokens"
 
 
-def run_recipe(run_dir: Path, seed: int, extra: list[str]) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "run",
-        str(RECIPE),
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        f"run.seed={seed}",
-    ]
-    for assignment in extra:
-        cmd += ["--set", assignment]
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True)
-    return time.perf_counter() - start
-
-
-def greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
+ef greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
     """{(phase, step): {prompt_id: eval row}} of the run's greedy conversations."""
     from refiner_core.store.storage import query
 
@@ -110,7 +92,7 @@ def main() -> None:
     for seed in args.seeds:
         run_dir = args.runs_root / f"seed-{seed}"
         reuse = args.reuse and (run_dir / "catalog.duckdb").is_file()
-        seconds[seed] = float("nan") if reuse else run_recipe(run_dir, seed, args.overrides)
+        seconds[seed] = float("nan") if reuse else run_recipe(RECIPE, run_dir, seed, args.overrides)
         evals = greedy_evals(run_dir)
         cold = evals[("sft", 0)]
         base = evals.get(("base", 0), {})
