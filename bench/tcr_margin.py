@@ -18,9 +18,7 @@ The seed changes everything a run draws: the held-out split, the cold start's or
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +31,7 @@ RECIPE = REPO / "recipes" / "tcr-smollm2.yaml"
 COLUMNS = "phase, step, prompt_id, passed, boxed, tool_calls, well_formed_calls, turns, response_tokens"
 
 
-ef greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
+def greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
     """{(phase, step): {prompt_id: eval row}} of the run's greedy conversations."""
     from refiner_core.store.storage import query
 
