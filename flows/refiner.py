@@ -28,7 +28,7 @@ from refiner_core.config import (
     pick,
     recipe_from_dict,
 )
-from refiner_core.data.rows import quarantine_warning
+from refiner_core.data.quarantine import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.judges.cost import check_budget, usage_cost
 from refiner_core.preflight import resolve

@@ -5,7 +5,8 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.config import ConfigError, DataConfig
-from refiner_core.data.rows import TooManyRejected, prepare_prompts, validate_rows
+from refiner_core.data.prepare import prepare_prompts
+from refiner_core.data.rows import TooManyRejected, validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.ledger import prompt_ledger, select_prompts

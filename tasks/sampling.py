@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from refiner_core.config import EngineSettings
-from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids, weighted_step_prompt_ids
+from refiner_core.data.schedule import refill_prompt_ids, step_prompt_ids, weighted_step_prompt_ids
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.sharded import ShardedEngine
 from refiner_core.runtime import live

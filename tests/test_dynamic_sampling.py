@@ -12,7 +12,7 @@ import pytest
 
 from conftest import math_rows_file
 from refiner_core.config import load_recipe
-from refiner_core.data.rows import refill_prompt_ids, step_prompt_ids
+from refiner_core.data.schedule import refill_prompt_ids, step_prompt_ids
 from refiner_core.reward.ground_truth import Verdict
 from test_pipeline import STAGES, _run
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from refiner_core.config import load_recipe
-from refiner_core.data.rows import weighted_step_prompt_ids
+from refiner_core.data.schedule import weighted_step_prompt_ids
 from refiner_core.publish.catalog import build_catalog
 from refiner_core.publish.ledger import MIN_WEIGHT, prompt_weight, select_prompts
 from refiner_core.publish.run_sql import open_runs, run_query

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from refiner_core.config import RewardConfig
-from refiner_core.data.rows import step_prompt_ids
+from refiner_core.data.schedule import step_prompt_ids
 from refiner_core.reward.pseudo_labels import Vote, majority_vote, verdict_against_label, vote_of
 from refiner_core.reward.verifiers import make_verifier, verdict_columns
 
@@ -154,7 +154,8 @@ def test_both_views_of_a_question_are_sampled_in_the_same_step():
 
 
 def test_twins_share_a_split_and_unpaired_views_are_quarantined(tiny_tokenizer):
-    from refiner_core.data.rows import RawRow, prepare_prompts, validate_rows
+    from refiner_core.data.prepare import prepare_prompts
+    from refiner_core.data.rows import RawRow, validate_rows
 
     def row(rid, twin):
         return {

@@ -12,8 +12,9 @@ import pytest
 
 import refiner_core.judges.transformers_judge as transformers_judge
 from refiner_core.config import JudgeConfig
+from refiner_core.data.prepare import prepare_prompts
 from refiner_core.data.prompts import judge_messages, refiner_messages, render_chat, render_prompt
-from refiner_core.data.rows import prepare_prompts, validate_rows
+from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import load_rows
 from refiner_core.models import SMOLLM2, load_tokenizer, resolve_model
 from refiner_core.sft.data import render_with_mask

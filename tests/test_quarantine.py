@@ -10,14 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from refiner_core.data.rows import (
-    RawRow,
-    TooManyRejected,
-    accepted_raw_rows,
-    check_rejected_fraction,
-    prepare_prompts,
-    validate_rows,
-)
+from refiner_core.data.prepare import prepare_prompts
+from refiner_core.data.rows import RawRow, TooManyRejected, accepted_raw_rows, check_rejected_fraction, validate_rows
 from refiner_core.data.sources import load_rows
 
 DATA = Path(__file__).parent / "data"
@@ -284,7 +278,8 @@ def test_the_length_precheck_never_rejects_a_row_that_fits(tiny_tokenizer):
 
 
 def test_a_run_that_quarantined_rows_ends_with_a_warning(tmp_path):
-    from refiner_core.data.rows import Rejection, quarantine_warning
+    from refiner_core.data.quarantine import quarantine_warning
+    from refiner_core.data.rows import Rejection
     from refiner_core.publish.catalog import build_catalog
     from refiner_core.schema import QUARANTINE
     from refiner_core.store.storage import write_table

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from refiner_core.config import ConfigError, recipe_from_dict
-from refiner_core.data.rows import prepare_prompts, validate_rows
+from refiner_core.data.prepare import prepare_prompts
+from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import SourceError, detect_format, load_rows
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Which prompts each GRPO step trains on."""
 
-from refiner_core.data.rows import step_prompt_ids
+from refiner_core.data.schedule import step_prompt_ids
 
 
 def test_step_prompts_never_repeat_within_a_step_and_cover_each_epoch():

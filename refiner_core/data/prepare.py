@@ -1,0 +1,180 @@
+"""From validated rows to the prompts table: prompt fields, rendering within the token limits, the train/validation
+split, and dropping a co-rewarding twin whose partner was dropped."""
+
+from __future__ import annotations
+
+import json
+
+from refiner_core.data.formats import tool_snippet_ids
+from refiner_core.data.prompts import refiner_messages, render_prompt
+from refiner_core.data.rows import Rejection, is_chat_row, split_of
+
+
+def prompt_fields(row: dict) -> dict:
+    """The prompt-side view of either row shape: chat messages up to the answer plus refiner fields."""
+    if not is_chat_row(row):
+        return {
+            "messages": refiner_messages(row["question"], row["reasoning"], row["tool_output"]),
+            "question": row["question"],
+            "reasoning": row["reasoning"],
+            "tool_output": row["tool_output"],
+            "answer": row.get("answer") or "",
+            "supporting_ids": row.get("supporting_ids"),
+            "ground_truth": None,
+            "twin_id": None,
+        }
+    messages = row["messages"]
+    ends_with_answer = messages[-1]["role"] == "assistant"
+    prompt = messages[:-1] if ends_with_answer else messages
+    truth = row.get("ground_truth")
+    truth = str(truth) if isinstance(truth, (int, float)) and not isinstance(truth, bool) else truth
+    truth = truth if isinstance(truth, str) and truth.strip() else None
+    answer = truth if truth is not None else (messages[-1]["content"] if ends_with_answer else "")
+    twin = row.get("twin_id")
+    return {
+        "messages": prompt,
+        "question": [m for m in prompt if m["role"] == "user"][-1]["content"],
+        "reasoning": "",
+        "tool_output": "\n".join(m["content"] for m in prompt if m["role"] == "tool"),
+        "answer": answer,
+        "supporting_ids": None,
+        "ground_truth": truth,
+        "twin_id": str(twin) if twin not in (None, "") else None,
+    }
+
+
+def prepare_prompts(
+    rows: list[dict],
+    tokenizer,
+    run: str,
+    max_prompt_tokens: int,
+    max_reference_tokens: int,
+    validation_fraction: float,
+    seed: int,
+) -> tuple[list[dict], list[Rejection]]:
+    """Render chat prompts and drop rows over the token limits (each drop is a counted, recorded rejection)."""
+    prompts, rejected = [], []
+    chars_per_token = max_chars_per_token(tokenizer)
+    for row in rows:
+        view = prompt_fields(row)
+        answer = view["answer"]
+        raw = json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")})
+        # A row far over a limit is rejected before tokenizing it: a multi-megabyte row would take seconds and
+        # gigabytes to tokenize only to be dropped.
+        prompt_chars = sum(kept_chars(m["content"]) for m in view["messages"])
+        if prompt_chars > max_prompt_tokens * chars_per_token:
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "prompt_too_long",
+                    f"{prompt_chars} characters besides "
+                    f"whitespace: more than max_prompt_tokens {max_prompt_tokens} tokens can hold",
+                    raw,
+                )
+            )
+            continue
+        if kept_chars(answer) > max_reference_tokens * chars_per_token:
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "reference_too_long",
+                    f"{kept_chars(answer)} answer "
+                    f"characters besides whitespace: more than max_reference_tokens "
+                    f"{max_reference_tokens} tokens can hold",
+                    raw,
+                )
+            )
+            continue
+        text, ids = render_prompt(tokenizer, view["messages"])
+        ref_tokens = len(tokenizer(answer, add_special_tokens=False)["input_ids"]) if answer else 0
+        if len(ids) > max_prompt_tokens:
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "prompt_too_long",
+                    f"{len(ids)} prompt tokens > max_prompt_tokens {max_prompt_tokens}",
+                    raw,
+                )
+            )
+            continue
+        if ref_tokens > max_reference_tokens:
+            rejected.append(
+                Rejection(
+                    row["row_ref"],
+                    "reference_too_long",
+                    f"{ref_tokens} answer tokens > max_reference_tokens {max_reference_tokens}",
+                    raw,
+                )
+            )
+            continue
+        pair_lead = min(row["id"], view["twin_id"]) if view["twin_id"] else row["id"]  # both views share a split
+        prompts.append(
+            {
+                "run": run,
+                "prompt_id": row["id"],
+                "split": split_of(pair_lead, validation_fraction, seed),
+                "question": view["question"],
+                "reasoning": view["reasoning"],
+                "tool_output": view["tool_output"],
+                "snippet_ids": tool_snippet_ids(view["tool_output"]),
+                "supporting_ids": view["supporting_ids"],
+                "reference_answer": answer,
+                "ground_truth": view["ground_truth"],
+                "twin_id": view["twin_id"],
+                "prompt_text": text,
+                "prompt_token_ids": ids,
+                "prompt_tokens": len(ids),
+                "reference_tokens": ref_tokens,
+                "content_hash": row["content_hash"],
+            }
+        )
+    return drop_unpaired_twins(prompts, rows, rejected)
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: the length of the longest vocabulary entry (a byte-level
+    token spells one character per byte, a SentencePiece piece one per character, byte-fallback tokens like
+    '<0x41>' stand for fewer than they spell). Text with more than N times this many characters needs more than
+    N tokens."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def kept_chars(text: str) -> int:
+    """Characters of `text` that no tokenizer drops: whitespace does not count, as some tokenizers collapse it."""
+    return len(text) - sum(text.count(c) for c in " \t\n\r")
+
+
+def drop_unpaired_twins(
+    prompts: list[dict], rows: list[dict], rejected: list[Rejection]
+) -> tuple[list[dict], list[Rejection]]:
+    """A prompt naming a twin (`twin_id`, its rephrased view) is kept only when that twin was prepared and names
+    it back: a view without its partner could never get a pseudo-label. The others are rejected as 'unknown_twin'."""
+    by_id = {p["prompt_id"]: p for p in prompts}
+    broken = {
+        p["prompt_id"]
+        for p in prompts
+        if p["twin_id"] is not None
+        and (p["twin_id"] == p["prompt_id"] or by_id.get(p["twin_id"], {}).get("twin_id") != p["prompt_id"])
+    }
+    if not broken:
+        return prompts, rejected
+    raw_of = {r["id"]: r for r in rows}
+    for pid in sorted(broken):
+        row = raw_of[pid]
+        twin = by_id[pid]["twin_id"]
+        why = (
+            "names itself"
+            if twin == pid
+            else f"{twin!r} is not a prepared prompt"
+            if twin not in by_id
+            else f"{twin!r} names {by_id[twin]['twin_id']!r} as its twin"
+        )
+        rejected.append(
+            Rejection(
+                row["row_ref"],
+                "unknown_twin",
+                f"twin_id {why}",
+                json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")}),
+            )
+        )
+    return [p for p in prompts if p["prompt_id"] not in broken], rejected
