@@ -136,3 +136,13 @@ def test_cli_table_json_and_exit_codes(runs):
     assert runner.invoke(app, ["compare", f"{a}@7", str(b)]).exit_code == 2
     assert runner.invoke(app, ["compare", str(a)]).exit_code == 2
     assert runner.invoke(app, ["compare", str(a), str(b), str(a), str(b)]).exit_code == 2  # no --pool
+
+
+def test_every_boolean_column_compared_is_tested_as_binary():
+    import pyarrow as pa
+
+    from refiner_core.publish.compare import BINARY, compared_columns
+    from refiner_core.schema import EVALS
+
+    booleans = {c.name for c in EVALS.columns if c.type == pa.bool_()}
+    assert booleans & set(compared_columns()) <= set(BINARY)
