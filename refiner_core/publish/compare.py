@@ -37,7 +37,7 @@ BINARY: dict[str, bool | None] = {
     "cites_distractor": False,
     "stopped": True,  # finish_reason = 'stop'
     "correct": True,
-    "boxed": True,  # an agent's or a verified prompt's final answer holds a \\boxed{}
+    "boxed": True,  # an agent's or a verified prompt's final answer holds a \boxed{}
     "label_correct": True,
     "gated": False,
     "non_stop_penalized": False,
