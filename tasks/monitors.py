@@ -17,7 +17,7 @@ from refiner_core.config import MonitorsConfig
 from refiner_core.data.text_safety import markdown_inline
 from refiner_core.publish.monitors import tripped
 from refiner_core.schema import MONITOR_EVENTS
-from refiner_core.store.storage import append_catalog_rows, read_rows, write_table
+from refiner_core.store.storage import read_rows, replace_rows, write_table
 from tasks.artifacts import artifact_key
 
 ACTED = ("resumed", "failed")  # outcomes of an event that was acted on: not again
@@ -57,7 +57,7 @@ def check_monitors(*, run_dir: str, run: str, step: int, monitors_cfg: dict) -> 
     if not rows and not path.is_file():
         return []
     write_table(MONITOR_EVENTS, rows, path)
-    append_catalog_rows(Path(run_dir) / "catalog.duckdb", MONITOR_EVENTS, path, "step = ?", [step])
+    replace_rows(Path(run_dir) / "catalog.duckdb", {MONITOR_EVENTS.name: [str(path)]}, "step", step)
     for row in rows:
         log.warning(event_line(row))
     if rows:
@@ -136,7 +136,7 @@ def record_outcome(run_dir: str, step: int, monitor: str, outcome: str) -> None:
     path = events_path(run_dir, step)
     rows = [{**r, "outcome": outcome} if r["monitor"] == monitor else r for r in read_rows(path)]
     write_table(MONITOR_EVENTS, rows, path)
-    append_catalog_rows(Path(run_dir) / "catalog.duckdb", MONITOR_EVENTS, path, "step = ?", [step])
+    replace_rows(Path(run_dir) / "catalog.duckdb", {MONITOR_EVENTS.name: [str(path)]}, "step", step)
 
 
 def _api_url() -> str:

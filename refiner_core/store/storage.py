@@ -166,20 +166,9 @@ def query(db_path: Path | str, sql: str, params: list | None = None) -> tuple[li
         con.close()
 
 
-def append_catalog_rows(db_path: Path, table: Table, parquet: Path, where: str, params: list) -> None:
-    """In a published catalog, replace the rows of `table` that match `where` (SQL written by the caller, values in
-    `params`) by those of a Parquet file, atomically; the table is created if the catalog predates it."""
-    with catalog_copy(db_path, from_existing=True) as con:
-        present = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-        if table.name not in present:
-            con.execute(duckdb_ddl(table))
-        con.execute(f'DELETE FROM "{table.name}" WHERE {where}', params)
-        con.execute(f'INSERT INTO "{table.name}" BY NAME SELECT * FROM read_parquet(?)', [str(parquet)])
-
-
-def replace_rows(db_path: Path, files: dict[str, list[str]], column: str, value: str) -> None:
+def replace_rows(db_path: Path, files: dict[str, list[str]], column: str, value: object) -> None:
     """Swap the rows whose `column` is `value` in tables of a published catalog for the given Parquet files,
-    atomically (a judge check run again replaces its earlier rows)."""
+    atomically (a judge check run again replaces its earlier rows; a step's monitor events their earlier state)."""
     with catalog_copy(db_path, from_existing=True) as con:
         present = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         for name, paths in files.items():
