@@ -187,3 +187,27 @@ def info_logs():
     logger.setLevel(logging.INFO)
     yield
     logger.setLevel(level)
+
+
+# The tables a run writes step by step, compared row for row between runs that must agree (kills, forks).
+RUN_TABLES = ("prompts", "rubrics", "rollouts", "judge_scores", "reward_inputs", "rewards", "advantages", "steps")
+
+
+def table_key(table: str) -> str:
+    """A table's key as SQL columns, without `run`: its rows in a stable order."""
+    from refiner_core.schema import ALL_TABLES
+
+    return ", ".join(c for c in ALL_TABLES[table].key if c != "run")
+
+
+def vllm_prompt_logprobs(engine, token_ids: list[int]) -> list[float]:
+    """A vllm engine's log-prob of each token of `token_ids` given the ones before it (fixed tokens, no sampling)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=token_ids)],
+        VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+        use_tqdm=False,
+    )
+    return [entry[t].logprob for entry, t in zip(out[0].prompt_logprobs[1:], token_ids[1:])]

