@@ -30,19 +30,19 @@ RECIPE = REPO / "recipes" / "refiner-smollm2.yaml"
 
 from refiner_core.eval.stats import mcnemar_p  # noqa: E402  (after the repository is on sys.path)
 
+COLUMNS = "cites_distractor, supporting_recall, n_citations, format_ok, passed"
 
-def greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
-    """{(phase, step): {prompt_id: eval row}} of the run's greedy answers."""
+
+def greedy_evals(run_dir: Path, columns: str = COLUMNS) -> dict[tuple[str, int], dict[str, dict]]:
+    """{(phase, step): {prompt_id: eval row}} of the run's greedy answers, with these evals columns."""
     from refiner_core.store.storage import query
 
-    columns, rows = query(
-        run_dir / "catalog.duckdb",
-        "SELECT phase, step, prompt_id, cites_distractor, supporting_recall, n_citations, format_ok, passed "
-        "FROM evals WHERE mode = 'greedy'",
+    names, rows = query(
+        run_dir / "catalog.duckdb", f"SELECT phase, step, prompt_id, {columns} FROM evals WHERE mode = 'greedy'"
     )
     out: dict[tuple[str, int], dict[str, dict]] = {}
     for row in rows:
-        r = dict(zip(columns, row))
+        r = dict(zip(names, row))
         out.setdefault((r["phase"], r["step"]), {})[r["prompt_id"]] = r
     return out
 

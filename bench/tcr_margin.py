@@ -24,23 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.main_margin import run_recipe  # noqa: E402  (after the repository is on sys.path)
+from bench.main_margin import greedy_evals, run_recipe  # noqa: E402  (after the repository is on sys.path)
 from refiner_core.eval.stats import mcnemar_p  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tcr-smollm2.yaml"
-COLUMNS = "phase, step, prompt_id, passed, boxed, tool_calls, well_formed_calls, turns, response_tokens"
-
-
-def greedy_evals(run_dir: Path) -> dict[tuple[str, int], dict[str, dict]]:
-    """{(phase, step): {prompt_id: eval row}} of the run's greedy conversations."""
-    from refiner_core.store.storage import query
-
-    columns, rows = query(run_dir / "catalog.duckdb", f"SELECT {COLUMNS} FROM evals WHERE mode = 'greedy'")
-    out: dict[tuple[str, int], dict[str, dict]] = {}
-    for row in rows:
-        r = dict(zip(columns, row))
-        out.setdefault((r["phase"], r["step"]), {})[r["prompt_id"]] = r
-    return out
+COLUMNS = "passed, boxed, tool_calls, well_formed_calls, turns, response_tokens"
 
 
 def compare(before: dict[str, dict], after: dict[str, dict]) -> dict:
@@ -91,7 +79,7 @@ def main() -> None:
         run_dir = args.runs_root / f"seed-{seed}"
         reuse = args.reuse and (run_dir / "catalog.duckdb").is_file()
         seconds[seed] = float("nan") if reuse else run_recipe(RECIPE, run_dir, seed, args.overrides)
-        evals = greedy_evals(run_dir)
+        evals = greedy_evals(run_dir, COLUMNS)
         cold = evals[("sft", 0)]
         base = evals.get(("base", 0), {})
         base_called[seed] = sum(r["tool_calls"] > 0 for r in base.values()) / max(len(base), 1) if base else None
