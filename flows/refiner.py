@@ -257,6 +257,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
             cfg = recipe_of(step)
             conf = cfg.to_dict()
             engine_cfg = asdict(engine_settings(cfg))
+            judge_cfg = drop(conf["judge"], FLOW_ONLY_JUDGE_FIELDS)
             teaching, rollout_cfg, grpo_cfg, max_rounds = step_settings(cfg, conf)
             eval_at = eval_steps(cfg.grpo.steps, cfg.eval.every)
             judge_model = model(cfg.judge.model) if cfg.judge.model else base
@@ -338,7 +339,7 @@ def refiner_pipeline(recipe: dict, run_dir: str) -> dict:
                     prompts=prompts,
                     rubrics=rubrics,
                     judge_model=judge_model,
-                    judge_cfg=drop(conf["judge"], FLOW_ONLY_JUDGE_FIELDS),
+                    judge_cfg=judge_cfg,
                     dtype=dtype,
                     precision=precision,
                 )
