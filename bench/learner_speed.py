@@ -24,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refiner_core.learners.base import LearnerSettings, TrainSample  # noqa: E402
+from refiner_core.config import GRPOConfig  # noqa: E402
+from refiner_core.grpo import learner_settings  # noqa: E402
+from refiner_core.learners.base import TrainSample  # noqa: E402
 from refiner_core.learners.torch_learner import TorchLearner  # noqa: E402
 from refiner_core.models import load_model, resolve_model  # noqa: E402
 
@@ -62,22 +64,23 @@ def main() -> None:
             prompt = [rng.randrange(3, vocab) for _ in range(spread(args.prompt_tokens))]
         response = [rng.randrange(3, vocab) for _ in range(spread(args.response_tokens))]
         samples.append(TrainSample(prompt, response, rng.uniform(-1.5, 1.5), [-2.0] * len(response)))
-    base = dict(
+    base = dict(  # the recipe's GRPO fields (defaults, then these)
         learning_rate=1e-6,
         weight_decay=0.0,
-        adam_betas=(0.9, 0.999),
         max_grad_norm=1.0,
         beta=0.001,
         kl_estimator="k3",
-        kl_clamp=10.0,
         clip_eps_low=0.2,
         clip_eps_high=0.2,
         loss_aggregation="token_mean",
         loss_constant=1024.0,
         minibatches=1,
         tis_cap=0.0,
-        temperature=1.0,
     )
+
+    def settings_for(precision: str, **grpo):
+        return learner_settings(GRPOConfig(**{**base, **grpo}), 1.0, precision)
+
     settings = {
         "fp32_padded": dict(precision="fp32", pack_length=0, micro_batch_size=args.micro_batch_size),
         "bf16_padded": dict(precision="bf16", pack_length=0, micro_batch_size=args.micro_batch_size),
@@ -96,11 +99,9 @@ def main() -> None:
         short = [
             TrainSample(s.prompt_ids[:32], s.response_ids[:8], s.advantage, s.rollout_logprobs[:8]) for s in samples[:2]
         ]
-        TorchLearner(policy, reference, 0, LearnerSettings(**{**base, "learning_rate": 0.0}, **chosen)).train_step(
-            short
-        )
+        TorchLearner(policy, reference, 0, settings_for(**{**chosen, "learning_rate": 0.0})).train_step(short)
         policy.zero_grad(set_to_none=True)
-        learner = TorchLearner(policy, reference, 0, LearnerSettings(**base, **chosen))
+        learner = TorchLearner(policy, reference, 0, settings_for(**chosen))
         t0, c0 = time.perf_counter(), time.process_time()
         metrics = learner.train_step(samples)
         results[label] = {

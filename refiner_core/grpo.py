@@ -12,27 +12,27 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
-from refiner_core.config import LORA_FIELDS, GRPOConfig, ModelConfig
+from refiner_core.config import GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
+from refiner_core.stage_settings import input_fields
 
-# LearnerSettings that are not GRPO settings: the job folders' root (set by the update stage from its run folder)
-# and LoRA (the model config's).
-NOT_FROM_GRPO = ("work_root", *LORA_FIELDS)
+LORA_FIELDS = tuple(f.name for f in input_fields("lora"))  # the model section's fields the learner reads
 
 
-def learner_settings(
-    grpo: GRPOConfig, temperature: float, precision: str, model: ModelConfig | None = None
-) -> LearnerSettings:
-    """The learner's view of the GRPO config; the sampling temperature comes from the rollout config, the
-    compute precision and the LoRA settings (model.lora_*; None: full weights) from the model config."""
-    given = {"temperature": temperature, "precision": precision, "adam_betas": tuple(grpo.adam_betas)}
-    if model is not None:
-        given.update({k: getattr(model, k) for k in LORA_FIELDS})
-        given["lora_target_modules"] = tuple(model.lora_target_modules)
-    fields = {
-        k: getattr(grpo, k) for k in LearnerSettings.__dataclass_fields__ if k not in given and k not in NOT_FROM_GRPO
+def learner_settings(grpo: GRPOConfig, temperature: float, precision: str, model: ModelConfig | None = None):
+    """The learner's view of the GRPO config (or the update stage's view of it): every knob's one default is the
+    config's. The sampling temperature comes from the rollout config, the compute precision and the LoRA settings
+    (model.lora_*; None: full weights) from the model config."""
+    lora = model if model is not None else ModelConfig()
+    given = {
+        "temperature": temperature,
+        "precision": precision,
+        "adam_betas": tuple(grpo.adam_betas),
+        **{k: getattr(lora, k) for k in LORA_FIELDS},
+        "lora_target_modules": tuple(lora.lora_target_modules),
     }
+    fields = {k: getattr(grpo, k) for k in LearnerSettings.__dataclass_fields__ if k not in given and k != "work_root"}
     return LearnerSettings(**fields, **given)
 
 

@@ -4,11 +4,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import JudgeConfig
 from refiner_core.eval.judge_checks import anchor_rows, rejudge, sample_keys
 from refiner_core.judges.base import make_judge
 from refiner_core.runtime import live
 from refiner_core.schema import JUDGE_ANCHORS
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
 from tasks.stage import stage
@@ -43,7 +43,7 @@ def judge_anchors(
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
     if judge_cfg["serve"]:
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    settings = JudgeConfig(**judge_cfg)
+    settings = stage_view("judge", judge_cfg)
     scorer = live.judge(
         run_dir,
         judge_model,

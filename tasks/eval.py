@@ -5,7 +5,7 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.agent.rollout import agent_eval_responses
-from refiner_core.config import AgentConfig, ConfigError, EvalConfig, JudgeConfig, RewardConfig
+from refiner_core.config import ConfigError
 from refiner_core.eval.evaluate import (
     EvalSettings,
     format_table,
@@ -18,6 +18,7 @@ from refiner_core.judges.base import make_judge
 from refiner_core.models import load_tokenizer
 from refiner_core.runtime import live
 from refiner_core.schema import EVALS
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
 from tasks.sampling import rollout_engine
@@ -49,8 +50,8 @@ def evaluate(
     agent recipe the same tool-calling loop as its rollouts, and its tool-use columns)."""
     log = get_run_logger()
     sampling = {k: v for k, v in rollout_cfg.items() if k != "agent"}
-    agent = AgentConfig(**rollout_cfg["agent"])
-    settings = EvalSettings.from_config(EvalConfig(**eval_cfg), **sampling)
+    agent = stage_view("eval_rollout", rollout_cfg).agent
+    settings = EvalSettings.from_config(stage_view("eval", eval_cfg), **sampling)
     prompt_rows = read_rows(prompts["prompts"]["path"])
     chosen = held_out_prompts(prompt_rows, settings.prompts)
     if not chosen:
@@ -77,7 +78,7 @@ def evaluate(
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
     if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    judge_settings = JudgeConfig(**judge_cfg)
+    judge_settings = stage_view("judge", judge_cfg)
     scorer = live.judge(
         run_dir,
         judge_model,
@@ -92,7 +93,7 @@ def evaluate(
         {p["prompt_id"]: p for p in prompt_rows},
         rubric_rows,
         scorer,
-        RewardConfig(**reward_cfg),
+        stage_view("reward", reward_cfg),
         judge_cfg["on_failure"],
         judge_cfg["max_response_chars"],
         run=run,

@@ -4,11 +4,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import JudgeConfig, RewardConfig
 from refiner_core.judges.base import make_judge
 from refiner_core.reward.score import score_rollouts
 from refiner_core.runtime import live
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
 from tasks.sampling import round_folder
@@ -47,7 +47,7 @@ def judge(
     needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
     if judge_cfg["serve"] and needs_judge:
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    settings = JudgeConfig(**judge_cfg)
+    settings = stage_view("judge", judge_cfg)
     scorer = (
         live.judge(
             run_dir,
@@ -65,7 +65,7 @@ def judge(
         prompt_rows,
         rubric_rows,
         scorer,
-        RewardConfig(**reward_cfg),
+        stage_view("reward", reward_cfg),
         judge_cfg["on_failure"],
         judge_cfg["max_response_chars"],
         max_new_tokens,

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from refiner_core.config import MonitorsConfig
 from refiner_core.data.text_safety import markdown_inline
 from refiner_core.publish.monitors import tripped
 from refiner_core.schema import MONITOR_EVENTS
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, replace_rows, write_table
 from tasks.artifacts import artifact_key
 
@@ -52,7 +52,7 @@ def check_monitors(*, run_dir: str, run: str, step: int, monitors_cfg: dict) -> 
             "detail": e.detail,
             "created_at": now,
         }
-        for e in tripped(Path(run_dir) / "catalog.duckdb", step, MonitorsConfig(**monitors_cfg))
+        for e in tripped(Path(run_dir) / "catalog.duckdb", step, stage_view("monitors", monitors_cfg))
     ]
     if not rows and not path.is_file():
         return []

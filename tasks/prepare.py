@@ -4,13 +4,14 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import ConfigError, DataConfig
+from refiner_core.config import ConfigError
 from refiner_core.data.prepare import prepare_prompts
 from refiner_core.data.rows import TooManyRejected, validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.ledger import prompt_ledger, select_prompts
 from refiner_core.schema import PROMPT_SELECTION, PROMPTS, QUARANTINE
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
@@ -34,7 +35,7 @@ def prepare_data(
     catalogs of data.skip_solved_from / data.weights_from (hashed by content into the cache key), the training
     split leaves out prompts those runs always or never solved, and carries sampling weights (prompt_selection)."""
     log = get_run_logger()
-    raw = load_source(data_file, DataConfig(**data))
+    raw = load_source(data_file, stage_view("data", data))
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     prompts, dropped = prepare_prompts(

@@ -10,11 +10,11 @@ from prefect import get_run_logger
 from refiner_core.agent.rollout import agent_rollouts
 from refiner_core.agent.rollout import rollout_row as agent_rollout_row
 from refiner_core.agent.rollout import turn_rows as agent_turn_rows
-from refiner_core.config import AgentConfig
 from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, part_ranges
 from refiner_core.runtime import live
 from refiner_core.schema import ROLLOUTS, TURNS
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.faults import stage_fault
 from refiner_core.store.storage import json_hash, read_rows, write_table
 from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
@@ -72,7 +72,7 @@ def rollout(
 
     try:  # an engine that failed mid-sampling (a dead worker) is not kept: the retry builds another
         params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
-        agent, turns = AgentConfig(**rollout_cfg["agent"]), None
+        agent, turns = stage_view("rollout", rollout_cfg).agent, None
         if agent.enabled:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
             tokenizer = load_tokenizer(live.model_folder(policy))
             conversations = agent_rollouts(

@@ -5,7 +5,6 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import SourceConfig
 from refiner_core.data.rows import accepted_raw_rows
 from refiner_core.data.rubric_fields import load_static_rubrics
 from refiner_core.data.sources import load_rows, load_source
@@ -13,6 +12,7 @@ from refiner_core.models import refiner_home
 from refiner_core.rubrics.generate import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics.join import join_rubrics
 from refiner_core.schema import QUARANTINE, RUBRICS
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
@@ -39,7 +39,7 @@ def ingest_rubrics(
         source, source_rows = rubric_file, load_rows(rubric_file, "auto", rubric_cfg.get("fields"))
     else:
         source = data_file
-        source_rows = accepted_raw_rows(load_source(data_file, SourceConfig(**data)))
+        source_rows = accepted_raw_rows(load_source(data_file, stage_view("source", data)))
     generated = {"calls": 0, "cached": 0, "failed_calls": 0}  # answers paid for, served from cache, no answer
     generate = None
     if rubric_cfg.get("generation_endpoint"):

@@ -4,7 +4,6 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.config import SFTConfig
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import load_source
 from refiner_core.models import load_model, load_tokenizer
@@ -13,6 +12,7 @@ from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
 from refiner_core.sft.data import SFTLimits, normalise_tool_rows, stats_rows
 from refiner_core.sft.data import prepare_sft as prepare_sft_core
 from refiner_core.sft.train import SFTSettings, packed_rows, train_sft
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_json, write_table
 from tasks.catalog import fail_if_too_many_rejected
 from tasks.stage import stage
@@ -26,7 +26,7 @@ def prepare_sft(
     sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out;
     tool-using conversations are rendered as the agent loop tokenizes them."""
     log = get_run_logger()
-    sft = SFTConfig(**sft_cfg)
+    sft = stage_view("sft_prepare", sft_cfg)
     raw = load_source(sft_file, sft)
     usable, tool_rejected = normalise_tool_rows(raw)  # tool-using conversations: calls as Hermes blocks, checked
     checked = validate_rows(usable)
@@ -104,7 +104,7 @@ def sft_train(
         train,
         validation,
         tokenizer.pad_token_id,
-        SFTSettings.from_config(SFTConfig(**sft_cfg), seed),
+        SFTSettings.from_config(stage_view("sft_train", sft_cfg), seed),
         precision=precision,
     )
 

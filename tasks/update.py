@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
-from refiner_core.config import GRPOConfig, ModelConfig
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.model_card import write_model_card
 from refiner_core.runtime import live
 from refiner_core.schema import ADVANTAGES, STEPS
+from refiner_core.stage_settings import stage_view
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_table
 from tasks.stage import stage
@@ -49,9 +49,9 @@ def grpo_update(
     reward_rows = [
         r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"
     ]
-    grpo = GRPOConfig(**grpo_cfg)
+    grpo = stage_view("update", grpo_cfg)
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo)
-    settings = learner_settings(grpo, temperature, precision, ModelConfig(**lora) if lora else None)
+    settings = learner_settings(grpo, temperature, precision, stage_view("lora", lora) if lora else None)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
     model = live.model_folder(policy)

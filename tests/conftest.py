@@ -101,18 +101,19 @@ def run_cli(
     return code, out_path.read_text(), err_path.read_text(), time.time() - t0
 
 
-def learner_settings(**overrides):
-    """LearnerSettings for learner tests: fp32, k3 KL, token-mean, no clipping of the gradient norm."""
-    from refiner_core.learners.base import LearnerSettings
+def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overrides):
+    """LearnerSettings for learner tests, from the recipe's GRPO and LoRA fields (their defaults, then these): fp32,
+    k3 KL, token-mean, no clipping of the gradient norm."""
+    from refiner_core.config import GRPOConfig, ModelConfig
+    from refiner_core.grpo import LORA_FIELDS
+    from refiner_core.grpo import learner_settings as from_recipe
 
     base = dict(
         learning_rate=1e-2,
         weight_decay=0.0,
-        adam_betas=(0.9, 0.999),
         max_grad_norm=0.0,
         beta=0.01,
         kl_estimator="k3",
-        kl_clamp=10.0,
         clip_eps_low=0.2,
         clip_eps_high=0.2,
         loss_aggregation="token_mean",
@@ -121,10 +122,9 @@ def learner_settings(**overrides):
         minibatches=1,
         tis_cap=0.0,
         pack_length=0,
-        precision="fp32",
-        temperature=0.7,
     )
-    return LearnerSettings(**{**base, **overrides})
+    lora = {k: overrides.pop(k) for k in LORA_FIELDS if k in overrides}
+    return from_recipe(GRPOConfig(**{**base, **overrides}), temperature, precision, ModelConfig(**lora))
 
 
 def math_rows_file(folder: Path, rows: int) -> Path:

@@ -138,6 +138,14 @@ def test_a_setting_read_before_step_0_shares_no_step_and_says_which(parent, tmp_
     ) == ["run.seed"]
 
 
+def test_a_fork_judges_its_own_steps_with_its_own_judge_settings(parent, tmp_path):
+    """The step judge of a fork's own segment takes the fork's judge settings, not the ancestor's it ran before."""
+    record, states = _fork(parent, tmp_path / "judge", 1, ["judge.max_response_chars=40"])
+    assert record.shares_steps
+    assert states["judge[step=0]"] == states["rollout[step=1]"] == "Cached"  # the parent's settings and policy
+    assert states["judge[step=1]"] == "Completed", states  # its cache key holds 40: not the parent's judgment
+
+
 def _fake_parent(folder: Path, finished: int, checkpoints: list[int]) -> Path:
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["grpo.steps=4"]).to_dict()
     recipe["model"]["precision"] = "fp32"

@@ -20,6 +20,7 @@ CORE = REPO / "refiner_core"
 LAYERS = [
     "refiner_core",
     "config",
+    "stage_settings",
     "schema",
     "algo",
     "store",

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from refiner_core.config import SOURCE_FIELDS, pick
 from refiner_core.data.rows import RawRow
 from refiner_core.data.sources import load_rows
 from refiner_core.rubrics.generate import GenerationSettings, RubricGenerationError, generate_rubrics
 from refiner_core.rubrics.join import join_rubrics
+from refiner_core.stage_settings import input_fields
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -250,7 +250,7 @@ def test_ingest_stage_generates_quarantines_and_never_pays_twice(
             run_dir=run_dir,
             run="g",
             data_file=str(data_file),
-            data=pick(conf["data"], SOURCE_FIELDS),  # the source fields, as the flow passes them
+            data={f.name: conf["data"][f.name] for f in input_fields("source")},  # as the flow passes them
             rubric_file="",
             rubric_cfg=rubric_cfg,
             static_rubrics_file=str(REPO / conf["rubrics"]["static_rubrics"]),

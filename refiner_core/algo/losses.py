@@ -103,11 +103,18 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 # --- Policy-gradient surrogates: per token (loss, clipped indicator), rho = exp(logp - old_logp) ---
 @dataclass(frozen=True)
 class SurrogateParams:
+    """The surrogates' knobs; a variant's own knob is None when another variant is chosen (their one default is
+    the recipe's, config.GRPOConfig)."""
+
     eps_low: float
     eps_high: float
-    dual_clip_c: float = 3.0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
+    dual_clip_c: float | None
+    sapo_tau_pos: float | None
+    sapo_tau_neg: float | None
+
+    def needed(self, *names: str) -> None:
+        if missing := [n for n in names if getattr(self, n) is None]:
+            raise ValueError(f"this policy loss needs {', '.join(missing)}")
 
 
 def _clipped_surrogate(ratio: Tensor, advantages: Tensor, p: SurrogateParams) -> tuple[Tensor, Tensor]:
@@ -131,6 +138,7 @@ def dual_clip(
     """ppo_clip, then for A < 0 also bounded by -A * c (c = dual_clip_c > 1): min(ppo_clip, -A c), so a token whose
     ratio grew far on a negative advantage stops pushing. verl `vanilla` with clip_ratio_c = c (verl clamps the
     log-ratio to +-20 first)."""
+    p.needed("dual_clip_c")
     pg, clipped = ppo_clip(logp, old_logp, advantages, p, sequences)
     bound = -advantages * p.dual_clip_c
     lower = (advantages < 0) & (pg > bound)
@@ -170,6 +178,7 @@ def sapo(
     in place of the hard clip (its gradient at rho = 1 is -A, as the clipped surrogate's). TRL loss_type sapo
     (sapo_temperature_pos/neg), verl `sapo` (tau_pos/tau_neg; verl clamps the log-ratio to +-20). No clipping:
     the clipped indicator is 0."""
+    p.needed("sapo_tau_pos", "sapo_tau_neg")
     ratio = torch.exp(logp - old_logp)
     tau = torch.where(advantages > 0, ratio.new_tensor(p.sapo_tau_pos), ratio.new_tensor(p.sapo_tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
@@ -283,9 +292,9 @@ def grpo_token_loss(
     kl_clamp: float = 10.0,
     is_weights: Tensor | None = None,
     policy_loss: str = "ppo_clip",
-    dual_clip_c: float = 3.0,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
+    dual_clip_c: float | None = None,
+    sapo_tau_pos: float | None = None,
+    sapo_tau_neg: float | None = None,
     sequences: Sequences | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,

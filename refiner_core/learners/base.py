@@ -45,32 +45,31 @@ class LearnerSettings:
     precision: str
     temperature: float
     # How the 'deepspeed' learner launches its ranks; the one-process learners ignore them.
-    world_size: int = 1
-    zero_stage: int = 3
-    hostfile: str = ""
-    launch_over_ssh: bool = True
-    deepspeed_offload_optimizer: bool = False
+    world_size: int
+    zero_stage: int
+    hostfile: str
+    launch_over_ssh: bool
+    deepspeed_offload_optimizer: bool
+    # LoRA (model.lora_*; refiner_core/learners/lora.py): rank 0 trains the full weights.
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: tuple
+    lora_save_merged: bool  # checkpoints also hold base + adapters merged
+    # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
+    share_prompt: bool
+    # Loss variants (refiner_core/algo/losses.py).
+    policy_loss: str
+    dual_clip_c: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
+    entropy_coef: float
+    tis_level: str
+    tis_mode: str
+    tis_floor: float
     # Set by the update stage, not the recipe: where the deepspeed learner's job folders go ('' = the system's
     # temporary folder; with a hostfile, the run folder, which every host shares).
     work_root: str = ""
-    # LoRA (model.lora_*; refiner_core/learners/lora.py): rank 0 trains the full weights.
-    lora_rank: int = 0
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_target_modules: tuple = ("all-linear",)
-    lora_save_merged: bool = False  # checkpoints also hold base + adapters merged
-    # One forward of each group's shared prompt, its keys/values reused by all of the group's responses.
-    share_prompt: bool = False
-    # Loss variants (refiner_core/algo/losses.py): by default the clipped surrogate, no entropy bonus, and per-token
-    # truncation of the rollout importance weights when tis_cap > 0.
-    policy_loss: str = "ppo_clip"
-    dual_clip_c: float = 3.0
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    entropy_coef: float = 0.0
-    tis_level: str = "token"
-    tis_mode: str = "truncate"
-    tis_floor: float = 0.0
 
     def __post_init__(self):
         for field, value, table in (

@@ -1,0 +1,143 @@
+"""Each stage's settings are cut once from the recipe by the fields' own read_by: a setting only the flow reads is in
+no stage's input (no cache key), every other setting is in the input of a stage that reads it, and a stage reads
+its input through a frozen view holding exactly those fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from conftest import REPO
+from refiner_core.config import ROLLOUT_ENGINE_FIELDS, AgentConfig, load_recipe
+from refiner_core.stage_settings import SECTION_TYPES, StageSettings, input_fields, stage_settings, stage_view
+
+
+def _recipe(overrides=()):
+    """A recipe as a run resolves it (model.lora_sync 'auto' is decided per run: 'merged' is one outcome)."""
+    return load_recipe(None, ["model.lora_sync=merged", *overrides])
+
+
+def _changed(value, hint):
+    """A different valid-looking value of the same type."""
+    if typing.get_origin(hint) is typing.Literal:
+        return next(v for v in typing.get_args(hint) if v != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 3
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, list):
+        return [*value, "x"]
+    if isinstance(value, dict):
+        return {**value, "x": "y"}
+    raise AssertionError(f"no changed value for {value!r}")
+
+
+def _fields():
+    """(section, field, type) of every recipe field the stage inputs are cut from (nested sections whole)."""
+    for section, cls in SECTION_TYPES.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            yield section, f, hints[f.name]
+
+
+def test_a_flow_only_setting_is_in_no_stage_input_and_every_other_is_in_one():
+    base = stage_settings(_recipe())
+    flow_only, read = [], []
+    for section, f, hint in _fields():
+        if dataclasses.is_dataclass(hint):  # rollout.agent: changed through one of its fields
+            value = dataclasses.replace(getattr(getattr(_recipe(), section), f.name), max_turns=7)
+        else:
+            value = _changed(getattr(getattr(_recipe(), section), f.name), hint)
+        cfg = _recipe()
+        setattr(getattr(cfg, section), f.name, value)
+        if section == "model" and f.name == "lora_sync":
+            cfg.model.lora_sync = "adapter"  # resolved values only ('auto' is decided per run)
+        changed = {
+            name
+            for name in StageSettings.__dataclass_fields__
+            if getattr(stage_settings(cfg), name) != getattr(base, name)
+        }
+        (flow_only if f.metadata.get("read_by") == () else read).append((f"{section}.{f.name}", changed))
+    assert {name for name, _ in flow_only} == {
+        "grpo.steps",
+        "grpo.async_steps",
+        "eval.every",
+        "judge.price_per_mtok_in",
+        "judge.price_per_mtok_out",
+        "judge.budget_usd",
+        "judge.anchor_every",
+        "judge.anchor_rollouts",
+        "rollout.dynamic_sampling",  # its one effect on a stage is filter_zero_std_groups (checked below)
+        "rollout.dynamic_sampling_max_rounds",
+        "sft.enabled",
+    }
+    for name, changed in flow_only:
+        if name != "rollout.dynamic_sampling":
+            assert changed == set(), name
+    # a model field no stage input holds is read by the flow itself (which model, its precision, ...): those are
+    # stage parameters of their own (policy manifests, dtype, precision), not cut from the section
+    unread = sorted(name for name, changed in read if not changed)
+    assert unread == [
+        "model.dtype",
+        "model.lora_sync",  # in the engine input only through the adapter rank it decides (vllm engines)
+        "model.max_position_embeddings",
+        "model.policy",
+        "model.precision",
+        "model.reference",
+    ]
+
+
+def test_dynamic_sampling_turns_on_the_update_filter_and_says_so_in_the_update_input():
+    cfg = _recipe(["rollout.dynamic_sampling=true"])
+    assert stage_settings(cfg).update["filter_zero_std_groups"] is True
+    assert stage_settings(_recipe()).update["filter_zero_std_groups"] is False
+
+
+def test_the_inputs_cut_what_the_stages_read():
+    assert [f.name for f in input_fields("engine")] == []  # built by engine_settings, with its adapter rank
+    rollout = {f.name for f in input_fields("rollout")}
+    assert not rollout & set(ROLLOUT_ENGINE_FIELDS) and "dynamic_sampling" not in rollout
+    engine_marked = {
+        f.name for f in dataclasses.fields(SECTION_TYPES["rollout"]) if f.metadata.get("read_by") == ("engine",)
+    }
+    assert engine_marked == set(ROLLOUT_ENGINE_FIELDS)
+    assert [f.name for f in input_fields("eval_rollout")] == ["top_p", "max_new_tokens", "stop", "agent"]
+    assert [f.name for f in input_fields("source")] == ["path", "format", "fields", "split", "hub_config"]
+    sft = {f.name for f in input_fields("sft_prepare")} | {f.name for f in input_fields("sft_train")}
+    assert sft == {f.name for f in dataclasses.fields(SECTION_TYPES["sft"])} - {"enabled"}
+    assert not {f.name for f in input_fields("sft_prepare")} & {f.name for f in input_fields("sft_train")}
+    assert [f.name for f in input_fields("lora")] == [
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "lora_save_merged",
+    ]
+
+
+def test_a_stage_reads_its_input_through_a_view_of_exactly_its_fields():
+    inputs = stage_settings(load_recipe(REPO / "recipes" / "tiny.yaml", ["model.lora_sync=merged"]))
+    update = stage_view("update", inputs.update)
+    assert update.learning_rate == inputs.update["learning_rate"]
+    with pytest.raises(AttributeError):
+        update.steps  # noqa: B018  (flow-only: not in the update's cache key, so not readable there)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        update.learning_rate = 1.0
+    evaluation = stage_view("eval_rollout", inputs.eval_rollout)
+    assert (
+        isinstance(evaluation.agent, AgentConfig) and evaluation.max_new_tokens == inputs.eval_rollout["max_new_tokens"]
+    )
+    with pytest.raises(ValueError, match=r"missing \['epochs'\], unexpected \['steps'\]"):
+        stage_view("sft_train", {**{k: v for k, v in inputs.sft_train.items() if k != "epochs"}, "steps": 3})
+
+
+def test_every_stage_input_is_plain_json_and_one_per_stage_field():
+    inputs = dataclasses.asdict(stage_settings(_recipe()))
+    import json
+
+    assert json.loads(json.dumps(inputs)) == inputs  # cache keys hash them
+    assert all(f.metadata["help"] for f in dataclasses.fields(StageSettings))
