@@ -209,6 +209,7 @@ def part_b(root: Path, cpu: bool) -> None:
     """One ZeRO-3 rank kept up for three updates; after each, the run's live engine takes the new weights from the
     ranks (live.rollout_engine: CUDA IPC on GPU, host memory on CPU) without a file; after the third, the engine
     and a fresh engine on the saved checkpoint score fixed tokens alike."""
+    from refiner_core.config import EngineSettings
     from refiner_core.learners.deepspeed_learner import make_deepspeed_learner
     from refiner_core.models import load_tokenizer
     from refiner_core.rollout.vllm_engine import make_vllm_engine
@@ -221,9 +222,8 @@ def part_b(root: Path, cpu: bool) -> None:
     precision = "fp32" if cpu else "bf16"
 
     def build(path):
-        return make_vllm_engine(
-            path, batch_size=8, precision=precision, progress=False, gpu_memory_utilization=0.3, sleep_level=0
-        )
+        settings = EngineSettings.of(engine="vllm", batch_size=8, gpu_memory_utilization=0.3, sleep_level=0)
+        return make_vllm_engine(path, settings, precision=precision, progress=False)
 
     run_dir = root / "b-run"
     run_dir.mkdir()
@@ -282,6 +282,7 @@ def part_c(root: Path, cpu: bool) -> None:
     (live.rollout_engine). Levels 1, 1, 2; the last state is compared with a fresh engine."""
     import torch
 
+    from refiner_core.config import EngineSettings
     from refiner_core.learners.torch_learner import make_torch_learner
     from refiner_core.models import load_tokenizer
     from refiner_core.rollout.vllm_engine import make_vllm_engine
@@ -294,14 +295,8 @@ def part_c(root: Path, cpu: bool) -> None:
     precision = "fp32" if cpu else "bf16"
 
     def build(path, sleep_level=1, share=0.6):
-        return make_vllm_engine(
-            path,
-            batch_size=8,
-            precision=precision,
-            progress=False,
-            gpu_memory_utilization=share,
-            sleep_level=sleep_level,
-        )
+        settings = EngineSettings.of(engine="vllm", batch_size=8, gpu_memory_utilization=share, sleep_level=sleep_level)
+        return make_vllm_engine(path, settings, precision=precision, progress=False)
 
     def free_gib() -> float:
         return torch.cuda.mem_get_info()[0] / 2**30 if not cpu else 0.0
@@ -485,6 +480,7 @@ def part_e(root: Path, cpu: bool) -> None:
     import torch
     from transformers import Qwen3ForCausalLM
 
+    from refiner_core.config import EngineSettings
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
     shapes = CPU_SHAPES if cpu else SHAPES
@@ -494,11 +490,9 @@ def part_e(root: Path, cpu: bool) -> None:
         folder = shape_folder(root, f"e-{name}", config, weights=False)
         engine = make_vllm_engine(
             str(folder),
-            batch_size=1,
+            EngineSettings.of(engine="vllm", batch_size=1, gpu_memory_utilization=0.35, sleep_level=0),
             precision="bf16",
             progress=False,
-            gpu_memory_utilization=0.35,
-            sleep_level=0,
             vllm_options={"load_format": "dummy", "enforce_eager": True, "max_model_len": 2048},
         )
         try:

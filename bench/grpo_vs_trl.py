@@ -38,7 +38,7 @@ sys.path.insert(0, str(BENCH))
 from peer_trl_grpo import reward_text  # noqa: E402
 
 from refiner_core import REPO_ROOT  # noqa: E402
-from refiner_core.config import GRPOConfig  # noqa: E402
+from refiner_core.config import EngineSettings, GRPOConfig  # noqa: E402
 from refiner_core.data.rows import read_jsonl  # noqa: E402
 from refiner_core.grpo import grpo_loop, learner_settings  # noqa: E402
 from refiner_core.learners.torch_learner import TorchLearner  # noqa: E402
@@ -124,9 +124,8 @@ def run_ours(model_path: Path, prompts: list[list[int]], combo: dict, args) -> l
     if combo["engine"] == "vllm":  # its own copy of the weights, refreshed after every update
         from refiner_core.rollout.vllm_engine import make_vllm_engine
 
-        engine = make_vllm_engine(
-            str(model_path), GENERATIONS * PROMPTS_PER_STEP, "float32", combo["precision"], progress=False
-        )
+        settings = EngineSettings.of(engine="vllm", batch_size=GENERATIONS * PROMPTS_PER_STEP)
+        engine = make_vllm_engine(str(model_path), settings, "float32", combo["precision"], progress=False)
         sync = lambda: engine.load_weights(policy)  # noqa: E731
     else:
         engine = HFRolloutEngine(

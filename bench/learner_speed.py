@@ -76,6 +76,7 @@ def main() -> None:
         loss_constant=1024.0,
         minibatches=1,
         tis_cap=0.0,
+        share_prompt=False,  # the bf16_shared case turns it on
     )
 
     def settings_for(precision: str, **grpo):

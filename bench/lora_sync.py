@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from refiner_core.config import GRPOConfig, ModelConfig  # noqa: E402
+from refiner_core.config import EngineSettings, GRPOConfig, ModelConfig  # noqa: E402
 from refiner_core.grpo import learner_settings  # noqa: E402
 from refiner_core.learners.base import TrainSample  # noqa: E402
 from refiner_core.learners.torch_learner import make_torch_learner  # noqa: E402
@@ -52,7 +52,9 @@ def main() -> None:
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=64, seed=0)
     engines = {
         mode: make_vllm_engine(
-            path, 32, "float32", "fp32", progress=False, adapter_rank=args.rank if mode == "adapter" else 0
+            path,
+            EngineSettings.of(engine="vllm", batch_size=32, adapter_rank=args.rank if mode == "adapter" else 0),
+            progress=False,
         )
         for mode in ("adapter", "merged")
     }

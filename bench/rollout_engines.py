@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from refiner_core import cluster  # noqa: E402
+from refiner_core.config import EngineSettings  # noqa: E402
 from refiner_core.models import resolve_model  # noqa: E402
 from refiner_core.rollout.base import SamplingParams, make_engine  # noqa: E402
 from refiner_core.rollout.sharded import ShardedEngine  # noqa: E402
@@ -52,14 +53,16 @@ def main() -> None:
     params = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1)
     batch = args.prompts * args.samples
 
-    one = make_engine(args.engine, path, batch)
+    one = make_engine(path, EngineSettings.of(engine=args.engine, batch_size=batch))
     one_rate, one_tokens = throughput(one, prompts, params)
     one.close()
     print(f"1 engine in process: {one_tokens} tokens, {one_rate:.1f} tokens/s", flush=True)
 
     print(cluster.connect("local"), flush=True)
     try:
-        sharded = ShardedEngine(args.engine, path, batch, "float32", "fp32", 1, 0.9, args.engines)
+        sharded = ShardedEngine(
+            path, EngineSettings.of(engine=args.engine, batch_size=batch, num_engines=args.engines), "float32", "fp32"
+        )
         rate, tokens = throughput(sharded, prompts, params)
         sharded.close()
     finally:

@@ -961,9 +961,16 @@ class EngineSettings:
             "them); 0: it takes merged weights."
         }
     )
-    sleep_level: int = field(default=1, metadata={"help": "rollout.sleep_level."})
-    weight_transfer: str = field(default="auto", metadata={"help": "rollout.weight_transfer."})
-    weight_bucket_mb: int = field(default=512, metadata={"help": "rollout.weight_bucket_mb."})
+    sleep_level: int = field(metadata={"help": "rollout.sleep_level."})
+    weight_transfer: str = field(metadata={"help": "rollout.weight_transfer."})
+    weight_bucket_mb: int = field(metadata={"help": "rollout.weight_bucket_mb."})
+
+    @classmethod
+    def of(cls, rollout: RolloutConfig | None = None, adapter_rank: int = 0, **changes: Any) -> EngineSettings:
+        """The settings of `rollout` (default: the rollout section's defaults, their one place), then `changes`."""
+        rollout = rollout or RolloutConfig()
+        settings = cls(**{k: getattr(rollout, k) for k in ROLLOUT_ENGINE_FIELDS}, adapter_rank=adapter_rank)
+        return dataclasses.replace(settings, **changes)
 
 
 # The rollout section's fields that build the engine (read_by 'engine'): the sampling stages take them as an
@@ -978,7 +985,7 @@ def engine_settings(cfg: RecipeConfig) -> EngineSettings:
     if model.lora_sync == "auto":
         raise ValueError("model.lora_sync 'auto' is resolved per run (refiner_core.runtime.hardware.resolved_recipe)")
     adapter_rank = model.lora_rank if model.lora_sync == "adapter" and cfg.rollout.engine == "vllm" else 0
-    return EngineSettings(**{k: getattr(cfg.rollout, k) for k in ROLLOUT_ENGINE_FIELDS}, adapter_rank=adapter_rank)
+    return EngineSettings.of(cfg.rollout, adapter_rank)
 
 
 @dataclass

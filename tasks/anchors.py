@@ -5,12 +5,9 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.eval.judge_checks import anchor_rows, rejudge, sample_keys
-from refiner_core.judges.base import make_judge
-from refiner_core.runtime import live
 from refiner_core.schema import JUDGE_ANCHORS
-from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
-from tasks.judge_server import ensure_judge_server
+from tasks.judge_server import rubrics_by_prompt, stage_judge
 from tasks.stage import stage
 
 
@@ -38,20 +35,8 @@ def judge_anchors(
     chosen = set(sample_keys(judged, anchors["count"], anchors["seed"]))
     rollout_rows = [r for r in first_rollouts if (r["prompt_id"], r["sample_idx"]) in chosen]
     prompt_rows = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
-    rubric_rows: dict[str, list[dict]] = {}
-    for r in read_rows(rubrics["rubrics"]["path"]):
-        rubric_rows.setdefault(r["prompt_id"], []).append(r)
-    if judge_cfg["serve"]:
-        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    settings = stage_view("judge", judge_cfg)
-    scorer = live.judge(
-        run_dir,
-        judge_model,
-        settings,
-        dtype,
-        precision,
-        lambda: make_judge(judge_model["path"], settings, dtype, precision),
-    )
+    rubric_rows = rubrics_by_prompt(rubrics)
+    settings, scorer = stage_judge(run_dir, judge_model, judge_cfg, dtype, precision, log)
     again = rejudge(rollout_rows, prompt_rows, rubric_rows, scorer, settings.max_response_chars)
     first = [s for s in first_scores if (s["prompt_id"], s["sample_idx"]) in chosen]
     rows = anchor_rows(run, step, anchors["step"], first, again)

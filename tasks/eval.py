@@ -14,13 +14,12 @@ from refiner_core.eval.evaluate import (
     score_responses,
     summarize,
 )
-from refiner_core.judges.base import make_judge
 from refiner_core.models import load_tokenizer
 from refiner_core.runtime import live
 from refiner_core.schema import EVALS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
-from tasks.judge_server import ensure_judge_server
+from tasks.judge_server import rubrics_by_prompt, stage_judge
 from tasks.sampling import rollout_engine
 from tasks.stage import stage
 
@@ -73,20 +72,8 @@ def evaluate(
         responses = generate_responses(engine, chosen, settings, seed)
     live.release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
 
-    rubric_rows: dict[str, list[dict]] = {}
-    for r in read_rows(rubrics["rubrics"]["path"]):
-        rubric_rows.setdefault(r["prompt_id"], []).append(r)
-    if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
-        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    judge_settings = stage_view("judge", judge_cfg)
-    scorer = live.judge(
-        run_dir,
-        judge_model,
-        judge_settings,
-        dtype,
-        precision,
-        lambda: make_judge(judge_model["path"], judge_settings, dtype, precision),
-    )
+    rubric_rows = rubrics_by_prompt(rubrics)
+    _, scorer = stage_judge(run_dir, judge_model, judge_cfg, dtype, precision, log)
     requests, tokens = getattr(scorer, "requests_made", 0), list(getattr(scorer, "tokens_used", (0, 0)))
     rows = score_responses(
         responses,

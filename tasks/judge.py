@@ -4,13 +4,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.judges.base import make_judge
 from refiner_core.reward.score import score_rollouts
-from refiner_core.runtime import live
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
-from tasks.judge_server import ensure_judge_server
+from tasks.judge_server import rubrics_by_prompt, stage_judge
 from tasks.sampling import round_folder
 from tasks.stage import stage
 
@@ -39,27 +37,11 @@ def judge(
     if teacher_rollouts:  # Co-rewarding-II: the EMA teacher's responses vote each prompt's pseudo-label
         for t in read_rows(teacher_rollouts["teacher_rollouts"]["path"]):
             prompt_rows[t["prompt_id"]].setdefault("teacher_rollouts", []).append(t)
-    rubric_rows: dict[str, list[dict]] = {}
-    for r in read_rows(rubrics["rubrics"]["path"]):
-        rubric_rows.setdefault(r["prompt_id"], []).append(r)
+    rubric_rows = rubrics_by_prompt(rubrics)
     rollout_rows = read_rows(rollouts["rollouts"]["path"])
     # A step whose prompts are all verified (no rubrics) loads no judge model and starts no judge server.
     needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
-    if judge_cfg["serve"] and needs_judge:
-        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    settings = stage_view("judge", judge_cfg)
-    scorer = (
-        live.judge(
-            run_dir,
-            judge_model,
-            settings,
-            dtype,
-            precision,
-            lambda: make_judge(judge_model["path"], settings, dtype, precision),
-        )
-        if needs_judge
-        else None
-    )
+    scorer = stage_judge(run_dir, judge_model, judge_cfg, dtype, precision, log)[1] if needs_judge else None
     scored = score_rollouts(
         rollout_rows,
         prompt_rows,

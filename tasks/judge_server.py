@@ -1,7 +1,7 @@
-"""The judge server a run starts itself (judge.serve): started by the first judge stage that needs it, reused
-by the next steps, stopped by the flow's end hooks (success, failure, crash, cancellation) or at exit. It serves
-the judge checkpoint as `PREFIX-HASH` (judge.api_model or the folder's name, then the content hash): the judge
-stage sends that name."""
+"""The judge a judging stage (judge, evaluate, judge-anchors) scores with, and the judge server a run starts
+itself (judge.serve): started by the first judge stage that needs it, reused by the next steps, stopped by the
+flow's end hooks (success, failure, crash, cancellation) or at exit. It serves the judge checkpoint as
+`PREFIX-HASH` (judge.api_model or the folder's name, then the content hash): the judge stage sends that name."""
 
 from __future__ import annotations
 
@@ -9,9 +9,31 @@ import atexit
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from refiner_core.judges.base import make_judge
 from refiner_core.judges.serve import JudgeServer, start_server, stop_server
+from refiner_core.runtime import live
+from refiner_core.stage_settings import stage_view
+from refiner_core.store.storage import read_rows
 
 _SERVED: dict[str, JudgeServer] = {}  # base_url -> the server this process started
+
+
+def stage_judge(run_dir: str, judge_model: dict, judge_cfg: dict, dtype: str, precision: str, log):
+    """(settings, judge) of a judging stage: with judge.serve the run's own server, asked by the name it serves the
+    checkpoint under; the in-process judge the run keeps (run.keep_engines), else a new one."""
+    if judge_cfg["serve"]:
+        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
+    settings = stage_view("judge", judge_cfg)
+    build = lambda: make_judge(judge_model["path"], settings, dtype, precision)  # noqa: E731
+    return settings, live.judge(run_dir, judge_model, settings, dtype, precision, build)
+
+
+def rubrics_by_prompt(rubrics: dict) -> dict[str, list[dict]]:
+    """The rubric rows of an ingest-rubrics manifest, by prompt."""
+    by_prompt: dict[str, list[dict]] = {}
+    for r in read_rows(rubrics["rubrics"]["path"]):
+        by_prompt.setdefault(r["prompt_id"], []).append(r)
+    return by_prompt
 
 
 def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> str:

@@ -58,20 +58,9 @@ def rollout_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, pre
     engine = EngineSettings(**engine_cfg)
 
     def build(path: str):
-        settings = (engine.engine, path, engine.batch_size, dtype, precision)
-        gpu = {
-            "tensor_parallel_size": engine.tensor_parallel_size,
-            "gpu_memory_utilization": engine.gpu_memory_utilization,
-            "adapter_rank": engine.adapter_rank,
-            "sleep_level": engine.sleep_level,
-            "weight_transfer": engine.weight_transfer,
-            "weight_bucket_mb": engine.weight_bucket_mb,
-        }
         if engine.num_engines > 1:  # Ray actors (run.ray_address; preflight checks it is set)
-            return ShardedEngine(
-                *settings, **gpu, num_engines=engine.num_engines, markers=str(Path(run_dir) / ".faults")
-            )
-        return make_engine(*settings, **gpu)
+            return ShardedEngine(path, engine, dtype, precision, markers=str(Path(run_dir) / ".faults"))
+        return make_engine(path, engine, dtype, precision)
 
     return live.rollout_engine(
         run_dir, live.engine_key(engine, live.model_folder(policy), dtype, precision), policy, build

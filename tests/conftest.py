@@ -103,7 +103,7 @@ def run_cli(
 
 def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overrides):
     """LearnerSettings for learner tests, from the recipe's GRPO and LoRA fields (their defaults, then these): fp32,
-    k3 KL, token-mean, no clipping of the gradient norm."""
+    k3 KL, token-mean, no clipping of the gradient norm, padded batches (no packing, no shared prompts)."""
     from refiner_core.config import GRPOConfig, ModelConfig
     from refiner_core.grpo import LORA_FIELDS
     from refiner_core.grpo import learner_settings as from_recipe
@@ -122,6 +122,7 @@ def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overri
         minibatches=1,
         tis_cap=0.0,
         pack_length=0,
+        share_prompt=False,
     )
     lora = {k: overrides.pop(k) for k in LORA_FIELDS if k in overrides}
     return from_recipe(GRPOConfig(**{**base, **overrides}), temperature, precision, ModelConfig(**lora))
@@ -155,14 +156,14 @@ def vllm_logprob_gap(
     them under the same temperature and `precision`. Returns the gaps over the sampled tokens."""
     import torch
 
+    from refiner_core.config import EngineSettings
     from refiner_core.learners.base import TrainSample
     from refiner_core.learners.batching import collate
     from refiner_core.learners.logprobs import token_logprobs
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
-    engine = make_vllm_engine(
-        str(model_path), batch_size=16, dtype="float32", precision=precision, progress=False, adapter_rank=adapter_rank
-    )
+    settings = EngineSettings.of(engine="vllm", batch_size=16, adapter_rank=adapter_rank)
+    engine = make_vllm_engine(str(model_path), settings, "float32", precision, progress=False)
     try:
         engine.load_weights(weights)
         gens = engine.generate(prompts, params)

@@ -14,6 +14,7 @@ from refiner_core.agent.loop import AgentSettings, model_scorer, run_agent, tool
 from refiner_core.agent.rollout import turn_rows
 from refiner_core.agent.tools.base import tool_schema
 from refiner_core.agent.tools.python_sandbox import PythonSandbox, PythonTool, SandboxLimits, check_sandbox
+from refiner_core.config import EngineSettings
 from refiner_core.data.prompts import render_prompt
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
@@ -278,7 +279,9 @@ def test_vllm_engine_drives_the_same_loop(tiny_model_path, tiny_tokenizer, pytho
     the learner reproduces vLLM's log-probs on exactly the sampled tokens."""
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
-    engine = make_vllm_engine(str(tiny_model_path), batch_size=16, dtype="float32", progress=False)
+    engine = make_vllm_engine(
+        str(tiny_model_path), EngineSettings.of(engine="vllm", batch_size=16), "float32", progress=False
+    )
     try:
         model = load_model(tiny_model_path)
         prompts = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import catalog_rows, learner_settings, math_rows_file
-from refiner_core.config import load_recipe, recipe_from_dict
+from refiner_core.config import EngineSettings, load_recipe, recipe_from_dict
 from refiner_core.preflight import check_values
 from refiner_core.reward.ground_truth import Verdict
 from refiner_core.runtime import live
@@ -192,7 +192,11 @@ def test_an_update_waits_while_a_rollout_engine_copies_the_learner(tiny_model_pa
         learner = make_torch_learner(model, model, tiny_tokenizer, settings, None)
         key = live.learner_key("torch", model, {"path": model, "hash": "base"}, settings, "float32")
         live.keep_learner(run_dir, key, learner, "weights-held")
-        engine, copying, finish = make_engine("hf", model, 8), threading.Event(), threading.Event()
+        engine, copying, finish = (
+            make_engine(model, EngineSettings.of(engine="hf", batch_size=8)),
+            threading.Event(),
+            threading.Event(),
+        )
         load = engine.load_weights
 
         def paused_load(weights):
@@ -471,7 +475,7 @@ def test_a_rollout_sampled_ahead_samples_what_it_samples_alone(tiny_model_path, 
     from refiner_core.learners.torch_learner import make_torch_learner
     from refiner_core.rollout.base import SamplingParams, make_engine
 
-    engine = make_engine("hf", str(tiny_model_path), 32)
+    engine = make_engine(str(tiny_model_path), EngineSettings.of(engine="hf", batch_size=32))
     prompts, params = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
     learner = make_torch_learner(tiny_model_path, tiny_model_path, tiny_tokenizer, learner_settings(), None)
     batch = [TrainSample([1, 2, 3], [4, 5], adv, [-1.0, -1.0]) for adv in (1.0, -1.0)]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import vllm_prompt_logprobs
+from refiner_core.config import EngineSettings
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.hf_engine import HFRolloutEngine
@@ -53,14 +54,16 @@ def run_dir(tmp_path):
 
 def test_an_engine_that_cannot_sleep_is_kept_when_it_fits_and_closed_when_it_does_not(tiny_model_path, run_dir):
     policy = {"path": str(tiny_model_path), "hash": dir_hash(tiny_model_path)}
-    engine, got = live.rollout_engine(run_dir, "hf", policy, lambda p: make_engine("hf", p, 4))
+    engine, got = live.rollout_engine(
+        run_dir, "hf", policy, lambda p: make_engine(p, EngineSettings.of(engine="hf", batch_size=4))
+    )
     assert engine.sleep_level == 0
     engine.sleep(), engine.wake_up()  # nothing to do, nothing done
     assert engine.model is not None and not live.is_asleep(engine)
     assert live.keeping(engine) == "kept" and live.release(run_dir, engine, got) == "kept"
 
     def build(path):
-        plain = make_engine("hf", path, 4)
+        plain = make_engine(path, EngineSettings.of(engine="hf", batch_size=4))
         return HoldsMostOfItsDevice(plain.model, plain.tokenizer, batch_size=4)
 
     big, got = live.rollout_engine(run_dir, "big", policy, build)
@@ -94,7 +97,9 @@ def test_vllm_cpu_sync_sends_the_engines_dtype_and_logs_one_line(tiny_model_path
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
     new = _moved(tiny_model_path, tmp_path / "moved")
-    engine = make_vllm_engine(str(tiny_model_path), batch_size=4, precision="bf16", progress=False)
+    engine = make_vllm_engine(
+        str(tiny_model_path), EngineSettings.of(engine="vllm", batch_size=4), precision="bf16", progress=False
+    )
     records = _Records()
     for name in ("vllm", "refiner_core.rollout.vllm_engine"):
         logging.getLogger(name).addHandler(records)
@@ -115,7 +120,9 @@ def test_vllm_cpu_sync_sends_the_engines_dtype_and_logs_one_line(tiny_model_path
     lines = [m for m in records.messages if "loaded in place" in m]
     assert len(lines) == 1 and "bfloat16" in lines[0] and "25 tensors" in lines[0], records.messages
     assert not any("Reloading" in m for m in records.messages)
-    fresh = make_vllm_engine(new["path"], batch_size=4, precision="bf16", progress=False)
+    fresh = make_vllm_engine(
+        new["path"], EngineSettings.of(engine="vllm", batch_size=4), precision="bf16", progress=False
+    )
     try:
         assert max(abs(a - b) for a, b in zip(synced, vllm_prompt_logprobs(fresh, tokens))) < 1e-5
     finally:
@@ -135,7 +142,7 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
     new = _moved(tiny_model_path, tmp_path / "moved")
 
     def build(path):
-        engine = make_vllm_engine(path, batch_size=4, progress=False)
+        engine = make_vllm_engine(path, EngineSettings.of(engine="vllm", batch_size=4), progress=False)
         engine.sleep_level, engine.held_bytes = 1, 1 << 60
         return engine
 

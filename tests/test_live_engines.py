@@ -67,7 +67,7 @@ def run_dir(tmp_path):
 
 
 def _build(path: str):
-    return make_engine("hf", path, ENGINE.batch_size)
+    return make_engine(path, EngineSettings.of(engine="hf", batch_size=ENGINE.batch_size))
 
 
 def test_in_place_sync_from_checkpoint_equals_a_fresh_engine(checkpoints, run_dir, tiny_tokenizer):
@@ -267,7 +267,7 @@ def test_vllm_in_place_sync_equals_a_fresh_engine(checkpoints, run_dir, tiny_tok
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
     old, new = checkpoints
-    build = lambda path: make_vllm_engine(path, batch_size=8, progress=False)  # noqa: E731
+    build = lambda path: make_vllm_engine(path, EngineSettings.of(engine="vllm", batch_size=8), progress=False)  # noqa: E731
     cfg = dataclasses.replace(ENGINE, engine="vllm")
     key = live.engine_key(cfg, old["path"], "float32", "fp32")
     sample = _fixed_tokens(tiny_tokenizer)[0]

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from conftest import REPO, run_cli
-from refiner_core.config import ConfigError, load_recipe
+from refiner_core.config import ConfigError, EngineSettings, load_recipe
 from refiner_core.runtime import hardware
 from refiner_core.runtime.hardware import (
     cpu_bf16_features,
@@ -104,7 +104,9 @@ def test_vllm_engine_refuses_an_unresolved_precision(tiny_model_path):
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
     with pytest.raises(ValueError, match="unknown precision 'auto'"):
-        make_vllm_engine(str(tiny_model_path), batch_size=4, precision="auto", progress=False)
+        make_vllm_engine(
+            str(tiny_model_path), EngineSettings.of(engine="vllm", batch_size=4), precision="auto", progress=False
+        )
 
 
 def test_recipes_keep_their_explicit_precision():

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from refiner_core.config import EngineSettings
 from refiner_core.rollout.base import SamplingParams, make_engine, part_ranges
 from refiner_core.schema import ROLLOUTS
 from tasks.rollout import parts_folder, sample_in_parts
@@ -42,7 +43,7 @@ def _sampled(rows):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    return make_engine("hf", str(tiny_model_path), 4)
+    return make_engine(str(tiny_model_path), EngineSettings.of(engine="hf", batch_size=4))
 
 
 PROMPTS = [[1, 2, 3, 4 + p] + [5] * p for p in range(5)]  # five prompts of different lengths

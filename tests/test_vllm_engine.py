@@ -13,6 +13,7 @@ import torch
 pytestmark = pytest.mark.slow  # ~40 s for the engine tests, ~60 s more for the pipeline run on 2 CPU cores
 
 from conftest import vllm_logprob_gap  # noqa: E402
+from refiner_core.config import EngineSettings  # noqa: E402
 from refiner_core.learners.base import TrainSample  # noqa: E402
 from refiner_core.learners.batching import collate  # noqa: E402
 from refiner_core.learners.logprobs import token_logprobs  # noqa: E402
@@ -31,7 +32,9 @@ def engine(tiny_model_path):
     from refiner_core.rollout.vllm_engine import make_vllm_engine
 
     start = time.perf_counter()
-    eng = make_vllm_engine(str(tiny_model_path), batch_size=16, dtype="float32", progress=False)
+    eng = make_vllm_engine(
+        str(tiny_model_path), EngineSettings.of(engine="vllm", batch_size=16), "float32", progress=False
+    )
     print(f"\nvllm engine start-up: {time.perf_counter() - start:.1f} s")
     yield eng
     eng.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from refiner_core.config import EngineSettings
 from refiner_core.runtime.registry import resolve
 
 
@@ -117,30 +118,9 @@ ENGINES: dict[str, str] = {
 
 
 def make_engine(
-    kind: str,
-    model_path: str,
-    batch_size: int,
-    dtype: str = "float32",
-    precision: str = "fp32",
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.9,
-    adapter_rank: int = 0,
-    sleep_level: int = 1,
-    weight_transfer: str = "auto",
-    weight_bucket_mb: int = 512,
+    model_path: str, settings: EngineSettings, dtype: str = "float32", precision: str = "fp32"
 ) -> RolloutEngine:
-    """The engine `kind` over a checkpoint folder; the GPU settings (memory share, sleep level, how weights arrive)
-    matter to engines that manage GPU memory, and adapter_rank (LoRA adapters of up to that rank taken as adapters)
-    to engines with LoRA kernels."""
-    return resolve(ENGINES, "rollout engine", kind)(
-        model_path,
-        batch_size,
-        dtype,
-        precision=precision,
-        tensor_parallel_size=tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_utilization,
-        adapter_rank=adapter_rank,
-        sleep_level=sleep_level,
-        weight_transfer=weight_transfer,
-        weight_bucket_mb=weight_bucket_mb,
-    )
+    """The engine `settings.engine` over a checkpoint folder. Every factory (ENGINES, or an import path) takes
+    these four: the GPU settings (memory share, sleep level, how weights arrive) matter to engines that manage GPU
+    memory, and adapter_rank (LoRA adapters of up to that rank taken as adapters) to engines with LoRA kernels."""
+    return resolve(ENGINES, "rollout engine", settings.engine)(model_path, settings, dtype, precision)

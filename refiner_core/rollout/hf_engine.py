@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from refiner_core.config import EngineSettings
 from refiner_core.learners.logprobs import autocast
 from refiner_core.models import Adapter, adapter_weights
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
@@ -128,16 +129,7 @@ class HFRolloutEngine:
 
 
 def make_hf_engine(
-    model_path: str,
-    batch_size: int,
-    dtype: str = "float32",
-    precision: str = "fp32",
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.9,
-    adapter_rank: int = 0,
-    sleep_level: int = 1,
-    weight_transfer: str = "auto",
-    weight_bucket_mb: int = 512,
+    model_path: str, settings: EngineSettings, dtype: str = "float32", precision: str = "fp32"
 ) -> HFRolloutEngine:
     """One device, memory as the model needs: the parallelism, GPU-memory, sleep and weight-transfer settings do
     not apply (new weights are copied into its parameters), and LoRA adapters are merged into the weights
@@ -145,5 +137,5 @@ def make_hf_engine(
     from refiner_core.models import load_model, load_tokenizer
 
     return HFRolloutEngine(
-        load_model(model_path, dtype), load_tokenizer(model_path), batch_size=batch_size, precision=precision
+        load_model(model_path, dtype), load_tokenizer(model_path), batch_size=settings.batch_size, precision=precision
     )

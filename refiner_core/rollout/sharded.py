@@ -14,6 +14,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from refiner_core.config import EngineSettings
 from refiner_core.models import Adapter
 from refiner_core.rollout.base import Generation, SamplingParams, make_engine
 from refiner_core.store.faults import stage_fault
@@ -22,30 +23,8 @@ from refiner_core.store.faults import stage_fault
 class EngineActor:
     """One rollout engine in a Ray worker process."""
 
-    def __init__(
-        self,
-        kind: str,
-        model_path: str,
-        batch_size: int,
-        dtype: str,
-        precision: str,
-        tensor_parallel_size: int,
-        gpu_memory_utilization: float,
-        markers: str,
-        adapter_rank: int = 0,
-        gpu: dict | None = None,
-    ):
-        self.engine = make_engine(
-            kind,
-            model_path,
-            batch_size,
-            dtype,
-            precision,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            adapter_rank=adapter_rank,
-            **(gpu or {}),
-        )
+    def __init__(self, model_path: str, settings: EngineSettings, dtype: str, precision: str, markers: str):
+        self.engine = make_engine(model_path, settings, dtype, precision)
         self.markers = markers
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str) -> list[Generation]:
@@ -78,44 +57,19 @@ class EngineActor:
 class ShardedEngine:
     """N engines (Ray actor handles) behind the one-engine interface."""
 
-    def __init__(
-        self,
-        kind: str,
-        model_path: str,
-        batch_size: int,
-        dtype: str,
-        precision: str,
-        tensor_parallel_size: int,
-        gpu_memory_utilization: float,
-        num_engines: int,
-        markers: str = "",
-        adapter_rank: int = 0,
-        sleep_level: int = 1,
-        weight_transfer: str = "auto",
-        weight_bucket_mb: int = 512,
-    ):
+    def __init__(self, model_path: str, settings: EngineSettings, dtype: str, precision: str, markers: str = ""):
+        """settings.num_engines actors, each an engine built with `settings` (settings.tensor_parallel_size GPUs
+        each where the cluster has GPUs)."""
         import ray
 
         from refiner_core.runtime.cluster import gpus_available
 
-        gpus = tensor_parallel_size if gpus_available() else 0
+        gpus = settings.tensor_parallel_size if gpus_available() else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)
         self.actors = [
-            actor.remote(
-                kind,
-                model_path,
-                batch_size,
-                dtype,
-                precision,
-                tensor_parallel_size,
-                gpu_memory_utilization,
-                markers,
-                adapter_rank,
-                {"sleep_level": sleep_level, "weight_transfer": weight_transfer, "weight_bucket_mb": weight_bucket_mb},
-            )
-            for _ in range(num_engines)
+            actor.remote(model_path, settings, dtype, precision, markers) for _ in range(settings.num_engines)
         ]
-        self.name, self.weights_hash = kind, ""
+        self.name, self.weights_hash = settings.engine, ""
         ray.get([a.pid.remote() for a in self.actors])  # built (or failed) before the stage goes on
         self.takes_adapters = ray.get(self.actors[0].takes_adapters.remote())
         self.sleep_level = min(ray.get([a.sleep_level.remote() for a in self.actors]))

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refiner_core.config import EngineSettings
 from refiner_core.models import Adapter, checkpoint_adapter
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
 from refiner_core.runtime import weight_transfer as wt
@@ -287,25 +288,19 @@ class VLLMRolloutEngine:
 
 def make_vllm_engine(
     model_path: str,
-    batch_size: int,
+    settings: EngineSettings,
     dtype: str = "float32",
     precision: str = "fp32",
     *,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.9,
     progress: bool = True,
-    adapter_rank: int = 0,
-    sleep_level: int = 1,
-    weight_transfer: str = "auto",
-    weight_bucket_mb: int = 512,
     vllm_options: dict | None = None,
 ) -> VLLMRolloutEngine:
-    """An in-process vLLM engine over an HF checkpoint folder. vLLM computes in bfloat16 when `precision` is
-    'bf16' (it has no autocast: its weights are cast), else in the run's model `dtype`; `batch_size` caps the
-    sequences vLLM schedules together (max_num_seqs). `precision` must be resolved ('auto' is resolved per run, by
-    refiner_core.runtime.hardware). adapter_rank > 0: vLLM's LoRA kernels are on (enable_lora), so the engine takes LoRA
-    adapters of up to that rank; an adapter-only LoRA checkpoint builds an engine over its base with its adapter
-    applied.
+    """An in-process vLLM engine over an HF checkpoint folder, built with `settings` (the rollout section's). vLLM
+    computes in bfloat16 when `precision` is 'bf16' (it has no autocast: its weights are cast), else in the run's
+    model `dtype`; `batch_size` caps the sequences vLLM schedules together (max_num_seqs). `precision` must be
+    resolved ('auto' is resolved per run, by refiner_core.runtime.hardware). adapter_rank > 0: vLLM's LoRA kernels
+    are on (enable_lora), so the engine takes LoRA adapters of up to that rank; an adapter-only LoRA checkpoint
+    builds an engine over its base with its adapter applied.
     On GPU: `sleep_level` > 0 builds it with vLLM's sleep mode (where the platform has it), so it can free the GPU
     between rollouts; `weight_transfer` picks vLLM's weight-transfer backend for new weights (refiner_core.runtime.
     weight_transfer.choose_transport), sent `weight_bucket_mb` at a time. On CPU neither exists: weights arrive
@@ -329,19 +324,19 @@ def make_vllm_engine(
 
     options: dict = {"enforce_eager": not on_gpu}  # CUDA graphs on GPU; eager is required on CPU
     if on_gpu:
-        options["gpu_memory_utilization"] = gpu_memory_utilization
-    transport = wt.choose_transport(weight_transfer, on_gpu)
-    if transport == "delta" and tensor_parallel_size != 1:
+        options["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    transport = wt.choose_transport(settings.weight_transfer, on_gpu)
+    if transport == "delta" and settings.tensor_parallel_size != 1:
         raise ValueError("vllm engine: weight_transfer 'delta' (vLLM's sparse_nccl) needs tensor_parallel_size 1")
     if transport != "host":
         options["weight_transfer_config"] = {"backend": wt.BACKENDS[transport]}
         if transport == "ipc":  # the engine process unpickles the IPC handles this process sends it
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    sleeps = on_gpu and sleep_level > 0 and _sleep_mode_available()
+    sleeps = on_gpu and settings.sleep_level > 0 and _sleep_mode_available()
     if sleeps:
         options["enable_sleep_mode"] = True
     adapter = checkpoint_adapter(model_path)
-    rank = max(adapter_rank, adapter.rank if adapter else 0)
+    rank = max(settings.adapter_rank, adapter.rank if adapter else 0)
     if rank:
         if rank > LORA_RANKS[-1]:
             raise ValueError(f"vllm engine: LoRA rank {rank} is over vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
@@ -351,8 +346,8 @@ def make_vllm_engine(
         model=weights_path,
         tokenizer=str(model_path),
         dtype="bfloat16" if precision == "bf16" else dtype,
-        tensor_parallel_size=tensor_parallel_size,
-        max_num_seqs=max(int(batch_size), 1),
+        tensor_parallel_size=settings.tensor_parallel_size,
+        max_num_seqs=max(int(settings.batch_size), 1),
         logprobs_mode="processed_logprobs",  # log-probs of the tempered (and top-p) distribution that sampled
         seed=0,
         **{**options, **(vllm_options or {})},
@@ -365,7 +360,7 @@ def make_vllm_engine(
     eos = _generation_eos(model_path) or (config_eos if isinstance(config_eos, list) else [config_eos])
     eos_ids = {i for i in [*eos, tokenizer.eos_token_id] if i is not None}
     if on_gpu:
-        held = int(gpu_memory_utilization * torch.cuda.mem_get_info()[1])
+        held = int(settings.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
     else:  # the weights as stored, plus the KV cache space vLLM's CPU backend allocates
         weights = sum(f.stat().st_size for f in Path(weights_path).glob("*.safetensors"))
         held = weights + int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
@@ -378,10 +373,10 @@ def make_vllm_engine(
         device_type="cuda" if on_gpu else "cpu",
         takes_adapters=bool(rank),
         dtype=llm.llm_engine.model_config.dtype,
-        sleep_level=sleep_level if sleeps else 0,
+        sleep_level=settings.sleep_level if sleeps else 0,
         transport=transport,
-        bucket_bytes=max(int(weight_bucket_mb), 1) << 20,
-        workers=tensor_parallel_size,
+        bucket_bytes=max(int(settings.weight_bucket_mb), 1) << 20,
+        workers=settings.tensor_parallel_size,
     )
     if adapter:
         engine.load_weights(adapter)
