@@ -7,7 +7,7 @@ from prefect import get_run_logger
 from refiner_core.config import JudgeConfig
 from refiner_core.eval.judge_checks import anchor_rows, rejudge, sample_keys
 from refiner_core.judges.base import make_judge
-from refiner_core.runtime import live
+from refiner_core.runtime import live_judges
 from refiner_core.schema import JUDGE_ANCHORS
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
@@ -44,7 +44,7 @@ def judge_anchors(
     if judge_cfg["serve"]:
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
     settings = JudgeConfig(**judge_cfg)
-    scorer = live.judge(
+    scorer = live_judges.judge(
         run_dir,
         judge_model,
         settings,

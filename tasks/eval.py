@@ -16,7 +16,9 @@ from refiner_core.eval.evaluate import (
 )
 from refiner_core.judges.base import make_judge
 from refiner_core.models import load_tokenizer
-from refiner_core.runtime import live
+from refiner_core.runtime import live_judges
+from refiner_core.runtime.live_engines import release
+from refiner_core.runtime.unsaved_weights import model_folder
 from refiner_core.schema import EVALS
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
@@ -66,11 +68,11 @@ def evaluate(
     engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)  # the run's live one
     log.info("eval step %d: %s", step, acquired.describe())
     if agent.enabled:
-        tokenizer = load_tokenizer(live.model_folder(policy))
+        tokenizer = load_tokenizer(model_folder(policy))
         responses = agent_eval_responses(engine, tokenizer, chosen, settings.sampling(seed), agent)
     else:
         responses = generate_responses(engine, chosen, settings, seed)
-    live.release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
+    release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
 
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
@@ -78,7 +80,7 @@ def evaluate(
     if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
     judge_settings = JudgeConfig(**judge_cfg)
-    scorer = live.judge(
+    scorer = live_judges.judge(
         run_dir,
         judge_model,
         judge_settings,

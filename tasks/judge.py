@@ -7,7 +7,7 @@ from prefect import get_run_logger
 from refiner_core.config import JudgeConfig, RewardConfig
 from refiner_core.judges.base import make_judge
 from refiner_core.reward.score import score_rollouts
-from refiner_core.runtime import live
+from refiner_core.runtime import live_judges
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import ensure_judge_server
@@ -49,7 +49,7 @@ def judge(
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
     settings = JudgeConfig(**judge_cfg)
     scorer = (
-        live.judge(
+        live_judges.judge(
             run_dir,
             judge_model,
             settings,

@@ -19,7 +19,8 @@ from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
 from refiner_core.data.rubric_fields import RubricError
 from refiner_core.data.sources import SourceError
-from refiner_core.runtime import live
+from refiner_core.runtime.live_learner import learner_holds
+from refiner_core.runtime.unsaved_weights import written_at_close
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 from refiner_core.store.faults import stage_fault
 from refiner_core.store.forks import adopt, ancestors, read_fork, rebase
@@ -113,9 +114,7 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
             continue
         if entry.get("unsaved"):
             if not (
-                live.learner_holds(run_dir, entry["hash"])
-                or live.written_at_close(entry)
-                or _saved_later(Path(entry["path"]))
+                learner_holds(run_dir, entry["hash"]) or written_at_close(entry) or _saved_later(Path(entry["path"]))
             ):
                 damaged.append(f"{entry['path']} (never saved; no live learner holds it)")
             continue
