@@ -213,6 +213,7 @@ def part_b(root: Path, cpu: bool) -> None:
     from refiner_core.models import load_tokenizer
     from refiner_core.rollout.vllm_engine import make_vllm_engine
     from refiner_core.runtime import live, live_engines, live_learner
+    from refiner_core.runtime.unsaved_weights import UnsavedWeights
     from refiner_core.store.storage import dir_hash
 
     model = small_model(root, cpu)
@@ -240,7 +241,7 @@ def part_b(root: Path, cpu: bool) -> None:
             losses.append(learner.train_step(train_samples(model))["loss"])
             weights = f"weights-gpu-check-b-{step}"
             live_learner.keep_learner(run_dir, key, learner, weights)
-            unsaved = {"path": str(root / f"b-step{step}"), "hash": weights, "unsaved": True, "model": str(model)}
+            unsaved = UnsavedWeights(str(root / f"b-step{step}"), weights, str(model)).manifest()
             engine, got = live_engines.rollout_engine(run_dir, "b", unsaved, build)
             syncs.append({"step": step, "how": got.how, "source": got.source, "seconds": round(got.sync_seconds, 4)})
             synced = prompt_logprobs(engine, tokens)
@@ -286,6 +287,7 @@ def part_c(root: Path, cpu: bool) -> None:
     from refiner_core.models import load_tokenizer
     from refiner_core.rollout.vllm_engine import make_vllm_engine
     from refiner_core.runtime import live, live_engines, live_learner
+    from refiner_core.runtime.unsaved_weights import UnsavedWeights
     from refiner_core.store.storage import dir_hash
 
     model = small_model(root, cpu)
@@ -323,7 +325,7 @@ def part_c(root: Path, cpu: bool) -> None:
             learner.train_step(train_samples(model))
             weights = f"weights-gpu-check-c-{update}"
             live_learner.keep_learner(run_dir, "c-learner", learner, weights)
-            unsaved = {"path": str(root / f"c-step{update}"), "hash": weights, "unsaved": True, "model": str(model)}
+            unsaved = UnsavedWeights(str(root / f"c-step{update}"), weights, str(model)).manifest()
             engine, got = live_engines.rollout_engine(run_dir, "c", unsaved, build)
             synced = prompt_logprobs(engine, tokens)
             rounds.append(

@@ -14,7 +14,7 @@ from refiner_core.models import load_tokenizer
 from refiner_core.publish.model_card import write_model_card
 from refiner_core.runtime import live_learner
 from refiner_core.runtime.identity import weights_hash
-from refiner_core.runtime.unsaved_weights import WRITTEN_AT_CLOSE, is_unsaved, model_folder
+from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, model_folder
 from refiner_core.schema import ADVANTAGES, STEPS
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_table
@@ -85,6 +85,7 @@ def grpo_update(
     except BaseException:  # weights half-updated: no later step may use this learner (its ranks stop)
         learner.close()
         raise
+    unsaved = UnsavedWeights.named_by(saved)
     save_at_close = (
         functools.partial(
             _write_checkpoint,
@@ -94,9 +95,9 @@ def grpo_update(
             run_dir=run_dir,
             run=run,
             step=step,
-            weights_hash=saved["hash"],
+            unsaved=unsaved,
         )
-        if saved.get("unsaved")
+        if unsaved is not None
         else None
     )
     if not live_learner.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close):  # this checkpoint's
@@ -173,21 +174,20 @@ def _save(learner, save: bool, *, run_dir: str, run: str, step: int, model: str,
     if save or not live_learner.keeps_learner(run_dir, learner):  # weights nothing would hold are written
         _write_checkpoint(learner, final, tokenizer, run_dir=run_dir, run=run, step=step)
         return {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
-    # `path` is the checkpoint these weights were not written to; `model` has their architecture
-    return {"path": str(final), "hash": weights_hash(learner.weights()), "model": model, "unsaved": True}
+    return UnsavedWeights(str(final), weights_hash(learner.weights()), model).manifest()
 
 
 def _write_checkpoint(
-    learner, final: Path, tokenizer, *, run_dir: str, run: str, step: int, weights_hash: str = ""
+    learner, final: Path, tokenizer, *, run_dir: str, run: str, step: int, unsaved: UnsavedWeights | None = None
 ) -> Path:
-    """HF weights + training state + tokenizer + model card, atomically. weights_hash: the weights were named
-    by it in a manifest as never saved; the checkpoint records that it holds them (unsaved_weights.WRITTEN_AT_CLOSE)."""
+    """HF weights + training state + tokenizer + model card, atomically. unsaved: the weights a manifest names
+    as never saved, written as the run ends; the checkpoint records that it holds them."""
     with atomic_dir(final) as build:
         learner.save(build)
         tokenizer.save_pretrained(build)
         write_model_card(build, run_dir, kind="grpo", run=run, step=step + 1, checkpoint=final)
-        if weights_hash:
-            (build / WRITTEN_AT_CLOSE).write_text(weights_hash)
+        if unsaved is not None:
+            unsaved.mark_written_at_close(build)
     forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
     return final
 
