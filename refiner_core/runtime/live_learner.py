@@ -77,11 +77,11 @@ def take_learner(run_dir: str | Path, key: str, policy_hash: str):
         return None
     with LOCK:
         LOCK.wait_for(lambda: not run.lending)
-        live, run.learner = run.learner, None
-    if live is not None and live.key == key and live.weights_hash == policy_hash:
-        return live.learner
-    if live is not None:  # other settings or other weights: never used again
-        live.learner.close()
+        kept, run.learner = run.learner, None
+    if kept is not None and kept.key == key and kept.weights_hash == policy_hash:
+        return kept.learner
+    if kept is not None:  # other settings or other weights: never used again
+        kept.learner.close()
     return None
 
 
@@ -116,15 +116,15 @@ def lent_learner(run: LiveRun, weights_hash: str):
     """The live learner when it holds exactly the checkpoint `weights_hash` names, else None. Until the block
     ends no update takes it (`take_learner` waits), so its weights are not changed while they are copied."""
     with LOCK:
-        live = run.learner
-        if live is None or live.weights_hash != weights_hash:
-            live = None
+        kept = run.learner
+        if kept is None or kept.weights_hash != weights_hash:
+            kept = None
         else:
             run.lending += 1
     try:
-        yield live.learner if live else None
+        yield kept.learner if kept else None
     finally:
-        if live:
+        if kept:
             with LOCK:
                 run.lending -= 1
                 LOCK.notify_all()
