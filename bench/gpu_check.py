@@ -207,13 +207,14 @@ def part_a(root: Path, cpu: bool) -> None:
 
 def part_b(root: Path, cpu: bool) -> None:
     """One ZeRO-3 rank kept up for three updates; after each, the run's live engine takes the new weights from the
-    ranks (live.rollout_engine: CUDA IPC on GPU, host memory on CPU) without a file; after the third, the engine
-    and a fresh engine on the saved checkpoint score fixed tokens alike."""
+    ranks (live_engines.rollout_engine: CUDA IPC on GPU, host memory on CPU) without a file; after the third, the
+    engine and a fresh engine on the saved checkpoint score fixed tokens alike."""
     from refiner_core.config import EngineSettings
     from refiner_core.learners.deepspeed_learner import make_deepspeed_learner
     from refiner_core.models import load_tokenizer
     from refiner_core.rollout.vllm_engine import make_vllm_engine
-    from refiner_core.runtime import live
+    from refiner_core.runtime import live, live_engines, live_learner
+    from refiner_core.runtime.unsaved_weights import UnsavedWeights
     from refiner_core.store.storage import dir_hash
 
     model = small_model(root, cpu)
@@ -229,9 +230,9 @@ def part_b(root: Path, cpu: bool) -> None:
     run_dir.mkdir()
     live.open_run(run_dir, owner="gpu-check")
     policy = {"path": str(model), "hash": dir_hash(model)}
-    engine, got = live.rollout_engine(run_dir, "b", policy, build)
+    engine, got = live_engines.rollout_engine(run_dir, "b", policy, build)
     before = prompt_logprobs(engine, tokens)
-    live.release(run_dir, engine, got)
+    live_engines.release(run_dir, engine, got)
     settings = grpo_settings(cpu, learner="deepspeed", zero_stage=3, world_size=1)
     learner = make_deepspeed_learner(model, model, tokenizer, settings, None)
     key, syncs, losses = "b-learner", [], []
@@ -239,13 +240,13 @@ def part_b(root: Path, cpu: bool) -> None:
         for step in range(1, 4):
             losses.append(learner.train_step(train_samples(model))["loss"])
             weights = f"weights-gpu-check-b-{step}"
-            live.keep_learner(run_dir, key, learner, weights)
-            unsaved = {"path": str(root / f"b-step{step}"), "hash": weights, "unsaved": True, "model": str(model)}
-            engine, got = live.rollout_engine(run_dir, "b", unsaved, build)
+            live_learner.keep_learner(run_dir, key, learner, weights)
+            unsaved = UnsavedWeights(str(root / f"b-step{step}"), weights, str(model)).manifest()
+            engine, got = live_engines.rollout_engine(run_dir, "b", unsaved, build)
             syncs.append({"step": step, "how": got.how, "source": got.source, "seconds": round(got.sync_seconds, 4)})
             synced = prompt_logprobs(engine, tokens)
-            live.release(run_dir, engine, got)
-            learner = live.take_learner(run_dir, key, weights)
+            live_engines.release(run_dir, engine, got)
+            learner = live_learner.take_learner(run_dir, key, weights)
         final = root / "b-final"
         learner.save(final)
         tokenizer.save_pretrained(final)
@@ -278,15 +279,16 @@ def part_b(root: Path, cpu: bool) -> None:
 
 def part_c(root: Path, cpu: bool) -> None:
     """A torch learner on the GPU and a vLLM engine that holds more of the GPU than is left free: after each
-    stage the run keeps it asleep (live.release), and the next wakes it and syncs over CUDA IPC
-    (live.rollout_engine). Levels 1, 1, 2; the last state is compared with a fresh engine."""
+    stage the run keeps it asleep (live_engines.release), and the next wakes it and syncs over CUDA IPC
+    (live_engines.rollout_engine). Levels 1, 1, 2; the last state is compared with a fresh engine."""
     import torch
 
     from refiner_core.config import EngineSettings
     from refiner_core.learners.torch_learner import make_torch_learner
     from refiner_core.models import load_tokenizer
     from refiner_core.rollout.vllm_engine import make_vllm_engine
-    from refiner_core.runtime import live
+    from refiner_core.runtime import live, live_engines, live_learner
+    from refiner_core.runtime.unsaved_weights import UnsavedWeights
     from refiner_core.store.storage import dir_hash
 
     model = small_model(root, cpu)
@@ -306,20 +308,20 @@ def part_c(root: Path, cpu: bool) -> None:
     live.open_run(run_dir, owner="gpu-check")
     policy = {"path": str(model), "hash": dir_hash(model)}
     learner = make_torch_learner(model, model, tokenizer, grpo_settings(cpu), None)
-    engine, got = live.rollout_engine(run_dir, "c", policy, build)
+    engine, got = live_engines.rollout_engine(run_dir, "c", policy, build)
     before = prompt_logprobs(engine, tokens)
     rounds = []
     try:
         for update, level in enumerate([1, 1, 2], 1):
             engine.sleep_level = level if engine.sleep_level else 0  # 0: this engine cannot sleep (CPU)
             free, start = free_gib(), time.perf_counter()
-            how = live.release(run_dir, engine, got)
+            how = live_engines.release(run_dir, engine, got)
             slept, freed = time.perf_counter() - start, free_gib() - free
             learner.train_step(train_samples(model))
             weights = f"weights-gpu-check-c-{update}"
-            live.keep_learner(run_dir, "c-learner", learner, weights)
-            unsaved = {"path": str(root / f"c-step{update}"), "hash": weights, "unsaved": True, "model": str(model)}
-            engine, got = live.rollout_engine(run_dir, "c", unsaved, build)
+            live_learner.keep_learner(run_dir, "c-learner", learner, weights)
+            unsaved = UnsavedWeights(str(root / f"c-step{update}"), weights, str(model)).manifest()
+            engine, got = live_engines.rollout_engine(run_dir, "c", unsaved, build)
             synced = prompt_logprobs(engine, tokens)
             rounds.append(
                 {
@@ -334,7 +336,7 @@ def part_c(root: Path, cpu: bool) -> None:
                 }
             )
             emit("c", check="round", **rounds[-1])
-            live.take_learner(run_dir, "c-learner", weights)
+            live_learner.take_learner(run_dir, "c-learner", weights)
         final = root / "c-final"
         learner.save(final)
         tokenizer.save_pretrained(final)

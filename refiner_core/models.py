@@ -233,6 +233,26 @@ def load_model(path: Path | str, dtype: str = "float32", trainable: bool = False
     return model
 
 
+def checkpoint_weights(model_path: Path | str, adapters: bool = False) -> dict | Adapter:
+    """The state dict of a checkpoint folder's safetensors files (HF names, as `model.state_dict()` gives them).
+    A LoRA checkpoint gives its adapter when `adapters` (an engine with LoRA kernels), else merged weights: its own
+    when it holds them, else base and adapter merged here."""
+    from safetensors.torch import load_file
+
+    adapter = lora_adapter(model_path)
+    if adapter is not None and adapters:
+        return adapter
+    if checkpoint_adapter(model_path) is not None:  # nothing merged on disk: merged here
+        return adapter_weights(adapter)
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_path} holds no *.safetensors weights to sync a live engine from")
+    weights: dict = {}
+    for path in files:
+        weights.update(load_file(str(path)))
+    return weights
+
+
 def adapter_weights(adapter: Adapter, dtype: str = "float32") -> dict:
     """The state dict of base + adapter merged: what an engine without LoRA kernels loads."""
     return _merged(adapter, dtype).state_dict()

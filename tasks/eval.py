@@ -15,7 +15,8 @@ from refiner_core.eval.evaluate import (
     summarize,
 )
 from refiner_core.models import load_tokenizer
-from refiner_core.runtime import live
+from refiner_core.runtime.live_engines import release
+from refiner_core.runtime.unsaved_weights import model_folder
 from refiner_core.schema import EVALS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
@@ -66,11 +67,11 @@ def evaluate(
     engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)  # the run's live one
     log.info("eval step %d: %s", step, acquired.describe())
     if agent.enabled:
-        tokenizer = load_tokenizer(live.model_folder(policy))
+        tokenizer = load_tokenizer(model_folder(policy))
         responses = agent_eval_responses(engine, tokenizer, chosen, settings.sampling(seed), agent)
     else:
         responses = generate_responses(engine, chosen, settings, seed)
-    live.release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
+    release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
 
     rubric_rows = rubrics_by_prompt(rubrics)
     _, scorer = stage_judge(run_dir, judge_model, judge_cfg, dtype, precision, log)

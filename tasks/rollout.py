@@ -12,7 +12,8 @@ from refiner_core.agent.rollout import rollout_row as agent_rollout_row
 from refiner_core.agent.rollout import turn_rows as agent_turn_rows
 from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, part_ranges
-from refiner_core.runtime import live
+from refiner_core.runtime.live_engines import release
+from refiner_core.runtime.unsaved_weights import model_folder
 from refiner_core.schema import ROLLOUTS, TURNS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.faults import stage_fault
@@ -74,7 +75,7 @@ def rollout(
         params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
         agent, turns = stage_view("rollout", rollout_cfg).agent, None
         if agent.enabled:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
-            tokenizer = load_tokenizer(live.model_folder(policy))
+            tokenizer = load_tokenizer(model_folder(policy))
             conversations = agent_rollouts(
                 engine,
                 tokenizer,
@@ -111,7 +112,7 @@ def rollout(
     except BaseException:
         engine.close()
         raise
-    live.release(run_dir, engine, acquired)  # kept for the next step, or closed to free memory for the learner
+    release(run_dir, engine, acquired)  # kept for the next step, or closed to free memory for the learner
     if turns is not None:
         rows = to_rows(outputs)
     stopped = sum(r["finish_reason"] == "stop" for r in rows)

@@ -10,7 +10,8 @@ from refiner_core.config import EngineSettings
 from refiner_core.data.schedule import refill_prompt_ids, step_prompt_ids, weighted_step_prompt_ids
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.sharded import ShardedEngine
-from refiner_core.runtime import live
+from refiner_core.runtime import live_engines
+from refiner_core.runtime.unsaved_weights import model_folder
 from refiner_core.store.storage import read_rows
 
 
@@ -53,8 +54,9 @@ def round_folder(step_folder: Path, round: int) -> Path:
 
 
 def rollout_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, precision: str):
-    """An engine holding `policy`'s weights and how it was got: the run's live engine (refiner_core.runtime.live), else
-    one built from the checkpoint (engine_cfg: an EngineSettings as a dict). Hand it back with `live.release`."""
+    """An engine holding `policy`'s weights and how it was got: the run's live engine
+    (refiner_core.runtime.live_engines), else one built from the checkpoint (engine_cfg: an EngineSettings as a
+    dict). Hand it back with `live_engines.release`."""
     engine = EngineSettings(**engine_cfg)
 
     def build(path: str):
@@ -62,9 +64,8 @@ def rollout_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, pre
             return ShardedEngine(path, engine, dtype, precision, markers=str(Path(run_dir) / ".faults"))
         return make_engine(path, engine, dtype, precision)
 
-    return live.rollout_engine(
-        run_dir, live.engine_key(engine, live.model_folder(policy), dtype, precision), policy, build
-    )
+    key = live_engines.engine_key(engine, model_folder(policy), dtype, precision)
+    return live_engines.rollout_engine(run_dir, key, policy, build)
 
 
 def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:

@@ -19,8 +19,8 @@ from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
 from refiner_core.data.rubric_fields import RubricError
 from refiner_core.data.sources import SourceError
-from refiner_core.runtime import live
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
+from refiner_core.runtime.unsaved_weights import UnsavedWeights
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths
 from refiner_core.store.faults import stage_fault
 from refiner_core.store.forks import adopt, ancestors, read_fork, rebase
 from refiner_core.store.storage import dir_hash, file_hash, json_hash
@@ -111,12 +111,8 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
             Path(entry["path"]).parent
         ):
             continue
-        if entry.get("unsaved"):
-            if not (
-                live.learner_holds(run_dir, entry["hash"])
-                or live.written_at_close(entry)
-                or _saved_later(Path(entry["path"]))
-            ):
+        if (unsaved := UnsavedWeights.named_by(entry)) is not None:
+            if not unsaved.intact(run_dir):
                 damaged.append(f"{entry['path']} (never saved; no live learner holds it)")
             continue
         path = Path(entry["path"])
@@ -124,12 +120,6 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
         if actual != entry["hash"]:
             damaged.append(str(path))
     return damaged
-
-
-def _saved_later(unsaved: Path) -> bool:
-    """Whether a step checkpoint after the unsaved one `unsaved` names exists in its folder."""
-    step = int(unsaved.name.removeprefix("step_"))
-    return any(saved > step for saved in step_checkpoints(unsaved.parent))
 
 
 class Stage:

@@ -9,7 +9,7 @@ from prefect import get_run_logger
 
 from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
 from refiner_core.publish.model_card import write_model_card
-from refiner_core.runtime import live
+from refiner_core.runtime.live_engines import release
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.store.storage import atomic_dir, dir_hash, write_table
@@ -40,7 +40,7 @@ def teacher_rollout(
     log.info("teacher-rollout step %d: %s", step, acquired.describe())
     params = sampling_params(rollout_cfg, seed * 100_003 + step + TEACHER_SEED_OFFSET)
     generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")
-    live.release(run_dir, engine, acquired)
+    release(run_dir, engine, acquired)
     now = datetime.now(UTC)
     rows = [
         {

@@ -11,7 +11,9 @@ from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.model_card import write_model_card
-from refiner_core.runtime import live
+from refiner_core.runtime import live_learner
+from refiner_core.runtime.identity import weights_hash
+from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, model_folder
 from refiner_core.schema import ADVANTAGES, STEPS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
@@ -54,15 +56,15 @@ def grpo_update(
     settings = learner_settings(grpo, temperature, precision, stage_view("lora", lora) if lora else None)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
-    model = live.model_folder(policy)
+    model = model_folder(policy)
     tokenizer = load_tokenizer(model)
     optimizer_state = Path(policy["path"]) / "optimizer.pt"
     saved_state = any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES)
-    if step > 0 and not live.is_unsaved(policy) and not saved_state:
+    if step > 0 and not is_unsaved(policy) and not saved_state:
         log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
-    learner_key = live.learner_key(grpo.learner, model, reference, settings, dtype)
-    learner = live.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
-    if learner is None and live.is_unsaved(policy):  # a retry after a failed step: its learner was dropped
+    learner_key = live_learner.learner_key(grpo.learner, model, reference, settings, dtype)
+    learner = live_learner.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
+    if learner is None and is_unsaved(policy):  # a retry after a failed step: its learner was dropped
         raise FileNotFoundError(
             f"grpo-update step {step}: the weights of {policy['path']} were never saved "
             "(run.save_every) and the live learner no longer holds them; run again to recompute"
@@ -83,6 +85,7 @@ def grpo_update(
     except BaseException:  # weights half-updated: no later step may use this learner (its ranks stop)
         learner.close()
         raise
+    unsaved = UnsavedWeights.named_by(saved)
     save_at_close = (
         functools.partial(
             _write_checkpoint,
@@ -92,12 +95,12 @@ def grpo_update(
             run_dir=run_dir,
             run=run,
             step=step,
-            weights_hash=saved["hash"],
+            unsaved=unsaved,
         )
-        if saved.get("unsaved")
+        if unsaved is not None
         else None
     )
-    if not live.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close):  # this checkpoint's
+    if not live_learner.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close):  # this checkpoint's
         learner.close()
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
@@ -133,7 +136,7 @@ def grpo_update(
         "weight_sync_seconds": sum(m.get("weight_sync_seconds", 0.0) for m in rollouts),
         "judge_seconds": sum(m["seconds"] for m in scores),
         "checkpoint": saved["path"],
-        "checkpoint_bytes": 0 if live.is_unsaved(saved) else folder_bytes(Path(saved["path"])),
+        "checkpoint_bytes": 0 if is_unsaved(saved) else folder_bytes(Path(saved["path"])),
         **{
             f"judge_{k}": sum(m.get("judge_usage", {}).get(k, 0) for m in scores)
             for k in ("requests", "prompt_tokens", "completion_tokens")
@@ -168,24 +171,23 @@ def _save(learner, save: bool, *, run_dir: str, run: str, step: int, model: str,
     """The policy manifest of the updated weights: an HF checkpoint, or (save false, run.save_every) the weights
     left in the live learner, named by content hash."""
     final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
-    if save or not live.keeps_learner(run_dir, learner):  # weights nothing would hold are written
+    if save or not live_learner.keeps_learner(run_dir, learner):  # weights nothing would hold are written
         _write_checkpoint(learner, final, tokenizer, run_dir=run_dir, run=run, step=step)
         return {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
-    # `path` is the checkpoint these weights were not written to; `model` has their architecture
-    return {"path": str(final), "hash": live.weights_hash(learner.weights()), "model": model, "unsaved": True}
+    return UnsavedWeights(str(final), weights_hash(learner.weights()), model).manifest()
 
 
 def _write_checkpoint(
-    learner, final: Path, tokenizer, *, run_dir: str, run: str, step: int, weights_hash: str = ""
+    learner, final: Path, tokenizer, *, run_dir: str, run: str, step: int, unsaved: UnsavedWeights | None = None
 ) -> Path:
-    """HF weights + training state + tokenizer + model card, atomically. weights_hash: the weights were named
-    by it in a manifest as never saved; the checkpoint records that it holds them (live.WRITTEN_AT_CLOSE)."""
+    """HF weights + training state + tokenizer + model card, atomically. unsaved: the weights a manifest names
+    as never saved, written as the run ends; the checkpoint records that it holds them."""
     with atomic_dir(final) as build:
         learner.save(build)
         tokenizer.save_pretrained(build)
         write_model_card(build, run_dir, kind="grpo", run=run, step=step + 1, checkpoint=final)
-        if weights_hash:
-            (build / live.WRITTEN_AT_CLOSE).write_text(weights_hash)
+        if unsaved is not None:
+            unsaved.mark_written_at_close(build)
     forget_pruned(final.parent, final)  # written again: no longer a pruned checkpoint
     return final
 

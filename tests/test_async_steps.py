@@ -14,7 +14,7 @@ from conftest import catalog_rows, learner_settings, math_rows_file
 from refiner_core.config import EngineSettings, load_recipe, recipe_from_dict
 from refiner_core.preflight import check_values
 from refiner_core.reward.ground_truth import Verdict
-from refiner_core.runtime import live
+from refiner_core.runtime import live, live_engines, live_learner
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.store.storage import dir_hash
 from test_pipeline import STAGES, _run
@@ -190,8 +190,8 @@ def test_an_update_waits_while_a_rollout_engine_copies_the_learner(tiny_model_pa
         model = str(tiny_model_path)
         settings = learner_settings()
         learner = make_torch_learner(model, model, tiny_tokenizer, settings, None)
-        key = live.learner_key("torch", model, {"path": model, "hash": "base"}, settings, "float32")
-        live.keep_learner(run_dir, key, learner, "weights-held")
+        key = live_learner.learner_key("torch", model, {"path": model, "hash": "base"}, settings, "float32")
+        live_learner.keep_learner(run_dir, key, learner, "weights-held")
         engine, copying, finish = (
             make_engine(model, EngineSettings.of(engine="hf", batch_size=8)),
             threading.Event(),
@@ -208,11 +208,13 @@ def test_an_update_waits_while_a_rollout_engine_copies_the_learner(tiny_model_pa
         policy = {"path": str(tmp_path / "step_0001"), "hash": "weights-held", "model": model, "unsaved": True}
         acquired, taken = [], []
         rollout = threading.Thread(
-            target=lambda: acquired.append(live.rollout_engine(run_dir, "engine", policy, lambda path: engine)[1])
+            target=lambda: acquired.append(
+                live_engines.rollout_engine(run_dir, "engine", policy, lambda path: engine)[1]
+            )
         )
         rollout.start()
         assert copying.wait(30)
-        update = threading.Thread(target=lambda: taken.append(live.take_learner(run_dir, key, "weights-held")))
+        update = threading.Thread(target=lambda: taken.append(live_learner.take_learner(run_dir, key, "weights-held")))
         update.start()
         update.join(0.5)
         assert update.is_alive() and not taken  # waits for the copy

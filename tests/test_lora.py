@@ -20,12 +20,11 @@ from refiner_core.learners.batching import collate
 from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.learners.lora import ADAPTER_DIR, AdaptersOff
 from refiner_core.learners.torch_learner import make_torch_learner
-from refiner_core.models import checkpoint_adapter, load_model, load_tokenizer
+from refiner_core.models import checkpoint_adapter, checkpoint_weights, load_model, load_tokenizer
 from refiner_core.preflight import check_values
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.runtime.hardware import resolve_lora_sync
-from refiner_core.runtime.live import checkpoint_weights
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=("all-linear",))
 

@@ -16,7 +16,9 @@ from safetensors.torch import load_file
 from conftest import REPO, catalog_rows, run_cli
 from refiner_core.config import recipe_from_dict
 from refiner_core.preflight import check_values
-from refiner_core.runtime import live
+from refiner_core.runtime import live, live_learner
+from refiner_core.runtime.identity import weights_hash
+from refiner_core.runtime.unsaved_weights import WRITTEN_AT_CLOSE
 from tasks.stage import damaged_outputs
 
 STEPS = 3
@@ -112,7 +114,7 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(pre
     assert code == 130, err[-3000:]
     assert "run ended between saves (run.save_every): weights weights-" in err
     assert _checkpoints(interrupted) == ["step_0001"]
-    assert (interrupted / "checkpoints" / "step_0001" / live.WRITTEN_AT_CLOSE).read_text() == unsaved[0][1]
+    assert (interrupted / "checkpoints" / "step_0001" / WRITTEN_AT_CLOSE).read_text() == unsaved[0][1]
     code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, env)
     assert code == 0, err[-3000:]
     assert _recomputed(interrupted) == []
@@ -148,17 +150,17 @@ def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
 
     run_dir = tmp_path / "run"
     checkpoint = run_dir / "checkpoints" / "step_0001"
-    held = live.weights_hash(Learner().weights())
-    assert held == live.weights_hash({"w": torch.arange(4, dtype=torch.bfloat16)})
-    assert held != live.weights_hash({"w": torch.arange(4, dtype=torch.float32)})
+    held = weights_hash(Learner().weights())
+    assert held == weights_hash({"w": torch.arange(4, dtype=torch.bfloat16)})
+    assert held != weights_hash({"w": torch.arange(4, dtype=torch.float32)})
     manifest = {"policy": {"path": str(checkpoint), "hash": held, "model": "base", "unsaved": True}}
     assert damaged_outputs(manifest, str(run_dir)) == [f"{checkpoint} (never saved; no live learner holds it)"]
 
     live.open_run(run_dir, owner="test")
     try:
-        assert live.keep_learner(run_dir, "key", Learner(), held)
+        assert live_learner.keep_learner(run_dir, "key", Learner(), held)
         assert damaged_outputs(manifest, str(run_dir)) == []
-        live.keep_learner(run_dir, "key", Learner(), "other weights")
+        live_learner.keep_learner(run_dir, "key", Learner(), "other weights")
         assert damaged_outputs(manifest, str(run_dir)) != []
     finally:
         live.close_run(run_dir)

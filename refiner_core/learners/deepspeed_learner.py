@@ -30,7 +30,7 @@ from pathlib import Path
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.learners.lora import AdapterExports, ram_dir
-from refiner_core.models import Adapter
+from refiner_core.models import Adapter, checkpoint_weights
 from refiner_core.runtime.procs import forget_child, spawn, stop_group
 
 WORKER = "refiner_core.learners.deepspeed_worker"
@@ -342,8 +342,6 @@ class DeepSpeedLearner:
 
     def weights(self) -> dict:
         """The ranks' current weights (HF names), exported once per update through shared memory."""
-        from refiner_core.runtime.live import checkpoint_weights
-
         if self._exported_at != self.updates:
             shutil.rmtree(self.export, ignore_errors=True)
             self._call("export", path=str(self.export))

@@ -58,7 +58,7 @@ class RolloutEngine(Protocol):
         """Free the engine's memory before the next stage needs it."""
 
     # Sleep mode: an engine with sleep_level > 0 frees its device memory between rollouts instead of being closed
-    # (refiner_core.runtime.live). Engines that cannot sleep have sleep_level 0, and both methods do nothing.
+    # (refiner_core.runtime.live_engines). Engines that cannot sleep have sleep_level 0, and both methods do nothing.
     sleep_level: int  # 0: cannot sleep; 1: its weights wait in host memory; 2: they are dropped
 
     def sleep(self) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refiner_core.config import EngineSettings
-from refiner_core.models import Adapter, checkpoint_adapter
+from refiner_core.models import Adapter, checkpoint_adapter, checkpoint_weights
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
 from refiner_core.runtime import weight_transfer as wt
 
@@ -170,8 +170,6 @@ class VLLMRolloutEngine:
         """The weights of a checkpoint folder (HF safetensors, no adapter): read a tensor at a time and sent a
         bucket at a time over CUDA IPC where the engine takes IPC, else through host memory."""
         if self.transport != "ipc":
-            from refiner_core.runtime.live import checkpoint_weights
-
             self.load_weights(checkpoint_weights(path))
             return
         self.lora = None

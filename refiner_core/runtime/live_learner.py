@@ -1,0 +1,130 @@
+"""The learner a run keeps live across its steps (policy, reference and optimizer state in memory): taken by the
+next update when it was built with the same settings and holds the weights the update starts from, lent to a rollout
+engine that copies its weights, and, holding weights no checkpoint has (run.save_every), written out when the run
+ends before a save."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from refiner_core.runtime.identity import model_identity
+from refiner_core.runtime.live import LOCK, LiveRun, run_of
+from refiner_core.store.storage import json_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KeptLearner:
+    key: str
+    learner: Any
+    weights_hash: str  # the checkpoint its in-memory weights were saved as
+    # For weights never written (run.save_every): writes them to the checkpoint their manifest names, marked as
+    # written at close (unsaved_weights), when the run ends before a save (SIGTERM, Ctrl-C, a failed stage).
+    save_at_close: Callable[[], Any] | None = None
+
+    def close(self) -> None:
+        """The run ends: weights no checkpoint holds are written first, then the learner is closed."""
+        self._save_unsaved()
+        self.learner.close()
+
+    def _save_unsaved(self) -> None:
+        """The run ends holding weights no checkpoint has: write them, so a rerun resumes from them rather than
+        recomputing the updates since the last save. A failure here is logged, not raised: the run is ending
+        anyway, and the rerun recomputes."""
+        if self.save_at_close is None:
+            return
+        try:
+            path = self.save_at_close()
+            log.warning(
+                "run ended between saves (run.save_every): weights %s written to %s", self.weights_hash[:20], path
+            )
+        except Exception as e:  # logged, not raised: the rerun recomputes those steps
+            log.warning(
+                "run ended between saves and its unsaved weights could not be written (%s: %s); a rerun "
+                "recomputes the steps since the last checkpoint",
+                type(e).__name__,
+                e,
+            )
+
+
+def learner_key(kind: str, policy_path: str | Path, reference: dict, settings, dtype: str) -> str:
+    return json_hash(
+        [
+            kind,
+            model_identity(policy_path),
+            reference["path"],
+            reference["hash"],
+            json.loads(json.dumps(dataclasses.asdict(settings), default=list)),
+            dtype,
+        ]
+    )
+
+
+def take_learner(run_dir: str | Path, key: str, policy_hash: str):
+    """The run's live learner when it was built with `key` and its weights are the checkpoint `policy_hash`
+    names, else None (build one). It leaves the registry until `keep_learner` puts it back, so a step that fails
+    halfway (weights half-updated) is never reused: its retry loads from disk."""
+    run = run_of(run_dir)
+    if run is None:
+        return None
+    with LOCK:
+        LOCK.wait_for(lambda: not run.lending)
+        kept, run.learner = run.learner, None
+    if kept is not None and kept.key == key and kept.weights_hash == policy_hash:
+        return kept.learner
+    if kept is not None:  # other settings or other weights: never used again
+        kept.learner.close()
+    return None
+
+
+def keep_learner(
+    run_dir: str | Path, key: str, learner, weights_hash: str, save_at_close: Callable[[], Any] | None = None
+) -> bool:
+    """After the learner's weights were saved as the checkpoint `weights_hash` names: keep it for the next step
+    (learners that hold their weights in this process, i.e. offer `weights()`). Returns whether it was kept.
+    `save_at_close` writes weights that no checkpoint holds yet, should the run end first."""
+    run = run_of(run_dir)
+    if run is None or not hasattr(learner, "weights"):
+        return False
+    with LOCK:
+        run.learner = KeptLearner(key, learner, weights_hash, save_at_close)
+    return True
+
+
+def keeps_learner(run_dir: str | Path, learner) -> bool:
+    """Whether `keep_learner` would keep this learner: the run keeps engines and the learner's weights live here."""
+    return run_of(run_dir) is not None and hasattr(learner, "weights")
+
+
+def learner_holds(run_dir: str | Path, weights_hash: str) -> bool:
+    """Whether the run's live learner holds these weights (the learner is out of the registry while it trains)."""
+    run = run_of(run_dir)
+    with LOCK:
+        return run is not None and run.learner is not None and run.learner.weights_hash == weights_hash
+
+
+@contextmanager
+def lent_learner(run: LiveRun, weights_hash: str):
+    """The live learner when it holds exactly the checkpoint `weights_hash` names, else None. Until the block
+    ends no update takes it (`take_learner` waits), so its weights are not changed while they are copied."""
+    with LOCK:
+        kept = run.learner
+        if kept is None or kept.weights_hash != weights_hash:
+            kept = None
+        else:
+            run.lending += 1
+    try:
+        yield kept.learner if kept else None
+    finally:
+        if kept:
+            with LOCK:
+                run.lending -= 1
+                LOCK.notify_all()
