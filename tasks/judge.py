@@ -4,6 +4,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core.judges.base import judge_backend
 from refiner_core.reward.score import score_rollouts
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.stage_settings import stage_view
@@ -69,7 +70,7 @@ def judge(
             len(scored.citation_claims),
             sum(r["citation_f1"] or 0.0 for r in scored.reward_inputs) / max(len(scored.reward_inputs), 1),
         )
-    if judge_cfg["engine"] != "transformers":
+    if not judge_backend(judge_cfg["engine"]).in_process:  # a served judge: its cache and requests
         log.info(
             "judge step %d: %d from the judge cache, %d requests, %d pairs retried",
             step,

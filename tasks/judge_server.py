@@ -9,7 +9,7 @@ import atexit
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from refiner_core.judges.base import make_judge
+from refiner_core.judges.base import judge_backend, make_judge
 from refiner_core.judges.serve import JudgeServer, start_server, stop_server
 from refiner_core.runtime import live_judges
 from refiner_core.stage_settings import stage_view
@@ -25,7 +25,8 @@ def stage_judge(run_dir: str, judge_model: dict, judge_cfg: dict, dtype: str, pr
         judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
     settings = stage_view("judge", judge_cfg)
     build = lambda: make_judge(judge_model["path"], settings, dtype, precision)  # noqa: E731
-    return settings, live_judges.judge(run_dir, judge_model, settings, dtype, precision, build)
+    kept = judge_backend(settings.engine).in_process
+    return settings, live_judges.judge(run_dir, judge_model, settings, dtype, precision, build, kept)
 
 
 def rubrics_by_prompt(rubrics: dict) -> dict[str, list[dict]]:

@@ -21,9 +21,7 @@ from refiner_core.runtime import live, live_engines, live_learner
 from refiner_core.store.storage import dir_hash
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-ENGINE = EngineSettings(
-    engine="hf", batch_size=8, tensor_parallel_size=1, gpu_memory_utilization=0.9, num_engines=1, adapter_rank=0
-)
+ENGINE = EngineSettings.of(engine="hf", batch_size=8)
 
 
 def _checkpoint(base: Path, folder: Path, scale: float) -> dict:
@@ -67,7 +65,7 @@ def run_dir(tmp_path):
 
 
 def _build(path: str):
-    return make_engine(path, EngineSettings.of(engine="hf", batch_size=ENGINE.batch_size))
+    return make_engine(path, ENGINE)
 
 
 def test_in_place_sync_from_checkpoint_equals_a_fresh_engine(checkpoints, run_dir, tiny_tokenizer):

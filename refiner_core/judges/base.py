@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from refiner_core.config import JudgeConfig
-from refiner_core.runtime.registry import resolve
+from refiner_core.runtime.registry import Backend, Registry, backend, resolve
 
 
 class Judge(Protocol):
@@ -39,10 +39,15 @@ class Completion:
     completion_tokens: int | None = None  # 0 on a cache hit, None when unknown (no usage sent, no answer)
 
 
-JUDGES: dict[str, str] = {
-    "transformers": "refiner_core.judges.transformers_judge:make_transformers_judge",
-    "openai": "refiner_core.judges.openai_judge:make_openai_judge",
+JUDGES: Registry = {
+    "transformers": Backend("refiner_core.judges.transformers_judge:make_transformers_judge"),
+    "openai": Backend("refiner_core.judges.openai_judge:make_openai_judge", in_process=False),
 }
+
+
+def judge_backend(name: str) -> Backend:
+    """What judge engine `name` is: in process (a run keeps it, run.keep_engines) or a client of a server."""
+    return backend(JUDGES, name)
 
 
 def make_judge(model_path: str, settings: JudgeConfig, dtype: str = "float32", precision: str = "fp32") -> Judge:

@@ -13,8 +13,6 @@ from refiner_core.config import JudgeConfig
 from refiner_core.runtime.live import LOCK, run_of
 from refiner_core.store.storage import json_hash
 
-IN_PROCESS_JUDGES = ("transformers",)  # judges that hold a model in this process; a served judge holds a client
-
 
 @dataclass
 class KeptJudge:
@@ -34,11 +32,13 @@ def judge(
     dtype: str,
     precision: str,
     build: Callable[[], Any],
+    in_process: bool,
 ) -> Any:
-    """The judge `build()` makes, kept for the run when it holds its model in this process: keyed by the judge
-    model's path and content hash, its settings, dtype and precision."""
+    """The judge `build()` makes, kept for the run when it holds its model in this process (`in_process`: its
+    table entry says so; a served judge holds a client, cheap to build): keyed by the judge model's path and content
+    hash, its settings, dtype and precision."""
     run = run_of(run_dir)
-    if run is None or settings.engine not in IN_PROCESS_JUDGES:
+    if run is None or not in_process:
         return build()
     key = json_hash([model["path"], model["hash"], dataclasses.asdict(settings), dtype, precision])
     with LOCK:

@@ -11,21 +11,43 @@ from __future__ import annotations
 import difflib
 import importlib
 import re
+from dataclasses import dataclass
 from typing import Any
 
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
-def resolve(registry: dict[str, str], kind: str, name: str) -> Any:
+@dataclass(frozen=True)
+class Backend:
+    """What a backend table's entry is: its factory, and what the run does with what it builds."""
+
+    factory: str  # "package.module:factory", imported only when a recipe chooses it
+    in_process: bool = True  # holds its model in this process, so a run keeps one; False: a client of a server
+    section: str = ""  # the recipe section of its own settings ('' = none but the table's section)
+
+
+Registry = dict[str, "str | Backend"]  # a plain "module:factory" string is a Backend with the defaults
+
+
+def backend(registry: Registry, name: str) -> Backend:
+    """The entry of `name`; a name the table does not hold is an import path to outside code (built for each use:
+    the run keeps only the table's own in-process backends)."""
+    entry = registry.get(name, name)
+    if isinstance(entry, Backend):
+        return entry
+    return Backend(entry, in_process=name in registry)
+
+
+def resolve(registry: Registry, kind: str, name: str) -> Any:
     """The factory registered as `name`, or the one an import path `package.module:factory` names."""
     trouble = problem(registry, kind, name)
     if trouble:
         raise ValueError(f"{kind} {name!r}: {trouble}")
-    module, _, attr = registry.get(name, name).partition(":")
+    module, _, attr = backend(registry, name).factory.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def problem(registry: dict[str, str], kind: str, name: str) -> str | None:
+def problem(registry: Registry, kind: str, name: str) -> str | None:
     """Why `name` names no backend of `registry` (with the closest registered name), or None; `kind` (e.g.
     'judge engine') names the table in the message. An import path is
     imported to check that its factory exists: outside code is the user's, and importing it says at once whether
