@@ -10,7 +10,7 @@ from refiner_core.runtime import live
 from refiner_core.schema import JUDGE_ANCHORS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
-from tasks.judge_server import ensure_judge_server
+from tasks.judge_server import with_served_judge
 from tasks.stage import stage
 
 
@@ -41,8 +41,7 @@ def judge_anchors(
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
-    if judge_cfg["serve"]:
-        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
+    judge_cfg = with_served_judge(judge_cfg, judge_model["path"], run_dir, log)
     settings = stage_view("judge", judge_cfg)
     scorer = live.judge(
         run_dir,

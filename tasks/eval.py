@@ -20,7 +20,7 @@ from refiner_core.runtime import live
 from refiner_core.schema import EVALS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
-from tasks.judge_server import ensure_judge_server
+from tasks.judge_server import with_served_judge
 from tasks.sampling import rollout_engine
 from tasks.stage import stage
 
@@ -76,8 +76,8 @@ def evaluate(
     rubric_rows: dict[str, list[dict]] = {}
     for r in read_rows(rubrics["rubrics"]["path"]):
         rubric_rows.setdefault(r["prompt_id"], []).append(r)
-    if judge_cfg["serve"]:  # the served name carries the checkpoint's content hash: ask the server the run owns
-        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
+    # the served name carries the checkpoint's content hash: ask the server the run owns
+    judge_cfg = with_served_judge(judge_cfg, judge_model["path"], run_dir, log)
     judge_settings = stage_view("judge", judge_cfg)
     scorer = live.judge(
         run_dir,

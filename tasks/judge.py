@@ -10,7 +10,7 @@ from refiner_core.runtime import live
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
-from tasks.judge_server import ensure_judge_server
+from tasks.judge_server import with_served_judge
 from tasks.sampling import round_folder
 from tasks.stage import stage
 
@@ -45,8 +45,8 @@ def judge(
     rollout_rows = read_rows(rollouts["rollouts"]["path"])
     # A step whose prompts are all verified (no rubrics) loads no judge model and starts no judge server.
     needs_judge = any(rubric_rows.get(r["prompt_id"]) for r in rollout_rows)
-    if judge_cfg["serve"] and needs_judge:
-        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
+    if needs_judge:
+        judge_cfg = with_served_judge(judge_cfg, judge_model["path"], run_dir, log)
     settings = stage_view("judge", judge_cfg)
     scorer = (
         live.judge(
