@@ -1202,6 +1202,19 @@ def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str,
     return rows
 
 
+def dotted_settings(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted name: value} of every field of a recipe (or section), nested sections' fields by their own dotted
+    names (judge.openai.base_url): the names --set takes."""
+    out = {}
+    for f in dataclasses.fields(value):
+        inner, name = getattr(value, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(inner):
+            out.update(dotted_settings(inner, name + "."))
+        else:
+            out[name] = inner
+    return out
+
+
 def checked_fields(value: Any, prefix: str = "") -> list[tuple[str, Any, Check]]:
     """(dotted name, value, check) of every field of a recipe (or section) that carries a check."""
     out = []
