@@ -1,7 +1,7 @@
 """Steps per hour, synchronous vs sampled one step ahead (grpo.async_steps 1), with a remote judge.
 
 The tiny recipe with the OpenAI-compatible judge behind a loopback server that answers every request after
---latency seconds (tests/fault_server.py, faults off; judge.cache off, so every run asks). With async_steps 1 the
+--latency seconds (tests/fault_server.py, faults off; judge.openai.cache off, so every run asks). With async_steps 1 the
 rollout of step N+1 runs while step N is judged and trained. Every flow runs in this process against one temporary
 Prefect server, each into a new run folder (no cache hit). Steps per hour count the step loop only: from the start
 of the first rollout to the end of the last grpo-update (Prefect's task runs).
@@ -76,10 +76,10 @@ def main() -> None:
             [
                 f"rollout.engine={args.engine}",
                 "judge.engine=openai",
-                f"judge.base_url={server.base_url}",
-                "judge.api_model=fault-judge",
+                f"judge.openai.base_url={server.base_url}",
+                "judge.openai.api_model=fault-judge",
                 "judge.mode=json",
-                "judge.cache=false",
+                "judge.openai.cache=false",
                 "eval.every=0",
                 f"grpo.tis_cap={args.tis_cap}",
             ],

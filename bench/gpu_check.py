@@ -142,11 +142,14 @@ def gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def grpo_settings(cpu: bool, **overrides):
-    from refiner_core.config import GRPOConfig
+def grpo_settings(cpu: bool, deepspeed: dict | None = None, **overrides):
+    from refiner_core.config import DeepSpeedConfig, GRPOConfig
     from refiner_core.grpo import learner_settings
 
-    grpo = GRPOConfig(**{"learning_rate": 1e-3, "beta": 0.0, "micro_batch_size": 4, **overrides})
+    grpo = GRPOConfig(
+        **{"learning_rate": 1e-3, "beta": 0.0, "micro_batch_size": 4, **overrides},
+        deepspeed=DeepSpeedConfig(**(deepspeed or {})),
+    )
     return learner_settings(grpo, 1.0, "fp32" if cpu else "bf16")
 
 
@@ -233,7 +236,7 @@ def part_b(root: Path, cpu: bool) -> None:
     engine, got = live_engines.rollout_engine(run_dir, "b", policy, build)
     before = prompt_logprobs(engine, tokens)
     live_engines.release(run_dir, engine, got)
-    settings = grpo_settings(cpu, learner="deepspeed", zero_stage=3, world_size=1)
+    settings = grpo_settings(cpu, learner="deepspeed", deepspeed={"zero_stage": 3, "world_size": 1})
     learner = make_deepspeed_learner(model, model, tokenizer, settings, None)
     key, syncs, losses = "b-learner", [], []
     try:

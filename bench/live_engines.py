@@ -57,7 +57,7 @@ def measure(recipe: dict, engine: str, learner: str, keep: bool, steps: int, run
         "run": {**recipe["run"], "keep_engines": keep},
         "model": {**recipe["model"], "precision": "fp32"},
         "rollout": {**recipe["rollout"], "engine": engine},
-        "grpo": {**recipe["grpo"], "steps": steps, "learner": learner, "world_size": 1},
+        "grpo": {**recipe["grpo"], "steps": steps, "learner": learner, "deepspeed": {"world_size": 1}},
     }
     start = time.perf_counter()
     state = refiner_pipeline(recipe=run, run_dir=str(run_dir), return_state=True)

@@ -567,8 +567,8 @@ def judge_serve(
             typer.echo(f"pid: {server.pid}")
             typer.echo(f"log: {server.log_path}")
             typer.echo(
-                f"use it: --set judge.engine=openai --set judge.base_url={server.base_url} "
-                f"--set judge.api_model={server.model_name} --set judge.mode=json"
+                f"use it: --set judge.engine=openai --set judge.openai.base_url={server.base_url} "
+                f"--set judge.openai.api_model={server.model_name} --set judge.mode=json"
             )
             typer.echo("Ctrl-C stops the server.", err=True)
             sys.stdout.flush()

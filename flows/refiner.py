@@ -63,7 +63,8 @@ def close_run_trackers(_flow, flow_run, _state) -> None:
     close_trackers(flow_run.parameters["run_dir"])
 
 
-# A judge server the run started (judge.serve), the engines and trackers it kept end with the run, however it ends.
+# A judge server the run started (judge.openai.serve), the engines and trackers it kept end with the run, however it
+# ends.
 _ENDS = [stop_judge_servers, close_live_engines, close_run_trackers]
 _END_HOOKS = dict(on_completion=_ENDS, on_failure=_ENDS, on_crashed=_ENDS, on_cancellation=_ENDS)
 

@@ -252,8 +252,9 @@ def run_name(name: str, run_dir: str) -> str:
 def _flag_value(recipe: dict, dotted: str) -> str:
     import json
 
-    section, name = dotted.split(".", 1)
-    value = recipe[section][name]
+    value = recipe
+    for key in dotted.split("."):  # judge.openai.base_url: a nested section's field
+        value = value[key]
     return value if isinstance(value, str) else json.dumps(value)
 
 

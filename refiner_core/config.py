@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -457,81 +458,99 @@ class RolloutConfig:
 
 
 @dataclass
-class JudgeConfig:
-    engine: str = opt(
-        "transformers",
-        "Rubric judge: 'transformers' (in-process model) or 'openai' (an "
-        "OpenAI-compatible server at judge.base_url, e.g. `refiner judge serve` or `vllm serve`).",
-    )
-    model: str = opt(
-        "",
-        "Judge model spec for the in-process judge (and the model a flow-started server serves); "
-        "'' means the base policy model. engine 'openai' names the served model with judge.api_model.",
-    )
-    base_url: str = opt("http://127.0.0.1:8000/v1", "engine 'openai': the server's base URL (up to /v1).")
+class OpenAIJudgeConfig:
+    """judge.engine 'openai': the server, its requests and the judge cache (no other engine reads these)."""
+
+    base_url: str = opt("http://127.0.0.1:8000/v1", "The server's base URL (up to /v1).")
     more_base_urls: list = opt(
         [],
-        "engine 'openai': more servers of the same judge model. Each (response, rubric) "
-        "pair always goes to the same server (picked by its prompt's hash), judge.concurrency "
-        "requests in flight per server; every server must list judge.api_model with the same "
+        "More servers of the same judge model. Each (response, rubric) "
+        "pair always goes to the same server (picked by its prompt's hash), judge.openai.concurrency "
+        "requests in flight per server; every server must list judge.openai.api_model with the same "
         "weights (GET /models), or the judge stage refuses to start.",
     )
     serve: bool = opt(
         False,
-        "engine 'openai': the run starts a vLLM server itself, serving judge.model (or the "
-        "base policy) at judge.base_url's host and port, when the first judge stage needs it, and stops "
+        "The run starts a vLLM server itself, serving judge.model (or the "
+        "base policy) at judge.openai.base_url's host and port, when the first judge stage needs it, and stops "
         "it (by PID) when the run ends, on success or failure. Its log: RUN_DIR/logs/judge-server-PORT.log.",
     )
-    serve_startup_timeout: float = opt(900.0, "judge.serve: seconds the server may take to become healthy.")
+    serve_startup_timeout: float = opt(900.0, "judge.openai.serve: seconds the server may take to become healthy.")
     api_model: str = opt(
         "",
-        "engine 'openai': the model name sent in requests; '' = the first model the server "
-        "lists at GET /v1/models. With judge.serve it is the served name's prefix ('' = the judge "
+        "The model name sent in requests; '' = the first model the server "
+        "lists at GET /v1/models. With judge.openai.serve it is the served name's prefix ('' = the judge "
         "folder's name), followed by the checkpoint's content hash: NAME-1a2b3c4d5e6f.",
     )
     api_key_env: str = opt(
         "",
-        "engine 'openai': NAME of the environment variable holding the API key ('' = no "
+        "NAME of the environment variable holding the API key ('' = no "
         "key). The key itself is never written to recipes, manifests or the catalog.",
     )
-    concurrency: int = opt(8, "engine 'openai': requests in flight at once.", check=AT_LEAST_1)
-    timeout_seconds: float = opt(
-        60.0, "engine 'openai': seconds one request may take before it is retried.", check=POSITIVE
-    )
+    concurrency: int = opt(8, "Requests in flight at once.", check=AT_LEAST_1)
+    timeout_seconds: float = opt(60.0, "Seconds one request may take before it is retried.", check=POSITIVE)
     max_retries: int = opt(
         3,
-        "engine 'openai': retries after the first attempt on timeouts, refused connections, "
+        "Retries after the first attempt on timeouts, refused connections, "
         "HTTP 429/5xx and malformed replies (a reply the score parser rejects is not retried).",
         check=NON_NEGATIVE,
     )
     backoff_seconds: float = opt(
         0.5,
-        "engine 'openai': the first retry waits uniform(0, this) seconds, doubling "
+        "The first retry waits uniform(0, this) seconds, doubling "
         "each retry (exponential backoff, full jitter; a Retry-After header is a floor).",
         check=NON_NEGATIVE,
     )
-    backoff_max_seconds: float = opt(30.0, "engine 'openai': cap on one backoff wait.")
+    backoff_max_seconds: float = opt(30.0, "Cap on one backoff wait.")
     request_budget: int = opt(
         0,
-        "engine 'openai': at most this many requests (retries included) per judge stage; "
+        "At most this many requests (retries included) per judge stage; "
         "0 = unlimited. Pairs left when it runs out are recorded failures, not a crash.",
         check=NON_NEGATIVE,
     )
-    temperature: float = opt(0.0, "engine 'openai': sampling temperature (max_tokens is judge.max_new_tokens).")
+    temperature: float = opt(0.0, "Sampling temperature (max_tokens is judge.max_new_tokens).")
     cache: bool = opt(
         True,
-        "engine 'openai': reuse answers from the judge cache, keyed by (judge identity, "
+        "Reuse answers from the judge cache, keyed by (judge identity, "
         "sampling settings, exact prompt hash); failures are never cached. The identity is the base "
         "URL, the served name, what the server reports for it at GET /v1/models (vLLM: the folder it "
-        "loaded) and judge.cache_namespace; a server that does not list the name is not cached.",
+        "loaded) and judge.openai.cache_namespace; a server that does not list the name is not cached.",
     )
     cache_namespace: str = opt(
         "",
-        "engine 'openai': any text, part of every judge-cache key: change it when the "
+        "Any text, part of every judge-cache key: change it when the "
         "weights behind the same URL and name changed (a third-party endpoint that swapped its "
         "model), so earlier answers are not reused.",
     )
     cache_path: str = opt("", "Judge cache folder; '' = $REFINER_HOME/judge-cache (shared by runs).")
+    max_requests_per_minute: int = opt(
+        0,
+        "At most this many requests (retries included) in any 60 s, over all the run's judge "
+        "stages and servers of the judge; requests wait their turn. 0 = no limit.",
+    )
+    max_tokens_per_minute: int = opt(
+        0,
+        "At most this many tokens (prompt + completion) in any 60 s; a request counts as its "
+        "characters / 4 plus judge.max_new_tokens until the server's `usage` says what it took. 0 = no limit.",
+    )
+
+
+@dataclass
+class JudgeConfig:
+    engine: str = opt(
+        "transformers",
+        "Rubric judge: 'transformers' (in-process model) or 'openai' (an "
+        "OpenAI-compatible server at judge.openai.base_url, e.g. `refiner judge serve` or `vllm serve`).",
+    )
+    model: str = opt(
+        "",
+        "Judge model spec for the in-process judge (and the model a flow-started server serves); "
+        "'' means the base policy model. engine 'openai' names the served model with judge.openai.api_model.",
+    )
+    openai: OpenAIJudgeConfig = field(
+        default_factory=OpenAIJudgeConfig,
+        metadata={"help": "engine 'openai': the server, its requests, rate limits and the judge cache."},
+    )
     mode: Literal["json", "expected_score"] = opt(
         "json",
         "'json': the judge writes {\"score\": 0|1|2}, parsed (failures recorded). 'expected_score': one forward "
@@ -560,16 +579,6 @@ class JudgeConfig:
         "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
         "(oriented), 'skip' leaves it out of the mean, 'drop' leaves the whole rollout out of the update (its "
         "group's advantages come from the others), 'fail' fails the judge stage (rows are not written).",
-    )
-    max_requests_per_minute: int = opt(
-        0,
-        "engine 'openai': at most this many requests (retries included) in any 60 s, over all the run's judge "
-        "stages and servers of the judge; requests wait their turn. 0 = no limit.",
-    )
-    max_tokens_per_minute: int = opt(
-        0,
-        "engine 'openai': at most this many tokens (prompt + completion) in any 60 s; a request counts as its "
-        "characters / 4 plus judge.max_new_tokens until the server's `usage` says what it took. 0 = no limit.",
     )
     price_per_mtok_in: float = opt(
         0.0,
@@ -703,38 +712,44 @@ class TeacherConfig:
 
 
 @dataclass
-class GRPOConfig:
-    steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.", check=AT_LEAST_1, read_by=FLOW)
-    learner: str = opt(
-        "torch",
-        "Learner implementation: 'torch' (one process, CPU or one GPU), or 'deepspeed' "
-        "(ZeRO over world_size ranks launched as a subprocess: gloo on CPU, nccl + bf16 on GPUs).",
-    )
+class DeepSpeedConfig:
+    """grpo.learner 'deepspeed': how its ranks are launched (the one-process learners ignore these)."""
+
     world_size: int = opt(
         1,
-        "learner 'deepspeed': ranks (processes; one per GPU on GPUs) of each update; with a "
-        "hostfile, the hostfile's slots decide.",
+        "Ranks (processes; one per GPU on GPUs) of each update; with a hostfile, the hostfile's slots decide.",
     )
     zero_stage: int = opt(
         3,
-        "learner 'deepspeed': ZeRO stage (3 = parameters, gradients and optimizer state "
-        "partitioned over the ranks; 0-2 partition less).",
+        "ZeRO stage (3 = parameters, gradients and optimizer state partitioned over the ranks; 0-2 partition less).",
     )
     hostfile: str = opt(
         "",
-        "learner 'deepspeed': DeepSpeed hostfile for several machines (launched with the "
+        "DeepSpeed hostfile for several machines (launched with the "
         "'deepspeed' launcher; the run folder must be on storage every host shares, it holds the "
         "ranks' job folders); '' = this machine only.",
     )
     launch_over_ssh: bool = opt(
         True,
-        "learner 'deepspeed' with a hostfile of several hosts: DeepSpeed's launcher "
+        "With a hostfile of several hosts: DeepSpeed's launcher "
         "starts every host's ranks over ssh (pdsh). false: the run starts the first host's "
         "ranks only and logs the command each other host runs (--no_ssh --node_rank K). A "
         "hostfile of one host never needs ssh.",
     )
-    deepspeed_offload_optimizer: bool = opt(
-        False, "learner 'deepspeed': keep the AdamW state in CPU memory (ZeRO offload)."
+    offload_optimizer: bool = opt(False, "Keep the AdamW state in CPU memory (ZeRO offload).")
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.", check=AT_LEAST_1, read_by=FLOW)
+    learner: str = opt(
+        "torch",
+        "Learner implementation: 'torch' (one process, CPU or one GPU), or 'deepspeed' "
+        "(ZeRO over grpo.deepspeed.world_size ranks launched as a subprocess: gloo on CPU, nccl + bf16 on GPUs).",
+    )
+    deepspeed: DeepSpeedConfig = field(
+        default_factory=DeepSpeedConfig,
+        metadata={"help": "learner 'deepspeed': how its ranks are launched."},
     )
     learning_rate: float = opt(5e-6, "AdamW learning rate (constant).", check=POSITIVE)
     weight_decay: float = opt(0.0, "AdamW weight decay.", check=NON_NEGATIVE)
@@ -1042,6 +1057,18 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
     raise ConfigError(f"{where}: expected {getattr(type_, '__name__', type_)}, got {value!r}")
 
 
+def _nested_names(cls: type, prefix: str = "") -> dict[str, str]:
+    """{name: dotted name under `cls`} of the fields of its nested sections, by leaf name and by dotted name (what an
+    unknown field name is matched against for a did-you-mean)."""
+    hints, names = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            for g in dataclasses.fields(hints[f.name]):
+                names.setdefault(g.name, f"{prefix}{f.name}.{g.name}")
+                names[f"{f.name}.{g.name}"] = f"{prefix}{f.name}.{g.name}"
+    return names
+
+
 def _build(cls: type, data: dict, where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'recipe'}: expected a mapping, got {data!r}")
@@ -1051,7 +1078,11 @@ def _build(cls: type, data: dict, where: str) -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
+            # a field's own name, else a nested section's field (judge.base_ur -> judge.openai.base_url)
+            nested = {k: v for k, v in _nested_names(cls, f"{where}." if where else "").items() if k not in names}
+            close = difflib.get_close_matches(str(key), names, n=1) or [
+                nested[m] for m in difflib.get_close_matches(str(key), list(nested), n=1)
+            ]
             raise ConfigError(f"unknown field {path!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
@@ -1061,13 +1092,66 @@ def _build(cls: type, data: dict, where: str) -> Any:
     return cls(**kwargs)
 
 
+# Fields that moved into a backend's nested section: {old dotted name: new dotted name}. Recipes and --set flags
+# with the old names (and the flat recipe.yaml of runs made before) are still read, with a deprecation line each.
+MOVED_FIELDS: dict[str, str] = {
+    **{f"judge.{f.name}": f"judge.openai.{f.name}" for f in dataclasses.fields(OpenAIJudgeConfig)},
+    **{
+        f"grpo.{'deepspeed_' if f.name == 'offload_optimizer' else ''}{f.name}": f"grpo.deepspeed.{f.name}"
+        for f in dataclasses.fields(DeepSpeedConfig)
+    },
+}
+_log = logging.getLogger(__name__)
+_reported: set[str] = set()  # old names already reported by this process
+
+
+def _deprecated(old: str) -> None:
+    """One line per old name and process (a fork or rescore reads a folder's recipe more than once)."""
+    if old not in _reported:
+        _reported.add(old)
+        _log.warning("%s is deprecated: write %s", old, MOVED_FIELDS[old])
+
+
+def moved_to_sections(data: dict) -> dict:
+    """A recipe dict with the old flat names of moved fields (MOVED_FIELDS) put under their new names, each old name
+    reported once. Raises ConfigError when a field is given under both names with different values."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for old, new in MOVED_FIELDS.items():
+        section, name = old.split(".")
+        if not isinstance(out.get(section), dict) or name not in out[section]:
+            continue
+        _, nested, field_name = new.split(".")
+        out[section] = dict(out[section])
+        value = out[section].pop(name)
+        inner = out[section].get(nested)
+        inner = dict(inner) if isinstance(inner, dict) else {} if inner is None else inner
+        if not isinstance(inner, dict):
+            continue  # not a mapping: _build says so
+        if field_name in inner and inner[field_name] != value:
+            raise ConfigError(
+                f"{old} ({value!r}) and {new} ({inner[field_name]!r}) are both set: keep {new} only ({old} is its "
+                "deprecated name)"
+            )
+        _deprecated(old)
+        inner[field_name] = value
+        out[section][nested] = inner
+    return out
+
+
 def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """'grpo.steps=4' -> (['grpo', 'steps'], 4); the value is parsed as YAML and typed by the field later."""
+    """'grpo.steps=4' -> (['grpo', 'steps'], 4); the value is parsed as YAML and typed by the field later. A moved
+    field's old name is read as its new one: 'grpo.world_size=2' -> (['grpo', 'deepspeed', 'world_size'], 2)."""
     if "=" not in assignment:
         raise ConfigError(f"--set expects section.field=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
     value = yaml.safe_load(raw) if raw.strip() else ""
-    return key.strip().split("."), value
+    key = key.strip()
+    if key in MOVED_FIELDS:
+        _deprecated(key)
+        key = MOVED_FIELDS[key]
+    return key.split("."), value
 
 
 def _looks_like_float(raw: str) -> bool:
@@ -1079,12 +1163,24 @@ def _looks_like_float(raw: str) -> bool:
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
+    """A recipe file (None: every default) with `--set` overrides applied in order (a later one wins). Moved fields'
+    old names are read as their new ones (moved_to_sections, parse_override)."""
     data: dict = {}
     if path is not None:
         loaded = yaml.safe_load(Path(path).read_text())
-        data = loaded or {}
+        data = moved_to_sections(loaded or {})
+    given: dict[str, dict[str, Any]] = {}  # field -> {name it was set by: value}, for old and new names alike
     for assignment in overrides:
         keys, value = parse_override(assignment)
+        dotted = ".".join(keys)
+        names = given.setdefault(dotted, {})
+        names[assignment.split("=", 1)[0].strip()] = value
+        if len(names) > 1 and len({repr(v) for v in names.values()}) > 1:
+            (old, old_value), (new, new_value) = sorted(names.items(), key=lambda kv: kv[0] == dotted)
+            raise ConfigError(
+                f"--set {old}={old_value!r} and --set {new}={new_value!r}: keep {new} only ({old} is its deprecated "
+                "name)"
+            )
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})
@@ -1095,7 +1191,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
 
 
 def recipe_from_dict(data: dict) -> RecipeConfig:
-    return _build(RecipeConfig, data, "")
+    return _build(RecipeConfig, moved_to_sections(data), "")
 
 
 def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -1111,6 +1207,19 @@ def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str,
             check = f.metadata.get("check")
             rows.append((name, repr(default), f.metadata["help"] + (f" [{check.requirement}]" if check else "")))
     return rows
+
+
+def dotted_settings(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted name: value} of every field of a recipe (or section), nested sections' fields by their own dotted
+    names (judge.openai.base_url): the names --set takes."""
+    out = {}
+    for f in dataclasses.fields(value):
+        inner, name = getattr(value, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(inner):
+            out.update(dotted_settings(inner, name + "."))
+        else:
+            out[name] = inner
+    return out
 
 
 def checked_fields(value: Any, prefix: str = "") -> list[tuple[str, Any, Check]]:

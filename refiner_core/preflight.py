@@ -92,14 +92,14 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         problems.append(f"eval.pass_k = {cfg.eval.pass_k}: must be at most eval.samples ({cfg.eval.samples})")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         problems.append(f"model.dtype = {cfg.model.dtype!r}: must be 'float32' or 'bfloat16'")
-    if cfg.judge.serve and cfg.judge.engine != "openai":
+    if cfg.judge.openai.serve and cfg.judge.engine != "openai":
         problems.append(
-            f"judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "
+            f"judge.openai.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "
             f"not {cfg.judge.engine!r}"
         )
-    if cfg.judge.serve and not _loopback_port(cfg.judge.base_url):
+    if cfg.judge.openai.serve and not _loopback_port(cfg.judge.openai.base_url):
         problems.append(
-            f"judge.serve = true: judge.base_url {cfg.judge.base_url!r} must name a host and port "
+            f"judge.openai.serve = true: judge.openai.base_url {cfg.judge.openai.base_url!r} must name a host and port "
             "on this machine (e.g. http://127.0.0.1:8011/v1) for the server the run starts"
         )
     problems += backend_problems(cfg)

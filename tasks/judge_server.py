@@ -1,7 +1,7 @@
 """The judge a judging stage (judge, evaluate, judge-anchors) scores with, and the judge server a run starts
-itself (judge.serve): started by the first judge stage that needs it, reused by the next steps, stopped by the
+itself (judge.openai.serve): started by the first judge stage that needs it, reused by the next steps, stopped by the
 flow's end hooks (success, failure, crash, cancellation) or at exit. It serves the judge checkpoint as
-`PREFIX-HASH` (judge.api_model or the folder's name, then the content hash): the judge stage sends that name."""
+`PREFIX-HASH` (judge.openai.api_model or the folder's name, then the content hash): the judge stage sends that name."""
 
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ _SERVED: dict[str, JudgeServer] = {}  # base_url -> the server this process star
 
 
 def stage_judge(run_dir: str, judge_model: dict, judge_cfg: dict, dtype: str, precision: str, log):
-    """(settings, judge) of a judging stage: with judge.serve the run's own server, asked by the name it serves the
-    checkpoint under; the in-process judge the run keeps (run.keep_engines), else a new one."""
-    if judge_cfg["serve"]:
-        judge_cfg = {**judge_cfg, "api_model": ensure_judge_server(judge_cfg, judge_model["path"], run_dir, log)}
-    settings = stage_view("judge", judge_cfg)
+    """(settings, judge) of a judging stage: with judge.openai.serve the run's own server, asked by the name it serves
+    the checkpoint under; the in-process judge the run keeps (run.keep_engines), else a new one."""
+    settings = stage_view("judge", with_served_judge(judge_cfg, judge_model["path"], run_dir, log))
     build = lambda: make_judge(judge_model["path"], settings, dtype, precision)  # noqa: E731
     kept = judge_backend(settings.engine).in_process
     return settings, live_judges.judge(run_dir, judge_model, settings, dtype, precision, build, kept)
@@ -37,9 +35,19 @@ def rubrics_by_prompt(rubrics: dict) -> dict[str, list[dict]]:
     return by_prompt
 
 
-def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> str:
-    """Start the judge server at judge.base_url unless this process already runs it; the served model name."""
-    url = judge_cfg["base_url"]
+def with_served_judge(judge_cfg: dict, model_path: str, run_dir: str, log) -> dict:
+    """The judge stage input `judge_cfg`, and when the run serves its judge (judge.openai.serve) the server started
+    (ensure_judge_server) and its served name as judge.openai.api_model."""
+    openai = judge_cfg["openai"]
+    if not openai["serve"]:
+        return judge_cfg
+    return {**judge_cfg, "openai": {**openai, "api_model": ensure_judge_server(openai, model_path, run_dir, log)}}
+
+
+def ensure_judge_server(openai_cfg: dict, model_path: str, run_dir: str, log) -> str:
+    """Start the judge server at judge.openai.base_url unless this process already runs it; the served model name.
+    `openai_cfg`: the judge.openai section."""
+    url = openai_cfg["base_url"]
     running = _SERVED.get(url)
     if running is not None and running.proc.poll() is None:
         return running.model_name
@@ -51,8 +59,8 @@ def ensure_judge_server(judge_cfg: dict, model_path: str, run_dir: str, log) -> 
         model_path,
         host=parts.hostname,
         port=parts.port,
-        served_name=judge_cfg["api_model"],
-        startup_timeout=judge_cfg["serve_startup_timeout"],
+        served_name=openai_cfg["api_model"],
+        startup_timeout=openai_cfg["serve_startup_timeout"],
         log_path=log_path,
     )
     log.info("judge server healthy: pid %d, model %s", _SERVED[url].pid, _SERVED[url].model_name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -104,8 +105,8 @@ def run_cli(
 def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overrides):
     """LearnerSettings for learner tests, from the recipe's GRPO and LoRA fields (their defaults, then these): fp32,
     k3 KL, token-mean, no clipping of the gradient norm, padded batches (no packing, no shared prompts)."""
-    from refiner_core.config import GRPOConfig, ModelConfig
-    from refiner_core.grpo import LORA_FIELDS
+    from refiner_core.config import DeepSpeedConfig, GRPOConfig, ModelConfig
+    from refiner_core.grpo import DEEPSPEED_FIELDS, LORA_FIELDS
     from refiner_core.grpo import learner_settings as from_recipe
 
     base = dict(
@@ -125,7 +126,16 @@ def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overri
         share_prompt=False,
     )
     lora = {k: overrides.pop(k) for k in LORA_FIELDS if k in overrides}
-    return from_recipe(GRPOConfig(**{**base, **overrides}), temperature, precision, ModelConfig(**lora))
+    # the deepspeed learner's launch settings by their LearnerSettings names: grpo.deepspeed.*
+    deepspeed = {
+        name: overrides.pop(DEEPSPEED_FIELDS.get(name, name))
+        for name in DeepSpeedConfig.__dataclass_fields__
+        if DEEPSPEED_FIELDS.get(name, name) in overrides
+    }
+    work_root = overrides.pop("work_root", "")
+    grpo = GRPOConfig(**{**base, **overrides}, deepspeed=DeepSpeedConfig(**deepspeed))
+    settings = from_recipe(grpo, temperature, precision, ModelConfig(**lora))
+    return dataclasses.replace(settings, work_root=work_root) if work_root else settings
 
 
 def math_rows_file(folder: Path, rows: int) -> Path:

@@ -39,7 +39,7 @@ def _recipe(data: Path, *extra: str) -> dict:
             "rollout.max_new_tokens=6",
             "rollout.batch_size=32",
             "grpo.learner=torch",
-            "grpo.world_size=1",
+            "grpo.deepspeed.world_size=1",
             f"grpo.steps={STEPS}",
             "grpo.micro_batch_size=8",
             "eval.every=0",

@@ -192,10 +192,10 @@ def _check_step(learner, metrics, batch, out, want, want_weights, resumed: int, 
 
 
 def test_two_hosts_on_loopback_equal_one_host(tiny_model_path, tiny_tokenizer, tmp_path):
-    """grpo.hostfile with two hosts of one slot each (localhost and 127.0.0.1: two launchers on this machine, as on
-    two machines), the run starting the first host's rank and the test the second's with the command the learner
-    gives (launch_over_ssh false): the same loss, grad norm and weights as one host's two ranks, i.e. as the
-    torch learner (bounds as above). Job folders go to the shared work_root."""
+    """grpo.deepspeed.hostfile with two hosts of one slot each (localhost and 127.0.0.1: two launchers on this
+    machine, as on two machines), the run starting the first host's rank and the test the second's with the command
+    the learner gives (launch_over_ssh false): the same loss, grad norm and weights as one host's two ranks, i.e. as
+    the torch learner (bounds as above). Job folders go to the shared work_root."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two hosts, one rank each\nlocalhost slots=1\n127.0.0.1 slots=1\n")
     policy = load_model(tiny_model_path, trainable=True)
@@ -275,7 +275,7 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_rec
     from the checkpoint before (run.keep_engines false); no rank outlives either run."""
     from flows.refiner import refiner_pipeline
 
-    grpo = {**tiny_recipe["grpo"], "learner": "deepspeed", "steps": 2, "world_size": 1}
+    grpo = {**tiny_recipe["grpo"], "learner": "deepspeed", "steps": 2, "deepspeed": {"world_size": 1}}
     runs = {"kept": {"keep_engines": True, "save_every": 2}, "fresh": {"keep_engines": False, "save_every": 1}}
     for name, run in runs.items():
         recipe = {**tiny_recipe, "grpo": grpo, "run": {**tiny_recipe["run"], **run}}

@@ -54,7 +54,7 @@ def _recipe(data: Path, *extra: str) -> dict:
             "rollout.max_new_tokens=6",
             "rollout.batch_size=32",
             "grpo.learner=torch",
-            "grpo.world_size=1",
+            "grpo.deepspeed.world_size=1",
             "grpo.steps=2",
             "grpo.micro_batch_size=8",
             "eval.every=0",

@@ -157,7 +157,9 @@ def test_agreement_with_another_judge_on_a_case_with_known_kappa(judged_run, tmp
     with VerdictJudge() as server:
         config = tmp_path / "judge.yaml"
         config.write_text(
-            yaml.safe_dump({"judge": {"engine": "openai", "mode": "json", "base_url": server.base_url, "cache": False}})
+            yaml.safe_dump(
+                {"judge": {"engine": "openai", "mode": "json", "openai": {"base_url": server.base_url, "cache": False}}}
+            )
         )
         check = check_judge(judged_run, judge_config=config, sample=10, seed=0, name="loopback")
         assert server.requests == 12  # every rubric of the 4 rollouts, once

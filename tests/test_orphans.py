@@ -179,7 +179,7 @@ def test_killed_run_leaves_no_process_behind(tmp_path, how):
 
 @pytest.mark.slow
 def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
-    """judge.serve: the run's own vLLM judge server (and its engine process) ends when the run is SIGKILLed."""
+    """judge.openai.serve: the run's own vLLM judge server (and its engine process) ends when the run is SIGKILLed."""
     import httpx
 
     from refiner_core.judges.serve import free_port
@@ -195,13 +195,13 @@ def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
         "--set",
         "judge.engine=openai",
         "--set",
-        "judge.serve=true",
+        "judge.openai.serve=true",
         "--set",
         "judge.mode=json",
         "--set",
-        f"judge.base_url=http://127.0.0.1:{port}/v1",
+        f"judge.openai.base_url=http://127.0.0.1:{port}/v1",
         "--set",
-        "judge.api_model=tiny-judge",
+        "judge.openai.api_model=tiny-judge",
     ]
     proc, err = start_cli(args, tmp_path, "served", {"REFINER_TEST_TAG": tag})
     try:

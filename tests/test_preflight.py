@@ -137,7 +137,10 @@ def test_a_hub_source_missing_from_the_local_cache_is_reported():
             "grpo.learner=refiner_core.learners.base:nothing",
             "grpo.learner = 'refiner_core.learners.base:nothing': refiner_core.learners.base has no callable 'nothing'",
         ),
-        ("judge.serve=true", "judge.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai'"),
+        (
+            "judge.openai.serve=true",
+            "judge.openai.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai'",
+        ),
         ("grpo.dual_clip_c=1", "grpo.dual_clip_c = 1.0: must be > 1"),
         ("grpo.dual_clip_c=0.5", "grpo.dual_clip_c = 0.5: must be > 1"),
         ("grpo.sapo_tau_pos=0", "grpo.sapo_tau_pos = 0.0: must be > 0"),

@@ -35,11 +35,11 @@ def served_run(tmp_path_factory):
             "--set",
             "judge.engine=openai",
             "--set",
-            f"judge.base_url={server.base_url}",
+            f"judge.openai.base_url={server.base_url}",
             "--set",
             "judge.mode=json",
             "--set",
-            f"judge.cache_path={tmp / 'cache'}",
+            f"judge.openai.cache_path={tmp / 'cache'}",
             "--set",
             "grpo.steps=2",
         ]

@@ -10,7 +10,13 @@ import typing
 import pytest
 
 from conftest import REPO
-from refiner_core.config import ROLLOUT_ENGINE_FIELDS, AgentConfig, load_recipe
+from refiner_core.config import (
+    ROLLOUT_ENGINE_FIELDS,
+    AgentConfig,
+    DeepSpeedConfig,
+    OpenAIJudgeConfig,
+    load_recipe,
+)
 from refiner_core.stage_settings import SECTION_TYPES, StageSettings, input_fields, stage_settings, stage_view
 
 
@@ -44,14 +50,23 @@ def _fields():
             yield section, f, hints[f.name]
 
 
+def _changes():
+    """(section, field, changed value) of every recipe field: one each, and for a nested section (rollout.agent,
+    judge.openai, grpo.deepspeed) one per field of it, each changing that field alone."""
+    for section, f, hint in _fields():
+        value = getattr(getattr(_recipe(), section), f.name)
+        if not dataclasses.is_dataclass(hint):
+            yield section, f, _changed(value, hint)
+            continue
+        hints = typing.get_type_hints(hint)
+        for g in dataclasses.fields(hint):
+            yield section, f, dataclasses.replace(value, **{g.name: _changed(getattr(value, g.name), hints[g.name])})
+
+
 def test_a_flow_only_setting_is_in_no_stage_input_and_every_other_is_in_one():
     base = stage_settings(_recipe())
     flow_only, read = [], []
-    for section, f, hint in _fields():
-        if dataclasses.is_dataclass(hint):  # rollout.agent: changed through one of its fields
-            value = dataclasses.replace(getattr(getattr(_recipe(), section), f.name), max_turns=7)
-        else:
-            value = _changed(getattr(getattr(_recipe(), section), f.name), hint)
+    for section, f, value in _changes():
         cfg = _recipe()
         setattr(getattr(cfg, section), f.name, value)
         if section == "model" and f.name == "lora_sync":
@@ -89,6 +104,19 @@ def test_a_flow_only_setting_is_in_no_stage_input_and_every_other_is_in_one():
         "model.precision",
         "model.reference",
     ]
+
+
+def test_backend_sections_go_whole_into_their_stage_inputs():
+    """judge.openai goes to the judge input (judge, judge-anchors, evaluate) and grpo.deepspeed to the update input,
+    each as one nested dict, which stage_view builds back into its section type."""
+    inputs = stage_settings(_recipe(["judge.openai.concurrency=3", "grpo.deepspeed.world_size=2"]))
+    assert inputs.judge["openai"]["concurrency"] == 3 and "concurrency" not in inputs.judge
+    assert inputs.update["deepspeed"]["world_size"] == 2 and "world_size" not in inputs.update
+    assert [name for name in StageSettings.__dataclass_fields__ if "openai" in getattr(inputs, name)] == ["judge"]
+    assert [name for name in StageSettings.__dataclass_fields__ if "deepspeed" in getattr(inputs, name)] == ["update"]
+    judge, update = stage_view("judge", inputs.judge), stage_view("update", inputs.update)
+    assert isinstance(judge.openai, OpenAIJudgeConfig) and judge.openai.concurrency == 3
+    assert isinstance(update.deepspeed, DeepSpeedConfig) and update.deepspeed.world_size == 2
 
 
 def test_dynamic_sampling_turns_on_the_update_filter_and_says_so_in_the_update_input():

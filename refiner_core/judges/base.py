@@ -41,7 +41,7 @@ class Completion:
 
 JUDGES: Registry = {
     "transformers": Backend("refiner_core.judges.transformers_judge:make_transformers_judge"),
-    "openai": Backend("refiner_core.judges.openai_judge:make_openai_judge", in_process=False),
+    "openai": Backend("refiner_core.judges.openai_judge:make_openai_judge", in_process=False, section="judge.openai"),
 }
 
 

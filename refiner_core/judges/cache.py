@@ -3,11 +3,11 @@ exact prompt) key.
 
 The judge identity says who answers, not only what the model is called: for a served judge the base URL, the
 served name, what the server reports about that name (vLLM's `root`, the folder it loaded) and
-`judge.cache_namespace`. It is plain JSON, hashed with sorted keys, so keys are the same in every process.
+`judge.openai.cache_namespace`. It is plain JSON, hashed with sorted keys, so keys are the same in every process.
 
 Only answers are stored: transport failures are never cached (they are retried next time), while replies the
 parser rejects are (they are the judge's answer to that exact prompt). Default location: $REFINER_HOME/judge-cache,
-or `judge.cache_path`.
+or `judge.openai.cache_path`.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Pairs are judged concurrently (a thread pool of `concurrency` workers sharing on
 progress bar (judged / total, failures, cache hits). Each answer is cached by (judge identity, sampling settings,
 exact prompt hash) before it is used, so re-scoring the same pair never calls the server again; transport failures
 (after retries) come back as failed rows and are not cached. The identity is the base URL, the served name, what
-the server reports about that name at GET /models (read once per judge) and `judge.cache_namespace`; a server
+the server reports about that name at GET /models (read once per judge) and `judge.openai.cache_namespace`; a server
 that does not list the name gets no caching, since nothing would tell its answers from another judge's. The API
-key is read from the environment variable named by `judge.api_key_env` and kept only in memory.
+key is read from the environment variable named by `judge.openai.api_key_env` and kept only in memory.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from refiner_core.config import JudgeConfig
+from refiner_core.config import JudgeConfig, OpenAIJudgeConfig
 from refiner_core.judges.base import Completion, parse_judge_output
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
 from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_reply, shared_pacer
@@ -50,8 +50,8 @@ class OpenAIJudge:
     seed: int = 0
     name: str = "openai"
     listed: list[dict] | None = field(default=None, repr=False)  # GET /models, when the factory already read it
-    more_base_urls: tuple[str, ...] = ()  # servers of the same model beside base_url (judge.more_base_urls)
-    max_requests_per_minute: int = 0  # pacing over all servers of the judge (judge.max_requests_per_minute)
+    more_base_urls: tuple[str, ...] = ()  # servers of the same model beside base_url (judge.openai.more_base_urls)
+    max_requests_per_minute: int = 0  # pacing over all servers of the judge (judge.openai.max_requests_per_minute)
     max_tokens_per_minute: int = 0
 
     def __post_init__(self):
@@ -236,7 +236,7 @@ def api_key_from_env(name: str) -> str:
         return ""
     key = os.environ.get(name)
     if key is None:
-        raise ValueError(f"judge.api_key_env names {name!r}, but that environment variable is not set")
+        raise ValueError(f"judge.openai.api_key_env names {name!r}, but that environment variable is not set")
     return key
 
 
@@ -265,7 +265,7 @@ def same_weights(model: str, base_urls: list[str], api_key: str, timeout_seconds
         if card is None:
             raise ValueError(
                 f"judge server at {url} does not list {model!r} (GET /models); every server in "
-                "judge.base_url and judge.more_base_urls must serve the same model"
+                "judge.openai.base_url and judge.openai.more_base_urls must serve the same model"
             )
         cards[url] = {k: card.get(k) for k in REPORTED_IDENTITY_FIELDS}
     if len({json.dumps(c, sort_keys=True) for c in cards.values()}) > 1:
@@ -281,18 +281,19 @@ def make_openai_judge(
     """`model_path` (the located judge checkpoint) is not used: the server holds the model."""
     if judge.mode != "json":
         raise ValueError(f"judge.engine 'openai' supports judge.mode 'json' only, not {judge.mode!r}")
-    api_key = api_key_from_env(judge.api_key_env)
-    base_url, timeout = judge.base_url or JudgeConfig.base_url, float(judge.timeout_seconds)
-    model, listed = judge.api_model, None
+    api = judge.openai
+    api_key = api_key_from_env(api.api_key_env)
+    base_url, timeout = api.base_url or OpenAIJudgeConfig.base_url, float(api.timeout_seconds)
+    model, listed = api.api_model, None
     if not model:  # the first model the server lists
         try:
             listed = listed_models(base_url, api_key, timeout)
         except ConnectionError as e:
-            raise ConnectionError(f"{e}. Start one with `refiner judge serve MODEL`, or set judge.api_model.") from None
+            raise ConnectionError(f"{e}. Start one with `refiner judge serve MODEL`, or set api.api_model.") from None
         if not listed or "id" not in listed[0]:
-            raise ConnectionError(f"judge server at {base_url} lists no models; set judge.api_model")
+            raise ConnectionError(f"judge server at {base_url} lists no models; set api.api_model")
         model = listed[0]["id"]
-    more = tuple(judge.more_base_urls)
+    more = tuple(api.more_base_urls)
     if more:
         same_weights(model, [base_url, *more], api_key, timeout)
     return OpenAIJudge(
@@ -300,15 +301,15 @@ def make_openai_judge(
         more_base_urls=more,
         model=model,
         api_key=api_key,
-        concurrency=judge.concurrency,
+        concurrency=api.concurrency,
         timeout_seconds=timeout,
-        policy=RetryPolicy(judge.max_retries, judge.backoff_seconds, judge.backoff_max_seconds),
-        request_budget=judge.request_budget,
-        temperature=judge.temperature,
+        policy=RetryPolicy(api.max_retries, api.backoff_seconds, api.backoff_max_seconds),
+        request_budget=api.request_budget,
+        temperature=api.temperature,
         max_tokens=judge.max_new_tokens,
-        cache=open_cache(judge.cache_path) if judge.cache else None,
-        cache_namespace=judge.cache_namespace,
+        cache=open_cache(api.cache_path) if api.cache else None,
+        cache_namespace=api.cache_namespace,
         listed=listed,
-        max_requests_per_minute=judge.max_requests_per_minute,
-        max_tokens_per_minute=judge.max_tokens_per_minute,
+        max_requests_per_minute=api.max_requests_per_minute,
+        max_tokens_per_minute=api.max_tokens_per_minute,
     )

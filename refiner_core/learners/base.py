@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES
-from refiner_core.runtime.registry import resolve
+from refiner_core.runtime.registry import Backend, Registry, resolve
 
 
 @dataclass
@@ -97,9 +97,10 @@ class Learner(Protocol):
     def close(self) -> None: ...  # stop what the learner started (processes); it cannot be used afterwards
 
 
-LEARNERS: dict[str, str] = {
+LEARNERS: Registry = {
     "torch": "refiner_core.learners.torch_learner:make_torch_learner",
-    "deepspeed": "refiner_core.learners.deepspeed_learner:make_deepspeed_learner",
+    # ranks launched as processes of their own, with the settings of grpo.deepspeed
+    "deepspeed": Backend("refiner_core.learners.deepspeed_learner:make_deepspeed_learner", section="grpo.deepspeed"),
 }
 
 

@@ -134,7 +134,7 @@ class DeepSpeedLearner:
         if sum(slots for _, slots in self.hosts) != settings.world_size:
             raise ValueError(
                 f"deepspeed learner: {settings.hostfile} has {sum(s for _, s in self.hosts)} slots "
-                f"over {len(self.hosts)} host(s); grpo.world_size is {settings.world_size}: "
+                f"over {len(self.hosts)} host(s); grpo.deepspeed.world_size is {settings.world_size}: "
                 "set them equal"
             )
         self.policy_path, self.reference_path = Path(policy_path), reference_path

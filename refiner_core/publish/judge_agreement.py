@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from refiner_core.config import ConfigError, JudgeConfig, load_recipe, recipe_from_dict
+from refiner_core.config import ConfigError, JudgeConfig, load_recipe, moved_to_sections, recipe_from_dict
 from refiner_core.eval.judge_checks import agreement_rows, check_rows, rejudge, rubric_group, sample_keys
 from refiner_core.publish.run_sql import catalog_path
 from refiner_core.schema import JUDGE_AGREEMENT, JUDGE_CHECKS
@@ -84,6 +84,17 @@ def read_labels(path: Path) -> dict[tuple, tuple[float | None, str | None]]:
     return labels
 
 
+def _over(base: dict, given: dict) -> dict:
+    """`given` over `base`, nested sections (judge.openai) merged key by key."""
+    return {
+        **base,
+        **{
+            k: _over(base[k], v) if isinstance(base.get(k), dict) and isinstance(v, dict) else v
+            for k, v in given.items()
+        },
+    }
+
+
 def other_judge(run_dir: Path, config: Path):
     """The judge a --judge-config file describes (its `judge:` section over the run's), and a description."""
     from refiner_core.judges.base import make_judge
@@ -98,8 +109,9 @@ def other_judge(run_dir: Path, config: Path):
     if not isinstance(section, dict):
         raise AgreementError(f"--judge-config {config}: expected a 'judge:' section (judge settings as in a recipe)")
     try:
-        given = recipe_from_dict({"judge": section}).judge  # typed and checked like a recipe's
-        settings = JudgeConfig(**{**asdict(recipe.judge), **{k: getattr(given, k) for k in section}})
+        section = moved_to_sections({"judge": section})["judge"]  # old flat names read as judge.openai.*
+        # the file's settings over the run's, typed and checked like a recipe's
+        settings = recipe_from_dict({"judge": _over(asdict(recipe.judge), section)}).judge
     except ConfigError as e:
         raise AgreementError(f"--judge-config {config}: {e}") from None
     spec = settings.model or recipe.model.policy
@@ -112,7 +124,7 @@ def other_judge(run_dir: Path, config: Path):
         judge = make_judge(str(path), settings, recipe.model.dtype, recipe.model.precision)
     except ValueError as e:
         raise AgreementError(f"--judge-config {config}: {e}") from None
-    what = settings.api_model or settings.base_url if settings.engine == "openai" else spec
+    what = settings.openai.api_model or settings.openai.base_url if settings.engine == "openai" else spec
     return judge, settings, f"judge {settings.engine} {what}, mode {settings.mode}"
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from refiner_core.config import moved_to_sections
+
 MODEL_CARD = "README.md"
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe a run writes into its folder (flows/run_folder.py)
 
@@ -48,6 +50,7 @@ def model_card(
     dict) when it is a fork."""
     if kind not in KINDS:
         raise ValueError(f"model card kind {kind!r}: one of {sorted(KINDS)}")
+    recipe = moved_to_sections(recipe)  # a run folder's recipe.yaml from before judge.openai / grpo.deepspeed
     model, grpo = recipe["model"], recipe["grpo"]
     base_model, license_ = KNOWN_BASES.get(model["policy"], (model["policy"], "other"))
     tags = (
@@ -160,8 +163,9 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         judged += f" + {reward['supporting_recall_weight']} x the share of supporting snippets cited"
     learner = grpo["learner"]
     if learner == "deepspeed":
-        learner += f", ZeRO stage {grpo['zero_stage']}, {grpo['world_size']} rank(s)"
-        if grpo["deepspeed_offload_optimizer"]:
+        deepspeed = grpo["deepspeed"]
+        learner += f", ZeRO stage {deepspeed['zero_stage']}, {deepspeed['world_size']} rank(s)"
+        if deepspeed["offload_optimizer"]:
             learner += ", optimizer offloaded to CPU"
     rows = [
         (

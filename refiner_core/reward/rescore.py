@@ -19,7 +19,7 @@ from pathlib import Path
 import duckdb
 
 from refiner_core.algo.advantages import group_advantages
-from refiner_core.config import RecipeConfig, RewardConfig
+from refiner_core.config import RecipeConfig, RewardConfig, dotted_settings
 from refiner_core.reward.compose import STEP_INPUTS_HASH_SQL, compute_rewards, weight_row
 from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
 from refiner_core.store.forks import read_fork
@@ -44,11 +44,9 @@ class StepRescore:
 
 
 def changed_settings(base: RecipeConfig, new: RecipeConfig) -> list[str]:
-    """Dotted names of the settings that differ."""
-    a, b = base.to_dict(), new.to_dict()
-    return sorted(
-        f"{section}.{name}" for section in b for name in b[section] if a.get(section, {}).get(name) != b[section][name]
-    )
+    """Dotted names of the settings that differ (a nested section's fields by their own: judge.openai.base_url)."""
+    a, b = dotted_settings(base), dotted_settings(new)
+    return sorted(name for name in b if a.get(name) != b[name])
 
 
 def check_rescorable(base: RecipeConfig, new: RecipeConfig, judged_pairs: int, steps_without_claims: list[int]) -> None:
@@ -100,10 +98,9 @@ def version_name(new: RecipeConfig) -> str:
 
 def settings_flags(base: RecipeConfig, new: RecipeConfig) -> str:
     """The `--set` flags that turn the run's recipe into `new`, as one shell-quoted line."""
-    recipe, flags = new.to_dict(), []
+    values, flags = dotted_settings(new), []
     for setting in changed_settings(base, new):
-        section, name = setting.split(".")
-        value = recipe[section][name]
+        value = values[setting]
         flags += ["--set", f"{setting}={value if isinstance(value, str) else json.dumps(value)}"]
     return shlex.join(flags)
 
