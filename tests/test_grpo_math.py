@@ -99,7 +99,7 @@ def test_clipped_loss_matches_float64_reference():
     adv = torch.tensor([1.5, -0.7, 0.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
     out = grpo_token_loss(
-        logp, old, adv[:, None], eps_low=0.2, eps_high=0.28, ref_logp=ref, beta=0.05, kl_estimator="k3"
+        logp, old, adv[:, None], eps_low=0.2, eps_high=0.28, ref_logp=ref, beta=0.05, kl_estimator="k3", kl_clamp=10.0
     )
     got = _aggregate("token_mean", out["loss"], mask, 1.0).item()
     want = _reference_loss(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, 0.05)
@@ -202,3 +202,14 @@ def test_dr_grpo_gradient_does_not_grow_with_batch_size(tiny_model_path):
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+def test_a_term_switched_on_without_its_knob_is_an_error_not_a_second_default():
+    """The loss knobs have one default, the recipe's: a KL term or a variant asked for without its knob fails."""
+    logp, old = torch.zeros(1, 2), torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="needs kl_estimator and kl_clamp"):
+        grpo_token_loss(logp, old, torch.ones(1, 1), eps_low=0.2, eps_high=0.2, ref_logp=logp, beta=0.1)
+    with pytest.raises(ValueError, match="needs dual_clip_c"):
+        grpo_token_loss(logp, old, torch.ones(1, 1), eps_low=0.2, eps_high=0.2, policy_loss="dual_clip")
+    with pytest.raises(ValueError, match="needs sapo_tau_pos, sapo_tau_neg"):
+        grpo_token_loss(logp, old, torch.ones(1, 1), eps_low=0.2, eps_high=0.2, policy_loss="sapo")

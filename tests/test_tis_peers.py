@@ -265,6 +265,8 @@ def test_a_masked_token_keeps_its_denominator_kl_and_entropy():
         eps_high=0.28,
         ref_logp=ref,
         beta=0.1,
+        kl_estimator="k3",
+        kl_clamp=10.0,
         is_weights=weights,
         sequences=sequences,
         entropy=entropy,

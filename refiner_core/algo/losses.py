@@ -288,8 +288,8 @@ def grpo_token_loss(
     eps_high: float,
     ref_logp: Tensor | None = None,
     beta: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: float = 10.0,
+    kl_estimator: str | None = None,
+    kl_clamp: float | None = None,
     is_weights: Tensor | None = None,
     policy_loss: str = "ppo_clip",
     dual_clip_c: float | None = None,
@@ -303,6 +303,9 @@ def grpo_token_loss(
     sequence's advantage) or anything that broadcasts to it.
 
     loss = POLICY_LOSSES[policy_loss] [* is_weight] + beta * KL_ESTIMATORS[kl_estimator] - entropy_coef * entropy
+
+    A knob only one term reads (the KL's estimator and clamp, a variant's own) is None unless that term is on:
+    their one default is the recipe's (config.GRPOConfig), and a term switched on without its knob is an error.
     """
     ratio = torch.exp(logp - old_logp)
     params = SurrogateParams(eps_low, eps_high, dual_clip_c, sapo_tau_pos, sapo_tau_neg)
@@ -312,6 +315,8 @@ def grpo_token_loss(
     out = {"pg": pg, "ratio": ratio, "clipped": clipped}
     loss = pg
     if beta > 0.0 and ref_logp is not None:
+        if kl_estimator is None or kl_clamp is None:
+            raise ValueError("a KL term (beta > 0) needs kl_estimator and kl_clamp")
         d = torch.clamp(logp - ref_logp, -kl_clamp, kl_clamp)
         out["kl"] = KL_ESTIMATORS[kl_estimator](d, ratio)
         loss = loss + beta * out["kl"]
