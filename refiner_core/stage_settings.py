@@ -16,22 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from refiner_core.config import (
-    DataConfig,
-    EvalConfig,
-    GRPOConfig,
-    JudgeConfig,
-    ModelConfig,
-    MonitorsConfig,
-    RecipeConfig,
-    RewardConfig,
-    RolloutConfig,
-    RubricConfig,
-    SFTConfig,
-    SourceConfig,
-    TeacherConfig,
-    engine_settings,
-)
+from refiner_core.config import RecipeConfig, SourceConfig, engine_settings
 
 
 def _input(section: str, help: str, only: type | None = None) -> Any:
@@ -74,19 +59,7 @@ SECTION_INPUTS: dict[str, tuple[str, ...]] = {
     "teacher": ("teacher",),
     "monitors": ("monitors",),
 }
-SECTION_TYPES: dict[str, type] = {
-    "data": DataConfig,
-    "rubrics": RubricConfig,
-    "sft": SFTConfig,
-    "rollout": RolloutConfig,
-    "judge": JudgeConfig,
-    "reward": RewardConfig,
-    "grpo": GRPOConfig,
-    "model": ModelConfig,
-    "eval": EvalConfig,
-    "teacher": TeacherConfig,
-    "monitors": MonitorsConfig,
-}
+SECTION_TYPES: dict[str, type] = typing.get_type_hints(RecipeConfig)  # section name -> its config class
 _INPUTS = {f.name: f.metadata for f in dataclasses.fields(StageSettings)}
 
 

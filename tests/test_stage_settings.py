@@ -17,7 +17,14 @@ from refiner_core.config import (
     OpenAIJudgeConfig,
     load_recipe,
 )
-from refiner_core.stage_settings import SECTION_TYPES, StageSettings, input_fields, stage_settings, stage_view
+from refiner_core.stage_settings import (
+    SECTION_INPUTS,
+    SECTION_TYPES,
+    StageSettings,
+    input_fields,
+    stage_settings,
+    stage_view,
+)
 
 
 def _recipe(overrides=()):
@@ -44,9 +51,9 @@ def _changed(value, hint):
 
 def _fields():
     """(section, field, type) of every recipe field the stage inputs are cut from (nested sections whole)."""
-    for section, cls in SECTION_TYPES.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+    for section in SECTION_INPUTS:
+        hints = typing.get_type_hints(SECTION_TYPES[section])
+        for f in dataclasses.fields(SECTION_TYPES[section]):
             yield section, f, hints[f.name]
 
 
