@@ -126,8 +126,16 @@ class RunContext:
     def stage(self, task: Stage) -> Stage:
         return task.with_options(**self.retry)
 
+    @property
+    def data_file(self) -> str:
+        return repo_path(self.cfg.data.path, self.cfg.data.format)
+
     def model(self, spec: str) -> dict:
         return locate_model(spec, self.cfg.model.max_position_embeddings, self.cfg.run.seed)
+
+    def locate_reference(self) -> None:
+        """The KL reference: model.reference, else the starting policy (once it is known)."""
+        self.reference = self.model(self.cfg.model.reference) if self.cfg.model.reference else self.start
 
     def computes(self) -> dict:
         """The settings every computing stage takes: the run's seed, dtype and precision."""
@@ -142,7 +150,7 @@ class RunContext:
         self.eval_at = eval_steps(cfg.grpo.steps, cfg.eval.every)
         self.judge_model = self.model(cfg.judge.model) if cfg.judge.model else self.base
         if self.start is not None:
-            self.reference = self.model(cfg.model.reference) if cfg.model.reference else self.start
+            self.locate_reference()
 
     def enter_segment(self, step: int) -> None:
         if self.recipe_of(step) is not self.cfg:  # a fork's next segment (its own settings from its fork step on)
@@ -197,7 +205,7 @@ def repo_path(path: str, fmt: str = "auto") -> str:
 def prepare(run: RunContext) -> None:
     """Prompts (data) and their rubrics."""
     cfg, inputs = run.cfg, run.inputs
-    data_file = repo_path(cfg.data.path, cfg.data.format)
+    data_file = run.data_file
     ledgers = {  # data.skip_solved_from / data.weights_from: earlier runs' difficulty ledgers, by content
         f"{kind}_ledger_files": ledger_catalogs([repo_path(d) for d in folders])
         for kind, folders in (("skip", cfg.data.skip_solved_from), ("weight", cfg.data.weights_from))
@@ -233,9 +241,7 @@ def warm_start(run: RunContext) -> StepState:
         evaluate_policy(run, run.base, 0, "base")
     run.start = run.base
     if cfg.sft.enabled:
-        sft_file = (
-            repo_path(cfg.sft.path, cfg.sft.format) if cfg.sft.path else repo_path(cfg.data.path, cfg.data.format)
-        )
+        sft_file = repo_path(cfg.sft.path, cfg.sft.format) if cfg.sft.path else run.data_file
         sft_data = run.stage(prepare_sft)(
             run_dir=run.dir,
             run=run.name,
@@ -256,7 +262,7 @@ def warm_start(run: RunContext) -> StepState:
         run.start = warm["policy"]
         run.manifests += [sft_data, warm]
         publish_catalog(run_dir=run.dir, manifests=run.manifests, judge_price=judge_price(run))
-    run.reference = run.model(cfg.model.reference) if cfg.model.reference else run.start
+    run.locate_reference()
     if run.eval_at:
         evaluate_policy(run, run.start, 0, "sft" if cfg.sft.enabled else "base")
     # the EMA teacher (Co-rewarding-II) starts as the starting policy
