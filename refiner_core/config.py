@@ -739,6 +739,14 @@ class DeepSpeedConfig:
     offload_optimizer: bool = opt(False, "Keep the AdamW state in CPU memory (ZeRO offload).")
 
 
+# Each grpo.deepspeed field's flat name: the recipe name it had before the section (still read, deprecated), and the
+# learner's own launch setting of it (learners.base.LearnerSettings).
+DEEPSPEED_FLAT_NAMES = {
+    f.name: f"deepspeed_{f.name}" if f.name == "offload_optimizer" else f.name
+    for f in dataclasses.fields(DeepSpeedConfig)
+}
+
+
 @dataclass
 class GRPOConfig:
     steps: int = opt(2, "GRPO steps (rollout -> judge -> update) to run.", check=AT_LEAST_1, read_by=FLOW)
@@ -1096,10 +1104,7 @@ def _build(cls: type, data: dict, where: str) -> Any:
 # with the old names (and the flat recipe.yaml of runs made before) are still read, with a deprecation line each.
 MOVED_FIELDS: dict[str, str] = {
     **{f"judge.{f.name}": f"judge.openai.{f.name}" for f in dataclasses.fields(OpenAIJudgeConfig)},
-    **{
-        f"grpo.{'deepspeed_' if f.name == 'offload_optimizer' else ''}{f.name}": f"grpo.deepspeed.{f.name}"
-        for f in dataclasses.fields(DeepSpeedConfig)
-    },
+    **{f"grpo.{flat}": f"grpo.deepspeed.{name}" for name, flat in DEEPSPEED_FLAT_NAMES.items()},
 }
 _log = logging.getLogger(__name__)
 _reported: set[str] = set()  # old names already reported by this process

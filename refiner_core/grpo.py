@@ -12,21 +12,19 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
-from refiner_core.config import DeepSpeedConfig, GRPOConfig, ModelConfig
+from refiner_core.config import DEEPSPEED_FLAT_NAMES, GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 from refiner_core.stage_settings import input_fields
 
 LORA_FIELDS = tuple(f.name for f in input_fields("lora"))  # the model section's fields the learner reads
-# grpo.deepspeed's fields that LearnerSettings names otherwise (the others keep their names).
-DEEPSPEED_FIELDS = {"offload_optimizer": "deepspeed_offload_optimizer"}
 
 
 def learner_settings(grpo: GRPOConfig, temperature: float, precision: str, model: ModelConfig | None = None):
     """The learner's view of the GRPO config (or the update stage's view of it): every knob's one default is the
-    config's, grpo.deepspeed.* as the learner's own flat launch settings (DEEPSPEED_FIELDS). The sampling temperature
-    comes from the rollout config, the compute precision and the LoRA settings (model.lora_*; None: full weights)
-    from the model config."""
+    config's, grpo.deepspeed.* as the learner's own flat launch settings (DEEPSPEED_FLAT_NAMES). The sampling
+    temperature comes from the rollout config, the compute precision and the LoRA settings (model.lora_*; None: full
+    weights) from the model config."""
     lora = model if model is not None else ModelConfig()
     given = {
         "temperature": temperature,
@@ -34,10 +32,7 @@ def learner_settings(grpo: GRPOConfig, temperature: float, precision: str, model
         "adam_betas": tuple(grpo.adam_betas),
         **{k: getattr(lora, k) for k in LORA_FIELDS},
         "lora_target_modules": tuple(lora.lora_target_modules),
-        **{
-            DEEPSPEED_FIELDS.get(f.name, f.name): getattr(grpo.deepspeed, f.name)
-            for f in dataclasses.fields(DeepSpeedConfig)
-        },
+        **{flat: getattr(grpo.deepspeed, name) for name, flat in DEEPSPEED_FLAT_NAMES.items()},
     }
     fields = {k: getattr(grpo, k) for k in LearnerSettings.__dataclass_fields__ if k not in given and k != "work_root"}
     return LearnerSettings(**fields, **given)

@@ -105,8 +105,8 @@ def run_cli(
 def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overrides):
     """LearnerSettings for learner tests, from the recipe's GRPO and LoRA fields (their defaults, then these): fp32,
     k3 KL, token-mean, no clipping of the gradient norm, padded batches (no packing, no shared prompts)."""
-    from refiner_core.config import DeepSpeedConfig, GRPOConfig, ModelConfig
-    from refiner_core.grpo import DEEPSPEED_FIELDS, LORA_FIELDS
+    from refiner_core.config import DEEPSPEED_FLAT_NAMES, DeepSpeedConfig, GRPOConfig, ModelConfig
+    from refiner_core.grpo import LORA_FIELDS
     from refiner_core.grpo import learner_settings as from_recipe
 
     base = dict(
@@ -127,11 +127,7 @@ def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overri
     )
     lora = {k: overrides.pop(k) for k in LORA_FIELDS if k in overrides}
     # the deepspeed learner's launch settings by their LearnerSettings names: grpo.deepspeed.*
-    deepspeed = {
-        name: overrides.pop(DEEPSPEED_FIELDS.get(name, name))
-        for name in DeepSpeedConfig.__dataclass_fields__
-        if DEEPSPEED_FIELDS.get(name, name) in overrides
-    }
+    deepspeed = {name: overrides.pop(flat) for name, flat in DEEPSPEED_FLAT_NAMES.items() if flat in overrides}
     work_root = overrides.pop("work_root", "")
     grpo = GRPOConfig(**{**base, **overrides}, deepspeed=DeepSpeedConfig(**deepspeed))
     settings = from_recipe(grpo, temperature, precision, ModelConfig(**lora))
