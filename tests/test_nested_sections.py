@@ -203,3 +203,28 @@ def test_defaults_are_the_old_defaults():
     assert cfg.grpo.deepspeed == DeepSpeedConfig(
         world_size=1, zero_stage=3, hostfile="", launch_over_ssh=True, offload_optimizer=False
     )
+
+
+def test_a_backend_entry_names_the_nested_section_of_its_own_settings():
+    """Backend.section is where the backend's settings live: each names a nested section of the recipe, and the
+    openai judge's and deepspeed learner's name the sections their fields moved to."""
+    from refiner_core.agent.tools.base import TOOLS
+    from refiner_core.judges.base import JUDGES
+    from refiner_core.learners.base import LEARNERS
+    from refiner_core.reward.verifiers import VERIFIERS
+    from refiner_core.rollout.base import ENGINES
+    from refiner_core.runtime.registry import backend
+
+    recipe = RecipeConfig()
+    sections = {}
+    for table in (JUDGES, LEARNERS, ENGINES, VERIFIERS, TOOLS):
+        for name in table:
+            if section := backend(table, name).section:
+                value = recipe
+                for key in section.split("."):
+                    value = getattr(value, key)
+                assert dataclasses.is_dataclass(value), section
+                sections[name] = section
+    assert sections == {"openai": "judge.openai", "deepspeed": "grpo.deepspeed"}
+    moved_to = {new.rsplit(".", 1)[0] for new in MOVED_FIELDS.values()}
+    assert moved_to == set(sections.values())
