@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import logging
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -1199,44 +1199,42 @@ def recipe_from_dict(data: dict) -> RecipeConfig:
     return _build(RecipeConfig, moved_to_sections(data), "")
 
 
-def describe(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted name, default, help) for every field: used by `refiner config` and the README."""
-    rows = []
+def leaf_fields(section: Any, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(dotted name, field, value) of every field of a recipe or section, nested sections walked into
+    (judge.openai.base_url: the names --set takes). `section` is a class (value: the field's default) or an
+    instance."""
+    cls = section if isinstance(section, type) else type(section)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
         name = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(hint):
-            rows.extend(describe(hint, name + "."))
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from leaf_fields(hints[f.name] if section is cls else getattr(section, f.name), name + ".")
+        elif section is cls:
+            yield name, f, f.default if f.default is not dataclasses.MISSING else f.default_factory()
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            check = f.metadata.get("check")
-            rows.append((name, repr(default), f.metadata["help"] + (f" [{check.requirement}]" if check else "")))
-    return rows
+            yield name, f, getattr(section, f.name)
 
 
-def dotted_settings(value: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted name: value} of every field of a recipe (or section), nested sections' fields by their own dotted
-    names (judge.openai.base_url): the names --set takes."""
-    out = {}
-    for f in dataclasses.fields(value):
-        inner, name = getattr(value, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(inner):
-            out.update(dotted_settings(inner, name + "."))
-        else:
-            out[name] = inner
-    return out
+def describe(cls: type = RecipeConfig) -> list[tuple[str, str, str]]:
+    """(dotted name, default, help) for every field: used by `refiner config` and the README."""
+    return [
+        (
+            name,
+            repr(default),
+            f.metadata["help"] + (f" [{f.metadata['check'].requirement}]" if "check" in f.metadata else ""),
+        )
+        for name, f, default in leaf_fields(cls)
+    ]
 
 
-def checked_fields(value: Any, prefix: str = "") -> list[tuple[str, Any, Check]]:
+def dotted_settings(value: Any) -> dict[str, Any]:
+    """{dotted name: value} of every field of a recipe (or section)."""
+    return {name: inner for name, _, inner in leaf_fields(value)}
+
+
+def checked_fields(value: Any) -> list[tuple[str, Any, Check]]:
     """(dotted name, value, check) of every field of a recipe (or section) that carries a check."""
-    out = []
-    for f in dataclasses.fields(value):
-        inner, name = getattr(value, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(inner):
-            out += checked_fields(inner, name + ".")
-        elif "check" in f.metadata:
-            out.append((name, inner, f.metadata["check"]))
-    return out
+    return [(name, inner, f.metadata["check"]) for name, f, inner in leaf_fields(value) if "check" in f.metadata]
 
 
 MonitorAction = Literal["warn", "pause", "fail"]
