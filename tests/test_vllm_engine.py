@@ -5,6 +5,7 @@ Skipped where vllm is not installed. One engine serves the module (start-up is p
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -210,3 +211,33 @@ def test_bf16_engine_samples_within_tolerance_of_the_bf16_learner(tiny_model_pat
     )
     print(f"\nvllm bf16 vs learner bf16: max {gap.max():.4f}, mean {gap.mean():.4f}")
     assert gap.max() < 0.02 and gap.mean() < 0.005  # measured 0.003 and 0.0008 on the tiny model
+
+
+SAMPLER_ON_CUDA = """
+import os, sys
+from vllm.platforms import current_platform
+from vllm.v1.sample.ops import topk_topp_sampler
+from refiner_core.rollout.vllm_engine import engine_env
+
+os.environ.update(engine_env(on_gpu=True, has_flashinfer=False) if sys.argv[1] == "ours" else {})
+type(current_platform).is_cuda = lambda self: True  # the check vLLM makes when it builds its CUDA sampler
+try:
+    print(topk_topp_sampler.flashinfer_sampler_supported(), "flashinfer" in sys.modules)
+except ImportError as e:
+    print("ImportError", e.name)
+"""
+
+
+@pytest.mark.parametrize("env, expected", [("ours", "False False"), ("vllm default", "ImportError flashinfer")])
+def test_a_gpu_engine_without_flashinfer_builds_vllms_own_sampler(env, expected):
+    """vLLM's CUDA sampler reaches for FlashInfer when it is built; the GPU machine the check runs on has none
+    (vLLM's wheel does not carry it). engine_env turns FlashInfer's sampler off there, which these requests never
+    used (seeded, processed log-probs)."""
+    import subprocess
+    import sys
+
+    env_vars = {k: v for k, v in os.environ.items() if k != "VLLM_USE_FLASHINFER_SAMPLER"}
+    out = subprocess.run(
+        [sys.executable, "-c", SAMPLER_ON_CUDA, env.split()[0]], capture_output=True, text=True, env=env_vars
+    )
+    assert out.stdout.strip().splitlines()[-1:] == [expected], out.stdout + out.stderr[-3000:]

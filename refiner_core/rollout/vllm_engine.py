@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -36,6 +37,18 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: start-up ~5 s instead of ~35 s
 }
+
+
+def engine_env(on_gpu: bool, has_flashinfer: bool) -> dict[str, str]:
+    """The environment an engine is built in (each variable set only where unset). On a GPU without FlashInfer
+    installed, vLLM's own top-k/top-p sampler: vLLM's CUDA sampler imports FlashInfer when it is built (0.26's
+    V2 model runner), and would never use it for these requests anyway (each has a seed and asks for processed
+    log-probs)."""
+    if not on_gpu:
+        return dict(CPU_ENV)
+    return {} if has_flashinfer else {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
@@ -314,9 +327,8 @@ def make_vllm_engine(
     from refiner_core.models import load_tokenizer
 
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        for key, value in CPU_ENV.items():
-            os.environ.setdefault(key, value)
+    for key, value in engine_env(on_gpu, importlib.util.find_spec("flashinfer") is not None).items():
+        os.environ.setdefault(key, value)
     threads = torch.get_num_threads()
     from vllm import LLM
 
