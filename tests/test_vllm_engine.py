@@ -219,7 +219,7 @@ from vllm.platforms import current_platform
 from vllm.v1.sample.ops import topk_topp_sampler
 from refiner_core.rollout.vllm_engine import engine_env
 
-os.environ.update(engine_env(on_gpu=True, has_flashinfer=False) if sys.argv[1] == "ours" else {})
+os.environ.update(engine_env(on_gpu=True, has_flashinfer=False, environ={}) if sys.argv[1] == "ours" else {})
 type(current_platform).is_cuda = lambda self: True  # the check vLLM makes when it builds its CUDA sampler
 try:
     print(topk_topp_sampler.flashinfer_sampler_supported(), "flashinfer" in sys.modules)
@@ -241,3 +241,62 @@ def test_a_gpu_engine_without_flashinfer_builds_vllms_own_sampler(env, expected)
         [sys.executable, "-c", SAMPLER_ON_CUDA, env.split()[0]], capture_output=True, text=True, env=env_vars
     )
     assert out.stdout.strip().splitlines()[-1:] == [expected], out.stdout + out.stderr[-3000:]
+
+
+HOST_RELOAD_ACROSS_PROCESSES = """
+import os, sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in its own process, as on a GPU
+
+
+def main(model_path):
+    import torch
+    from refiner_core.config import EngineSettings
+    from refiner_core.learners.base import TrainSample
+    from refiner_core.learners.batching import collate
+    from refiner_core.learners.logprobs import token_logprobs
+    from refiner_core.models import load_model
+    from refiner_core.rollout.base import SamplingParams
+    from refiner_core.rollout.vllm_engine import make_vllm_engine
+
+    engine = make_vllm_engine(model_path, EngineSettings.of(engine="vllm", batch_size=4), "float32", progress=False)
+    prompts, params = [[5, 17, 42, 99, 7]], SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+    before = engine.generate(prompts, params)
+    model = load_model(model_path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    engine.load_weights(model)
+    after = engine.generate(prompts, params)
+    batch = collate([TrainSample(prompts[0], g.token_ids, 0.0, g.logprobs) for g in after], 0)
+    with torch.no_grad():
+        learner = token_logprobs(model, batch, 1.0)
+    mask = batch["mask"].bool()
+    gap = (learner[mask] - batch["rollout_logprobs"][mask]).abs().max().item()
+    changed = [g.token_ids for g in after] != [g.token_ids for g in before]
+    print("RESULT", engine.in_process, changed, gap)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+def test_host_reload_reaches_an_engine_core_in_another_process(tiny_model_path, tmp_path):
+    """On a GPU vLLM's engine core is its own process, and tensors do not survive its RPC encoding; a host reload
+    (weight_transfer host, or a checkpoint with nccl/delta) sends bytes instead. The same path on CPU, with vLLM's
+    multiprocessing on: the engine samples with the weights sent (its log-probs are the new model's)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "host_reload.py"
+    script.write_text(HOST_RELOAD_ACROSS_PROCESSES)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_path)], capture_output=True, text=True, timeout=300
+    )
+    result = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert result, out.stdout[-2000:] + out.stderr[-4000:]
+    [[in_process, changed, gap]] = result
+    assert in_process == "False" and changed == "True", result
+    assert float(gap) < FP32_LOGPROB_TOL, result

