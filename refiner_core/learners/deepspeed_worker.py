@@ -307,10 +307,10 @@ def main(work_dir: str) -> None:
 
     from refiner_core.models import load_model
 
+    if on_gpu:  # before the process group: NCCL binds each rank's communicator to its current device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     t0 = time.time()
     settings = LearnerSettings(**{**launch["settings"], "adam_betas": tuple(launch["settings"]["adam_betas"])})
     if settings.lora_rank:  # adapters on the reference, which is the starting policy (preflight checks it)
