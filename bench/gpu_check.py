@@ -345,6 +345,7 @@ def part_c(root: Path, cpu: bool) -> None:
         tokenizer.save_pretrained(final)
         transport, can_sleep = engine.transport, engine.sleep_level > 0
     finally:
+        engine.close()  # the last one is still taken by its stage: its GPU share goes before the fresh engine's
         live.close_run(run_dir)
     fresh = build(str(final), sleep_level=0, share=0.3)
     try:
@@ -397,15 +398,17 @@ def matmul_tflops(cpu: bool) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def train_flops(config, tokens_per_sequence: int, sequences: int) -> float:
-    """6 N T for the weights' matrix products (N: every projection and the output layer) plus the causal
-    attention's 6 L H d T^2 (QK^T and AV, forward and backward, half the square)."""
+def train_flops(config, tokens_per_sequence: int, sequences: int, scored_tokens: int | None = None) -> float:
+    """6 N T for the layers' matrix products over every position, 6 V h S for the output layer over the S
+    positions whose logits the learner computes (default T; the learner keeps them from the position before the
+    first response token on: the response's length + 1), plus the causal attention's 6 L H d T^2 (QK^T and AV,
+    forward and backward, half the square)."""
     h, layers = config.hidden_size, config.num_hidden_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
-    dense = layers * per_layer + config.vocab_size * h
     t = tokens_per_sequence
-    return sequences * (6 * dense * t + 6 * layers * q * t * t)
+    s = t if scored_tokens is None else scored_tokens
+    return sequences * (6 * layers * per_layer * t + 6 * config.vocab_size * h * s + 6 * layers * q * t * t)
 
 
 def part_d(root: Path, cpu: bool) -> None:
@@ -429,7 +432,8 @@ def part_d(root: Path, cpu: bool) -> None:
             model = Qwen3ForCausalLM(config).to(torch.bfloat16)
         params = sum(p.numel() for p in model.parameters())
         settings = dataclasses.replace(
-            grpo_settings(cpu, micro_batch_size=1, pack_length=0, learning_rate=1e-6), precision="bf16"
+            grpo_settings(cpu, micro_batch_size=1, pack_length=0, share_prompt=False, learning_rate=1e-6),
+            precision="bf16",
         )
         learner = TorchLearner(model, None, 0, settings)
         g = torch.Generator().manual_seed(1)
@@ -454,7 +458,7 @@ def part_d(root: Path, cpu: bool) -> None:
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - start)
         step = statistics.median(seconds)
-        flops = train_flops(config, length, count)
+        flops = train_flops(config, length, count, scored_tokens=length - length // 2 + 1)
         emit(
             "d",
             model=name,

@@ -31,7 +31,7 @@ receive() {
 machine() {  # once: what the machine is (costs a second)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   python3 -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-  python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|triton|numpy|pyarrow|huggingface.hub|anyio|httpx|click|rich|typer|uvloop|protobuf|jinja2|peft|accelerate|safetensors|tokenizers) " || true
+  python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|triton|numpy|pyarrow|huggingface.hub|anyio|httpx|httpcore|click|rich|typer|uvloop|protobuf|jinja2|peft|accelerate|safetensors|tokenizers|typing.extensions|packaging|pyyaml|attrs|psutil|msgpack|einops|ninja|py-cpuinfo|cloudpickle) " || true
 }
 
 case "${1:-}" in

@@ -36,3 +36,58 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     assert len(delta) == 1 and delta[0]["ok"] is None and "NCCL" in delta[0]["not_run"]
     assert done.stdout.rstrip().splitlines()[-1].startswith("files and logs:")  # the table comes last
     assert (tmp_path / "d.log").exists() and (tmp_path / "e.log").exists()
+
+
+def test_train_flops_counts_what_the_learner_multiplies(tmp_path):
+    """Part d's FLOPs against torch's own count of a real learner step (eager attention, whose matrix products the
+    counter sees): the layers over every position, the output layer over the positions the learner keeps logits
+    for (the response's + 1), and attention, which eager computes over the whole square (the formula counts the
+    causal half)."""
+    import dataclasses
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3ForCausalLM
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    from refiner_core.learners.base import TrainSample
+    from refiner_core.learners.torch_learner import TorchLearner
+
+    config = gpu_check.shape_config(gpu_check.CPU_SHAPES["qwen3-5m"], vocab=8192)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    settings = gpu_check.grpo_settings(True, micro_batch_size=1, pack_length=0, share_prompt=False)
+    learner = TorchLearner(Qwen3ForCausalLM(config), None, 0, dataclasses.replace(settings, precision="fp32"))
+    length, count, prompt = 96, 3, 40
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for _ in range(count):
+        ids = torch.randint(3, config.vocab_size, (length,), generator=g).tolist()
+        samples.append(TrainSample(ids[:prompt], ids[prompt:], 1.0, [-2.0] * (length - prompt)))
+    with FlopCounterMode(display=False) as counter:
+        learner.train_step(samples)
+    q = config.num_attention_heads * config.head_dim
+    causal_half = 6 * config.num_hidden_layers * q * length**2 * count
+    expected = gpu_check.train_flops(config, length, count, scored_tokens=length - prompt + 1) + causal_half
+    assert counter.get_total_flops() == expected
+
+
+def test_rank_totals_are_summed_on_the_engines_device(monkeypatch):
+    """An NCCL process group (DeepSpeed on GPUs) has no backend for CPU tensors: the ranks' totals are all-reduced on
+    the engine's device (here 'meta', standing in for 'cuda')."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from refiner_core.learners.deepspeed_worker import DeepSpeedRankLearner
+
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t: reduced.append(t.device))
+    learner = DeepSpeedRankLearner.__new__(DeepSpeedRankLearner)
+    learner.engine, learner.padding_tokens = types.SimpleNamespace(device=torch.device("meta")), 0
+    with pytest.raises(NotImplementedError):  # a meta tensor has no values to read back
+        learner._reduce({"loss": 1.0, "computed_tokens": 4.0})
+    assert reduced == [torch.device("meta")]

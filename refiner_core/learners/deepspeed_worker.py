@@ -112,7 +112,8 @@ class DeepSpeedRankLearner(TorchLearner):
 
         totals = {**totals, "computed_tokens": totals["computed_tokens"] - self.padding_tokens}
         keys = sorted(totals)
-        t = torch.tensor([float(totals[k]) for k in keys], dtype=torch.float64)
+        # on the engine's device: an NCCL group (GPU) has no backend for CPU tensors; gloo (CPU) takes CPU ones
+        t = torch.tensor([float(totals[k]) for k in keys], dtype=torch.float64, device=self.engine.device)
         self.rank_totals = dict(totals)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
