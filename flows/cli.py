@@ -547,6 +547,12 @@ def judge_serve(
     ),
     startup_timeout: float = typer.Option(600.0, "--startup-timeout", help="Seconds to wait for GET /health."),
     log: Path | None = typer.Option(None, "--log", help="Server log file (default: a temporary file)."),
+    gpu_memory_utilization: float = typer.Option(
+        0.0,
+        "--gpu-memory-utilization",
+        help="On a GPU: the share of its memory the server takes (0 = vLLM's default, 0.92: nothing left for a "
+        "learner or rollout engine on that GPU).",
+    ),
 ) -> None:
     """Start an OpenAI-compatible vLLM server for MODEL, wait until it is healthy, print its endpoint; Ctrl-C
     stops it."""
@@ -555,7 +561,13 @@ def judge_serve(
     typer.echo(f"starting the judge server for {model} on {host}:{port or '(free port)'} ...", err=True)
     try:
         server = start_server(
-            model, host=host, port=port, served_name=name, startup_timeout=startup_timeout, log_path=log
+            model,
+            host=host,
+            port=port,
+            served_name=name,
+            startup_timeout=startup_timeout,
+            log_path=log,
+            gpu_memory_utilization=gpu_memory_utilization or None,
         )
     except (ServerStartError, FileNotFoundError) as e:
         _fail(str(e), code=1)

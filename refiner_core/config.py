@@ -476,6 +476,13 @@ class OpenAIJudgeConfig:
         "it (by PID) when the run ends, on success or failure. Its log: RUN_DIR/logs/judge-server-PORT.log.",
     )
     serve_startup_timeout: float = opt(900.0, "judge.openai.serve: seconds the server may take to become healthy.")
+    serve_gpu_memory_utilization: float = opt(
+        0.3,
+        "judge.openai.serve on a GPU: the share of its GPU's memory the server's vLLM takes (weights and KV cache; "
+        "its --gpu-memory-utilization), held for the whole run: with rollout.engine vllm on the same GPU, the two "
+        "shares must leave the learner room (preflight refuses a sum over 1). Unused on CPU.",
+        check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    )
     api_model: str = opt(
         "",
         "The model name sent in requests; '' = the first model the server "

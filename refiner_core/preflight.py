@@ -102,6 +102,7 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             f"judge.openai.serve = true: judge.openai.base_url {cfg.judge.openai.base_url!r} must name a host and port "
             "on this machine (e.g. http://127.0.0.1:8011/v1) for the server the run starts"
         )
+    problems += gpu_share_problems(cfg)
     problems += backend_problems(cfg)
     if not 0 <= cfg.reward.overlong_buffer <= cfg.rollout.max_new_tokens:
         problems.append(
@@ -170,6 +171,25 @@ def check_values(cfg: RecipeConfig) -> list[str]:
 
     problems += tracker_problems(cfg.run.report_to)
     return problems
+
+
+def gpu_share_problems(cfg: RecipeConfig) -> list[str]:
+    """On a GPU, a judge server the run starts holds its share for the whole run, and the vllm rollout engine
+    wakes into its own beside it: together they cannot take more than the GPU (vLLM refuses to start short of its
+    share). CPU runs ignore both shares."""
+    from refiner_core.judges.serve import on_gpu
+
+    serve, rollout = cfg.judge.openai, cfg.rollout
+    if not (serve.serve and rollout.engine == "vllm" and on_gpu()):
+        return []
+    total = serve.serve_gpu_memory_utilization + rollout.gpu_memory_utilization
+    if total <= 1:
+        return []
+    return [
+        f"judge.openai.serve_gpu_memory_utilization ({serve.serve_gpu_memory_utilization}) + "
+        f"rollout.gpu_memory_utilization ({rollout.gpu_memory_utilization}) = {total:.2f}: the judge server and the "
+        "rollout engine share this GPU and together may take at most 1 of it (and should leave the learner room)"
+    ]
 
 
 def backend_problems(cfg: RecipeConfig) -> list[str]:

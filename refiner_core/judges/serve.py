@@ -79,7 +79,10 @@ def server_command(
     dtype: str | None = None,
     max_model_len: int | None = None,
     extra: list[str] | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> list[str]:
+    """The vLLM server's command line. `gpu_memory_utilization`: its share of the GPU (None: vLLM's default,
+    0.92, which leaves nothing for a learner or a rollout engine beside it); unused on CPU."""
     gpu = on_gpu()
     cmd = [
         sys.executable,
@@ -98,6 +101,8 @@ def server_command(
     ]
     if not gpu:
         cmd.append("--enforce-eager")
+    elif gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     return cmd + list(extra or [])
@@ -130,6 +135,7 @@ def start_server(
     max_model_len: int | None = None,
     extra_args: list[str] | None = None,
     env: dict | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> JudgeServer:
     """Resolve MODEL (a spec like model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder), start the server
     and wait until GET /health answers 200. The served name is `served_model_name` of the checkpoint, its prefix
@@ -148,7 +154,9 @@ def start_server(
     run_env = {**os.environ, **(env or {})}
     run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; ignored on GPUs
     run_env.setdefault("HF_HUB_OFFLINE", "1")
-    cmd = server_command(str(model_dir), served_name, host, port, dtype, max_model_len, extra_args)
+    cmd = server_command(
+        str(model_dir), served_name, host, port, dtype, max_model_len, extra_args, gpu_memory_utilization
+    )
     with open(log_path, "ab") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
