@@ -167,3 +167,14 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
     again, got = live_engines.rollout_engine(run_dir, "vllm", new, build)
     assert again is engine and got.how == "synced" and got.source == "checkpoint files"
     assert vllm_prompt_logprobs(engine, tokens) == synced
+
+
+def test_a_closed_hf_engine_hands_its_gpu_memory_back(tiny_model_path, monkeypatch):
+    """PyTorch keeps freed CUDA blocks cached in this process, where a vLLM engine or DeepSpeed rank in another
+    process cannot take them: closing an engine empties the cache (what the learner's step does on a GPU too)."""
+    engine = make_engine(str(tiny_model_path), EngineSettings.of(engine="hf", batch_size=2))
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(engine.model))
+    engine.close()
+    assert emptied == [None]  # the model was dropped first

@@ -147,3 +147,18 @@ def test_cli_logs_and_records_the_resolved_precision(tmp_path):
     expected = resolve_precision("auto")
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"]["precision"] == expected
     assert f"precision: {expected} (auto: {native_bf16()[1]})" in err
+
+
+@pytest.mark.parametrize("gpu, major, expected", [("Tesla T4", 7, "fp32"), ("NVIDIA H100 80GB HBM3", 9, "bf16")])
+def test_auto_on_a_gpu_is_bf16_only_from_compute_capability_8(monkeypatch, gpu, major, expected):
+    """torch's bf16 check counts a GPU that can merely hold bf16 tensors (emulated, slow; vLLM refuses bf16 there)."""
+    import types
+
+    monkeypatch.setattr("refiner_core.models.default_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(major=major))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)  # a bf16 tensor can be made
+    assert resolve_precision("auto") == expected
+    assert native_bf16()[1].startswith(f"GPU {gpu}")

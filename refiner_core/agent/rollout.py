@@ -10,6 +10,7 @@ from refiner_core import REPO_ROOT
 from refiner_core.agent.loop import REFUSED, AgentRollout, AgentSettings, model_scorer, run_agent
 from refiner_core.agent.tools.base import make_tool
 from refiner_core.config import AgentConfig
+from refiner_core.models import release_gpu_cache
 from refiner_core.rollout.base import RolloutEngine, SamplingParams
 
 
@@ -59,6 +60,9 @@ def agent_rollouts(
     finally:
         for tool in tools.values():
             tool.close()
+        if score is not None:  # the scripted turns' scorer held a copy of the policy
+            score = None
+            release_gpu_cache()
 
 
 def agent_settings(agent: AgentConfig, budget: int) -> AgentSettings:

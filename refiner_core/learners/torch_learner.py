@@ -14,7 +14,7 @@ from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.learners.batching import collate_group, collate_rows, pack_rows, prompt_groups
 from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
-from refiner_core.models import Adapter
+from refiner_core.models import Adapter, release_gpu_cache
 from refiner_core.runtime.progress import progress_bar
 
 
@@ -29,7 +29,7 @@ class TorchLearner:
             weight_decay=settings.weight_decay,
         )
         if optimizer_state is not None and Path(optimizer_state).exists():
-            self.optimizer.load_state_dict(torch.load(optimizer_state, weights_only=True))
+            self.optimizer.load_state_dict(torch.load(optimizer_state, map_location="cpu", weights_only=True))
             for group in self.optimizer.param_groups:  # the recipe's lr wins over the saved one
                 group["lr"] = settings.learning_rate
         self.exports: AdapterExports | None = None  # made by the first adapter()
@@ -147,6 +147,8 @@ class TorchLearner:
                 bar.update(1)
             grad_norms.append(self._optimizer_step())
         bar.close()
+        if self.policy.device.type == "cuda":  # activations' cached blocks: a rollout engine wakes into them
+            release_gpu_cache()
         totals = self._reduce(totals)
         tokens = max(totals["tokens"], 1.0)
         entropy = {"entropy": totals["entropy"] / tokens} if s.entropy_coef != 0 else {}

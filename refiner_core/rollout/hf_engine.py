@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from refiner_core.config import EngineSettings
 from refiner_core.learners.logprobs import autocast
-from refiner_core.models import Adapter, adapter_weights
+from refiner_core.models import Adapter, adapter_weights, release_gpu_cache
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
 from refiner_core.runtime.progress import progress_bar
 
@@ -108,7 +108,9 @@ class HFRolloutEngine:
         return held, free_bytes(self.model.device.type)
 
     def close(self) -> None:
+        """Drop the model; on a GPU its memory goes back to the device (the learner or a vLLM engine needs it)."""
         self.model = None
+        release_gpu_cache()
 
     sleep_level = 0  # no sleep mode: kept or closed by memory alone
 

@@ -14,7 +14,6 @@ chosen; importing refiner_core never imports vllm.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import importlib.util
 import logging
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refiner_core.config import EngineSettings
-from refiner_core.models import Adapter, checkpoint_adapter, checkpoint_weights
+from refiner_core.models import Adapter, checkpoint_adapter, checkpoint_weights, release_gpu_cache
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
 from refiner_core.runtime import weight_transfer as wt
 
@@ -318,14 +317,7 @@ class VLLMRolloutEngine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             del llm, engine, core
-        gc.collect()
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover
-            pass
+        release_gpu_cache()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -50,7 +50,11 @@ def native_bf16(device: str | None = None) -> tuple[bool, str]:
 
     if (device or default_device()) == "cuda":
         name = torch.cuda.get_device_name()
-        return (True, f"GPU {name} has bf16") if torch.cuda.is_bf16_supported() else (False, f"GPU {name} lacks bf16")
+        # not emulated: a GPU before compute capability 8.0 (T4, V100) can hold bf16 tensors, but computes them
+        # slowly, and vLLM refuses bf16 there
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"GPU {name} has bf16"
+        return False, f"GPU {name} lacks native bf16 (compute capability below 8.0)"
     features = cpu_bf16_features()
     if features:
         return True, f"CPU has {' and '.join(features)}"
