@@ -342,9 +342,7 @@ def main(work_dir: str) -> None:
         if job["kind"] == "stop":
             break
         if job["kind"] == "train":
-            _train(job_dir, engine, reference, launch, settings, resumed, rank, world)
-            if on_gpu:  # activations' cached blocks back to the GPU: a sleeping rollout engine wakes into them
-                torch.cuda.empty_cache()
+            _train(job_dir, engine, reference, launch, settings, resumed, rank, world)  # the step empties the cache
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":
