@@ -413,70 +413,86 @@ def train_flops(config, tokens_per_sequence: int, sequences: int, scored_tokens:
 
 def part_d(root: Path, cpu: bool) -> None:
     """The torch learner's GRPO step (clipped surrogate, beta 0, AdamW) on random bf16 weights: 2048-token
-    sequences (1024 prompt + 1024 response), one per micro-batch; one warm-up step, then the median of timed
-    ones."""
+    sequences (1024 prompt + 1024 response), one per micro-batch, and for the largest shape also two per
+    micro-batch (larger matrix products; a GPU without the memory for it records that); one warm-up step, then
+    the median of timed ones."""
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from refiner_core.learners.base import TrainSample
     from refiner_core.learners.torch_learner import TorchLearner
 
     peak = matmul_tflops(cpu)
     emit("d", check="bf16 matmul peak", device=device_name(cpu), tflops=float(f"{peak:.3g}"))
     shapes, length, count, timed = (CPU_SHAPES, 128, 4, 2) if cpu else (SHAPES, 2048, 8, 3)
     device = "cpu" if cpu else "cuda"
-    for name, shape in shapes.items():
+    largest = list(shapes)[-1]
+    for name, shape, micro in [(n, s, 1) for n, s in shapes.items()] + [(largest, shapes[largest], 2)]:
         config = shape_config(shape, vocab=8192 if cpu else 151936)
         torch.manual_seed(0)
         with torch.device(device):
             model = Qwen3ForCausalLM(config).to(torch.bfloat16)
         params = sum(p.numel() for p in model.parameters())
         settings = dataclasses.replace(
-            grpo_settings(cpu, micro_batch_size=1, pack_length=0, share_prompt=False, learning_rate=1e-6),
+            grpo_settings(cpu, micro_batch_size=micro, pack_length=0, share_prompt=False, learning_rate=1e-6),
             precision="bf16",
         )
         learner = TorchLearner(model, None, 0, settings)
-        g = torch.Generator().manual_seed(1)
-
-        def samples(n, vocab=config.vocab_size, g=g):
-            out = []
-            for _ in range(n):
-                ids = torch.randint(3, vocab, (length,), generator=g).tolist()
-                half = length // 2
-                out.append(TrainSample(ids[:half], ids[half:], 1.0, [-2.0] * (length - half)))
-            return out
-
-        learner.train_step(samples(2))  # warm-up: kernels chosen, allocator grown
-        seconds = []
-        for _ in range(timed):
-            batch = samples(count)
-            if not cpu:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            learner.train_step(batch)
-            if not cpu:
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-        step = statistics.median(seconds)
-        flops = train_flops(config, length, count, scored_tokens=length - length // 2 + 1)
-        emit(
-            "d",
-            model=name,
-            device=device_name(cpu),
-            params_b=round(params / 1e9, 3),
-            sequences=count,
-            tokens_per_sequence=length,
-            step_seconds=round(step, 3),
-            tokens_per_second=round(count * length / step),
-            tflops=float(f"{flops / step / 1e12:.3g}"),
-            mfu=round(flops / step / 1e12 / peak, 3),
-            peak_memory_gib=None if cpu else round(torch.cuda.max_memory_allocated() / 2**30, 1),
-        )
+        try:
+            step = _timed_steps(learner, config.vocab_size, length, count, timed, cpu)
+        except torch.OutOfMemoryError:
+            emit("d", model=name, device=device_name(cpu), micro_batch_size=micro, error="out of GPU memory")
+            step = None
+        if step is not None:
+            flops = train_flops(config, length, count, scored_tokens=length - length // 2 + 1)
+            emit(
+                "d",
+                model=name,
+                device=device_name(cpu),
+                params_b=round(params / 1e9, 3),
+                sequences=count,
+                micro_batch_size=micro,
+                tokens_per_sequence=length,
+                step_seconds=round(step, 3),
+                tokens_per_second=round(count * length / step),
+                tflops=float(f"{flops / step / 1e12:.3g}"),
+                mfu=round(flops / step / 1e12 / peak, 3),
+                peak_memory_gib=None if cpu else round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            )
         del learner, model
         gc.collect()
         if not cpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+
+
+def _timed_steps(learner, vocab: int, length: int, count: int, timed: int, cpu: bool) -> float:
+    """Median seconds of `timed` learner steps on `count` random sequences, after one warm-up step."""
+    import torch
+
+    from refiner_core.learners.base import TrainSample
+
+    g = torch.Generator().manual_seed(1)
+
+    def samples(n):
+        out = []
+        for _ in range(n):
+            ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+            half = length // 2
+            out.append(TrainSample(ids[:half], ids[half:], 1.0, [-2.0] * (length - half)))
+        return out
+
+    learner.train_step(samples(2))  # warm-up: kernels chosen, allocator grown
+    seconds = []
+    for _ in range(timed):
+        batch = samples(count)
+        if not cpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        learner.train_step(batch)
+        if not cpu:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 # ---- e: weight-sync seconds by model size ----

@@ -30,6 +30,7 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     shapes = [x for x in lines if x["part"] == "d" and "model" in x]
     assert len(peak) == 1 and peak[0]["tflops"] > 0
     assert shapes and all(x["tokens_per_second"] > 0 and 0 < x["mfu"] <= 1 for x in shapes)
+    assert [x["micro_batch_size"] for x in shapes] == [1, 2] and len({x["model"] for x in shapes}) == 1
     full = [x for x in lines if x["part"] == "e" and x.get("mode") == "full"]
     delta = [x for x in lines if x["part"] == "e" and x.get("mode") == "delta"]
     assert full and all(x["ok"] is True and x["transport"] == "host" and x["sync_seconds"] > 0 for x in full)
