@@ -441,8 +441,7 @@ def part_d(root: Path, cpu: bool) -> None:
             step = _timed_steps(learner, config.vocab_size, length, count, timed, cpu)
         except torch.OutOfMemoryError:
             emit("d", model=name, device=device_name(cpu), micro_batch_size=micro, error="out of GPU memory")
-            step = None
-        if step is not None:
+        else:
             flops = train_flops(config, length, count, scored_tokens=length - length // 2 + 1)
             emit(
                 "d",
