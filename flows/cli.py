@@ -14,7 +14,12 @@ from refiner_core.config import ConfigError, describe, load_recipe
 from refiner_core.data.text_safety import visible
 from refiner_core.preflight import check_recipe
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="GRPO post-training pipeline for LLM policies.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+    help="GRPO post-training pipeline for LLM policies.",
+)
 
 
 def _warn(message: str) -> None:
@@ -451,7 +456,9 @@ def compare(
 
 
 judge_app = typer.Typer(
-    no_args_is_help=True, help="The rubric judge: serve a model over the OpenAI API, check how far it can be trusted."
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
+    help="The rubric judge: serve a model over the OpenAI API, check how far it can be trusted.",
 )
 app.add_typer(judge_app, name="judge")
 

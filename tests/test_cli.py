@@ -99,6 +99,32 @@ def test_config_fields_lists_help():
     assert "grpo.kl_estimator = 'k3'" in result.output
 
 
+def _help_lines(args: list[str]) -> list[str]:
+    """The lines of a `--help` page on a terminal wide enough for any paragraph, boxes and markup removed."""
+    result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    return [" ".join(line.replace("│", " ").split()) for line in result.output.splitlines()]
+
+
+@pytest.mark.parametrize("group", [[], ["judge"]])
+def test_help_rewraps_each_docstring_paragraph(group):
+    """A docstring's line breaks are the source's, not the terminal's: on a wide terminal every paragraph of a
+    command's help is one line, in the command list and on the command's own page."""
+    import click
+    import typer.main
+
+    command = typer.main.get_command(app)
+    for name in group:
+        command = command.commands[name]
+    listing = _help_lines(group)
+    for name, sub in command.commands.items():
+        first, *rest = [" ".join(p.split()).replace("`", "") for p in sub.help.split("\n\n")]
+        assert any(line.endswith(first) for line in listing), (name, first)
+        if not isinstance(sub, click.Group):
+            page = _help_lines([*group, name])
+            assert all(paragraph in page for paragraph in [first, *rest]), name
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
