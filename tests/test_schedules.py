@@ -45,6 +45,8 @@ def prefect_stack(tmp_path):
         "PREFECT_LOGGING_LEVEL": "INFO",
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
+        # a run held back by its deployment's concurrency limit tries again after this (default 30 s)
+        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "5",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
     started = []
@@ -216,11 +218,11 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert deployments["refiner-smollm2"].schedules[0].schedule.cron == "0 2 * * *"
         tiny = deployments["refiner-tiny"]
 
-        # A short schedule (runs every 2 min from 60 s ahead) with this test's run folder and a one-step run. The
+        # A short schedule (runs every 2 min from 25 s ahead) with this test's run folder and a one-step run. The
         # scheduler only creates runs still ahead of it, and a loaded machine can delay its passes past the first
         # one: the test takes the first run it created, on the schedule's grid, and then drops the schedule.
         interval = datetime.timedelta(minutes=2)
-        due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=60)
+        due = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=25)
         [schedule_id] = [
             s.id
             for s in client.create_deployment_schedules(
