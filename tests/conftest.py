@@ -196,6 +196,16 @@ def info_logs():
     logger.setLevel(level)
 
 
+# What makes a GPU recipe (vLLM, DeepSpeed, a 4B model) run on the tiny model on CPU; tests add their budgets.
+TINY_ON_CPU = [
+    "model.policy=tiny-qwen3",
+    "model.dtype=float32",
+    "model.max_position_embeddings=2048",
+    "rollout.engine=hf",
+    "grpo.learner=torch",
+    "grpo.deepspeed.world_size=1",
+]
+
 # The tables a run writes step by step, compared row for row between runs that must agree (kills, forks).
 RUN_TABLES = ("prompts", "rubrics", "rollouts", "judge_scores", "reward_inputs", "rewards", "advantages", "steps")
 

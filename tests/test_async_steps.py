@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import catalog_rows, learner_settings, math_rows_file
+from conftest import TINY_ON_CPU, catalog_rows, learner_settings, math_rows_file
 from refiner_core.config import EngineSettings, load_recipe, recipe_from_dict
 from refiner_core.preflight import check_values
 from refiner_core.reward.ground_truth import Verdict
@@ -28,18 +28,13 @@ def _recipe(data: Path, *extra: str) -> dict:
     return load_recipe(
         REPO / "recipes" / "gt-grpo-math.yaml",
         [
-            "model.policy=tiny-qwen3",
-            "model.dtype=float32",
-            "model.max_position_embeddings=2048",
+            *TINY_ON_CPU,
             f"data.path={data}",
             "data.validation_fraction=0",
-            "rollout.engine=hf",
             "rollout.samples_per_prompt=2",
             "rollout.prompts_per_step=2",
             "rollout.max_new_tokens=6",
             "rollout.batch_size=32",
-            "grpo.learner=torch",
-            "grpo.deepspeed.world_size=1",
             f"grpo.steps={STEPS}",
             "grpo.micro_batch_size=8",
             "eval.every=0",

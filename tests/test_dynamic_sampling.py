@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import math_rows_file
+from conftest import TINY_ON_CPU, math_rows_file
 from refiner_core.config import load_recipe
 from refiner_core.data.schedule import refill_prompt_ids, step_prompt_ids
 from refiner_core.reward.ground_truth import Verdict
@@ -43,18 +43,13 @@ def _recipe(data: Path, *extra: str) -> dict:
     return load_recipe(
         REPO / "recipes" / "gt-grpo-math.yaml",
         [
-            "model.policy=tiny-qwen3",
-            "model.dtype=float32",
-            "model.max_position_embeddings=2048",
+            *TINY_ON_CPU,
             f"data.path={data}",
             "data.validation_fraction=0",
-            "rollout.engine=hf",
             f"rollout.samples_per_prompt={G}",
             f"rollout.prompts_per_step={PER_STEP}",
             "rollout.max_new_tokens=6",
             "rollout.batch_size=32",
-            "grpo.learner=torch",
-            "grpo.deepspeed.world_size=1",
             "grpo.steps=2",
             "grpo.micro_batch_size=8",
             "eval.every=0",

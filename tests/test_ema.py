@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import catalog_rows, run_cli
+from conftest import TINY_ON_CPU, catalog_rows, run_cli
 from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
 from refiner_core.reward.pseudo_labels import majority_vote, vote_of
 
@@ -91,16 +91,11 @@ def test_ema_refuses_another_model_and_alpha_outside_0_1(tiny_model_path, tmp_pa
 
 
 TINY = [
-    "model.policy=tiny-qwen3",
-    "model.dtype=float32",
-    "model.max_position_embeddings=2048",
-    "rollout.engine=hf",
+    *TINY_ON_CPU,
     "rollout.samples_per_prompt=4",
     "rollout.prompts_per_step=2",
     "rollout.max_new_tokens=12",
     "rollout.batch_size=16",
-    "grpo.learner=torch",
-    "grpo.deepspeed.world_size=1",
     "grpo.steps=2",
     "grpo.learning_rate=1e-2",
     "grpo.micro_batch_size=8",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_ON_CPU
 from refiner_core.config import load_recipe
 from refiner_core.preflight import check_recipe
 from refiner_core.store.storage import query
@@ -15,10 +16,7 @@ from refiner_core.store.storage import query
 REPO = Path(__file__).resolve().parents[1]
 # The scaled-down line of docs/recipes.md: tiny model, hf engine, torch learner, short budgets.
 TINY_TCR = [
-    "model.policy=tiny-qwen3",
-    "model.dtype=float32",
-    "model.max_position_embeddings=2048",
-    "rollout.engine=hf",
+    *TINY_ON_CPU,
     "rollout.samples_per_prompt=4",
     "rollout.prompts_per_step=4",
     "rollout.max_new_tokens=160",
@@ -29,7 +27,6 @@ TINY_TCR = [
     "rollout.agent.scripted_path=data/math-tools/scripted.jsonl",
     "reward.overlong_buffer=100",
     "grpo.steps=2",
-    "grpo.learner=torch",
     "grpo.learning_rate=1e-3",
     "grpo.micro_batch_size=8",
     "grpo.pack_length=0",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import catalog_rows
+from conftest import TINY_ON_CPU, catalog_rows
 from refiner_core.config import load_recipe
 from refiner_core.preflight import check_recipe
 from refiner_core.reward.ground_truth import verify
@@ -19,16 +19,11 @@ RECIPES_PAGE = (REPO / "docs" / "recipes.md").read_text()
 MATH_RECIPES = ("gt-grpo-math", "co-rewarding-1", "co-rewarding-2")
 # The recipes hold GPU settings; these make them run on the tiny model in seconds.
 TINY = [
-    "model.policy=tiny-qwen3",
-    "model.dtype=float32",
-    "model.max_position_embeddings=2048",
-    "rollout.engine=hf",
+    *TINY_ON_CPU,
     "rollout.samples_per_prompt=4",
     "rollout.prompts_per_step=2",
     "rollout.max_new_tokens=12",
     "rollout.batch_size=16",
-    "grpo.learner=torch",
-    "grpo.deepspeed.world_size=1",
     "grpo.steps=2",
     "grpo.learning_rate=1e-3",
     "grpo.micro_batch_size=8",
