@@ -13,6 +13,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from refiner_core.peer_names import peer_hint
+
 
 @dataclass(frozen=True)
 class Check:
@@ -1084,6 +1086,30 @@ def _nested_names(cls: type, prefix: str = "") -> dict[str, str]:
     return names
 
 
+def _did_you_mean(cls: type, key: str, where: str) -> str:
+    """What an unknown field `key` of section `cls` (at `where`) may have meant, as " (...)" or "": TRL's or verl's
+    name for one of ours (num_generations), else a field of the section, else a field of its nested sections
+    (judge.base_ur -> judge.openai.base_url), else the fields of that name in other sections (grpo.temperature ->
+    rollout.temperature, judge.openai.temperature or eval.temperature)."""
+    if hint := peer_hint(key):
+        return f" ({hint})"
+    prefix = f"{where}." if where else ""
+    names = [f.name for f in dataclasses.fields(cls)]
+    nested = {k: v for k, v in _nested_names(cls, prefix).items() if k not in names}
+    by_leaf: dict[str, list[str]] = {}
+    for dotted, _, _ in leaf_fields(RecipeConfig):
+        by_leaf.setdefault(dotted.rsplit(".", 1)[-1], []).append(dotted)
+    if own := difflib.get_close_matches(key, names, n=1):
+        close = [prefix + own[0]]
+    elif inner := difflib.get_close_matches(key, list(nested), n=1):
+        close = [nested[inner[0]]]
+    elif leaf := difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.8):
+        close = by_leaf[leaf[0]]
+    else:
+        return ""
+    return f" (did you mean {' or '.join(map(repr, close))}?)"
+
+
 def _build(cls: type, data: dict, where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'recipe'}: expected a mapping, got {data!r}")
@@ -1093,12 +1119,7 @@ def _build(cls: type, data: dict, where: str) -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
-            # a field's own name, else a nested section's field (judge.base_ur -> judge.openai.base_url)
-            nested = {k: v for k, v in _nested_names(cls, f"{where}." if where else "").items() if k not in names}
-            close = difflib.get_close_matches(str(key), names, n=1) or [
-                nested[m] for m in difflib.get_close_matches(str(key), list(nested), n=1)
-            ]
-            raise ConfigError(f"unknown field {path!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"unknown field {path!r}" + _did_you_mean(cls, str(key), where))
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value or {}, path)

@@ -37,7 +37,7 @@ def test_recipe_overrides_and_types(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("grpo.learnin_rate=1", "did you mean 'learning_rate'"),
+        ("grpo.learnin_rate=1", "did you mean 'grpo.learning_rate'"),
         ("grpo.kl_estimator=k9", "not one of"),
         ("rollout.samples_per_prompt=many", "expected int"),
         ("reward.non_stop_penalty=maybe", "expected true/false"),

@@ -170,7 +170,9 @@ def test_nested_fields_are_checked_listed_and_suggested(deprecations):
         ConfigError, match=r"unknown field 'grpo\.zero_stag' \(did you mean 'grpo\.deepspeed\.zero_stage"
     ):
         recipe_from_dict({"grpo": {"zero_stag": 3}})
-    with pytest.raises(ConfigError, match=r"unknown field 'grpo\.learnin_rate' \(did you mean 'learning_rate'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown field 'grpo\.learnin_rate' \(did you mean 'grpo\.learning_rate'\?\)"
+    ):
         recipe_from_dict({"grpo": {"learnin_rate": 3}})
 
 

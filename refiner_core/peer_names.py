@@ -1,0 +1,102 @@
+"""What TRL's GRPOConfig and verl's PPO trainer call the settings a recipe has (leaf names: verl's
+`actor_rollout_ref.rollout.n` is `n`). An unknown recipe field that is one of them is answered with ours
+(config._did_you_mean); docs/recipes.md#coming-from-trl-or-verl shows the table."""
+
+from __future__ import annotations
+
+import difflib
+from typing import NamedTuple
+
+
+class PeerName(NamedTuple):
+    peer: str  # "TRL", "verl" or "TRL, verl"
+    ours: str  # dotted field name
+    note: str = ""  # where the meaning differs
+
+
+PEER_NAMES: dict[str, PeerName] = {
+    # group and batch
+    "num_generations": PeerName("TRL", "rollout.samples_per_prompt"),
+    "n": PeerName("verl", "rollout.samples_per_prompt"),
+    "train_batch_size": PeerName("verl", "rollout.prompts_per_step", "prompts, as ours"),
+    "max_completion_length": PeerName("TRL", "rollout.max_new_tokens"),
+    "max_response_length": PeerName("verl", "rollout.max_new_tokens"),
+    "response_length": PeerName("verl", "rollout.max_new_tokens"),
+    "max_prompt_length": PeerName("TRL, verl", "data.max_prompt_tokens", "longer prompts are dropped and counted"),
+    "per_device_train_batch_size": PeerName("TRL", "grpo.micro_batch_size"),
+    "ppo_micro_batch_size_per_gpu": PeerName("verl", "grpo.micro_batch_size"),
+    "steps_per_generation": PeerName(
+        "TRL", "grpo.minibatches", "ours counts optimizer steps: steps_per_generation / gradient_accumulation_steps"
+    ),
+    "ppo_mini_batch_size": PeerName(
+        "verl", "grpo.minibatches", "ours counts optimizer steps per batch: train_batch_size / ppo_mini_batch_size"
+    ),
+    # loss
+    "epsilon": PeerName("TRL", "grpo.clip_eps_low", "TRL sets epsilon_high (grpo.clip_eps_high) to it by default"),
+    "epsilon_high": PeerName("TRL", "grpo.clip_eps_high"),
+    "clip_ratio": PeerName("verl", "grpo.clip_eps_low", "it sets grpo.clip_eps_high too"),
+    "clip_ratio_low": PeerName("verl", "grpo.clip_eps_low"),
+    "clip_ratio_high": PeerName("verl", "grpo.clip_eps_high"),
+    "clip_ratio_c": PeerName("verl", "grpo.dual_clip_c", "with grpo.policy_loss: dual_clip"),
+    "loss_type": PeerName(
+        "TRL",
+        "grpo.loss_aggregation",
+        "dapo = token_mean, grpo = sequence_mean, dr_grpo = sum_constant; cispo and sapo are grpo.policy_loss",
+    ),
+    "loss_agg_mode": PeerName("verl", "grpo.loss_aggregation"),
+    "loss_mode": PeerName("verl", "grpo.policy_loss", "vanilla = dual_clip: verl's vanilla applies clip_ratio_c"),
+    "importance_sampling_level": PeerName("TRL", "grpo.policy_loss", "sequence = gspo"),
+    "sapo_temperature_pos": PeerName("TRL", "grpo.sapo_tau_pos"),
+    "sapo_temperature_neg": PeerName("TRL", "grpo.sapo_tau_neg"),
+    "entropy_coeff": PeerName("verl", "grpo.entropy_coef"),
+    "kl_loss_coef": PeerName("verl", "grpo.beta"),
+    "kl_coef": PeerName("verl", "grpo.beta", "verl's kl_ctrl.kl_coef puts KL in the reward; ours is a loss term"),
+    "use_kl_loss": PeerName("verl", "grpo.beta", "0 = no KL term and no reference model"),
+    "kl_loss_type": PeerName("verl", "grpo.kl_estimator", "kl = k1, mse = k2, low_var_kl = k3"),
+    "scale_rewards": PeerName("TRL", "grpo.advantage", "group = group_std, batch = batch_std, none = none"),
+    "adv_estimator": PeerName(
+        "verl",
+        "grpo.advantage",
+        "grpo = group_std, rloo = rloo, reinforce_plus_plus(_baseline) = reinforce_pp(_baseline)",
+    ),
+    "norm_adv_by_std_in_grpo": PeerName("verl", "grpo.advantage", "false = none"),
+    # correction for the rollout engine's log-probs
+    "vllm_importance_sampling_cap": PeerName("TRL", "grpo.tis_cap"),
+    "vllm_importance_sampling_mode": PeerName("TRL", "grpo.tis_mode", "its token_/sequence_ part is grpo.tis_level"),
+    "rollout_is_threshold": PeerName("verl", "grpo.tis_cap"),
+    "rollout_is": PeerName("verl", "grpo.tis_level"),
+    # optimizer
+    "lr": PeerName("verl", "grpo.learning_rate"),
+    "grad_clip": PeerName("verl", "grpo.max_grad_norm"),
+    # engine
+    "vllm_gpu_memory_utilization": PeerName("TRL", "rollout.gpu_memory_utilization"),
+    "vllm_tensor_parallel_size": PeerName("TRL", "rollout.tensor_parallel_size"),
+    "tensor_model_parallel_size": PeerName("verl", "rollout.tensor_parallel_size"),
+    "vllm_enable_sleep_mode": PeerName("TRL", "rollout.sleep_level", "0 = off"),
+    "use_vllm": PeerName("TRL", "rollout.engine", "true = vllm, false = hf"),
+    # dynamic sampling (DAPO)
+    "filter_groups": PeerName("verl", "rollout.dynamic_sampling"),
+    "max_num_gen_batches": PeerName(
+        "verl", "rollout.dynamic_sampling_max_rounds", "0: verl has no limit, ours draws no extra round"
+    ),
+    "penalty_factor": PeerName("verl", "reward.overlong_factor", "its buffer length is reward.overlong_buffer"),
+    # schedule
+    "max_steps": PeerName("TRL", "grpo.steps"),
+    "total_training_steps": PeerName("verl", "grpo.steps"),
+    "save_steps": PeerName("TRL", "run.save_every"),
+    "save_freq": PeerName("verl", "run.save_every"),
+    "eval_steps": PeerName("TRL", "eval.every"),
+    "test_freq": PeerName("verl", "eval.every"),
+    # LoRA (PEFT's LoraConfig, which TRL takes; verl's lora_rank is ours already)
+    "r": PeerName("TRL", "model.lora_rank"),
+    "target_modules": PeerName("TRL, verl", "model.lora_target_modules"),
+}
+
+
+def peer_hint(key: str) -> str | None:
+    """Says which of our fields a peer's name (or a near miss of one: num_generation) is, else None."""
+    close = difflib.get_close_matches(key, list(PEER_NAMES), n=1, cutoff=0.9)
+    if not close:
+        return None
+    name = PEER_NAMES[close[0]]
+    return f"{name.peer}'s {close[0]} is {name.ours} here" + (f"; {name.note}" if name.note else "")

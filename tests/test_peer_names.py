@@ -1,0 +1,50 @@
+"""TRL's and verl's names for our settings: an unknown field that is one of them is answered with ours, and the
+table in docs/recipes.md is the one the code uses."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from refiner_core.config import ConfigError, describe, load_recipe, recipe_from_dict
+from refiner_core.peer_names import PEER_NAMES
+
+OURS = {name for name, _, _ in describe()}
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
+
+
+def test_each_peer_name_points_at_a_field_we_have_and_is_not_one_of_ours():
+    leaves = {name.rsplit(".", 1)[-1] for name in OURS}
+    assert {p.ours for p in PEER_NAMES.values()} <= OURS
+    assert not set(PEER_NAMES) & leaves  # ours would be reported as unknown only in a wrong section
+
+
+@pytest.mark.parametrize(
+    ("setting", "answer"),
+    [
+        ("grpo.num_generations=8", "(TRL's num_generations is rollout.samples_per_prompt here)"),
+        ("rollout.n=8", "(verl's n is rollout.samples_per_prompt here)"),
+        ("num_generation=8", "(TRL's num_generations is rollout.samples_per_prompt here)"),  # a near miss
+        ("grpo.kl_loss_type=low_var_kl", "(verl's kl_loss_type is grpo.kl_estimator here; kl = k1, mse = k2,"),
+        # not a peer's name: our field of that name in other sections, then near misses in the section
+        ("grpo.temperature=1", "(did you mean 'rollout.temperature' or 'judge.openai.temperature' or"),
+        ("grpo.learnin_rate=1", "(did you mean 'grpo.learning_rate'?)"),
+        ("judge.base_ur=x", "(did you mean 'judge.openai.base_url'?)"),
+    ],
+)
+def test_an_unknown_field_is_answered_with_our_name(setting, answer):
+    with pytest.raises(ConfigError) as raised:
+        load_recipe(None, [setting])
+    assert str(raised.value).startswith(f"unknown field {setting.split('=')[0]!r} {answer}")
+
+
+def test_a_recipe_file_with_a_peer_name_is_answered_too():
+    with pytest.raises(ConfigError, match=r"unknown field 'grpo\.clip_ratio_high' \(verl's clip_ratio_high is grpo\."):
+        recipe_from_dict({"grpo": {"clip_ratio_high": 0.28}})
+
+
+def test_the_docs_table_is_the_code_table():
+    rows = re.findall(r"^\| (TRL|verl|TRL, verl): `(\w+)` \| `([\w.]+)` \| (.*?) ?\|$", DOCS.read_text(), re.M)
+    assert [(peer, name, ours, note.strip()) for peer, name, ours, note in rows] == [
+        (p.peer, name, p.ours, p.note) for name, p in PEER_NAMES.items()
+    ]
