@@ -12,6 +12,7 @@ import typer
 from flows.supervisor import Terminated, interrupts_never_lost, run_in_folder
 from refiner_core.config import ConfigError, describe, load_recipe
 from refiner_core.data.text_safety import visible
+from refiner_core.peer_names import peer_names_of
 from refiner_core.preflight import check_recipe
 
 app = typer.Typer(
@@ -249,7 +250,8 @@ def config(
 
     if fields:
         for name, default, help_text in describe():
-            typer.echo(f"{name} = {default}\n    {help_text}")
+            peers = peer_names_of(name)
+            typer.echo(f"{name} = {default}\n    {help_text}" + (f"\n    Elsewhere: {peers}." if peers else ""))
         return
     try:
         cfg = load_recipe(recipe, overrides)

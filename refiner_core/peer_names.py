@@ -100,3 +100,8 @@ def peer_hint(key: str) -> str | None:
         return None
     name = PEER_NAMES[close[0]]
     return f"{name.peer}'s {close[0]} is {name.ours} here" + (f"; {name.note}" if name.note else "")
+
+
+def peer_names_of(ours: str) -> str:
+    """TRL's and verl's names for our field `ours` ("TRL num_generations, verl n"), or ''."""
+    return ", ".join(f"{p.peer} {name}" for name, p in PEER_NAMES.items() if p.ours == ours)

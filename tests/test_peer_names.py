@@ -48,3 +48,14 @@ def test_the_docs_table_is_the_code_table():
     assert [(peer, name, ours, note.strip()) for peer, name, ours, note in rows] == [
         (p.peer, name, p.ours, p.note) for name, p in PEER_NAMES.items()
     ]
+
+
+def test_config_fields_names_each_field_as_trl_and_verl_do():
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    lines = CliRunner().invoke(app, ["config", "--fields"]).output.splitlines()
+    at = lines.index("rollout.samples_per_prompt = 4")
+    assert lines[at + 2] == "    Elsewhere: TRL num_generations, verl n."
+    assert not lines[lines.index("rollout.top_p = 1.0") + 2].startswith("    Elsewhere")  # same name both sides
