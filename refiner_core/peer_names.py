@@ -43,7 +43,9 @@ PEER_NAMES: dict[str, PeerName] = {
         "grpo.loss_aggregation",
         "dapo = token_mean, grpo = sequence_mean, dr_grpo = sum_constant; cispo and sapo are grpo.policy_loss",
     ),
-    "loss_agg_mode": PeerName("verl", "grpo.loss_aggregation"),
+    "loss_agg_mode": PeerName(
+        "verl", "grpo.loss_aggregation", "token-mean = token_mean, seq-mean-token-mean = sequence_mean"
+    ),
     "loss_mode": PeerName("verl", "grpo.policy_loss", "vanilla = dual_clip: verl's vanilla applies clip_ratio_c"),
     "importance_sampling_level": PeerName("TRL", "grpo.policy_loss", "sequence = gspo"),
     "sapo_temperature_pos": PeerName("TRL", "grpo.sapo_tau_pos"),
