@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from refiner_core.peer_names import peer_hint
+from refiner_core.peer_names import peer_hint, peer_value_hint
 
 
 @dataclass(frozen=True)
@@ -1053,7 +1053,10 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
     origin = get_origin(type_)
     if origin is Literal:
         if value not in get_args(type_):
-            raise ConfigError(f"{where}: {value!r} is not one of {list(get_args(type_))}")
+            hint = peer_value_hint(where, value)
+            raise ConfigError(
+                f"{where}: {value!r} is not one of {list(get_args(type_))}" + (f" ({hint})" if hint else "")
+            )
         return value
     if type_ is bool:
         if not isinstance(value, bool):

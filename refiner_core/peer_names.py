@@ -1,6 +1,7 @@
 """What TRL's GRPOConfig and verl's PPO trainer call the settings a recipe has (leaf names: verl's
 `actor_rollout_ref.rollout.n` is `n`). An unknown recipe field that is one of them is answered with ours
-(config._did_you_mean); docs/recipes.md#coming-from-trl-or-verl shows the table."""
+(config._did_you_mean), and so is a choice field given a peer's value for it (grpo.advantage: grpo); docs/recipes.md
+shows the table."""
 
 from __future__ import annotations
 
@@ -55,11 +56,16 @@ PEER_NAMES: dict[str, PeerName] = {
     "kl_coef": PeerName("verl", "grpo.beta", "verl's kl_ctrl.kl_coef puts KL in the reward; ours is a loss term"),
     "use_kl_loss": PeerName("verl", "grpo.beta", "0 = no KL term and no reference model"),
     "kl_loss_type": PeerName("verl", "grpo.kl_estimator", "kl = k1, mse = k2, low_var_kl = k3"),
-    "scale_rewards": PeerName("TRL", "grpo.advantage", "group = group_std, batch = batch_std, none = none"),
+    "scale_rewards": PeerName(
+        "TRL",
+        "grpo.advantage",
+        "group = group_std, batch = batch_std, none = none; TRL's std is the sample std: grpo.advantage_std_ddof 1",
+    ),
     "adv_estimator": PeerName(
         "verl",
         "grpo.advantage",
-        "grpo = group_std, rloo = rloo, reinforce_plus_plus(_baseline) = reinforce_pp(_baseline)",
+        "grpo = group_std, rloo = rloo, reinforce_plus_plus = reinforce_pp, reinforce_plus_plus_baseline = "
+        "reinforce_pp_baseline; verl's std is the sample std: grpo.advantage_std_ddof 1",
     ),
     "norm_adv_by_std_in_grpo": PeerName("verl", "grpo.advantage", "false = none"),
     # correction for the rollout engine's log-probs
@@ -95,6 +101,31 @@ PEER_NAMES: dict[str, PeerName] = {
 }
 
 
+# {our choice field: {a peer's value: (whose setting, our value)}}: each also in its PeerName's note.
+PEER_VALUES: dict[str, dict[str, tuple[str, str]]] = {
+    "grpo.advantage": {
+        "grpo": ("verl's adv_estimator", "group_std"),
+        "reinforce_plus_plus": ("verl's adv_estimator", "reinforce_pp"),
+        "reinforce_plus_plus_baseline": ("verl's adv_estimator", "reinforce_pp_baseline"),
+        "group": ("TRL's scale_rewards", "group_std"),
+        "batch": ("TRL's scale_rewards", "batch_std"),
+    },
+    "grpo.loss_aggregation": {
+        "dapo": ("TRL's loss_type", "token_mean"),
+        "grpo": ("TRL's loss_type", "sequence_mean"),
+        "dr_grpo": ("TRL's loss_type", "sum_constant"),
+        "token-mean": ("verl's loss_agg_mode", "token_mean"),
+        "seq-mean-token-mean": ("verl's loss_agg_mode", "sequence_mean"),
+    },
+    "grpo.kl_estimator": {
+        "kl": ("verl's kl_loss_type", "k1"),
+        "mse": ("verl's kl_loss_type", "k2"),
+        "low_var_kl": ("verl's kl_loss_type", "k3"),
+    },
+    "grpo.policy_loss": {"vanilla": ("verl's loss_mode", "dual_clip")},
+}
+
+
 def peer_hint(key: str) -> str | None:
     """Says which of our fields a peer's name (or a near miss of one: num_generation) is, else None."""
     close = difflib.get_close_matches(key, list(PEER_NAMES), n=1, cutoff=0.9)
@@ -107,3 +138,9 @@ def peer_hint(key: str) -> str | None:
 def peer_names_of(ours: str) -> str:
     """TRL's and verl's names for our field `ours` ("TRL num_generations, verl n"), or ''."""
     return ", ".join(f"{p.peer} {name}" for name, p in PEER_NAMES.items() if p.ours == ours)
+
+
+def peer_value_hint(field: str, value: object) -> str | None:
+    """ "verl's adv_estimator 'grpo' is 'group_std' here" for a peer's value of our choice field, else None."""
+    found = PEER_VALUES.get(field, {}).get(str(value))
+    return f"{found[0]} {value!r} is {found[1]!r} here" if found else None

@@ -2,12 +2,13 @@
 table in docs/recipes.md is the one the code uses."""
 
 import re
+import typing
 from pathlib import Path
 
 import pytest
 
-from refiner_core.config import ConfigError, describe, load_recipe, recipe_from_dict
-from refiner_core.peer_names import PEER_NAMES
+from refiner_core.config import ConfigError, RecipeConfig, describe, load_recipe, recipe_from_dict
+from refiner_core.peer_names import PEER_NAMES, PEER_VALUES
 
 OURS = {name for name, _, _ in describe()}
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
@@ -59,3 +60,36 @@ def test_config_fields_names_each_field_as_trl_and_verl_do():
     at = lines.index("rollout.samples_per_prompt = 4")
     assert lines[at + 2] == "    Elsewhere: TRL num_generations, verl n."
     assert not lines[lines.index("rollout.top_p = 1.0") + 2].startswith("    Elsewhere")  # same name both sides
+
+
+@pytest.mark.parametrize(
+    ("setting", "answer"),
+    [
+        ("grpo.advantage=grpo", "(verl's adv_estimator 'grpo' is 'group_std' here)"),
+        ("grpo.loss_aggregation=grpo", "(TRL's loss_type 'grpo' is 'sequence_mean' here)"),
+        ("grpo.kl_estimator=low_var_kl", "(verl's kl_loss_type 'low_var_kl' is 'k3' here)"),
+    ],
+)
+def test_a_peers_value_for_a_choice_is_answered_with_ours(setting, answer):
+    with pytest.raises(ConfigError) as raised:
+        load_recipe(None, [setting])
+    assert str(raised.value).endswith(answer)
+    with pytest.raises(ConfigError) as raised:
+        load_recipe(None, ["grpo.advantage=groups"])
+    assert str(raised.value).endswith("'reinforce_pp_baseline']")  # no peer's value: the choices alone
+
+
+def test_each_peer_value_is_a_choice_we_have_and_in_the_table():
+    for field, values in PEER_VALUES.items():
+        choices = {str(c) for c in typing.get_args(_field_type(field))}
+        for value, (whose, ours) in values.items():
+            assert ours in choices and value not in choices
+            peer_name = whose.split("'s ")[1]
+            assert PEER_NAMES[peer_name].ours == field
+            assert f"{value} = {ours}" in PEER_NAMES[peer_name].note
+
+
+def _field_type(dotted: str):
+    section, name = dotted.split(".")
+    cls = typing.get_type_hints(RecipeConfig)[section]
+    return typing.get_type_hints(cls)[name]
