@@ -93,3 +93,15 @@ def _field_type(dotted: str):
     section, name = dotted.split(".")
     cls = typing.get_type_hints(RecipeConfig)[section]
     return typing.get_type_hints(cls)[name]
+
+
+def test_the_documented_answers_are_what_refiner_run_prints():
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    shown = re.findall(r"^\$ refiner run (\S+) --set (\S+)\n(error: .*)$", DOCS.read_text(), re.M)
+    assert len(shown) == 2
+    for recipe, setting, printed in shown:
+        result = CliRunner().invoke(app, ["run", str(DOCS.parents[1] / recipe), "--set", setting])
+        assert (result.exit_code, result.output.strip()) == (2, printed)
