@@ -170,6 +170,8 @@ def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
     from rich.text import Text
 
     def cell(v) -> Text:
+        if isinstance(v, float) and v == 0:
+            v = 0.0  # a rounded tiny negative (loss -1e-9 to 4 places) reads 0, not -0
         text = "NULL" if v is None else f"{v:.6g}" if isinstance(v, float) else visible(str(v))
         return Text(text if not max_width or len(text) <= max_width else text[: max_width - 1] + "…")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -48,6 +49,14 @@ def test_sql_prints_table_and_json(catalog_dir):
     assert "reward_mean" in result.output and "(3 rows)" in result.output
     result = runner.invoke(app, ["sql", str(catalog_dir), "SELECT step FROM steps ORDER BY step", "--format", "json"])
     assert json.loads(result.stdout) == [{"step": 0}, {"step": 1}, {"step": 2}]
+
+
+def test_a_rounded_tiny_negative_shows_as_zero_in_the_table_and_keeps_its_sign_in_json(catalog_dir):
+    sql = "SELECT round(-1e-9, 4) AS loss, round(-0.00012::DOUBLE, 4) AS kl"
+    table = runner.invoke(app, ["sql", str(catalog_dir), sql]).output.splitlines()
+    assert table[3].split() == ["│", "0", "│", "-0.0001", "│"]
+    (row,) = json.loads(runner.invoke(app, ["sql", str(catalog_dir), sql, "--format", "json"]).output)
+    assert row == {"loss": 0.0, "kl": -0.0001} and math.copysign(1, row["loss"]) == -1
 
 
 def test_sql_is_read_only(catalog_dir):
