@@ -242,7 +242,9 @@ def show(
 def config(
     recipe: Path | None = typer.Argument(None, exists=True, dir_okay=False, help="Recipe to resolve."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: section.field=value."),
-    fields: bool = typer.Option(False, "--fields", help="List every field with its default and help text."),
+    fields: bool = typer.Option(
+        False, "--fields", help="List every field with its default, help text and TRL's and verl's names for it."
+    ),
     check: bool = typer.Option(
         False, "--check", help="Run the preflight checks `refiner run` runs (nothing starts); exit 2 on a problem."
     ),
