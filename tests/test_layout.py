@@ -19,6 +19,7 @@ CORE = REPO / "refiner_core"
 # Bottom to top: a package (or top-level module) may import only those before it.
 LAYERS = [
     "refiner_core",
+    "peer_names",
     "config",
     "stage_settings",
     "schema",
