@@ -1089,6 +1089,14 @@ def _nested_names(cls: type, prefix: str = "") -> dict[str, str]:
     return names
 
 
+def _fields_by_leaf() -> dict[str, list[str]]:
+    """{last part of a dotted name: the dotted names of every recipe field that ends in it}."""
+    by_leaf: dict[str, list[str]] = {}
+    for dotted, _, _ in leaf_fields(RecipeConfig):
+        by_leaf.setdefault(dotted.rsplit(".", 1)[-1], []).append(dotted)
+    return by_leaf
+
+
 def _did_you_mean(cls: type, key: str, where: str) -> str:
     """What an unknown field `key` of section `cls` (at `where`) may have meant, as " (...)" or "": TRL's or verl's
     name for one of ours (num_generations), else a field of the section, else a field of its nested sections
@@ -1099,14 +1107,11 @@ def _did_you_mean(cls: type, key: str, where: str) -> str:
     prefix = f"{where}." if where else ""
     names = [f.name for f in dataclasses.fields(cls)]
     nested = {k: v for k, v in _nested_names(cls, prefix).items() if k not in names}
-    by_leaf: dict[str, list[str]] = {}
-    for dotted, _, _ in leaf_fields(RecipeConfig):
-        by_leaf.setdefault(dotted.rsplit(".", 1)[-1], []).append(dotted)
     if own := difflib.get_close_matches(key, names, n=1):
         close = [prefix + own[0]]
     elif inner := difflib.get_close_matches(key, list(nested), n=1):
         close = [nested[inner[0]]]
-    elif leaf := difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.8):
+    elif leaf := difflib.get_close_matches(key, list(by_leaf := _fields_by_leaf()), n=1, cutoff=0.8):
         close = by_leaf[leaf[0]]
     else:
         return ""

@@ -101,28 +101,18 @@ PEER_NAMES: dict[str, PeerName] = {
 }
 
 
-# {our choice field: {a peer's value: (whose setting, our value)}}: each also in its PeerName's note.
-PEER_VALUES: dict[str, dict[str, tuple[str, str]]] = {
-    "grpo.advantage": {
-        "grpo": ("verl's adv_estimator", "group_std"),
-        "reinforce_plus_plus": ("verl's adv_estimator", "reinforce_pp"),
-        "reinforce_plus_plus_baseline": ("verl's adv_estimator", "reinforce_pp_baseline"),
-        "group": ("TRL's scale_rewards", "group_std"),
-        "batch": ("TRL's scale_rewards", "batch_std"),
+# {a peer's setting in PEER_NAMES: {its value: ours for the field it names}}: each also in that setting's note.
+PEER_VALUES: dict[str, dict[str, str]] = {
+    "adv_estimator": {
+        "grpo": "group_std",
+        "reinforce_plus_plus": "reinforce_pp",
+        "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
     },
-    "grpo.loss_aggregation": {
-        "dapo": ("TRL's loss_type", "token_mean"),
-        "grpo": ("TRL's loss_type", "sequence_mean"),
-        "dr_grpo": ("TRL's loss_type", "sum_constant"),
-        "token-mean": ("verl's loss_agg_mode", "token_mean"),
-        "seq-mean-token-mean": ("verl's loss_agg_mode", "sequence_mean"),
-    },
-    "grpo.kl_estimator": {
-        "kl": ("verl's kl_loss_type", "k1"),
-        "mse": ("verl's kl_loss_type", "k2"),
-        "low_var_kl": ("verl's kl_loss_type", "k3"),
-    },
-    "grpo.policy_loss": {"vanilla": ("verl's loss_mode", "dual_clip")},
+    "scale_rewards": {"group": "group_std", "batch": "batch_std"},
+    "loss_type": {"dapo": "token_mean", "grpo": "sequence_mean", "dr_grpo": "sum_constant"},
+    "loss_agg_mode": {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_mean"},
+    "kl_loss_type": {"kl": "k1", "mse": "k2", "low_var_kl": "k3"},
+    "loss_mode": {"vanilla": "dual_clip"},
 }
 
 
@@ -142,5 +132,7 @@ def peer_names_of(ours: str) -> str:
 
 def peer_value_hint(field: str, value: object) -> str | None:
     """ "verl's adv_estimator 'grpo' is 'group_std' here" for a peer's value of our choice field, else None."""
-    found = PEER_VALUES.get(field, {}).get(str(value))
-    return f"{found[0]} {value!r} is {found[1]!r} here" if found else None
+    for setting, values in PEER_VALUES.items():
+        if PEER_NAMES[setting].ours == field and str(value) in values:
+            return f"{PEER_NAMES[setting].peer}'s {setting} {value!r} is {values[str(value)]!r} here"
+    return None
