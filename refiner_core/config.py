@@ -865,6 +865,13 @@ class GRPOConfig:
     minibatches: int = opt(
         1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).", check=AT_LEAST_1
     )
+    epochs: int = opt(
+        1,
+        "Passes over each rollout batch (the GRPO paper's mu), each of `minibatches` optimizer steps, in the same "
+        "order. pi_old stays the policy before the batch's first step, so from the second pass on rho moves away "
+        "from 1 and the clip bounds how far.",
+        check=AT_LEAST_1,
+    )
     tis_cap: float = opt(
         0.0,
         "Importance sampling against the rollout engine: upper bound on pi_old / pi_rollout "
@@ -881,6 +888,12 @@ class GRPOConfig:
         "policy-gradient weight outside (the token, or under tis_level 'sequence' its whole sequence, keeps its "
         "share of the aggregation's denominator, its KL and entropy terms); TRL vllm_importance_sampling_mode "
         "*_truncate / *_mask. docs/grpo.md.",
+    )
+    mask_truncated: bool = opt(
+        False,
+        "Leave responses cut off by the token budget (rollouts.finish_reason 'length') out of the update; their "
+        "rewards still count in their group's advantages, and advantages.trained is false for them (DAPO's "
+        "overlong filtering; steps.masked_truncated counts them).",
     )
     filter_zero_std_groups: bool = opt(
         False,

@@ -41,16 +41,24 @@ def learner_settings(grpo: GRPOConfig, temperature: float, precision: str, model
 def build_train_samples(
     rollouts: list[dict], rewards: list[dict], grpo: GRPOConfig
 ) -> tuple[list[TrainSample], list[dict], dict]:
-    """Join rewards to rollouts and compute group advantages -> (train samples, advantage rows, stats)."""
+    """Join rewards to rollouts and compute group advantages -> (train samples, advantage rows, stats). Rollouts
+    with no response token, and under grpo.mask_truncated those cut off by the token budget, are not trained
+    (stats['masked_truncated'] counts the latter); their rewards still count in their group's advantages."""
     keys = {(r["prompt_id"], r["sample_idx"]) for r in rewards}
     missing = [(r["prompt_id"], r["sample_idx"]) for r in rollouts if (r["prompt_id"], r["sample_idx"]) not in keys]
     if missing:
         raise ValueError(f"{len(missing)} rollouts have no reward, e.g. {missing[:3]}")
     advantages, stats = group_advantages(rewards, grpo)
     by_key = {(a["prompt_id"], a["sample_idx"]): a for a in advantages}
-    for r in rollouts:  # an empty response has no token to train on
-        if not r["response_token_ids"]:
-            by_key[(r["prompt_id"], r["sample_idx"])]["trained"] = False
+    truncated = 0
+    for r in rollouts:
+        row = by_key[(r["prompt_id"], r["sample_idx"])]
+        if not r["response_token_ids"]:  # no token to train on
+            row["trained"] = False
+        elif grpo.mask_truncated and r["finish_reason"] == "length":
+            truncated += row["trained"]
+            row["trained"] = False
+    stats["masked_truncated"] = truncated
     samples = [
         TrainSample(
             list(r["prompt_token_ids"]),
@@ -92,6 +100,7 @@ def grpo_loop(
                 "prompt_token_ids": prompts[chosen[g.prompt_index]],
                 "response_token_ids": g.token_ids,
                 "response_logprobs": g.logprobs,
+                "finish_reason": g.finish_reason,
             }
             for g in gens
         ]

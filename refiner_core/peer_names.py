@@ -32,6 +32,8 @@ PEER_NAMES: dict[str, PeerName] = {
     "ppo_mini_batch_size": PeerName(
         "verl", "grpo.minibatches", "ours counts optimizer steps per batch: train_batch_size / ppo_mini_batch_size"
     ),
+    "num_iterations": PeerName("TRL", "grpo.epochs"),
+    "ppo_epochs": PeerName("verl", "grpo.epochs"),
     # loss
     "epsilon": PeerName("TRL", "grpo.clip_eps_low", "TRL sets epsilon_high (grpo.clip_eps_high) to it by default"),
     "epsilon_high": PeerName("TRL", "grpo.clip_eps_high"),
@@ -39,6 +41,9 @@ PEER_NAMES: dict[str, PeerName] = {
     "clip_ratio_low": PeerName("verl", "grpo.clip_eps_low"),
     "clip_ratio_high": PeerName("verl", "grpo.clip_eps_high"),
     "clip_ratio_c": PeerName("verl", "grpo.dual_clip_c", "with grpo.policy_loss: dual_clip"),
+    "delta": PeerName(
+        "TRL", "grpo.dual_clip_c", "with grpo.policy_loss: dual_clip; the same loss where delta >= 1 + epsilon_high"
+    ),
     "loss_type": PeerName(
         "TRL",
         "grpo.loss_aggregation",
@@ -86,6 +91,11 @@ PEER_NAMES: dict[str, PeerName] = {
     "filter_groups": PeerName("verl", "rollout.dynamic_sampling"),
     "max_num_gen_batches": PeerName(
         "verl", "rollout.dynamic_sampling_max_rounds", "0: verl has no limit, ours draws no extra round"
+    ),
+    "mask_truncated_completions": PeerName(
+        "TRL",
+        "grpo.mask_truncated",
+        "TRL masks a completion that does not end in EOS; ours one with finish_reason 'length'",
     ),
     "penalty_factor": PeerName("verl", "reward.overlong_factor", "its buffer length is reward.overlong_buffer"),
     # schedule

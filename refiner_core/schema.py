@@ -375,7 +375,8 @@ ADVANTAGES = Table(
             "trained",
             B,
             "False when left out of the update: dropped, an all-equal group under "
-            "grpo.filter_zero_std_groups, or an empty response.",
+            "grpo.filter_zero_std_groups, an empty response, or one cut off by the token budget under "
+            "grpo.mask_truncated.",
         ),
     ),
 )
@@ -459,6 +460,11 @@ STEPS = Table(
             I,
             "All-equal groups left out of the update (grpo.filter_zero_std_groups or "
             "rollout.dynamic_sampling; 0 otherwise).",
+        ),
+        _c(
+            "masked_truncated",
+            I,
+            "Responses cut off by the token budget and left out of the update (grpo.mask_truncated; 0 otherwise).",
         ),
         _c("entropy", F, "Mean token entropy of the policy over trained tokens (NULL unless grpo.entropy_coef != 0)."),
         _c(

@@ -53,6 +53,13 @@ def grpo_update(
     ]
     grpo = stage_view("update", grpo_cfg)
     samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo)
+    if not samples and adv_stats["masked_truncated"]:
+        log.warning(
+            "grpo-update step %d: nothing to train on: all %d responses that would be trained ran out of tokens "
+            "(grpo.mask_truncated); raise rollout.max_new_tokens, or turn grpo.mask_truncated off",
+            step,
+            adv_stats["masked_truncated"],
+        )
     settings = learner_settings(grpo, temperature, precision, stage_view("lora", lora) if lora else None)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
@@ -128,6 +135,7 @@ def grpo_update(
         "sampling_rounds": len(rollouts),
         "informative_groups": adv_stats["informative_groups"],
         "dropped_groups": adv_stats["dropped_groups"],
+        "masked_truncated": adv_stats["masked_truncated"],
         "entropy": metrics.get("entropy"),
         "importance_weight_mean": metrics.get("importance_weight_mean"),
         "policy_lag": policy_lag,
@@ -148,7 +156,7 @@ def grpo_update(
     advantage_rows = [{"run": run, "step": step, "reward_version": "train", **a} for a in advantages]
     log.info(
         "grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%% "
-        "(sampling rounds %d, informative groups %d, dropped %d)",
+        "(sampling rounds %d, informative groups %d, dropped %d, truncated left out %d)",
         step,
         row["loss"],
         row["kl"],
@@ -159,6 +167,7 @@ def grpo_update(
         row["sampling_rounds"],
         row["informative_groups"],
         row["dropped_groups"],
+        row["masked_truncated"],
     )
     return {
         "policy": saved,
@@ -193,7 +202,8 @@ def _write_checkpoint(
 
 
 def _no_signal_metrics(settings) -> dict:
-    """Every group was filtered out (all-equal rewards): the policy is saved unchanged, nothing was computed."""
+    """No rollout left to train on (all-equal groups filtered out, or every response cut off under
+    grpo.mask_truncated): the policy is saved unchanged, nothing was computed."""
     return {
         "loss": 0.0,
         "pg_loss": 0.0,

@@ -191,6 +191,30 @@ def _check_step(learner, metrics, batch, out, want, want_weights, resumed: int, 
     assert (out / "deepspeed" / "refiner.json").exists()
 
 
+def test_epochs_on_two_zero3_ranks_equal_the_torch_learner(tiny_model_path, tiny_tokenizer, tmp_path):
+    """grpo.epochs 2 with minibatches 2: each rank runs its share of both passes over one batch (pi_old frozen
+    before the first step), four AdamW steps; loss, grad norm and weights as the torch learner's."""
+    kw = dict(epochs=2, minibatches=2)
+    policy = load_model(tiny_model_path, trainable=True)
+    reference = load_model(tiny_model_path)
+    want = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, _settings(**kw)).train_step(_samples(0))
+    settings = _settings(world_size=2, zero_stage=3, **kw)
+    base = Path(tiny_model_path)
+    learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
+    try:
+        metrics = learner.train_step(_samples(0))
+        learner.save(tmp_path / "out")
+    finally:
+        learner.close()
+    assert [r["adam_steps"] for r in learner.rank_stats] == [4, 4]
+    assert want["clip_fraction"] > 0  # the second pass trained off-policy
+    for key in ("loss", "pg_loss", "kl", "clip_fraction"):
+        assert metrics[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+    assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    diff = _max_diff(load_model(tmp_path / "out").state_dict(), {k: v.detach() for k, v in policy.state_dict().items()})
+    assert diff < 0.02 * 1e-3, diff
+
+
 def test_two_hosts_on_loopback_equal_one_host(tiny_model_path, tiny_tokenizer, tmp_path):
     """grpo.deepspeed.hostfile with two hosts of one slot each (localhost and 127.0.0.1: two launchers on this
     machine, as on two machines), the run starting the first host's rank and the test the second's with the command

@@ -9,7 +9,8 @@ import torch
 from conftest import learner_settings
 from refiner_core.algo.advantages import compute_advantages, zero_std_groups
 from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, grpo_token_loss
-from refiner_core.config import GRPOConfig
+from refiner_core.config import GRPOConfig, load_recipe
+from refiner_core.grpo import build_train_samples
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
 from refiner_core.learners.torch_learner import TorchLearner
@@ -186,6 +187,64 @@ def test_micro_batching_equals_full_batch(tiny_model_path, aggregation):
         assert metrics["response_tokens"] == sum(len(s.response_ids) for s in samples)
     assert params[0].abs().max() > 0
     torch.testing.assert_close(params[0], params[1], rtol=1e-4, atol=1e-7)
+
+
+def test_epochs_pass_over_the_batch_again_against_the_first_pass_policy(tiny_model_path):
+    """grpo.epochs 2 (TRL num_iterations, verl ppo_epochs): two optimizer steps over the same batch with pi_old
+    frozen before the first, i.e. the update of minibatches 2 over the batch given twice. The second pass sees
+    rho != 1, so with a tight clip some tokens are clipped."""
+    from refiner_core.models import load_model
+
+    samples = [
+        TrainSample([1, 2, 3, 4][: 2 + k % 3], list(range(10, 13 + k)), adv, [-1.0] * (3 + k))
+        for k, adv in enumerate([1.0, -0.5, 0.3, -0.8, 0.0])
+    ]
+    runs = {}
+    for name, batch, kw in (
+        ("epochs", samples, {"epochs": 2}),
+        ("twice", samples + samples, {"minibatches": 2}),
+        ("once", samples, {}),
+    ):
+        torch.manual_seed(0)
+        policy = load_model(tiny_model_path, trainable=True)
+        settings = _settings(clip_eps_low=0.01, clip_eps_high=0.01, **kw)
+        metrics = TorchLearner(policy, load_model(tiny_model_path), 0, settings).train_step(batch)
+        runs[name] = (metrics, torch.cat([p.detach().flatten() for p in policy.parameters()]))
+    (epochs, weights), (twice, twice_weights) = runs["epochs"], runs["twice"]
+    torch.testing.assert_close(weights, twice_weights, rtol=0, atol=1e-7)
+    for key in ("loss", "pg_loss", "kl", "clip_fraction", "grad_norm"):
+        assert epochs[key] == pytest.approx(twice[key], rel=1e-5, abs=1e-9), key
+    assert runs["once"][0]["clip_fraction"] == 0 < epochs["clip_fraction"]
+    assert (weights - runs["once"][1]).abs().max() > 1e-4  # the second pass moved the weights further
+
+
+def test_mask_truncated_trains_without_cut_off_responses_but_keeps_their_rewards_in_the_baseline():
+    """Group p: rewards 0, 1, 0, 1, the last one cut off ('length'). Its mean 0.5 and std 0.5 (ddof 0) still
+    include it: advantages -+0.5 / (0.5 + 1e-4) either way; only the truncated response leaves the update."""
+    rollouts = [
+        {
+            "prompt_id": pid,
+            "sample_idx": k,
+            "prompt_token_ids": [1, 2],
+            "response_token_ids": [3] * (k + 1),
+            "response_logprobs": [-1.0] * (k + 1),
+            "finish_reason": "length" if (pid, k) == ("p", 3) else "stop",
+        }
+        for pid in ("p", "q")
+        for k in range(4)
+    ]
+    rewards = [
+        {"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": float(r["sample_idx"] % 2)}
+        for r in rollouts
+    ]
+    off = build_train_samples(rollouts, rewards, load_recipe(None).grpo)
+    on = build_train_samples(rollouts, rewards, load_recipe(None, ["grpo.mask_truncated=true"]).grpo)
+    unit = 0.5 / (0.5 + 1e-4)
+    assert [a["advantage"] for a in on[1]] == [a["advantage"] for a in off[1]] == pytest.approx([-unit, unit] * 4)
+    assert [a["trained"] for a in on[1]] == [True, True, True, False, True, True, True, True]
+    assert all(a["trained"] for a in off[1])
+    assert (on[2]["masked_truncated"], off[2]["masked_truncated"]) == (1, 0)
+    assert [len(s.response_ids) for s in on[0]] == [1, 2, 3, 1, 2, 3, 4]
 
 
 def test_dr_grpo_gradient_does_not_grow_with_batch_size(tiny_model_path):

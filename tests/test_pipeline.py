@@ -7,6 +7,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, catalog_rows, run_cli
@@ -363,3 +364,29 @@ def test_judge_prices_apply_afterwards_and_a_budget_stops_before_the_step_that_w
     card = (run_dir / "checkpoints" / "step_0002" / "README.md").read_text()
     total = sum(t for _, t in judged) * 1000.0 / 1e6
     assert f"over 2 GRPO step(s): ${total:.4f} at $1000 / $2000 per million" in card
+
+
+def test_mask_truncated_run_records_what_it_left_out(prefect_server, tiny_recipe, tmp_path):
+    """The tiny model never emits EOS in 32 tokens: under grpo.mask_truncated every response is judged and kept in
+    the catalog, none is trained, the step says so (steps.masked_truncated, a warning) and the policy stays as it
+    was."""
+    recipe = {**tiny_recipe, "grpo": {**tiny_recipe["grpo"], "steps": 1, "mask_truncated": True}}
+    run_dir = tmp_path / "masked"
+    state, tasks = _run(recipe, run_dir)
+    assert state.is_completed(), state.message
+    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
+    try:
+        [(rollouts, cut_off, trained, rewarded)] = con.execute(
+            "SELECT count(*), count(*) FILTER (WHERE r.finish_reason = 'length'), count(*) FILTER (WHERE a.trained), "
+            "count(w.reward) FROM rollouts r JOIN advantages a USING (run, step, prompt_id, sample_idx) "
+            "JOIN rewards w USING (run, step, prompt_id, sample_idx)"
+        ).fetchall()
+        [(masked, tokens)] = con.execute("SELECT masked_truncated, response_tokens FROM steps").fetchall()
+        [(sampled_by,)] = con.execute("SELECT DISTINCT policy FROM rollouts").fetchall()
+    finally:
+        con.close()
+    assert rollouts == cut_off == rewarded == masked == 16 and trained == 0 and tokens == 0
+    log = "\n".join(p.read_text() for p in (run_dir / "logs").glob("run-*.log"))
+    assert "nothing to train on: all 16 responses that would be trained ran out of tokens" in log
+    start, end = _weights(Path(sampled_by)), _weights(run_dir / "checkpoints" / "step_0001")
+    assert all(torch.equal(start[k], end[k]) for k in start)

@@ -141,6 +141,27 @@ def test_dual_clip_equals_verl_vanilla_with_clip_ratio_c():
     assert (plain[1] - ours[1]).abs().max() > 1e-3
 
 
+def _trl_two_sided(logp, b, delta):
+    # TRL grpo_trainer.py loss_type 'dapo' with delta (INTELLECT-2's two-sided clip): coef_1 = clamp(rho, max=delta)
+    # in the unclipped term only, per token -min(coef_1 A, clip(rho) A); sum / trained tokens.
+    total = 0.0
+    for i, t in _tokens():
+        rho, a = torch.exp(logp[i, t] - b["old"][i, t]), b["adv"][i]
+        total = total - torch.minimum(torch.clamp(rho, max=delta) * a, _clip(rho, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+    return total / len(_tokens())
+
+
+def test_dual_clip_equals_trl_two_sided_clip_delta():
+    """TRL's delta caps rho in the unclipped term for both signs; where delta >= 1 + eps_high that changes only
+    negative advantages, exactly as the dual clip with c = delta (peer_names maps delta to grpo.dual_clip_c)."""
+    b = _batch(seed=3)  # negative advantages with rho up to 1.46 and 1.68
+    ours = _ours(b, "token_mean", policy_loss="dual_clip", dual_clip_c=1.5)
+    peer = _peer(b, lambda lp, bb: _trl_two_sided(lp, bb, 1.5))
+    torch.testing.assert_close(ours[0], peer[0], **TOL)
+    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    assert (_ours(b, "token_mean")[1] - ours[1]).abs().max() > 1e-3  # the cap binds in this batch
+
+
 def _trl_gspo(logp, b):
     # TRL grpo_trainer.py, importance_sampling_level 'sequence' with loss_type 'grpo': s = exp(mean over trained
     # tokens of log rho), loss per sequence -min(s A, clip(s) A), averaged over all B sequences (an untrained one
@@ -580,6 +601,7 @@ OPTIONS = [
     ["grpo.advantage=rloo"],
     ["grpo.advantage=reinforce_pp"],
     ["grpo.advantage=reinforce_pp_baseline"],
+    ["grpo.epochs=2", "grpo.mask_truncated=true"],
 ]
 
 
@@ -601,10 +623,12 @@ def test_recipe_option_runs_one_update(tiny_model_path, overrides):
                     "prompt_token_ids": prompt,
                     "response_token_ids": response,
                     "response_logprobs": [-7.6] * len(response),
+                    "finish_reason": "length" if k == 3 else "stop",
                 }
             )
             rewards.append({"prompt_id": str(p), "sample_idx": k, "reward": float((k * (p + 1)) % 3)})
     samples, _, _ = build_train_samples(rollouts, rewards, grpo)
+    assert len(samples) == (6 if grpo.mask_truncated else 8)
     torch.manual_seed(0)
     policy = load_model(tiny_model_path, trainable=True)
     before = [p.detach().clone() for p in policy.parameters()]

@@ -40,6 +40,7 @@ class LearnerSettings:
     loss_constant: float
     micro_batch_size: int
     minibatches: int
+    epochs: int
     tis_cap: float
     pack_length: int
     precision: str

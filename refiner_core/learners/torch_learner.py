@@ -3,6 +3,7 @@ padded or packed micro-batches, optional bf16 autocast, AdamW."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -61,7 +62,8 @@ class TorchLearner:
         return out
 
     def train_step(self, samples: list[TrainSample]) -> dict:
-        """One rollout batch -> `minibatches` optimizer steps. Returns aggregated metrics."""
+        """One rollout batch -> `epochs` passes of `minibatches` optimizer steps. Returns metrics averaged over
+        every pass."""
         t0 = time.time()
         s = self.s
         layout = self._layout(samples)
@@ -75,7 +77,7 @@ class TorchLearner:
         ref_lp = self._frozen_logprobs(self.reference, flat) if s.beta > 0 and self.reference is not None else None
         # pi_old: with a single optimizer step the policy has not moved yet, so rho = 1 exactly and the
         # detached current log-probs serve; with several, freeze them before the first step.
-        old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) > 1 else None
+        old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) * s.epochs > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
         totals = {
             "loss": 0.0,
@@ -89,11 +91,13 @@ class TorchLearner:
             "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat)),
         }
         grad_norms = []
-        bar = progress_bar(len(flat), "update", "mb")
-        k = 0
-        for step, (step_tokens, step_sequences) in zip(layout, normalisers):
+        bar = progress_bar(len(flat) * s.epochs, "update", "mb")
+        # (index of its first micro-batch in `flat`, micro-batches, normalisers) per optimizer step, every pass
+        firsts = itertools.accumulate((len(step) for step in layout), initial=0)
+        optimizer_steps = list(zip(firsts, layout, normalisers)) * s.epochs
+        for first, step, (step_tokens, step_sequences) in optimizer_steps:
             self._zero_grad()
-            for batch in step:
+            for k, batch in enumerate(step, start=first):
                 # token entropies only when they enter the loss: one more reduction over the logits
                 logp, entropy = token_scores(
                     self.policy, batch, s.temperature, s.precision, entropy=s.entropy_coef != 0
@@ -143,7 +147,6 @@ class TorchLearner:
                 if is_w is not None:  # already zero off the response mask
                     totals["is_weight"] += is_w.sum().item()
                 totals["tokens"] += mask.sum().item()
-                k += 1
                 bar.update(1)
             grad_norms.append(self._optimizer_step())
         bar.close()
@@ -154,7 +157,7 @@ class TorchLearner:
         entropy = {"entropy": totals["entropy"] / tokens} if s.entropy_coef != 0 else {}
         is_weight = {"importance_weight_mean": totals["is_weight"] / tokens} if s.tis_cap > 0 else {}
         return {
-            "loss": totals["loss"] / len(layout),
+            "loss": totals["loss"] / len(optimizer_steps),
             "pg_loss": totals["pg_loss"] / tokens,
             "kl": totals["kl"] / tokens,
             "clip_fraction": totals["clipped"] / tokens,

@@ -186,7 +186,9 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         (
             "batch shape",
             f"{rollout['prompts_per_step']} prompts x {rollout['samples_per_prompt']} samples per step, "
-            f"{grpo['minibatches']} optimizer step(s) per batch, micro batch {grpo['micro_batch_size']}",
+            f"{grpo['minibatches']} optimizer step(s) per batch"
+            + (f" x {grpo['epochs']} passes" if grpo.get("epochs", 1) > 1 else "")  # a recipe saved before epochs
+            + f", micro batch {grpo['micro_batch_size']}",
         ),
         (
             "learning rate",
