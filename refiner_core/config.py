@@ -790,12 +790,13 @@ class GRPOConfig:
         "'cispo' caps its weight at 1 + eps_high.",
         check=NON_NEGATIVE,
     )
-    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo"] = opt(
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo", "kl_cov"] = opt(
         "ppo_clip",
         "Policy-gradient surrogate: 'ppo_clip' max(-A rho, -A clip(rho)); 'dual_clip' also bounds it by "
         "-A * dual_clip_c where A < 0 (verl clip_ratio_c); 'gspo' clips the sequence ratio exp(mean log rho) (verl "
         "gspo, TRL importance_sampling_level sequence; pair with loss_aggregation sequence_mean to equal them); "
-        "'cispo' -sg[min(rho, 1 + clip_eps_high)] A logpi; 'sapo' -A sigmoid(tau (rho - 1)) 4/tau. docs/grpo.md.",
+        "'cispo' -sg[min(rho, 1 + clip_eps_high)] A logpi; 'sapo' -A sigmoid(tau (rho - 1)) 4/tau; 'kl_cov' "
+        "-A rho (no clip) + kl_cov_coef |log rho| on the tokens of highest covariance of A and logpi. docs/grpo.md.",
     )
     dual_clip_c: float = opt(
         3.0,
@@ -811,6 +812,22 @@ class GRPOConfig:
         1.05,
         "policy_loss 'sapo': gate temperature where A <= 0 (TRL sapo_temperature_neg, verl tau_neg).",
         check=POSITIVE,
+    )
+    kl_cov_ratio: float = opt(
+        0.0002,
+        "policy_loss 'kl_cov': the share of each micro-batch's trained tokens (at least one) that get the |log rho| "
+        "penalty: those with the largest (A - mean A)(logpi - mean logpi).",
+        check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    )
+    kl_cov_coef: float = opt(
+        1.0, "policy_loss 'kl_cov': the penalty's coefficient (verl ppo_kl_coef).", check=NON_NEGATIVE
+    )
+    top_entropy_quantile: float = opt(
+        1.0,
+        "Train the policy only on the tokens whose entropy is in the top this share of each micro-batch's trained "
+        "tokens (0.2 in 'Beyond the 80/20 rule'; 0 keeps the highest only); the others keep their KL term and "
+        "their place in the aggregation's denominator. 1 = every token (no entropy is computed for it).",
+        check=Check(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     )
     entropy_coef: float = opt(
         0.0,

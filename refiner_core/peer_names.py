@@ -44,6 +44,7 @@ PEER_NAMES: dict[str, PeerName] = {
     "delta": PeerName(
         "TRL", "grpo.dual_clip_c", "with grpo.policy_loss: dual_clip; the same loss where delta >= 1 + epsilon_high"
     ),
+    "ppo_kl_coef": PeerName("verl", "grpo.kl_cov_coef", "with grpo.policy_loss: kl_cov"),
     "loss_type": PeerName(
         "TRL",
         "grpo.loss_aggregation",

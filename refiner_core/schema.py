@@ -466,7 +466,12 @@ STEPS = Table(
             I,
             "Responses cut off by the token budget and left out of the update (grpo.mask_truncated; 0 otherwise).",
         ),
-        _c("entropy", F, "Mean token entropy of the policy over trained tokens (NULL unless grpo.entropy_coef != 0)."),
+        _c(
+            "entropy",
+            F,
+            "Mean token entropy of the policy over trained tokens (NULL unless grpo.entropy_coef != 0 or "
+            "grpo.top_entropy_quantile < 1).",
+        ),
         _c(
             "importance_weight_mean",
             F,

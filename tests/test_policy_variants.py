@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from refiner_core.algo.advantages import compute_advantages
-from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, Sequences, grpo_token_loss, importance_weights
+from refiner_core.algo.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    Sequences,
+    grpo_token_loss,
+    high_entropy_tokens,
+    importance_weights,
+)
 from refiner_core.config import load_recipe
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import TrainSample
@@ -63,6 +70,8 @@ def _ours(b, aggregation, batch_sequences=None, constant=1.0, **kw):
     logp = b["logp"].clone().requires_grad_()
     entropy = b["entropy"].clone().requires_grad_() if "entropy_coef" in kw else None
     mask = b["mask"]
+    if (quantile := kw.pop("top_entropy_quantile", None)) is not None:
+        kw["policy_tokens"] = high_entropy_tokens(entropy, mask, quantile)
     out = grpo_token_loss(
         logp,
         b["old"],
@@ -160,6 +169,64 @@ def test_dual_clip_equals_trl_two_sided_clip_delta():
     torch.testing.assert_close(ours[0], peer[0], **TOL)
     torch.testing.assert_close(ours[1], peer[1], **TOL)
     assert (_ours(b, "token_mean")[1] - ours[1]).abs().max() > 1e-3  # the cap binds in this batch
+
+
+def _verl_kl_cov(logp, b, ratio, coef):
+    # verl core_algos.py compute_policy_loss_kl_cov: pg = -A rho (no clip); over the valid tokens, detached,
+    # cov = (A - mean A)(logp - mean logp); on the top max(1, int(n * kl_cov_ratio)) by cov, pg += ppo_kl_coef *
+    # |logp - old|; agg_loss 'token-mean'.
+    tokens = _tokens()
+    adv = torch.stack([b["adv"][i] for i, _ in tokens])
+    lp = torch.stack([logp[i, t].detach() for i, t in tokens])
+    cov = (adv - adv.mean()) * (lp - lp.mean())
+    top = set(torch.topk(cov, max(1, int(len(tokens) * ratio))).indices.tolist())
+    total = 0.0
+    for n, (i, t) in enumerate(tokens):
+        log_ratio = logp[i, t] - b["old"][i, t]
+        total = total - b["adv"][i] * torch.exp(log_ratio) + (coef * log_ratio.abs() if n in top else 0.0)
+    return total / len(tokens)
+
+
+def test_kl_cov_equals_verl():
+    b = _batch()
+    ours = _ours(b, "token_mean", policy_loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=1.5)
+    peer = _peer(b, lambda lp, bb: _verl_kl_cov(lp, bb, 0.2, 1.5))
+    torch.testing.assert_close(ours[0], peer[0], **TOL)
+    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    # two of the 14 trained tokens are penalised: the gradient differs from the plain -A rho (kl_cov_coef 0)
+    plain = _ours(b, "token_mean", policy_loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.0)
+    assert ((plain[1] - ours[1]).abs() > 1e-6).sum() == 2
+
+
+def _trl_dapo_top_entropy(logp, entropy, b, quantile, beta, coef):
+    # TRL grpo_trainer.py with top_entropy_quantile q, loss_type 'dapo': threshold = torch.quantile(entropies of the
+    # trained tokens, 1 - q); m = entropy >= threshold on trained tokens; per token -min(rho A, clip(rho) A) * m +
+    # beta * k3, minus entropy_coef * H * m (the bonus on the same effective mask); sum / trained tokens.
+    threshold = torch.quantile(torch.stack([entropy[i, t].detach() for i, t in _tokens()]), 1 - quantile)
+    total = 0.0
+    for i, t in _tokens():
+        m = float(entropy[i, t].detach() >= threshold)
+        rho, a = torch.exp(logp[i, t] - b["old"][i, t]), b["adv"][i]
+        pg = -torch.minimum(rho * a, _clip(rho, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+        x = b["ref"][i, t] - logp[i, t]
+        total = total + pg * m + beta * (x.exp() - x - 1) - coef * entropy[i, t] * m
+    return total / len(_tokens())
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 0.0])
+def test_top_entropy_quantile_equals_trl(quantile):
+    b = _batch()
+    kw = dict(ref_logp=b["ref"], beta=0.05, kl_estimator="k3", kl_clamp=10.0, entropy_coef=0.03)
+    value, grad_logp, grad_entropy = _ours(b, "token_mean", top_entropy_quantile=quantile, **kw)
+    logp, entropy = b["logp"].clone().requires_grad_(), b["entropy"].clone().requires_grad_()
+    peer = _trl_dapo_top_entropy(logp, entropy, b, quantile, 0.05, 0.03)
+    peer.backward()
+    torch.testing.assert_close(value, peer.detach(), **TOL)
+    torch.testing.assert_close(grad_logp, logp.grad, **TOL)
+    torch.testing.assert_close(grad_entropy, entropy.grad, **TOL)
+    # the kept tokens: ceil-ish share of the 14 trained ones (linear quantile), the highest alone at 0
+    kept = int((grad_entropy != 0).sum())
+    assert kept == {0.2: 3, 0.5: 7, 0.0: 1}[quantile]
 
 
 def _trl_gspo(logp, b):
@@ -602,6 +669,8 @@ OPTIONS = [
     ["grpo.advantage=reinforce_pp"],
     ["grpo.advantage=reinforce_pp_baseline"],
     ["grpo.epochs=2", "grpo.mask_truncated=true"],
+    ["grpo.policy_loss=kl_cov", "grpo.kl_cov_ratio=0.1"],
+    ["grpo.top_entropy_quantile=0.2", "grpo.share_prompt=false", "grpo.micro_batch_size=3"],
 ]
 
 
@@ -637,7 +706,7 @@ def test_recipe_option_runs_one_update(tiny_model_path, overrides):
     assert all(math.isfinite(metrics[k]) for k in ("loss", "pg_loss", "kl", "grad_norm"))
     assert metrics["grad_norm"] > 0
     assert any((p.detach() - q).abs().max() > 0 for p, q in zip(policy.parameters(), before))
-    assert ("entropy" in metrics) == (grpo.entropy_coef != 0)
+    assert ("entropy" in metrics) == (grpo.entropy_coef != 0 or grpo.top_entropy_quantile < 1)
 
 
 def test_defaults_keep_the_clipped_surrogate_and_token_truncation():

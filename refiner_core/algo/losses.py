@@ -1,7 +1,8 @@
 """GRPO per-token loss: a policy-gradient surrogate [* importance weight] + beta * KL - entropy_coef * entropy,
-then aggregation. One function per variant, chosen by name through POLICY_LOSSES, KL_ESTIMATORS, TIS_LEVELS,
-TIS_MODES and AGGREGATIONS; each docstring states its formula and the peer option it equals (docs/grpo.md has
-the table, with the peer commits it was checked against)."""
+the policy terms optionally on the high-entropy tokens only, then aggregation. One function per variant, chosen
+by name through POLICY_LOSSES, KL_ESTIMATORS, TIS_LEVELS, TIS_MODES and AGGREGATIONS; each docstring states its
+formula and the peer option it equals (docs/grpo.md has the table, with the peer commits it was checked
+against)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ class SurrogateParams:
     dual_clip_c: float | None
     sapo_tau_pos: float | None
     sapo_tau_neg: float | None
+    kl_cov_ratio: float | None = None
+    kl_cov_coef: float | None = None
 
     def needed(self, *names: str) -> None:
         if missing := [n for n in names if getattr(self, n) is None]:
@@ -185,6 +188,32 @@ def sapo(
     return -gate * advantages, torch.zeros_like(ratio)
 
 
+def kl_cov(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
+    """KL-Cov (Cui et al. 2025, the entropy mechanism of RL for reasoning models): the unclipped -A rho, plus
+    kl_cov_coef * |log rho| on the kl_cov_ratio share (at least one) of the micro-batch's trained tokens whose
+    covariance (A - mean A)(logp - mean logp) over those tokens, detached, is largest: the tokens whose update
+    would collapse the entropy fastest are held near pi_old. verl `kl_cov` (kl_cov_ratio, ppo_kl_coef), also per
+    micro-batch. The clipped indicator marks the penalised tokens."""
+    p.needed("kl_cov_ratio", "kl_cov_coef")
+    if sequences is None:
+        raise ValueError("policy_loss 'kl_cov' needs the batch's sequences")
+    log_ratio = logp - old_logp
+    pg = -advantages * torch.exp(log_ratio)
+    trained = sequences.mask.flatten() > 0
+    where = trained.nonzero().squeeze(-1)
+    penalised = torch.zeros_like(trained)
+    if len(where):
+        adv = advantages.expand_as(logp).detach().flatten()[where]
+        lp = logp.detach().flatten()[where]
+        covariance = (adv - adv.mean()) * (lp - lp.mean())
+        top = torch.topk(covariance, max(1, int(len(where) * p.kl_cov_ratio))).indices
+        penalised[where[top]] = True
+    penalised = penalised.view_as(logp)
+    return torch.where(penalised, pg + p.kl_cov_coef * log_ratio.abs(), pg), penalised.to(pg.dtype)
+
+
 POLICY_LOSSES: dict[
     str, Callable[[Tensor, Tensor, Tensor, SurrogateParams, Sequences | None], tuple[Tensor, Tensor]]
 ] = {
@@ -193,7 +222,19 @@ POLICY_LOSSES: dict[
     "gspo": gspo,
     "cispo": cispo,
     "sapo": sapo,
+    "kl_cov": kl_cov,
 }
+
+
+def high_entropy_tokens(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """1 on the trained tokens whose entropy is at least the (1 - quantile) quantile of the micro-batch's trained
+    tokens' entropies (torch.quantile, linear), else 0: the top `quantile` share ("Beyond the 80/20 rule", Wang et
+    al. 2025: 0.2); 0 keeps only the highest. Detached. TRL get_high_entropy_mask (top_entropy_quantile), which
+    takes the quantile over each micro-batch of all ranks."""
+    values = entropy.detach()[mask > 0]
+    if not len(values):
+        return torch.zeros_like(mask)
+    return ((entropy.detach() >= torch.quantile(values, 1.0 - quantile)) & (mask > 0)).to(mask.dtype)
 
 
 # --- Truncated / masked importance sampling against the rollout engine (pi_old / pi_rollout), detached ---
@@ -298,20 +339,28 @@ def grpo_token_loss(
     sequences: Sequences | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    kl_cov_ratio: float | None = None,
+    kl_cov_coef: float | None = None,
+    policy_tokens: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-token GRPO loss on [B, T] tensors; advantages are per token ([B, T], each token carries its own
     sequence's advantage) or anything that broadcasts to it.
 
-    loss = POLICY_LOSSES[policy_loss] [* is_weight] + beta * KL_ESTIMATORS[kl_estimator] - entropy_coef * entropy
+    loss = (POLICY_LOSSES[policy_loss] [* is_weight] - entropy_coef * entropy) [* policy_token]
+           + beta * KL_ESTIMATORS[kl_estimator]
+
+    policy_tokens (0/1, high_entropy_tokens) choose the tokens the policy terms apply to; the KL term stays on all.
 
     A knob only one term reads (the KL's estimator and clamp, a variant's own) is None unless that term is on:
     their one default is the recipe's (config.GRPOConfig), and a term switched on without its knob is an error.
     """
     ratio = torch.exp(logp - old_logp)
-    params = SurrogateParams(eps_low, eps_high, dual_clip_c, sapo_tau_pos, sapo_tau_neg)
+    params = SurrogateParams(eps_low, eps_high, dual_clip_c, sapo_tau_pos, sapo_tau_neg, kl_cov_ratio, kl_cov_coef)
     pg, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, params, sequences)
     if is_weights is not None:
         pg = pg * is_weights
+    if policy_tokens is not None:
+        pg = pg * policy_tokens
     out = {"pg": pg, "ratio": ratio, "clipped": clipped}
     loss = pg
     if beta > 0.0 and ref_logp is not None:
@@ -325,6 +374,7 @@ def grpo_token_loss(
     if entropy is not None:
         out["entropy"] = entropy
         if entropy_coef != 0.0:
-            loss = loss - entropy_coef * entropy
+            bonus = entropy if policy_tokens is None else entropy * policy_tokens
+            loss = loss - entropy_coef * bonus
     out["loss"] = loss
     return out

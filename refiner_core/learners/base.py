@@ -65,6 +65,9 @@ class LearnerSettings:
     sapo_tau_pos: float
     sapo_tau_neg: float
     entropy_coef: float
+    kl_cov_ratio: float
+    kl_cov_coef: float
+    top_entropy_quantile: float
     tis_level: str
     tis_mode: str
     tis_floor: float
@@ -86,6 +89,10 @@ class LearnerSettings:
             raise ValueError(f"dual_clip_c must be > 1 (the bound is -A * c for A < 0), got {self.dual_clip_c}")
         if self.policy_loss == "sapo" and min(self.sapo_tau_pos, self.sapo_tau_neg) <= 0:
             raise ValueError(f"sapo temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
+        if self.policy_loss == "kl_cov" and not 0 < self.kl_cov_ratio <= 1:
+            raise ValueError(f"kl_cov_ratio must be in (0, 1], got {self.kl_cov_ratio}")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         if self.tis_floor < 0 or (self.tis_cap > 0 and self.tis_floor > self.tis_cap):
             raise ValueError(f"tis_floor must be in [0, tis_cap], got {self.tis_floor} (tis_cap {self.tis_cap})")
 

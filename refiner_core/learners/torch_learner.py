@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-from refiner_core.algo.losses import AGGREGATIONS, Sequences, grpo_token_loss, importance_weights
+from refiner_core.algo.losses import (
+    AGGREGATIONS,
+    Sequences,
+    grpo_token_loss,
+    high_entropy_tokens,
+    importance_weights,
+)
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.learners.batching import collate_group, collate_rows, pack_rows, prompt_groups
 from refiner_core.learners.logprobs import token_logprobs, token_scores
@@ -79,6 +85,7 @@ class TorchLearner:
         # detached current log-probs serve; with several, freeze them before the first step.
         old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) * s.epochs > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
+        reads_entropy = s.entropy_coef != 0 or s.top_entropy_quantile < 1
         totals = {
             "loss": 0.0,
             "pg_loss": 0.0,
@@ -98,10 +105,8 @@ class TorchLearner:
         for first, step, (step_tokens, step_sequences) in optimizer_steps:
             self._zero_grad()
             for k, batch in enumerate(step, start=first):
-                # token entropies only when they enter the loss: one more reduction over the logits
-                logp, entropy = token_scores(
-                    self.policy, batch, s.temperature, s.precision, entropy=s.entropy_coef != 0
-                )
+                # token entropies only when the loss reads them: one more reduction over the logits
+                logp, entropy = token_scores(self.policy, batch, s.temperature, s.precision, entropy=reads_entropy)
                 old = old_lp[k] if old_lp is not None else logp.detach()
                 mask = batch["mask"]
                 sequences = Sequences(batch["sequence_index"], mask)
@@ -116,6 +121,9 @@ class TorchLearner:
                         floor=s.tis_floor,
                         cap=s.tis_cap,
                     )
+                policy_tokens = None
+                if s.top_entropy_quantile < 1:
+                    policy_tokens = high_entropy_tokens(entropy, mask, s.top_entropy_quantile)
                 out = grpo_token_loss(
                     logp,
                     old,
@@ -134,6 +142,9 @@ class TorchLearner:
                     sequences=sequences,
                     entropy=entropy,
                     entropy_coef=s.entropy_coef,
+                    kl_cov_ratio=s.kl_cov_ratio,
+                    kl_cov_coef=s.kl_cov_coef,
+                    policy_tokens=policy_tokens,
                 )
                 weights = aggregate(mask, batch["sequence_tokens"], step_tokens, step_sequences, s.loss_constant)
                 loss = (out["loss"] * weights).sum()
@@ -154,7 +165,7 @@ class TorchLearner:
             release_gpu_cache()
         totals = self._reduce(totals)
         tokens = max(totals["tokens"], 1.0)
-        entropy = {"entropy": totals["entropy"] / tokens} if s.entropy_coef != 0 else {}
+        entropy = {"entropy": totals["entropy"] / tokens} if reads_entropy else {}
         is_weight = {"importance_weight_mean": totals["is_weight"] / tokens} if s.tis_cap > 0 else {}
         return {
             "loss": totals["loss"] / len(optimizer_steps),
