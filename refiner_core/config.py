@@ -768,7 +768,32 @@ class GRPOConfig:
         default_factory=DeepSpeedConfig,
         metadata={"help": "learner 'deepspeed': how its ranks are launched."},
     )
-    learning_rate: float = opt(5e-6, "AdamW learning rate (constant).", check=POSITIVE)
+    learning_rate: float = opt(
+        5e-6, "AdamW learning rate: the rate after the warmup, the start of any decay.", check=POSITIVE
+    )
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = opt(
+        "constant",
+        "Learning rate over GRPO steps after the warmup: constant, or a linear or cosine decay to min_lr_ratio x "
+        "learning_rate at step lr_decay_steps. It moves once per GRPO step, as verl's (TRL's moves per optimizer "
+        "step). docs/grpo.md.",
+    )
+    lr_warmup_steps: int = opt(
+        0,
+        "GRPO steps of linear warmup: step s < lr_warmup_steps trains at learning_rate x s / lr_warmup_steps (step 0 "
+        "at 0, as verl and transformers).",
+        check=NON_NEGATIVE,
+    )
+    lr_decay_steps: int = opt(
+        0,
+        "The step at which a linear or cosine decay ends; later steps hold min_lr_ratio x learning_rate. 0 = "
+        "grpo.steps, so extending the run changes every step's rate: set it to extend without recomputing.",
+        check=NON_NEGATIVE,
+    )
+    min_lr_ratio: float = opt(
+        0.0,
+        "Where a linear or cosine decay ends, as a fraction of learning_rate.",
+        check=Check(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    )
     weight_decay: float = opt(0.0, "AdamW weight decay.", check=NON_NEGATIVE)
     adam_betas: list = opt([0.9, 0.999], "AdamW betas.")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).", check=NON_NEGATIVE)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
+from refiner_core.algo.schedules import learning_rate_at
 from refiner_core.config import DEEPSPEED_FLAT_NAMES, GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
@@ -109,7 +110,7 @@ def grpo_loop(
             for r, g in zip(rollouts, gens)
         ]
         samples, _, stats = build_train_samples(rollouts, rewards, grpo)
-        metrics = learner.train_step(samples) if samples else {}
+        metrics = learner.train_step(samples, learning_rate_at(step, grpo, decay_steps=steps)) if samples else {}
         if sync and samples:
             sync()
         record = {"step": step, "reward_mean": float(np.mean([r["reward"] for r in rewards])), **stats, **metrics}

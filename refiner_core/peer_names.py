@@ -82,6 +82,9 @@ PEER_NAMES: dict[str, PeerName] = {
     # optimizer
     "lr": PeerName("verl", "grpo.learning_rate"),
     "grad_clip": PeerName("verl", "grpo.max_grad_norm"),
+    "warmup_ratio": PeerName("TRL", "grpo.lr_warmup_steps", "a share of the run: warmup_ratio x grpo.steps"),
+    "lr_warmup_steps_ratio": PeerName("verl", "grpo.lr_warmup_steps", "a share of the run: ratio x grpo.steps"),
+    "warmup_style": PeerName("verl", "grpo.lr_scheduler_type", "verl's older name for it"),
     # engine
     "vllm_gpu_memory_utilization": PeerName("TRL", "rollout.gpu_memory_utilization"),
     "vllm_tensor_parallel_size": PeerName("TRL", "rollout.tensor_parallel_size"),

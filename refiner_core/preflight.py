@@ -114,6 +114,13 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             f"grpo.tis_floor = {cfg.grpo.tis_floor!r}: must be below grpo.tis_cap ({cfg.grpo.tis_cap}), "
             "or every importance weight is the same constant"
         )
+    decay_steps = cfg.grpo.lr_decay_steps or cfg.grpo.steps
+    if cfg.grpo.lr_scheduler_type != "constant" and decay_steps <= cfg.grpo.lr_warmup_steps:
+        problems.append(
+            f"grpo.lr_scheduler_type = {cfg.grpo.lr_scheduler_type!r} decays after the warmup "
+            f"(grpo.lr_warmup_steps {cfg.grpo.lr_warmup_steps}) until step {decay_steps} "
+            f"(grpo.lr_decay_steps, 0 = grpo.steps): the decay must end after the warmup"
+        )
     if cfg.grpo.async_steps and cfg.run.save_every != 1:
         problems.append(
             f"grpo.async_steps = {cfg.grpo.async_steps} samples with policies the learner has moved "

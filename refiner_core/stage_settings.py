@@ -77,7 +77,8 @@ def input_fields(name: str) -> tuple[dataclasses.Field, ...]:
 
 def stage_settings(cfg: RecipeConfig) -> StageSettings:
     """Cut every stage input out of a validated recipe (model.lora_sync resolved): once per run, or per fork
-    segment. rollout.dynamic_sampling implies grpo.filter_zero_std_groups (docs/grpo.md)."""
+    segment. rollout.dynamic_sampling implies grpo.filter_zero_std_groups (docs/grpo.md); a decaying learning rate
+    with grpo.lr_decay_steps 0 decays over grpo.steps."""
     conf = cfg.to_dict()
     cut = {
         name: {f.name: conf[meta["section"]][f.name] for f in input_fields(name)}
@@ -86,6 +87,8 @@ def stage_settings(cfg: RecipeConfig) -> StageSettings:
     }
     if cfg.rollout.dynamic_sampling:  # groups replaced by more sampling are left out of the update
         cut["update"]["filter_zero_std_groups"] = True
+    if cfg.grpo.lr_scheduler_type != "constant" and not cfg.grpo.lr_decay_steps:  # the decay ends with the run
+        cut["update"]["lr_decay_steps"] = cfg.grpo.steps
     return StageSettings(**cut, engine=dataclasses.asdict(engine_settings(cfg)))
 
 

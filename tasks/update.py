@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
+from refiner_core.algo.schedules import learning_rate_at
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
@@ -87,7 +88,8 @@ def grpo_update(
         grpo.learner, policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
     )
     try:
-        metrics = learner.train_step(samples) if samples else _no_signal_metrics(settings)
+        lr = learning_rate_at(step, grpo)
+        metrics = learner.train_step(samples, lr) if samples else _no_signal_metrics(lr)
         saved = _save(learner, save, run_dir=run_dir, run=run, step=step, model=model, tokenizer=tokenizer)
     except BaseException:  # weights half-updated: no later step may use this learner (its ranks stop)
         learner.close()
@@ -201,7 +203,7 @@ def _write_checkpoint(
     return final
 
 
-def _no_signal_metrics(settings) -> dict:
+def _no_signal_metrics(lr: float) -> dict:
     """No rollout left to train on (all-equal groups filtered out, or every response cut off under
     grpo.mask_truncated): the policy is saved unchanged, nothing was computed."""
     return {
@@ -210,7 +212,7 @@ def _no_signal_metrics(settings) -> dict:
         "kl": 0.0,
         "clip_fraction": 0.0,
         "grad_norm": 0.0,
-        "lr": settings.learning_rate,
+        "lr": lr,
         "response_tokens": 0,
         "packing_efficiency": 0.0,
         "update_seconds": 0.0,

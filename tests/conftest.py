@@ -22,6 +22,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU in the test environment: no accelerator probing
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SESSION_HOME / "inductor"))
+# As refiner_core.models sets them, but before a test module imports transformers or datasets first: the Hub's
+# offline switch is read once, when huggingface_hub is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # DeepSpeed compiles its CPU shared-memory op (~100 s) on first use: keep the build across test sessions.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "refiner-grpo" / "torch_extensions"))
 

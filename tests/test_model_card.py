@@ -50,7 +50,7 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     assert data.base_model == "tiny-qwen3" and data.datasets == ["data/refiner/samples.jsonl"]
     assert {"grpo", "refiner-grpo"} <= set(data.tags)
     assert "| KL | kl_estimator k3, beta 0.001" in card
-    assert "| learning rate | 0.001 (AdamW" in card
+    assert "| learning rate | 0.001 (AdamW, constant, weight decay" in card
     assert "| batch shape | 4 prompts x 4 samples per step" in card
     assert "refiner run recipe.yaml --set grpo.steps=2 --run-dir NEW_RUN_DIR" in card
     assert "The judge is the base policy model itself (tiny-qwen3)" in card
@@ -59,6 +59,8 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     )
     assert "| KL | kl_estimator k3, beta 0.05" in changed and "| learning rate | 3e-06 (AdamW" in changed
     assert "| learner | deepspeed, ZeRO stage 2, 1 rank(s) |" in changed
+    scheduled = _card(["grpo.lr_scheduler_type=cosine", "grpo.lr_warmup_steps=1", "grpo.min_lr_ratio=0.1"])
+    assert "(AdamW, cosine to 0.1x by step 2 after 1 warmup steps, weight decay" in scheduled
     embedded = yaml.safe_load(changed.split("```yaml\n", 1)[1].split("```", 1)[0])
     assert embedded["grpo"]["beta"] == 0.05  # the reproduce section's recipe is the resolved one
 

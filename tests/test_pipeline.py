@@ -366,11 +366,12 @@ def test_judge_prices_apply_afterwards_and_a_budget_stops_before_the_step_that_w
     assert f"over 2 GRPO step(s): ${total:.4f} at $1000 / $2000 per million" in card
 
 
-def test_mask_truncated_run_records_what_it_left_out(prefect_server, tiny_recipe, tmp_path):
+def test_masked_truncation_and_a_decaying_rate_are_recorded(prefect_server, tiny_recipe, tmp_path):
     """The tiny model never emits EOS in 32 tokens: under grpo.mask_truncated every response is judged and kept in
-    the catalog, none is trained, the step says so (steps.masked_truncated, a warning) and the policy stays as it
-    was."""
-    recipe = {**tiny_recipe, "grpo": {**tiny_recipe["grpo"], "steps": 1, "mask_truncated": True}}
+    the catalog, none is trained, each step says so (steps.masked_truncated, a warning) and the policy stays as it
+    was. A cosine decay over the run's 2 steps to half the rate: steps.lr 1e-3, then 7.5e-4."""
+    grpo = {"steps": 2, "mask_truncated": True, "lr_scheduler_type": "cosine", "min_lr_ratio": 0.5}
+    recipe = {**tiny_recipe, "grpo": {**tiny_recipe["grpo"], **grpo}}
     run_dir = tmp_path / "masked"
     state, tasks = _run(recipe, run_dir)
     assert state.is_completed(), state.message
@@ -381,12 +382,14 @@ def test_mask_truncated_run_records_what_it_left_out(prefect_server, tiny_recipe
             "count(w.reward) FROM rollouts r JOIN advantages a USING (run, step, prompt_id, sample_idx) "
             "JOIN rewards w USING (run, step, prompt_id, sample_idx)"
         ).fetchall()
-        [(masked, tokens)] = con.execute("SELECT masked_truncated, response_tokens FROM steps").fetchall()
-        [(sampled_by,)] = con.execute("SELECT DISTINCT policy FROM rollouts").fetchall()
+        steps = con.execute("SELECT masked_truncated, response_tokens, lr FROM steps ORDER BY step").fetchall()
+        sampled_by = con.execute("SELECT DISTINCT policy FROM rollouts WHERE step = 0").fetchall()
     finally:
         con.close()
-    assert rollouts == cut_off == rewarded == masked == 16 and trained == 0 and tokens == 0
+    assert rollouts == cut_off == rewarded == 32 and trained == 0
+    assert [s[:2] for s in steps] == [(16, 0), (16, 0)]
+    assert [s[2] for s in steps] == pytest.approx([1e-3, 7.5e-4])
     log = "\n".join(p.read_text() for p in (run_dir / "logs").glob("run-*.log"))
-    assert "nothing to train on: all 16 responses that would be trained ran out of tokens" in log
-    start, end = _weights(Path(sampled_by)), _weights(run_dir / "checkpoints" / "step_0001")
+    assert log.count("nothing to train on: all 16 responses that would be trained ran out of tokens") == 2
+    start, end = _weights(Path(sampled_by[0][0])), _weights(run_dir / "checkpoints" / "step_0002")
     assert all(torch.equal(start[k], end[k]) for k in start)

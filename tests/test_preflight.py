@@ -184,6 +184,19 @@ def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zer
     assert problems("rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_rounds=0") == []
 
 
+def test_a_decaying_learning_rate_must_decay_after_its_warmup():
+    # tiny.yaml runs 2 steps: lr_decay_steps 0 ends the decay there
+    [p] = problems("grpo.lr_scheduler_type=cosine", "grpo.lr_warmup_steps=2")
+    assert p == (
+        "grpo.lr_scheduler_type = 'cosine' decays after the warmup (grpo.lr_warmup_steps 2) until step 2 "
+        "(grpo.lr_decay_steps, 0 = grpo.steps): the decay must end after the warmup"
+    )
+    assert problems("grpo.lr_scheduler_type=cosine", "grpo.lr_warmup_steps=2", "grpo.lr_decay_steps=3") == []
+    assert problems("grpo.lr_warmup_steps=5") == []  # constant: the warmup may outlast the run
+    [p] = problems("grpo.min_lr_ratio=1.5")
+    assert p == "grpo.min_lr_ratio = 1.5: must be in [0, 1]"
+
+
 def test_every_problem_is_reported_at_once():
     found = problems("grpo.steps=0", "rollout.max_new_tokens=0", "data.fields={questoin: q}", "model.policy=nope")
     assert len(found) == 4

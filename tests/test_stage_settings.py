@@ -132,6 +132,15 @@ def test_dynamic_sampling_turns_on_the_update_filter_and_says_so_in_the_update_i
     assert stage_settings(_recipe()).update["filter_zero_std_groups"] is False
 
 
+def test_a_decay_over_the_run_puts_the_runs_length_in_the_update_input():
+    """lr_decay_steps 0 is grpo.steps, which only the flow reads otherwise: the update input gets the number, so a
+    longer run recomputes its updates under a decaying rate, and a constant rate leaves them cached."""
+    assert stage_settings(_recipe(["grpo.lr_scheduler_type=cosine", "grpo.steps=7"])).update["lr_decay_steps"] == 7
+    fixed = ["grpo.lr_scheduler_type=cosine", "grpo.lr_decay_steps=5"]
+    assert stage_settings(_recipe([*fixed, "grpo.steps=7"])).update == stage_settings(_recipe(fixed)).update
+    assert stage_settings(_recipe(["grpo.steps=7"])).update == stage_settings(_recipe()).update
+
+
 def test_the_inputs_cut_what_the_stages_read():
     assert [f.name for f in input_fields("engine")] == []  # built by engine_settings, with its adapter rank
     rollout = {f.name for f in input_fields("rollout")}

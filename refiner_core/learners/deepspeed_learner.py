@@ -322,9 +322,9 @@ class DeepSpeedLearner:
 
     # ---- the learner interface ----
 
-    def train_step(self, samples: list[TrainSample]) -> dict:
+    def train_step(self, samples: list[TrainSample], learning_rate: float | None = None) -> dict:
         t0 = time.perf_counter()
-        job_dir = self._call("train", samples)
+        job_dir = self._call("train", samples, learning_rate=learning_rate)
         self.updates += 1
         metrics = json.loads((job_dir / "metrics.json").read_text())
         self.rank_stats = [

@@ -96,6 +96,10 @@ class DeepSpeedRankLearner(TorchLearner):
             local.append(mine)
         return local
 
+    def _set_learning_rate(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
     def _zero_grad(self) -> None:
         pass  # the engine zeroes its (partitioned) gradients after every step()
 
@@ -342,7 +346,7 @@ def main(work_dir: str) -> None:
         if job["kind"] == "stop":
             break
         if job["kind"] == "train":
-            _train(job_dir, engine, reference, launch, settings, resumed, rank, world)  # the step empties the cache
+            _train(job_dir, job["learning_rate"], engine, reference, launch, settings, resumed, rank, world)
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":
@@ -363,12 +367,20 @@ def main(work_dir: str) -> None:
 
 
 def _train(
-    job_dir: Path, engine, reference, launch: dict, settings: LearnerSettings, resumed: int, rank: int, world: int
+    job_dir: Path,
+    learning_rate: float | None,
+    engine,
+    reference,
+    launch: dict,
+    settings: LearnerSettings,
+    resumed: int,
+    rank: int,
+    world: int,
 ) -> None:
     t0 = time.time()
     samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
     learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world)
-    metrics = learner.train_step(samples)
+    metrics = learner.train_step(samples, learning_rate)
     steps_after = adam_steps(engine)
     rank_stats = {
         "rank": rank,

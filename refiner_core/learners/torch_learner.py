@@ -67,11 +67,13 @@ class TorchLearner:
         model.train(was_training)
         return out
 
-    def train_step(self, samples: list[TrainSample]) -> dict:
-        """One rollout batch -> `epochs` passes of `minibatches` optimizer steps. Returns metrics averaged over
-        every pass."""
+    def train_step(self, samples: list[TrainSample], learning_rate: float | None = None) -> dict:
+        """One rollout batch -> `epochs` passes of `minibatches` optimizer steps, at `learning_rate` (None: the
+        settings' learning_rate). Returns metrics averaged over every pass."""
         t0 = time.time()
         s = self.s
+        lr = s.learning_rate if learning_rate is None else learning_rate
+        self._set_learning_rate(lr)
         layout = self._layout(samples)
         # Aggregation normalisers span the whole optimizer step (all ranks), so accumulated micro-batch
         # gradients equal the gradient of the step's aggregate.
@@ -173,7 +175,7 @@ class TorchLearner:
             "kl": totals["kl"] / tokens,
             "clip_fraction": totals["clipped"] / tokens,
             "grad_norm": sum(grad_norms) / len(grad_norms),
-            "lr": s.learning_rate,
+            "lr": lr,
             "response_tokens": sum(len(x.response_ids) if x.loss_mask is None else sum(x.loss_mask) for x in samples),
             "packing_efficiency": totals["real_tokens"] / totals["computed_tokens"],
             "update_seconds": time.time() - t0,
@@ -184,6 +186,10 @@ class TorchLearner:
     # Hooks a distributed learner overrides; here one process runs every micro-batch.
     def _local_layout(self, layout: list[list[dict[str, torch.Tensor]]]) -> list[list[dict[str, torch.Tensor]]]:
         return layout
+
+    def _set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -192,7 +192,7 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         ),
         (
             "learning rate",
-            f"{grpo['learning_rate']} (AdamW, constant, weight decay {grpo['weight_decay']}, "
+            f"{grpo['learning_rate']} (AdamW, {_lr_schedule(recipe)}, weight decay {grpo['weight_decay']}, "
             f"max grad norm {grpo['max_grad_norm']})",
         ),
         ("max prompt / response tokens", f"{recipe['data']['max_prompt_tokens']} / {rollout['max_new_tokens']}"),
@@ -368,3 +368,13 @@ def _shown(path: Path | str, run_dir: Path) -> str:
         return Path(path).resolve().relative_to(run_dir.resolve()).as_posix()
     except ValueError:
         return str(path)
+
+
+def _lr_schedule(recipe: dict) -> str:
+    """'constant', or 'cosine to 0.1x by step 20 after 2 warmup steps' (a recipe saved before schedules: constant)."""
+    grpo = recipe["grpo"]
+    kind = grpo.get("lr_scheduler_type", "constant")
+    warmup = f" after {grpo['lr_warmup_steps']} warmup steps" if grpo.get("lr_warmup_steps") else ""
+    if kind == "constant":
+        return f"constant{warmup}"
+    return f"{kind} to {grpo['min_lr_ratio']}x by step {grpo['lr_decay_steps'] or grpo['steps']}{warmup}"

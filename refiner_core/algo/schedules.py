@@ -1,0 +1,52 @@
+"""The learning rate over GRPO steps: grpo.learning_rate times a multiplier of the step, one function per
+grpo.lr_scheduler_type (LR_SCHEDULES). As verl's actor, the schedule moves once per GRPO step (every optimizer
+step of a step shares its rate) and step 0 of a warmup trains at rate 0; past `decay_steps` the rate holds."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+
+def _warmup(step: int, warmup: int) -> float:
+    return step / max(1, warmup)
+
+
+def constant(step: int, warmup: int, decay_steps: int, min_ratio: float) -> float:
+    """step / warmup during the warmup, then 1. verl get_constant_schedule_with_warmup, transformers
+    constant_with_warmup."""
+    return _warmup(step, warmup) if step < warmup else 1.0
+
+
+def linear(step: int, warmup: int, decay_steps: int, min_ratio: float) -> float:
+    """The warmup, then a straight line from 1 down to min_ratio at decay_steps. transformers
+    get_linear_schedule_with_warmup (TRL's default lr_scheduler_type) when min_ratio is 0."""
+    if step < warmup:
+        return _warmup(step, warmup)
+    left = max(0.0, (decay_steps - step) / max(1, decay_steps - warmup))
+    return min_ratio + (1.0 - min_ratio) * left
+
+
+def cosine(step: int, warmup: int, decay_steps: int, min_ratio: float) -> float:
+    """The warmup, then half a cosine from 1 down to min_ratio at decay_steps. verl get_cosine_schedule_with_warmup
+    (num_cycles 0.5; past num_training_steps its cosine would rise again), transformers
+    get_cosine_schedule_with_warmup when min_ratio is 0."""
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = min(1.0, (step - warmup) / max(1, decay_steps - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+LR_SCHEDULES: dict[str, Callable[[int, int, int, float], float]] = {
+    "constant": constant,
+    "linear": linear,
+    "cosine": cosine,
+}
+
+
+def learning_rate_at(step: int, grpo, decay_steps: int | None = None) -> float:
+    """The learning rate of GRPO step `step` (0-based) under the grpo section (or the update stage's view of it);
+    `decay_steps` stands in for grpo.lr_decay_steps when that is 0 (the run's grpo.steps)."""
+    decay = grpo.lr_decay_steps or decay_steps or 0
+    multiplier = LR_SCHEDULES[grpo.lr_scheduler_type](step, grpo.lr_warmup_steps, decay, grpo.min_lr_ratio)
+    return grpo.learning_rate * multiplier
