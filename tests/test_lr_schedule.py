@@ -41,6 +41,8 @@ def test_hand_computed_rates():
     assert _rates(*linear, steps=6) == pytest.approx([1, 0.8, 0.6, 0.4, 0.2, 0.2])
     # lr_decay_steps 0: the run's length decides (the update stage gets it from grpo.steps)
     assert _rates("grpo.lr_scheduler_type=linear", steps=3, decay_steps=4) == pytest.approx([1, 0.75, 0.5])
+    with pytest.raises(ValueError, match="the decay must end after the warmup"):
+        _rates("grpo.lr_scheduler_type=cosine", steps=1)  # no decay length: preflight refuses such a recipe
 
 
 def _verl_cosine(step, warmup, total, min_ratio):

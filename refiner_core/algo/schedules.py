@@ -48,5 +48,10 @@ def learning_rate_at(step: int, grpo, decay_steps: int | None = None) -> float:
     """The learning rate of GRPO step `step` (0-based) under the grpo section (or the update stage's view of it);
     `decay_steps` stands in for grpo.lr_decay_steps when that is 0 (the run's grpo.steps)."""
     decay = grpo.lr_decay_steps or decay_steps or 0
+    if grpo.lr_scheduler_type != "constant" and decay <= grpo.lr_warmup_steps:
+        raise ValueError(
+            f"lr_scheduler_type {grpo.lr_scheduler_type!r}: the decay must end after the warmup "
+            f"({grpo.lr_warmup_steps} steps), not at step {decay}"
+        )
     multiplier = LR_SCHEDULES[grpo.lr_scheduler_type](step, grpo.lr_warmup_steps, decay, grpo.min_lr_ratio)
     return grpo.learning_rate * multiplier
