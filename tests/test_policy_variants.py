@@ -98,6 +98,12 @@ def _peer(b, fn):
     return value.detach(), logp.grad
 
 
+def _assert_same(ours, peer):
+    """Value and gradient with respect to logp, within TOL."""
+    torch.testing.assert_close(ours[0], peer[0], **TOL)
+    torch.testing.assert_close(ours[1], peer[1], **TOL)
+
+
 def _tokens():
     """(row, column) of every trained token."""
     return [(i, t) for i in range(len(LENGTHS)) for t in range(LENGTHS[i])]
@@ -123,8 +129,7 @@ def test_ppo_clip_with_k3_equals_trl_dapo():
     b = _batch()
     ours = _ours(b, "token_mean", ref_logp=b["ref"], beta=0.05, kl_estimator="k3", kl_clamp=10.0)
     peer = _peer(b, lambda lp, bb: _trl_dapo_k3(lp, bb, 0.05))
-    torch.testing.assert_close(ours[0], peer[0], **TOL)
-    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    _assert_same(ours, peer)
     assert peer[1].abs().max() > 0
 
 
@@ -143,8 +148,7 @@ def test_dual_clip_equals_verl_vanilla_with_clip_ratio_c():
     b = _batch()
     ours = _ours(b, "token_mean", policy_loss="dual_clip", dual_clip_c=1.1)
     peer = _peer(b, lambda lp, bb: _verl_dual_clip(lp, bb, 1.1))
-    torch.testing.assert_close(ours[0], peer[0], **TOL)
-    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    _assert_same(ours, peer)
     # the case exercises the dual bound: it differs from the plain clipped surrogate
     plain = _ours(b, "token_mean")
     assert (plain[1] - ours[1]).abs().max() > 1e-3
@@ -166,8 +170,7 @@ def test_dual_clip_equals_trl_two_sided_clip_delta():
     b = _batch(seed=3)  # negative advantages with rho up to 1.46 and 1.68
     ours = _ours(b, "token_mean", policy_loss="dual_clip", dual_clip_c=1.5)
     peer = _peer(b, lambda lp, bb: _trl_two_sided(lp, bb, 1.5))
-    torch.testing.assert_close(ours[0], peer[0], **TOL)
-    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    _assert_same(ours, peer)
     assert (_ours(b, "token_mean")[1] - ours[1]).abs().max() > 1e-3  # the cap binds in this batch
 
 
@@ -191,8 +194,7 @@ def test_kl_cov_equals_verl():
     b = _batch()
     ours = _ours(b, "token_mean", policy_loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=1.5)
     peer = _peer(b, lambda lp, bb: _verl_kl_cov(lp, bb, 0.2, 1.5))
-    torch.testing.assert_close(ours[0], peer[0], **TOL)
-    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    _assert_same(ours, peer)
     # two of the 14 trained tokens are penalised: the gradient differs from the plain -A rho (kl_cov_coef 0)
     plain = _ours(b, "token_mean", policy_loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.0)
     assert ((plain[1] - ours[1]).abs() > 1e-6).sum() == 2
@@ -259,8 +261,7 @@ def test_gspo_equals_trl_sequence_level_and_verl_gspo():
     b = _batch()
     ours = _ours(b, "sequence_mean", policy_loss="gspo")
     peer = _peer(b, _trl_gspo)
-    torch.testing.assert_close(ours[0], peer[0], **TOL)
-    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    _assert_same(ours, peer)
     # verl counts only sequences with a trained token
     ours_verl = _ours(b, "sequence_mean", batch_sequences=sum(1 for n in LENGTHS if n), policy_loss="gspo")
     peer_verl = _peer(b, _verl_gspo)
@@ -292,8 +293,7 @@ def test_cispo_equals_open_instruct_trl_and_verl_with_no_lower_clip():
     b = _batch()
     ours = _ours(b, "token_mean", policy_loss="cispo")
     for peer in (_peer(b, _open_instruct_cispo), _peer(b, lambda lp, bb: _verl_cispo(lp, bb, 1.0))):
-        torch.testing.assert_close(ours[0], peer[0], **TOL)
-        torch.testing.assert_close(ours[1], peer[1], **TOL)
+        _assert_same(ours, peer)
     # verl's default lower clip (1 - 0.2) is a different loss
     assert (ours[1] - _peer(b, lambda lp, bb: _verl_cispo(lp, bb, EPS_LOW))[1]).abs().max() > 1e-3
 
@@ -328,8 +328,7 @@ def test_sapo_equals_trl_and_verl():
     b = _batch()
     ours = _ours(b, "sequence_mean", policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
     peer = _peer(b, lambda lp, bb: _trl_sapo(lp, bb, 1.0, 1.05))
-    torch.testing.assert_close(ours[0], peer[0], **TOL)
-    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    _assert_same(ours, peer)
     ours_verl = _ours(b, "sequence_mean", batch_sequences=4, policy_loss="sapo", sapo_tau_pos=2.0, sapo_tau_neg=3.0)
     peer_verl = _peer(b, lambda lp, bb: _verl_sapo(lp, bb, 2.0, 3.0))
     torch.testing.assert_close(ours_verl[0], peer_verl[0], **TOL)
@@ -368,8 +367,7 @@ def test_kl_estimators_equal_open_instruct(name, which):
     zero = dict(b, adv=torch.zeros_like(b["adv"]))  # policy term 0: the loss is the KL alone
     ours = _ours(zero, "token_mean", ref_logp=b["ref"], beta=1.0, kl_estimator=name, kl_clamp=40.0)
     peer = _peer(b, lambda lp, bb: _open_instruct_kl(lp, bb, which))
-    torch.testing.assert_close(ours[0], peer[0], **TOL)
-    torch.testing.assert_close(ours[1], peer[1], **TOL)
+    _assert_same(ours, peer)
 
 
 @pytest.mark.parametrize("name,which", [("k1+", 0), ("k2+", 1), ("k3+", 2)])
