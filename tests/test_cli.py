@@ -215,6 +215,7 @@ def _steps(run: str, n: int) -> list[dict]:
             "reward_std": 0.1,
             "kl": 0.01,
             "loss": 0.2,
+            "lr": 1e-6 * (s + 1),
             "response_length_mean": 10.0 + s,
             "rollout_seconds": 1.0,
             "judge_seconds": 2.0,
@@ -393,6 +394,7 @@ def test_show_summarises_steps_and_the_best_and_worst_rollout(judged_run):
     assert result.exit_code == 0, result.output
     assert result.output.startswith(f"run {judged_run}: 2 steps")
     assert "rollout_s" in result.output and "update_s" in result.output
+    assert "│ 1e-06 " in result.output and "│ 2e-06 " in result.output  # each step's learning rate
     assert "best of step 1: reward 2.5 (p2 #1): answer 1p21" in result.output
     assert "worst of step 1: reward 1.0 (p1 #0): answer 1p10" in result.output
     assert runner.invoke(app, ["show", str(judged_run.parent / "nothing")]).exit_code == 2

@@ -235,7 +235,7 @@ def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
 
 SHOW_STEPS = (
     "SELECT step, round(reward_mean, 3) AS reward, round(reward_std, 3) AS std, round(kl, 5) AS kl, "
-    "round(loss, 4) AS loss, round(response_length_mean, 1) AS length, round(rollout_seconds, 1) AS "
+    "round(loss, 4) AS loss, lr, round(response_length_mean, 1) AS length, round(rollout_seconds, 1) AS "
     "rollout_s, round(judge_seconds, 1) AS judge_s, round(update_seconds, 1) AS update_s FROM steps "
     "ORDER BY step"
 )
@@ -258,7 +258,7 @@ SHOW_MONITORS = (
 
 
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
-    """Steps (reward, KL, loss, length, stage seconds), the best and worst rollout of the last step, the judge's
+    """Steps (reward, KL, loss, learning rate, length, stage seconds), the best and worst rollout of the last step, the judge's
     cost over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
     columns, rows = run_query(con, SHOW_STEPS)
     _, ranked = run_query(con, SHOW_EXTREMES)
