@@ -373,6 +373,19 @@ class RolloutConfig:
         check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
         read_by=("rollout", "eval_rollout"),
     )
+    top_k: int = opt(
+        0,
+        "Sample among the k most likely tokens only (0 = off). Like top_p, the rollout log-probs are then of the "
+        "truncated distribution and the learner's are not (grpo.tis_cap weighs the difference).",
+        check=NON_NEGATIVE,
+        read_by=("rollout", "eval_rollout"),
+    )
+    min_p: float = opt(
+        0.0,
+        "Leave out the tokens less likely than min_p times the most likely one (0 = off); its log-probs as top_k's.",
+        check=Check(lambda v: 0 <= v < 1, "must be in [0, 1)"),
+        read_by=("rollout", "eval_rollout"),
+    )
     max_new_tokens: int = opt(
         256,
         "Response length limit; hitting it gives finish_reason 'length'.",

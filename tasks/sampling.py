@@ -73,6 +73,8 @@ def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:
         n=rollout_cfg["samples_per_prompt"],
         temperature=rollout_cfg["temperature"],
         top_p=rollout_cfg["top_p"],
+        top_k=rollout_cfg["top_k"],
+        min_p=rollout_cfg["min_p"],
         max_new_tokens=rollout_cfg["max_new_tokens"],
         stop=tuple(rollout_cfg["stop"]),
         seed=seed,

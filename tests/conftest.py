@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -150,6 +151,27 @@ def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
     from refiner_core.store.storage import query
 
     return query(run_dir / "catalog.duckdb", sql)[1]
+
+
+def truncated_sampling_gaps(model, prompts, gens, temperature: float, top_k: int = 0, min_p: float = 0.0):
+    """For generations sampled with top_k or min_p: (tokens sampled outside the truncated distribution of the model's
+    tempered logits, max |engine log-prob - the token's log-prob renormalised over the kept tokens|)."""
+    outside, gap = 0, 0.0
+    for g in gens:
+        prompt = prompts[g.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+        logp = torch.log_softmax(logits / temperature, -1)
+        keep = torch.ones_like(logp, dtype=torch.bool)
+        if top_k:
+            keep &= logp >= logp.topk(top_k, -1).values[:, -1:]
+        if min_p:
+            keep &= logp >= logp.max(-1, keepdim=True).values + math.log(min_p)
+        tokens = torch.tensor(g.token_ids)[:, None]
+        outside += int((~keep.gather(-1, tokens)).sum())
+        kept = logp.gather(-1, tokens).squeeze(-1) - torch.logsumexp(logp.masked_fill(~keep, -math.inf), -1)
+        gap = max(gap, (kept - torch.tensor(g.logprobs)).abs().max().item())
+    return outside, gap
 
 
 def vllm_logprob_gap(

@@ -61,6 +61,8 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     assert "| learner | deepspeed, ZeRO stage 2, 1 rank(s) |" in changed
     scheduled = _card(["grpo.lr_scheduler_type=cosine", "grpo.lr_warmup_steps=1", "grpo.min_lr_ratio=0.1"])
     assert "(AdamW, cosine to 0.1x by step 2 after 1 warmup steps, weight decay" in scheduled
+    assert "| sampling | temperature 1.0, top_p 1.0, engine hf |" in card
+    assert "| sampling | temperature 1.0, top_p 1.0, top_k 20, engine hf |" in _card(["rollout.top_k=20"])
     embedded = yaml.safe_load(changed.split("```yaml\n", 1)[1].split("```", 1)[0])
     assert embedded["grpo"]["beta"] == 0.05  # the reproduce section's recipe is the resolved one
 

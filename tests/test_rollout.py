@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
+from conftest import truncated_sampling_gaps
 from refiner_core.config import JudgeConfig
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
@@ -36,6 +40,21 @@ def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer
     with torch.no_grad():
         other = token_logprobs(model, batch, temperature=1.0)
     assert (other[mask] - batch["rollout_logprobs"][mask]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 5}, {"min_p": 0.3}], ids=["top_k", "min_p"])
+def test_top_k_and_min_p_sample_inside_the_truncated_distribution_and_report_its_logprobs(
+    tiny_model_path, tiny_tokenizer, truncation
+):
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
+    prompts = [tiny_tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]]
+    params = SamplingParams(n=4, temperature=0.7, max_new_tokens=12, seed=5)
+    gens = engine.generate(prompts, dataclasses.replace(params, **truncation))
+    outside, gap = truncated_sampling_gaps(model, prompts, gens, 0.7, **truncation)
+    assert outside == 0 and gap < 2e-4, (outside, gap)
+    # the random model's flat distribution: untruncated samples fall outside it
+    assert truncated_sampling_gaps(model, prompts, engine.generate(prompts, params), 0.7, **truncation)[0] > 0
 
 
 def test_same_seed_same_samples(tiny_model_path, tiny_tokenizer):

@@ -149,7 +149,14 @@ def test_the_inputs_cut_what_the_stages_read():
         f.name for f in dataclasses.fields(SECTION_TYPES["rollout"]) if f.metadata.get("read_by") == ("engine",)
     }
     assert engine_marked == set(ROLLOUT_ENGINE_FIELDS)
-    assert [f.name for f in input_fields("eval_rollout")] == ["top_p", "max_new_tokens", "stop", "agent"]
+    assert [f.name for f in input_fields("eval_rollout")] == [
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_new_tokens",
+        "stop",
+        "agent",
+    ]
     assert [f.name for f in input_fields("source")] == ["path", "format", "fields", "split", "hub_config"]
     sft = {f.name for f in input_fields("sft_prepare")} | {f.name for f in input_fields("sft_train")}
     assert sft == {f.name for f in dataclasses.fields(SECTION_TYPES["sft"])} - {"enabled"}

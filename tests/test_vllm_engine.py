@@ -5,6 +5,7 @@ Skipped where vllm is not installed. One engine serves the module (start-up is p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -13,7 +14,7 @@ import torch
 
 pytestmark = pytest.mark.slow  # ~40 s for the engine tests, ~60 s more for the pipeline run on 2 CPU cores
 
-from conftest import vllm_logprob_gap  # noqa: E402
+from conftest import truncated_sampling_gaps, vllm_logprob_gap  # noqa: E402
 from refiner_core.config import EngineSettings  # noqa: E402
 from refiner_core.learners.base import TrainSample  # noqa: E402
 from refiner_core.learners.batching import collate  # noqa: E402
@@ -109,6 +110,17 @@ def test_seeded_reruns_reproduce(engine, prompts):
     # a prompt alone samples what it sampled beside others: seeds go by (seed, prompt_index), not by batch
     alone = engine.generate(prompts[:1], params)
     assert [g.token_ids for g in alone] == [g.token_ids for g in a[:4]]
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 5}, {"min_p": 0.3}], ids=["top_k", "min_p"])
+def test_top_k_and_min_p_sample_inside_the_truncated_distribution(engine, prompts, tiny_model_path, truncation):
+    """The same check as the hf engine's: no token outside, log-probs of the truncated distribution."""
+    model = load_model(tiny_model_path)
+    params = SamplingParams(n=4, temperature=0.7, max_new_tokens=12, seed=5)
+    gens = engine.generate(prompts, dataclasses.replace(params, **truncation))
+    outside, gap = truncated_sampling_gaps(model, prompts, gens, 0.7, **truncation)
+    assert outside == 0 and gap < FP32_LOGPROB_TOL, (outside, gap)
+    assert truncated_sampling_gaps(model, prompts, engine.generate(prompts, params), 0.7, **truncation)[0] > 0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -28,21 +28,27 @@ class EvalSettings:
     samples: int
     temperature: float
     top_p: float
+    top_k: int
+    min_p: float
     pass_k: int
     pass_rubric_score: float
     max_new_tokens: int
     stop: tuple[str, ...]
 
     @classmethod
-    def from_config(cls, eval: EvalConfig, top_p: float, max_new_tokens: int, stop: Sequence[str]) -> EvalSettings:
-        """The eval section's settings, sampling with the rollout section's top_p, stop strings and (unless
-        eval.max_new_tokens sets its own) length limit."""
+    def from_config(
+        cls, eval: EvalConfig, top_p: float, top_k: int, min_p: float, max_new_tokens: int, stop: Sequence[str]
+    ) -> EvalSettings:
+        """The eval section's settings, sampling with the rollout section's top_p, top_k, min_p, stop strings and
+        (unless eval.max_new_tokens sets its own) length limit."""
         return cls(
             prompts=eval.prompts,
             greedy=eval.greedy,
             samples=eval.samples,
             temperature=eval.temperature,
             top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
             pass_k=eval.pass_k or eval.samples,
             pass_rubric_score=eval.pass_rubric_score,
             max_new_tokens=eval.max_new_tokens or max_new_tokens,
@@ -61,6 +67,8 @@ class EvalSettings:
                 n=self.samples,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
                 max_new_tokens=self.max_new_tokens,
                 stop=self.stop,
                 seed=seed,

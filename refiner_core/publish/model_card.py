@@ -196,7 +196,12 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
             f"max grad norm {grpo['max_grad_norm']})",
         ),
         ("max prompt / response tokens", f"{recipe['data']['max_prompt_tokens']} / {rollout['max_new_tokens']}"),
-        ("sampling", f"temperature {rollout['temperature']}, top_p {rollout['top_p']}, engine {rollout['engine']}"),
+        (
+            "sampling",
+            f"temperature {rollout['temperature']}, top_p {rollout['top_p']}"
+            + "".join(f", {k} {rollout[k]}" for k in ("top_k", "min_p") if rollout.get(k))  # set, in this recipe
+            + f", engine {rollout['engine']}",
+        ),
         ("precision", f"{model['precision']} (weights {model['dtype']})"),
         ("learner", learner),
         ("seed", recipe["run"]["seed"]),

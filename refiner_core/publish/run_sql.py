@@ -258,8 +258,8 @@ SHOW_MONITORS = (
 
 
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
-    """Steps (reward, KL, loss, learning rate, length, stage seconds), the best and worst rollout of the last step, the judge's
-    cost over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
+    """Steps (reward, KL, loss, learning rate, length, stage seconds), the best and worst rollout of the last step,
+    the judge's cost over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
     columns, rows = run_query(con, SHOW_STEPS)
     _, ranked = run_query(con, SHOW_EXTREMES)
     extremes = {}

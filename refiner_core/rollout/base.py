@@ -18,6 +18,8 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int = 0

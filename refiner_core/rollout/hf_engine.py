@@ -51,7 +51,8 @@ class HFRolloutEngine:
                     do_sample=sample,
                     temperature=params.temperature if sample else None,
                     top_p=params.top_p if sample and params.top_p < 1.0 else None,
-                    top_k=0 if sample else None,
+                    top_k=params.top_k if sample else None,  # 0: off (transformers' default would be 50)
+                    min_p=params.min_p if sample and params.min_p > 0 else None,
                     max_new_tokens=params.max_new_tokens,
                     stop_strings=list(params.stop) or None,
                     tokenizer=self.tokenizer if params.stop else None,
