@@ -130,6 +130,12 @@ PEER_VALUES: dict[str, dict[str, str]] = {
 }
 
 
+# {our choice field whose name a peer shares: (the peer, {its value: ours})}
+SHARED_NAME_VALUES: dict[str, tuple[str, dict[str, str]]] = {
+    "grpo.lr_scheduler_type": ("TRL", {"constant_with_warmup": "constant", "cosine_with_min_lr": "cosine"}),
+}
+
+
 def peer_hint(key: str) -> str | None:
     """Says which of our fields a peer's name (or a near miss of one: num_generation) is, else None."""
     close = difflib.get_close_matches(key, list(PEER_NAMES), n=1, cutoff=0.9)
@@ -149,4 +155,7 @@ def peer_value_hint(field: str, value: object) -> str | None:
     for setting, values in PEER_VALUES.items():
         if PEER_NAMES[setting].ours == field and str(value) in values:
             return f"{PEER_NAMES[setting].peer}'s {setting} {value!r} is {values[str(value)]!r} here"
+    peer, values = SHARED_NAME_VALUES.get(field, ("", {}))
+    if str(value) in values:
+        return f"{peer}'s {field.rsplit('.', 1)[-1]} {value!r} is {values[str(value)]!r} here"
     return None

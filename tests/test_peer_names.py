@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from refiner_core.config import ConfigError, RecipeConfig, describe, load_recipe, recipe_from_dict
-from refiner_core.peer_names import PEER_NAMES, PEER_VALUES
+from refiner_core.peer_names import PEER_NAMES, PEER_VALUES, SHARED_NAME_VALUES
 
 OURS = {name for name, _, _ in describe()}
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
@@ -68,6 +68,10 @@ def test_config_fields_names_each_field_as_trl_and_verl_do():
         ("grpo.advantage=grpo", "(verl's adv_estimator 'grpo' is 'group_std' here)"),
         ("grpo.loss_aggregation=grpo", "(TRL's loss_type 'grpo' is 'sequence_mean' here)"),
         ("grpo.kl_estimator=low_var_kl", "(verl's kl_loss_type 'low_var_kl' is 'k3' here)"),
+        (
+            "grpo.lr_scheduler_type=cosine_with_min_lr",
+            "(TRL's lr_scheduler_type 'cosine_with_min_lr' is 'cosine' here)",
+        ),
     ],
 )
 def test_a_peers_value_for_a_choice_is_answered_with_ours(setting, answer):
@@ -85,6 +89,15 @@ def test_each_peer_value_is_a_choice_we_have_and_in_the_table():
         for value, ours in values.items():
             assert ours in choices and value not in choices
             assert f"{value} = {ours}" in PEER_NAMES[setting].note
+
+
+def test_each_value_of_a_shared_name_is_a_choice_we_have_and_documented():
+    docs = " ".join(DOCS.read_text().split())  # line breaks as spaces
+    for field, (peer, values) in SHARED_NAME_VALUES.items():
+        choices = {str(c) for c in typing.get_args(_field_type(field))}
+        for value, ours in values.items():
+            assert ours in choices and value not in choices
+            assert f"{peer}'s `{field.rsplit('.', 1)[-1]}: {value}` is `{ours}`" in docs
 
 
 def _field_type(dotted: str):
