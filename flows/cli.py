@@ -191,8 +191,8 @@ def show(
     run_dir: Path = typer.Argument(..., help="Run folder."),
     width: int = typer.Option(100, help="Characters of the best and worst responses to show."),
 ) -> None:
-    """A step-by-step summary of a run for the terminal: reward, KL, loss, length, stage seconds, and the best
-    and worst rollout of the last step."""
+    """A step-by-step summary of a run for the terminal: reward, KL, loss, length, stage seconds, the learning rate
+    when it changed over the run, and the best and worst rollout of the last step."""
     import duckdb
 
     from refiner_core.publish.run_sql import CatalogError, fork_origin, monitor_events, open_runs, run_summary
@@ -216,6 +216,13 @@ def show(
     if origin:
         typer.echo(visible(origin))
     _print_table(summary["columns"], summary["steps"], 0)
+    if len({lr for _, lr in summary["lr"]}) > 1:  # a schedule (grpo.lr_scheduler_type, warmup): where it went
+        (first_step, first), (last_step, last) = summary["lr"][0], summary["lr"][-1]
+        peak_step, peak = max(summary["lr"], key=lambda row: row[1])
+        typer.echo(
+            f"learning rate: {first:g} at step {first_step}, peak {peak:g} at step {peak_step}, {last:g} at step "
+            f"{last_step} (steps.lr)"
+        )
     for which in ("best", "worst"):
         if which in summary:
             r = summary[which]

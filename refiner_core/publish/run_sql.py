@@ -235,10 +235,11 @@ def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
 
 SHOW_STEPS = (
     "SELECT step, round(reward_mean, 3) AS reward, round(reward_std, 3) AS std, round(kl, 5) AS kl, "
-    "round(loss, 4) AS loss, lr, round(response_length_mean, 1) AS length, round(rollout_seconds, 1) AS "
+    "round(loss, 4) AS loss, round(response_length_mean, 1) AS length, round(rollout_seconds, 1) AS "
     "rollout_s, round(judge_seconds, 1) AS judge_s, round(update_seconds, 1) AS update_s FROM steps "
     "ORDER BY step"
 )
+SHOW_LEARNING_RATE = "SELECT step, lr FROM steps WHERE lr IS NOT NULL ORDER BY step"
 SHOW_EXTREMES = (
     "WITH r AS (SELECT step, prompt_id, sample_idx, reward FROM rewards WHERE reward_version = 'train') "
     "SELECT r.step, r.prompt_id, r.sample_idx, round(r.reward, 3) AS reward, o.response_text "
@@ -258,15 +259,17 @@ SHOW_MONITORS = (
 
 
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
-    """Steps (reward, KL, loss, learning rate, length, stage seconds), the best and worst rollout of the last step,
-    the judge's cost over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
+    """Steps (reward, KL, loss, length, stage seconds), each step's learning rate ('lr': (step, lr) rows), the best
+    and worst rollout of the last step, the judge's cost over the steps ('judge': None for a catalog without it) and
+    the monitors that tripped."""
     columns, rows = run_query(con, SHOW_STEPS)
+    _, rates = run_query(con, SHOW_LEARNING_RATE)
     _, ranked = run_query(con, SHOW_EXTREMES)
     extremes = {}
     if ranked:
         keys = ("step", "prompt_id", "sample_idx", "reward", "response_text")
         extremes = {"best": dict(zip(keys, ranked[0])), "worst": dict(zip(keys, ranked[-1]))}
-    return {"columns": columns, "steps": rows, **extremes, "judge": _optional(con, SHOW_JUDGE_COST)}
+    return {"columns": columns, "steps": rows, "lr": rates, **extremes, "judge": _optional(con, SHOW_JUDGE_COST)}
 
 
 def _optional(con: duckdb.DuckDBPyConnection, sql: str) -> dict | None:
