@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from refiner_core import REPO_ROOT
+from refiner_core.algo.schedules import decays_after_warmup
 from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig, checked_fields
 from refiner_core.data.rows import UTF8_BOM, parse_jsonl_line
 from refiner_core.data.sources import SourceError, cached_hub_columns, detect_format, hub_offline
@@ -115,7 +116,7 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "or every importance weight is the same constant"
         )
     decay_steps = cfg.grpo.lr_decay_steps or cfg.grpo.steps
-    if cfg.grpo.lr_scheduler_type != "constant" and decay_steps <= cfg.grpo.lr_warmup_steps:
+    if not decays_after_warmup(cfg.grpo.lr_scheduler_type, cfg.grpo.lr_warmup_steps, decay_steps):
         problems.append(
             f"grpo.lr_scheduler_type = {cfg.grpo.lr_scheduler_type!r} decays after the warmup "
             f"(grpo.lr_warmup_steps {cfg.grpo.lr_warmup_steps}) until step {decay_steps} "

@@ -44,11 +44,16 @@ LR_SCHEDULES: dict[str, Callable[[int, int, int, float], float]] = {
 }
 
 
+def decays_after_warmup(kind: str, warmup: int, decay_steps: int) -> bool:
+    """Whether a schedule is well formed: a constant one has no decay, a decaying one must end after its warmup."""
+    return kind == "constant" or decay_steps > warmup
+
+
 def learning_rate_at(step: int, grpo, decay_steps: int | None = None) -> float:
     """The learning rate of GRPO step `step` (0-based) under the grpo section (or the update stage's view of it);
     `decay_steps` stands in for grpo.lr_decay_steps when that is 0 (the run's grpo.steps)."""
     decay = grpo.lr_decay_steps or decay_steps or 0
-    if grpo.lr_scheduler_type != "constant" and decay <= grpo.lr_warmup_steps:
+    if not decays_after_warmup(grpo.lr_scheduler_type, grpo.lr_warmup_steps, decay):
         raise ValueError(
             f"lr_scheduler_type {grpo.lr_scheduler_type!r}: the decay must end after the warmup "
             f"({grpo.lr_warmup_steps} steps), not at step {decay}"

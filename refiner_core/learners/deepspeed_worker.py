@@ -345,7 +345,7 @@ def main(work_dir: str) -> None:
         job = json.loads((job_dir / "job.json").read_text())
         if job["kind"] == "stop":
             break
-        if job["kind"] == "train":
+        if job["kind"] == "train":  # the step empties the cache
             _train(job_dir, job["learning_rate"], engine, reference, launch, settings, resumed, rank, world)
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
