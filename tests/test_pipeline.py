@@ -375,17 +375,14 @@ def test_masked_truncation_and_a_decaying_rate_are_recorded(prefect_server, tiny
     run_dir = tmp_path / "masked"
     state, tasks = _run(recipe, run_dir)
     assert state.is_completed(), state.message
-    con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
-    try:
-        [(rollouts, cut_off, trained, rewarded)] = con.execute(
-            "SELECT count(*), count(*) FILTER (WHERE r.finish_reason = 'length'), count(*) FILTER (WHERE a.trained), "
-            "count(w.reward) FROM rollouts r JOIN advantages a USING (run, step, prompt_id, sample_idx) "
-            "JOIN rewards w USING (run, step, prompt_id, sample_idx)"
-        ).fetchall()
-        steps = con.execute("SELECT masked_truncated, response_tokens, lr FROM steps ORDER BY step").fetchall()
-        sampled_by = con.execute("SELECT DISTINCT policy FROM rollouts WHERE step = 0").fetchall()
-    finally:
-        con.close()
+    [(rollouts, cut_off, trained, rewarded)] = catalog_rows(
+        run_dir,
+        "SELECT count(*), count(*) FILTER (WHERE r.finish_reason = 'length'), count(*) FILTER (WHERE a.trained), "
+        "count(w.reward) FROM rollouts r JOIN advantages a USING (run, step, prompt_id, sample_idx) "
+        "JOIN rewards w USING (run, step, prompt_id, sample_idx)",
+    )
+    steps = catalog_rows(run_dir, "SELECT masked_truncated, response_tokens, lr FROM steps ORDER BY step")
+    sampled_by = catalog_rows(run_dir, "SELECT DISTINCT policy FROM rollouts WHERE step = 0")
     assert rollouts == cut_off == rewarded == 32 and trained == 0
     assert [s[:2] for s in steps] == [(16, 0), (16, 0)]
     assert [s[2] for s in steps] == pytest.approx([1e-3, 7.5e-4])
