@@ -828,13 +828,14 @@ class GRPOConfig:
         "'cispo' caps its weight at 1 + eps_high.",
         check=NON_NEGATIVE,
     )
-    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo", "kl_cov"] = opt(
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo", "kl_cov", "clip_cov"] = opt(
         "ppo_clip",
         "Policy-gradient surrogate: 'ppo_clip' max(-A rho, -A clip(rho)); 'dual_clip' also bounds it by "
         "-A * dual_clip_c where A < 0 (verl clip_ratio_c); 'gspo' clips the sequence ratio exp(mean log rho) (verl "
         "gspo, TRL importance_sampling_level sequence; pair with loss_aggregation sequence_mean to equal them); "
         "'cispo' -sg[min(rho, 1 + clip_eps_high)] A logpi; 'sapo' -A sigmoid(tau (rho - 1)) 4/tau; 'kl_cov' "
-        "-A rho (no clip) + kl_cov_coef |log rho| on the tokens of highest covariance of A and logpi. docs/grpo.md.",
+        "-A rho (no clip) + kl_cov_coef |log rho| on the tokens of highest covariance of A and logpi; 'clip_cov' "
+        "ppo_clip with the policy term cut on a few tokens drawn from a band of that covariance. docs/grpo.md.",
     )
     dual_clip_c: float = opt(
         3.0,
@@ -860,6 +861,14 @@ class GRPOConfig:
     kl_cov_coef: float = opt(
         1.0, "policy_loss 'kl_cov': the penalty's coefficient (verl ppo_kl_coef).", check=NON_NEGATIVE
     )
+    clip_cov_ratio: float = opt(
+        0.0002,
+        "policy_loss 'clip_cov': the share of each micro-batch's trained tokens (at least one) whose policy term is "
+        "cut, drawn among the unclipped ones with clip_cov_lb < (A - mean A)(logpi - mean logpi) < clip_cov_ub.",
+        check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    )
+    clip_cov_lb: float = opt(1.0, "policy_loss 'clip_cov': the covariance band's lower end (exclusive).")
+    clip_cov_ub: float = opt(5.0, "policy_loss 'clip_cov': the covariance band's upper end (exclusive).")
     top_entropy_quantile: float = opt(
         1.0,
         "Train the policy only on the tokens whose entropy is in the top this share of each micro-batch's trained "

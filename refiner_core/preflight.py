@@ -115,6 +115,11 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             f"grpo.tis_floor = {cfg.grpo.tis_floor!r}: must be below grpo.tis_cap ({cfg.grpo.tis_cap}), "
             "or every importance weight is the same constant"
         )
+    if cfg.grpo.policy_loss == "clip_cov" and not cfg.grpo.clip_cov_lb < cfg.grpo.clip_cov_ub:
+        problems.append(
+            f"grpo.clip_cov_lb = {cfg.grpo.clip_cov_lb!r}: must be below grpo.clip_cov_ub ({cfg.grpo.clip_cov_ub}), "
+            "or no token's covariance lies between them and nothing is cut"
+        )
     decay_steps = cfg.grpo.lr_decay_steps or cfg.grpo.steps
     if not decays_after_warmup(cfg.grpo.lr_scheduler_type, cfg.grpo.lr_warmup_steps, decay_steps):
         problems.append(

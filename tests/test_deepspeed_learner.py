@@ -194,12 +194,20 @@ def _check_step(learner, metrics, batch, out, want, want_weights, resumed: int, 
 def test_epochs_on_two_zero3_ranks_equal_the_torch_learner(tiny_model_path, tiny_tokenizer, tmp_path):
     """grpo.epochs 2 with minibatches 2: each rank runs its share of both passes over one batch (pi_old frozen
     before the first step), four AdamW steps at the step's scheduled rate (not the settings' 1e-3); loss, grad norm
-    and weights as the torch learner's."""
-    kw = dict(epochs=2, minibatches=2)
+    and weights as the torch learner's. policy_loss clip_cov: each rank draws the tokens it cuts as the torch
+    learner does, per micro-batch and pass."""
+    kw = dict(epochs=2, minibatches=2, policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9)
     policy = load_model(tiny_model_path, trainable=True)
     reference = load_model(tiny_model_path)
     torch_learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, _settings(**kw))
     want = torch_learner.train_step(_samples(0), learning_rate=4e-4)
+    plain = TorchLearner(
+        load_model(tiny_model_path, trainable=True),
+        reference,
+        tiny_tokenizer.pad_token_id,
+        _settings(epochs=2, minibatches=2),
+    ).train_step(_samples(0), learning_rate=4e-4)
+    assert want["clip_fraction"] > plain["clip_fraction"] + 0.1  # int(a fifth) of each micro-batch cut, beside the clip
     settings = _settings(world_size=2, zero_stage=3, **kw)
     base = Path(tiny_model_path)
     learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
@@ -210,7 +218,6 @@ def test_epochs_on_two_zero3_ranks_equal_the_torch_learner(tiny_model_path, tiny
         learner.close()
     assert [r["adam_steps"] for r in learner.rank_stats] == [4, 4]
     assert metrics["lr"] == want["lr"] == 4e-4
-    assert want["clip_fraction"] > 0  # the second pass trained off-policy
     for key in ("loss", "pg_loss", "kl", "clip_fraction"):
         assert metrics[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
     assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

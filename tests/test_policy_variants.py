@@ -33,7 +33,7 @@ from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate_group, collate_rows
 from refiner_core.learners.logprobs import token_logprobs, token_scores
-from refiner_core.learners.torch_learner import TorchLearner
+from refiner_core.learners.torch_learner import TorchLearner, selection_seed
 
 F64 = torch.float64
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -198,6 +198,71 @@ def test_kl_cov_equals_verl():
     # two of the 14 trained tokens are penalised: the gradient differs from the plain -A rho (kl_cov_coef 0)
     plain = _ours(b, "token_mean", policy_loss="kl_cov", kl_cov_ratio=0.2, kl_cov_coef=0.0)
     assert ((plain[1] - ours[1]).abs() > 1e-6).sum() == 2
+
+
+def _verl_clip_cov(logp, b, ratio, lb, ub, seed):
+    # verl core_algos.py compute_policy_loss_clip_cov: pg1 = -A rho, pg2 = -A clip(rho); clip_by_origin = pg2 > pg1
+    # on valid tokens; cov = (A - masked_mean A)(logp - masked_mean logp), -inf off the mask and where clipped; of
+    # the tokens with lb < cov < ub, torch.randperm picks max(int(ratio * valid), 1) (verl from the global
+    # generator, here one seeded with `seed`); their max(pg1, pg2) is multiplied by 0; agg_loss 'token-mean'.
+    mask = b["mask"]
+    adv = b["adv"][:, None].expand_as(mask)
+    rho = torch.exp(logp - b["old"])
+    pg1, pg2 = -adv * rho, -adv * _clip(rho, 1 - EPS_LOW, 1 + EPS_HIGH)
+    clip_by_origin = (pg2 > pg1) & (mask > 0)
+
+    def masked_mean(x):
+        return (x * mask).sum() / mask.sum()
+
+    cov = ((adv - masked_mean(adv)) * (logp - masked_mean(logp.detach()))).detach()
+    cov[mask == 0] = -math.inf
+    cov[clip_by_origin] = -math.inf
+    clip_num = max(int(ratio * mask.sum().item()), 1)
+    idx = torch.nonzero((cov < ub) & (cov > lb) & (mask > 0))
+    idx = idx[torch.randperm(len(idx), generator=torch.Generator().manual_seed(seed))[: min(clip_num, len(idx))]]
+    corr = torch.ones_like(adv)
+    corr[idx[:, 0], idx[:, 1]] = 0
+    return (torch.maximum(pg1, pg2) * corr * mask).sum() / mask.sum()
+
+
+def test_clip_cov_equals_verl():
+    b = _batch()
+    # every token of positive covariance here is ratio-clipped already: the band reaches below 0
+    knobs = dict(clip_cov_ratio=0.2, clip_cov_lb=-0.7, clip_cov_ub=5.0)
+    mask, sequences = b["mask"], Sequences.one_per_row(b["mask"])
+    cut = set()
+    for seed in range(4):
+        ours = _ours(b, "token_mean", policy_loss="clip_cov", selection_seed=seed, **knobs)
+        _assert_same(ours, _peer(b, lambda lp, bb, seed=seed: _verl_clip_cov(lp, bb, 0.2, -0.7, 5.0, seed)))
+        clipped = {
+            loss: grpo_token_loss(
+                b["logp"],
+                b["old"],
+                b["adv"][:, None],
+                eps_low=EPS_LOW,
+                eps_high=EPS_HIGH,
+                policy_loss=loss,
+                sequences=sequences,
+                selection_seed=seed,
+                **knobs,
+            )["clipped"]
+            * mask
+            for loss in ("ppo_clip", "clip_cov")
+        }
+        # int(0.2 * 14) = 2 more tokens without a policy gradient than ppo_clip leaves
+        extra = (clipped["clip_cov"] - clipped["ppo_clip"]).nonzero()
+        assert len(extra) == 2
+        cut.add(str(extra.tolist()))
+    assert len(cut) > 1  # the seed chooses which
+    again = _ours(b, "token_mean", policy_loss="clip_cov", selection_seed=3, **knobs)
+    assert torch.equal(again[1], ours[1])
+
+
+def test_the_learners_draw_follows_the_micro_batch_and_the_pass():
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    assert selection_seed({"input_ids": ids}, 0) == selection_seed({"input_ids": ids.clone()}, 0)  # any rank
+    assert selection_seed({"input_ids": ids}, 0) != selection_seed({"input_ids": ids}, 1)  # each pass anew
+    assert selection_seed({"input_ids": ids}, 0) != selection_seed({"input_ids": ids.flip(0)}, 0)
 
 
 def _trl_dapo_top_entropy(logp, entropy, b, quantile, beta, coef):
@@ -668,6 +733,7 @@ OPTIONS = [
     ["grpo.advantage=reinforce_pp_baseline"],
     ["grpo.epochs=2", "grpo.mask_truncated=true"],
     ["grpo.policy_loss=kl_cov", "grpo.kl_cov_ratio=0.1"],
+    ["grpo.policy_loss=clip_cov", "grpo.clip_cov_ratio=0.1", "grpo.clip_cov_lb=-10"],
     ["grpo.top_entropy_quantile=0.2", "grpo.share_prompt=false", "grpo.micro_batch_size=3"],
 ]
 

@@ -176,6 +176,16 @@ def test_tis_floor_lies_below_the_cap_when_importance_sampling_is_on(floor, cap,
     )
 
 
+def test_the_clip_cov_band_must_be_open():
+    [p] = problems("grpo.policy_loss=clip_cov", "grpo.clip_cov_lb=2", "grpo.clip_cov_ub=2")
+    assert p == (
+        "grpo.clip_cov_lb = 2.0: must be below grpo.clip_cov_ub (2.0), or no token's covariance lies between them "
+        "and nothing is cut"
+    )
+    assert problems("grpo.clip_cov_lb=2", "grpo.clip_cov_ub=2") == []  # not read by the default ppo_clip
+    assert problems("grpo.policy_loss=clip_cov", "grpo.clip_cov_lb=-1") == []
+
+
 def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zero_cap():
     [p] = problems(
         "rollout.dynamic_sampling=true", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml"

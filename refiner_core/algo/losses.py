@@ -114,6 +114,10 @@ class SurrogateParams:
     sapo_tau_neg: float | None
     kl_cov_ratio: float | None = None
     kl_cov_coef: float | None = None
+    clip_cov_ratio: float | None = None
+    clip_cov_lb: float | None = None
+    clip_cov_ub: float | None = None
+    selection_seed: int | None = None  # clip_cov's draw; the learner derives it from the micro-batch and pass
 
     def needed(self, *names: str) -> None:
         if missing := [n for n in names if getattr(self, n) is None]:
@@ -214,6 +218,36 @@ def kl_cov(
     return torch.where(penalised, pg + p.kl_cov_coef * log_ratio.abs(), pg), penalised.to(pg.dtype)
 
 
+def clip_cov(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
+    """Clip-Cov (Cui et al. 2025, the paper of kl_cov): ppo_clip, then the policy term of max(1, int(clip_cov_ratio
+    * trained tokens)) tokens is cut (loss and gradient 0; they stay in the aggregation's denominator), drawn
+    uniformly among the micro-batch's trained, unclipped tokens whose covariance (A - mean A)(logp - mean logp),
+    means over the trained tokens, lies in (clip_cov_lb, clip_cov_ub). verl `clip_cov` (clip_cov_ratio,
+    clip_cov_lb, clip_cov_ub), also per micro-batch; verl draws from the global generator, ours from one seeded
+    with `selection_seed`, so a rerun draws the same tokens. The clipped indicator marks every token without a
+    policy gradient: ratio-clipped or cut."""
+    p.needed("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "selection_seed")
+    if sequences is None:
+        raise ValueError("policy_loss 'clip_cov' needs the batch's sequences")
+    pg, clipped = ppo_clip(logp, old_logp, advantages, p, sequences)
+    trained = sequences.mask > 0
+    if not trained.any():
+        return pg, clipped
+    adv = advantages.expand_as(logp).detach()
+    lp = logp.detach()
+    covariance = (adv - adv[trained].mean()) * (lp - lp[trained].mean())
+    band = trained & (clipped == 0) & (covariance > p.clip_cov_lb) & (covariance < p.clip_cov_ub)
+    candidates = band.flatten().nonzero().squeeze(-1)  # row-major, as verl's torch.nonzero
+    count = max(int(p.clip_cov_ratio * trained.sum().item()), 1)
+    draw = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(p.selection_seed))
+    cut = torch.zeros(logp.numel(), dtype=torch.bool, device=logp.device)
+    cut[candidates[draw[:count].to(candidates.device)]] = True
+    cut = cut.view_as(logp)
+    return torch.where(cut, torch.zeros_like(pg), pg), torch.maximum(clipped, cut.to(clipped.dtype))
+
+
 POLICY_LOSSES: dict[
     str, Callable[[Tensor, Tensor, Tensor, SurrogateParams, Sequences | None], tuple[Tensor, Tensor]]
 ] = {
@@ -223,6 +257,7 @@ POLICY_LOSSES: dict[
     "cispo": cispo,
     "sapo": sapo,
     "kl_cov": kl_cov,
+    "clip_cov": clip_cov,
 }
 
 
@@ -341,6 +376,10 @@ def grpo_token_loss(
     entropy_coef: float = 0.0,
     kl_cov_ratio: float | None = None,
     kl_cov_coef: float | None = None,
+    clip_cov_ratio: float | None = None,
+    clip_cov_lb: float | None = None,
+    clip_cov_ub: float | None = None,
+    selection_seed: int | None = None,
     policy_tokens: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-token GRPO loss on [B, T] tensors; advantages are per token ([B, T], each token carries its own
@@ -355,7 +394,19 @@ def grpo_token_loss(
     their one default is the recipe's (config.GRPOConfig), and a term switched on without its knob is an error.
     """
     ratio = torch.exp(logp - old_logp)
-    params = SurrogateParams(eps_low, eps_high, dual_clip_c, sapo_tau_pos, sapo_tau_neg, kl_cov_ratio, kl_cov_coef)
+    params = SurrogateParams(
+        eps_low,
+        eps_high,
+        dual_clip_c,
+        sapo_tau_pos,
+        sapo_tau_neg,
+        kl_cov_ratio,
+        kl_cov_coef,
+        clip_cov_ratio,
+        clip_cov_lb,
+        clip_cov_ub,
+        selection_seed,
+    )
     pg, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, params, sequences)
     if is_weights is not None:
         pg = pg * is_weights

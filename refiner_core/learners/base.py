@@ -67,6 +67,9 @@ class LearnerSettings:
     entropy_coef: float
     kl_cov_ratio: float
     kl_cov_coef: float
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
     top_entropy_quantile: float
     tis_level: str
     tis_mode: str
@@ -91,6 +94,10 @@ class LearnerSettings:
             raise ValueError(f"sapo temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
         if self.policy_loss == "kl_cov" and not 0 < self.kl_cov_ratio <= 1:
             raise ValueError(f"kl_cov_ratio must be in (0, 1], got {self.kl_cov_ratio}")
+        if self.policy_loss == "clip_cov" and not 0 < self.clip_cov_ratio <= 1:
+            raise ValueError(f"clip_cov_ratio must be in (0, 1], got {self.clip_cov_ratio}")
+        if self.policy_loss == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb must be below clip_cov_ub, got {self.clip_cov_lb} >= {self.clip_cov_ub}")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         if self.tis_floor < 0 or (self.tis_cap > 0 and self.tis_floor > self.tis_cap):

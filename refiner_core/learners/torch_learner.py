@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -23,6 +24,12 @@ from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
 from refiner_core.models import Adapter, release_gpu_cache
 from refiner_core.runtime.progress import progress_bar
+
+
+def selection_seed(batch: dict[str, torch.Tensor], pass_index: int) -> int:
+    """The seed of a random token choice in the loss (clip_cov): from the micro-batch's tokens and the pass over
+    the rollout batch, so every rank and every rerun draws the same, and each pass draws anew."""
+    return zlib.crc32(batch["input_ids"].cpu().numpy().tobytes(), pass_index)
 
 
 class TorchLearner:
@@ -104,7 +111,8 @@ class TorchLearner:
         # (index of its first micro-batch in `flat`, micro-batches, normalisers) per optimizer step, every pass
         firsts = itertools.accumulate((len(step) for step in layout), initial=0)
         optimizer_steps = list(zip(firsts, layout, normalisers)) * s.epochs
-        for first, step, (step_tokens, step_sequences) in optimizer_steps:
+        for n, (first, step, (step_tokens, step_sequences)) in enumerate(optimizer_steps):
+            pass_index = n // len(layout)
             self._zero_grad()
             for k, batch in enumerate(step, start=first):
                 # token entropies only when the loss reads them: one more reduction over the logits
@@ -146,6 +154,10 @@ class TorchLearner:
                     entropy_coef=s.entropy_coef,
                     kl_cov_ratio=s.kl_cov_ratio,
                     kl_cov_coef=s.kl_cov_coef,
+                    clip_cov_ratio=s.clip_cov_ratio,
+                    clip_cov_lb=s.clip_cov_lb,
+                    clip_cov_ub=s.clip_cov_ub,
+                    selection_seed=selection_seed(batch, pass_index) if s.policy_loss == "clip_cov" else None,
                     policy_tokens=policy_tokens,
                 )
                 weights = aggregate(mask, batch["sequence_tokens"], step_tokens, step_sequences, s.loss_constant)
