@@ -386,6 +386,14 @@ class RolloutConfig:
         check=Check(lambda v: 0 <= v < 1, "must be in [0, 1)"),
         read_by=("rollout", "eval_rollout"),
     )
+    repetition_penalty: float = opt(
+        1.0,
+        "Divide the logit of every token already in the prompt or the response by this where positive, multiply "
+        "where negative, before the temperature (> 1 discourages repeats; 1 = off; held-out greedy decoding too). "
+        "The rollout log-probs are of the penalised distribution, the learner's are not (grpo.tis_cap weighs it).",
+        check=POSITIVE,
+        read_by=("rollout", "eval_rollout"),
+    )
     max_new_tokens: int = opt(
         256,
         "Response length limit; hitting it gives finish_reason 'length'.",

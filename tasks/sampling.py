@@ -75,6 +75,7 @@ def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:
         top_p=rollout_cfg["top_p"],
         top_k=rollout_cfg["top_k"],
         min_p=rollout_cfg["min_p"],
+        repetition_penalty=rollout_cfg["repetition_penalty"],
         max_new_tokens=rollout_cfg["max_new_tokens"],
         stop=tuple(rollout_cfg["stop"]),
         seed=seed,

@@ -153,14 +153,22 @@ def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
     return query(run_dir / "catalog.duckdb", sql)[1]
 
 
-def truncated_sampling_gaps(model, prompts, gens, temperature: float, top_k: int = 0, min_p: float = 0.0):
-    """For generations sampled with top_k or min_p: (tokens sampled outside the truncated distribution of the model's
-    tempered logits, max |engine log-prob - the token's log-prob renormalised over the kept tokens|)."""
+def sampling_gaps(
+    model, prompts, gens, temperature: float, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0
+):
+    """For generations sampled with top_k, min_p or a repetition penalty: (tokens sampled outside the truncated
+    distribution, max |engine log-prob - the token's log-prob under the processed distribution|), computed from the
+    model's logits: each token already in the prompt or the response so far has its logit divided by the penalty
+    (multiplied where negative), then the temperature, then the truncation, renormalised over the kept tokens."""
     outside, gap = 0, 0.0
     for g in gens:
         prompt = prompts[g.prompt_index]
         with torch.no_grad():
             logits = model(torch.tensor([prompt + g.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+        for t in range(len(g.token_ids)):
+            seen = torch.tensor(sorted(set(prompt + g.token_ids[:t])))
+            row = logits[t, seen]
+            logits[t, seen] = torch.where(row < 0, row * repetition_penalty, row / repetition_penalty)
         logp = torch.log_softmax(logits / temperature, -1)
         keep = torch.ones_like(logp, dtype=torch.bool)
         if top_k:

@@ -63,6 +63,8 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     assert "(AdamW, cosine to 0.1x by step 2 after 1 warmup steps, weight decay" in scheduled
     assert "| sampling | temperature 1.0, top_p 1.0, engine hf |" in card
     assert "| sampling | temperature 1.0, top_p 1.0, top_k 20, engine hf |" in _card(["rollout.top_k=20"])
+    penalised = _card(["rollout.repetition_penalty=1.1", "rollout.min_p=0.05"])
+    assert "| sampling | temperature 1.0, top_p 1.0, min_p 0.05, repetition_penalty 1.1, engine hf |" in penalised
     embedded = yaml.safe_load(changed.split("```yaml\n", 1)[1].split("```", 1)[0])
     assert embedded["grpo"]["beta"] == 0.05  # the reproduce section's recipe is the resolved one
 

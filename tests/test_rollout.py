@@ -6,15 +6,16 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
-from conftest import truncated_sampling_gaps
+from conftest import sampling_gaps
 from refiner_core.config import JudgeConfig
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
 from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.models import load_model
-from refiner_core.rollout.base import SamplingParams, first_stop
-from refiner_core.rollout.hf_engine import HFRolloutEngine
+from refiner_core.rollout.base import SamplingParams, first_stop, left_padded
+from refiner_core.rollout.hf_engine import HFRolloutEngine, RepetitionPenalty
 
 
 def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer):
@@ -51,10 +52,29 @@ def test_top_k_and_min_p_sample_inside_the_truncated_distribution_and_report_its
     prompts = [tiny_tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]]
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=12, seed=5)
     gens = engine.generate(prompts, dataclasses.replace(params, **truncation))
-    outside, gap = truncated_sampling_gaps(model, prompts, gens, 0.7, **truncation)
+    outside, gap = sampling_gaps(model, prompts, gens, 0.7, **truncation)
     assert outside == 0 and gap < 2e-4, (outside, gap)
     # the random model's flat distribution: untruncated samples fall outside it
-    assert truncated_sampling_gaps(model, prompts, engine.generate(prompts, params), 0.7, **truncation)[0] > 0
+    assert sampling_gaps(model, prompts, engine.generate(prompts, params), 0.7, **truncation)[0] > 0
+
+
+def test_repetition_penalty_reports_the_penalised_logprobs_and_ignores_left_padding(tiny_model_path, tiny_tokenizer):
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
+    short = tiny_tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    prompts = [short, short[:2] + short]  # batched together: the shorter one is left-padded
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=5, repetition_penalty=3.0)
+    gens = engine.generate(prompts, params)
+    outside, gap = sampling_gaps(model, prompts, gens, 0.7, repetition_penalty=3.0)
+    assert outside == 0 and gap < 2e-4, gap
+    assert sampling_gaps(model, prompts, gens, 0.7)[1] > 10 * 2e-4  # the penalty changed the distribution
+    # transformers' own penalty, on the padded row, would also count the pad tokens
+    scores = torch.randn(2, 50)
+    ids, attention = left_padded([[7, 3, 7], [5, 9, 3, 1]], pad_id=1)
+    ours = RepetitionPenalty(1.5, attention)(ids, scores.clone())
+    for row, real in enumerate([[7, 3, 7], [5, 9, 3, 1]]):
+        theirs = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([real]), scores[row : row + 1].clone())
+        assert torch.equal(ours[row : row + 1], theirs)
 
 
 def test_same_seed_same_samples(tiny_model_path, tiny_tokenizer):

@@ -153,6 +153,7 @@ def test_the_inputs_cut_what_the_stages_read():
         "top_p",
         "top_k",
         "min_p",
+        "repetition_penalty",
         "max_new_tokens",
         "stop",
         "agent",

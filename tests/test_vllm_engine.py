@@ -14,7 +14,7 @@ import torch
 
 pytestmark = pytest.mark.slow  # ~40 s for the engine tests, ~60 s more for the pipeline run on 2 CPU cores
 
-from conftest import truncated_sampling_gaps, vllm_logprob_gap  # noqa: E402
+from conftest import sampling_gaps, vllm_logprob_gap  # noqa: E402
 from refiner_core.config import EngineSettings  # noqa: E402
 from refiner_core.learners.base import TrainSample  # noqa: E402
 from refiner_core.learners.batching import collate  # noqa: E402
@@ -118,9 +118,20 @@ def test_top_k_and_min_p_sample_inside_the_truncated_distribution(engine, prompt
     model = load_model(tiny_model_path)
     params = SamplingParams(n=4, temperature=0.7, max_new_tokens=12, seed=5)
     gens = engine.generate(prompts, dataclasses.replace(params, **truncation))
-    outside, gap = truncated_sampling_gaps(model, prompts, gens, 0.7, **truncation)
+    outside, gap = sampling_gaps(model, prompts, gens, 0.7, **truncation)
     assert outside == 0 and gap < FP32_LOGPROB_TOL, (outside, gap)
-    assert truncated_sampling_gaps(model, prompts, engine.generate(prompts, params), 0.7, **truncation)[0] > 0
+    assert sampling_gaps(model, prompts, engine.generate(prompts, params), 0.7, **truncation)[0] > 0
+
+
+def test_repetition_penalty_reports_the_penalised_logprobs(engine, prompts, tiny_model_path):
+    """As the hf engine's: the prompt's and the response's tokens penalised before the temperature."""
+    model = load_model(tiny_model_path)
+    gens = engine.generate(
+        prompts, SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=5, repetition_penalty=3.0)
+    )
+    outside, gap = sampling_gaps(model, prompts, gens, 0.7, repetition_penalty=3.0)
+    assert outside == 0 and gap < FP32_LOGPROB_TOL, gap
+    assert sampling_gaps(model, prompts, gens, 0.7)[1] > 10 * FP32_LOGPROB_TOL  # the penalty is in effect
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

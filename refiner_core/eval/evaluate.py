@@ -30,6 +30,7 @@ class EvalSettings:
     top_p: float
     top_k: int
     min_p: float
+    repetition_penalty: float
     pass_k: int
     pass_rubric_score: float
     max_new_tokens: int
@@ -37,10 +38,17 @@ class EvalSettings:
 
     @classmethod
     def from_config(
-        cls, eval: EvalConfig, top_p: float, top_k: int, min_p: float, max_new_tokens: int, stop: Sequence[str]
+        cls,
+        eval: EvalConfig,
+        top_p: float,
+        top_k: int,
+        min_p: float,
+        repetition_penalty: float,
+        max_new_tokens: int,
+        stop: Sequence[str],
     ) -> EvalSettings:
-        """The eval section's settings, sampling with the rollout section's top_p, top_k, min_p, stop strings and
-        (unless eval.max_new_tokens sets its own) length limit."""
+        """The eval section's settings, sampling with the rollout section's top_p, top_k, min_p, repetition penalty
+        (greedy decoding too), stop strings and (unless eval.max_new_tokens sets its own) length limit."""
         return cls(
             prompts=eval.prompts,
             greedy=eval.greedy,
@@ -49,6 +57,7 @@ class EvalSettings:
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
+            repetition_penalty=repetition_penalty,
             pass_k=eval.pass_k or eval.samples,
             pass_rubric_score=eval.pass_rubric_score,
             max_new_tokens=eval.max_new_tokens or max_new_tokens,
@@ -60,7 +69,12 @@ class EvalSettings:
         modes = {}
         if self.greedy:
             modes["greedy"] = SamplingParams(
-                n=1, temperature=0.0, max_new_tokens=self.max_new_tokens, stop=self.stop, seed=seed
+                n=1,
+                temperature=0.0,
+                repetition_penalty=self.repetition_penalty,
+                max_new_tokens=self.max_new_tokens,
+                stop=self.stop,
+                seed=seed,
             )
         if self.samples:
             modes["sampled"] = SamplingParams(
@@ -69,6 +83,7 @@ class EvalSettings:
                 top_p=self.top_p,
                 top_k=self.top_k,
                 min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
                 max_new_tokens=self.max_new_tokens,
                 stop=self.stop,
                 seed=seed,

@@ -17,6 +17,8 @@ from refiner_core.config import moved_to_sections
 
 MODEL_CARD = "README.md"
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe a run writes into its folder (flows/run_folder.py)
+# Sampling settings the card names only where the recipe sets them: their value when off.
+SAMPLING_OFF = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 # Model specs with a known Hub origin: (base_model id, license).
 KNOWN_BASES = {
@@ -199,7 +201,7 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         (
             "sampling",
             f"temperature {rollout['temperature']}, top_p {rollout['top_p']}"
-            + "".join(f", {k} {rollout[k]}" for k in ("top_k", "min_p") if rollout.get(k))  # set, in this recipe
+            + "".join(f", {k} {rollout[k]}" for k, off in SAMPLING_OFF.items() if rollout.get(k, off) != off)
             + f", engine {rollout['engine']}",
         ),
         ("precision", f"{model['precision']} (weights {model['dtype']})"),

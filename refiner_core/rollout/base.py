@@ -20,6 +20,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int = 0

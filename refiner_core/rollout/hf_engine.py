@@ -11,6 +11,26 @@ from refiner_core.rollout.base import Generation, SamplingParams, first_stop, fr
 from refiner_core.runtime.progress import progress_bar
 
 
+class RepetitionPenalty:
+    """A logits processor: the logit of every token already in the sequence (prompt and response so far) divided
+    by `penalty` where positive, multiplied where negative, as transformers' `repetition_penalty` and vLLM's. Unlike
+    transformers' own, the left padding of a batch is not counted: a row's penalties do not depend on the rows
+    batched with it (the pad token may be the end-of-sequence token)."""
+
+    def __init__(self, penalty: float, attention):
+        self.penalty = penalty
+        self.pads = (attention == 0).sum(1, keepdim=True)  # left padding per row
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        # a padded position stands for the row's first real token: already counted, it adds nothing
+        ids = torch.where(positions < self.pads, input_ids.gather(1, self.pads), input_ids)
+        seen = scores.gather(1, ids)
+        return scores.scatter(1, ids, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
+
+
 @dataclass
 class HFRolloutEngine:
     """transformers `generate`, left-padded batches; log-probs come from the processed (tempered) scores."""
@@ -53,6 +73,9 @@ class HFRolloutEngine:
                     top_p=params.top_p if sample and params.top_p < 1.0 else None,
                     top_k=params.top_k if sample else None,  # 0: off (transformers' default would be 50)
                     min_p=params.min_p if sample and params.min_p > 0 else None,
+                    logits_processor=[RepetitionPenalty(params.repetition_penalty, attention)]
+                    if params.repetition_penalty != 1.0
+                    else None,
                     max_new_tokens=params.max_new_tokens,
                     stop_strings=list(params.stop) or None,
                     tokenizer=self.tokenizer if params.stop else None,

@@ -137,6 +137,7 @@ class VLLMRolloutEngine:
                 top_p=params.top_p if sample else 1.0,
                 top_k=params.top_k if sample else 0,  # 0: off
                 min_p=params.min_p if sample else 0.0,
+                repetition_penalty=params.repetition_penalty,
                 max_tokens=params.max_new_tokens,
                 stop=list(params.stop) or None,
                 include_stop_str_in_output=True,  # the token completing the stop string stays, as with hf
