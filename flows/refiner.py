@@ -41,7 +41,7 @@ from tasks.sampling import refill_prompts
 from tasks.sft import prepare_sft, sft_train
 from tasks.stage import Stage, Submitted, settles_submitted_stages
 from tasks.teacher import teacher_rollout, teacher_update
-from tasks.update import grpo_update
+from tasks.update import grpo_update, sync_reference
 
 
 def _flow_run_name() -> str:
@@ -169,6 +169,7 @@ class StepState:
     sampled_ahead: dict[int, Submitted] = field(default_factory=dict)
     anchors: dict | None = None
     taught: dict | None = None  # this step's teacher rollouts
+    reference: dict | None = None  # the KL reference after its last move (grpo.ref_sync_every); None: run.reference
 
 
 def open_run(recipe: dict, run_dir: str) -> RunContext:
@@ -396,11 +397,22 @@ def train_rewards(scores: list[dict]) -> list[dict]:
     return [r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"]
 
 
+def syncs_reference(run: RunContext, step: int) -> bool:
+    """grpo.ref_sync_every: whether the KL reference moves toward the policy after update `step`."""
+    every = run.cfg.grpo.ref_sync_every
+    return every > 0 and (step + 1) % every == 0
+
+
 def saves_checkpoint(run: RunContext, step: int) -> bool:
-    """run.save_every: steps in between keep their weights in the live learner; the EMA teacher and an eval read
-    the policy's checkpoint, and the last step's is the run's result."""
+    """run.save_every: steps in between keep their weights in the live learner; the EMA teacher, a reference sync
+    and an eval read the policy's checkpoint, and the last step's is the run's result."""
     cfg = run.cfg
-    return run.teaching or (step + 1) % cfg.run.save_every == 0 or step + 1 in (cfg.grpo.steps, *run.eval_at)
+    return (
+        run.teaching
+        or syncs_reference(run, step)
+        or (step + 1) % cfg.run.save_every == 0
+        or step + 1 in (cfg.grpo.steps, *run.eval_at)
+    )
 
 
 def update(run: RunContext, state: StepState, step: int, rolled: list[dict], scored: list[dict]) -> dict:
@@ -413,7 +425,7 @@ def update(run: RunContext, state: StepState, step: int, rolled: list[dict], sco
         rollouts=rolled,
         scores=scored,
         policy=state.policy,
-        reference=run.reference,
+        reference=state.reference or run.reference,
         grpo_cfg=run.inputs.update,
         lora=run.inputs.lora,
         temperature=cfg.rollout.temperature,
@@ -427,6 +439,17 @@ def update(run: RunContext, state: StepState, step: int, rolled: list[dict], sco
     state.step_costs.append(sum(usage_cost(m["judge_usage"], cfg.judge) for m in scored))
     if ahead and step + 1 + ahead < cfg.grpo.steps:
         sample_ahead(run, state, step + 1 + ahead)
+    if syncs_reference(run, step):
+        synced = run.stage(sync_reference)(
+            run_dir=run.dir,
+            run=run.name,
+            step=step,
+            reference=state.reference or run.reference,
+            policy=state.policy,
+            alpha=cfg.grpo.ref_mixup_alpha,
+        )
+        state.reference = synced["reference"]
+        run.manifests.append(synced)
     if run.teaching:
         moved = run.stage(teacher_update)(
             run_dir=run.dir,

@@ -829,6 +829,22 @@ class GRPOConfig:
         "kN+ = kN's value with k2's gradient (verl's straight-through). docs/grpo.md.",
     )
     kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.", check=POSITIVE)
+    ref_sync_every: int = opt(
+        0,
+        "Every this many GRPO steps, after the update, the KL reference moves toward the policy: reference <- "
+        "ref_mixup_alpha * policy + (1 - ref_mixup_alpha) * reference, a checkpoint folder of its own "
+        "(RUN_DIR/reference/step_NNNN, table reference_syncs) that the later steps' KL reads. 0 = the reference "
+        "stays frozen. Needs beta > 0, full weights (no LoRA). TRL counts its ref_model_sync_steps in optimizer steps.",
+        check=NON_NEGATIVE,
+        read_by=FLOW,
+    )
+    ref_mixup_alpha: float = opt(
+        0.6,
+        "grpo.ref_sync_every: the policy's weight in the new reference (1 = the reference becomes the policy, a "
+        "reference reset).",
+        check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        read_by=FLOW,
+    )
     clip_eps_low: float = opt(0.2, "Lower ratio clip: rho >= 1 - eps_low.", check=NON_NEGATIVE)
     clip_eps_high: float = opt(
         0.2,

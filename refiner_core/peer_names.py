@@ -61,6 +61,9 @@ PEER_NAMES: dict[str, PeerName] = {
     "kl_loss_coef": PeerName("verl", "grpo.beta"),
     "kl_coef": PeerName("verl", "grpo.beta", "verl's kl_ctrl.kl_coef puts KL in the reward; ours is a loss term"),
     "use_kl_loss": PeerName("verl", "grpo.beta", "0 = no KL term and no reference model"),
+    "sync_ref_model": PeerName("TRL", "grpo.ref_sync_every", "> 0 turns it on: every that many GRPO steps"),
+    "ref_model_sync_steps": PeerName("TRL", "grpo.ref_sync_every", "ours counts GRPO steps, TRL optimizer steps"),
+    "ref_model_mixup_alpha": PeerName("TRL", "grpo.ref_mixup_alpha"),
     "kl_loss_type": PeerName("verl", "grpo.kl_estimator", "kl = k1, mse = k2, low_var_kl = k3"),
     "scale_rewards": PeerName(
         "TRL",

@@ -153,6 +153,17 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "full weights of each step's checkpoint, and LoRA checkpoints hold the adapter alone; set "
             "model.lora_save_merged=true"
         )
+    if cfg.grpo.ref_sync_every and not cfg.grpo.beta:
+        problems.append(
+            f"grpo.ref_sync_every = {cfg.grpo.ref_sync_every} moves the KL reference, and grpo.beta = 0 reads "
+            "none: set grpo.beta > 0, or grpo.ref_sync_every=0"
+        )
+    if cfg.grpo.ref_sync_every and cfg.model.lora_rank:
+        problems.append(
+            f"grpo.ref_sync_every = {cfg.grpo.ref_sync_every} with model.lora_rank: the KL reference is the "
+            "starting policy with the adapters switched off, and a moved reference would be a second copy of the "
+            "model; train full weights, or set grpo.ref_sync_every=0"
+        )
     if cfg.model.lora_rank and cfg.model.reference:
         problems.append(
             "model.lora_rank with model.reference set: the adapters sit on the starting policy, which "

@@ -723,6 +723,25 @@ TEACHER_UPDATES = Table(
     ),
 )
 
+REFERENCE_SYNCS = Table(
+    "reference_syncs",
+    "grpo.ref_sync_every: one row per move of the KL reference toward the policy, after the update of `step`.",
+    ("run", "step"),
+    (
+        _c("run", S, "Run name."),
+        _c(
+            "step",
+            I,
+            "GRPO step whose update was just written (policy step_{step+1}); the steps after it measure their KL "
+            "against the new reference.",
+        ),
+        _c("alpha", F, "grpo.ref_mixup_alpha: reference <- alpha * policy + (1 - alpha) * reference."),
+        _c("reference", S, "The new reference's checkpoint folder."),
+        _c("reference_hash", S, "Content hash of its weights."),
+        _c("previous", S, "The reference it replaced (at the first sync, the starting policy or model.reference)."),
+    ),
+)
+
 MONITOR_EVENTS = Table(
     "monitor_events",
     "One row per reward-hacking monitor that tripped at a step (refiner_core/publish/monitors.py; the figures of every "
@@ -878,6 +897,7 @@ ALL_TABLES: dict[str, Table] = {
         TURNS,
         TEACHER_ROLLOUTS,
         TEACHER_UPDATES,
+        REFERENCE_SYNCS,
         MONITOR_EVENTS,
         FORKS,
         JUDGE_CHECKS,

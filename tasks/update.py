@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
+from refiner_core.algo.ema import ema_checkpoint
 from refiner_core.algo.schedules import learning_rate_at
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
@@ -15,7 +16,7 @@ from refiner_core.publish.model_card import write_model_card
 from refiner_core.runtime import live_learner
 from refiner_core.runtime.identity import weights_hash
 from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, model_folder
-from refiner_core.schema import ADVANTAGES, STEPS
+from refiner_core.schema import ADVANTAGES, REFERENCE_SYNCS, STEPS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_table
@@ -175,6 +176,41 @@ def grpo_update(
         "policy": saved,
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
         "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
+    }
+
+
+@stage("reference-sync")
+def sync_reference(*, run_dir: str, run: str, step: int, reference: dict, policy: dict, alpha: float) -> dict:
+    """grpo.ref_sync_every, after update `step` (policy: checkpoint step+1): the KL reference <- alpha * policy +
+    (1 - alpha) * reference into RUN_DIR/reference/step_NNNN, the reference of the updates after it. One
+    reference_syncs row."""
+    done = step + 1
+    final = Path(run_dir) / "reference" / f"step_{done:04d}"
+    with atomic_dir(final) as build:
+        ema_checkpoint(Path(reference["path"]), Path(policy["path"]), alpha, build)
+        write_model_card(
+            build, run_dir, kind="reference", run=run, step=done, checkpoint=final, parent=reference["path"]
+        )
+    moved = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
+    get_run_logger().info(
+        "reference-sync step %d: KL reference <- %.3g * policy + %.3g * reference: %s",
+        step,
+        alpha,
+        1.0 - alpha,
+        final,
+    )
+    row = {
+        "run": run,
+        "step": step,
+        "alpha": alpha,
+        "reference": moved["path"],
+        "reference_hash": moved["hash"],
+        "previous": reference["path"],
+    }
+    path = Path(run_dir) / "reference_syncs" / f"step={step}" / "reference_syncs.parquet"
+    return {
+        "reference": moved,
+        "reference_syncs": {"path": str(path), "hash": write_table(REFERENCE_SYNCS, [row], path)},
     }
 
 

@@ -63,6 +63,11 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     assert "(AdamW, cosine to 0.1x by step 2 after 1 warmup steps, weight decay" in scheduled
     assert "| sampling | temperature 1.0, top_p 1.0, engine hf |" in card
     assert "| sampling | temperature 1.0, top_p 1.0, top_k 20, engine hf |" in _card(["rollout.top_k=20"])
+    moving = _card(["grpo.ref_sync_every=4"])
+    assert (
+        "| KL | kl_estimator k3, beta 0.001, reference = starting policy, moved toward the policy every 4 steps "
+        "(alpha 0.6) |" in moving
+    )
     penalised = _card(["rollout.repetition_penalty=1.1", "rollout.min_p=0.05"])
     assert "| sampling | temperature 1.0, top_p 1.0, min_p 0.05, repetition_penalty 1.1, engine hf |" in penalised
     embedded = yaml.safe_load(changed.split("```yaml\n", 1)[1].split("```", 1)[0])

@@ -186,6 +186,17 @@ def test_the_clip_cov_band_must_be_open():
     assert problems("grpo.policy_loss=clip_cov", "grpo.clip_cov_lb=-1") == []
 
 
+def test_a_moving_reference_needs_a_kl_term_and_full_weights():
+    assert problems("grpo.ref_sync_every=4") == []
+    [p] = problems("grpo.ref_sync_every=4", "grpo.beta=0")
+    assert p == (
+        "grpo.ref_sync_every = 4 moves the KL reference, and grpo.beta = 0 reads none: set grpo.beta > 0, or "
+        "grpo.ref_sync_every=0"
+    )
+    [p] = problems("grpo.ref_sync_every=4", "model.lora_rank=8")
+    assert p.startswith("grpo.ref_sync_every = 4 with model.lora_rank: the KL reference is the starting policy")
+
+
 def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zero_cap():
     [p] = problems(
         "rollout.dynamic_sampling=true", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml"

@@ -87,6 +87,8 @@ def test_a_flow_only_setting_is_in_no_stage_input_and_every_other_is_in_one():
     assert {name for name, _ in flow_only} == {
         "grpo.steps",
         "grpo.async_steps",
+        "grpo.ref_sync_every",
+        "grpo.ref_mixup_alpha",
         "eval.every",
         "judge.price_per_mtok_in",
         "judge.price_per_mtok_out",

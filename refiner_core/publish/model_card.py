@@ -28,6 +28,7 @@ KINDS = {
     "grpo": "GRPO policy checkpoint",
     "sft": "SFT warm-start checkpoint (the GRPO starting point)",
     "teacher": "EMA teacher checkpoint (Co-rewarding-II: teacher <- alpha * policy + (1 - alpha) * teacher)",
+    "reference": "KL reference checkpoint (grpo.ref_sync_every: reference <- alpha * policy + (1 - alpha) * reference)",
 }
 
 
@@ -178,7 +179,12 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         (
             "KL",
             f"kl_estimator {grpo['kl_estimator']}, beta {grpo['beta']}"
-            + (f", reference {model['reference']}" if model["reference"] else ", reference = starting policy"),
+            + (f", reference {model['reference']}" if model["reference"] else ", reference = starting policy")
+            + (
+                f", moved toward the policy every {grpo['ref_sync_every']} steps (alpha {grpo['ref_mixup_alpha']})"
+                if grpo.get("ref_sync_every")
+                else ""
+            ),
         ),
         ("clip eps (low / high)", f"{grpo['clip_eps_low']} / {grpo['clip_eps_high']}"),
         ("loss_aggregation", grpo["loss_aggregation"]),

@@ -1,0 +1,40 @@
+"""grpo.ref_sync_every: the KL reference moves toward the policy after every N-th update, as TRL's sync_ref_model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import catalog_rows, run_cli
+
+# ref_mixup_alpha 1: the reference becomes the policy, so the next update's KL is exactly 0 where it reads it
+SYNCED = ["grpo.ref_sync_every=1", "grpo.ref_mixup_alpha=1", "grpo.beta=0.05", "grpo.learning_rate=1e-2"]
+
+
+def test_the_reference_follows_the_policy_and_a_longer_run_continues_from_the_last_one(tmp_path):
+    run_dir = tmp_path / "tiny"
+    args = ["run", "recipes/tiny.yaml", "--run-dir", str(run_dir), *[x for o in SYNCED for x in ("--set", o)]]
+    code, out, err, _ = run_cli(args, tmp_path)
+    assert code == 0, (out, err)
+    syncs = catalog_rows(run_dir, "SELECT step, alpha, reference, previous FROM reference_syncs ORDER BY step")
+    assert [(s, a, Path(r).relative_to(run_dir).as_posix()) for s, a, r, _ in syncs] == [
+        (0, 1.0, "reference/step_0001"),
+        (1, 1.0, "reference/step_0002"),
+    ]
+    assert syncs[1][3] == syncs[0][2]  # each sync moves the last one
+    for step in (1, 2):
+        reference = load_file(run_dir / "reference" / f"step_{step:04d}" / "model.safetensors")
+        policy = load_file(run_dir / "checkpoints" / f"step_{step:04d}" / "model.safetensors")
+        assert reference.keys() == policy.keys() and all(torch.equal(reference[k], policy[k]) for k in policy)
+    # step 1's update measured its KL against the policy it started from
+    assert catalog_rows(run_dir, "SELECT step, kl FROM steps ORDER BY step") == [(0, 0.0), (1, 0.0)]
+
+    # one step more, keeping one checkpoint: steps 0-1 Cached, step 2 reads the reference step 1 moved
+    code, out, err, _ = run_cli([*args, "--set", "grpo.steps=3", "--set", "run.keep_last=1"], tmp_path)
+    assert code == 0, (out, err)
+    for name in ("grpo-update[step=1]", "reference-sync[step=0]", "reference-sync[step=1]"):
+        assert f"Task run '{name}' - Finished in state Cached" in err, name
+    assert catalog_rows(run_dir, "SELECT kl FROM steps WHERE step = 2") == [(0.0,)]
+    assert sorted(p.name for p in (run_dir / "reference").glob("step_*")) == ["step_0003"]
