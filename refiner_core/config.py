@@ -821,11 +821,12 @@ class GRPOConfig:
     beta: float = opt(
         0.001, "KL coefficient against the frozen reference (0 = no reference model is loaded).", check=NON_NEGATIVE
     )
-    kl_estimator: Literal["k1", "k2", "k3", "ratio_k1", "k1+", "k2+", "k3+"] = opt(
+    kl_estimator: Literal["k1", "k2", "k3", "ratio_k1", "ratio_k3", "k1+", "k2+", "k3+"] = opt(
         "k3",
         "Per-token KL estimator, d = logpi - logpi_ref: k1 = d (expected gradient 0), k2 = d^2/2 (gradient of "
         "KL(pi||ref)), k3 = exp(-d) - 1 + d (gradient of KL(ref||pi)), ratio_k1 = rho*d with rho = pi/pi_old in the "
         "graph (gradient of KL(pi||ref) on- and off-policy; earlier versions detached rho, which pulled nowhere), "
+        "ratio_k3 = rho*k3, rho in the graph (the same gradient; TRL use_bias_correction_kl), "
         "kN+ = kN's value with k2's gradient (verl's straight-through). docs/grpo.md.",
     )
     kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.", check=POSITIVE)
@@ -920,12 +921,12 @@ class GRPOConfig:
         "G - 1 (sample std, as verl and Co-rewarding); a one-member group has std 0 either way.",
     )
     advantage_eps: float = opt(1e-4, "Added to the std before dividing.", check=NON_NEGATIVE)
-    loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant"] = opt(
+    loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant", "sequence_sum"] = opt(
         "token_mean",
         "How per-token losses become one number: sum / tokens (TRL dapo, verl token-mean), mean of "
-        "per-sequence means (TRL grpo, verl seq-mean-token-mean), or sum / (sequences x loss_constant) (Dr.GRPO, TRL "
-        "dr_grpo; not verl seq-mean-token-sum-norm, which divides by the constant alone); counts are those of the "
-        "optimizer step.",
+        "per-sequence means (TRL grpo, verl seq-mean-token-mean), sum / (sequences x loss_constant) (Dr.GRPO, TRL "
+        "dr_grpo; not verl seq-mean-token-sum-norm, which divides by the constant alone), or sum / sequences (TRL "
+        "luspo with policy_loss gspo, verl seq-mean-token-sum); counts are those of the optimizer step.",
     )
     loss_constant: float = opt(
         1024.0, "Per-sequence divisor for 'sum_constant' (Dr.GRPO uses the max response length).", check=POSITIVE

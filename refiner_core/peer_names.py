@@ -48,10 +48,13 @@ PEER_NAMES: dict[str, PeerName] = {
     "loss_type": PeerName(
         "TRL",
         "grpo.loss_aggregation",
-        "dapo = token_mean, grpo = sequence_mean, dr_grpo = sum_constant; cispo and sapo are grpo.policy_loss",
+        "dapo = token_mean, grpo = sequence_mean, dr_grpo = sum_constant, luspo = sequence_sum (with "
+        "grpo.policy_loss gspo); cispo, sapo and vespo are grpo.policy_loss",
     ),
     "loss_agg_mode": PeerName(
-        "verl", "grpo.loss_aggregation", "token-mean = token_mean, seq-mean-token-mean = sequence_mean"
+        "verl",
+        "grpo.loss_aggregation",
+        "token-mean = token_mean, seq-mean-token-mean = sequence_mean, seq-mean-token-sum = sequence_sum",
     ),
     "loss_mode": PeerName("verl", "grpo.policy_loss", "vanilla = dual_clip: verl's vanilla applies clip_ratio_c"),
     "importance_sampling_level": PeerName("TRL", "grpo.policy_loss", "sequence = gspo"),
@@ -65,6 +68,7 @@ PEER_NAMES: dict[str, PeerName] = {
     "ref_model_sync_steps": PeerName("TRL", "grpo.ref_sync_every", "ours counts GRPO steps, TRL optimizer steps"),
     "ref_model_mixup_alpha": PeerName("TRL", "grpo.ref_mixup_alpha"),
     "kl_loss_type": PeerName("verl", "grpo.kl_estimator", "kl = k1, mse = k2, low_var_kl = k3"),
+    "use_bias_correction_kl": PeerName("TRL", "grpo.kl_estimator", "true = ratio_k3"),
     "scale_rewards": PeerName(
         "TRL",
         "grpo.advantage",
@@ -126,8 +130,12 @@ PEER_VALUES: dict[str, dict[str, str]] = {
         "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
     },
     "scale_rewards": {"group": "group_std", "batch": "batch_std"},
-    "loss_type": {"dapo": "token_mean", "grpo": "sequence_mean", "dr_grpo": "sum_constant"},
-    "loss_agg_mode": {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_mean"},
+    "loss_type": {"dapo": "token_mean", "grpo": "sequence_mean", "dr_grpo": "sum_constant", "luspo": "sequence_sum"},
+    "loss_agg_mode": {
+        "token-mean": "token_mean",
+        "seq-mean-token-mean": "sequence_mean",
+        "seq-mean-token-sum": "sequence_sum",
+    },
     "kl_loss_type": {"kl": "k1", "mse": "k2", "low_var_kl": "k3"},
     "loss_mode": {"vanilla": "dual_clip"},
 }

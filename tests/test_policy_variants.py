@@ -125,6 +125,26 @@ def _trl_dapo_k3(logp, b, beta):
     return total / len(_tokens())
 
 
+def _trl_dapo_bias_corrected_k3(logp, b, beta):
+    # TRL grpo_trainer.py with use_bias_correction_kl, importance_sampling_level 'token': per_token_kl = k3 * coef_1,
+    # coef_1 = exp(logp - old) in the graph; loss_type 'dapo' as above.
+    total = 0.0
+    for i, t in _tokens():
+        rho, a = torch.exp(logp[i, t] - b["old"][i, t]), b["adv"][i]
+        x = b["ref"][i, t] - logp[i, t]
+        pg = -torch.minimum(rho * a, _clip(rho, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+        total = total + pg + beta * (x.exp() - x - 1) * rho
+    return total / len(_tokens())
+
+
+def test_ratio_k3_equals_trl_bias_corrected_kl():
+    b = _batch()
+    ours = _ours(b, "token_mean", ref_logp=b["ref"], beta=0.05, kl_estimator="ratio_k3", kl_clamp=10.0)
+    _assert_same(ours, _peer(b, lambda lp, bb: _trl_dapo_bias_corrected_k3(lp, bb, 0.05)))
+    plain = _ours(b, "token_mean", ref_logp=b["ref"], beta=0.05, kl_estimator="k3", kl_clamp=10.0)
+    assert (plain[1] - ours[1]).abs().max() > 1e-4  # rho moves the KL term here
+
+
 def test_ppo_clip_with_k3_equals_trl_dapo():
     b = _batch()
     ours = _ours(b, "token_mean", ref_logp=b["ref"], beta=0.05, kl_estimator="k3", kl_clamp=10.0)
@@ -307,6 +327,25 @@ def _trl_gspo(logp, b):
         s, a = torch.exp((logp[i, :n] - b["old"][i, :n]).mean()), b["adv"][i]
         total = total - torch.minimum(s * a, _clip(s, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
     return total / len(LENGTHS)
+
+
+def _trl_luspo(logp, b):
+    # TRL grpo_trainer.py, loss_type 'luspo' with importance_sampling_level 'sequence': the sequence-level loss of
+    # _trl_gspo on each of the sequence's trained tokens, (per_token_loss * mask).sum(-1).mean() over all B rows.
+    total = 0.0
+    for i, n in enumerate(LENGTHS):
+        if n == 0:
+            continue
+        s, a = torch.exp((logp[i, :n] - b["old"][i, :n]).mean()), b["adv"][i]
+        total = total - n * torch.minimum(s * a, _clip(s, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+    return total / len(LENGTHS)
+
+
+def test_gspo_with_sequence_sum_equals_trl_luspo():
+    b = _batch()
+    _assert_same(_ours(b, "sequence_sum", policy_loss="gspo"), _peer(b, _trl_luspo))
+    # sum_constant with loss_constant 1 is the same aggregation
+    _assert_same(_ours(b, "sum_constant", constant=1.0, policy_loss="gspo"), _peer(b, _trl_luspo))
 
 
 def _verl_gspo(logp, b):
@@ -495,6 +534,7 @@ def _kl_gradients(theta, ref):
         ("k2", "forward"),
         ("k3", "reverse"),
         ("ratio_k1", "forward"),
+        ("ratio_k3", "forward"),
         ("k1+", "forward"),
         ("k2+", "forward"),
         ("k3+", "forward"),
@@ -508,18 +548,21 @@ def test_expected_gradient_on_policy(estimator, follows, seed):
     want = {"zero": torch.zeros(V, dtype=F64), "forward": grad_forward, "reverse": grad_reverse}[follows]
     torch.testing.assert_close(grad, want, rtol=1e-9, atol=1e-12)
     assert (grad_forward - grad_reverse).abs().max() > 1e-3  # the two KLs' gradients really differ here
-    if estimator in ("k1", "k3", "ratio_k1", "k1+", "k3+"):  # unbiased values of KL(pi || ref)
+    if estimator in ("k1", "k3", "ratio_k1", "ratio_k3", "k1+", "k3+"):  # unbiased values of KL(pi || ref)
         torch.testing.assert_close(value, kl, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ratio_k1_expected_gradient_off_policy(seed):
-    """E_old[grad(rho d)] = grad sum_y pi d = grad KL(pi || ref) for any pi_old; a detached rho (the earlier
-    version) had expected gradient E_old[rho grad log pi] = grad sum_y pi = 0."""
+    """E_old[grad(rho d)] = grad sum_y pi d = grad KL(pi || ref) for any pi_old (ratio_k3 too, its value
+    unbiased off-policy); a detached rho (the earlier version) had expected gradient E_old[rho grad log pi] =
+    grad sum_y pi = 0."""
     theta, ref, old_logits = _vocabulary(seed)
-    _, grad_forward, _ = _kl_gradients(theta, ref)
+    kl, grad_forward, _ = _kl_gradients(theta, ref)
     _, grad = _expected_gradient("ratio_k1", theta, ref, old_logits)
     torch.testing.assert_close(grad, grad_forward, rtol=1e-9, atol=1e-12)
+    value, grad = _expected_gradient("ratio_k3", theta, ref, old_logits)
+    torch.testing.assert_close((value, grad), (kl, grad_forward), rtol=1e-9, atol=1e-12)
     theta = theta.clone().requires_grad_()
     logp, old = torch.log_softmax(theta, -1), torch.log_softmax(old_logits, -1)
     detached = (old.exp() * torch.exp(logp - old).detach() * (logp - ref)).sum()
@@ -796,4 +839,4 @@ def test_unknown_names_and_bad_bounds_are_refused():
     grpo = load_recipe(None, ["grpo.tis_cap=2", "grpo.tis_floor=3"]).grpo
     with pytest.raises(ValueError, match="tis_floor"):
         learner_settings(grpo, 1.0, "fp32")
-    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "ratio_k1", "k1+", "k2+", "k3+"}
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "ratio_k1", "ratio_k3", "k1+", "k2+", "k3+"}

@@ -67,6 +67,13 @@ def kl_ratio_k1(d: Tensor, ratio: Tensor) -> Tensor:
     return ratio * d
 
 
+def kl_ratio_k3(d: Tensor, ratio: Tensor) -> Tensor:
+    """rho * k3 with rho = pi / pi_old kept in the graph: E_old[rho k3] = E_pi[k3] = KL(pi || ref) as a function of
+    theta, so its value is unbiased and its expected gradient is grad KL(pi || ref), on- and off-policy (DeepSeek-V3.2's
+    unbiased KL). TRL use_bias_correction_kl (importance_sampling_level token)."""
+    return ratio * kl_k3(d, ratio)
+
+
 def _k2_gradient(d: Tensor, value: Tensor) -> Tensor:
     """Straight through: the value of `value`, the gradient of k2 (expected gradient grad KL(pi || ref))."""
     k2 = kl_k2(d, d)
@@ -95,6 +102,7 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k2": kl_k2,
     "k3": kl_k3,
     "ratio_k1": kl_ratio_k1,
+    "ratio_k3": kl_ratio_k3,
     "k1+": kl_k1_plus,
     "k2+": kl_k2_plus,
     "k3+": kl_k3_plus,
@@ -348,10 +356,20 @@ def sum_constant(
     return mask / (batch_sequences * constant)
 
 
+def sequence_sum(
+    mask: Tensor, sequence_tokens: Tensor, batch_tokens: float, batch_sequences: int, constant: float
+) -> Tensor:
+    """(1/N) sum_i sum_t l: each sequence's token losses summed, then averaged over sequences (sum_constant with
+    C = 1); a long answer weighs in proportion to its length. With gspo, LUSPO: TRL loss_type luspo (N counts a
+    sequence with no trained token, averaged per micro-batch as for grpo); verl seq-mean-token-sum."""
+    return mask / batch_sequences
+
+
 AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float, int, float], Tensor]] = {
     "token_mean": token_mean,
     "sequence_mean": sequence_mean,
     "sum_constant": sum_constant,
+    "sequence_sum": sequence_sum,
 }
 
 
