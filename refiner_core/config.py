@@ -853,14 +853,15 @@ class GRPOConfig:
         "'cispo' caps its weight at 1 + eps_high.",
         check=NON_NEGATIVE,
     )
-    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo", "kl_cov", "clip_cov"] = opt(
+    policy_loss: Literal["ppo_clip", "dual_clip", "gspo", "cispo", "sapo", "kl_cov", "clip_cov", "vespo"] = opt(
         "ppo_clip",
         "Policy-gradient surrogate: 'ppo_clip' max(-A rho, -A clip(rho)); 'dual_clip' also bounds it by "
         "-A * dual_clip_c where A < 0 (verl clip_ratio_c); 'gspo' clips the sequence ratio exp(mean log rho) (verl "
         "gspo, TRL importance_sampling_level sequence; pair with loss_aggregation sequence_mean to equal them); "
         "'cispo' -sg[min(rho, 1 + clip_eps_high)] A logpi; 'sapo' -A sigmoid(tau (rho - 1)) 4/tau; 'kl_cov' "
         "-A rho (no clip) + kl_cov_coef |log rho| on the tokens of highest covariance of A and logpi; 'clip_cov' "
-        "ppo_clip with the policy term cut on a few tokens drawn from a band of that covariance. docs/grpo.md.",
+        "ppo_clip with the policy term cut on a few tokens drawn from a band of that covariance; 'vespo' "
+        "-sg[phi(w)] A logpi, phi a gamma-shaped weight of the sequence ratio w. docs/grpo.md.",
     )
     dual_clip_c: float = opt(
         3.0,
@@ -894,6 +895,24 @@ class GRPOConfig:
     )
     clip_cov_lb: float = opt(1.0, "policy_loss 'clip_cov': the covariance band's lower end (exclusive).")
     clip_cov_ub: float = opt(5.0, "policy_loss 'clip_cov': the covariance band's upper end (exclusive).")
+    vespo_k_pos: float = opt(
+        2.0,
+        "policy_loss 'vespo', A >= 0: the power k of phi(w) = exp(lambda) w^k exp(-lambda w); larger k weighs "
+        "sequences the policy made less likely (w < 1) down harder.",
+        check=NON_NEGATIVE,
+    )
+    vespo_lambda_pos: float = opt(
+        3.0, "policy_loss 'vespo', A >= 0: the decay lambda; larger weighs w > 1 down harder.", check=POSITIVE
+    )
+    vespo_k_neg: float = opt(3.0, "policy_loss 'vespo', A < 0: the power k.", check=NON_NEGATIVE)
+    vespo_lambda_neg: float = opt(2.0, "policy_loss 'vespo', A < 0: the decay lambda.", check=POSITIVE)
+    off_policy_mask_threshold: float = opt(
+        0.0,
+        "Mask the policy term of each sequence with A < 0 whose mean over its tokens of log pi_rollout - log pi "
+        "exceeds this (DeepSeek-V3.2's off-policy sequence masking; e.g. 0.5); the KL term stays. 0 = off. "
+        "steps.off_policy_masked records the share masked.",
+        check=NON_NEGATIVE,
+    )
     top_entropy_quantile: float = opt(
         1.0,
         "Train the policy only on the tokens whose entropy is in the top this share of each micro-batch's trained "

@@ -479,6 +479,12 @@ STEPS = Table(
             "truncation or masking (NULL unless grpo.tis_cap > 0).",
         ),
         _c(
+            "off_policy_masked",
+            F,
+            "Share of the trained tokens whose policy term was masked: sequences with a negative advantage that "
+            "the policy had moved away from (grpo.off_policy_mask_threshold; NULL when it is 0).",
+        ),
+        _c(
             "policy_lag",
             I,
             "Updates between the policy that sampled the step's rollouts and the one trained: "

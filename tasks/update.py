@@ -141,6 +141,7 @@ def grpo_update(
         "masked_truncated": adv_stats["masked_truncated"],
         "entropy": metrics.get("entropy"),
         "importance_weight_mean": metrics.get("importance_weight_mean"),
+        "off_policy_masked": metrics.get("off_policy_masked"),
         "policy_lag": policy_lag,
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
         "rollout_seconds": sum(m["seconds"] for m in rollouts),
@@ -254,4 +255,5 @@ def _no_signal_metrics(lr: float) -> dict:
         "update_seconds": 0.0,
         "entropy": None,
         "importance_weight_mean": None,
+        "off_policy_masked": None,
     }  # no token: no entropy or weight to average

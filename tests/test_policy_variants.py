@@ -27,6 +27,7 @@ from refiner_core.algo.losses import (
     grpo_token_loss,
     high_entropy_tokens,
     importance_weights,
+    off_policy_sequences,
 )
 from refiner_core.config import load_recipe
 from refiner_core.grpo import build_train_samples, learner_settings
@@ -439,6 +440,63 @@ def test_sapo_equals_trl_and_verl():
     torch.testing.assert_close(ours_verl[1], peer_verl[1], **TOL)
 
 
+def _trl_vespo(logp, b, k_pos, lam_pos, k_neg, lam_neg):
+    # TRL grpo_trainer.py get_gamma_weights and loss_type 'vespo': log w = sum over the sequence's trained tokens of
+    # clamp(log rho, -20, 20), clamped to [log 1e-8, 20]; phi = exp(lam + k log w - lam w), no gradient, (k, lam) by
+    # the sign of A (A >= 0: _pos); per token -phi A logp; aggregated as 'dapo' (token mean).
+    total = 0.0
+    for i, n in enumerate(LENGTHS):
+        a = float(b["adv"][i])
+        log_w = float(sum(_clip(logp[i, t] - b["old"][i, t], -20.0, 20.0).detach() for t in range(n)))
+        log_w = min(max(log_w, math.log(1e-8)), 20.0)
+        k, lam = (k_pos, lam_pos) if a >= 0 else (k_neg, lam_neg)
+        phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+        for t in range(n):
+            total = total - phi * a * logp[i, t]
+    return total / len(_tokens())
+
+
+def test_vespo_equals_trl():
+    b = _batch()
+    knobs = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+    ours = _ours(b, "token_mean", policy_loss="vespo", **knobs)
+    _assert_same(ours, _peer(b, lambda lp, bb: _trl_vespo(lp, bb, 2.0, 3.0, 3.0, 2.0)))
+    # on-policy w = 1 and phi(1) = 1: the plain policy gradient -A logp, by hand
+    on_policy = dict(b, old=b["logp"])
+    value, _ = _ours(on_policy, "token_mean", policy_loss="vespo", **knobs)
+    by_hand = sum(-b["adv"][i] * b["logp"][i, t] for i, t in _tokens()) / len(_tokens())
+    torch.testing.assert_close(value, by_hand, **TOL)
+
+
+def _trl_off_policy_masked(logp, b, beta, threshold):
+    # TRL grpo_trainer.py get_off_policy_mask: per sequence, the mean over trained tokens of sampling logp - logp
+    # (detached); kept where A >= 0 or that mean <= threshold; the policy term times the mask, then + beta * k3;
+    # loss_type 'dapo'.
+    total = 0.0
+    for i, n in enumerate(LENGTHS):
+        a = b["adv"][i]
+        drift = sum(b["rollout"][i, t] - logp[i, t].detach() for t in range(n)) / max(n, 1)
+        keep = float(a >= 0 or drift <= threshold)
+        for t in range(n):
+            rho = torch.exp(logp[i, t] - b["old"][i, t])
+            x = b["ref"][i, t] - logp[i, t]
+            pg = -torch.minimum(rho * a, _clip(rho, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+            total = total + pg * keep + beta * (x.exp() - x - 1)
+    return total / len(_tokens())
+
+
+def test_off_policy_sequence_mask_equals_trl():
+    b = _batch(seed=3)  # the second row (A < 0) has drifted less than the fourth, and keeps a policy gradient
+    drift = {i: float((b["rollout"][i, :n] - b["logp"][i, :n]).mean()) for i, n in enumerate(LENGTHS) if n}
+    threshold = (drift[1] + drift[3]) / 2  # between the two negative-advantage sequences': one of them is masked
+    kept = off_policy_sequences(b["logp"], b["rollout"], b["adv"][:, None], Sequences.one_per_row(b["mask"]), threshold)
+    assert [int(kept[i, 0]) for i in (0, 1, 3, 4)].count(0) == 1  # A >= 0 rows always stay
+    kl = dict(ref_logp=b["ref"], beta=0.05, kl_estimator="k3", kl_clamp=10.0)
+    ours = _ours(b, "token_mean", policy_tokens=kept, **kl)
+    _assert_same(ours, _peer(b, lambda lp, bb: _trl_off_policy_masked(lp, bb, 0.05, threshold)))
+    assert (ours[1] - _ours(b, "token_mean", **kl)[1]).abs().max() > 1e-3
+
+
 def test_entropy_bonus_equals_trl_and_verl_token_mean():
     # TRL grpo_trainer.py: loss - entropy_coef * sum(H * mask) / tokens (loss_type dapo); verl dp_actor.py:
     # policy_loss - entropy_coeff * agg_loss(entropy, 'token-mean'). Same formula under token-mean.
@@ -777,6 +835,7 @@ OPTIONS = [
     ["grpo.epochs=2", "grpo.mask_truncated=true"],
     ["grpo.policy_loss=kl_cov", "grpo.kl_cov_ratio=0.1"],
     ["grpo.policy_loss=clip_cov", "grpo.clip_cov_ratio=0.1", "grpo.clip_cov_lb=-10"],
+    ["grpo.policy_loss=vespo", "grpo.off_policy_mask_threshold=0.01"],
     ["grpo.top_entropy_quantile=0.2", "grpo.share_prompt=false", "grpo.micro_batch_size=3"],
 ]
 

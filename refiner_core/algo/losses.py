@@ -6,6 +6,7 @@ against)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -113,18 +114,23 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 @dataclass(frozen=True)
 class SurrogateParams:
     """The surrogates' knobs; a variant's own knob is None when another variant is chosen (their one default is
-    the recipe's, config.GRPOConfig)."""
+    the recipe's, config.GRPOConfig). The learners pass every knob but the clip range and the seed by its name in
+    LearnerSettings (learners.base.surrogate_knobs): a new knob is a field here, there and in the config."""
 
     eps_low: float
     eps_high: float
-    dual_clip_c: float | None
-    sapo_tau_pos: float | None
-    sapo_tau_neg: float | None
+    dual_clip_c: float | None = None
+    sapo_tau_pos: float | None = None
+    sapo_tau_neg: float | None = None
     kl_cov_ratio: float | None = None
     kl_cov_coef: float | None = None
     clip_cov_ratio: float | None = None
     clip_cov_lb: float | None = None
     clip_cov_ub: float | None = None
+    vespo_k_pos: float | None = None
+    vespo_lambda_pos: float | None = None
+    vespo_k_neg: float | None = None
+    vespo_lambda_neg: float | None = None
     selection_seed: int | None = None  # clip_cov's draw; the learner derives it from the micro-batch and pass
 
     def needed(self, *names: str) -> None:
@@ -256,6 +262,28 @@ def clip_cov(
     return torch.where(cut, torch.zeros_like(pg), pg), torch.maximum(clipped, cut.to(clipped.dtype))
 
 
+def vespo(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, p: SurrogateParams, sequences: Sequences | None
+) -> tuple[Tensor, Tensor]:
+    """VESPO (variational sequence-level soft policy optimization): -sg[phi(w)] A logpi per token, a smooth
+    asymmetric weight of the sequence ratio in place of the clip. log w = sum over the sequence's trained tokens
+    of log rho (each clamped to +-20), clamped to [log 1e-8, 20]; phi(w) = exp(lambda + k log w - lambda w), so
+    phi(1) = 1, with (k, lambda) = (vespo_k_pos, vespo_lambda_pos) where A >= 0, else the _neg pair (lambda at
+    least 1e-4). TRL loss_type vespo (aggregated as dapo: our token_mean); with tis_cap the importance weights
+    multiply the loss as for every variant, where TRL folds vLLM's ratio into w. The clipped indicator is 0."""
+    p.needed("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+    if sequences is None:
+        raise ValueError("policy_loss 'vespo' needs the batch's sequences")
+    with torch.no_grad():
+        log_w = sequences.sum(torch.clamp(logp - old_logp, -20.0, 20.0)).clamp(math.log(1e-8), 20.0)
+        nonneg = advantages.expand_as(logp) >= 0
+        k = torch.where(nonneg, logp.new_tensor(p.vespo_k_pos), logp.new_tensor(p.vespo_k_neg))
+        lam = torch.where(nonneg, logp.new_tensor(p.vespo_lambda_pos), logp.new_tensor(p.vespo_lambda_neg))
+        lam = lam.clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi * advantages * logp, torch.zeros_like(logp)
+
+
 POLICY_LOSSES: dict[
     str, Callable[[Tensor, Tensor, Tensor, SurrogateParams, Sequences | None], tuple[Tensor, Tensor]]
 ] = {
@@ -266,6 +294,7 @@ POLICY_LOSSES: dict[
     "sapo": sapo,
     "kl_cov": kl_cov,
     "clip_cov": clip_cov,
+    "vespo": vespo,
 }
 
 
@@ -278,6 +307,17 @@ def high_entropy_tokens(entropy: Tensor, mask: Tensor, quantile: float) -> Tenso
     if not len(values):
         return torch.zeros_like(mask)
     return ((entropy.detach() >= torch.quantile(values, 1.0 - quantile)) & (mask > 0)).to(mask.dtype)
+
+
+def off_policy_sequences(
+    logp: Tensor, sampler_logp: Tensor, advantages: Tensor, sequences: Sequences, threshold: float
+) -> Tensor:
+    """0 on the tokens of a sequence with A < 0 whose mean over its trained tokens of log pi_sampler - log pi_theta
+    (detached) exceeds `threshold`, 1 elsewhere: a negative sample the policy has already moved far from is not
+    pushed down further. DeepSeek-V3.2's off-policy sequence masking (eq. 9, delta = threshold); TRL
+    off_policy_mask_threshold, which reads the sampler's (vLLM's) log-probs as here."""
+    divergence = sequences.mean(sampler_logp - logp.detach())
+    return ((advantages.expand_as(logp) >= 0) | (divergence <= threshold)).to(logp.dtype)
 
 
 # --- Truncated / masked importance sampling against the rollout engine (pi_old / pi_rollout), detached ---
@@ -386,19 +426,11 @@ def grpo_token_loss(
     kl_clamp: float | None = None,
     is_weights: Tensor | None = None,
     policy_loss: str = "ppo_clip",
-    dual_clip_c: float | None = None,
-    sapo_tau_pos: float | None = None,
-    sapo_tau_neg: float | None = None,
     sequences: Sequences | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
-    kl_cov_ratio: float | None = None,
-    kl_cov_coef: float | None = None,
-    clip_cov_ratio: float | None = None,
-    clip_cov_lb: float | None = None,
-    clip_cov_ub: float | None = None,
-    selection_seed: int | None = None,
     policy_tokens: Tensor | None = None,
+    **knobs,
 ) -> dict[str, Tensor]:
     """Per-token GRPO loss on [B, T] tensors; advantages are per token ([B, T], each token carries its own
     sequence's advantage) or anything that broadcasts to it.
@@ -406,25 +438,14 @@ def grpo_token_loss(
     loss = (POLICY_LOSSES[policy_loss] [* is_weight] - entropy_coef * entropy) [* policy_token]
            + beta * KL_ESTIMATORS[kl_estimator]
 
-    policy_tokens (0/1, high_entropy_tokens) choose the tokens the policy terms apply to; the KL term stays on all.
+    policy_tokens (0/1: high_entropy_tokens, off_policy_sequences) choose the tokens the policy terms apply to;
+    the KL term stays on all. `knobs` are the variants' own (SurrogateParams' fields).
 
     A knob only one term reads (the KL's estimator and clamp, a variant's own) is None unless that term is on:
     their one default is the recipe's (config.GRPOConfig), and a term switched on without its knob is an error.
     """
     ratio = torch.exp(logp - old_logp)
-    params = SurrogateParams(
-        eps_low,
-        eps_high,
-        dual_clip_c,
-        sapo_tau_pos,
-        sapo_tau_neg,
-        kl_cov_ratio,
-        kl_cov_coef,
-        clip_cov_ratio,
-        clip_cov_lb,
-        clip_cov_ub,
-        selection_seed,
-    )
+    params = SurrogateParams(eps_low, eps_high, **knobs)
     pg, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, params, sequences)
     if is_weights is not None:
         pg = pg * is_weights

@@ -6,11 +6,19 @@ Learners register in LEARNERS by "module:factory" string: 'torch' runs one proce
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from refiner_core.algo.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, TIS_LEVELS, TIS_MODES
+from refiner_core.algo.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    TIS_LEVELS,
+    TIS_MODES,
+    SurrogateParams,
+)
 from refiner_core.runtime.registry import Backend, Registry, resolve
 
 
@@ -70,6 +78,11 @@ class LearnerSettings:
     clip_cov_ratio: float
     clip_cov_lb: float
     clip_cov_ub: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
+    off_policy_mask_threshold: float
     top_entropy_quantile: float
     tis_level: str
     tis_mode: str
@@ -98,10 +111,25 @@ class LearnerSettings:
             raise ValueError(f"clip_cov_ratio must be in (0, 1], got {self.clip_cov_ratio}")
         if self.policy_loss == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(f"clip_cov_lb must be below clip_cov_ub, got {self.clip_cov_lb} >= {self.clip_cov_ub}")
+        if self.policy_loss == "vespo" and (
+            min(self.vespo_k_pos, self.vespo_k_neg) < 0 or min(self.vespo_lambda_pos, self.vespo_lambda_neg) <= 0
+        ):
+            raise ValueError("vespo exponents k must be >= 0 and decay rates lambda > 0")
+        if self.off_policy_mask_threshold < 0:
+            raise ValueError(f"off_policy_mask_threshold must be >= 0, got {self.off_policy_mask_threshold}")
         if not 0 <= self.top_entropy_quantile <= 1:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         if self.tis_floor < 0 or (self.tis_cap > 0 and self.tis_floor > self.tis_cap):
             raise ValueError(f"tis_floor must be in [0, tis_cap], got {self.tis_floor} (tis_cap {self.tis_cap})")
+
+
+# SurrogateParams' fields the learner does not take from the settings by name
+_NOT_KNOBS = {"eps_low", "eps_high", "selection_seed"}
+
+
+def surrogate_knobs(settings: LearnerSettings) -> dict:
+    """The policy losses' own knobs (SurrogateParams), each read from the settings field of its name."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(SurrogateParams) if f.name not in _NOT_KNOBS}
 
 
 class Learner(Protocol):

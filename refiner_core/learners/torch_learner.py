@@ -17,8 +17,9 @@ from refiner_core.algo.losses import (
     grpo_token_loss,
     high_entropy_tokens,
     importance_weights,
+    off_policy_sequences,
 )
-from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.base import LearnerSettings, TrainSample, surrogate_knobs
 from refiner_core.learners.batching import collate_group, collate_rows, pack_rows, prompt_groups
 from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
@@ -95,6 +96,7 @@ class TorchLearner:
         old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) * s.epochs > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
         reads_entropy = s.entropy_coef != 0 or s.top_entropy_quantile < 1
+        knobs = surrogate_knobs(s)
         totals = {
             "loss": 0.0,
             "pg_loss": 0.0,
@@ -102,6 +104,7 @@ class TorchLearner:
             "clipped": 0.0,
             "entropy": 0.0,
             "is_weight": 0.0,
+            "off_policy_masked": 0.0,
             "tokens": 0.0,
             "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
             "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat)),
@@ -134,6 +137,12 @@ class TorchLearner:
                 policy_tokens = None
                 if s.top_entropy_quantile < 1:
                     policy_tokens = high_entropy_tokens(entropy, mask, s.top_entropy_quantile)
+                if s.off_policy_mask_threshold > 0:
+                    kept = off_policy_sequences(
+                        logp, batch["rollout_logprobs"], batch["advantages"], sequences, s.off_policy_mask_threshold
+                    )
+                    totals["off_policy_masked"] += ((1.0 - kept) * mask).sum().item()
+                    policy_tokens = kept if policy_tokens is None else policy_tokens * kept
                 out = grpo_token_loss(
                     logp,
                     old,
@@ -146,19 +155,12 @@ class TorchLearner:
                     kl_clamp=s.kl_clamp,
                     is_weights=is_w,
                     policy_loss=s.policy_loss,
-                    dual_clip_c=s.dual_clip_c,
-                    sapo_tau_pos=s.sapo_tau_pos,
-                    sapo_tau_neg=s.sapo_tau_neg,
                     sequences=sequences,
                     entropy=entropy,
                     entropy_coef=s.entropy_coef,
-                    kl_cov_ratio=s.kl_cov_ratio,
-                    kl_cov_coef=s.kl_cov_coef,
-                    clip_cov_ratio=s.clip_cov_ratio,
-                    clip_cov_lb=s.clip_cov_lb,
-                    clip_cov_ub=s.clip_cov_ub,
-                    selection_seed=selection_seed(batch, pass_index) if s.policy_loss == "clip_cov" else None,
                     policy_tokens=policy_tokens,
+                    selection_seed=selection_seed(batch, pass_index) if s.policy_loss == "clip_cov" else None,
+                    **knobs,
                 )
                 weights = aggregate(mask, batch["sequence_tokens"], step_tokens, step_sequences, s.loss_constant)
                 loss = (out["loss"] * weights).sum()
@@ -181,6 +183,7 @@ class TorchLearner:
         tokens = max(totals["tokens"], 1.0)
         entropy = {"entropy": totals["entropy"] / tokens} if reads_entropy else {}
         is_weight = {"importance_weight_mean": totals["is_weight"] / tokens} if s.tis_cap > 0 else {}
+        masked = {"off_policy_masked": totals["off_policy_masked"] / tokens} if s.off_policy_mask_threshold > 0 else {}
         return {
             "loss": totals["loss"] / len(optimizer_steps),
             "pg_loss": totals["pg_loss"] / tokens,
@@ -193,6 +196,7 @@ class TorchLearner:
             "update_seconds": time.time() - t0,
             **entropy,
             **is_weight,
+            **masked,
         }
 
     # Hooks a distributed learner overrides; here one process runs every micro-batch.
