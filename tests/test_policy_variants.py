@@ -468,10 +468,10 @@ def test_vespo_equals_trl():
     torch.testing.assert_close(value, by_hand, **TOL)
 
 
-def _trl_off_policy_masked(logp, b, beta, threshold):
+def _trl_off_policy_masked(logp, entropy, b, beta, coef, threshold):
     # TRL grpo_trainer.py get_off_policy_mask: per sequence, the mean over trained tokens of sampling logp - logp
     # (detached); kept where A >= 0 or that mean <= threshold; the policy term times the mask, then + beta * k3;
-    # loss_type 'dapo'.
+    # loss_type 'dapo'; the entropy bonus - coef * H on every trained token (the mask does not reach it).
     total = 0.0
     for i, n in enumerate(LENGTHS):
         a = b["adv"][i]
@@ -481,7 +481,7 @@ def _trl_off_policy_masked(logp, b, beta, threshold):
             rho = torch.exp(logp[i, t] - b["old"][i, t])
             x = b["ref"][i, t] - logp[i, t]
             pg = -torch.minimum(rho * a, _clip(rho, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
-            total = total + pg * keep + beta * (x.exp() - x - 1)
+            total = total + pg * keep + beta * (x.exp() - x - 1) - coef * entropy[i, t]
     return total / len(_tokens())
 
 
@@ -491,10 +491,13 @@ def test_off_policy_sequence_mask_equals_trl():
     threshold = (drift[1] + drift[3]) / 2  # between the two negative-advantage sequences': one of them is masked
     kept = off_policy_sequences(b["logp"], b["rollout"], b["adv"][:, None], Sequences.one_per_row(b["mask"]), threshold)
     assert [int(kept[i, 0]) for i in (0, 1, 3, 4)].count(0) == 1  # A >= 0 rows always stay
-    kl = dict(ref_logp=b["ref"], beta=0.05, kl_estimator="k3", kl_clamp=10.0)
-    ours = _ours(b, "token_mean", policy_tokens=kept, **kl)
-    _assert_same(ours, _peer(b, lambda lp, bb: _trl_off_policy_masked(lp, bb, 0.05, threshold)))
-    assert (ours[1] - _ours(b, "token_mean", **kl)[1]).abs().max() > 1e-3
+    kl = dict(ref_logp=b["ref"], beta=0.05, kl_estimator="k3", kl_clamp=10.0, entropy_coef=0.03)
+    value, grad_logp, grad_entropy = _ours(b, "token_mean", kept_sequences=kept, **kl)
+    entropy = b["entropy"].clone().requires_grad_()
+    peer = _peer(b, lambda lp, bb: _trl_off_policy_masked(lp, entropy, bb, 0.05, 0.03, threshold))
+    _assert_same((value, grad_logp), peer)
+    torch.testing.assert_close(grad_entropy, entropy.grad, **TOL)  # the bonus is not masked
+    assert (grad_logp - _ours(b, "token_mean", **kl)[1]).abs().max() > 1e-3
 
 
 def test_entropy_bonus_equals_trl_and_verl_token_mean():

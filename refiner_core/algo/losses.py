@@ -430,16 +430,18 @@ def grpo_token_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     policy_tokens: Tensor | None = None,
+    kept_sequences: Tensor | None = None,
     **knobs,
 ) -> dict[str, Tensor]:
     """Per-token GRPO loss on [B, T] tensors; advantages are per token ([B, T], each token carries its own
     sequence's advantage) or anything that broadcasts to it.
 
-    loss = (POLICY_LOSSES[policy_loss] [* is_weight] - entropy_coef * entropy) [* policy_token]
+    loss = (POLICY_LOSSES[policy_loss] [* is_weight] [* kept_sequence] - entropy_coef * entropy) [* policy_token]
            + beta * KL_ESTIMATORS[kl_estimator]
 
-    policy_tokens (0/1: high_entropy_tokens, off_policy_sequences) choose the tokens the policy terms apply to;
-    the KL term stays on all. `knobs` are the variants' own (SurrogateParams' fields).
+    policy_tokens (0/1, high_entropy_tokens) choose the tokens the policy terms apply to, kept_sequences (0/1,
+    off_policy_sequences) those the policy-gradient term alone applies to, as TRL's; the KL term stays on all.
+    `knobs` are the variants' own (SurrogateParams' fields).
 
     A knob only one term reads (the KL's estimator and clamp, a variant's own) is None unless that term is on:
     their one default is the recipe's (config.GRPOConfig), and a term switched on without its knob is an error.
@@ -449,6 +451,8 @@ def grpo_token_loss(
     pg, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, params, sequences)
     if is_weights is not None:
         pg = pg * is_weights
+    if kept_sequences is not None:
+        pg = pg * kept_sequences
     if policy_tokens is not None:
         pg = pg * policy_tokens
     out = {"pg": pg, "ratio": ratio, "clipped": clipped}

@@ -137,12 +137,12 @@ class TorchLearner:
                 policy_tokens = None
                 if s.top_entropy_quantile < 1:
                     policy_tokens = high_entropy_tokens(entropy, mask, s.top_entropy_quantile)
+                kept = None
                 if s.off_policy_mask_threshold > 0:
                     kept = off_policy_sequences(
                         logp, batch["rollout_logprobs"], batch["advantages"], sequences, s.off_policy_mask_threshold
                     )
                     totals["off_policy_masked"] += ((1.0 - kept) * mask).sum().item()
-                    policy_tokens = kept if policy_tokens is None else policy_tokens * kept
                 out = grpo_token_loss(
                     logp,
                     old,
@@ -159,6 +159,7 @@ class TorchLearner:
                     entropy=entropy,
                     entropy_coef=s.entropy_coef,
                     policy_tokens=policy_tokens,
+                    kept_sequences=kept,
                     selection_seed=selection_seed(batch, pass_index) if s.policy_loss == "clip_cov" else None,
                     **knobs,
                 )
