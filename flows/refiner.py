@@ -170,6 +170,7 @@ class StepState:
     anchors: dict | None = None
     taught: dict | None = None  # this step's teacher rollouts
     reference: dict | None = None  # the KL reference after its last move (grpo.ref_sync_every); None: run.reference
+    entropy_control: dict | None = None  # grpo.adaptive_entropy's state after the last update
 
 
 def open_run(recipe: dict, run_dir: str) -> RunContext:
@@ -433,8 +434,10 @@ def update(run: RunContext, state: StepState, step: int, rolled: list[dict], sco
         precision=cfg.model.precision,
         save=saves_checkpoint(run, step),
         policy_lag=min(step, ahead),
+        entropy_control=state.entropy_control,
     )
     state.policy = updated["policy"]
+    state.entropy_control = updated.get("entropy_control")
     state.policies.append(state.policy)
     state.step_costs.append(sum(usage_cost(m["judge_usage"], cfg.judge) for m in scored))
     if ahead and step + 1 + ahead < cfg.grpo.steps:

@@ -927,6 +927,24 @@ class GRPOConfig:
         "computed.",
         check=Check(lambda v: v >= 0, "must be >= 0 (a bonus on entropy; a negative one would reward collapse)"),
     )
+    adaptive_entropy: bool = opt(
+        False,
+        "Adaptive entropy control (Skywork-OR1): entropy_coef is the starting coefficient, moved by "
+        "entropy_coef_delta once per GRPO step, up when the step's entropy was at or below entropy_target, down "
+        "otherwise, within [entropy_coef_min, entropy_coef_max]; the bonus applies only while the last measured "
+        "entropy is at or below the target. steps.entropy_coef records it. TRL use_adaptive_entropy.",
+    )
+    entropy_target: float = opt(
+        0.2,
+        "adaptive_entropy: the target mean token entropy (nats), over the tokens the bonus acts on. Set it near "
+        "the entropy seen early in training (steps.entropy).",
+        check=NON_NEGATIVE,
+    )
+    entropy_coef_delta: float = opt(
+        0.005, "adaptive_entropy: the coefficient's move per GRPO step.", check=NON_NEGATIVE
+    )
+    entropy_coef_min: float = opt(0.0, "adaptive_entropy: the coefficient's lower bound.", check=NON_NEGATIVE)
+    entropy_coef_max: float = opt(1.0, "adaptive_entropy: the coefficient's upper bound.", check=NON_NEGATIVE)
     advantage: Literal["group_std", "batch_std", "none", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = opt(
         "group_std",
         "Advantage: group mean/std; group mean / batch std of the rewards; mean only (Dr.GRPO); 'rloo' "

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
-from refiner_core.algo.schedules import learning_rate_at
+from refiner_core.algo.schedules import entropy_coef_at, learning_rate_at
 from refiner_core.config import DEEPSPEED_FLAT_NAMES, GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
@@ -88,7 +88,7 @@ def grpo_loop(
 ) -> list[dict]:
     """Plain GRPO. The engine samples from the learner's live weights: by sharing the model object (hf), or
     through `sync`, called after every update to push them (vllm: `lambda: engine.load_weights(learner.policy)`)."""
-    history = []
+    history, entropy_control = [], None  # grpo.adaptive_entropy's state
     for step in range(steps):
         chosen = [(step * prompts_per_step + k) % len(prompts) for k in range(prompts_per_step)]
         step_params = dataclasses.replace(params, seed=params.seed + step)
@@ -110,7 +110,11 @@ def grpo_loop(
             for r, g in zip(rollouts, gens)
         ]
         samples, _, stats = build_train_samples(rollouts, rewards, grpo)
-        metrics = learner.train_step(samples, learning_rate_at(step, grpo, decay_steps=steps)) if samples else {}
+        bonus = entropy_coef_at(entropy_control, grpo)
+        lr = learning_rate_at(step, grpo, decay_steps=steps)
+        metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else {}
+        if "bonus_entropy" in metrics:
+            entropy_control = {"coef": bonus["coef"], "entropy": metrics["bonus_entropy"]}
         if sync and samples:
             sync()
         record = {"step": step, "reward_mean": float(np.mean([r["reward"] for r in rewards])), **stats, **metrics}

@@ -61,6 +61,9 @@ PEER_NAMES: dict[str, PeerName] = {
     "sapo_temperature_pos": PeerName("TRL", "grpo.sapo_tau_pos"),
     "sapo_temperature_neg": PeerName("TRL", "grpo.sapo_tau_neg"),
     "entropy_coeff": PeerName("verl", "grpo.entropy_coef"),
+    "use_adaptive_entropy": PeerName(
+        "TRL", "grpo.adaptive_entropy", "moves once per GRPO step, TRL's per optimizer step"
+    ),
     "kl_loss_coef": PeerName("verl", "grpo.beta"),
     "kl_coef": PeerName("verl", "grpo.beta", "verl's kl_ctrl.kl_coef puts KL in the reward; ours is a loss term"),
     "use_kl_loss": PeerName("verl", "grpo.beta", "0 = no KL term and no reference model"),

@@ -153,6 +153,11 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "full weights of each step's checkpoint, and LoRA checkpoints hold the adapter alone; set "
             "model.lora_save_merged=true"
         )
+    if cfg.grpo.adaptive_entropy and cfg.grpo.entropy_coef_min > cfg.grpo.entropy_coef_max:
+        problems.append(
+            f"grpo.entropy_coef_min = {cfg.grpo.entropy_coef_min!r}: must not exceed grpo.entropy_coef_max "
+            f"({cfg.grpo.entropy_coef_max})"
+        )
     if cfg.grpo.ref_sync_every and not cfg.grpo.beta:
         problems.append(
             f"grpo.ref_sync_every = {cfg.grpo.ref_sync_every} moves the KL reference, and grpo.beta = 0 reads "

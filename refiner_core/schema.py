@@ -479,6 +479,12 @@ STEPS = Table(
             "truncation or masking (NULL unless grpo.tis_cap > 0).",
         ),
         _c(
+            "entropy_coef",
+            F,
+            "The entropy bonus's coefficient this step's update applied: grpo.entropy_coef, or with "
+            "grpo.adaptive_entropy the controller's (0 while the last measured entropy was above the target).",
+        ),
+        _c(
             "off_policy_masked",
             F,
             "Share of the trained tokens whose policy term was masked: sequences with a negative advantage that "

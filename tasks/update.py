@@ -8,7 +8,7 @@ import numpy as np
 from prefect import get_run_logger
 
 from refiner_core.algo.ema import ema_checkpoint
-from refiner_core.algo.schedules import learning_rate_at
+from refiner_core.algo.schedules import entropy_coef_at, learning_rate_at
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
@@ -40,12 +40,14 @@ def grpo_update(
     lora: dict | None = None,
     save: bool = True,
     policy_lag: int = 0,
+    entropy_control: dict | None = None,
 ) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
     and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
     (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash.
     policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps). lora: the
-    model.lora_* fields (rank 0: full weights). The update
+    model.lora_* fields (rank 0: full weights). entropy_control: grpo.adaptive_entropy's state after the previous
+    step (None at the first), the next state in the returned manifest. The update
     draws no random numbers (no dropout, no sampling), and leaves torch's process-wide generator alone: an hf
     rollout sampled ahead in another thread seeds it and draws from it."""
     log = get_run_logger()
@@ -90,7 +92,8 @@ def grpo_update(
     )
     try:
         lr = learning_rate_at(step, grpo)
-        metrics = learner.train_step(samples, lr) if samples else _no_signal_metrics(lr)
+        bonus = entropy_coef_at(entropy_control, grpo)
+        metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else _no_signal_metrics(lr)
         saved = _save(learner, save, run_dir=run_dir, run=run, step=step, model=model, tokenizer=tokenizer)
     except BaseException:  # weights half-updated: no later step may use this learner (its ranks stop)
         learner.close()
@@ -142,6 +145,7 @@ def grpo_update(
         "entropy": metrics.get("entropy"),
         "importance_weight_mean": metrics.get("importance_weight_mean"),
         "off_policy_masked": metrics.get("off_policy_masked"),
+        "entropy_coef": bonus["applied"],
         "policy_lag": policy_lag,
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
         "rollout_seconds": sum(m["seconds"] for m in rollouts),
@@ -173,11 +177,17 @@ def grpo_update(
         row["dropped_groups"],
         row["masked_truncated"],
     )
-    return {
+    manifest = {
         "policy": saved,
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
         "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
     }
+    if grpo.adaptive_entropy:  # nothing trained, nothing measured: the state carries over
+        measured = metrics.get("bonus_entropy")
+        manifest["entropy_control"] = (
+            {"coef": bonus["coef"], "entropy": measured} if measured is not None else entropy_control
+        )
+    return manifest
 
 
 @stage("reference-sync")

@@ -13,7 +13,7 @@ from transformers.optimization import (
 )
 
 from conftest import learner_settings
-from refiner_core.algo.schedules import LR_SCHEDULES, learning_rate_at
+from refiner_core.algo.schedules import LR_SCHEDULES, entropy_coef_at, learning_rate_at
 from refiner_core.config import load_recipe
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.torch_learner import TorchLearner
@@ -76,17 +76,62 @@ def test_equal_to_transformers_and_verl_step_for_step(kind, warmup, total, min_r
         assert ours == pytest.approx([_verl_cosine(s, warmup, total, min_ratio) for s in range(total + 1)], abs=1e-12)
 
 
-def test_the_learner_trains_at_the_rate_it_is_given(tiny_model_path):
-    """train_step(samples, lr) is the step of a learner built with that learning rate; AdamW's state carries."""
+def test_the_learner_trains_at_the_rate_and_entropy_bonus_it_is_given(tiny_model_path):
+    """train_step(samples, lr, entropy_coef) is the step of a learner built with that learning rate and entropy
+    coefficient; AdamW's state carries. With adaptive_entropy the learner measures the entropy the bonus acts on."""
     from refiner_core.models import load_model
 
     samples = [TrainSample([1, 2, 3], list(range(10, 13 + k)), adv, [-1.0] * (3 + k)) for k, adv in enumerate([1, -1])]
-    weights, rates = [], []
-    for built_with, given in ((1e-2, 3e-3), (3e-3, None)):
+    weights, rates, measured = [], [], []
+    for built_with, given, adaptive in (((1e-2, 0.0), (3e-3, 0.05), True), ((3e-3, 0.05), (None, None), False)):
         torch.manual_seed(0)
         policy = load_model(tiny_model_path, trainable=True)
-        learner = TorchLearner(policy, None, 0, learner_settings(beta=0.0, learning_rate=built_with))
-        rates.append([learner.train_step(samples, given)["lr"] for _ in range(2)])
+        settings = learner_settings(
+            beta=0.0, learning_rate=built_with[0], entropy_coef=built_with[1], adaptive_entropy=adaptive
+        )
+        learner = TorchLearner(policy, None, 0, settings)
+        metrics = [learner.train_step(samples, *given) for _ in range(2)]
+        rates.append([m["lr"] for m in metrics])
+        measured.append([(m["entropy"], m.get("bonus_entropy")) for m in metrics])
         weights.append(torch.cat([p.detach().flatten() for p in policy.parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
     assert rates == [[3e-3, 3e-3], [3e-3, 3e-3]]
+    assert [e for e, _ in measured[0]] == [e for e, _ in measured[1]]
+    assert [b for _, b in measured[0]] == [e for e, _ in measured[0]]  # every token takes the bonus here
+    assert [b for _, b in measured[1]] == [None, None]
+
+
+def _controlled(entropies, **grpo):
+    """(controller coefficient, applied) per step for the measured entropy of each step before it."""
+    cfg = load_recipe(None, [f"grpo.{k}={v}" for k, v in {"adaptive_entropy": "true", **grpo}.items()]).grpo
+    state, out = None, []
+    for entropy in entropies:
+        bonus = entropy_coef_at(state, cfg)
+        out.append((round(bonus["coef"], 9), round(bonus["applied"], 9)))
+        state = {"coef": bonus["coef"], "entropy": entropy}
+    return out
+
+
+def test_the_adaptive_entropy_coefficient_by_hand():
+    # TRL's controller: up by delta while the entropy is at or below the target, applied only then; down otherwise
+    knobs = dict(entropy_coef=0.02, entropy_target=0.5, entropy_coef_delta=0.01, entropy_coef_max=0.04)
+    assert _controlled([0.4, 0.5, 0.3, 0.3, 0.9, 0.9, 0.9, 0.9, 0.2], **knobs) == [
+        (0.02, 0.0),  # nothing measured yet: no bonus
+        (0.03, 0.03),  # 0.4 <= 0.5
+        (0.04, 0.04),  # 0.5 <= 0.5
+        (0.04, 0.04),  # capped at entropy_coef_max
+        (0.04, 0.04),
+        (0.03, 0.0),  # 0.9 > 0.5: down, and off
+        (0.02, 0.0),
+        (0.01, 0.0),
+        (0.0, 0.0),  # entropy_coef_min 0
+    ]
+    fixed = load_recipe(None, ["grpo.entropy_coef=0.02"]).grpo
+    assert (
+        entropy_coef_at(None, fixed)
+        == entropy_coef_at({"coef": 9, "entropy": 9}, fixed)
+        == {
+            "coef": 0.02,
+            "applied": 0.02,
+        }
+    )

@@ -186,6 +186,12 @@ def test_the_clip_cov_band_must_be_open():
     assert problems("grpo.policy_loss=clip_cov", "grpo.clip_cov_lb=-1") == []
 
 
+def test_the_adaptive_entropy_bounds_must_be_in_order():
+    [p] = problems("grpo.adaptive_entropy=true", "grpo.entropy_coef_min=0.5", "grpo.entropy_coef_max=0.1")
+    assert p == "grpo.entropy_coef_min = 0.5: must not exceed grpo.entropy_coef_max (0.1)"
+    assert problems("grpo.entropy_coef_min=0.5", "grpo.entropy_coef_max=0.1") == []  # read only when adaptive
+
+
 def test_a_moving_reference_needs_a_kl_term_and_full_weights():
     assert problems("grpo.ref_sync_every=4") == []
     [p] = problems("grpo.ref_sync_every=4", "grpo.beta=0")

@@ -1,4 +1,6 @@
-"""grpo.ref_sync_every: the KL reference moves toward the policy after every N-th update, as TRL's sync_ref_model."""
+"""What a run carries from step to step beside the policy, replayed from the cached stages when it resumes or is
+extended: the KL reference that grpo.ref_sync_every moves toward the policy (TRL sync_ref_model), and the
+coefficient of grpo.adaptive_entropy (TRL use_adaptive_entropy)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,20 @@ from safetensors.torch import load_file
 
 from conftest import catalog_rows, run_cli
 
-# ref_mixup_alpha 1: the reference becomes the policy, so the next update's KL is exactly 0 where it reads it
-SYNCED = ["grpo.ref_sync_every=1", "grpo.ref_mixup_alpha=1", "grpo.beta=0.05", "grpo.learning_rate=1e-2"]
+# ref_mixup_alpha 1: the reference becomes the policy, so the next update's KL is exactly 0 where it reads it;
+# an entropy target no entropy reaches: the bonus grows by the delta each step, from 0 (nothing measured yet)
+SYNCED = [
+    "grpo.ref_sync_every=1",
+    "grpo.ref_mixup_alpha=1",
+    "grpo.beta=0.05",
+    "grpo.learning_rate=1e-2",
+    "grpo.adaptive_entropy=true",
+    "grpo.entropy_target=100",
+    "grpo.entropy_coef_delta=0.01",
+]
 
 
-def test_the_reference_follows_the_policy_and_a_longer_run_continues_from_the_last_one(tmp_path):
+def test_the_reference_and_the_entropy_coefficient_carry_over_to_a_longer_run(tmp_path):
     run_dir = tmp_path / "tiny"
     args = ["run", "recipes/tiny.yaml", "--run-dir", str(run_dir), *[x for o in SYNCED for x in ("--set", o)]]
     code, out, err, _ = run_cli(args, tmp_path)
@@ -30,11 +41,12 @@ def test_the_reference_follows_the_policy_and_a_longer_run_continues_from_the_la
         assert reference.keys() == policy.keys() and all(torch.equal(reference[k], policy[k]) for k in policy)
     # step 1's update measured its KL against the policy it started from
     assert catalog_rows(run_dir, "SELECT step, kl FROM steps ORDER BY step") == [(0, 0.0), (1, 0.0)]
+    assert catalog_rows(run_dir, "SELECT entropy_coef FROM steps ORDER BY step") == [(0.0,), (0.01,)]
 
     # one step more, keeping one checkpoint: steps 0-1 Cached, step 2 reads the reference step 1 moved
     code, out, err, _ = run_cli([*args, "--set", "grpo.steps=3", "--set", "run.keep_last=1"], tmp_path)
     assert code == 0, (out, err)
     for name in ("grpo-update[step=1]", "reference-sync[step=0]", "reference-sync[step=1]"):
         assert f"Task run '{name}' - Finished in state Cached" in err, name
-    assert catalog_rows(run_dir, "SELECT kl FROM steps WHERE step = 2") == [(0.0,)]
+    assert catalog_rows(run_dir, "SELECT kl, entropy_coef FROM steps WHERE step = 2") == [(0.0, 0.02)]
     assert sorted(p.name for p in (run_dir / "reference").glob("step_*")) == ["step_0003"]

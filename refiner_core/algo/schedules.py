@@ -1,6 +1,7 @@
-"""The learning rate over GRPO steps: grpo.learning_rate times a multiplier of the step, one function per
-grpo.lr_scheduler_type (LR_SCHEDULES). As verl's actor, the schedule moves once per GRPO step (every optimizer
-step of a step shares its rate) and step 0 of a warmup trains at rate 0; past `decay_steps` the rate holds."""
+"""What moves once per GRPO step: the learning rate, grpo.learning_rate times a multiplier of the step, one
+function per grpo.lr_scheduler_type (LR_SCHEDULES) (as verl's actor, every optimizer step of a step shares its
+rate, step 0 of a warmup trains at rate 0, and past `decay_steps` the rate holds); and the adaptive entropy
+coefficient (grpo.adaptive_entropy)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,23 @@ def learning_rate_at(step: int, grpo, decay_steps: int | None = None) -> float:
         )
     multiplier = LR_SCHEDULES[grpo.lr_scheduler_type](step, grpo.lr_warmup_steps, decay, grpo.min_lr_ratio)
     return grpo.learning_rate * multiplier
+
+
+def entropy_coef_at(previous: dict | None, grpo) -> dict:
+    """The entropy bonus of a GRPO step: {"coef": the controller's coefficient, "applied": the one the update
+    uses}. Without grpo.adaptive_entropy both are grpo.entropy_coef. With it (Skywork-OR1's adaptive entropy
+    control, as TRL use_adaptive_entropy, whose controller moves once per optimizer step): `previous` is the last
+    step's {"coef", "entropy"} (its controller coefficient and the mean entropy it measured over the bonus's
+    tokens); the coefficient moves by entropy_coef_delta, up where that entropy was at or below entropy_target,
+    down otherwise, within [entropy_coef_min, entropy_coef_max], and applies only in the first case. The first
+    step has measured nothing: entropy_coef, not applied."""
+    if not grpo.adaptive_entropy:
+        return {"coef": grpo.entropy_coef, "applied": grpo.entropy_coef}
+    if previous is None:
+        return {"coef": grpo.entropy_coef, "applied": 0.0}
+    low = previous["entropy"] <= grpo.entropy_target
+    if low:
+        coef = min(previous["coef"] + grpo.entropy_coef_delta, grpo.entropy_coef_max)
+    else:
+        coef = max(previous["coef"] - grpo.entropy_coef_delta, grpo.entropy_coef_min)
+    return {"coef": coef, "applied": coef if low else 0.0}

@@ -73,6 +73,7 @@ class LearnerSettings:
     sapo_tau_pos: float
     sapo_tau_neg: float
     entropy_coef: float
+    adaptive_entropy: bool  # the coefficient comes with each step (train_step's entropy_coef); entropy is measured
     kl_cov_ratio: float
     kl_cov_coef: float
     clip_cov_ratio: float
@@ -133,7 +134,9 @@ def surrogate_knobs(settings: LearnerSettings) -> dict:
 
 
 class Learner(Protocol):
-    def train_step(self, samples: list[TrainSample], learning_rate: float | None = None) -> dict: ...
+    def train_step(
+        self, samples: list[TrainSample], learning_rate: float | None = None, entropy_coef: float | None = None
+    ) -> dict: ...
 
     def save(self, path: Path) -> None: ...
 

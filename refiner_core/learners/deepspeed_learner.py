@@ -322,9 +322,11 @@ class DeepSpeedLearner:
 
     # ---- the learner interface ----
 
-    def train_step(self, samples: list[TrainSample], learning_rate: float | None = None) -> dict:
+    def train_step(
+        self, samples: list[TrainSample], learning_rate: float | None = None, entropy_coef: float | None = None
+    ) -> dict:
         t0 = time.perf_counter()
-        job_dir = self._call("train", samples, learning_rate=learning_rate)
+        job_dir = self._call("train", samples, learning_rate=learning_rate, entropy_coef=entropy_coef)
         self.updates += 1
         metrics = json.loads((job_dir / "metrics.json").read_text())
         self.rank_stats = [

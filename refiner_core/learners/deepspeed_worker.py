@@ -346,7 +346,8 @@ def main(work_dir: str) -> None:
         if job["kind"] == "stop":
             break
         if job["kind"] == "train":  # the step empties the cache
-            _train(job_dir, job["learning_rate"], engine, reference, launch, settings, resumed, rank, world)
+            rates = (job["learning_rate"], job["entropy_coef"])
+            _train(job_dir, rates, engine, reference, launch, settings, resumed, rank, world)
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":
@@ -368,7 +369,7 @@ def main(work_dir: str) -> None:
 
 def _train(
     job_dir: Path,
-    learning_rate: float | None,
+    rates: tuple[float | None, float | None],  # the step's learning rate and entropy coefficient
     engine,
     reference,
     launch: dict,
@@ -380,7 +381,7 @@ def _train(
     t0 = time.time()
     samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
     learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world)
-    metrics = learner.train_step(samples, learning_rate)
+    metrics = learner.train_step(samples, *rates)
     steps_after = adam_steps(engine)
     rank_stats = {
         "rank": rank,

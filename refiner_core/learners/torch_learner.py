@@ -75,12 +75,16 @@ class TorchLearner:
         model.train(was_training)
         return out
 
-    def train_step(self, samples: list[TrainSample], learning_rate: float | None = None) -> dict:
-        """One rollout batch -> `epochs` passes of `minibatches` optimizer steps, at `learning_rate` (None: the
-        settings' learning_rate). Returns metrics averaged over every pass."""
+    def train_step(
+        self, samples: list[TrainSample], learning_rate: float | None = None, entropy_coef: float | None = None
+    ) -> dict:
+        """One rollout batch -> `epochs` passes of `minibatches` optimizer steps, at `learning_rate` with the
+        entropy bonus `entropy_coef` (None: the settings'). Returns metrics averaged over every pass; with
+        adaptive_entropy also `bonus_entropy`, the mean entropy over the tokens the bonus acts on."""
         t0 = time.time()
         s = self.s
         lr = s.learning_rate if learning_rate is None else learning_rate
+        bonus = s.entropy_coef if entropy_coef is None else entropy_coef
         self._set_learning_rate(lr)
         layout = self._layout(samples)
         # Aggregation normalisers span the whole optimizer step (all ranks), so accumulated micro-batch
@@ -95,7 +99,7 @@ class TorchLearner:
         # detached current log-probs serve; with several, freeze them before the first step.
         old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) * s.epochs > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
-        reads_entropy = s.entropy_coef != 0 or s.top_entropy_quantile < 1
+        reads_entropy = bonus != 0 or s.adaptive_entropy or s.top_entropy_quantile < 1
         knobs = surrogate_knobs(s)
         totals = {
             "loss": 0.0,
@@ -105,6 +109,8 @@ class TorchLearner:
             "entropy": 0.0,
             "is_weight": 0.0,
             "off_policy_masked": 0.0,
+            "bonus_entropy": 0.0,
+            "bonus_tokens": 0.0,
             "tokens": 0.0,
             "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
             "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat)),
@@ -157,7 +163,7 @@ class TorchLearner:
                     policy_loss=s.policy_loss,
                     sequences=sequences,
                     entropy=entropy,
-                    entropy_coef=s.entropy_coef,
+                    entropy_coef=bonus,
                     policy_tokens=policy_tokens,
                     kept_sequences=kept,
                     selection_seed=selection_seed(batch, pass_index) if s.policy_loss == "clip_cov" else None,
@@ -172,6 +178,9 @@ class TorchLearner:
                 totals["clipped"] += (out["clipped"] * mask).sum().item()
                 if entropy is not None:
                     totals["entropy"] += (entropy * mask).sum().item()
+                    acted_on = mask if policy_tokens is None else mask * policy_tokens
+                    totals["bonus_entropy"] += (entropy * acted_on).sum().item()
+                    totals["bonus_tokens"] += acted_on.sum().item()
                 if is_w is not None:  # already zero off the response mask
                     totals["is_weight"] += is_w.sum().item()
                 totals["tokens"] += mask.sum().item()
@@ -185,6 +194,8 @@ class TorchLearner:
         entropy = {"entropy": totals["entropy"] / tokens} if reads_entropy else {}
         is_weight = {"importance_weight_mean": totals["is_weight"] / tokens} if s.tis_cap > 0 else {}
         masked = {"off_policy_masked": totals["off_policy_masked"] / tokens} if s.off_policy_mask_threshold > 0 else {}
+        if s.adaptive_entropy:
+            entropy["bonus_entropy"] = totals["bonus_entropy"] / max(totals["bonus_tokens"], 1.0)
         return {
             "loss": totals["loss"] / len(optimizer_steps),
             "pg_loss": totals["pg_loss"] / tokens,
