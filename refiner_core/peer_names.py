@@ -85,7 +85,10 @@ PEER_NAMES: dict[str, PeerName] = {
     ),
     "norm_adv_by_std_in_grpo": PeerName("verl", "grpo.advantage", "false = none"),
     # correction for the rollout engine's log-probs
-    "vllm_importance_sampling_cap": PeerName("TRL", "grpo.tis_cap"),
+    "vllm_importance_sampling_cap": PeerName("TRL", "grpo.tis_cap", "TRL's older name for clip_max"),
+    "vllm_importance_sampling_clip_max": PeerName("TRL", "grpo.tis_cap"),
+    "vllm_importance_sampling_clip_min": PeerName("TRL", "grpo.tis_floor"),
+    "vllm_importance_sampling_correction": PeerName("TRL", "grpo.tis_cap", "false = 0 (off)"),
     "vllm_importance_sampling_mode": PeerName("TRL", "grpo.tis_mode", "its token_/sequence_ part is grpo.tis_level"),
     "rollout_is_threshold": PeerName("verl", "grpo.tis_cap"),
     "rollout_is": PeerName("verl", "grpo.tis_level"),
@@ -112,12 +115,14 @@ PEER_NAMES: dict[str, PeerName] = {
         "TRL masks a completion that does not end in EOS; ours one with finish_reason 'length'",
     ),
     "penalty_factor": PeerName("verl", "reward.overlong_factor", "its buffer length is reward.overlong_buffer"),
+    "max_tool_calling_iterations": PeerName("TRL", "rollout.agent.max_turns"),
     # schedule
     "max_steps": PeerName("TRL", "grpo.steps"),
     "total_training_steps": PeerName("verl", "grpo.steps"),
     "save_steps": PeerName("TRL", "run.save_every"),
     "save_freq": PeerName("verl", "run.save_every"),
     "eval_steps": PeerName("TRL", "eval.every"),
+    "num_generations_eval": PeerName("TRL", "eval.samples"),
     "test_freq": PeerName("verl", "eval.every"),
     # LoRA (PEFT's LoraConfig, which TRL takes; verl's lora_rank is ours already)
     "r": PeerName("TRL", "model.lora_rank"),
