@@ -4,9 +4,22 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from refiner_core.store.checkpoints import prune
+from refiner_core.algo.ema import ema_checkpoint
+from refiner_core.publish.model_card import write_model_card
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES, prune
+from refiner_core.store.storage import atomic_dir, dir_hash
 
 CHECKPOINT_FOLDERS = ("checkpoints", "teacher", "reference")  # under RUN_DIR
+
+
+def write_average(run_dir: str, run: str, kind: str, done: int, old: dict, policy: dict, alpha: float) -> dict:
+    """alpha * policy + (1 - alpha) * old as the checkpoint RUN_DIR/<kind>/step_<done> (kind 'teacher' or
+    'reference'), with its model card; returns its manifest."""
+    final = Path(run_dir) / kind / f"step_{done:04d}"
+    with atomic_dir(final) as build:
+        ema_checkpoint(Path(old["path"]), Path(policy["path"]), alpha, build)
+        write_model_card(build, run_dir, kind=kind, run=run, step=done, checkpoint=final, parent=old["path"])
+    return {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
 
 
 @task(name="prune-checkpoints", cache_policy=None, persist_result=False, retries=1)

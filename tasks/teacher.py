@@ -7,12 +7,11 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from refiner_core.algo.ema import alpha_at, ema_checkpoint, is_update_step
-from refiner_core.publish.model_card import write_model_card
+from refiner_core.algo.ema import alpha_at, is_update_step
 from refiner_core.runtime.live_engines import release
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES
-from refiner_core.store.storage import atomic_dir, dir_hash, write_table
+from refiner_core.store.storage import write_table
+from tasks.checkpoints import write_average
 from tasks.sampling import response_columns, rollout_engine, sampling_params, step_prompts
 from tasks.stage import stage
 
@@ -72,13 +71,7 @@ def teacher_update(*, run_dir: str, run: str, step: int, teacher: dict, policy: 
     alpha = alpha_at(done, teacher_cfg["alpha_start"], teacher_cfg["alpha_end"], teacher_cfg["schedule_steps"])
     updated = is_update_step(done, teacher_cfg["update_interval"])
     if updated:
-        final = Path(run_dir) / "teacher" / f"step_{done:04d}"
-        with atomic_dir(final) as build:
-            ema_checkpoint(Path(teacher["path"]), Path(policy["path"]), alpha, build)
-            write_model_card(
-                build, run_dir, kind="teacher", run=run, step=done, checkpoint=final, parent=teacher["path"]
-            )
-        teacher = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
+        teacher = write_average(run_dir, run, "teacher", done, teacher, policy, alpha)
     get_run_logger().info(
         "teacher-update step %d: alpha %.3g, %s",
         step,

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
-from refiner_core.algo.ema import ema_checkpoint
 from refiner_core.algo.schedules import entropy_coef_at, learning_rate_at
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
@@ -20,6 +19,7 @@ from refiner_core.schema import ADVANTAGES, REFERENCE_SYNCS, STEPS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_table
+from tasks.checkpoints import write_average
 from tasks.stage import stage
 
 
@@ -195,20 +195,13 @@ def sync_reference(*, run_dir: str, run: str, step: int, reference: dict, policy
     """grpo.ref_sync_every, after update `step` (policy: checkpoint step+1): the KL reference <- alpha * policy +
     (1 - alpha) * reference into RUN_DIR/reference/step_NNNN, the reference of the updates after it. One
     reference_syncs row."""
-    done = step + 1
-    final = Path(run_dir) / "reference" / f"step_{done:04d}"
-    with atomic_dir(final) as build:
-        ema_checkpoint(Path(reference["path"]), Path(policy["path"]), alpha, build)
-        write_model_card(
-            build, run_dir, kind="reference", run=run, step=done, checkpoint=final, parent=reference["path"]
-        )
-    moved = {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}
+    moved = write_average(run_dir, run, "reference", step + 1, reference, policy, alpha)
     get_run_logger().info(
         "reference-sync step %d: KL reference <- %.3g * policy + %.3g * reference: %s",
         step,
         alpha,
         1.0 - alpha,
-        final,
+        moved["path"],
     )
     row = {
         "run": run,
