@@ -63,6 +63,11 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     assert "(AdamW, cosine to 0.1x by step 2 after 1 warmup steps, weight decay" in scheduled
     assert "| sampling | temperature 1.0, top_p 1.0, engine hf |" in card
     assert "| sampling | temperature 1.0, top_p 1.0, top_k 20, engine hf |" in _card(["rollout.top_k=20"])
+    controlled = _card(["grpo.adaptive_entropy=true", "grpo.off_policy_mask_threshold=0.5"])
+    assert (
+        "| algorithm | GRPO, policy_loss ppo_clip, advantage group_std (std ddof 0), entropy bonus from 0.0 adapted to "
+        "0.2 nats, negative samples off-policy by more than 0.5 masked |" in controlled
+    )
     moving = _card(["grpo.ref_sync_every=4"])
     assert (
         "| KL | kl_estimator k3, beta 0.001, reference = starting policy, moved toward the policy every 4 steps "

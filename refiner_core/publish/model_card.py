@@ -170,12 +170,18 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         learner += f", ZeRO stage {deepspeed['zero_stage']}, {deepspeed['world_size']} rank(s)"
         if deepspeed["offload_optimizer"]:
             learner += ", optimizer offloaded to CPU"
+    algorithm = (
+        f"GRPO, policy_loss {grpo['policy_loss']}, advantage {grpo['advantage']} "
+        f"(std ddof {grpo['advantage_std_ddof']})"
+    )
+    if grpo.get("adaptive_entropy"):  # .get: a recipe saved before these settings
+        algorithm += f", entropy bonus from {grpo['entropy_coef']} adapted to {grpo['entropy_target']} nats"
+    elif grpo["entropy_coef"]:
+        algorithm += f", entropy bonus {grpo['entropy_coef']}"
+    if grpo.get("off_policy_mask_threshold"):
+        algorithm += f", negative samples off-policy by more than {grpo['off_policy_mask_threshold']} masked"
     rows = [
-        (
-            "algorithm",
-            f"GRPO, policy_loss {grpo['policy_loss']}, advantage {grpo['advantage']} "
-            f"(std ddof {grpo['advantage_std_ddof']})",
-        ),
+        ("algorithm", algorithm),
         (
             "KL",
             f"kl_estimator {grpo['kl_estimator']}, beta {grpo['beta']}"
