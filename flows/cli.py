@@ -216,13 +216,14 @@ def show(
     if origin:
         typer.echo(visible(origin))
     _print_table(summary["columns"], summary["steps"], 0)
-    if len({lr for _, lr in summary["lr"]}) > 1:  # a schedule (grpo.lr_scheduler_type, warmup): where it went
-        (first_step, first), (last_step, last) = summary["lr"][0], summary["lr"][-1]
-        peak_step, peak = max(summary["lr"], key=lambda row: row[1])
-        typer.echo(
-            f"learning rate: {first:g} at step {first_step}, peak {peak:g} at step {peak_step}, {last:g} at step "
-            f"{last_step} (steps.lr)"
-        )
+    for name, (column, values) in summary["moving"].items():  # a schedule or a controller: where it went
+        if len({value for _, value in values}) > 1:
+            (first_step, first), (last_step, last) = values[0], values[-1]
+            peak_step, peak = max(values, key=lambda row: row[1])
+            typer.echo(
+                f"{name}: {first:g} at step {first_step}, peak {peak:g} at step {peak_step}, {last:g} at step "
+                f"{last_step} (steps.{column})"
+            )
     for which in ("best", "worst"):
         if which in summary:
             r = summary[which]

@@ -216,6 +216,7 @@ def _steps(run: str, n: int) -> list[dict]:
             "kl": 0.01,
             "loss": 0.2,
             "lr": 1e-6 * (s + 1),
+            "entropy_coef": 0.005 * s,
             "response_length_mean": 10.0 + s,
             "rollout_seconds": 1.0,
             "judge_seconds": 2.0,
@@ -395,6 +396,9 @@ def test_show_summarises_steps_and_the_best_and_worst_rollout(judged_run):
     assert result.output.startswith(f"run {judged_run}: 2 steps")
     assert "rollout_s" in result.output and "update_s" in result.output
     assert "learning rate: 1e-06 at step 0, peak 2e-06 at step 1, 2e-06 at step 1 (steps.lr)" in result.output
+    assert "entropy coefficient: 0 at step 0, peak 0.005 at step 1, 0.005 at step 1 (steps.entropy_coef)" in (
+        result.output
+    )
     assert "best of step 1: reward 2.5 (p2 #1): answer 1p21" in result.output
     assert "worst of step 1: reward 1.0 (p1 #0): answer 1p10" in result.output
     assert runner.invoke(app, ["show", str(judged_run.parent / "nothing")]).exit_code == 2

@@ -239,7 +239,14 @@ SHOW_STEPS = (
     "rollout_s, round(judge_seconds, 1) AS judge_s, round(update_seconds, 1) AS update_s FROM steps "
     "ORDER BY step"
 )
-SHOW_LEARNING_RATE = "SELECT step, lr FROM steps WHERE lr IS NOT NULL ORDER BY step"
+# Settings that may move from step to step, by what `refiner show` calls them: (steps column, its query).
+SHOW_MOVING = {
+    "learning rate": ("lr", "SELECT step, lr FROM steps WHERE lr IS NOT NULL ORDER BY step"),
+    "entropy coefficient": (
+        "entropy_coef",
+        "SELECT step, entropy_coef FROM steps WHERE entropy_coef IS NOT NULL ORDER BY step",
+    ),
+}
 SHOW_EXTREMES = (
     "WITH r AS (SELECT step, prompt_id, sample_idx, reward FROM rewards WHERE reward_version = 'train') "
     "SELECT r.step, r.prompt_id, r.sample_idx, round(r.reward, 3) AS reward, o.response_text "
@@ -259,17 +266,23 @@ SHOW_MONITORS = (
 
 
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
-    """Steps (reward, KL, loss, length, stage seconds), each step's learning rate ('lr': (step, lr) rows), the best
-    and worst rollout of the last step, the judge's cost over the steps ('judge': None for a catalog without it) and
-    the monitors that tripped."""
+    """Steps (reward, KL, loss, length, stage seconds), the settings that may move per step ('moving': {name:
+    (steps column, (step, value) rows)}, SHOW_MOVING), the best and worst rollout of the last step, the judge's cost
+    over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
     columns, rows = run_query(con, SHOW_STEPS)
-    _, rates = run_query(con, SHOW_LEARNING_RATE)
+    moving = {name: (column, run_query(con, sql)[1]) for name, (column, sql) in SHOW_MOVING.items()}
     _, ranked = run_query(con, SHOW_EXTREMES)
     extremes = {}
     if ranked:
         keys = ("step", "prompt_id", "sample_idx", "reward", "response_text")
         extremes = {"best": dict(zip(keys, ranked[0])), "worst": dict(zip(keys, ranked[-1]))}
-    return {"columns": columns, "steps": rows, "lr": rates, **extremes, "judge": _optional(con, SHOW_JUDGE_COST)}
+    return {
+        "columns": columns,
+        "steps": rows,
+        "moving": moving,
+        **extremes,
+        "judge": _optional(con, SHOW_JUDGE_COST),
+    }
 
 
 def _optional(con: duckdb.DuckDBPyConnection, sql: str) -> dict | None:
