@@ -450,3 +450,25 @@ def test_a_fresh_prefect_home_is_made_and_holds_the_memo_store(tmp_path, monkeyp
     prefect_home_ready()
     assert home.is_dir()
     assert os.environ["PREFECT_SERVER_MEMO_STORE_PATH"] == str(home / "memo_store.toml")
+
+
+def test_show_summary_of_a_catalog_from_before_a_per_step_setting():
+    """A catalog written before steps.entropy_coef existed: no entropy line, the rest as always."""
+    import duckdb
+
+    from refiner_core.publish.run_sql import run_summary
+
+    con = duckdb.connect()
+    columns = "step, reward_mean, reward_std, kl, loss, response_length_mean, rollout_seconds, judge_seconds"
+    con.execute(
+        f"CREATE TABLE steps AS SELECT * FROM (VALUES (0, 0.5, 0.1, 0.0, 0.1, 10.0, 1.0, 1.0, 1.0, 1e-3), "
+        f"(1, 0.6, 0.1, 0.0, 0.1, 10.0, 1.0, 1.0, 1.0, 2e-3)) AS t({columns}, update_seconds, lr)"
+    )
+    con.execute("CREATE TABLE rewards (step INT, prompt_id TEXT, sample_idx INT, reward DOUBLE, reward_version TEXT)")
+    con.execute("CREATE TABLE rollouts (step INT, prompt_id TEXT, sample_idx INT, response_text TEXT)")
+    summary = run_summary(con)
+    assert summary["moving"] == {
+        "learning rate": ("lr", [(0, 1e-3), (1, 2e-3)]),
+        "entropy coefficient": ("entropy_coef", []),
+    }
+    assert len(summary["steps"]) == 2 and summary["judge"] is None

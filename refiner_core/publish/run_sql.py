@@ -270,7 +270,7 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
     (steps column, (step, value) rows)}, SHOW_MOVING), the best and worst rollout of the last step, the judge's cost
     over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
     columns, rows = run_query(con, SHOW_STEPS)
-    moving = {name: (column, run_query(con, sql)[1]) for name, (column, sql) in SHOW_MOVING.items()}
+    moving = {name: (column, _rows(con, sql)) for name, (column, sql) in SHOW_MOVING.items()}
     _, ranked = run_query(con, SHOW_EXTREMES)
     extremes = {}
     if ranked:
@@ -283,6 +283,14 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
         **extremes,
         "judge": _optional(con, SHOW_JUDGE_COST),
     }
+
+
+def _rows(con: duckdb.DuckDBPyConnection, sql: str) -> list[tuple]:
+    """The rows of SQL; none when the catalog predates a column it reads."""
+    try:
+        return run_query(con, sql)[1]
+    except duckdb.BinderException:  # a catalog from before steps.entropy_coef
+        return []
 
 
 def _optional(con: duckdb.DuckDBPyConnection, sql: str) -> dict | None:
