@@ -1236,19 +1236,25 @@ def _fields_by_leaf() -> dict[str, list[str]]:
     return by_leaf
 
 
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()  # the score difflib.get_close_matches ranks by
+
+
 def _did_you_mean(cls: type, key: str, where: str) -> str:
     """What an unknown field `key` of section `cls` (at `where`) may have meant, as " (...)" or "": TRL's or verl's
-    name for one of ours (num_generations), else a field of the section, else a field of its nested sections
-    (judge.base_ur -> judge.openai.base_url), else the fields of that name in other sections (grpo.temperature ->
-    rollout.temperature, judge.openai.temperature or eval.temperature)."""
+    name for one of ours (num_generations), else the closest field of the section or of its nested sections (the
+    section's on a tie; judge.base_ur -> judge.openai.base_url), else the fields of that name in other sections
+    (grpo.temperature -> rollout.temperature, judge.openai.temperature or eval.temperature)."""
     if hint := peer_hint(key):
         return f" ({hint})"
     prefix = f"{where}." if where else ""
     names = [f.name for f in dataclasses.fields(cls)]
     nested = {k: v for k, v in _nested_names(cls, prefix).items() if k not in names}
-    if own := difflib.get_close_matches(key, names, n=1):
+    own = difflib.get_close_matches(key, names, n=1)
+    inner = difflib.get_close_matches(key, list(nested), n=1)
+    if own and (not inner or _likeness(key, own[0]) >= _likeness(key, inner[0])):
         close = [prefix + own[0]]
-    elif inner := difflib.get_close_matches(key, list(nested), n=1):
+    elif inner:
         close = [nested[inner[0]]]
     elif leaf := difflib.get_close_matches(key, list(by_leaf := _fields_by_leaf()), n=1, cutoff=0.8):
         close = by_leaf[leaf[0]]
