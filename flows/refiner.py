@@ -12,6 +12,7 @@ from prefect import flow, get_run_logger
 import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from flows.run_folder import holds_run_folder, resolve_run_dir, run_name
 from refiner_core.algo.advantages import informative_prompt_ids
+from refiner_core.algo.ema import is_update_step
 from refiner_core.config import RecipeConfig, recipe_from_dict
 from refiner_core.data.quarantine import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
@@ -401,7 +402,7 @@ def train_rewards(scores: list[dict]) -> list[dict]:
 def syncs_reference(run: RunContext, step: int) -> bool:
     """grpo.ref_sync_every: whether the KL reference moves toward the policy after update `step`."""
     every = run.cfg.grpo.ref_sync_every
-    return every > 0 and (step + 1) % every == 0
+    return every > 0 and is_update_step(step + 1, every)
 
 
 def saves_checkpoint(run: RunContext, step: int) -> bool:
@@ -419,6 +420,7 @@ def saves_checkpoint(run: RunContext, step: int) -> bool:
 def update(run: RunContext, state: StepState, step: int, rolled: list[dict], scored: list[dict]) -> dict:
     """The GRPO update (and the EMA teacher's); the next rollout to sample ahead starts."""
     cfg, ahead = run.cfg, run.cfg.grpo.async_steps
+    reference = state.reference or run.reference  # the KL reference (grpo.ref_sync_every moves it)
     updated = run.stage(grpo_update)(
         run_dir=run.dir,
         run=run.name,
@@ -426,7 +428,7 @@ def update(run: RunContext, state: StepState, step: int, rolled: list[dict], sco
         rollouts=rolled,
         scores=scored,
         policy=state.policy,
-        reference=state.reference or run.reference,
+        reference=reference,
         grpo_cfg=run.inputs.update,
         lora=run.inputs.lora,
         temperature=cfg.rollout.temperature,
@@ -447,7 +449,7 @@ def update(run: RunContext, state: StepState, step: int, rolled: list[dict], sco
             run_dir=run.dir,
             run=run.name,
             step=step,
-            reference=state.reference or run.reference,
+            reference=reference,
             policy=state.policy,
             alpha=cfg.grpo.ref_mixup_alpha,
         )

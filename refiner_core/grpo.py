@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import group_advantages
-from refiner_core.algo.schedules import entropy_coef_at, learning_rate_at
+from refiner_core.algo.schedules import entropy_coef_at, entropy_control_after, learning_rate_at
 from refiner_core.config import DEEPSPEED_FLAT_NAMES, GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
@@ -113,8 +113,7 @@ def grpo_loop(
         bonus = entropy_coef_at(entropy_control, grpo)
         lr = learning_rate_at(step, grpo, decay_steps=steps)
         metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else {}
-        if "bonus_entropy" in metrics:
-            entropy_control = {"coef": bonus["coef"], "entropy": metrics["bonus_entropy"]}
+        entropy_control = entropy_control_after(entropy_control, bonus, metrics)
         if sync and samples:
             sync()
         record = {"step": step, "reward_mean": float(np.mean([r["reward"] for r in rewards])), **stats, **metrics}

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
-from refiner_core.algo.schedules import entropy_coef_at, learning_rate_at
+from refiner_core.algo.schedules import entropy_coef_at, entropy_control_after, learning_rate_at
 from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
@@ -182,11 +182,8 @@ def grpo_update(
         "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
         "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
     }
-    if grpo.adaptive_entropy:  # nothing trained, nothing measured: the state carries over
-        measured = metrics.get("bonus_entropy")
-        manifest["entropy_control"] = (
-            {"coef": bonus["coef"], "entropy": measured} if measured is not None else entropy_control
-        )
+    if grpo.adaptive_entropy:
+        manifest["entropy_control"] = entropy_control_after(entropy_control, bonus, metrics)
     return manifest
 
 

@@ -81,3 +81,11 @@ def entropy_coef_at(previous: dict | None, grpo) -> dict:
     else:
         coef = max(previous["coef"] - grpo.entropy_coef_delta, grpo.entropy_coef_min)
     return {"coef": coef, "applied": coef if low else 0.0}
+
+
+def entropy_control_after(previous: dict | None, bonus: dict, metrics: dict) -> dict | None:
+    """The controller's state after a step that used `bonus` (entropy_coef_at's): its coefficient and the entropy
+    the learner measured over the bonus's tokens (metrics' bonus_entropy). A step that measured nothing (nothing
+    trained, or no adaptive_entropy) leaves the state as it was."""
+    measured = metrics.get("bonus_entropy")
+    return previous if measured is None else {"coef": bonus["coef"], "entropy": measured}

@@ -346,8 +346,8 @@ def main(work_dir: str) -> None:
         if job["kind"] == "stop":
             break
         if job["kind"] == "train":  # the step empties the cache
-            rates = (job["learning_rate"], job["entropy_coef"])
-            _train(job_dir, rates, engine, reference, launch, settings, resumed, rank, world)
+            lr, bonus = job["learning_rate"], job["entropy_coef"]
+            _train(job_dir, lr, bonus, engine, reference, launch, settings, resumed, rank, world)
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":
@@ -369,7 +369,8 @@ def main(work_dir: str) -> None:
 
 def _train(
     job_dir: Path,
-    rates: tuple[float | None, float | None],  # the step's learning rate and entropy coefficient
+    learning_rate: float | None,
+    entropy_coef: float | None,
     engine,
     reference,
     launch: dict,
@@ -381,7 +382,7 @@ def _train(
     t0 = time.time()
     samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
     learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world)
-    metrics = learner.train_step(samples, *rates)
+    metrics = learner.train_step(samples, learning_rate, entropy_coef)
     steps_after = adam_steps(engine)
     rank_stats = {
         "rank": rank,

@@ -178,6 +178,7 @@ class TorchLearner:
                 totals["clipped"] += (out["clipped"] * mask).sum().item()
                 if entropy is not None:
                     totals["entropy"] += (entropy * mask).sum().item()
+                if s.adaptive_entropy:  # the controller's measure: two more device syncs, only when it reads them
                     acted_on = mask if policy_tokens is None else mask * policy_tokens
                     totals["bonus_entropy"] += (entropy * acted_on).sum().item()
                     totals["bonus_tokens"] += acted_on.sum().item()
