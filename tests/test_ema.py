@@ -107,16 +107,16 @@ TINY = [
 ]
 
 
-def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
+def test_co_rewarding_2_resumes_its_teacher_after_a_kill(api_env, tmp_path):
     """Killed right before the second teacher update, the rerun finishes it from the files on disk: the final
     teacher is the hand-rolled EMA start -> step_0001 -> step_0002 with the scheduled alphas, and the catalog holds
     the teacher's rollouts, alpha per step and the teacher-voted labels."""
     run_dir = tmp_path / "co2"
     args = ["run", "recipes/co-rewarding-2.yaml", "--run-dir", str(run_dir), *[x for o in TINY for x in ("--set", o)]]
-    code, out, err, _ = run_cli(args, tmp_path, env={"REFINER_KILL_ONCE": "teacher-update@1"})
+    code, out, err, _ = run_cli(args, tmp_path, env={**api_env, "REFINER_KILL_ONCE": "teacher-update@1"})
     assert code != 0 and not (run_dir / "teacher" / "step_0002").exists(), (out, err)
     assert (run_dir / "teacher" / "step_0001").exists()
-    code, out, err, _ = run_cli(args, tmp_path)
+    code, out, err, _ = run_cli(args, tmp_path, api_env)
     assert code == 0, (out, err)
 
     start = load_file(
@@ -131,7 +131,7 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     for name, value in final.items():
         torch.testing.assert_close(value.double(), teacher[name], atol=1e-6, rtol=0)
 
-    _rerun_keeping_one_checkpoint(args, run_dir, tmp_path)
+    _rerun_keeping_one_checkpoint(args, run_dir, tmp_path, api_env)
     updates = catalog_rows(run_dir, "SELECT step, alpha, updated, teacher FROM teacher_updates ORDER BY step")
     assert [(s, round(a, 9), u, Path(t).name) for s, a, u, t in updates] == [
         (0, round(alpha_at(1, 0.5, 0.1, 4), 9), True, "step_0001"),
@@ -158,10 +158,10 @@ def test_co_rewarding_2_resumes_its_teacher_after_a_kill(tmp_path):
     assert catalog_rows(run_dir, "SELECT count(*) FROM rewards WHERE pseudo_label IS NULL AND reward <> 0") == [(0,)]
 
 
-def _rerun_keeping_one_checkpoint(args: list[str], run_dir: Path, tmp_path: Path) -> None:
+def _rerun_keeping_one_checkpoint(args: list[str], run_dir: Path, tmp_path: Path, api_env: dict) -> None:
     """run.keep_last=1 on the finished run: the older policy and teacher checkpoints go, every stage that named
     them stays Cached (pruned on purpose, not damaged)."""
-    code, out, err, _ = run_cli([*args, "--set", "run.keep_last=1"], tmp_path)
+    code, out, err, _ = run_cli([*args, "--set", "run.keep_last=1"], tmp_path, api_env)
     assert code == 0, (out, err)
     assert sorted(p.name for p in (run_dir / "teacher").glob("step_*")) == ["step_0002"]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0002"]

@@ -48,7 +48,7 @@ def test_the_page_names_files_that_exist():
 
 
 @pytest.mark.slow
-def test_a_judge_from_outside_the_repository_scores_a_run(tmp_path):
+def test_a_judge_from_outside_the_repository_scores_a_run(api_env, tmp_path):
     package = tmp_path / "outside" / "my_judges"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -65,7 +65,7 @@ def test_a_judge_from_outside_the_repository_scores_a_run(tmp_path):
 
     run_dir = tmp_path / "run"
     args = ["run", recipe, "--run-dir", str(run_dir), "--set", "judge.engine=my_judges.constant:make_judge"]
-    code, out, err, _ = run_cli([*args, "--set", "grpo.steps=1"], tmp_path, env=env)
+    code, out, err, _ = run_cli([*args, "--set", "grpo.steps=1"], tmp_path, env={**api_env, **env})
     assert code == 0, err
     rows = catalog_rows(run_dir, "SELECT raw_output, raw_score, kind, oriented_score FROM judge_scores")
     assert rows and {r[:2] for r in rows} == {('{"score": 1.5}', 1.5)}

@@ -29,24 +29,18 @@ SAME_VALUES = {  # columns that do not name the run, its folder or a time
 }
 
 
-def _api_env() -> dict:
-    from prefect.settings import PREFECT_API_URL
-
-    return {"PREFECT_API_URL": PREFECT_API_URL.value()}  # the session's server: no start-up per invocation
-
-
 def _values(run_dir, table: str, columns: str) -> list[tuple]:
     return catalog_rows(run_dir, f"SELECT {columns} FROM {table} ORDER BY {KEYS[table]}")
 
 
 @pytest.mark.slow
-def test_kills_in_every_stage_then_reruns_equal_an_uninterrupted_run(prefect_server, tmp_path):
+def test_kills_in_every_stage_then_reruns_equal_an_uninterrupted_run(api_env, tmp_path):
     recipe = str(REPO / "recipes" / "tiny.yaml")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    code, _, err, _ = run_cli(["run", recipe, "--run-dir", str(reference)], tmp_path, _api_env())
+    code, _, err, _ = run_cli(["run", recipe, "--run-dir", str(reference)], tmp_path, api_env)
     assert code == 0, err[-3000:]
 
-    env = {**_api_env(), "REFINER_KILL_ONCE": ",".join(KILLS)}
+    env = {**api_env, "REFINER_KILL_ONCE": ",".join(KILLS)}
     codes, logs = [], []
     for _ in range(len(KILLS) + 1):
         code, out, err, _ = run_cli(["run", recipe, "--run-dir", str(killed)], tmp_path, env)
@@ -99,7 +93,7 @@ def _example_commands(out: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
-def test_async_runs_killed_beside_a_rollout_sampled_ahead_equal_an_uninterrupted_run(prefect_server, tmp_path):
+def test_async_runs_killed_beside_a_rollout_sampled_ahead_equal_an_uninterrupted_run(api_env, tmp_path):
     """Every kill is followed by a rerun; the tables, reward sum and final weights equal an uninterrupted run's, and
     the rollout killed after its first part samples only the second. The uninterrupted run also shows what a user
     sees on a first run in a fresh home, logging to a file: progress lines, no Prefect warning, and example
@@ -122,7 +116,7 @@ def test_async_runs_killed_beside_a_rollout_sampled_ahead_equal_an_uninterrupted
         done = subprocess.run([sys.executable, "-m", "flows.cli", *words[1:]], cwd=REPO, capture_output=True)
         assert done.returncode == 0, done.stderr[-2000:]
 
-    env = {**_api_env(), "REFINER_KILL_ONCE": ",".join(ASYNC_KILLS)}
+    env = {**api_env, "REFINER_KILL_ONCE": ",".join(ASYNC_KILLS)}
     codes, logs = [], []
     for _ in range(len(ASYNC_KILLS) + 1):
         code, out, err, _ = run_cli(["run", recipe, "--run-dir", str(killed), *sets], tmp_path, env)

@@ -108,7 +108,7 @@ def test_preflight_rejects_impossible_eval_settings(overrides, problem):
     assert any(problem in p for p in problems), problems
 
 
-def test_instance_rubric_recipe_scaled_down_runs_one_step_on_the_tiny_model(tiny_model_path, tmp_path):
+def test_instance_rubric_recipe_scaled_down_runs_one_step_on_the_tiny_model(tiny_model_path, api_env, tmp_path):
     tiny = [
         "model.policy=tiny-qwen3",
         "grpo.steps=1",
@@ -122,7 +122,7 @@ def test_instance_rubric_recipe_scaled_down_runs_one_step_on_the_tiny_model(tiny
     sets = [w for o in documented_scale_down() + tiny for w in ("--set", o)]
     run_dir = tmp_path / "run"
     code, out, err, _ = run_cli(
-        ["run", "recipes/refiner-instance-rubric.yaml", "--run-dir", str(run_dir), *sets], tmp_path
+        ["run", "recipes/refiner-instance-rubric.yaml", "--run-dir", str(run_dir), *sets], tmp_path, api_env
     )
     assert code == 0, err[-3000:]
     assert "held-out evaluation" in out and "grpo" in out

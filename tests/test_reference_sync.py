@@ -24,10 +24,10 @@ SYNCED = [
 ]
 
 
-def test_the_reference_and_the_entropy_coefficient_carry_over_to_a_longer_run(tmp_path):
+def test_the_reference_and_the_entropy_coefficient_carry_over_to_a_longer_run(api_env, tmp_path):
     run_dir = tmp_path / "tiny"
     args = ["run", "recipes/tiny.yaml", "--run-dir", str(run_dir), *[x for o in SYNCED for x in ("--set", o)]]
-    code, out, err, _ = run_cli(args, tmp_path)
+    code, out, err, _ = run_cli(args, tmp_path, api_env)
     assert code == 0, (out, err)
     syncs = catalog_rows(run_dir, "SELECT step, alpha, reference, previous FROM reference_syncs ORDER BY step")
     assert [(s, a, Path(r).relative_to(run_dir).as_posix()) for s, a, r, _ in syncs] == [
@@ -44,7 +44,7 @@ def test_the_reference_and_the_entropy_coefficient_carry_over_to_a_longer_run(tm
     assert catalog_rows(run_dir, "SELECT entropy_coef FROM steps ORDER BY step") == [(0.0,), (0.01,)]
 
     # one step more, keeping one checkpoint: steps 0-1 Cached, step 2 reads the reference step 1 moved
-    code, out, err, _ = run_cli([*args, "--set", "grpo.steps=3", "--set", "run.keep_last=1"], tmp_path)
+    code, out, err, _ = run_cli([*args, "--set", "grpo.steps=3", "--set", "run.keep_last=1"], tmp_path, api_env)
     assert code == 0, (out, err)
     for name in ("grpo-update[step=1]", "reference-sync[step=0]", "reference-sync[step=1]"):
         assert f"Task run '{name}' - Finished in state Cached" in err, name

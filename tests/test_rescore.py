@@ -24,7 +24,7 @@ def _rows(run_dir, sql):
 
 
 @pytest.fixture(scope="module")
-def served_run(tmp_path_factory):
+def served_run(api_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rescore")
     with FaultServer(faults=False) as server:
         command = [
@@ -43,14 +43,14 @@ def served_run(tmp_path_factory):
             "--set",
             "grpo.steps=2",
         ]
-        code, out, err, _ = run_cli(command, tmp)
+        code, out, err, _ = run_cli(command, tmp, api_env)
         assert code == 0, out + err
         judged = server.requests
-        yield tmp / "run", server, judged, command
+        yield tmp / "run", server, judged, command, api_env
 
 
 def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
-    run_dir, server, judged, _ = served_run
+    run_dir, server, judged, *_ = served_run
     assert judged > 0
     code, out, err, _ = run_cli(
         [
@@ -130,7 +130,7 @@ def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
 
 
 def test_settings_that_need_new_judgments_are_refused(served_run, tmp_path):
-    run_dir, server, judged, _ = served_run
+    run_dir, server, judged, *_ = served_run
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "judge.max_new_tokens=4"], tmp_path)
     assert code == 2 and "would be re-judged" in err and "judge.max_new_tokens" in err
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "reward.citation_score=f1"], tmp_path)
@@ -145,7 +145,7 @@ STALE_SQL = "SELECT step, reward_version, stale FROM step_rewards ORDER BY step,
 
 def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, tmp_path):
     """Runs last: it reruns the module's run (the tests above count its judge requests)."""
-    run_dir, server, _, command = served_run
+    run_dir, server, _, command, api_env = served_run
     rescore = ["rescore", str(run_dir), "--set", "reward.citation_weight=0.5", "--name", "cw05"]
     code, out, err, _ = run_cli(rescore, tmp_path)
     assert code == 0, out + err
@@ -154,7 +154,7 @@ def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, t
     ]
 
     # A rerun that changes nothing (every stage cached) leaves the version current.
-    code, out, err, _ = run_cli(command, tmp_path)
+    code, out, err, _ = run_cli(command, tmp_path, api_env)
     assert code == 0, out + err
     code, out, err, _ = run_cli(["sql", str(run_dir), STALE_SQL, "-f", "csv"], tmp_path)
     assert code == 0 and "stale" not in err, err
@@ -167,7 +167,7 @@ def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, t
     ]
 
     # Another learning rate: step 1 samples from another policy, so its judgments change; step 0's do not.
-    code, out, err, _ = run_cli([*command, "--set", "grpo.learning_rate=0.01"], tmp_path)
+    code, out, err, _ = run_cli([*command, "--set", "grpo.learning_rate=0.01"], tmp_path, api_env)
     assert code == 0, out + err
     assert [(r["step"], r["reward_version"], r["stale"]) for r in _rows(run_dir, STALE_SQL)] == [
         (0, "cw05", False),

@@ -15,7 +15,7 @@ def _steps(run_dir) -> list[tuple]:
         con.close()
 
 
-def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(tmp_path):
+def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(api_env, tmp_path):
     run_dir = tmp_path / "run"
     args = [
         "run",
@@ -29,11 +29,11 @@ def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(tmp_path):
         "--set",
         "rollout.max_new_tokens=8",
     ]
-    code, out, err, _ = run_cli(args, tmp_path, {"REFINER_KILL_ONCE": "grpo-update@3"})
+    code, out, err, _ = run_cli(args, tmp_path, {**api_env, "REFINER_KILL_ONCE": "grpo-update@3"})
     assert code == 137, err[-2000:]
     assert not (run_dir / "checkpoints" / "step_0004").exists()  # the killed update published nothing
 
-    code, out, err, _ = run_cli(args, tmp_path)
+    code, out, err, _ = run_cli(args, tmp_path, api_env)
     assert code == 0, err[-3000:]
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_0004", "step_0005"]
@@ -50,7 +50,7 @@ def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(tmp_path):
     con.close()
 
     # The updates of steps 0-2 point at pruned folders: that is retention, not damage, so all stay Cached.
-    code, out, err, _ = run_cli(args, tmp_path)
+    code, out, err, _ = run_cli(args, tmp_path, api_env)
     assert code == 0, err[-3000:]
     log = out + err
     for step in range(5):

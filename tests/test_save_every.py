@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from prefect.settings import PREFECT_API_URL
 from safetensors.torch import load_file
 
 from conftest import REPO, catalog_rows, run_cli
@@ -79,7 +78,7 @@ def _checkpoints(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(prefect_server, tiny_recipe, tmp_path):
+def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(api_env, tiny_recipe, tmp_path):
     every, second = tmp_path / "every", tmp_path / "second"
     interrupted, killed = tmp_path / "interrupted", tmp_path / "killed"
     assert _pipeline(_recipe(tiny_recipe, 1), every).is_completed()
@@ -109,7 +108,7 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(pre
         )
     ]
     cli = ["run", str(REPO / "recipes" / "tiny.yaml"), *overrides, "--run-dir"]
-    env = {"PREFECT_API_URL": PREFECT_API_URL.value()}
+    env = api_env
     code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, {**env, "REFINER_INTERRUPT_ONCE": "rollout@1"})
     assert code == 130, err[-3000:]
     assert "run ended between saves (run.save_every): weights weights-" in err
