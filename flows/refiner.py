@@ -20,6 +20,7 @@ from refiner_core.judges.cost import check_budget, usage_cost
 from refiner_core.preflight import resolve
 from refiner_core.publish.ledger import ledger_catalogs
 from refiner_core.publish.tracking import close_trackers
+from refiner_core.reward.compose import reward_parts
 from refiner_core.runtime import cluster, live
 from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.stage_settings import StageSettings, stage_settings
@@ -343,7 +344,9 @@ def rollout_and_judge(run: RunContext, state: StepState, step: int) -> tuple[lis
     for sampling_round in range(run.max_rounds):
         fresh = None
         if sampling_round:
-            needed = len(rolled[0]["prompt_ids"]) - len(informative_prompt_ids(train_rewards(scored)))
+            needed = len(rolled[0]["prompt_ids"]) - len(
+                informative_prompt_ids(train_rewards(scored), cfg.grpo, reward_parts)
+            )
             used = [p for manifest in rolled for p in manifest["prompt_ids"]]
             fresh = (
                 refill_prompts(run.grpo_prompts, step, sampling_round, used, needed, cfg.run.seed) if needed > 0 else []

@@ -958,6 +958,14 @@ class GRPOConfig:
         "G - 1 (sample std, as verl and Co-rewarding); a one-member group has std 0 either way.",
     )
     advantage_eps: float = opt(1e-4, "Added to the std before dividing.", check=NON_NEGATIVE)
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = opt(
+        "sum_then_normalize",
+        "'sum_then_normalize': the advantage (grpo.advantage) of the reward; 'normalize_then_sum' (GDPO): each "
+        "part of the reward (judge rubrics, citations, format, overlong, distractor, recall, verifier, non-stop) "
+        "normalised within its group with advantage_std_ddof and advantage_eps, weighted by its reward.* weight, "
+        "summed, and the sums whitened over the step's batch; needs grpo.advantage 'group_std'. A group is flat "
+        "(filter_zero_std_groups, dynamic sampling) when every part weighted other than 0 is. docs/grpo.md.",
+    )
     loss_aggregation: Literal["token_mean", "sequence_mean", "sum_constant", "sequence_sum"] = opt(
         "token_mean",
         "How per-token losses become one number: sum / tokens (TRL dapo, verl token-mean), mean of "

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from refiner_core.algo.advantages import group_advantages
+from refiner_core.algo.advantages import PartsOf, group_advantages, whole_reward
 from refiner_core.algo.schedules import entropy_coef_at, entropy_control_after, learning_rate_at
 from refiner_core.config import DEEPSPEED_FLAT_NAMES, GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
@@ -40,16 +40,17 @@ def learner_settings(grpo: GRPOConfig, temperature: float, precision: str, model
 
 
 def build_train_samples(
-    rollouts: list[dict], rewards: list[dict], grpo: GRPOConfig
+    rollouts: list[dict], rewards: list[dict], grpo: GRPOConfig, parts_of: PartsOf = whole_reward
 ) -> tuple[list[TrainSample], list[dict], dict]:
     """Join rewards to rollouts and compute group advantages -> (train samples, advantage rows, stats). Rollouts
     with no response token, and under grpo.mask_truncated those cut off by the token budget, are not trained
-    (stats['masked_truncated'] counts the latter); their rewards still count in their group's advantages."""
+    (stats['masked_truncated'] counts the latter); their rewards still count in their group's advantages.
+    `parts_of`: how a reward row splits into parts (grpo.reward_aggregation)."""
     keys = {(r["prompt_id"], r["sample_idx"]) for r in rewards}
     missing = [(r["prompt_id"], r["sample_idx"]) for r in rollouts if (r["prompt_id"], r["sample_idx"]) not in keys]
     if missing:
         raise ValueError(f"{len(missing)} rollouts have no reward, e.g. {missing[:3]}")
-    advantages, stats = group_advantages(rewards, grpo)
+    advantages, stats = group_advantages(rewards, grpo, parts_of)
     by_key = {(a["prompt_id"], a["sample_idx"]): a for a in advantages}
     truncated = 0
     for r in rollouts:

@@ -84,6 +84,9 @@ PEER_NAMES: dict[str, PeerName] = {
         "reinforce_pp_baseline; verl's std is the sample std: grpo.advantage_std_ddof 1",
     ),
     "norm_adv_by_std_in_grpo": PeerName("verl", "grpo.advantage", "false = none"),
+    "multi_objective_aggregation": PeerName(
+        "TRL", "grpo.reward_aggregation", "the parts are the reward's, not one per reward function"
+    ),
     # correction for the rollout engine's log-probs
     "vllm_importance_sampling_cap": PeerName("TRL", "grpo.tis_cap", "TRL's older name for clip_max"),
     "vllm_importance_sampling_clip_max": PeerName("TRL", "grpo.tis_cap"),

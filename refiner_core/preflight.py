@@ -158,6 +158,11 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             f"grpo.entropy_coef_min = {cfg.grpo.entropy_coef_min!r}: must not exceed grpo.entropy_coef_max "
             f"({cfg.grpo.entropy_coef_max})"
         )
+    if cfg.grpo.reward_aggregation == "normalize_then_sum" and cfg.grpo.advantage != "group_std":
+        problems.append(
+            f"grpo.reward_aggregation 'normalize_then_sum' normalises each reward part by its group's std, and "
+            f"grpo.advantage = {cfg.grpo.advantage!r} names another normaliser: set grpo.advantage=group_std"
+        )
     if cfg.grpo.ref_sync_every and not cfg.grpo.beta:
         problems.append(
             f"grpo.ref_sync_every = {cfg.grpo.ref_sync_every} moves the KL reference, and grpo.beta = 0 reads "

@@ -12,6 +12,7 @@ from refiner_core.grpo import build_train_samples, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.model_card import write_model_card
+from refiner_core.reward.compose import reward_parts
 from refiner_core.runtime import live_learner
 from refiner_core.runtime.identity import weights_hash
 from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, model_folder
@@ -56,7 +57,7 @@ def grpo_update(
         r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"
     ]
     grpo = stage_view("update", grpo_cfg)
-    samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo)
+    samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo, reward_parts)
     if not samples and adv_stats["masked_truncated"]:
         log.warning(
             "grpo-update step %d: nothing to train on: all %d responses that would be trained ran out of tokens "

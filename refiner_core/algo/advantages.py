@@ -1,5 +1,6 @@
 """Group-relative advantages. One function per normaliser, chosen through ADVANTAGES; docs/grpo.md compares
-them with the peers' options.
+them with the peers' options. grpo.reward_aggregation 'normalize_then_sum' (GDPO) normalises each part of the
+reward in its group instead, then whitens the weighted sum over the batch.
 
 The std's `ddof` is a setting (grpo.advantage_std_ddof): 0 divides by G (population std, as open-instruct), 1 by
 G - 1 (sample std, as verl, which Co-rewarding builds on). A one-member group has std 0 under either. Batch
@@ -94,26 +95,82 @@ def compute_advantages(rewards: Sequence[float], groups: Sequence, kind: str, ep
     return ADVANTAGES[kind](np.asarray(rewards, dtype=np.float64), np.asarray(groups), eps, ddof)
 
 
-def zero_std_groups(rewards: Sequence[float], groups: Sequence) -> set:
-    """Groups whose rewards are all equal: their advantages are 0 and they teach nothing."""
-    r, g = np.asarray(rewards, dtype=np.float64), np.asarray(groups)
-    return {k for k in np.unique(g).tolist() if np.ptp(r[g == k]) == 0}
+def normalize_then_sum(
+    values: np.ndarray, weights: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0
+) -> np.ndarray:
+    """GDPO: each reward part (a column of `values`) normalised within its group, weighted and summed, the sums
+    whitened over the batch: s_i = sum_k w_ik (v_ik - mean_g v_k) / (std_g v_k + eps), A_i = (s_i - mean s) /
+    (std s + eps). A part equal across its group adds exactly 0 (also with eps 0), and so does a batch of equal
+    sums. TRL multi_objective_aggregation 'normalize_then_sum' (ddof 1, eps 1e-4)."""
+    summed = np.zeros(len(values))
+    for k in range(values.shape[1]):
+        column = values[:, k]
+        mean, std = _group_stats(column, groups, ddof)
+        flat = np.isin(groups, list(zero_std_groups(column, groups)))
+        summed += np.where(flat, 0.0, weights[:, k] * (column - mean) / np.where(flat, 1.0, std + eps))
+    if not len(summed) or not np.ptp(summed):
+        return np.zeros_like(summed)
+    return (summed - summed.mean()) / (_std(summed, ddof) + eps)
 
 
-def group_advantages(rewards: list[dict], grpo: GRPOConfig) -> tuple[list[dict], dict]:
+PartsOf = Callable[[dict], dict[str, tuple[float, float]]]
+
+
+def whole_reward(row: dict) -> dict[str, tuple[float, float]]:
+    """The decomposition of a reward that has no parts: itself, with weight 1."""
+    return {"reward": (1.0, row["reward"])}
+
+
+def _parts_matrix(rows: list[dict], parts_of: PartsOf) -> tuple[np.ndarray, np.ndarray]:
+    """(weights, values), one row per reward row and one column per part."""
+    parts = [parts_of(r) for r in rows]
+    names = list(parts[0]) if parts else []
+    weights = np.array([[p[n][0] for n in names] for p in parts], dtype=np.float64).reshape(len(rows), len(names))
+    values = np.array([[p[n][1] for n in names] for p in parts], dtype=np.float64).reshape(len(rows), len(names))
+    return weights, values
+
+
+def _signal(kept: list[dict], grpo: GRPOConfig, parts_of: PartsOf) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the values whose spread within a group is its learning signal, one column each, and their weights): the
+    reward, or under 'normalize_then_sum' each part of it."""
+    if grpo.reward_aggregation == "normalize_then_sum":
+        weights, values = _parts_matrix(kept, parts_of)
+        weighed = (weights != 0).any(axis=0)  # a part weighted 0 (a penalty turned off) is no signal
+        return values[:, weighed], weights[:, weighed]
+    return np.asarray([r["reward"] for r in kept], dtype=np.float64).reshape(len(kept), 1), None
+
+
+def _advantages(signal: np.ndarray, weights: np.ndarray | None, groups: list, grpo: GRPOConfig) -> np.ndarray:
+    groups = np.asarray(groups)
+    if weights is not None:
+        return normalize_then_sum(signal, weights, groups, grpo.advantage_eps, grpo.advantage_std_ddof)
+    return compute_advantages(signal[:, 0], groups, grpo.advantage, grpo.advantage_eps, grpo.advantage_std_ddof)
+
+
+def zero_std_groups(values: Sequence, groups: Sequence) -> set:
+    """Groups whose values are all equal (every column, for a matrix of reward parts): their advantages are 0
+    and they teach nothing."""
+    v, g = np.asarray(values, dtype=np.float64), np.asarray(groups)
+    if not len(g):
+        return set()
+    v = v.reshape(len(g), -1)
+    return {k for k in np.unique(g).tolist() if not np.ptp(v[g == k], axis=0).any()}
+
+
+def group_advantages(
+    rewards: list[dict], grpo: GRPOConfig, parts_of: PartsOf = whole_reward
+) -> tuple[list[dict], dict]:
     """Per reward row (keyed by prompt_id, sample_idx): its group-relative advantage and whether it is trained.
+    `parts_of` splits a row's reward into weighted parts for grpo.reward_aggregation 'normalize_then_sum'
+    (reward.compose.reward_parts for rows of the rewards table).
 
     Rows marked `dropped` (a failed judgment under judge.on_failure 'drop') take no part: their group's
     advantages come from the other samples. All-equal groups are untrained under grpo.filter_zero_std_groups."""
     kept = [r for r in rewards if not r.get("dropped")]
-    values = [r["reward"] for r in kept]
     groups = [r["prompt_id"] for r in kept]
-    adv = (
-        compute_advantages(values, groups, grpo.advantage, grpo.advantage_eps, grpo.advantage_std_ddof)
-        if kept
-        else np.array([])
-    )
-    flat = zero_std_groups(values, groups)
+    signal, weights = _signal(kept, grpo, parts_of)
+    adv = _advantages(signal, weights, groups, grpo) if kept else np.array([])
+    flat = zero_std_groups(signal, groups)
     advantage_of = {(r["prompt_id"], r["sample_idx"]): float(a) for r, a in zip(kept, adv)}
     rows = [
         {
@@ -134,9 +191,10 @@ def group_advantages(rewards: list[dict], grpo: GRPOConfig) -> tuple[list[dict],
     return rows, stats
 
 
-def informative_prompt_ids(rewards: list[dict]) -> set[str]:
-    """Prompts whose group's rewards differ (rows of failed judgments under 'drop' left out): the groups that
-    carry a learning signal, which rollout.dynamic_sampling samples until the step has enough of."""
+def informative_prompt_ids(rewards: list[dict], grpo: GRPOConfig, parts_of: PartsOf = whole_reward) -> set[str]:
+    """Prompts whose group's rewards differ (under 'normalize_then_sum': whose parts differ; rows of failed
+    judgments under 'drop' left out): the groups that carry a learning signal, which rollout.dynamic_sampling
+    samples until the step has enough of."""
     kept = [r for r in rewards if not r.get("dropped")]
     groups = [r["prompt_id"] for r in kept]
-    return set(groups) - zero_std_groups([r["reward"] for r in kept], groups)
+    return set(groups) - zero_std_groups(_signal(kept, grpo, parts_of)[0], groups)

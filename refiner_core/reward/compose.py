@@ -105,6 +105,29 @@ FROM judged
 ORDER BY run, step, reward_version, prompt_id, sample_idx
 """
 
+
+def reward_parts(row: dict) -> dict[str, tuple[float, float]]:
+    """A rewards row's reward as its weighted parts, name -> (weight, value), with sum(weight * value) == reward:
+    REWARD_SQL's `judged_score` and `reward` written out, each part's value on its own scale and its weight the
+    reward.* setting. grpo.reward_aggregation 'normalize_then_sum' normalises each value within its group. A
+    non-stop penalty replaces every other part; a gate zeroes the judged ones."""
+    kept = 0.0 if row["non_stop_penalized"] else 1.0
+    judged = kept * (not row["gated"])
+    judge = row["verifier"] == "judge"
+    verification = row["verification_reward"]
+    overlong_factor = row["overlong_factor"]
+    return {
+        "rubric": (verification * row["rubric_weight"], judged * judge * row["rubric_score"]),
+        "citation": (verification * row["citation_weight"], judged * judge * row["citation_score"]),
+        "verifier": (verification, judged * (not judge) * (row["verifier_score"] or 0.0)),
+        "format": (row["format_weight"], kept * row["format_score"]),
+        "overlong": (overlong_factor, kept * row["overlong_penalty"] / overlong_factor if overlong_factor else 0.0),
+        "distractor": (row["distractor_penalty"], kept * -float(bool(row["cites_distractor"]))),
+        "recall": (row["supporting_recall_weight"], kept * (row["supporting_recall"] or 0.0)),
+        "non_stop": (1.0, (1.0 - kept) * row["non_stop_penalty_value"]),
+    }
+
+
 # What a step's rewards are computed from, one hash per (run, step): its reward_inputs and judge_scores rows
 # (without how a judgment was obtained: latency, attempts, cache hit, tokens paid). A `refiner rescore` version
 # records it.

@@ -20,12 +20,12 @@ import duckdb
 
 from refiner_core.algo.advantages import group_advantages
 from refiner_core.config import RecipeConfig, RewardConfig, dotted_settings
-from refiner_core.reward.compose import STEP_INPUTS_HASH_SQL, compute_rewards, weight_row
+from refiner_core.reward.compose import STEP_INPUTS_HASH_SQL, compute_rewards, reward_parts, weight_row
 from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
 from refiner_core.store.forks import read_fork
 from refiner_core.store.storage import json_hash, query, read_rows, replace_version_rows, write_table
 
-RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "filter_zero_std_groups")
+RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "reward_aggregation", "filter_zero_std_groups")
 RESCORABLE_JUDGE = ("on_failure",)
 NEEDS_JUDGE_REWARD = ("verifier",)
 
@@ -171,7 +171,7 @@ def rescore_run(
         run = inputs[0]["run"] if inputs else new.run.name
         weights = [weight_row(run, step, version, new.reward, new.judge.on_failure)]
         rewards = compute_rewards(inputs, scores, weights)
-        advantages, _ = group_advantages(rewards, new.grpo)
+        advantages, _ = group_advantages(rewards, new.grpo, reward_parts)
         advantage_rows = [{"run": run, "step": step, "reward_version": version, **a} for a in advantages]
         source = [
             {
