@@ -46,11 +46,11 @@ def served_run(api_env, tmp_path_factory):
         code, out, err, _ = run_cli(command, tmp, api_env)
         assert code == 0, out + err
         judged = server.requests
-        yield tmp / "run", server, judged, command, api_env
+        yield tmp / "run", server, judged, command
 
 
 def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
-    run_dir, server, judged, *_ = served_run
+    run_dir, server, judged, _ = served_run
     assert judged > 0
     code, out, err, _ = run_cli(
         [
@@ -130,7 +130,7 @@ def test_rescore_makes_a_new_version_without_judge_calls(served_run, tmp_path):
 
 
 def test_settings_that_need_new_judgments_are_refused(served_run, tmp_path):
-    run_dir, server, judged, *_ = served_run
+    run_dir, server, judged, _ = served_run
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "judge.max_new_tokens=4"], tmp_path)
     assert code == 2 and "would be re-judged" in err and "judge.max_new_tokens" in err
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "reward.citation_score=f1"], tmp_path)
@@ -143,9 +143,9 @@ def test_settings_that_need_new_judgments_are_refused(served_run, tmp_path):
 STALE_SQL = "SELECT step, reward_version, stale FROM step_rewards ORDER BY step, reward_version"
 
 
-def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, tmp_path):
+def test_a_rerun_that_changes_judged_steps_marks_the_rescore_stale(served_run, api_env, tmp_path):
     """Runs last: it reruns the module's run (the tests above count its judge requests)."""
-    run_dir, server, _, command, api_env = served_run
+    run_dir, server, _, command = served_run
     rescore = ["rescore", str(run_dir), "--set", "reward.citation_weight=0.5", "--name", "cw05"]
     code, out, err, _ = run_cli(rescore, tmp_path)
     assert code == 0, out + err

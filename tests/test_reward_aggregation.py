@@ -160,18 +160,25 @@ def _version(run_dir, version: str) -> tuple[list[dict], list[float]]:
     return rewards, [a for (a,) in catalog_rows(run_dir, f"SELECT advantage FROM advantages {order}")]
 
 
-def _gdpo_by_hand(rewards: list[dict]) -> np.ndarray:
-    """float64: z-score each part in its group (ddof 0, eps 1e-4; a flat part adds 0), weight, sum, whiten."""
-    names = list(reward_parts(rewards[0]))
-    values = np.array([[reward_parts(r)[n][1] for n in names] for r in rewards])
-    weights = np.array([reward_parts(rewards[0])[n][0] for n in names])
-    groups = np.array([r["prompt_id"] for r in rewards])
-    summed = np.zeros(len(rewards))
+def _z_in_groups(column: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """float64: (v - group mean) / (group std (ddof 0) + 1e-4); 0 in a group where v does not vary."""
+    out = np.zeros(len(column))
     for g in set(groups):
-        block = values[groups == g]
-        spread = np.ptp(block, axis=0) > 0
-        summed[groups == g] = ((block - block.mean(0)) / (block.std(0) + 1e-4) * spread) @ weights
-    return (summed - summed.mean()) / (summed.std() + 1e-4)
+        block = column[groups == g]
+        out[groups == g] = (block - block.mean()) / (block.std() + 1e-4) * (np.ptp(block) > 0)
+    return out
+
+
+def _whiten(x: np.ndarray) -> np.ndarray:
+    return (x - x.mean()) / (x.std() + 1e-4)
+
+
+def _gdpo_by_hand(rewards: list[dict]) -> np.ndarray:
+    """Each part z-scored in its group, weighted, summed, whitened over the batch."""
+    groups = np.array([r["prompt_id"] for r in rewards])
+    parts = [reward_parts(r) for r in rewards]
+    summed = sum(w * _z_in_groups(np.array([p[n][1] for p in parts]), groups) for n, (w, _) in parts[0].items())
+    return _whiten(summed)
 
 
 def test_a_run_trains_on_gdpo_advantages_of_its_rewards_and_a_rescore_recomputes_them(
@@ -198,11 +205,7 @@ def test_a_run_trains_on_gdpo_advantages_of_its_rewards_and_a_rescore_recomputes
     expected = _gdpo_by_hand(rewards)
     assert advantages == pytest.approx(list(expected), abs=1e-9)
     reward, groups = np.array([r["reward"] for r in rewards]), np.array([r["prompt_id"] for r in rewards])
-    whole = np.zeros(len(rewards))  # the reward as one part
-    for g in set(groups):
-        member = groups == g
-        whole[member] = (reward[member] - reward[member].mean()) / (reward[member].std() + 1e-4)
-    whole = (whole - whole.mean()) / (whole.std() + 1e-4)
+    whole = _whiten(_z_in_groups(reward, groups))  # the reward as one part
     assert np.abs(expected - whole).max() > 0.05
 
     # a rescore that weighs the rubric part down: new rewards, GDPO advantages of their parts

@@ -108,13 +108,12 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(api
         )
     ]
     cli = ["run", str(REPO / "recipes" / "tiny.yaml"), *overrides, "--run-dir"]
-    env = api_env
-    code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, {**env, "REFINER_INTERRUPT_ONCE": "rollout@1"})
+    code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, {**api_env, "REFINER_INTERRUPT_ONCE": "rollout@1"})
     assert code == 130, err[-3000:]
     assert "run ended between saves (run.save_every): weights weights-" in err
     assert _checkpoints(interrupted) == ["step_0001"]
     assert (interrupted / "checkpoints" / "step_0001" / WRITTEN_AT_CLOSE).read_text() == unsaved[0][1]
-    code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, env)
+    code, _, err, _ = run_cli([*cli, str(interrupted)], tmp_path, api_env)
     assert code == 0, err[-3000:]
     assert _recomputed(interrupted) == []
     newest = sorted((interrupted / "logs").glob("run-*.log"))[-1].read_text()
@@ -129,7 +128,9 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(api
         (137, ["grpo-update"], ["step_0002"]),
         (0, [], ["step_0002", "step_0003"]),
     ):
-        code, _, err, _ = run_cli([*cli, str(killed)], tmp_path, {**env, "REFINER_KILL_ONCE": "rollout@1,rollout@2"})
+        code, _, err, _ = run_cli(
+            [*cli, str(killed)], tmp_path, {**api_env, "REFINER_KILL_ONCE": "rollout@1,rollout@2"}
+        )
         assert code == code_wanted, err[-3000:]
         assert _recomputed(killed) == recomputed
         assert _checkpoints(killed) == checkpoints

@@ -125,9 +125,8 @@ def _parts_matrix(rows: list[dict], parts_of: PartsOf) -> tuple[np.ndarray, np.n
     """(weights, values), one row per reward row and one column per part."""
     parts = [parts_of(r) for r in rows]
     names = list(parts[0]) if parts else []
-    weights = np.array([[p[n][0] for n in names] for p in parts], dtype=np.float64).reshape(len(rows), len(names))
-    values = np.array([[p[n][1] for n in names] for p in parts], dtype=np.float64).reshape(len(rows), len(names))
-    return weights, values
+    pairs = np.array([[p[n] for n in names] for p in parts], dtype=np.float64).reshape(len(rows), len(names), 2)
+    return pairs[..., 0], pairs[..., 1]
 
 
 def _signal(kept: list[dict], grpo: GRPOConfig, parts_of: PartsOf) -> tuple[np.ndarray, np.ndarray | None]:
