@@ -173,6 +173,7 @@ class StepState:
     taught: dict | None = None  # this step's teacher rollouts
     reference: dict | None = None  # the KL reference after its last move (grpo.ref_sync_every); None: run.reference
     entropy_control: dict | None = None  # grpo.adaptive_entropy's state after the last update
+    kl_control: dict | None = None  # grpo.kl_reward_target's state after the last update
 
 
 def open_run(recipe: dict, run_dir: str) -> RunContext:
@@ -440,9 +441,11 @@ def update(run: RunContext, state: StepState, step: int, rolled: list[dict], sco
         save=saves_checkpoint(run, step),
         policy_lag=min(step, ahead),
         entropy_control=state.entropy_control,
+        kl_control=state.kl_control,
     )
     state.policy = updated["policy"]
     state.entropy_control = updated.get("entropy_control")
+    state.kl_control = updated.get("kl_control")
     state.policies.append(state.policy)
     state.step_costs.append(sum(usage_cost(m["judge_usage"], cfg.judge) for m in scored))
     if ahead and step + 1 + ahead < cfg.grpo.steps:

@@ -830,12 +830,41 @@ class GRPOConfig:
         "kN+ = kN's value with k2's gradient (verl's straight-through). docs/grpo.md.",
     )
     kl_clamp: float = opt(10.0, "log-ratio clamp applied before the KL estimator, for stability.", check=POSITIVE)
+    kl_reward_coef: float = opt(
+        0.0,
+        "KL in the reward (verl algorithm.use_kl_in_reward, kl_ctrl.kl_coef): before the advantages, each "
+        "response's reward loses kl_reward_coef x its KL to the reference, summed over its trained tokens under "
+        "the policy before the update (verl old_log_probs; kl_reward_estimator of d = logpi - logpi_ref, clamped "
+        "to kl_clamp). Independent of beta, the loss term; 0 = off. Loads the reference model. "
+        "advantages.reward_kl records each response's KL. docs/grpo.md.",
+        check=NON_NEGATIVE,
+    )
+    kl_reward_estimator: Literal["k1", "k2", "k3"] = opt(
+        "k1",
+        "kl_reward_coef: the per-token KL estimate summed into the penalty: k1 = d (verl kl_penalty 'kl', its "
+        "default), k2 = d^2/2 ('mse'), k3 = exp(-d) - 1 + d ('low_var_kl').",
+    )
+    kl_reward_target: float = opt(
+        0.0,
+        "kl_reward_coef's adaptive controller (verl kl_ctrl.type 'adaptive', target_kl): > 0 moves the "
+        "coefficient after every step by a factor 1 + clip(kl / target - 1, -0.2, 0.2) x responses / "
+        "kl_reward_horizon, kl being the step's mean over responses of their per-token mean KL (steps.reward_kl). "
+        "0 = a fixed coefficient. steps.kl_reward_coef records the one each step applied.",
+        check=NON_NEGATIVE,
+    )
+    kl_reward_horizon: int = opt(
+        10000,
+        "kl_reward_target: the controller's horizon in responses (verl kl_ctrl.horizon): the larger, the slower "
+        "the coefficient moves.",
+        check=AT_LEAST_1,
+    )
     ref_sync_every: int = opt(
         0,
         "Every this many GRPO steps, after the update, the KL reference moves toward the policy: reference <- "
         "ref_mixup_alpha * policy + (1 - ref_mixup_alpha) * reference, a checkpoint folder of its own "
         "(RUN_DIR/reference/step_NNNN, table reference_syncs) that the later steps' KL reads. 0 = the reference "
-        "stays frozen. Needs beta > 0, full weights (no LoRA). TRL counts its ref_model_sync_steps in optimizer steps.",
+        "stays frozen. Needs beta > 0 or kl_reward_coef > 0, full weights (no LoRA). TRL counts its "
+        "ref_model_sync_steps in optimizer steps.",
         check=NON_NEGATIVE,
         read_by=FLOW,
     )

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from refiner_core.algo.advantages import PartsOf, group_advantages, whole_reward
+from refiner_core.algo.kl_reward import kl_coef_at, kl_control_after, with_reward_kl
 from refiner_core.algo.schedules import entropy_coef_at, entropy_control_after, learning_rate_at
 from refiner_core.config import DEEPSPEED_FLAT_NAMES, GRPOConfig, ModelConfig
 from refiner_core.learners.base import LearnerSettings, TrainSample
@@ -62,17 +63,34 @@ def build_train_samples(
             row["trained"] = False
     stats["masked_truncated"] = truncated
     samples = [
-        TrainSample(
-            list(r["prompt_token_ids"]),
-            list(r["response_token_ids"]),
-            a["advantage"],
-            list(r["response_logprobs"]),
-            list(r["response_mask"]) if r.get("response_mask") is not None else None,
-        )
+        _train_sample(r, a["advantage"])
         for r in rollouts
         if (a := by_key[(r["prompt_id"], r["sample_idx"])])["trained"]
     ]
     return samples, advantages, stats
+
+
+def _train_sample(row: dict, advantage: float) -> TrainSample:
+    return TrainSample(
+        list(row["prompt_token_ids"]),
+        list(row["response_token_ids"]),
+        advantage,
+        list(row["response_logprobs"]),
+        list(row["response_mask"]) if row.get("response_mask") is not None else None,
+    )
+
+
+def reward_kl(rollouts: list[dict], sequence_kl: Callable[[list[TrainSample]], list[float]]) -> tuple[dict, float]:
+    """grpo.kl_reward_coef's measure of a step: ({(prompt_id, sample_idx): the response's KL summed over its trained
+    tokens}, the mean over responses of their per-token mean KL, verl's current_kl). `sequence_kl`: the learner's,
+    at the weights before the update. Responses without a trained token are not scored (their KL is 0)."""
+    scored = [r for r in rollouts if r["response_token_ids"]]
+    sums = sequence_kl([_train_sample(r, 0.0) for r in scored]) if scored else []
+    tokens = [
+        sum(r["response_mask"]) if r.get("response_mask") is not None else len(r["response_token_ids"]) for r in scored
+    ]
+    per_token = [kl / n for kl, n in zip(sums, tokens) if n]
+    return {(r["prompt_id"], r["sample_idx"]): kl for r, kl in zip(scored, sums)}, float(np.mean(per_token or [0.0]))
 
 
 def grpo_loop(
@@ -89,7 +107,7 @@ def grpo_loop(
 ) -> list[dict]:
     """Plain GRPO. The engine samples from the learner's live weights: by sharing the model object (hf), or
     through `sync`, called after every update to push them (vllm: `lambda: engine.load_weights(learner.policy)`)."""
-    history, entropy_control = [], None  # grpo.adaptive_entropy's state
+    history, entropy_control, kl_control = [], None, None  # grpo.adaptive_entropy's and kl_reward_target's state
     for step in range(steps):
         chosen = [(step * prompts_per_step + k) % len(prompts) for k in range(prompts_per_step)]
         step_params = dataclasses.replace(params, seed=params.seed + step)
@@ -110,6 +128,12 @@ def grpo_loop(
             {"prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"], "reward": reward_fn(g)}
             for r, g in zip(rollouts, gens)
         ]
+        kl = {}
+        if grpo.kl_reward_coef > 0:
+            kl_sums, kl["reward_kl"] = reward_kl(rollouts, learner.sequence_kl)
+            kl["kl_reward_coef"] = kl_coef_at(kl_control, grpo)
+            rewards = with_reward_kl(rewards, kl_sums, kl["kl_reward_coef"])
+            kl_control = kl_control_after(kl["kl_reward_coef"], kl["reward_kl"], len(rollouts), grpo)
         samples, _, stats = build_train_samples(rollouts, rewards, grpo)
         bonus = entropy_coef_at(entropy_control, grpo)
         lr = learning_rate_at(step, grpo, decay_steps=steps)
@@ -117,7 +141,7 @@ def grpo_loop(
         entropy_control = entropy_control_after(entropy_control, bonus, metrics)
         if sync and samples:
             sync()
-        record = {"step": step, "reward_mean": float(np.mean([r["reward"] for r in rewards])), **stats, **metrics}
+        record = {"step": step, "reward_mean": float(np.mean([r["reward"] for r in rewards])), **stats, **metrics, **kl}
         history.append(record)
         if on_step:
             on_step(step, record)

@@ -65,7 +65,11 @@ PEER_NAMES: dict[str, PeerName] = {
         "TRL", "grpo.adaptive_entropy", "moves once per GRPO step, TRL's per optimizer step"
     ),
     "kl_loss_coef": PeerName("verl", "grpo.beta"),
-    "kl_coef": PeerName("verl", "grpo.beta", "verl's kl_ctrl.kl_coef puts KL in the reward; ours is a loss term"),
+    "kl_coef": PeerName("verl", "grpo.kl_reward_coef", "kl_ctrl.kl_coef, the KL in the reward; the loss term is beta"),
+    "use_kl_in_reward": PeerName("verl", "grpo.kl_reward_coef", "> 0 turns it on"),
+    "kl_penalty": PeerName("verl", "grpo.kl_reward_estimator", "kl = k1, mse = k2, low_var_kl = k3"),
+    "target_kl": PeerName("verl", "grpo.kl_reward_target", "kl_ctrl.type 'adaptive'; 0 = 'fixed'"),
+    "horizon": PeerName("verl", "grpo.kl_reward_horizon"),
     "use_kl_loss": PeerName("verl", "grpo.beta", "0 = no KL term and no reference model"),
     "sync_ref_model": PeerName("TRL", "grpo.ref_sync_every", "> 0 turns it on: every that many GRPO steps"),
     "ref_model_sync_steps": PeerName("TRL", "grpo.ref_sync_every", "ours counts GRPO steps, TRL optimizer steps"),
@@ -148,6 +152,7 @@ PEER_VALUES: dict[str, dict[str, str]] = {
         "seq-mean-token-sum": "sequence_sum",
     },
     "kl_loss_type": {"kl": "k1", "mse": "k2", "low_var_kl": "k3"},
+    "kl_penalty": {"kl": "k1", "mse": "k2", "low_var_kl": "k3"},
     "loss_mode": {"vanilla": "dual_clip"},
 }
 

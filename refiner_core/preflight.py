@@ -163,10 +163,16 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             f"grpo.reward_aggregation 'normalize_then_sum' normalises each reward part by its group's std, and "
             f"grpo.advantage = {cfg.grpo.advantage!r} names another normaliser: set grpo.advantage=group_std"
         )
-    if cfg.grpo.ref_sync_every and not cfg.grpo.beta:
+    if cfg.grpo.ref_sync_every and not (cfg.grpo.beta or cfg.grpo.kl_reward_coef):
         problems.append(
-            f"grpo.ref_sync_every = {cfg.grpo.ref_sync_every} moves the KL reference, and grpo.beta = 0 reads "
-            "none: set grpo.beta > 0, or grpo.ref_sync_every=0"
+            f"grpo.ref_sync_every = {cfg.grpo.ref_sync_every} moves the KL reference, and with grpo.beta = 0 and "
+            "grpo.kl_reward_coef = 0 nothing reads it: set one of them > 0, or grpo.ref_sync_every=0"
+        )
+    if cfg.grpo.kl_reward_target and not cfg.grpo.kl_reward_coef:
+        problems.append(
+            f"grpo.kl_reward_target = {cfg.grpo.kl_reward_target} adapts the coefficient of the KL in the reward, "
+            "and grpo.kl_reward_coef = 0 turns that KL off (the controller multiplies its start value): set "
+            "grpo.kl_reward_coef > 0 (verl kl_ctrl.kl_coef, e.g. 0.001), or grpo.kl_reward_target=0"
         )
     if cfg.grpo.ref_sync_every and cfg.model.lora_rank:
         problems.append(

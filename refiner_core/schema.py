@@ -372,6 +372,13 @@ ADVANTAGES = Table(
         _c("reward", F, "The rollout's reward in this version."),
         _c("advantage", F, "Group-relative advantage (grpo.advantage); 0 for dropped rollouts."),
         _c(
+            "reward_kl",
+            F,
+            "The response's KL to the reference, summed over its trained tokens (grpo.kl_reward_estimator): the "
+            "advantage read reward - kl_coef x reward_kl. NULL unless grpo.kl_reward_coef > 0.",
+        ),
+        _c("kl_coef", F, "The KL-in-reward coefficient the step applied (NULL unless grpo.kl_reward_coef > 0)."),
+        _c(
             "trained",
             B,
             "False when left out of the update: dropped, an all-equal group under "
@@ -489,6 +496,18 @@ STEPS = Table(
             F,
             "Share of the trained tokens whose policy term was masked: sequences with a negative advantage that "
             "the policy had moved away from (grpo.off_policy_mask_threshold; NULL when it is 0).",
+        ),
+        _c(
+            "kl_reward_coef",
+            F,
+            "The coefficient of the KL in the reward this step applied: grpo.kl_reward_coef, or with "
+            "grpo.kl_reward_target the adaptive controller's (NULL when grpo.kl_reward_coef is 0).",
+        ),
+        _c(
+            "reward_kl",
+            F,
+            "Mean over the step's responses of their per-token mean KL to the reference, the controller's measure "
+            "(verl actor/reward_kl_penalty; NULL when grpo.kl_reward_coef is 0).",
         ),
         _c(
             "policy_lag",

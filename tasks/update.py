@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
+from refiner_core.algo.kl_reward import kl_coef_at, kl_control_after, with_reward_kl
 from refiner_core.algo.schedules import entropy_coef_at, entropy_control_after, learning_rate_at
-from refiner_core.grpo import build_train_samples, learner_settings
+from refiner_core.grpo import build_train_samples, learner_settings, reward_kl
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.model_card import write_model_card
@@ -42,13 +43,15 @@ def grpo_update(
     save: bool = True,
     policy_lag: int = 0,
     entropy_control: dict | None = None,
+    kl_control: dict | None = None,
 ) -> dict:
     """Stage 5: advantages -> clipped surrogate + KL -> AdamW step -> HF checkpoint + steps metrics. `rollouts`
     and `scores` hold one manifest per sampling round of the step; all rounds train together. save false
     (run.save_every): the new weights stay in the live learner, and the manifest names them by content hash.
     policy_lag: updates between the policy that sampled `rollouts` and `policy` (grpo.async_steps). lora: the
     model.lora_* fields (rank 0: full weights). entropy_control: grpo.adaptive_entropy's state after the previous
-    step (None at the first), the next state in the returned manifest. The update
+    step (None at the first), the next state in the returned manifest; kl_control the same for
+    grpo.kl_reward_target's coefficient. The update
     draws no random numbers (no dropout, no sampling), and leaves torch's process-wide generator alone: an hf
     rollout sampled ahead in another thread seeds it and draws from it."""
     log = get_run_logger()
@@ -57,14 +60,6 @@ def grpo_update(
         r for scored in scores for r in read_rows(scored["rewards"]["path"]) if r["reward_version"] == "train"
     ]
     grpo = stage_view("update", grpo_cfg)
-    samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo, reward_parts)
-    if not samples and adv_stats["masked_truncated"]:
-        log.warning(
-            "grpo-update step %d: nothing to train on: all %d responses that would be trained ran out of tokens "
-            "(grpo.mask_truncated); raise rollout.max_new_tokens, or turn grpo.mask_truncated off",
-            step,
-            adv_stats["masked_truncated"],
-        )
     settings = learner_settings(grpo, temperature, precision, stage_view("lora", lora) if lora else None)
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
@@ -92,6 +87,19 @@ def grpo_update(
         grpo.learner, policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
     )
     try:
+        kl = {"kl_reward_coef": None, "reward_kl": None}
+        if grpo.kl_reward_coef > 0:  # the KL under the weights before this update enters the reward
+            kl_sums, kl["reward_kl"] = reward_kl(rollout_rows, learner.sequence_kl)
+            kl["kl_reward_coef"] = kl_coef_at(kl_control, grpo)
+            reward_rows = with_reward_kl(reward_rows, kl_sums, kl["kl_reward_coef"])
+        samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo, reward_parts)
+        if not samples and adv_stats["masked_truncated"]:
+            log.warning(
+                "grpo-update step %d: nothing to train on: all %d responses that would be trained ran out of tokens "
+                "(grpo.mask_truncated); raise rollout.max_new_tokens, or turn grpo.mask_truncated off",
+                step,
+                adv_stats["masked_truncated"],
+            )
         lr = learning_rate_at(step, grpo)
         bonus = entropy_coef_at(entropy_control, grpo)
         metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else _no_signal_metrics(lr)
@@ -148,6 +156,7 @@ def grpo_update(
         "off_policy_masked": metrics.get("off_policy_masked"),
         "entropy_coef": bonus["applied"],
         "policy_lag": policy_lag,
+        **kl,
         "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
         "rollout_seconds": sum(m["seconds"] for m in rollouts),
         "weight_sync_seconds": sum(m.get("weight_sync_seconds", 0.0) for m in rollouts),
@@ -185,6 +194,8 @@ def grpo_update(
     }
     if grpo.adaptive_entropy:
         manifest["entropy_control"] = entropy_control_after(entropy_control, bonus, metrics)
+    if grpo.kl_reward_target > 0:
+        manifest["kl_control"] = kl_control_after(kl["kl_reward_coef"], kl["reward_kl"], len(rollout_rows), grpo)
     return manifest
 
 

@@ -82,6 +82,9 @@ def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_
             # The weights a live rollout engine copies are the checkpoint's.
             exported = kept.weights()
             assert _max_diff(exported, {k: v for k, v in load_model(out).state_dict().items() if k in exported}) == 0
+        # grpo.kl_reward_coef's measure on the ranks (each scores every sample) equals the one-process learner's
+        kl = torch_learner.sequence_kl(samples[0])
+        assert kept.sequence_kl(samples[0]) == pytest.approx(kl, rel=1e-3, abs=1e-6) and min(map(abs, kl)) > 1e-4
         launcher = kept._proc.pid
     finally:
         kept.close()

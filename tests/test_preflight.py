@@ -196,9 +196,10 @@ def test_a_moving_reference_needs_a_kl_term_and_full_weights():
     assert problems("grpo.ref_sync_every=4") == []
     [p] = problems("grpo.ref_sync_every=4", "grpo.beta=0")
     assert p == (
-        "grpo.ref_sync_every = 4 moves the KL reference, and grpo.beta = 0 reads none: set grpo.beta > 0, or "
-        "grpo.ref_sync_every=0"
+        "grpo.ref_sync_every = 4 moves the KL reference, and with grpo.beta = 0 and grpo.kl_reward_coef = 0 nothing "
+        "reads it: set one of them > 0, or grpo.ref_sync_every=0"
     )
+    assert problems("grpo.ref_sync_every=4", "grpo.beta=0", "grpo.kl_reward_coef=0.01") == []  # the reward reads it
     [p] = problems("grpo.ref_sync_every=4", "model.lora_rank=8")
     assert p.startswith("grpo.ref_sync_every = 4 with model.lora_rank: the KL reference is the starting policy")
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from refiner_core.algo.kl_reward import penalised_reward
 from refiner_core.config import GRPOConfig
 
 
@@ -121,9 +122,15 @@ def whole_reward(row: dict) -> dict[str, tuple[float, float]]:
     return {"reward": (1.0, row["reward"])}
 
 
+def _with_kl_part(row: dict, parts_of: PartsOf) -> dict[str, tuple[float, float]]:
+    """The row's parts, and under grpo.kl_reward_coef its KL penalty as one more: (-kl_coef, reward_kl)."""
+    parts = parts_of(row)
+    return parts if row.get("reward_kl") is None else {**parts, "kl": (-row["kl_coef"], row["reward_kl"])}
+
+
 def _parts_matrix(rows: list[dict], parts_of: PartsOf) -> tuple[np.ndarray, np.ndarray]:
     """(weights, values), one row per reward row and one column per part."""
-    parts = [parts_of(r) for r in rows]
+    parts = [_with_kl_part(r, parts_of) for r in rows]
     names = list(parts[0]) if parts else []
     pairs = np.array([[p[n] for n in names] for p in parts], dtype=np.float64).reshape(len(rows), len(names), 2)
     return pairs[..., 0], pairs[..., 1]
@@ -131,12 +138,13 @@ def _parts_matrix(rows: list[dict], parts_of: PartsOf) -> tuple[np.ndarray, np.n
 
 def _signal(kept: list[dict], grpo: GRPOConfig, parts_of: PartsOf) -> tuple[np.ndarray, np.ndarray | None]:
     """(the values whose spread within a group is its learning signal, one column each, and their weights): the
-    reward, or under 'normalize_then_sum' each part of it."""
+    reward (less its KL penalty, grpo.kl_reward_coef), or under 'normalize_then_sum' each part of it (the KL
+    penalty one of them)."""
     if grpo.reward_aggregation == "normalize_then_sum":
         weights, values = _parts_matrix(kept, parts_of)
         weighed = (weights != 0).any(axis=0)  # a part weighted 0 (a penalty turned off) is no signal
         return values[:, weighed], weights[:, weighed]
-    return np.asarray([r["reward"] for r in kept], dtype=np.float64).reshape(len(kept), 1), None
+    return np.asarray([penalised_reward(r) for r in kept], dtype=np.float64).reshape(len(kept), 1), None
 
 
 def _advantages(signal: np.ndarray, weights: np.ndarray | None, groups: list, grpo: GRPOConfig) -> np.ndarray:
@@ -161,7 +169,8 @@ def group_advantages(
 ) -> tuple[list[dict], dict]:
     """Per reward row (keyed by prompt_id, sample_idx): its group-relative advantage and whether it is trained.
     `parts_of` splits a row's reward into weighted parts for grpo.reward_aggregation 'normalize_then_sum'
-    (reward.compose.reward_parts for rows of the rewards table).
+    (reward.compose.reward_parts for rows of the rewards table). Rows carrying `reward_kl` and `kl_coef`
+    (kl_reward.with_reward_kl) lose kl_coef x reward_kl first; the returned rows carry both (None without).
 
     Rows marked `dropped` (a failed judgment under judge.on_failure 'drop') take no part: their group's
     advantages come from the other samples. All-equal groups are untrained under grpo.filter_zero_std_groups."""
@@ -177,6 +186,8 @@ def group_advantages(
             "sample_idx": r["sample_idx"],
             "reward": r["reward"],
             "advantage": advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0),
+            "reward_kl": r.get("reward_kl"),
+            "kl_coef": r.get("kl_coef"),
             "trained": not r.get("dropped") and not (grpo.filter_zero_std_groups and r["prompt_id"] in flat),
         }
         for r in rewards

@@ -42,6 +42,8 @@ class LearnerSettings:
     beta: float
     kl_estimator: str
     kl_clamp: float
+    kl_reward_coef: float  # > 0: the reference is loaded for sequence_kl (grpo.kl_reward_coef)
+    kl_reward_estimator: str
     clip_eps_low: float
     clip_eps_high: float
     loss_aggregation: str
@@ -96,6 +98,7 @@ class LearnerSettings:
         for field, value, table in (
             ("policy_loss", self.policy_loss, POLICY_LOSSES),
             ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
+            ("kl_reward_estimator", self.kl_reward_estimator, KL_ESTIMATORS),
             ("loss_aggregation", self.loss_aggregation, AGGREGATIONS),
             ("tis_level", self.tis_level, TIS_LEVELS),
             ("tis_mode", self.tis_mode, TIS_MODES),
@@ -123,6 +126,11 @@ class LearnerSettings:
         if self.tis_floor < 0 or (self.tis_cap > 0 and self.tis_floor > self.tis_cap):
             raise ValueError(f"tis_floor must be in [0, tis_cap], got {self.tis_floor} (tis_cap {self.tis_cap})")
 
+    @property
+    def reads_reference(self) -> bool:
+        """Whether the learner holds the reference model: for the KL loss term (beta) or the KL in the reward."""
+        return self.beta > 0 or self.kl_reward_coef > 0
+
 
 # SurrogateParams' fields the learner does not take from the settings by name
 _NOT_KNOBS = {"eps_low", "eps_high", "selection_seed"}
@@ -139,6 +147,8 @@ class Learner(Protocol):
     ) -> dict: ...
 
     def save(self, path: Path) -> None: ...
+
+    def sequence_kl(self, samples: list[TrainSample]) -> list[float]: ...  # grpo.kl_reward_coef's measure
 
     def close(self) -> None: ...  # stop what the learner started (processes); it cannot be used afterwards
 

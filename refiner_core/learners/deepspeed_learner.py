@@ -337,6 +337,11 @@ class DeepSpeedLearner:
         metrics["update_seconds"] = time.perf_counter() - t0  # with the ranks' start-up on their first step
         return metrics
 
+    def sequence_kl(self, samples: list[TrainSample]) -> list[float]:
+        """TorchLearner.sequence_kl on the ranks (each scores every sample)."""
+        job_dir = self._call("sequence_kl", samples)
+        return json.loads((job_dir / "sequence_kl.json").read_text())
+
     def save(self, path: Path) -> None:
         """HF weights and tokenizer-free config + DeepSpeed's optimizer state (`deepspeed/`), written by the ranks."""
         Path(path).mkdir(parents=True, exist_ok=True)

@@ -322,10 +322,12 @@ def main(work_dir: str) -> None:
         policy = lora_policy(
             load_model(launch["reference_path"], launch["dtype"], device="cpu"), launch["policy_path"], settings
         )
-        reference = AdaptersOff(policy) if settings.beta > 0 else None
+        reference = AdaptersOff(policy) if settings.reads_reference else None
     else:
         policy = load_model(launch["policy_path"], launch["dtype"], trainable=True, device="cpu")
-        reference = load_model(launch["reference_path"], launch["dtype"], device="cpu") if settings.beta > 0 else None
+        reference = (
+            load_model(launch["reference_path"], launch["dtype"], device="cpu") if settings.reads_reference else None
+        )
     if on_gpu:
         policy.to("cuda")
         reference = reference.to("cuda") if reference is not None else None
@@ -348,6 +350,11 @@ def main(work_dir: str) -> None:
         if job["kind"] == "train":  # the step empties the cache
             lr, bonus = job["learning_rate"], job["entropy_coef"]
             _train(job_dir, lr, bonus, engine, reference, launch, settings, resumed, rank, world)
+        elif job["kind"] == "sequence_kl":  # every rank scores every sample: ZeRO-3 gathers in each forward
+            samples = [TrainSample(**x) for x in json.loads((job_dir / "samples.json").read_text())]
+            kl = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world).sequence_kl(samples)
+            if rank == 0:
+                (job_dir / "sequence_kl.json").write_text(json.dumps(kl))
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":

@@ -13,6 +13,7 @@ import torch
 
 from refiner_core.algo.losses import (
     AGGREGATIONS,
+    KL_ESTIMATORS,
     Sequences,
     grpo_token_loss,
     high_entropy_tokens,
@@ -20,7 +21,7 @@ from refiner_core.algo.losses import (
     off_policy_sequences,
 )
 from refiner_core.learners.base import LearnerSettings, TrainSample, surrogate_knobs
-from refiner_core.learners.batching import collate_group, collate_rows, pack_rows, prompt_groups
+from refiner_core.learners.batching import collate, collate_group, collate_rows, pack_rows, prompt_groups
 from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
 from refiner_core.models import Adapter, release_gpu_cache
@@ -74,6 +75,24 @@ class TorchLearner:
         out = [token_logprobs(model, b, self.s.temperature, self.s.precision) for b in batches]
         model.train(was_training)
         return out
+
+    @torch.no_grad()
+    def sequence_kl(self, samples: list[TrainSample]) -> list[float]:
+        """Per sample: the sum over its trained response tokens of kl_reward_estimator(d), d = log pi - log pi_ref
+        under the current weights (clamped to kl_clamp), the KL in the reward's measure (grpo.kl_reward_coef; verl
+        apply_kl_penalty on old_log_probs and ref_log_prob). micro_batch_size sequences per forward; a rank of a
+        distributed learner computes every sample, so that each runs the same forwards."""
+        if self.reference is None:
+            raise ValueError("sequence_kl: this learner holds no reference model (grpo.kl_reward_coef is 0)")
+        s, sums = self.s, []
+        for start in range(0, len(samples), s.micro_batch_size):
+            rows = collate(samples[start : start + s.micro_batch_size], self.pad_id)
+            batch = {k: v.to(self.policy.device) for k, v in rows.items()}
+            [logp], [ref] = self._frozen_logprobs(self.policy, [batch]), self._frozen_logprobs(self.reference, [batch])
+            d = torch.clamp(logp - ref, -s.kl_clamp, s.kl_clamp)
+            kl = KL_ESTIMATORS[s.kl_reward_estimator](d, torch.ones_like(d)) * batch["mask"]
+            sums += kl.sum(-1).tolist()
+        return sums
 
     def train_step(
         self, samples: list[TrainSample], learning_rate: float | None = None, entropy_coef: float | None = None
@@ -269,8 +288,8 @@ def make_torch_learner(policy_path, reference_path, tokenizer, settings, optimiz
 
     if settings.lora_rank:  # adapters on the reference, which is the starting policy (preflight checks it)
         policy = lora_policy(load_model(reference_path, dtype), policy_path, settings)
-        reference = AdaptersOff(policy) if settings.beta > 0 else None
+        reference = AdaptersOff(policy) if settings.reads_reference else None
     else:
         policy = load_model(policy_path, dtype, trainable=True)
-        reference = load_model(reference_path, dtype) if settings.beta > 0 else None
+        reference = load_model(reference_path, dtype) if settings.reads_reference else None
     return TorchLearner(policy, reference, tokenizer.pad_token_id, settings, optimizer_state)

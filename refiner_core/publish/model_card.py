@@ -190,6 +190,12 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
                 f", moved toward the policy every {grpo['ref_sync_every']} steps (alpha {grpo['ref_mixup_alpha']})"
                 if grpo.get("ref_sync_every")
                 else ""
+            )
+            + (
+                f"; in the reward: {grpo['kl_reward_estimator']} x {grpo['kl_reward_coef']}"
+                + (f", adapted toward KL {grpo['kl_reward_target']}" if grpo.get("kl_reward_target") else "")
+                if grpo.get("kl_reward_coef")
+                else ""
             ),
         ),
         ("clip eps (low / high)", f"{grpo['clip_eps_low']} / {grpo['clip_eps_high']}"),
@@ -281,7 +287,7 @@ def known_notes(recipe: dict, data: dict | None) -> list[str]:
                 else f"; unparseable judgments count as judge.on_failure '{judge['on_failure']}'."
             )
         )
-    if grpo["beta"] == 0:
+    if grpo["beta"] == 0 and not grpo.get("kl_reward_coef"):
         notes.append("beta = 0: no KL penalty, nothing holds the policy near its reference.")
     if model["lora_rank"] and not model["lora_save_merged"]:
         notes.append(

@@ -139,6 +139,18 @@ def scored_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
+def _with_trained_kl(rewards: list[dict], run_dir: Path, step: int) -> list[dict]:
+    """Reward rows with the KL penalty training applied (grpo.kl_reward_coef: each response's reward_kl and the
+    step's kl_coef, read from the step's training advantages), so the new advantages read the same penalty. A step
+    whose update did not run, or a run without the KL in its reward, has none (advantages.reward_kl NULL)."""
+    trained = run_dir / "metrics" / f"step={step}" / "advantages.parquet"
+    kl = {(a["prompt_id"], a["sample_idx"]): a for a in read_rows(trained)} if trained.exists() else {}
+    if not any(a.get("reward_kl") is not None for a in kl.values()):
+        return rewards
+    keyed = [kl.get((r["prompt_id"], r["sample_idx"]), {}) for r in rewards]
+    return [{**r, "reward_kl": a.get("reward_kl"), "kl_coef": a.get("kl_coef")} for r, a in zip(rewards, keyed)]
+
+
 def rescore_run(
     run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: str | None = None
 ) -> tuple[str, list[StepRescore]]:
@@ -171,7 +183,7 @@ def rescore_run(
         run = inputs[0]["run"] if inputs else new.run.name
         weights = [weight_row(run, step, version, new.reward, new.judge.on_failure)]
         rewards = compute_rewards(inputs, scores, weights)
-        advantages, _ = group_advantages(rewards, new.grpo, reward_parts)
+        advantages, _ = group_advantages(_with_trained_kl(rewards, run_dir, step), new.grpo, reward_parts)
         advantage_rows = [{"run": run, "step": step, "reward_version": version, **a} for a in advantages]
         source = [
             {
