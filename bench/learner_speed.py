@@ -1,5 +1,6 @@
 """One GRPO update four ways, side by side: fp32 padded, bf16 autocast padded, bf16 autocast packed, and bf16
-autocast with each group's prompt read once (grpo.share_prompt).
+autocast with each group's prompt read once (grpo.share_prompt); and, with --only, the last with the KL in the
+reward measured first (bf16_shared_kl_reward: the learner's sequence_kl, then the update; grpo.kl_reward_coef).
 
     .venv/bin/python bench/learner_speed.py [--model smollm2-135m-instruct|tiny-qwen3] [--sequences 16]
         [--group-size 4] [--prompt-tokens 460] [--response-tokens 85] [--pack-length 2048] [--threads 2]
@@ -88,11 +89,13 @@ def main() -> None:
         "bf16_packed": dict(precision="bf16", pack_length=args.pack_length, micro_batch_size=1),
         "bf16_shared": dict(precision="bf16", pack_length=0, micro_batch_size=1, share_prompt=True),
     }
+    optional = {"bf16_shared_kl_reward": dict(settings["bf16_shared"], kl_reward_coef=0.001)}  # --only names it
     if args.only:
-        unknown = set(args.only.split(",")) - set(settings)
+        known = {**settings, **optional}
+        unknown = set(args.only.split(",")) - set(known)
         if unknown:
-            parser.error(f"--only: unknown {sorted(unknown)}; choose from {sorted(settings)}")
-        settings = {k: settings[k] for k in args.only.split(",")}
+            parser.error(f"--only: unknown {sorted(unknown)}; choose from {sorted(known)}")
+        settings = {k: known[k] for k in args.only.split(",")}
     results = {}
     for label, chosen in settings.items():
         policy, reference = load_model(path, trainable=True), load_model(path)
@@ -104,6 +107,8 @@ def main() -> None:
         policy.zero_grad(set_to_none=True)
         learner = TorchLearner(policy, reference, 0, settings_for(**chosen))
         t0, c0 = time.perf_counter(), time.process_time()
+        if chosen.get("kl_reward_coef"):
+            learner.sequence_kl(samples)
         metrics = learner.train_step(samples)
         results[label] = {
             "seconds": time.perf_counter() - t0,

@@ -92,6 +92,13 @@ def grpo_update(
             kl_sums, kl["reward_kl"] = reward_kl(rollout_rows, learner.sequence_kl)
             kl["kl_reward_coef"] = kl_coef_at(kl_control, grpo)
             reward_rows = with_reward_kl(reward_rows, kl_sums, kl["kl_reward_coef"])
+            log.info(
+                "grpo-update step %d: KL in the reward: coefficient %.4g, mean per-token KL %.5f over %d responses",
+                step,
+                kl["kl_reward_coef"],
+                kl["reward_kl"],
+                len(kl_sums),
+            )
         samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo, reward_parts)
         if not samples and adv_stats["masked_truncated"]:
             log.warning(

@@ -93,14 +93,16 @@ def test_preflight_and_the_peer_names():
 
 
 def _samples() -> list[TrainSample]:
+    """Two groups (samples 0-1 and 2-4 share a prompt)."""
     g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 2000, (6 + k,), generator=g).tolist() for k in range(2)]
     samples = []
     for k in range(5):
         n = 4 + 3 * k
         mask = None if k % 2 else [bool(t % 3) for t in range(n)]  # tool output (False) carries no KL
         samples.append(
             TrainSample(
-                torch.randint(3, 2000, (6 + k,), generator=g).tolist(),
+                prompts[k >= 2],
                 torch.randint(3, 2000, (n,), generator=g).tolist(),
                 0.0,
                 [0.0] * n,
@@ -126,16 +128,19 @@ def _kl_float64(policy, reference, sample: TrainSample, estimator: str, temperat
     return float((value * mask).sum())
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
-def test_the_learners_kl_equals_a_float64_forward(tiny_model_path, tiny_tokenizer, estimator):
-    """5 responses of 4-16 tokens, 3 with tool tokens masked out, 2 to a forward (padded rows), fp32 against
-    float64: measured to 2e-6 relative; the bound leaves 50x."""
+@pytest.mark.parametrize("estimator,share_prompt", [("k1", False), ("k2", True), ("k3", False), ("k3", True)])
+def test_the_learners_kl_equals_a_float64_forward(tiny_model_path, tiny_tokenizer, estimator, share_prompt):
+    """5 responses of 4-16 tokens in two groups, 3 with tool tokens masked out, 2 to a forward (padded rows) or a
+    group to a forward (its prompt read once), fp32 against float64: measured to 3e-6 relative; the bound leaves
+    30x."""
     policy, reference = load_model(tiny_model_path, trainable=True), load_model(tiny_model_path)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for p in reference.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    settings = learner_settings(beta=0.0, kl_reward_coef=0.1, kl_reward_estimator=estimator, micro_batch_size=2)
+    settings = learner_settings(
+        beta=0.0, kl_reward_coef=0.1, kl_reward_estimator=estimator, micro_batch_size=2, share_prompt=share_prompt
+    )
     learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, settings)
     samples = _samples()
     got = learner.sequence_kl(samples)

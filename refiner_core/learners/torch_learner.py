@@ -80,18 +80,27 @@ class TorchLearner:
     def sequence_kl(self, samples: list[TrainSample]) -> list[float]:
         """Per sample: the sum over its trained response tokens of kl_reward_estimator(d), d = log pi - log pi_ref
         under the current weights (clamped to kl_clamp), the KL in the reward's measure (grpo.kl_reward_coef; verl
-        apply_kl_penalty on old_log_probs and ref_log_prob). micro_batch_size sequences per forward; a rank of a
-        distributed learner computes every sample, so that each runs the same forwards."""
+        apply_kl_penalty on old_log_probs and ref_log_prob). Batched as the update is: one group per forward, its
+        prompt read once, under share_prompt, else micro_batch_size sequences; a rank of a distributed learner
+        computes every sample, so that each runs the same forwards."""
         if self.reference is None:
             raise ValueError("sequence_kl: this learner holds no reference model (grpo.kl_reward_coef is 0)")
-        s, sums = self.s, []
-        for start in range(0, len(samples), s.micro_batch_size):
-            rows = collate(samples[start : start + s.micro_batch_size], self.pad_id)
+        s, sums = self.s, [0.0] * len(samples)
+        if s.share_prompt:
+            batches = [(g, collate_group([samples[i] for i in g], self.pad_id)) for g in prompt_groups(samples)]
+        else:
+            chunks = [
+                list(range(k, min(k + s.micro_batch_size, len(samples))))
+                for k in range(0, len(samples), s.micro_batch_size)
+            ]
+            batches = [(c, collate([samples[i] for i in c], self.pad_id)) for c in chunks]
+        for indices, rows in batches:
             batch = {k: v.to(self.policy.device) for k, v in rows.items()}
             [logp], [ref] = self._frozen_logprobs(self.policy, [batch]), self._frozen_logprobs(self.reference, [batch])
             d = torch.clamp(logp - ref, -s.kl_clamp, s.kl_clamp)
             kl = KL_ESTIMATORS[s.kl_reward_estimator](d, torch.ones_like(d)) * batch["mask"]
-            sums += kl.sum(-1).tolist()
+            for i, total in zip(indices, kl.sum(-1).tolist()):
+                sums[i] = total
         return sums
 
     def train_step(
