@@ -228,3 +228,23 @@ def test_a_run_trains_on_its_rewards_less_the_kl_and_a_rescore_keeps_the_penalty
     assert [r["advantage"] for r in rescored] == pytest.approx(
         list(_group_std(new_reward - steps[1]["kl_reward_coef"] * kl, groups)), abs=1e-9
     )
+
+
+def test_the_kl_panel_draws_the_kl_in_the_reward_beside_the_loss_term():
+    from refiner_core.publish.plots import _draw
+
+    steps = [
+        {"run": "r", "step": k, "reward_mean": 1.0, "reward_std": 0.1, "kl": 0.01 * k, "loss": 0.0}
+        | {"response_length_mean": 9.0, "reward_kl": 0.02 * k}
+        for k in range(3)
+    ]
+    import matplotlib.pyplot as plt
+
+    try:
+        kl_axes = _draw(steps, None).axes[1]
+        assert [line.get_label() for line in kl_axes.lines] == ["loss term (beta)", "in the reward (per token)"]
+        assert list(kl_axes.lines[1].get_ydata()) == [0.0, 0.02, 0.04]
+        without = _draw([{**s, "reward_kl": None} for s in steps], None).axes[1]
+        assert len(without.lines) == 1 and without.get_legend() is None
+    finally:
+        plt.close("all")

@@ -125,6 +125,11 @@ def _draw(steps: list[dict], evals: list[dict] | None):
         if key == "reward_mean":
             std = [s["reward_std"] for s in steps]
             ax.fill_between(x, [a - b for a, b in zip(y, std)], [a + b for a, b in zip(y, std)], alpha=0.2)
+        if key == "kl" and any(s.get("reward_kl") is not None for s in steps):  # grpo.kl_reward_coef
+            ax.lines[-1].set_label("loss term (beta)")
+            measured = [(s["step"], s["reward_kl"]) for s in steps if s.get("reward_kl") is not None]
+            ax.plot(*zip(*measured), marker="s", label="in the reward (per token)")
+            ax.legend(fontsize=7)
         _style(ax, title)
     for ax, (key, title) in zip(eval_axes, eval_panels):
         _eval_panel(ax, evals, key)
