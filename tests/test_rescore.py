@@ -205,3 +205,35 @@ def _differing(run_dir) -> dict[int, int]:
         "AND f.reward_version = 'fresh' GROUP BY step",
     )
     return {r["step"]: r["n"] for r in rows}
+
+
+def test_a_catalog_published_before_a_column_existed_takes_the_new_versions_rows(tmp_path):
+    """A run's catalog from before the advantages table had its KL columns: a rescore's rows (with them) go in,
+    the older rows read NULL there, and a table the catalog lacks altogether is created."""
+    from refiner_core.schema import ADVANTAGES, RESCORES, duckdb_ddl
+    from refiner_core.store.storage import replace_version_rows, write_table
+
+    db = tmp_path / "catalog.duckdb"
+    old = duckdb_ddl(ADVANTAGES).replace(',\n  "reward_kl" DOUBLE', "").replace(',\n  "kl_coef" DOUBLE', "")
+    assert "reward_kl" not in old and "kl_coef" not in old
+    con = duckdb.connect(str(db))
+    con.execute(old)
+    con.execute(
+        "INSERT INTO advantages BY NAME SELECT 'r' run, 0 step, 'train' reward_version, 'p' prompt_id, "
+        "0 sample_idx, 1.0 reward, 0.5 advantage, true trained"
+    )
+    con.close()
+    row = {"run": "r", "step": 0, "reward_version": "v1", "prompt_id": "p", "sample_idx": 0, "reward": 2.0}
+    advantages = tmp_path / "advantages.parquet"
+    write_table(ADVANTAGES, [{**row, "advantage": 0.1, "reward_kl": 3.0, "kl_coef": 0.1, "trained": True}], advantages)
+    rescores = tmp_path / "rescores.parquet"
+    write_table(
+        RESCORES, [{"run": "r", "step": 0, "reward_version": "v1", "settings": "", "inputs_hash": "h"}], rescores
+    )
+    replace_version_rows(db, {"advantages": [str(advantages)], "rescores": [str(rescores)]}, "v1")
+    rows = _rows(tmp_path, "SELECT reward_version, reward_kl, kl_coef FROM advantages ORDER BY reward_version")
+    assert rows == [
+        {"reward_version": "train", "reward_kl": None, "kl_coef": None},
+        {"reward_version": "v1", "reward_kl": 3.0, "kl_coef": 0.1},
+    ]
+    assert _rows(tmp_path, "SELECT inputs_hash FROM rescores") == [{"inputs_hash": "h"}]

@@ -16,7 +16,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, to_arrow
+from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, duckdb_type, to_arrow
 from refiner_core.store.faults import write_fault
 
 PARTIAL_SUFFIX = ".partial"  # a write in progress: hidden, and removed by the next run if its writer died
@@ -143,13 +143,25 @@ def catalog_copy(db_path: Path, from_existing: bool) -> Iterator[duckdb.DuckDBPy
         Path(str(tmp) + ".wal").unlink(missing_ok=True)
 
 
+SCHEMA_COLUMNS_SQL = "SELECT column_name FROM information_schema.columns WHERE table_name = ?"
+
+
+def _match_schema(con: duckdb.DuckDBPyConnection, table: Table) -> None:
+    """Bring a published catalog's `table` to the schema's: created where the catalog was published before the
+    table existed, given the columns added since (NULL in its older rows) where it lacks them."""
+    have = [r[0] for r in con.execute(SCHEMA_COLUMNS_SQL, [table.name]).fetchall()]
+    if not have:
+        con.execute(duckdb_ddl(table))
+    for column in table.columns:
+        if have and column.name not in have:  # names and types come from the schema module, not from input
+            con.execute(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {duckdb_type(column.type)}')
+
+
 def replace_version_rows(db_path: Path, files: dict[str, list[str]], version: str) -> None:
     """Swap one reward version's rows of a published catalog for the given Parquet files, atomically."""
     with catalog_copy(db_path, from_existing=True) as con:
-        present = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         for name, paths in files.items():
-            if name not in present:  # a catalog published before the table existed
-                con.execute(duckdb_ddl(ALL_TABLES[name]))
+            _match_schema(con, ALL_TABLES[name])
             con.execute(f'DELETE FROM "{ALL_TABLES[name].name}" WHERE reward_version = ?', [version])
             con.execute(f'INSERT INTO "{ALL_TABLES[name].name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
 
@@ -170,12 +182,10 @@ def replace_rows(db_path: Path, files: dict[str, list[str]], column: str, value:
     """Swap the rows whose `column` is `value` in tables of a published catalog for the given Parquet files,
     atomically (a judge check run again replaces its earlier rows; a step's monitor events their earlier state)."""
     with catalog_copy(db_path, from_existing=True) as con:
-        present = {row[0] for row in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         for name, paths in files.items():
             table = ALL_TABLES[name]
             if column not in table.column_names:
                 raise ValueError(f"table {name} has no column {column!r}")
-            if name not in present:  # a catalog published before the table existed
-                con.execute(duckdb_ddl(table))
+            _match_schema(con, table)
             con.execute(f'DELETE FROM "{name}" WHERE "{column}" = ?', [value])
             con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
