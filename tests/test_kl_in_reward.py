@@ -5,6 +5,7 @@ advantages table holds the advantages of its rewards less the KL, with the coeff
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -248,3 +249,22 @@ def test_the_kl_panel_draws_the_kl_in_the_reward_beside_the_loss_term():
         assert len(without.lines) == 1 and without.get_legend() is None
     finally:
         plt.close("all")
+
+
+def test_with_lora_the_reference_is_the_base_with_adapters_off(tiny_model_path, tiny_tokenizer):
+    """Fresh adapters (B = 0) leave the policy equal to the base: KL exactly 0; one update on the adapters alone
+    moves it away."""
+    settings = learner_settings(
+        beta=0.0,
+        kl_reward_coef=0.1,
+        learning_rate=1e-2,
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_dropout=0.0,
+        lora_target_modules=("all-linear",),
+    )
+    learner = make_torch_learner(tiny_model_path, tiny_model_path, tiny_tokenizer, settings, None)
+    samples = [dataclasses.replace(s, advantage=(-1.0) ** k) for k, s in enumerate(_samples())]
+    assert learner.sequence_kl(samples) == [0.0] * 5
+    learner.train_step(samples)
+    assert min(abs(kl) for kl in learner.sequence_kl(samples)) > 1e-6
