@@ -80,17 +80,29 @@ def _train_sample(row: dict, advantage: float) -> TrainSample:
     )
 
 
-def reward_kl(rollouts: list[dict], sequence_kl: Callable[[list[TrainSample]], list[float]]) -> tuple[dict, float]:
-    """grpo.kl_reward_coef's measure of a step: ({(prompt_id, sample_idx): the response's KL summed over its trained
-    tokens}, the mean over responses of their per-token mean KL, verl's current_kl). `sequence_kl`: the learner's,
-    at the weights before the update. Responses without a trained token are not scored (their KL is 0)."""
+def kl_in_reward(
+    rollouts: list[dict],
+    rewards: list[dict],
+    sequence_kl: Callable[[list[TrainSample]], list[float]],
+    kl_control: dict | None,
+    grpo: GRPOConfig,
+) -> tuple[list[dict], dict, dict]:
+    """grpo.kl_reward_coef before the advantages: (the reward rows carrying their response's KL summed over its
+    trained tokens and the coefficient applied, {"kl_reward_coef", "reward_kl"} for the step's metrics, the
+    controller's next state). reward_kl is the mean over responses of their per-token mean KL, verl's current_kl.
+    `sequence_kl`: the learner's, at the weights before the update; a response without a trained token has KL 0.
+    `kl_control`: the controller's state after the previous step (None at the first)."""
     scored = [r for r in rollouts if r["response_token_ids"]]
-    sums = sequence_kl([_train_sample(r, 0.0) for r in scored]) if scored else []
-    tokens = [
-        sum(r["response_mask"]) if r.get("response_mask") is not None else len(r["response_token_ids"]) for r in scored
-    ]
-    per_token = [kl / n for kl, n in zip(sums, tokens) if n]
-    return {(r["prompt_id"], r["sample_idx"]): kl for r, kl in zip(scored, sums)}, float(np.mean(per_token or [0.0]))
+    samples = [_train_sample(r, 0.0) for r in scored]
+    sums = sequence_kl(samples) if samples else []
+    mean_kl = float(np.mean([kl / s.trained_tokens for kl, s in zip(sums, samples) if s.trained_tokens] or [0.0]))
+    coef = kl_coef_at(kl_control, grpo)
+    kl_of = {(r["prompt_id"], r["sample_idx"]): kl for r, kl in zip(scored, sums)}
+    return (
+        with_reward_kl(rewards, kl_of, coef),
+        {"kl_reward_coef": coef, "reward_kl": mean_kl},
+        kl_control_after(coef, mean_kl, len(rollouts), grpo),
+    )
 
 
 def grpo_loop(
@@ -130,10 +142,7 @@ def grpo_loop(
         ]
         kl = {}
         if grpo.kl_reward_coef > 0:
-            kl_sums, kl["reward_kl"] = reward_kl(rollouts, learner.sequence_kl)
-            kl["kl_reward_coef"] = kl_coef_at(kl_control, grpo)
-            rewards = with_reward_kl(rewards, kl_sums, kl["kl_reward_coef"])
-            kl_control = kl_control_after(kl["kl_reward_coef"], kl["reward_kl"], len(rollouts), grpo)
+            rewards, kl, kl_control = kl_in_reward(rollouts, rewards, learner.sequence_kl, kl_control, grpo)
         samples, _, stats = build_train_samples(rollouts, rewards, grpo)
         bonus = entropy_coef_at(entropy_control, grpo)
         lr = learning_rate_at(step, grpo, decay_steps=steps)

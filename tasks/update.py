@@ -7,9 +7,8 @@ from pathlib import Path
 import numpy as np
 from prefect import get_run_logger
 
-from refiner_core.algo.kl_reward import kl_coef_at, kl_control_after, with_reward_kl
 from refiner_core.algo.schedules import entropy_coef_at, entropy_control_after, learning_rate_at
-from refiner_core.grpo import build_train_samples, learner_settings, reward_kl
+from refiner_core.grpo import build_train_samples, kl_in_reward, learner_settings
 from refiner_core.learners.base import make_learner
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.model_card import write_model_card
@@ -87,17 +86,17 @@ def grpo_update(
         grpo.learner, policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
     )
     try:
-        kl = {"kl_reward_coef": None, "reward_kl": None}
+        kl, next_kl_control = {"kl_reward_coef": None, "reward_kl": None}, None
         if grpo.kl_reward_coef > 0:  # the KL under the weights before this update enters the reward
-            kl_sums, kl["reward_kl"] = reward_kl(rollout_rows, learner.sequence_kl)
-            kl["kl_reward_coef"] = kl_coef_at(kl_control, grpo)
-            reward_rows = with_reward_kl(reward_rows, kl_sums, kl["kl_reward_coef"])
+            reward_rows, kl, next_kl_control = kl_in_reward(
+                rollout_rows, reward_rows, learner.sequence_kl, kl_control, grpo
+            )
             log.info(
                 "grpo-update step %d: KL in the reward: coefficient %.4g, mean per-token KL %.5f over %d responses",
                 step,
                 kl["kl_reward_coef"],
                 kl["reward_kl"],
-                len(kl_sums),
+                len(rollout_rows),
             )
         samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo, reward_parts)
         if not samples and adv_stats["masked_truncated"]:
@@ -202,7 +201,7 @@ def grpo_update(
     if grpo.adaptive_entropy:
         manifest["entropy_control"] = entropy_control_after(entropy_control, bonus, metrics)
     if grpo.kl_reward_target > 0:
-        manifest["kl_control"] = kl_control_after(kl["kl_reward_coef"], kl["reward_kl"], len(rollout_rows), grpo)
+        manifest["kl_control"] = next_kl_control
     return manifest
 
 

@@ -32,6 +32,11 @@ class TrainSample:
     # template framing) are False and carry no loss. None: every response token was sampled.
     loss_mask: list[bool] | None = None
 
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens that carry a loss (all of them without a loss_mask)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
 
 @dataclass(frozen=True)
 class LearnerSettings:

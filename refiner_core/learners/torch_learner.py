@@ -232,7 +232,7 @@ class TorchLearner:
             "clip_fraction": totals["clipped"] / tokens,
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lr,
-            "response_tokens": sum(len(x.response_ids) if x.loss_mask is None else sum(x.loss_mask) for x in samples),
+            "response_tokens": sum(x.trained_tokens for x in samples),
             "packing_efficiency": totals["real_tokens"] / totals["computed_tokens"],
             "update_seconds": time.time() - t0,
             **entropy,

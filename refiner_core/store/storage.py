@@ -143,17 +143,16 @@ def catalog_copy(db_path: Path, from_existing: bool) -> Iterator[duckdb.DuckDBPy
         Path(str(tmp) + ".wal").unlink(missing_ok=True)
 
 
-SCHEMA_COLUMNS_SQL = "SELECT column_name FROM information_schema.columns WHERE table_name = ?"
-
-
 def _match_schema(con: duckdb.DuckDBPyConnection, table: Table) -> None:
     """Bring a published catalog's `table` to the schema's: created where the catalog was published before the
     table existed, given the columns added since (NULL in its older rows) where it lacks them."""
-    have = [r[0] for r in con.execute(SCHEMA_COLUMNS_SQL, [table.name]).fetchall()]
+    columns_sql = "SELECT column_name FROM information_schema.columns WHERE table_name = ?"
+    have = {r[0] for r in con.execute(columns_sql, [table.name]).fetchall()}
     if not have:
         con.execute(duckdb_ddl(table))
+        return
     for column in table.columns:
-        if have and column.name not in have:  # names and types come from the schema module, not from input
+        if column.name not in have:  # names and types come from the schema module, not from input
             con.execute(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {duckdb_type(column.type)}')
 
 
