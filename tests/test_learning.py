@@ -53,3 +53,17 @@ def test_kl_penalty_holds_policy_near_reference(tiny_model_path, tiny_tokenizer)
     free = _run(tiny_model_path, tiny_tokenizer, reward, steps=12, learning_rate=1e-2, beta=1e-6)
     held = _run(tiny_model_path, tiny_tokenizer, reward, steps=12, learning_rate=1e-2, beta=2.0)
     assert held[-1]["kl"] < free[-1]["kl"] * 0.5, (held[-1]["kl"], free[-1]["kl"])
+
+
+def test_kl_in_the_reward_holds_policy_near_reference(tiny_model_path, tiny_tokenizer):
+    """Same task, beta 0 and the KL in the reward instead (grpo.kl_reward_coef): responses that drifted rank lower
+    in their group, so the policy moves less (measured by the reward's own KL, per token)."""
+    target = set(range(3, 203))
+
+    def reward(gen):
+        return sum(t in target for t in gen.token_ids) / max(len(gen.token_ids), 1)
+
+    free = _run(tiny_model_path, tiny_tokenizer, reward, steps=12, learning_rate=1e-2, beta=0.0, kl_reward_coef=1e-6)
+    held = _run(tiny_model_path, tiny_tokenizer, reward, steps=12, learning_rate=1e-2, beta=0.0, kl_reward_coef=0.5)
+    assert held[0]["reward_kl"] == free[0]["reward_kl"] == 0.0  # the first step's policy is the reference
+    assert held[-1]["reward_kl"] < free[-1]["reward_kl"] * 0.5, (held[-1]["reward_kl"], free[-1]["reward_kl"])
