@@ -1,6 +1,8 @@
 """One GRPO update four ways, side by side: fp32 padded, bf16 autocast padded, bf16 autocast packed, and bf16
 autocast with each group's prompt read once (grpo.share_prompt); and, with --only, the last with the KL in the
-reward measured first (bf16_shared_kl_reward: the learner's sequence_kl, then the update; grpo.kl_reward_coef).
+reward measured first (bf16_shared_kl_reward: the learner's sequence_kl, then the update reading the measure's
+reference log-probs, as the update stage does; grpo.kl_reward_coef), or measured and then scored again by the
+update (bf16_shared_kl_reward_scored_twice).
 
     .venv/bin/python bench/learner_speed.py [--model smollm2-135m-instruct|tiny-qwen3] [--sequences 16]
         [--group-size 4] [--prompt-tokens 460] [--response-tokens 85] [--pack-length 2048] [--threads 2]
@@ -15,6 +17,7 @@ efficiency; the losses agree.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -89,7 +92,10 @@ def main() -> None:
         "bf16_packed": dict(precision="bf16", pack_length=args.pack_length, micro_batch_size=1),
         "bf16_shared": dict(precision="bf16", pack_length=0, micro_batch_size=1, share_prompt=True),
     }
-    optional = {"bf16_shared_kl_reward": dict(settings["bf16_shared"], kl_reward_coef=0.001)}  # --only names it
+    optional = {  # --only names them
+        "bf16_shared_kl_reward": dict(settings["bf16_shared"], kl_reward_coef=0.001),
+        "bf16_shared_kl_reward_scored_twice": dict(settings["bf16_shared"], kl_reward_coef=0.001),
+    }
     if args.only:
         known = {**settings, **optional}
         unknown = set(args.only.split(",")) - set(known)
@@ -107,9 +113,15 @@ def main() -> None:
         policy.zero_grad(set_to_none=True)
         learner = TorchLearner(policy, reference, 0, settings_for(**chosen))
         t0, c0 = time.perf_counter(), time.process_time()
+        batch = samples
         if chosen.get("kl_reward_coef"):
-            learner.sequence_kl(samples)
-        metrics = learner.train_step(samples)
+            measured = learner.sequence_kl(samples)
+            if not label.endswith("scored_twice"):
+                batch = [
+                    dataclasses.replace(s, old_logprobs=m.old_logprobs, reference_logprobs=m.reference_logprobs)
+                    for s, m in zip(samples, measured)
+                ]
+        metrics = learner.train_step(batch)
         results[label] = {
             "seconds": time.perf_counter() - t0,
             "cpu_seconds": time.process_time() - c0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from refiner_core.algo.advantages import PartsOf, group_advantages, whole_reward
 from refiner_core.algo.kl_reward import kl_coef_at, kl_control_after, with_reward_kl
 from refiner_core.algo.schedules import entropy_coef_at, entropy_control_after, learning_rate_at
 from refiner_core.config import DEEPSPEED_FLAT_NAMES, GRPOConfig, ModelConfig
-from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
 from refiner_core.stage_settings import input_fields
 
@@ -77,29 +78,46 @@ def _train_sample(row: dict, advantage: float) -> TrainSample:
         advantage,
         list(row["response_logprobs"]),
         list(row["response_mask"]) if row.get("response_mask") is not None else None,
+        row.get("old_logprobs"),
+        row.get("reference_logprobs"),
     )
+
+
+class KLInReward(NamedTuple):
+    rollouts: list[dict]  # carrying the per-token log-probs the measure read (the update reuses them)
+    rewards: list[dict]  # carrying each response's summed KL and the coefficient applied
+    metrics: dict  # {"kl_reward_coef", "reward_kl"}, the step's
+    kl_control: dict  # the controller's state after this step
 
 
 def kl_in_reward(
     rollouts: list[dict],
     rewards: list[dict],
-    sequence_kl: Callable[[list[TrainSample]], list[float]],
+    sequence_kl: Callable[[list[TrainSample]], list[SequenceKL]],
     kl_control: dict | None,
     grpo: GRPOConfig,
-) -> tuple[list[dict], dict, dict]:
-    """grpo.kl_reward_coef before the advantages: (the reward rows carrying their response's KL summed over its
-    trained tokens and the coefficient applied, {"kl_reward_coef", "reward_kl"} for the step's metrics, the
-    controller's next state). reward_kl is the mean over responses of their per-token mean KL, verl's current_kl.
-    `sequence_kl`: the learner's, at the weights before the update; a response without a trained token has KL 0.
-    `kl_control`: the controller's state after the previous step (None at the first)."""
+) -> KLInReward:
+    """grpo.kl_reward_coef before the advantages. reward_kl is the mean over responses of their per-token mean
+    KL, verl's current_kl. `sequence_kl`: the learner's, at the weights before the update; a response without a
+    trained token has KL 0. Its per-token log-probs (pi_old, pi_ref) ride on the rollout rows into the train
+    samples, so the update reads them instead of running those forwards again. `kl_control`: the controller's
+    state after the previous step (None at the first)."""
     scored = [r for r in rollouts if r["response_token_ids"]]
     samples = [_train_sample(r, 0.0) for r in scored]
-    sums = sequence_kl(samples) if samples else []
-    mean_kl = float(np.mean([kl / s.trained_tokens for kl, s in zip(sums, samples) if s.trained_tokens] or [0.0]))
+    measured = dict(zip(((r["prompt_id"], r["sample_idx"]) for r in scored), sequence_kl(samples) if samples else []))
+    mean_kl = float(
+        np.mean([m.total / s.trained_tokens for m, s in zip(measured.values(), samples) if s.trained_tokens] or [0.0])
+    )
     coef = kl_coef_at(kl_control, grpo)
-    kl_of = {(r["prompt_id"], r["sample_idx"]): kl for r, kl in zip(scored, sums)}
-    return (
-        with_reward_kl(rewards, kl_of, coef),
+    carrying = [
+        {**r, "old_logprobs": m.old_logprobs, "reference_logprobs": m.reference_logprobs}
+        if (m := measured.get((r["prompt_id"], r["sample_idx"])))
+        else r
+        for r in rollouts
+    ]
+    return KLInReward(
+        carrying,
+        with_reward_kl(rewards, {key: m.total for key, m in measured.items()}, coef),
         {"kl_reward_coef": coef, "reward_kl": mean_kl},
         kl_control_after(coef, mean_kl, len(rollouts), grpo),
     )
@@ -142,7 +160,7 @@ def grpo_loop(
         ]
         kl = {}
         if grpo.kl_reward_coef > 0:
-            rewards, kl, kl_control = kl_in_reward(rollouts, rewards, learner.sequence_kl, kl_control, grpo)
+            rollouts, rewards, kl, kl_control = kl_in_reward(rollouts, rewards, learner.sequence_kl, kl_control, grpo)
         samples, _, stats = build_train_samples(rollouts, rewards, grpo)
         bonus = entropy_coef_at(entropy_control, grpo)
         lr = learning_rate_at(step, grpo, decay_steps=steps)

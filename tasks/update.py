@@ -88,7 +88,7 @@ def grpo_update(
     try:
         kl, next_kl_control = {"kl_reward_coef": None, "reward_kl": None}, None
         if grpo.kl_reward_coef > 0:  # the KL under the weights before this update enters the reward
-            reward_rows, kl, next_kl_control = kl_in_reward(
+            rollout_rows, reward_rows, kl, next_kl_control = kl_in_reward(
                 rollout_rows, reward_rows, learner.sequence_kl, kl_control, grpo
             )
             log.info(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -83,8 +84,10 @@ def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_
             exported = kept.weights()
             assert _max_diff(exported, {k: v for k, v in load_model(out).state_dict().items() if k in exported}) == 0
         # grpo.kl_reward_coef's measure on the ranks (each scores every sample) equals the one-process learner's
-        kl = torch_learner.sequence_kl(samples[0])
-        assert kept.sequence_kl(samples[0]) == pytest.approx(kl, rel=1e-3, abs=1e-6) and min(map(abs, kl)) > 1e-4
+        want, got = torch_learner.sequence_kl(samples[0]), kept.sequence_kl(samples[0])
+        assert [m.total for m in got] == pytest.approx([m.total for m in want], rel=1e-3, abs=1e-6)
+        assert min(abs(m.total) for m in want) > 1e-4
+        assert [m.reference_logprobs for m in got] == [pytest.approx(m.reference_logprobs, abs=1e-5) for m in want]
         launcher = kept._proc.pid
     finally:
         kept.close()
@@ -198,12 +201,17 @@ def test_epochs_on_two_zero3_ranks_equal_the_torch_learner(tiny_model_path, tiny
     """grpo.epochs 2 with minibatches 2: each rank runs its share of both passes over one batch (pi_old frozen
     before the first step), four AdamW steps at the step's scheduled rate (not the settings' 1e-3); loss, grad norm
     and weights as the torch learner's. policy_loss clip_cov: each rank draws the tokens it cuts as the torch
-    learner does, per micro-batch and pass."""
+    learner does, per micro-batch and pass. The samples carry pi_old and pi_ref from a measure before the update
+    (grpo.kl_reward_coef's), which both learners read instead of scoring them."""
     kw = dict(epochs=2, minibatches=2, policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9)
     policy = load_model(tiny_model_path, trainable=True)
     reference = load_model(tiny_model_path)
     torch_learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, _settings(**kw))
-    want = torch_learner.train_step(_samples(0), learning_rate=4e-4)
+    carried = [
+        dataclasses.replace(s, old_logprobs=m.old_logprobs, reference_logprobs=m.reference_logprobs)
+        for s, m in zip(_samples(0), torch_learner.sequence_kl(_samples(0)))
+    ]
+    want = torch_learner.train_step(carried, learning_rate=4e-4)
     plain = TorchLearner(
         load_model(tiny_model_path, trainable=True),
         reference,
@@ -215,7 +223,7 @@ def test_epochs_on_two_zero3_ranks_equal_the_torch_learner(tiny_model_path, tiny
     base = Path(tiny_model_path)
     learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
     try:
-        metrics = learner.train_step(_samples(0), learning_rate=4e-4)
+        metrics = learner.train_step(carried, learning_rate=4e-4)
         learner.save(tmp_path / "out")
     finally:
         learner.close()

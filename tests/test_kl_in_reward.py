@@ -15,7 +15,8 @@ from conftest import catalog_rows, learner_settings
 from refiner_core.algo.advantages import group_advantages, informative_prompt_ids
 from refiner_core.algo.kl_reward import kl_coef_at, kl_control_after, with_reward_kl
 from refiner_core.config import load_recipe
-from refiner_core.learners.base import TrainSample
+from refiner_core.grpo import build_train_samples, kl_in_reward
+from refiner_core.learners.base import SequenceKL, TrainSample
 from refiner_core.learners.torch_learner import TorchLearner, make_torch_learner
 from refiner_core.models import load_model
 from refiner_core.peer_names import PEER_NAMES, peer_value_hint
@@ -113,17 +114,16 @@ def _samples() -> list[TrainSample]:
     return samples
 
 
-def _kl_float64(policy, reference, sample: TrainSample, estimator: str, temperature: float) -> float:
-    """One sequence, no padding, a full forward of float64 copies; log-softmax at the temperature."""
-
-    def response_logp(model) -> torch.Tensor:
-        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-        logits = copy.deepcopy(model).double()(input_ids=ids).logits[0] / temperature
-        logp = torch.log_softmax(logits, dim=-1)[len(sample.prompt_ids) - 1 : -1]
-        return logp.gather(-1, torch.tensor(sample.response_ids).unsqueeze(-1)).squeeze(-1)
-
+def _response_logp_float64(model, sample: TrainSample, temperature: float) -> torch.Tensor:
+    """One sequence, no padding, a full forward of a float64 copy; log-softmax at the temperature."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
     with torch.no_grad():
-        d = response_logp(policy) - response_logp(reference)
+        logits = copy.deepcopy(model).double()(input_ids=ids).logits[0] / temperature
+    logp = torch.log_softmax(logits, dim=-1)[len(sample.prompt_ids) - 1 : -1]
+    return logp.gather(-1, torch.tensor(sample.response_ids).unsqueeze(-1)).squeeze(-1)
+
+
+def _kl_float64(d: torch.Tensor, sample: TrainSample, estimator: str) -> float:
     value = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) - 1 + d}[estimator]
     mask = torch.ones(len(d)) if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.float64)
     return float((value * mask).sum())
@@ -133,7 +133,7 @@ def _kl_float64(policy, reference, sample: TrainSample, estimator: str, temperat
 def test_the_learners_kl_equals_a_float64_forward(tiny_model_path, tiny_tokenizer, estimator, share_prompt):
     """5 responses of 4-16 tokens in two groups, 3 with tool tokens masked out, 2 to a forward (padded rows) or a
     group to a forward (its prompt read once), fp32 against float64: measured to 3e-6 relative; the bound leaves
-    30x."""
+    30x. The per-token log-probs it returns (the update reuses them) are each model's at every trained token."""
     policy, reference = load_model(tiny_model_path, trainable=True), load_model(tiny_model_path)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
@@ -145,10 +145,95 @@ def test_the_learners_kl_equals_a_float64_forward(tiny_model_path, tiny_tokenize
     learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, settings)
     samples = _samples()
     got = learner.sequence_kl(samples)
-    want = [_kl_float64(policy, reference, s, estimator, settings.temperature) for s in samples]
-    assert got == pytest.approx(want, rel=1e-4, abs=1e-7)
+    old = [_response_logp_float64(policy, s, settings.temperature) for s in samples]
+    ref = [_response_logp_float64(reference, s, settings.temperature) for s in samples]
+    want = [_kl_float64(o - r, s, estimator) for o, r, s in zip(old, ref, samples)]
+    assert [m.total for m in got] == pytest.approx(want, rel=1e-4, abs=1e-7)
     assert min(abs(w) for w in want) > 1e-3  # the two models really differ
+    for m, o, r, s in zip(got, old, ref, samples):  # at trained tokens (the loss reads no other)
+        trained = [k for k in range(len(s.response_ids)) if s.loss_mask is None or s.loss_mask[k]]
+        assert [m.old_logprobs[k] for k in trained] == pytest.approx(o[trained].tolist(), abs=1e-5)
+        assert [m.reference_logprobs[k] for k in trained] == pytest.approx(r[trained].tolist(), abs=1e-5)
     assert policy.training  # scoring leaves the policy in training mode
+
+
+def test_the_train_samples_carry_the_measures_logprobs():
+    """kl_in_reward -> build_train_samples: each trained response carries the per-token log-probs its measure
+    read; a response without tokens is not measured (KL 0) and not trained. The step's KL is the mean of the
+    measured responses' per-token means: (3/3 + 1/2) / 2."""
+    grpo = load_recipe(None, ["grpo.kl_reward_coef=0.5"]).grpo
+    responses = {0: [5, 6, 7], 1: [8, 9], 2: []}
+    rollouts = [
+        {
+            "prompt_id": "p",
+            "sample_idx": i,
+            "prompt_token_ids": [1, 2],
+            "response_token_ids": ids,
+            "response_logprobs": [-1.0] * len(ids),
+            "finish_reason": "stop",
+        }
+        for i, ids in responses.items()
+    ]
+    rewards = [{"prompt_id": "p", "sample_idx": i, "reward": float(i)} for i in responses]
+
+    def measure(samples: list[TrainSample]) -> list[SequenceKL]:
+        assert [s.response_ids for s in samples] == [[5, 6, 7], [8, 9]]
+        return [SequenceKL(3.0, [-0.1] * 3, [-0.2] * 3), SequenceKL(1.0, [-0.3] * 2, [-0.4] * 2)]
+
+    rollouts, rewards, metrics, control = kl_in_reward(rollouts, rewards, measure, None, grpo)
+    assert metrics == {"kl_reward_coef": 0.5, "reward_kl": pytest.approx(0.75)} and control == {"coef": 0.5}
+    assert [(r["reward_kl"], r["kl_coef"]) for r in rewards] == [(3.0, 0.5), (1.0, 0.5), (0.0, 0.5)]
+    samples, _, _ = build_train_samples(rollouts, rewards, grpo)
+    assert [(s.old_logprobs, s.reference_logprobs) for s in samples] == [
+        ([-0.1] * 3, [-0.2] * 3),
+        ([-0.3] * 2, [-0.4] * 2),
+    ]
+
+
+def _counting_forwards(model) -> list[int]:
+    calls = [0]
+    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_the_update_reuses_the_measures_logprobs(tiny_model_path, tiny_tokenizer, share_prompt):
+    """With the KL in the reward and in the loss (beta > 0), two optimizer steps (so pi_old is frozen): a train
+    step on samples carrying the measure's log-probs runs no reference forward and no frozen policy forward, and
+    moves the weights as the step that scores them itself (same batches: equal to 1e-6)."""
+    settings = learner_settings(
+        beta=0.04, kl_reward_coef=0.1, minibatches=2, micro_batch_size=2, share_prompt=share_prompt, learning_rate=1e-3
+    )
+    reference = load_model(tiny_model_path)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    samples = [dataclasses.replace(s, advantage=(-1.0) ** k) for k, s in enumerate(_samples()[:4])]
+    moved, forwards = [], []
+    for carried in (False, True):
+        policy = load_model(tiny_model_path, trainable=True)
+        learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, settings)
+        batch = samples
+        if carried:
+            batch = [
+                dataclasses.replace(s, old_logprobs=m.old_logprobs, reference_logprobs=m.reference_logprobs)
+                for s, m in zip(samples, learner.sequence_kl(samples))
+            ]
+        policy_calls, reference_calls = _counting_forwards(policy), _counting_forwards(reference)
+        metrics = learner.train_step(batch)
+        forwards.append((policy_calls[0], reference_calls[0]))
+        moved.append((metrics, {k: v.detach().clone() for k, v in policy.state_dict().items()}))
+    (plain, plain_weights), (reused, reused_weights) = moved
+    trained_batches = forwards[1][0]
+    assert forwards == [(2 * trained_batches, trained_batches), (trained_batches, 0)] and trained_batches >= 2
+    assert reused["kl"] == pytest.approx(plain["kl"], rel=1e-5) and plain["kl"] > 1e-4
+    assert reused["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-8)
+    assert max((plain_weights[k] - reused_weights[k]).abs().max().item() for k in plain_weights) < 1e-6
+    assert (
+        max((plain_weights[k] - v).abs().max().item() for k, v in load_model(tiny_model_path).state_dict().items())
+        > 1e-4
+    )
 
 
 def test_the_reference_is_loaded_for_the_reward_alone(tiny_model_path, tiny_tokenizer):
@@ -161,7 +246,7 @@ def test_the_reference_is_loaded_for_the_reward_alone(tiny_model_path, tiny_toke
     on = make_torch_learner(
         tiny_model_path, tiny_model_path, tiny_tokenizer, learner_settings(beta=0.0, kl_reward_coef=0.1), None
     )
-    assert on.sequence_kl(_samples()) == [0.0] * 5
+    assert [m.total for m in on.sequence_kl(_samples())] == [0.0] * 5
 
 
 def _table(run_dir, sql: str) -> list[dict]:
@@ -265,6 +350,6 @@ def test_with_lora_the_reference_is_the_base_with_adapters_off(tiny_model_path, 
     )
     learner = make_torch_learner(tiny_model_path, tiny_model_path, tiny_tokenizer, settings, None)
     samples = [dataclasses.replace(s, advantage=(-1.0) ** k) for k, s in enumerate(_samples())]
-    assert learner.sequence_kl(samples) == [0.0] * 5
+    assert [m.total for m in learner.sequence_kl(samples)] == [0.0] * 5
     learner.train_step(samples)
-    assert min(abs(kl) for kl in learner.sequence_kl(samples)) > 1e-6
+    assert min(abs(m.total) for m in learner.sequence_kl(samples)) > 1e-6

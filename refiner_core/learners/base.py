@@ -31,11 +31,29 @@ class TrainSample:
     # Per response token: True where the policy sampled it. Tokens a tool-calling loop inserted (tool output,
     # template framing) are False and carry no loss. None: every response token was sampled.
     loss_mask: list[bool] | None = None
+    # Per response token, under the weights before this update, where the KL in the reward already scored the
+    # response (SequenceKL): pi_old and pi_ref, which the update then reads instead of running those forwards
+    # again (verl's old_log_prob and ref_log_prob serve its KL penalty and its loss alike). None: the update
+    # scores them itself.
+    old_logprobs: list[float] | None = None
+    reference_logprobs: list[float] | None = None
 
     @property
     def trained_tokens(self) -> int:
         """Response tokens that carry a loss (all of them without a loss_mask)."""
         return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+
+@dataclass
+class SequenceKL:
+    """One response scored under the weights before an update (grpo.kl_reward_coef's measure): `total`, the sum
+    over its trained tokens of kl_reward_estimator(log pi - log pi_ref), d clamped to kl_clamp; and per response
+    token the two log-probs it came from, which the update reuses (TrainSample.old_logprobs, reference_logprobs);
+    a token that carries no loss (loss_mask False) may read 0 there."""
+
+    total: float
+    old_logprobs: list[float]
+    reference_logprobs: list[float]
 
 
 @dataclass(frozen=True)
@@ -153,7 +171,7 @@ class Learner(Protocol):
 
     def save(self, path: Path) -> None: ...
 
-    def sequence_kl(self, samples: list[TrainSample]) -> list[float]: ...  # grpo.kl_reward_coef's measure
+    def sequence_kl(self, samples: list[TrainSample]) -> list[SequenceKL]: ...  # grpo.kl_reward_coef's measure
 
     def close(self) -> None: ...  # stop what the learner started (processes); it cannot be used afterwards
 

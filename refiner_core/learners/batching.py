@@ -8,6 +8,15 @@ import torch
 from refiner_core.algo.packing import pack_sequences
 from refiner_core.learners.base import TrainSample
 
+# Per-token log-probs a sample may carry from before the update (TrainSample); a batch holds each one only when
+# every sample in it does.
+CARRIED_LOGPROBS = ("old_logprobs", "reference_logprobs")
+
+
+def _logprob_keys(samples: list[TrainSample]) -> tuple[str, ...]:
+    """The per-token log-probs a batch of `samples` lays out: the sampler's, and each carried one all of them hold."""
+    return ("rollout_logprobs", *(k for k in CARRIED_LOGPROBS if all(getattr(s, k) is not None for s in samples)))
+
 
 def pack_rows(samples: list[TrainSample], pack_length: int) -> list[list[int]]:
     """Sample indices per training row: one sequence per row when pack_length is 0, else first-fit-decreasing
@@ -27,7 +36,9 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
     token (the sample's loss_mask), so logits[:, t] score token t+1 and prompts, tool output, padding and sequence
     boundaries never enter the loss. Every
     position carries its own sequence's advantage, rollout logprob and response length, and `sequence_index`
-    numbers the sequences of the batch (prompt and padding positions: one spare index past the last)."""
+    numbers the sequences of the batch (prompt and padding positions: one spare index past the last). Log-probs
+    the samples carry from before the update (CARRIED_LOGPROBS) are laid out like rollout_logprobs."""
+    logprob_keys = _logprob_keys([s for row in rows for s in row])
     lengths = [sum(len(s.prompt_ids) + len(s.response_ids) for s in row) for row in rows]
     width = max(lengths)
     R = len(rows)
@@ -36,7 +47,7 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
     targets = torch.zeros((R, width - 1), dtype=torch.long)
     per_token = {
         k: torch.zeros((R, width - 1), dtype=torch.float32)
-        for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")
+        for k in ("mask", "advantages", "sequence_tokens", *logprob_keys)
     }
     sequence_index = torch.full((R, width - 1), sum(len(row) for row in rows), dtype=torch.long)
     sequence = 0
@@ -55,7 +66,8 @@ def collate_rows(rows: list[list[TrainSample]], pad_id: int) -> dict[str, torch.
                 else torch.tensor(s.loss_mask, dtype=torch.float32)
             )
             per_token["mask"][r, response] = trained
-            per_token["rollout_logprobs"][r, response] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            for k in logprob_keys:
+                per_token[k][r, response] = torch.tensor(getattr(s, k), dtype=torch.float32)
             per_token["advantages"][r, response] = s.advantage
             per_token["sequence_tokens"][r, response] = float(trained.sum())
             sequence_index[r, response] = sequence
@@ -97,10 +109,11 @@ def collate_group(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Te
         raise ValueError("collate_group: samples of one group must share their prompt")
     width = max(len(s.response_ids) for s in samples)
     G = len(samples)
+    logprob_keys = _logprob_keys(samples)
     targets = torch.full((G, width), pad_id, dtype=torch.long)
     per_token = {
         k: torch.zeros((G, width), dtype=torch.float32)
-        for k in ("mask", "rollout_logprobs", "advantages", "sequence_tokens")
+        for k in ("mask", "advantages", "sequence_tokens", *logprob_keys)
     }
     sequence_index = torch.full((G, width), G, dtype=torch.long)
     for r, s in enumerate(samples):
@@ -109,7 +122,8 @@ def collate_group(samples: list[TrainSample], pad_id: int) -> dict[str, torch.Te
         sequence_index[r, :n] = r
         trained = torch.ones(n) if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         per_token["mask"][r, :n] = trained
-        per_token["rollout_logprobs"][r, :n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        for k in logprob_keys:
+            per_token[k][r, :n] = torch.tensor(getattr(s, k), dtype=torch.float32)
         per_token["advantages"][r, :n] = s.advantage
         per_token["sequence_tokens"][r, :n] = float(trained.sum())
     P = len(prompt)

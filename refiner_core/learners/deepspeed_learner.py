@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample
 from refiner_core.learners.lora import AdapterExports, ram_dir
 from refiner_core.models import Adapter, checkpoint_weights
 from refiner_core.runtime.procs import forget_child, spawn, stop_group
@@ -337,10 +337,10 @@ class DeepSpeedLearner:
         metrics["update_seconds"] = time.perf_counter() - t0  # with the ranks' start-up on their first step
         return metrics
 
-    def sequence_kl(self, samples: list[TrainSample]) -> list[float]:
+    def sequence_kl(self, samples: list[TrainSample]) -> list[SequenceKL]:
         """TorchLearner.sequence_kl on the ranks (each scores every sample)."""
         job_dir = self._call("sequence_kl", samples)
-        return json.loads((job_dir / "sequence_kl.json").read_text())
+        return [SequenceKL(**k) for k in json.loads((job_dir / "sequence_kl.json").read_text())]
 
     def save(self, path: Path) -> None:
         """HF weights and tokenizer-free config + DeepSpeed's optimizer state (`deepspeed/`), written by the ranks."""

@@ -12,6 +12,7 @@ Launched by refiner_core.learners.deepspeed_learner; not meant to be run by hand
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -354,7 +355,7 @@ def main(work_dir: str) -> None:
             samples = [TrainSample(**x) for x in json.loads((job_dir / "samples.json").read_text())]
             kl = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world).sequence_kl(samples)
             if rank == 0:
-                (job_dir / "sequence_kl.json").write_text(json.dumps(kl))
+                (job_dir / "sequence_kl.json").write_text(json.dumps([dataclasses.asdict(k) for k in kl]))
         elif job["kind"] == "save":
             save_checkpoint(engine, launch["zero_stage"], Path(job["path"]), rank, world, settings)
         elif job["kind"] == "export":

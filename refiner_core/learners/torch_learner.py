@@ -20,7 +20,7 @@ from refiner_core.algo.losses import (
     importance_weights,
     off_policy_sequences,
 )
-from refiner_core.learners.base import LearnerSettings, TrainSample, surrogate_knobs
+from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample, surrogate_knobs
 from refiner_core.learners.batching import collate, collate_group, collate_rows, pack_rows, prompt_groups
 from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
@@ -76,16 +76,23 @@ class TorchLearner:
         model.train(was_training)
         return out
 
+    def _carried_or_scored(self, key: str, model, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per micro-batch, the log-probs its samples carry under `key` (scored before the update by sequence_kl),
+        else those of a forward of `model` now."""
+        if model is None:
+            raise ValueError(f"{key}: grpo.beta > 0 needs the reference model, and this learner holds none")
+        return [b[key] if key in b else self._frozen_logprobs(model, [b])[0] for b in batches]
+
     @torch.no_grad()
-    def sequence_kl(self, samples: list[TrainSample]) -> list[float]:
+    def sequence_kl(self, samples: list[TrainSample]) -> list[SequenceKL]:
         """Per sample: the sum over its trained response tokens of kl_reward_estimator(d), d = log pi - log pi_ref
         under the current weights (clamped to kl_clamp), the KL in the reward's measure (grpo.kl_reward_coef; verl
-        apply_kl_penalty on old_log_probs and ref_log_prob). Batched as the update is: one group per forward, its
-        prompt read once, under share_prompt, else micro_batch_size sequences; a rank of a distributed learner
-        computes every sample, so that each runs the same forwards."""
+        apply_kl_penalty on old_log_probs and ref_log_prob), with the per-token log-probs it read. Batched as the
+        update is: one group per forward, its prompt read once, under share_prompt, else micro_batch_size
+        sequences; a rank of a distributed learner computes every sample, so that each runs the same forwards."""
         if self.reference is None:
             raise ValueError("sequence_kl: this learner holds no reference model (grpo.kl_reward_coef is 0)")
-        s, sums = self.s, [0.0] * len(samples)
+        s, out = self.s, [None] * len(samples)
         if s.share_prompt:
             batches = [(g, collate_group([samples[i] for i in g], self.pad_id)) for g in prompt_groups(samples)]
         else:
@@ -99,9 +106,11 @@ class TorchLearner:
             [logp], [ref] = self._frozen_logprobs(self.policy, [batch]), self._frozen_logprobs(self.reference, [batch])
             d = torch.clamp(logp - ref, -s.kl_clamp, s.kl_clamp)
             kl = KL_ESTIMATORS[s.kl_reward_estimator](d, torch.ones_like(d)) * batch["mask"]
-            for i, total in zip(indices, kl.sum(-1).tolist()):
-                sums[i] = total
-        return sums
+            # both layouts hold one sequence per row, numbered by its row, its response tokens in order
+            responses = batch["sequence_index"] == torch.arange(len(indices), device=logp.device).unsqueeze(1)
+            for r, (i, total) in enumerate(zip(indices, kl.sum(-1).tolist())):
+                out[i] = SequenceKL(total, logp[r][responses[r]].tolist(), ref[r][responses[r]].tolist())
+        return out
 
     def train_step(
         self, samples: list[TrainSample], learning_rate: float | None = None, entropy_coef: float | None = None
@@ -122,10 +131,10 @@ class TorchLearner:
         ]
         layout = self._local_layout(layout)
         flat = [batch for step in layout for batch in step]
-        ref_lp = self._frozen_logprobs(self.reference, flat) if s.beta > 0 and self.reference is not None else None
+        ref_lp = self._carried_or_scored("reference_logprobs", self.reference, flat) if s.beta > 0 else None
         # pi_old: with a single optimizer step the policy has not moved yet, so rho = 1 exactly and the
         # detached current log-probs serve; with several, freeze them before the first step.
-        old_lp = self._frozen_logprobs(self.policy, flat) if len(layout) * s.epochs > 1 else None
+        old_lp = self._carried_or_scored("old_logprobs", self.policy, flat) if len(layout) * s.epochs > 1 else None
         aggregate = AGGREGATIONS[s.loss_aggregation]
         reads_entropy = bonus != 0 or s.adaptive_entropy or s.top_entropy_quantile < 1
         knobs = surrogate_knobs(s)
