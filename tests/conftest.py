@@ -1,10 +1,13 @@
-"""Shared fixtures: an isolated REFINER_HOME and Prefect server per session, one thread, the tiny model."""
+"""Shared fixtures: an isolated REFINER_HOME (removed at exit) and Prefect server per session, one thread, the tiny
+model."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +17,24 @@ from pathlib import Path
 
 import pytest
 
+
+def _shared_models() -> Path:
+    """The models folder of the run's pytest processes: xdist's workers are children of its controller, so they
+    share one, and SmolLM2's conversion from the wheel's GGUF (~24 s, 0.5 GB) runs once per suite, not once per
+    worker. The controller empties it as it starts (a folder of a process before it with the same ID) and
+    removes it as it exits."""
+    worker = "PYTEST_XDIST_WORKER" in os.environ
+    folder = Path(tempfile.gettempdir()) / f"refiner-test-models-{os.getppid() if worker else os.getpid()}"
+    if not worker:
+        shutil.rmtree(folder, ignore_errors=True)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 _SESSION_HOME = Path(tempfile.mkdtemp(prefix="refiner-test-home-"))
+atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)  # the link to the shared models, not them
+(_SESSION_HOME / "models").symlink_to(_shared_models(), target_is_directory=True)
 # Set before anything imports prefect: results/cache records and models live in this session's home.
 os.environ["REFINER_HOME"] = str(_SESSION_HOME)
 os.environ["PREFECT_HOME"] = str(_SESSION_HOME / "prefect")
