@@ -83,6 +83,26 @@ def interrupts_never_lost() -> Iterator[None]:
         raise KeyboardInterrupt()
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM are recorded while inside and delivered, each once, to the handlers in place as it ends.
+
+    For imports of native modules whose initialisation calls back into Python: an exception a handler raises there
+    cannot unwind through their C++ frames and the process aborts. Seen with triton, which torch._dynamo imports
+    (SIGTERM in that window: "terminate called after throwing an instance of 'nanobind::python_error'", exit -6
+    instead of 143, the run folder's lock and Prefect server left behind)."""
+    received: list[int] = []
+    watched = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig)) for sig in watched}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for sig in dict.fromkeys(received):
+        signal.raise_signal(sig)
+
+
 def _dropped_signal(exc: BaseException | None) -> int | None:
     """The signal whose handler raised `exc`: Terminated (SIGTERM), Prefect's TerminationSignal (that class exists
     only once prefect is imported) or KeyboardInterrupt (SIGINT); None for any other exception."""
@@ -107,14 +127,16 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
 
     # Prefect's temporary server takes seconds to start: it does while this process imports torch and prefect.
     launched = None if "PREFECT_API_URL" in os.environ else launch_temporary_server(folder / PROCS_SUBDIR)
-    import torch
+    with signals_deferred():  # the stages would import torch._dynamo (and so triton) under Prefect's handler
+        import torch
+        import torch._dynamo  # noqa: F401
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from flows.refiner import refiner_pipeline
 
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     stop_children_left_behind(folder, warn)
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.refiner import refiner_pipeline
 
     log_file = start_run_log(folder)  # the flow writes into it too, and writes recipe.yaml (flows/run_folder.py)
     failures = _route_logs(debug)

@@ -93,7 +93,7 @@ def test_checkpoint_holds_the_adapter_and_resumes(tiny_model_path, tiny_tokenize
     if merged:
         assert _max_diff(load_model(saved).state_dict(), kept.weights()) == 0  # any HF loader reads them
     else:  # the pipeline's loaders apply the adapter to its base, found from any working directory
-        assert Path(adapter.base).is_absolute() and Path(adapter.base) == Path(tiny_model_path).resolve()
+        assert Path(adapter.base).is_absolute() and Path(adapter.base).resolve() == Path(tiny_model_path).resolve()
         assert adapter.rank == LORA["lora_rank"]
         assert _max_diff(load_model(saved).state_dict(), kept.weights()) < 1e-6
         assert _max_diff(checkpoint_weights(saved), kept.weights()) < 1e-6

@@ -306,6 +306,52 @@ def test_sigterm_awaiting_redelivery_when_the_run_ends_is_raised_there():
     }
 
 
+SIGNALS_DURING_A_NATIVE_IMPORT = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    from flows.supervisor import Terminated, _terminate, signals_deferred
+
+    signal.signal(signal.SIGTERM, _terminate)
+    importing = threading.Event()
+    importing.set()
+
+    def send():  # SIGTERM every 10 ms while torch._dynamo imports triton, whose C++ init calls into Python
+        while importing.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+
+    report = {}
+    try:
+        with signals_deferred():
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
+            time.sleep(0.05)
+            import torch._dynamo
+            importing.clear()
+            sender.join()
+            report["imported"] = True
+    except Terminated:
+        report["terminated"] = True
+    print(json.dumps(report))
+""")
+
+
+def test_signals_during_a_native_import_are_delivered_after_it():
+    """`refiner run` imports torch._dynamo (and so triton) with the signals deferred: SIGTERMs sent all through
+    the import are recorded, and one Terminated is raised after it. Raised inside triton's init (which cannot
+    unwind a Python exception through its C++ frames), one aborts the process: exit -6, measured by sending a
+    single SIGTERM at 10 ms steps into the import."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNALS_DURING_A_NATIVE_IMPORT],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=sigint_default,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == {"imported": True, "terminated": True}
+
+
 def wait_for_log(proc: subprocess.Popen, err: Path, text: str, timeout: float = 180) -> None:
     """Until the process's stderr shows `text`; fails at once if it exits first."""
     deadline = time.time() + timeout
