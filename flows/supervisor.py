@@ -90,7 +90,7 @@ def signals_deferred() -> Iterator[None]:
     For imports of native modules whose initialisation calls back into Python: an exception a handler raises there
     cannot unwind through their C++ frames and the process aborts. Seen with triton, which torch._dynamo imports
     (SIGTERM in that window: "terminate called after throwing an instance of 'nanobind::python_error'", exit -6
-    instead of 143, the run folder's lock and Prefect server left behind)."""
+    instead of 143, without the cleanup)."""
     received: list[int] = []
     watched = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig)) for sig in watched}

@@ -254,18 +254,22 @@ SIGTERM_IN_A_FINALIZER = textwrap.dedent("""
 """)
 
 
-def _sigterm_in_a_finalizer(scenario: str) -> dict:
-    """SIGTERM_IN_A_FINALIZER's report for SCENARIO, in a child process: its signal handlers are its own."""
+def _report_of(script: str, *args: str) -> dict:
+    """The JSON report SCRIPT prints, run in a child process (its signal handlers are its own) with ARGS."""
     proc = subprocess.run(
-        [sys.executable, "-c", SIGTERM_IN_A_FINALIZER, scenario],
+        [sys.executable, "-c", script, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
         preexec_fn=sigint_default,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+def _sigterm_in_a_finalizer(scenario: str) -> dict:
+    return _report_of(SIGTERM_IN_A_FINALIZER, scenario)
 
 
 def test_sigterm_raised_inside_a_finalizer_is_lost_with_a_plain_handler():
@@ -340,16 +344,7 @@ def test_signals_during_a_native_import_are_delivered_after_it():
     the import are recorded, and one Terminated is raised after it. Raised inside triton's init (which cannot
     unwind a Python exception through its C++ frames), one aborts the process: exit -6, measured by sending a
     single SIGTERM at 10 ms steps into the import."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SIGNALS_DURING_A_NATIVE_IMPORT],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        preexec_fn=sigint_default,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout) == {"imported": True, "terminated": True}
+    assert _report_of(SIGNALS_DURING_A_NATIVE_IMPORT) == {"imported": True, "terminated": True}
 
 
 def wait_for_log(proc: subprocess.Popen, err: Path, text: str, timeout: float = 180) -> None:
