@@ -117,10 +117,7 @@ def main() -> None:
         if chosen.get("kl_reward_coef"):
             measured = learner.sequence_kl(samples)
             if not label.endswith("scored_twice"):
-                batch = [
-                    dataclasses.replace(s, old_logprobs=m.old_logprobs, reference_logprobs=m.reference_logprobs)
-                    for s, m in zip(samples, measured)
-                ]
+                batch = [dataclasses.replace(s, **m.carried()) for s, m in zip(samples, measured)]
         metrics = learner.train_step(batch)
         results[label] = {
             "seconds": time.perf_counter() - t0,

@@ -109,12 +109,7 @@ def kl_in_reward(
         np.mean([m.total / s.trained_tokens for m, s in zip(measured.values(), samples) if s.trained_tokens] or [0.0])
     )
     coef = kl_coef_at(kl_control, grpo)
-    carrying = [
-        {**r, "old_logprobs": m.old_logprobs, "reference_logprobs": m.reference_logprobs}
-        if (m := measured.get((r["prompt_id"], r["sample_idx"])))
-        else r
-        for r in rollouts
-    ]
+    carrying = [{**r, **m.carried()} if (m := measured.get((r["prompt_id"], r["sample_idx"]))) else r for r in rollouts]
     return KLInReward(
         carrying,
         with_reward_kl(rewards, {key: m.total for key, m in measured.items()}, coef),

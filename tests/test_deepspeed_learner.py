@@ -208,8 +208,7 @@ def test_epochs_on_two_zero3_ranks_equal_the_torch_learner(tiny_model_path, tiny
     reference = load_model(tiny_model_path)
     torch_learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, _settings(**kw))
     carried = [
-        dataclasses.replace(s, old_logprobs=m.old_logprobs, reference_logprobs=m.reference_logprobs)
-        for s, m in zip(_samples(0), torch_learner.sequence_kl(_samples(0)))
+        dataclasses.replace(s, **m.carried()) for s, m in zip(_samples(0), torch_learner.sequence_kl(_samples(0)))
     ]
     want = torch_learner.train_step(carried, learning_rate=4e-4)
     plain = TorchLearner(

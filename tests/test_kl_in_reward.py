@@ -216,10 +216,7 @@ def test_the_update_reuses_the_measures_logprobs(tiny_model_path, tiny_tokenizer
         learner = TorchLearner(policy, reference, tiny_tokenizer.pad_token_id, settings)
         batch = samples
         if carried:
-            batch = [
-                dataclasses.replace(s, old_logprobs=m.old_logprobs, reference_logprobs=m.reference_logprobs)
-                for s, m in zip(samples, learner.sequence_kl(samples))
-            ]
+            batch = [dataclasses.replace(s, **m.carried()) for s, m in zip(samples, learner.sequence_kl(samples))]
         policy_calls, reference_calls = _counting_forwards(policy), _counting_forwards(reference)
         metrics = learner.train_step(batch)
         forwards.append((policy_calls[0], reference_calls[0]))

@@ -55,6 +55,10 @@ class SequenceKL:
     old_logprobs: list[float]
     reference_logprobs: list[float]
 
+    def carried(self) -> dict[str, list[float]]:
+        """The log-probs under the names a TrainSample (and a rollout row bound for one) carries them by."""
+        return {"old_logprobs": self.old_logprobs, "reference_logprobs": self.reference_logprobs}
+
 
 @dataclass(frozen=True)
 class LearnerSettings:
