@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["file_order"]  # test files longest first (tests/file_order.py)
-
 
 def _shared_models() -> Path:
     """The models folder of the run's pytest processes: xdist's workers are children of its controller, so they
