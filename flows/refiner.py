@@ -10,7 +10,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
-from flows.run_folder import holds_run_folder, resolve_run_dir, run_name
+from flows.run_folder import holds_run_folder, remove_run_temporary_files, resolve_run_dir, run_name
 from refiner_core.algo.advantages import informative_prompt_ids
 from refiner_core.algo.ema import is_update_step
 from refiner_core.config import RecipeConfig, recipe_from_dict
@@ -66,8 +66,8 @@ def close_run_trackers(_flow, flow_run, _state) -> None:
 
 
 # A judge server the run started (judge.openai.serve), the engines and trackers it kept end with the run, however it
-# ends.
-_ENDS = [stop_judge_servers, close_live_engines, close_run_trackers]
+# ends; then its temporary folders go.
+_ENDS = [stop_judge_servers, close_live_engines, close_run_trackers, remove_run_temporary_files]
 _END_HOOKS = dict(on_completion=_ENDS, on_failure=_ENDS, on_crashed=_ENDS, on_cancellation=_ENDS)
 
 

@@ -2,10 +2,12 @@
 
 `holds_run_folder` wraps the pipeline flow so that every way of running it (`refiner run`, a Prefect worker, a
 scheduled or retried flow run) resolves the folder template, takes the folder's lock (refiner_core.runtime.runlock),
-stops children and removes unfinished writes that an earlier, killed run left behind (refiner_core.runtime.procs,
-refiner_core.store.storage), writes the recipe it runs to RUN_DIR/recipe.yaml (and the code version its stage
-caches are keyed by to RUN_DIR/code_version) and sends every log line to RUN_DIR/logs/run-<time>.log: each run folder
-has what `refiner sql`, `show`, `plot`, `rescore` and `fork` read.
+stops children and removes unfinished writes and temporary folders that an earlier, killed run left behind
+(refiner_core.runtime.procs, refiner_core.store.storage, refiner_core.runtime.scratch), gives the run temporary
+folders of its own (removed by `remove_run_temporary_files` once its engines are closed), writes the recipe it runs
+to RUN_DIR/recipe.yaml (and the code version its stage caches are keyed by to RUN_DIR/code_version) and sends every
+log line to RUN_DIR/logs/run-<time>.log: each run folder has what `refiner sql`, `show`, `plot`, `rescore` and
+`fork` read.
 
 `plan_fork` checks and records a fork (`refiner fork`): a new folder that runs its parent's recipe up to a step and
 its own settings from there, reusing the parent's stages through their cache keys (refiner_core.store.forks).
@@ -23,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from refiner_core import code_version
+from refiner_core.runtime import scratch
 from refiner_core.runtime.procs import PROCS_DIR_ENV, stop_leftovers
 from refiner_core.runtime.runlock import format_run_dir, run_lock
 from refiner_core.store.storage import remove_partial_writes
@@ -31,6 +34,7 @@ PROCS_SUBDIR = ".procs"
 LOGS_SUBDIR = "logs"
 RECIPE_FILE = "recipe.yaml"
 CODE_VERSION_FILE = "code_version"
+_TEMPORARY_FILES: dict[str, Path] = {}  # flow run ID -> its run folder, which records its temporary folders
 
 
 def resolve_run_dir(run_dir: str) -> str:
@@ -65,6 +69,20 @@ def remove_writes_left_behind(folder: Path, warn) -> None:
             f"removed {len(leftovers)} unfinished write(s) left by an earlier run of {folder}: "
             + ", ".join(str(p.relative_to(folder)) for p in leftovers[:5])
         )
+
+
+def remove_temporary_files_left_behind(folder: Path, warn) -> None:
+    """Temporary folders of a run that was killed (weights in /dev/shm among them) go with the next run."""
+    removed = scratch.remove(folder)
+    if removed:
+        warn(f"removed temporary files left by an earlier run of {folder}: {scratch.describe(removed)}")
+
+
+def remove_run_temporary_files(_flow, flow_run, _state) -> None:
+    """A flow's end hook, after those closing its engines: the run's temporary folders go."""
+    folder = _TEMPORARY_FILES.pop(str(flow_run.id), None)
+    if folder is not None:
+        scratch.remove(folder)
 
 
 class RunLog(logging.FileHandler):
@@ -150,7 +168,11 @@ def holds_run_folder(fn):
                 write_recipe(folder, bound.arguments["recipe"])
                 stop_children_left_behind(folder, log.warning)
                 remove_writes_left_behind(folder, log.warning)
-                return fn(*bound.args, **bound.kwargs)
+                remove_temporary_files_left_behind(folder, log.warning)
+                temporary = scratch.create(folder)
+                _TEMPORARY_FILES[str(flow_run.id)] = folder
+                with scratch.in_use(temporary):
+                    return fn(*bound.args, **bound.kwargs)
             finally:  # a process that runs several flows records each one's children in its own folder
                 if previous is None:
                     os.environ.pop(PROCS_DIR_ENV, None)

@@ -16,6 +16,7 @@ from refiner_core.learners.base import TrainSample, make_learner
 from refiner_core.learners.deepspeed_learner import LearnerDied
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
+from refiner_core.runtime import scratch
 from refiner_core.runtime.procs import process_identity
 from test_live_engines import _log, _results, _same
 
@@ -312,11 +313,12 @@ def test_a_rank_that_dies_fails_the_step_clearly(tiny_model_path, tiny_tokenizer
     assert process_identity(launcher) is None and not learner.work.exists()
 
 
-def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_recipe, tmp_path, info_logs):
+def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_recipe, tmp_path, info_logs, capsys):
     """Two GRPO steps of the tiny recipe with grpo.learner=deepspeed (one rank, ZeRO-3): ranks kept for the run
     with a checkpoint every 2 steps (step 1's weights live only in the ranks, the rollout engine copies them from
     shared memory) give the same rollouts, rewards, metrics and final weights as ranks launched for every step
-    from the checkpoint before (run.keep_engines false); no rank outlives either run."""
+    from the checkpoint before (run.keep_engines false); no rank outlives either run, nor do the run's temporary
+    folders (the weights in shared memory among them), and the ranks print no warning of DeepSpeed's."""
     from flows.refiner import refiner_pipeline
 
     grpo = {**tiny_recipe["grpo"], "learner": "deepspeed", "steps": 2, "deepspeed": {"world_size": 1}}
@@ -326,6 +328,9 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_rec
         state = refiner_pipeline(recipe=recipe, run_dir=str(tmp_path / name), return_state=True)
         assert state.is_completed(), state.message
         assert _ranks_left() == [], name
+        assert not (tmp_path / name / scratch.RECORD).exists()
+    ranks_said = capsys.readouterr().err
+    assert "[deepspeed rank 0/1] trained" in ranks_said and "is deprecated" not in ranks_said
     kept, fresh = _results(tmp_path / "kept"), _results(tmp_path / "fresh")
     _same(kept, fresh)
     assert not (tmp_path / "kept" / "checkpoints" / "step_0001").exists()  # never written: save_every 2

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run_cli
+from refiner_core.runtime import scratch
 from refiner_core.runtime.procs import process_identity, stop_leftovers
 from test_runlock import start_cli, wait_for_log
 
@@ -149,7 +150,8 @@ def test_torchrun_and_its_ranks_end_with_a_sigkilled_parent(tmp_path):
 @pytest.mark.parametrize("how", ["SIGKILL from outside", "REFINER_KILL_ONCE"])
 def test_killed_run_leaves_no_process_behind(tmp_path, how):
     """SIGKILL of `refiner run` (no cleanup code runs): its temporary Prefect server and anything else it started
-    are gone within seconds. The next run on the folder takes over the stale lock with a warning."""
+    are gone within seconds. The next run on the folder takes over the stale lock and removes the killed run's
+    temporary folders, each with a warning."""
     tag = uuid.uuid4().hex
     run_dir = tmp_path / "run"
     args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir), "--set", "run.retries=0"]
@@ -163,6 +165,9 @@ def test_killed_run_leaves_no_process_behind(tmp_path, how):
             assert "Task run 'prepare-data' - Finished" in err.read_text()
         else:
             wait_for_log(proc, err, "Beginning flow run")
+            deadline = time.time() + 60  # and until the flow has made its temporary folders
+            while not (run_dir / scratch.RECORD).exists() and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.1)
             assert len(tagged_processes(tag)) >= 2, "the run and its temporary Prefect server"
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -171,15 +176,24 @@ def test_killed_run_leaves_no_process_behind(tmp_path, how):
         for pid in tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)
     killed_pid = proc.pid
+    # its temporary folders stay, recorded in the run folder; weights exported to /dev/shm would be there
+    left = scratch.Scratch(**json.loads((run_dir / scratch.RECORD).read_text()))
+    Path(left.ram or left.disk, "exported-weights").write_bytes(bytes(1 << 20))
 
     code, out, err_text, _ = run_cli(args, tmp_path, env={"REFINER_FAIL_ONCE": "rollout@0"})
     assert code == 1, err_text[-3000:]
     assert f"warning: run folder {run_dir.resolve()}: taking over a stale lock of PID {killed_pid}" in err_text
+    assert f"removed temporary files left by an earlier run of {run_dir.resolve()}: {left.disk} (" in err_text
+    assert "MB)" in err_text
+    # the killed run's folders are gone, and the failed run removed its own as it ended
+    assert not any(Path(folder).exists() for folder in left.folders)
+    assert not (run_dir / scratch.RECORD).exists()
 
 
 @pytest.mark.slow
 def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
-    """judge.openai.serve: the run's own vLLM judge server (and its engine process) ends when the run is SIGKILLed."""
+    """judge.openai.serve: the run's own vLLM judge server (and its engine process) ends when the run is SIGKILLed;
+    the files it leaves are in the run's temporary folder."""
     import httpx
 
     from refiner_core.judges.serve import free_port
@@ -213,6 +227,10 @@ def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
         assert wait_until_gone(lambda: tagged_processes(tag), timeout=30) == [], "the judge server outlived its run"
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        # the server's sockets are in the run's temporary folder, which the next run would remove
+        left = scratch.Scratch(**json.loads((tmp_path / "run" / scratch.RECORD).read_text()))
+        assert any(path.is_socket() for path in Path(left.disk).iterdir())
+        assert [folder for folder, _ in scratch.remove(tmp_path / "run")] == left.folders
     finally:
         for pid in tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)

@@ -29,9 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample
-from refiner_core.learners.lora import AdapterExports, ram_dir
+from refiner_core.learners.lora import AdapterExports
 from refiner_core.models import Adapter, checkpoint_weights
 from refiner_core.runtime.procs import forget_child, spawn, stop_group
+from refiner_core.runtime.scratch import ram_dir
 
 WORKER = "refiner_core.learners.deepspeed_worker"
 STATE_DIR = "deepspeed"  # as deepspeed_worker.STATE_DIR (not imported here: that module imports torch+deepspeed)

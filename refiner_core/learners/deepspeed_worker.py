@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -312,6 +313,11 @@ def main(work_dir: str) -> None:
     import torch.distributed as dist
 
     from refiner_core.models import load_model
+
+    # DeepSpeed's ZeRO-3 calls collectives torch has renamed: one warning per call, to the run's terminal
+    warnings.filterwarnings(
+        "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
+    )
 
     if on_gpu:  # before the process group: NCCL binds each rank's communicator to its current device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -10,7 +10,6 @@ loaded on top of that base, never on the checkpoint's merged weights, so the bas
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import weakref
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from refiner_core.models import ADAPTER_DIR, LOADING_MODELS, Adapter
+from refiner_core.runtime.scratch import ram_dir
 
 ADAPTER_SEED = 0
 
@@ -102,11 +102,6 @@ def save_lora(policy, path: Path, merged: bool, state: dict | None = None) -> No
 def _adapter_state(state: dict | None) -> dict | None:
     """The adapter part of a full PEFT state dict, under the names PEFT's save_pretrained expects."""
     return None if state is None else {k: v for k, v in state.items() if ".lora_" in k}
-
-
-def ram_dir() -> str | None:
-    """RAM-backed /dev/shm when it is writable: exported weights for an engine stay off the disk."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
 class AdapterExports:

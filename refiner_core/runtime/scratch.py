@@ -1,0 +1,157 @@
+"""A run's temporary files in folders of its own, recorded in its run folder (`RUN_DIR/.temporary-folders.json`), so
+that what a killed run leaves there (weights exported for the rollout engine in RAM-backed /dev/shm, DeepSpeed's
+job folder, vLLM's rendezvous file and sockets, torch elastic's folders) is removed by the next run of that folder,
+and a run that ends removes its own.
+
+While a run holds them, TMPDIR (and `tempfile.tempdir`) names its folder on disk, so every process it starts keeps
+its temporary files there, and REFINER_RAM_DIR its folder in /dev/shm where /dev/shm is writable. Torch's compile
+cache, which defaults to the temporary directory but is meant to outlast a run, stays where it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RECORD = ".temporary-folders.json"
+PREFIX = "refiner-run-"
+RAM_DIR_ENV = "REFINER_RAM_DIR"
+SHARED_MEMORY = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """The temporary folders of one run: on disk, and in RAM (None where /dev/shm is not writable)."""
+
+    disk: str
+    ram: str | None
+    host: str
+
+    @property
+    def folders(self) -> list[str]:
+        return [p for p in (self.disk, self.ram) if p]
+
+
+def ram_dir() -> str | None:
+    """Where exported weights for an engine go to stay off the disk: the run's folder in /dev/shm, else /dev/shm
+    itself when writable (outside a run), else None (the temporary directory)."""
+    held = os.environ.get(RAM_DIR_ENV)
+    if held and os.path.isdir(held):
+        return held
+    return str(SHARED_MEMORY) if os.access(SHARED_MEMORY, os.W_OK) else None
+
+
+def outside_run_temp_dir() -> str:
+    """The temporary directory the run's own folder sits in (the temporary directory itself outside a run): for
+    folders of Unix sockets whose paths must stay short."""
+    here = Path(tempfile.gettempdir())
+    return str(here.parent if here.name.startswith(PREFIX) else here)
+
+
+def create(run_dir: Path) -> Scratch:
+    """New temporary folders for a run, recorded in RUN_DIR before any process writes into them."""
+    disk = tempfile.mkdtemp(prefix=PREFIX, dir=outside_run_temp_dir())
+    ram = tempfile.mkdtemp(prefix=PREFIX, dir=SHARED_MEMORY) if os.access(SHARED_MEMORY, os.W_OK) else None
+    scratch = Scratch(disk, ram, socket.gethostname())
+    partial = run_dir / f"{RECORD}.{os.getpid()}"
+    partial.write_text(json.dumps(asdict(scratch)))
+    partial.replace(run_dir / RECORD)
+    return scratch
+
+
+def remove(run_dir: Path) -> list[tuple[str, int]]:
+    """Remove the folders recorded in RUN_DIR (a run's, once it has ended or been killed) and the record; returns
+    (folder, bytes) of each folder removed. Only folders this code creates are touched: named refiner-run-*, owned
+    by this user, not a link, on this host."""
+    record = run_dir / RECORD
+    try:
+        scratch = Scratch(**json.loads(record.read_text()))
+    except FileNotFoundError:
+        return []
+    except (ValueError, TypeError):  # not a record this code wrote: nothing in it is removed
+        record.unlink(missing_ok=True)
+        return []
+    removed = []
+    if scratch.host == socket.gethostname():
+        for folder in scratch.folders:
+            if _ours(folder):
+                size = _bytes_under(folder)
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append((folder, size))
+    record.unlink(missing_ok=True)
+    return removed
+
+
+@contextlib.contextmanager
+def in_use(scratch: Scratch) -> Iterator[None]:
+    """Inside, this process and those it starts keep their temporary files in SCRATCH's folders."""
+    saved_env = {name: os.environ.get(name) for name in ("TMPDIR", RAM_DIR_ENV, "TORCHINDUCTOR_CACHE_DIR")}
+    saved_tempdir = tempfile.tempdir
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _torch_compile_cache())
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch.disk
+    if scratch.ram:
+        os.environ[RAM_DIR_ENV] = scratch.ram
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved_tempdir
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def describe(removed: list[tuple[str, int]]) -> str:
+    return ", ".join(f"{folder} ({_human(size)})" for folder, size in removed)
+
+
+def _torch_compile_cache() -> str:
+    """Where torch keeps its compile cache when TORCHINDUCTOR_CACHE_DIR is unset, as torch names it:
+    <temporary directory>/torchinductor_<user>."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _ours(folder: str) -> bool:
+    path = Path(folder)
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return (
+        path.is_absolute()
+        and path.name.startswith(PREFIX)
+        and stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.getuid()
+    )
+
+
+def _bytes_under(folder: str) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"

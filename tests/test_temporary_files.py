@@ -1,0 +1,102 @@
+"""A run's temporary folders (refiner_core.runtime.scratch): every process of the run keeps its temporary files in
+them, a run that ends removes them, and those of a killed run are removed by the next run of its folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from refiner_core.runtime import scratch
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    return folder
+
+
+def test_inside_the_process_and_its_children_use_the_run_folders(run_dir):
+    outside = tempfile.gettempdir()
+    held = scratch.create(run_dir)
+    assert json.loads((run_dir / scratch.RECORD).read_text())["disk"] == held.disk
+    assert Path(held.disk).parent == Path(outside) and Path(held.disk).name.startswith("refiner-run-")
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with scratch.in_use(held):
+        assert tempfile.gettempdir() == held.disk == os.environ["TMPDIR"]
+        assert scratch.outside_run_temp_dir() == outside
+        if held.ram:
+            assert scratch.ram_dir() == held.ram and Path(held.ram).parent == Path("/dev/shm")
+        # torch's compile cache outlasts the run: named outside the run's folder
+        assert not os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(held.disk)
+        child = subprocess.run(
+            [sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], capture_output=True, text=True
+        )
+        assert child.stdout.strip() == held.disk
+    assert tempfile.gettempdir() == outside and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == inductor
+    assert scratch.RAM_DIR_ENV not in os.environ
+    assert scratch.remove(run_dir) == [(folder, 0) for folder in held.folders]
+    assert not any(Path(folder).exists() for folder in held.folders) and not (run_dir / scratch.RECORD).exists()
+    assert scratch.remove(run_dir) == []  # nothing recorded any more
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import os, sys, tempfile
+    from pathlib import Path
+    from refiner_core.runtime import scratch
+    held = scratch.create(Path(sys.argv[1]))
+    with scratch.in_use(held):
+        exported = Path(tempfile.mkdtemp(prefix="refiner-weights-", dir=scratch.ram_dir()))
+        (exported / "model.safetensors").write_bytes(os.urandom(1 << 20))
+        Path(tempfile.mkdtemp(prefix="refiner-deepspeed-"), "launch.log").write_text("ranks up")
+        print("written", flush=True)
+        os.kill(os.getpid(), 9)
+""")
+
+
+def test_folders_of_a_killed_process_are_removed_with_their_sizes(run_dir):
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(run_dir)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL and proc.stdout == "written\n", proc.stderr
+    left = scratch.Scratch(**json.loads((run_dir / scratch.RECORD).read_text()))
+    weights = next(Path(left.ram or left.disk).glob("refiner-weights-*/model.safetensors"))
+    assert weights.stat().st_size == 1 << 20
+    removed = dict(scratch.remove(run_dir))
+    assert set(removed) == set(left.folders)
+    assert sum(removed.values()) == (1 << 20) + len("ranks up")
+    assert not weights.exists() and not any(Path(folder).exists() for folder in left.folders)
+    assert "MB)" in scratch.describe(list(removed.items()))
+
+
+def test_only_folders_this_code_made_are_removed(run_dir, tmp_path):
+    """A record naming a folder of another name, a link, or a folder on another host removes nothing."""
+    keep = tmp_path / "refiner-data"  # not refiner-run-*
+    keep.mkdir()
+    target = Path(tempfile.mkdtemp(prefix="refiner-run-"))  # a folder this code could have made ...
+    link = tmp_path / "refiner-run-link"
+    link.symlink_to(target)  # ... reached through a link
+    (target / "file").write_text("x")
+    try:
+        for disk, ram, host in [
+            (str(keep), None, socket.gethostname()),
+            (str(link), None, socket.gethostname()),
+            (str(target), None, "another-host"),
+        ]:
+            (run_dir / scratch.RECORD).write_text(json.dumps({"disk": disk, "ram": ram, "host": host}))
+            assert scratch.remove(run_dir) == []
+            assert not (run_dir / scratch.RECORD).exists()
+        (run_dir / scratch.RECORD).write_text("{not json")
+        assert scratch.remove(run_dir) == [] and not (run_dir / scratch.RECORD).exists()
+        assert keep.is_dir() and (target / "file").exists() and link.is_symlink()
+    finally:
+        shutil.rmtree(target)
