@@ -178,6 +178,8 @@ def test_killed_run_leaves_no_process_behind(tmp_path, how):
     killed_pid = proc.pid
     # its temporary folders stay, recorded in the run folder; weights exported to /dev/shm would be there
     left = scratch.Scratch(**json.loads((run_dir / scratch.RECORD).read_text()))
+    left_folders = left.folders
+    assert left.disk in left_folders
     Path(left.ram or left.disk, "exported-weights").write_bytes(bytes(1 << 20))
 
     code, out, err_text, _ = run_cli(args, tmp_path, env={"REFINER_FAIL_ONCE": "rollout@0"})
@@ -186,7 +188,7 @@ def test_killed_run_leaves_no_process_behind(tmp_path, how):
     assert f"removed temporary files left by an earlier run of {run_dir.resolve()}: {left.disk} (" in err_text
     assert "MB)" in err_text
     # the killed run's folders are gone, and the failed run removed its own as it ended
-    assert not any(Path(folder).exists() for folder in left.folders)
+    assert not any(Path(folder).exists() for folder in left_folders)
     assert not (run_dir / scratch.RECORD).exists()
 
 
@@ -230,7 +232,9 @@ def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
         # the server's sockets are in the run's temporary folder, which the next run would remove
         left = scratch.Scratch(**json.loads((tmp_path / "run" / scratch.RECORD).read_text()))
         assert any(path.is_socket() for path in Path(left.disk).iterdir())
-        assert [folder for folder, _ in scratch.remove(tmp_path / "run")] == left.folders
+        folders = left.folders
+        assert [folder for folder, _ in scratch.remove(tmp_path / "run")] == folders
+        assert not any(Path(folder).exists() for folder in folders)
     finally:
         for pid in tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)

@@ -35,7 +35,8 @@ def test_inside_the_process_and_its_children_use_the_run_folders(run_dir):
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with scratch.in_use(held):
         assert tempfile.gettempdir() == held.disk == os.environ["TMPDIR"]
-        assert scratch.outside_run_temp_dir() == outside
+        ray = Path(scratch.short_folder("ray"))  # sockets' paths stay short: beside the folder, not in it
+        assert ray == Path(f"{held.disk}-ray") and ray.is_dir()
         if held.ram:
             assert scratch.ram_dir() == held.ram and Path(held.ram).parent == Path("/dev/shm")
         # torch's compile cache outlasts the run: named outside the run's folder
@@ -46,8 +47,10 @@ def test_inside_the_process_and_its_children_use_the_run_folders(run_dir):
         assert child.stdout.strip() == held.disk
     assert tempfile.gettempdir() == outside and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == inductor
     assert scratch.RAM_DIR_ENV not in os.environ
-    assert scratch.remove(run_dir) == [(folder, 0) for folder in held.folders]
-    assert not any(Path(folder).exists() for folder in held.folders) and not (run_dir / scratch.RECORD).exists()
+    folders = held.folders
+    assert folders == [held.disk, str(ray), *([held.ram] if held.ram else [])]
+    assert scratch.remove(run_dir) == [(folder, 0) for folder in folders]
+    assert not any(Path(folder).exists() for folder in folders) and not (run_dir / scratch.RECORD).exists()
     assert scratch.remove(run_dir) == []  # nothing recorded any more
 
 
@@ -69,12 +72,13 @@ def test_folders_of_a_killed_process_are_removed_with_their_sizes(run_dir):
     proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(run_dir)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL and proc.stdout == "written\n", proc.stderr
     left = scratch.Scratch(**json.loads((run_dir / scratch.RECORD).read_text()))
+    folders = left.folders
     weights = next(Path(left.ram or left.disk).glob("refiner-weights-*/model.safetensors"))
     assert weights.stat().st_size == 1 << 20
     removed = dict(scratch.remove(run_dir))
-    assert set(removed) == set(left.folders)
+    assert set(removed) == set(folders) and len(folders) == (2 if left.ram else 1)
     assert sum(removed.values()) == (1 << 20) + len("ranks up")
-    assert not weights.exists() and not any(Path(folder).exists() for folder in left.folders)
+    assert not weights.exists() and not any(Path(folder).exists() for folder in folders)
     assert "MB)" in scratch.describe(list(removed.items()))
 
 

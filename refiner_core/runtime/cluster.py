@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 
 from refiner_core import REPO_ROOT
-from refiner_core.runtime.scratch import outside_run_temp_dir
+from refiner_core.runtime.scratch import short_folder
 
 # What connect() set up, for disconnect() to end: None while this module holds no connection; else the session
 # folder of the Ray instance it started ('local'), or '' for a cluster it joined.
@@ -31,9 +30,8 @@ def connect(address: str) -> str:
     # Engine actors import this project: they run with the flow's working folder and Python path.
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in _python_path() if p)}}
     if address == "local":
-        # Ray's session folder holds Unix sockets, whose paths must stay short (< 108 bytes): not in the run's own
-        # temporary folder
-        session = tempfile.mkdtemp(prefix="refiner-ray-", dir=outside_run_temp_dir())
+        # Ray's session folder holds Unix sockets, whose paths must stay short (< 108 bytes)
+        session = short_folder("ray")
         ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=True, _temp_dir=session)
         _held, what = session, "started for the run on this machine"
     else:

@@ -39,7 +39,9 @@ class Scratch:
 
     @property
     def folders(self) -> list[str]:
-        return [p for p in (self.disk, self.ram) if p]
+        """Its folders that exist, those made beside the one on disk (short_folder) included."""
+        beside = sorted(str(p) for p in Path(self.disk).parent.glob(f"{Path(self.disk).name}-*"))
+        return [p for p in (self.disk, *beside, self.ram) if p and os.path.lexists(p)]
 
 
 def ram_dir() -> str | None:
@@ -51,16 +53,26 @@ def ram_dir() -> str | None:
     return str(SHARED_MEMORY) if os.access(SHARED_MEMORY, os.W_OK) else None
 
 
-def outside_run_temp_dir() -> str:
-    """The temporary directory the run's own folder sits in (the temporary directory itself outside a run): for
-    folders of Unix sockets whose paths must stay short."""
+def short_folder(name: str) -> str:
+    """A new folder for Unix sockets, whose paths must stay short (Ray's session): inside a run, beside its
+    temporary folder on disk rather than in it (<that folder>-NAME, removed with it); outside a run, a new
+    temporary folder."""
+    here = Path(tempfile.gettempdir())
+    if not here.name.startswith(PREFIX):
+        return tempfile.mkdtemp(prefix=f"refiner-{name}-")
+    folder = here.with_name(f"{here.name}-{name}")
+    folder.mkdir(mode=0o700)
+    return str(folder)
+
+
+def _outside_run_temp_dir() -> str:
     here = Path(tempfile.gettempdir())
     return str(here.parent if here.name.startswith(PREFIX) else here)
 
 
 def create(run_dir: Path) -> Scratch:
     """New temporary folders for a run, recorded in RUN_DIR before any process writes into them."""
-    disk = tempfile.mkdtemp(prefix=PREFIX, dir=outside_run_temp_dir())
+    disk = tempfile.mkdtemp(prefix=PREFIX, dir=_outside_run_temp_dir())
     ram = tempfile.mkdtemp(prefix=PREFIX, dir=SHARED_MEMORY) if os.access(SHARED_MEMORY, os.W_OK) else None
     scratch = Scratch(disk, ram, socket.gethostname())
     partial = run_dir / f"{RECORD}.{os.getpid()}"
