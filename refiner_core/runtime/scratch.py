@@ -4,8 +4,9 @@ job folder, vLLM's rendezvous file and sockets, torch elastic's folders) is remo
 and a run that ends removes its own.
 
 While a run holds them, TMPDIR (and `tempfile.tempdir`) names its folder on disk, so every process it starts keeps
-its temporary files there, and REFINER_RAM_DIR its folder in /dev/shm where /dev/shm is writable. Torch's compile
-cache, which defaults to the temporary directory but is meant to outlast a run, stays where it was.
+its temporary files there, and REFINER_RAM_DIR its folder in /dev/shm where /dev/shm is writable. Ray's session
+folder, whose socket paths must stay short, sits beside the one on disk (`short_folder`). Torch's compile cache,
+which defaults to the temporary directory but is meant to outlast a run, stays where it was.
 """
 
 from __future__ import annotations
