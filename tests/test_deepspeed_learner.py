@@ -292,11 +292,13 @@ def test_hostfile_slots_must_match_world_size(tiny_model_path, tiny_tokenizer, t
 
 
 def test_a_rank_that_dies_fails_the_step_clearly(tiny_model_path, tiny_tokenizer):
-    """A rank killed between steps: the next step raises LearnerDied with the ranks' log, and nothing is left."""
+    """A rank killed between steps: the next step raises LearnerDied with the ranks' log, and nothing is left, torch
+    elastic's folder included (kept in the learner's work folder)."""
     base = Path(tiny_model_path)
     learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, _settings(), base / "optimizer.pt")
     try:
         learner.train_step(_samples(0))
+        assert list(learner.work.glob("torchelastic_*"))
         launcher = learner._proc.pid
         ranks = [
             int(p)

@@ -199,6 +199,8 @@ class DeepSpeedLearner:
         env.setdefault("TORCH_EXTENSIONS_DIR", str(refiner_home() / "torch_extensions"))
         env.setdefault("DS_BUILD_OPS", "0")
         env["PYTHONUNBUFFERED"] = "1"
+        if not self.s.hostfile:  # torch elastic's folders go with the work folder (on a shared disk with a hostfile)
+            env["TMPDIR"] = str(self.work)
         return env
 
     def start(self) -> None:
