@@ -28,10 +28,7 @@ from refiner_core.learners.torch_learner import make_torch_learner  # noqa: E402
 from refiner_core.models import load_tokenizer, resolve_model  # noqa: E402
 from refiner_core.rollout.base import SamplingParams  # noqa: E402
 from refiner_core.rollout.vllm_engine import make_vllm_engine  # noqa: E402
-
-
-def folder_bytes(path: str) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+from refiner_core.store.checkpoints import folder_bytes  # noqa: E402
 
 
 def main() -> None:

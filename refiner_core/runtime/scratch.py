@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from refiner_core.store.checkpoints import folder_bytes
+
 RECORD = ".temporary-folders.json"
 PREFIX = "refiner-run-"
 RAM_DIR_ENV = "REFINER_RAM_DIR"
@@ -58,22 +60,24 @@ def short_folder(name: str) -> str:
     """A new folder for Unix sockets, whose paths must stay short (Ray's session): inside a run, beside its
     temporary folder on disk rather than in it (<that folder>-NAME, removed with it); outside a run, a new
     temporary folder."""
-    here = Path(tempfile.gettempdir())
-    if not here.name.startswith(PREFIX):
+    held = _held_disk_folder()
+    if held is None:
         return tempfile.mkdtemp(prefix=f"refiner-{name}-")
-    folder = here.with_name(f"{here.name}-{name}")
+    folder = held.with_name(f"{held.name}-{name}")
     folder.mkdir(mode=0o700)
     return str(folder)
 
 
-def _outside_run_temp_dir() -> str:
+def _held_disk_folder() -> Path | None:
+    """The temporary folder on disk of the run this process is in (in_use), else None."""
     here = Path(tempfile.gettempdir())
-    return str(here.parent if here.name.startswith(PREFIX) else here)
+    return here if here.name.startswith(PREFIX) else None
 
 
 def create(run_dir: Path) -> Scratch:
     """New temporary folders for a run, recorded in RUN_DIR before any process writes into them."""
-    disk = tempfile.mkdtemp(prefix=PREFIX, dir=_outside_run_temp_dir())
+    held = _held_disk_folder()
+    disk = tempfile.mkdtemp(prefix=PREFIX, dir=held.parent if held else None)
     ram = tempfile.mkdtemp(prefix=PREFIX, dir=SHARED_MEMORY) if os.access(SHARED_MEMORY, os.W_OK) else None
     scratch = Scratch(disk, ram, socket.gethostname())
     partial = run_dir / f"{RECORD}.{os.getpid()}"
@@ -98,7 +102,7 @@ def remove(run_dir: Path) -> list[tuple[str, int]]:
     if scratch.host == socket.gethostname():
         for folder in scratch.folders:
             if _ours(folder):
-                size = _bytes_under(folder)
+                size = folder_bytes(folder)
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append((folder, size))
     record.unlink(missing_ok=True)
@@ -151,15 +155,6 @@ def _ours(folder: str) -> bool:
         and stat.S_ISDIR(info.st_mode)
         and info.st_uid == os.getuid()
     )
-
-
-def _bytes_under(folder: str) -> int:
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
 
 
 def _human(size: float) -> str:

@@ -8,9 +8,12 @@ names one is known to be pruned on purpose, not damaged.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 from refiner_core.store.storage import write_json
@@ -76,5 +79,14 @@ def forget_pruned(folder: Path, path: Path) -> None:
         write_json(sorted(listed - {str(path)}), Path(folder) / PRUNED_LIST)
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+def folder_bytes(path: Path | str) -> int:
+    """Bytes of the files under PATH (a link counts as the file it names, links to folders are not followed); a
+    file or folder removed while they are counted counts 0 (a killed run's temporary folder, its processes
+    ending)."""
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                info = os.stat(os.path.join(root, name))
+                total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+    return total
