@@ -10,6 +10,41 @@ from refiner_core.models import Adapter, adapter_weights, release_gpu_cache
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
 from refiner_core.runtime.progress import progress_bar
 
+# transformers' SDPA attention, except where one query token attends under CPU bf16 autocast (every decode step):
+# torch's bf16 kernel for a single query is several times slower on CPUs than its fp32 one (SmolLM2's shape, 16
+# left-padded sequences of 520 tokens: 4.7 against 0.6 ms a layer), so that step runs in fp32 on the same
+# bf16-rounded inputs (bench/hf_decode.py). Passes over more than one query token and GPUs are left as they were.
+CPU_DECODE_ATTENTION = "sdpa_cpu_decode_fp32"
+
+
+def _sdpa_cpu_decode_fp32(module, query, key, value, attention_mask, **kwargs):
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = kwargs.get("dropout", 0.0) == 0.0 and kwargs.get("position_bias") is None
+    if query.shape[2] != 1 or query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    low = torch.get_autocast_dtype("cpu")
+    query, key, value = (t.to(low).float() for t in (query, key, value))  # what the bf16 kernel would read
+    groups = getattr(module, "num_key_value_groups", 1)
+    with torch.autocast("cpu", enabled=False):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=groups > 1
+        )
+    return out.transpose(1, 2).contiguous().to(low), None
+
+
+def use_cpu_decode_attention(model) -> None:
+    """Switch a CPU model on transformers' SDPA attention to the variant above (a no-op elsewhere)."""
+    if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+        return
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(CPU_DECODE_ATTENTION, _sdpa_cpu_decode_fp32)
+    AttentionMaskInterface.register(CPU_DECODE_ATTENTION, sdpa_mask)  # else padding goes unmasked
+    model.set_attn_implementation(CPU_DECODE_ATTENTION)
+
 
 class RepetitionPenalty:
     """A logits processor: the logit of every token already in the sequence (prompt and response so far) divided
@@ -48,6 +83,7 @@ class HFRolloutEngine:
         gen_eos = self.model.generation_config.eos_token_id
         ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos_ids = {i for i in [*ids, self.tokenizer.eos_token_id] if i is not None}
+        use_cpu_decode_attention(self.model)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         import torch

@@ -1,0 +1,115 @@
+"""The hf engine's attention on CPU: a decode step (one query token) under bf16 autocast runs torch's fp32 kernel on
+the bf16-rounded inputs; every other call is transformers' own SDPA attention, bit for bit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from conftest import REPO
+from refiner_core.learners.base import TrainSample
+from refiner_core.learners.batching import collate
+from refiner_core.learners.logprobs import token_logprobs
+from refiner_core.models import load_model
+from refiner_core.rollout.base import SamplingParams
+from refiner_core.rollout.hf_engine import CPU_DECODE_ATTENTION, HFRolloutEngine, _sdpa_cpu_decode_fp32
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 2  # 4 query heads over 2 key/value heads, like the tiny Qwen3
+    is_causal = True
+
+
+def _inputs(query_tokens: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 4, query_tokens, 32, generator=g)
+    k, v = torch.randn(3, 2, 10, 32, generator=g), torch.randn(3, 2, 10, 32, generator=g)
+    mask = torch.ones(3, 1, query_tokens, 10, dtype=torch.bool)
+    mask[1, ..., :4] = False  # left padding
+    mask[2, ..., :7] = False
+    return q, k, v, mask
+
+
+def _float64_attention(q, k, v, mask):
+    q, k, v = (t.to(torch.bfloat16).double() for t in (q, k, v))
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ k.transpose(-1, -2)) * 32**-0.5
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    return (weights @ v).transpose(1, 2)
+
+
+def test_a_decode_step_under_bf16_autocast_equals_float64_attention_over_the_unpadded_keys():
+    q, k, v, mask = _inputs(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = _sdpa_cpu_decode_fp32(_Attention(), q, k, v, mask, dropout=0.0, scaling=32**-0.5)[0]
+        theirs = sdpa_attention_forward(_Attention(), q, k, v, mask, dropout=0.0, scaling=32**-0.5)[0]
+    reference = _float64_attention(q, k, v, mask)
+    assert ours.dtype == theirs.dtype == torch.bfloat16 and ours.shape == theirs.shape == (3, 1, 4, 32)
+    # bf16 output: a relative rounding of 2^-8
+    torch.testing.assert_close(ours.double(), reference, atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(theirs.double(), reference, atol=1e-2, rtol=8e-3)
+    unmasked = _float64_attention(q, k, v, torch.ones_like(mask))  # the padding changes the padded rows
+    assert (unmasked[1:] - reference[1:]).abs().max() > 0.1
+
+
+def test_every_other_call_is_transformers_own_bit_for_bit():
+    for query_tokens, autocast in ((1, False), (5, True), (5, False)):
+        q, k, v, mask = _inputs(query_tokens, seed=query_tokens)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ours = _sdpa_cpu_decode_fp32(_Attention(), q, k, v, mask, dropout=0.0, scaling=32**-0.5)[0]
+            theirs = sdpa_attention_forward(_Attention(), q, k, v, mask, dropout=0.0, scaling=32**-0.5)[0]
+        assert torch.equal(ours, theirs), (query_tokens, autocast)
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    texts = ("short", "a much longer question about rivers, bridges and the towns between them")
+    return [tokenizer(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n")["input_ids"] for t in texts]
+
+
+def test_the_engine_switches_a_cpu_model_and_its_training_passes_stay_the_same(tiny_model_path, tiny_tokenizer):
+    model = load_model(tiny_model_path)
+    prompts = _prompts(tiny_tokenizer)
+    samples = [TrainSample(p, list(range(100, 100 + n)), 0.0, [0.0] * n) for p, n in zip(prompts, (1, 9))]
+    batch = collate(samples, tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        before = token_logprobs(model, batch, 1.0, "bf16")
+        HFRolloutEngine(model, tiny_tokenizer, precision="bf16")
+        after = token_logprobs(model, batch, 1.0, "bf16")
+    assert model.config._attn_implementation == CPU_DECODE_ATTENTION
+    assert torch.equal(before, after)
+
+
+def test_bf16_samples_of_padded_prompts_are_scored_as_closely_to_float64_as_before(tiny_model_path, tiny_tokenizer):
+    """Left-padded prompts of different lengths (the padding must stay masked at every decode step): the sampled
+    log-probs are as close to a float64 forward pass over the same tokens as with transformers' own attention."""
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8, precision="bf16")
+    exact = load_model(tiny_model_path, dtype="float64")
+    prompts = _prompts(tiny_tokenizer)
+    gaps = {}
+    for attention in ("sdpa", CPU_DECODE_ATTENTION):
+        model.set_attn_implementation(attention)
+        gens = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=3))
+        gap = []
+        for gen in gens:
+            ids = prompts[gen.prompt_index] + gen.token_ids
+            with torch.no_grad():
+                logits = exact(torch.tensor([ids])).logits[0, len(prompts[gen.prompt_index]) - 1 : -1]
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+            gap.extend(np.abs(np.array(gen.logprobs) - lp.numpy()))
+        gaps[attention] = float(np.mean(gap))
+    assert gaps[CPU_DECODE_ATTENTION] < 0.01 and gaps[CPU_DECODE_ATTENTION] <= 1.5 * gaps["sdpa"] + 1e-3, gaps
+
+
+def test_the_benchmark_compares_both_on_the_tiny_model():
+    out = subprocess.run(
+        [sys.executable, "bench/hf_decode.py", "--model", "tiny-qwen3", "--prompt-tokens", "60", "--new-tokens", "8",
+         "--rounds", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "transformers_sdpa" in out.stdout and '"speedup"' in out.stdout
