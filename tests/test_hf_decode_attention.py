@@ -6,10 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from bench.hf_decode import gap_to_float64
 from conftest import REPO
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
@@ -94,14 +94,7 @@ def test_bf16_samples_of_padded_prompts_are_scored_as_closely_to_float64_as_befo
     for attention in ("sdpa", CPU_DECODE_ATTENTION):
         model.set_attn_implementation(attention)
         gens = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=3))
-        gap = []
-        for gen in gens:
-            ids = prompts[gen.prompt_index] + gen.token_ids
-            with torch.no_grad():
-                logits = exact(torch.tensor([ids])).logits[0, len(prompts[gen.prompt_index]) - 1 : -1]
-            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.token_ids)[:, None])[:, 0]
-            gap.extend(np.abs(np.array(gen.logprobs) - lp.numpy()))
-        gaps[attention] = float(np.mean(gap))
+        gaps[attention] = gap_to_float64(exact, prompts, gens)["mean"]
     assert gaps[CPU_DECODE_ATTENTION] < 0.01 and gaps[CPU_DECODE_ATTENTION] <= 1.5 * gaps["sdpa"] + 1e-3, gaps
 
 
