@@ -1,5 +1,6 @@
-"""The hf engine's attention on CPU: a decode step (one query token) under bf16 autocast runs torch's fp32 kernel on
-the bf16-rounded inputs; every other call is transformers' own SDPA attention, bit for bit."""
+"""The hf engine on CPU under bf16 autocast: a decode step (one query token) runs torch's fp32 attention kernel on the
+bf16-rounded inputs, every other call is transformers' own SDPA attention, bit for bit; each frozen weight is cast
+to bf16 once per batch instead of at every step, with the same samples."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from bench.hf_decode import gap_to_float64
@@ -16,7 +18,12 @@ from refiner_core.learners.batching import collate
 from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.models import load_model
 from refiner_core.rollout.base import SamplingParams
-from refiner_core.rollout.hf_engine import CPU_DECODE_ATTENTION, HFRolloutEngine, _sdpa_cpu_decode_fp32
+from refiner_core.rollout.hf_engine import (
+    CPU_DECODE_ATTENTION,
+    HFRolloutEngine,
+    _sdpa_cpu_decode_fp32,
+    cached_weight_casts,
+)
 
 
 class _Attention(torch.nn.Module):
@@ -98,7 +105,54 @@ def test_bf16_samples_of_padded_prompts_are_scored_as_closely_to_float64_as_befo
     assert gaps[CPU_DECODE_ATTENTION] < 0.01 and gaps[CPU_DECODE_ATTENTION] <= 1.5 * gaps["sdpa"] + 1e-3, gaps
 
 
-def test_the_benchmark_compares_both_on_the_tiny_model():
+class _WeightCasts(TorchDispatchMode):
+    """Counts fp32 -> bf16 copies of the model's parameters (autocast's casts of its weights)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.weights = {p.data_ptr() for p in model.parameters()}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            self.count += args[0].data_ptr() in self.weights
+        return func(*args, **kwargs)
+
+
+def test_each_frozen_weight_is_cast_once_per_batch_with_the_same_samples(tiny_model_path, tiny_tokenizer):
+    model = load_model(tiny_model_path)  # frozen, as the engine loads it
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8, precision="bf16")
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5)
+    prompts = _prompts(tiny_tokenizer)
+    runs, casts = {}, {}
+    for cached in (False, True):
+        engine.cache_weight_casts = cached
+        with _WeightCasts(model) as counter:
+            runs[cached] = [(g.token_ids, g.logprobs) for g in engine.generate(prompts, params)]
+        casts[cached] = counter.count
+    weights = sum(p.dim() == 2 for p in model.parameters())  # the matrices autocast casts for its matmuls
+    assert runs[True] == runs[False]
+    assert casts[True] <= weights < 12 * weights <= casts[False], (casts, weights)
+    assert not any(p.requires_grad for p in model.parameters())  # frozen again after the call
+
+
+def test_cached_casts_leave_trainable_weights_and_other_settings_alone(tiny_model_path):
+    model = load_model(tiny_model_path)
+    trainable = next(n for n, _ in model.named_parameters() if "q_proj" in n)
+    model.get_parameter(trainable).requires_grad_(True)
+    for precision in ("fp32", "bf16"):
+        try:
+            with cached_weight_casts(model, precision):
+                marked = {n for n, p in model.named_parameters() if p.requires_grad}
+                raise RuntimeError("generate failed")
+        except RuntimeError:
+            pass
+        assert marked == ({trainable} if precision == "fp32" else {n for n, _ in model.named_parameters()})
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == {trainable}, precision
+
+
+def test_the_benchmark_compares_the_settings_on_the_tiny_model():
     out = subprocess.run(
         [sys.executable, "bench/hf_decode.py", "--model", "tiny-qwen3", "--prompt-tokens", "60", "--new-tokens", "8",
          "--rounds", "1"],
@@ -106,3 +160,4 @@ def test_the_benchmark_compares_both_on_the_tiny_model():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "transformers_sdpa" in out.stdout and '"speedup"' in out.stdout
+    assert '"cached_casts_identical": true' in out.stdout

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from refiner_core.data.text_safety import markdown_code_block, markdown_inline, visible
-from refiner_core.publish.plots import DPI, EMBEDDED_PNG_BYTES, plot_steps_embedded
+from refiner_core.publish.plots import DPI, EMBEDDED_PNG_BYTES, MIN_EMBEDDED_DPI, plot_steps_embedded
 from test_cli import _catalog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,6 +125,11 @@ def _png_width(png: bytes) -> int:
     return struct.unpack(">I", png[16:20])[0]
 
 
+def _png_colour_type(png: bytes) -> int:
+    """The IHDR colour type: 2 RGB, 3 palette, 6 RGBA."""
+    return png[25]
+
+
 def test_curves_are_embedded_as_a_bounded_data_uri(tmp_path):
     steps = [
         {
@@ -143,10 +148,19 @@ def test_curves_are_embedded_as_a_bounded_data_uri(tmp_path):
     png = base64.b64decode(uri.removeprefix("data:image/png;base64,"))
     assert len(png) <= EMBEDDED_PNG_BYTES and _png_width(png) == 9 * DPI  # small enough as drawn
     assert _png_width((tmp_path / "curves.png").read_bytes()) == 9 * DPI
-    half = len(png) // 2
-    small = base64.b64decode(plot_steps_embedded(steps, tmp_path / "again.png", max_bytes=half).split(",", 1)[1])
-    assert len(small) <= half and _png_width(small) < 9 * DPI  # drawn at a lower resolution to fit
-    assert _png_width((tmp_path / "again.png").read_bytes()) == 9 * DPI  # the file keeps its resolution
+    assert _png_colour_type(png) == 6  # RGBA, as matplotlib draws it
+
+    def embedded(max_bytes: int) -> bytes:
+        uri = plot_steps_embedded(steps, tmp_path / "again.png", max_bytes=max_bytes)
+        assert (tmp_path / "again.png").read_bytes() == png  # the file keeps every colour and its resolution
+        return base64.b64decode(uri.split(",", 1)[1])
+
+    palette = embedded(len(png) // 2)
+    assert len(palette) <= len(png) // 2 and _png_colour_type(palette) == 3 and _png_width(palette) == 9 * DPI
+    smaller = embedded(len(palette) * 3 // 4)
+    assert len(smaller) <= len(palette) * 3 // 4 and 9 * MIN_EMBEDDED_DPI <= _png_width(smaller) < 9 * DPI
+    floor = embedded(1)  # cannot fit: the smallest allowed
+    assert _png_width(floor) == 9 * MIN_EMBEDDED_DPI
 
 
 def test_sql_prints_markup_and_control_characters_as_text(hostile_run):

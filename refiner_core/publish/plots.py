@@ -41,8 +41,11 @@ RATES = {
 }
 DPI = 100
 # A data: URI is stored in every version of its artifact (one per step): past this many PNG bytes the embedded
-# copy is drawn at a lower resolution (RUN_DIR/curves.png keeps DPI).
+# copy is stored in a palette of PALETTE_COLOURS (a plot has a few hundred colours, mostly anti-aliasing shades: about
+# a third of the bytes, the same picture to the eye), and scaled down only when that is not enough
+# (RUN_DIR/curves.png keeps every colour and DPI).
 EMBEDDED_PNG_BYTES = 150_000
+PALETTE_COLOURS = 256
 MIN_EMBEDDED_DPI = 40
 
 
@@ -50,43 +53,54 @@ def plot_steps(steps: list[dict], path: Path, evals: list[dict] | None = None) -
     """Reward, KL, loss and response length per step; with `evals` (eval summary rows, see
     refiner_core.eval.evaluate.summarize) a second row of held-out curves, one line per mode. The base model
     before SFT is drawn as a separate marker at step 0."""
-    plt = _pyplot()
-    fig = _draw(steps, evals)
-    try:
-        _save(fig, path)
-    finally:
-        plt.close(fig)
+    _write(path, _render(steps, evals))
     return Path(path)
 
 
 def plot_steps_embedded(
     steps: list[dict], path: Path, evals: list[dict] | None = None, max_bytes: int = EMBEDDED_PNG_BYTES
 ) -> str:
-    """plot_steps, and the same figure as a `data:image/png;base64,` URI of at most max_bytes PNG bytes (drawn at
-    a lower resolution when needed; never below MIN_EMBEDDED_DPI)."""
+    """plot_steps, and the same figure as a `data:image/png;base64,` URI of at most max_bytes PNG bytes (in a
+    palette, then scaled down, when needed; never below MIN_EMBEDDED_DPI). The figure is drawn once."""
+    png = _render(steps, evals)
+    _write(path, png)
+    return "data:image/png;base64," + base64.b64encode(_shrink(png, max_bytes)).decode("ascii")
+
+
+def _render(steps: list[dict], evals: list[dict] | None) -> bytes:
     plt = _pyplot()
     fig = _draw(steps, evals)
     try:
-        _save(fig, path)
-        dpi = DPI
-        png = _png(fig, dpi)
-        while len(png) > max_bytes and dpi > MIN_EMBEDDED_DPI:  # PNG bytes grow about with the pixel count
-            dpi = max(MIN_EMBEDDED_DPI, int(dpi * 0.95 * (max_bytes / len(png)) ** 0.5))
-            png = _png(fig, dpi)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=DPI)
+        return buffer.getvalue()
     finally:
         plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def _save(fig, path: Path) -> None:
+def _write(path: Path, png: bytes) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
+    Path(path).write_bytes(png)
 
 
-def _png(fig, dpi: int) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
-    return buffer.getvalue()
+def _shrink(png: bytes, max_bytes: int) -> bytes:
+    """`png` when it fits in max_bytes; else in a palette, scaled down while it does not fit (PNG bytes grow
+    about with the pixel count), to at least MIN_EMBEDDED_DPI / DPI of its size."""
+    if len(png) <= max_bytes:
+        return png
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png)).convert("RGB")  # the figure's background is opaque
+    min_scale, scale = MIN_EMBEDDED_DPI / DPI, 1.0
+    while True:
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        shown = image if scale == 1.0 else image.resize(size, Image.Resampling.LANCZOS)
+        buffer = io.BytesIO()
+        shown.quantize(PALETTE_COLOURS).save(buffer, format="PNG", optimize=True)
+        small = buffer.getvalue()
+        if len(small) <= max_bytes or scale <= min_scale:
+            return small
+        scale = max(min_scale, scale * 0.95 * (max_bytes / len(small)) ** 0.5)
 
 
 def _pyplot():
@@ -161,6 +175,9 @@ def _style(ax, title: str) -> None:
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    low, high = ax.get_xlim()
+    if high - low < 1:  # one step: matplotlib's margins around it would be labelled in fractions of a step
+        ax.set_xlim((low + high) / 2 - 1, (low + high) / 2 + 1)
     ax.grid(alpha=0.3)
 
 
