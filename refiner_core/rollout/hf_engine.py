@@ -124,7 +124,9 @@ class HFRolloutEngine:
             # One seed per batch, from its first sample's place in the step (prompt_offset: where this call's prompts
             # start): reruns of a step, and of a part of it, reproduce its samples.
             torch.manual_seed(params.seed + params.prompt_offset * params.n + start)
-            casts = cached_weight_casts(self.model, self.precision if self.cache_weight_casts else "fp32")
+            casts = (
+                cached_weight_casts(self.model, self.precision) if self.cache_weight_casts else contextlib.nullcontext()
+            )
             with torch.no_grad(), casts, autocast(self.precision, self.model.device):
                 result = self.model.generate(
                     input_ids=input_ids,
