@@ -7,6 +7,7 @@ from conftest import learner_settings
 from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate, collate_group, collate_rows, pack_rows, prompt_groups
 from refiner_core.learners.logprobs import token_logprobs
+from refiner_core.learners.packed_attention import apply_packed_attention
 from refiner_core.learners.torch_learner import TorchLearner
 from refiner_core.models import load_model
 
@@ -60,6 +61,7 @@ def _update(tiny_model_path, samples, **settings) -> tuple[dict, torch.Tensor]:
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    apply_packed_attention([policy, reference], settings.get("packed_attention", "mask"))
     metrics = TorchLearner(policy, reference, 0, _settings(**settings)).train_step(samples)
     return metrics, torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
 
@@ -81,6 +83,15 @@ def test_packed_update_equals_padded_update(tiny_model_path, aggregation):
     packed = _update(tiny_model_path, samples, loss_aggregation=aggregation, pack_length=48)
     _same_update(padded, packed)
     assert packed[0]["packing_efficiency"] > padded[0]["packing_efficiency"]
+
+
+def test_per_sequence_attention_update_equals_padded_update(tiny_model_path):
+    """grpo.packed_attention 'per_sequence' on packed rows (and on padded ones, whose padding tail is a sequence of
+    its own): the loss and gradients of the masked padded update."""
+    samples = _samples()
+    padded = _update(tiny_model_path, samples)
+    _same_update(padded, _update(tiny_model_path, samples, pack_length=48, packed_attention="per_sequence"))
+    _same_update(padded, _update(tiny_model_path, samples, packed_attention="per_sequence"))
 
 
 def test_packing_efficiency_hand_computed(tiny_model_path):

@@ -80,6 +80,7 @@ class LearnerSettings:
     epochs: int
     tis_cap: float
     pack_length: int
+    packed_attention: str  # 'mask' or 'per_sequence' (refiner_core/learners/packed_attention.py)
     precision: str
     temperature: float
     # How the 'deepspeed' learner launches its ranks; the one-process learners ignore them.

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
-from refiner_core.learners.lora import AdaptersOff, lora_policy, save_lora
-from refiner_core.learners.torch_learner import TorchLearner
+from refiner_core.learners.lora import save_lora
+from refiner_core.learners.torch_learner import TorchLearner, load_learner_models
 
 STATE_DIR = "deepspeed"  # DeepSpeed's save_checkpoint folder inside an HF checkpoint
 STATE_TAG = "state"
@@ -312,8 +312,6 @@ def main(work_dir: str) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from refiner_core.models import load_model
-
     # DeepSpeed's ZeRO-3 calls collectives torch has renamed: one warning per call, to the run's terminal
     warnings.filterwarnings(
         "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
@@ -325,16 +323,9 @@ def main(work_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.time()
     settings = LearnerSettings(**{**launch["settings"], "adam_betas": tuple(launch["settings"]["adam_betas"])})
-    if settings.lora_rank:  # adapters on the reference, which is the starting policy (preflight checks it)
-        policy = lora_policy(
-            load_model(launch["reference_path"], launch["dtype"], device="cpu"), launch["policy_path"], settings
-        )
-        reference = AdaptersOff(policy) if settings.reads_reference else None
-    else:
-        policy = load_model(launch["policy_path"], launch["dtype"], trainable=True, device="cpu")
-        reference = (
-            load_model(launch["reference_path"], launch["dtype"], device="cpu") if settings.reads_reference else None
-        )
+    policy, reference = load_learner_models(
+        launch["policy_path"], launch["reference_path"], launch["dtype"], settings, device="cpu"
+    )
     if on_gpu:
         policy.to("cuda")
         reference = reference.to("cuda") if reference is not None else None

@@ -24,6 +24,7 @@ from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample,
 from refiner_core.learners.batching import collate, collate_group, collate_rows, pack_rows, prompt_groups
 from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
+from refiner_core.learners.packed_attention import apply_packed_attention
 from refiner_core.models import Adapter, release_gpu_cache
 from refiner_core.runtime.progress import progress_bar
 
@@ -301,13 +302,23 @@ class TorchLearner:
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")  # with LoRA, the adapters' AdamW state
 
 
-def make_torch_learner(policy_path, reference_path, tokenizer, settings, optimizer_state, dtype="float32"):
+def load_learner_models(policy_path, reference_path, dtype: str, settings, device: str | None = None):
+    """(policy, reference or None) as a learner trains them: with LoRA, adapters on the reference (the starting
+    policy, which preflight checks) and the reference that policy with its adapters off; attention per
+    settings.packed_attention."""
     from refiner_core.models import load_model
 
-    if settings.lora_rank:  # adapters on the reference, which is the starting policy (preflight checks it)
-        policy = lora_policy(load_model(reference_path, dtype), policy_path, settings)
-        reference = AdaptersOff(policy) if settings.reads_reference else None
-    else:
-        policy = load_model(policy_path, dtype, trainable=True)
-        reference = load_model(reference_path, dtype) if settings.reads_reference else None
+    if settings.lora_rank:
+        base = load_model(reference_path, dtype, device=device)
+        apply_packed_attention([base], settings.packed_attention)
+        policy = lora_policy(base, policy_path, settings)
+        return policy, (AdaptersOff(policy) if settings.reads_reference else None)
+    policy = load_model(policy_path, dtype, trainable=True, device=device)
+    reference = load_model(reference_path, dtype, device=device) if settings.reads_reference else None
+    apply_packed_attention([policy, reference], settings.packed_attention)
+    return policy, reference
+
+
+def make_torch_learner(policy_path, reference_path, tokenizer, settings, optimizer_state, dtype="float32"):
+    policy, reference = load_learner_models(policy_path, reference_path, dtype, settings)
     return TorchLearner(policy, reference, tokenizer.pad_token_id, settings, optimizer_state)

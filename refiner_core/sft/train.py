@@ -17,6 +17,7 @@ import torch
 from refiner_core.algo.packing import IGNORE_INDEX, PackedRow, concat_pack
 from refiner_core.config import SFTConfig
 from refiner_core.learners.logprobs import autocast
+from refiner_core.learners.packed_attention import apply_packed_attention
 from refiner_core.runtime.progress import progress_bar
 
 
@@ -29,6 +30,7 @@ class SFTSettings:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 1
     gradient_accumulation: int = 1
+    packed_attention: str = "mask"
     seed: int = 0
 
     @classmethod
@@ -104,7 +106,9 @@ def train_sft(
     precision: str = "fp32",
 ) -> list[dict]:
     """Train in place; returns metric rows (split, step, epoch, loss, tokens, lr, grad_norm). `precision` as
-    model.precision: 'bf16' autocasts forward passes, weights and AdamW state stay as loaded."""
+    model.precision: 'bf16' autocasts forward passes, weights and AdamW state stay as loaded. The model's attention
+    becomes settings.packed_attention's."""
+    apply_packed_attention([model], settings.packed_attention)
     torch.manual_seed(settings.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
