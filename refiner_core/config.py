@@ -1120,10 +1120,10 @@ class SFTConfig(SourceConfig):
         "mask",
         "How attention keeps a pack's sequences apart: 'mask', transformers' SDPA over the whole pack with a "
         "block-diagonal causal mask (every query scored against every key of the pack), or 'per_sequence', one "
-        "causal SDPA per sequence, as if unpacked (1.4x faster forward and backward on the main job's 2048-token "
-        "packs of 4 on a CPU, more on longer packs: bench/packed_attention.py). Same loss up to rounding (fp32: "
-        "1e-7 relative), but bf16 rounds differently, so a run goes elsewhere from the same seed. Models on another "
-        "attention implementation than SDPA keep theirs.",
+        "causal SDPA per sequence, exactly as each sequence alone (forward and backward 1.25x faster on the main "
+        "job's 2048-token packs of 4 sequences, 1.47x on packs of 9, bf16 on a CPU: bench/packed_attention.py). "
+        "Same loss up to rounding (fp32: gradients within 2e-6 relative), but bf16 rounds differently, so a run "
+        "goes elsewhere from the same seed. Models on another attention implementation than SDPA keep theirs.",
         read_by=("sft_train",),
     )
     histogram_bins: int = opt(10, "Bins of the token-length histograms in the stats summary.", check=AT_LEAST_1)

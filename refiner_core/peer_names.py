@@ -26,6 +26,12 @@ PEER_NAMES: dict[str, PeerName] = {
     "max_prompt_length": PeerName("TRL, verl", "data.max_prompt_tokens", "longer prompts are dropped and counted"),
     "per_device_train_batch_size": PeerName("TRL", "grpo.micro_batch_size"),
     "ppo_micro_batch_size_per_gpu": PeerName("verl", "grpo.micro_batch_size"),
+    "use_remove_padding": PeerName(
+        "verl",
+        "grpo.packed_attention",
+        "True = per_sequence, with grpo.pack_length > 0 and grpo.share_prompt false: sequences packed into rows "
+        "and attended one at a time (verl: flash-attention varlen over unpadded tokens); False = mask",
+    ),
     "steps_per_generation": PeerName(
         "TRL", "grpo.minibatches", "ours counts optimizer steps: steps_per_generation / gradient_accumulation_steps"
     ),
@@ -154,6 +160,7 @@ PEER_VALUES: dict[str, dict[str, str]] = {
     "kl_loss_type": {"kl": "k1", "mse": "k2", "low_var_kl": "k3"},
     "kl_penalty": {"kl": "k1", "mse": "k2", "low_var_kl": "k3"},
     "loss_mode": {"vanilla": "dual_clip"},
+    "use_remove_padding": {"True": "per_sequence", "False": "mask"},
 }
 
 

@@ -4,7 +4,8 @@ Packed rows are fed as `input_ids` + `position_ids` with no attention mask and n
 detects the sequence boundaries from the position IDs (they restart at 0) and builds a block-diagonal causal
 mask for the eager and SDPA attention paths, so a token never attends to another sequence of its pack; the test
 suite checks that packed logits equal per-sequence logits. Padding added to make a micro-batch rectangular is its
-own segment (positions restart) and carries no label.
+own segment (positions restart) and carries no label. sft.packed_attention 'per_sequence' attends each sequence on
+its own instead of through that mask (refiner_core/learners/packed_attention.py).
 """
 
 from __future__ import annotations
