@@ -48,17 +48,20 @@ def block_causal_mask(bounds: list[list[tuple[int, int]]], width: int, device) -
     return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
 
 
-# The mask transformers built for one forward is handed to every layer: checked once, by identity.
-_checked: tuple[weakref.ref, bool] | None = None
+# The mask transformers built for one forward is handed to every layer: read once, by identity.
+_last: tuple[weakref.ref, list | None] | None = None
 
 
-def _is_packing_mask(mask, bounds) -> bool:
-    global _checked
-    if _checked is not None and _checked[0]() is mask:
-        return _checked[1]
-    verdict = bool(mask.shape[1] == 1 and mask.equal(block_causal_mask(bounds, mask.shape[-1], mask.device)))
-    _checked = (weakref.ref(mask), verdict)
-    return verdict
+def _packing_bounds(mask, position_ids) -> list[list[tuple[int, int]]] | None:
+    """The sequences of each row when `mask` is exactly the packing mask of `position_ids`, else None."""
+    global _last
+    if _last is not None and _last[0]() is mask:
+        return _last[1]
+    bounds = sequence_bounds(position_ids.expand(mask.shape[0], -1))
+    if not (mask.shape[1] == 1 and mask.equal(block_causal_mask(bounds, mask.shape[-1], mask.device))):
+        bounds = None
+    _last = (weakref.ref(mask), bounds)
+    return bounds
 
 
 def _sdpa_per_sequence(module, query, key, value, attention_mask, **kwargs):
@@ -74,15 +77,14 @@ def _sdpa_per_sequence(module, query, key, value, attention_mask, **kwargs):
         and isinstance(attention_mask, torch.Tensor)
         and attention_mask.dtype == torch.bool
         and attention_mask.dim() == 4
+        and attention_mask.shape[0] == query.shape[0]
         and getattr(module, "is_causal", True)
         and getattr(module, "sliding_window", None) is None
         and kwargs.get("dropout", 0.0) == 0.0
         and kwargs.get("position_bias") is None
     )
-    if applies:
-        bounds = sequence_bounds(position_ids.expand(query.shape[0], -1))
-        applies = _is_packing_mask(attention_mask, bounds)
-    if not applies:
+    bounds = _packing_bounds(attention_mask, position_ids) if applies else None
+    if bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows = []
     for r, row in enumerate(bounds):
