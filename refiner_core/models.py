@@ -163,6 +163,20 @@ def convert_smollm2() -> Path:
     return _publish(build, final)
 
 
+def use_sdpa_variant(model, name: str, forward) -> bool:
+    """Register `forward` (transformers' attention-function signature) under `name`, with SDPA's masks, and switch a
+    model on SDPA to it; False, and nothing changed, for a model on another attention implementation."""
+    if model.config._attn_implementation not in ("sdpa", name):
+        return False
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)  # without it, padding and packing go unmasked
+    model.set_attn_implementation(name)
+    return True
+
+
 def load_tokenizer(path: Path | str):
     from transformers import AutoTokenizer
 

@@ -101,15 +101,9 @@ def _sdpa_per_sequence(module, query, key, value, attention_mask, **kwargs):
 def use_per_sequence_attention(model) -> bool:
     """Switch a model on transformers' SDPA attention to the per-sequence variant; False (and nothing changed) for
     any other attention implementation (eager, flash attention, which isolates packed sequences itself)."""
-    if model.config._attn_implementation not in ("sdpa", PER_SEQUENCE_ATTENTION):
-        return False
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
+    from refiner_core.models import use_sdpa_variant
 
-    AttentionInterface.register(PER_SEQUENCE_ATTENTION, _sdpa_per_sequence)
-    AttentionMaskInterface.register(PER_SEQUENCE_ATTENTION, sdpa_mask)  # the packing mask it checks against
-    model.set_attn_implementation(PER_SEQUENCE_ATTENTION)
-    return True
+    return use_sdpa_variant(model, PER_SEQUENCE_ATTENTION, _sdpa_per_sequence)
 
 
 def apply_packed_attention(models, choice: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from refiner_core.config import EngineSettings
 from refiner_core.learners.logprobs import autocast
-from refiner_core.models import Adapter, adapter_weights, release_gpu_cache
+from refiner_core.models import Adapter, adapter_weights, release_gpu_cache, use_sdpa_variant
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
 from refiner_core.runtime.progress import progress_bar
 
@@ -37,14 +37,8 @@ def _sdpa_cpu_decode_fp32(module, query, key, value, attention_mask, **kwargs):
 
 def use_cpu_decode_attention(model) -> None:
     """Switch a CPU model on transformers' SDPA attention to the variant above (a no-op elsewhere)."""
-    if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
-        return
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(CPU_DECODE_ATTENTION, _sdpa_cpu_decode_fp32)
-    AttentionMaskInterface.register(CPU_DECODE_ATTENTION, sdpa_mask)  # else padding goes unmasked
-    model.set_attn_implementation(CPU_DECODE_ATTENTION)
+    if model.device.type == "cpu":
+        use_sdpa_variant(model, CPU_DECODE_ATTENTION, _sdpa_cpu_decode_fp32)
 
 
 @contextlib.contextmanager
