@@ -124,6 +124,7 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
         os.environ["PREFECT_TASKS_REFRESH_CACHE"] = "true"
     from flows.prefect_server import launch_temporary_server, start_temporary_server, stop_temporary_server
     from flows.run_folder import PROCS_SUBDIR, start_run_log, stop_children_left_behind
+    from refiner_core.runtime.heap import freeze_heap
 
     # Prefect's temporary server takes seconds to start: it does while this process imports torch and prefect.
     launched = None if "PREFECT_API_URL" in os.environ else launch_temporary_server(folder / PROCS_SUBDIR)
@@ -133,6 +134,7 @@ def run_in_folder(cfg, folder: Path, refresh: bool, debug: bool, warn: Callable[
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         from flows.refiner import refiner_pipeline
+    freeze_heap()  # the libraries just imported live as long as the run
 
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)

@@ -27,6 +27,7 @@ import torch
 from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.learners.lora import save_lora
 from refiner_core.learners.torch_learner import TorchLearner, load_learner_models
+from refiner_core.runtime.heap import freeze_heap
 
 STATE_DIR = "deepspeed"  # DeepSpeed's save_checkpoint folder inside an HF checkpoint
 STATE_TAG = "state"
@@ -334,6 +335,7 @@ def main(work_dir: str) -> None:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=trainable, config=config)
     resumed = try_resume(engine, launch["resume_dir"], launch["zero_stage"], world, settings.learning_rate, rank)
+    freeze_heap()  # the engine and the libraries live as long as the rank: out of every full collection
     if rank == 0:
         (work_dir / "ready.json").write_text(json.dumps({"start_seconds": time.time() - t0, "adam_steps": resumed}))
     sender = WeightSender(rank, world)
