@@ -3,12 +3,13 @@
 Prefect starts the same server (uvicorn on `prefect.server.api.server:create_app`, SQLite under PREFECT_HOME) by
 itself when PREFECT_API_URL is unset, but as a plain child: a run killed with SIGKILL leaves it running. Here it
 gets a parent-death signal, its own session (Ctrl-C reaches the run first, which then stops the server) and a
-record in RUN_DIR/.procs for the next run to find. Importing this module does not import prefect.
+record in RUN_DIR/.procs for the next run to find, and it serves on a socket this process bound and hands down:
+a port found free and bound later by the child could be taken in between by any other process (the child would
+fail, and the health check would knock on the stranger's door). Importing this module does not import prefect.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -20,23 +21,23 @@ import httpx
 
 from refiner_core.runtime.procs import forget_child, spawn, stop_group
 
-PORT_IN_USE_EXIT_CODE = 3  # uvicorn's exit code when its port was taken between our check and its bind
+# uvicorn serving Prefect's app on the listening socket whose descriptor is argv[1], as `prefect server start` does
+# on a port of its own (`uvicorn --fd` would take the descriptor for a Unix socket).
+SERVE_ON_SOCKET = """
+import socket, sys, uvicorn
+sock = socket.socket(fileno=int(sys.argv[1]))
+config = uvicorn.Config("prefect.server.api.server:create_app", factory=True, log_level="error", lifespan="on")
+uvicorn.Server(config).run(sockets=[sock])
+"""
 
 
 class TemporaryServerError(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_temporary_server(record_dir: Path) -> tuple[subprocess.Popen, str]:
     """Start the server process without waiting for it (it takes seconds: the caller can import meanwhile);
     returns (process, API URL) for `start_temporary_server(..., launched=)`."""
-    app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
     env = {
         **os.environ,
         "PREFECT_UI_ENABLED": "0",
@@ -44,25 +45,17 @@ def launch_temporary_server(record_dir: Path) -> tuple[subprocess.Popen, str]:
         "PREFECT__SERVER_FINAL": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
     }
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "--app-dir",
-        str(app_dir),
-        "--factory",
-        "prefect.server.api.server:create_app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "error",
-        "--lifespan",
-        "on",
-    ]
-    proc = spawn(cmd, record_dir=record_dir, env=env, stdin=subprocess.DEVNULL)
+    with socket.socket() as sock:  # the child holds its own copy; connections queue until it serves
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        proc = spawn(
+            [sys.executable, "-c", SERVE_ON_SOCKET, str(sock.fileno())],
+            record_dir=record_dir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(sock.fileno(),),
+        )
     return proc, f"http://127.0.0.1:{port}/api"
 
 
@@ -71,20 +64,16 @@ def start_temporary_server(
 ) -> tuple[subprocess.Popen, str]:
     """Wait for GET /api/health of the server `launched` earlier, or of a new one; returns (process, API URL)."""
     timeout = timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
-    deadline = time.monotonic() + timeout
-    while True:
-        proc, url = launched or launch_temporary_server(record_dir)
-        launched = None  # a retry after a port clash launches anew
-        try:
-            code = _wait_healthy(proc, url, deadline)
-        except BaseException:  # timed out, or interrupted while waiting
-            stop_temporary_server(proc, record_dir)
-            raise
-        if code is None:
-            return proc, url
+    proc, url = launched or launch_temporary_server(record_dir)
+    try:
+        code = _wait_healthy(proc, url, time.monotonic() + timeout)
+    except BaseException:  # timed out, or interrupted while waiting
+        stop_temporary_server(proc, record_dir)
+        raise
+    if code is not None:
         forget_child(proc.pid, record_dir)
-        if code != PORT_IN_USE_EXIT_CODE:
-            raise TemporaryServerError(f"the temporary Prefect server exited with code {code} before answering")
+        raise TemporaryServerError(f"the temporary Prefect server exited with code {code} before answering")
+    return proc, url
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, deadline: float) -> int | None:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,14 +103,26 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
             proc.wait()
 
 
-def test_start_server_reports_a_dead_server_with_its_log(tmp_path):
-    from refiner_core.judges.serve import ServerStartError, start_server
+def test_start_server_reports_a_dead_server_with_its_log(tmp_path, monkeypatch):
+    """The port picked first is taken by another process before the server binds it: the server is started again
+    on another port; there it dies (a model vLLM cannot load), which is reported with its log."""
+    import refiner_core.judges.serve as serve
 
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text("{}")  # resolves, but vLLM cannot load it
-    with pytest.raises(ServerStartError, match="exited with code"):
-        start_server(str(bad), startup_timeout=300, log_path=tmp_path / "bad.log")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        ports = [taken.getsockname()[1], serve.free_port()]
+        picks = iter(ports)
+        monkeypatch.setattr(serve, "free_port", lambda host: next(picks))
+        with pytest.raises(serve.ServerStartError, match="exited with code") as error:
+            serve.start_server(str(bad), startup_timeout=300, log_path=tmp_path / "bad.log")
+    assert "Unrecognized model" in str(error.value)
+    launches = re.findall(r"^\$ .* --port (\d+) ", (tmp_path / "bad.log").read_text(), re.MULTILINE)
+    assert launches == [str(port) for port in ports]
+    assert (tmp_path / "bad.log").read_text().count(serve.PORT_TAKEN) == 1
 
 
 def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_recipe, tmp_path):

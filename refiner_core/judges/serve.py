@@ -26,6 +26,8 @@ from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.store.storage import dir_hash
 
 SERVED_HASH_CHARS = 12
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "Address already in use"  # how the server's log says its bind failed (EADDRINUSE)
 
 
 class ServerStartError(RuntimeError):
@@ -145,18 +147,56 @@ def start_server(
 
     model_dir = resolve_model(model)
     served_name = served_model_name(model_dir, served_name or (model if not Path(model).exists() else ""))
-    port = port or free_port(host)
     if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"judge-server-{port}-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix="judge-server-", suffix=".log")
         os.close(fd)
         log_path = name
     log_path = Path(log_path)
     run_env = {**os.environ, **(env or {})}
     run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; ignored on GPUs
     run_env.setdefault("HF_HUB_OFFLINE", "1")
-    cmd = server_command(
-        str(model_dir), served_name, host, port, dtype, max_model_len, extra_args, gpu_memory_utilization
-    )
+    # A port found free here is bound by the server a moment later; should another process take it in between
+    # (the server then exits at once), a port picked here is picked again.
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        logged_before = log_path.stat().st_size if log_path.exists() else 0
+        server = _launch(
+            server_command(
+                str(model_dir),
+                served_name,
+                host,
+                port or free_port(host),
+                dtype,
+                max_model_len,
+                extra_args,
+                gpu_memory_utilization,
+            ),
+            host,
+            served_name,
+            log_path,
+            run_env,
+        )
+        try:
+            wait_healthy(server, startup_timeout)
+            return server
+        except ServerStartError:
+            stop_server(server)
+            if port or attempt == PORT_ATTEMPTS or not _port_was_taken(server, logged_before):
+                raise
+        except BaseException:
+            stop_server(server)
+            raise
+
+
+def _port_was_taken(server: JudgeServer, logged_before: int) -> bool:
+    """Whether the server exited because its port was taken (its bind failed: EADDRINUSE)."""
+    if server.proc.returncode is None:
+        return False
+    with open(server.log_path, "rb") as log:
+        log.seek(logged_before)
+        return PORT_TAKEN in log.read().decode(errors="replace")
+
+
+def _launch(cmd: list[str], host: str, served_name: str, log_path: Path, env: dict) -> JudgeServer:
     with open(log_path, "ab") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -165,17 +205,11 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=run_env,
+            env=env,
             start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
-    server = JudgeServer(proc, host, port, served_name, log_path)
-    try:
-        wait_healthy(server, startup_timeout)
-    except BaseException:
-        stop_server(server)
-        raise
-    return server
+    return JudgeServer(proc, host, int(cmd[cmd.index("--port") + 1]), served_name, log_path)
 
 
 def wait_healthy(server: JudgeServer, timeout: float) -> None:
