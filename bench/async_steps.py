@@ -13,7 +13,6 @@ of the first rollout to the end of the last grpo-update (Prefect's task runs).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -21,12 +20,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
-_HOME = tempfile.mkdtemp(prefix="async-steps-bench-")
-# Before prefect is imported: this benchmark's own Prefect database and cache records, quiet logs.
-os.environ["PREFECT_HOME"] = str(Path(_HOME) / "prefect")
-os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(Path(_HOME) / "results")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+from prefect_home import use_own_prefect_home  # noqa: E402
+
+use_own_prefect_home("async-steps-bench")  # before prefect is imported
 
 
 def step_loop_seconds(flow_run_id) -> float:

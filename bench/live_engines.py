@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 import tempfile
@@ -24,12 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-_HOME = tempfile.mkdtemp(prefix="live-engines-bench-")
-# Before prefect is imported: this benchmark's own Prefect database and cache records, quiet logs.
-os.environ["PREFECT_HOME"] = str(Path(_HOME) / "prefect")
-os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(Path(_HOME) / "results")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+from prefect_home import use_own_prefect_home  # noqa: E402
+
+use_own_prefect_home("live-engines-bench")  # before prefect is imported
 
 STAGES = ("rollout", "judge", "grpo-update")
 
