@@ -42,11 +42,10 @@ def _alive(pid: int) -> bool:
 
 def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tmp_path):
     from refiner_core.judges.openai_judge import OpenAIJudge
-    from refiner_core.judges.serve import free_port, served_model_name
+    from refiner_core.judges.serve import served_model_name
     from refiner_core.models import resolve_model
     from refiner_core.runtime.http_chat import AnswerCache
 
-    port = free_port()
     out = tmp_path / "serve.out"
     with open(out, "w") as f:
         proc = subprocess.Popen(
@@ -58,7 +57,7 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
                 "serve",
                 str(tiny_model_path),
                 "--port",
-                str(port),
+                "0",  # a free one, picked again should another process take it first
                 "--name",
                 "tiny",
             ],
@@ -73,7 +72,9 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
         while "pid:" not in out.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         text = out.read_text()
-        assert f"endpoint: http://127.0.0.1:{port}/v1" in text, text[-3000:]
+        endpoint = re.search(r"^endpoint: http://127\.0\.0\.1:(\d+)/v1$", text, re.MULTILINE)
+        assert endpoint, text[-3000:]
+        port = int(endpoint.group(1))
         server_pid = int(text.split("pid: ")[1].split()[0])
         assert _alive(server_pid)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
