@@ -115,8 +115,9 @@ TORCHRUN_PARENT = textwrap.dedent("""
     import signal, subprocess, sys, time
     from refiner_core.runtime.procs import die_with_parent
     # as the DeepSpeed learner launches its ranks: own session, SIGTERM when the parent dies
-    subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                      sys.argv[2], sys.argv[1]], start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
+    subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+                      "--nproc_per_node", "2", sys.argv[1]], start_new_session=True,
+                     preexec_fn=die_with_parent(signal.SIGTERM))
     time.sleep(300)
 """)
 
@@ -128,7 +129,7 @@ def test_torchrun_and_its_ranks_end_with_a_sigkilled_parent(tmp_path):
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:
         parent = subprocess.Popen(
-            [sys.executable, "-c", TORCHRUN_PARENT, str(rank), str(29400 + os.getpid() % 500)],
+            [sys.executable, "-c", TORCHRUN_PARENT, str(rank)],
             cwd=REPO,
             env={**os.environ, "REFINER_TEST_TAG": tag},
             stdout=out,

@@ -65,21 +65,23 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
     return hosts
 
 
-def launcher_command(settings: LearnerSettings, work_dir: Path, port: int, node_rank: int = 0) -> list[str]:
-    """The command that starts the ranks (of host `node_rank` when the run does not reach the hosts over ssh)."""
+def launcher_command(
+    settings: LearnerSettings, work_dir: Path, port: int | None = None, node_rank: int = 0
+) -> list[str]:
+    """The command that starts the ranks (of host `node_rank` when the run does not reach the hosts over ssh).
+    `port`: the rendezvous port on the first host of a hostfile. On one machine torchrun's standalone rendezvous
+    binds a free port itself and the ranks share its store: no port found free here and bound a moment later,
+    which another process could take in between."""
     if not settings.hostfile:
         return [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nnodes",
-            "1",
+            "--standalone",
+            "--local-addr",
+            "127.0.0.1",
             "--nproc_per_node",
             str(settings.world_size),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(port),
             "-m",
             WORKER,
             str(work_dir),
@@ -212,7 +214,7 @@ class DeepSpeedLearner:
         if self._proc is not None:
             return
         (self.work / "launch.json").write_text(json.dumps(self._launch_job(), indent=1))
-        port = free_port()
+        port = free_port() if self.s.hostfile else None
         cmd = launcher_command(self.s, self.work, port)
         if len(self.hosts) > 1 and not self.s.launch_over_ssh:
             self.other_hosts = [launcher_command(self.s, self.work, port, rank) for rank in range(1, len(self.hosts))]
