@@ -126,6 +126,18 @@ def test_start_server_reports_a_dead_server_with_its_log(tmp_path, monkeypatch):
     assert (tmp_path / "bad.log").read_text().count(serve.PORT_TAKEN) == 1
 
 
+def test_a_port_in_use_is_said_before_the_server_starts(tiny_model_path, tmp_path):
+    from refiner_core.judges.serve import ServerStartError, start_server
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(1)
+        port = other.getsockname()[1]
+        with pytest.raises(ServerStartError, match=f"127.0.0.1:{port} is already in use"):
+            start_server(str(tiny_model_path), port=port, log_path=tmp_path / "server.log")
+    assert not (tmp_path / "server.log").exists()  # nothing was launched
+
+
 def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_recipe, tmp_path):
     """judge.openai.serve: the first judge stage starts vLLM at judge.openai.base_url, the second step reuses it, the
     flow's end stops it; every (rollout, rubric) pair was answered by it."""

@@ -9,6 +9,7 @@ checkpoints with the same folder name can never be taken for each other.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -155,6 +156,8 @@ def start_server(
     run_env = {**os.environ, **(env or {})}
     run_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU; ignored on GPUs
     run_env.setdefault("HF_HUB_OFFLINE", "1")
+    if port and _in_use(host, port):  # said now, not after the server's imports
+        raise ServerStartError(_in_use_message(host, port))
     # A port found free here is bound by the server a moment later; should another process take it in between
     # (the server then exits at once), a port picked here is picked again.
     for attempt in range(1, PORT_ATTEMPTS + 1):
@@ -178,13 +181,34 @@ def start_server(
         try:
             wait_healthy(server, startup_timeout)
             return server
-        except ServerStartError:
+        except ServerStartError as e:
             stop_server(server)
-            if port or attempt == PORT_ATTEMPTS or not _port_was_taken(server, logged_before):
+            if not _port_was_taken(server, logged_before):
                 raise
+            if port or attempt == PORT_ATTEMPTS:
+                raise ServerStartError(f"{_in_use_message(host, server.port)}; log {server.log_path}") from e
         except BaseException:
             stop_server(server)
             raise
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether something already listens on host:port (a bind fails as the server's would, SO_REUSEADDR and all)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:  # any other failure (an address not of this host) is the server's to report
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _in_use_message(host: str, port: int) -> str:
+    return (
+        f"judge server: {host}:{port} is already in use (`ss -ltnp 'sport = :{port}'` names the process); pick "
+        "another port (judge.openai.base_url; `refiner judge serve --port`, 0 for a free one) or, if a judge "
+        "server already runs there, use it (judge.openai.serve: false)"
+    )
 
 
 def _port_was_taken(server: JudgeServer, logged_before: int) -> bool:
