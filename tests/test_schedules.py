@@ -33,15 +33,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _healthy(server: subprocess.Popen, url: str, log: Path) -> bool:
+    """True once the server answers; False if it exits because its port was taken since it was picked."""
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if server.poll() is not None:
+            assert "already in use" in log.read_text(), log.read_text()[-3000:]
+            return False
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("prefect server did not start")
+
+
 @pytest.fixture
 def prefect_stack(tmp_path):
     """A real Prefect server on a free loopback port with its own PREFECT_HOME; yields (env, start) where
     start(args, name) launches a long-running `prefect ARGS`. Every process started is stopped, group and all."""
-    url = f"http://127.0.0.1:{_free_port()}/api"
     env = {
         **os.environ,
         "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_API_URL": url,
         "PREFECT_LOGGING_LEVEL": "INFO",
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
@@ -59,20 +73,15 @@ def prefect_stack(tmp_path):
         started.append(proc)
         return proc
 
-    port = url.split(":")[2].split("/")[0]
-    server = start(["server", "start", "--host", "127.0.0.1", "--port", port], "server")
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        for _ in range(3):  # `prefect server start` binds the port picked here seconds later: another may take it
+            port = _free_port()
+            env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+            server = start(["server", "start", "--host", "127.0.0.1", "--port", str(port)], "server")
+            if _healthy(server, env["PREFECT_API_URL"], tmp_path / "server.log"):
+                break
         else:
-            raise AssertionError("prefect server did not start")
+            raise AssertionError("every port picked for the prefect server was taken before it bound it")
         yield env, start
     finally:
         for proc in reversed(started):
@@ -170,18 +179,28 @@ def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_serv
     assert out.split() == ["reward_version", "cw05", "train"]
 
 
-def test_a_failed_run_logs_the_command_that_retries_it(prefect_server, tmp_path, caplog):
+def test_a_failed_run_logs_the_command_that_retries_it(prefect_server, tmp_path):
     from flows.scheduled import run_recipe
 
-    state = run_recipe(
-        recipe_file="recipes/tiny.yaml",
-        run_dir=str(tmp_path / "run"),
-        overrides=[*OVERRIDES, "data.path=no/such/file.jsonl"],
-        return_state=True,
-    )
+    # a handler of the flow-run logger itself: importing the flow may configure logging anew (caplog's handler on
+    # the root logger would then be gone when this test runs first)
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    flow_runs = logging.getLogger("prefect.flow_runs")
+    flow_runs.addHandler(handler)
+    try:
+        state = run_recipe(
+            recipe_file="recipes/tiny.yaml",
+            run_dir=str(tmp_path / "run"),
+            overrides=[*OVERRIDES, "data.path=no/such/file.jsonl"],
+            return_state=True,
+        )
+    finally:
+        flow_runs.removeHandler(handler)
     assert state.is_failed() and "nothing was run" in state.message
     command = f"prefect flow-run retry {state.state_details.flow_run_id} --entrypoint flows/scheduled.py:run_recipe"
-    assert [r.levelname for r in caplog.records if command in r.getMessage()] == ["ERROR"]
+    assert [r.levelname for r in records if command in r.getMessage()] == ["ERROR"]
 
 
 @pytest.mark.slow
