@@ -66,7 +66,7 @@ def start_temporary_server(
     timeout = timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"))
     proc, url = launched or launch_temporary_server(record_dir)
     try:
-        code = _wait_healthy(proc, url, time.monotonic() + timeout)
+        code = wait_healthy(proc, url, time.monotonic() + timeout)
     except BaseException:  # timed out, or interrupted while waiting
         stop_temporary_server(proc, record_dir)
         raise
@@ -76,7 +76,7 @@ def start_temporary_server(
     return proc, url
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, deadline: float) -> int | None:
+def wait_healthy(proc: subprocess.Popen, url: str, deadline: float) -> int | None:
     """None once the server answers; its exit code if it exits first."""
     while time.monotonic() < deadline:
         code = proc.poll()

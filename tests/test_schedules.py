@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import duckdb
-import httpx
 import pytest
 
 from conftest import REPO, run_cli
+from flows.prefect_server import wait_healthy
 from refiner_core.runtime.procs import spawn, stop_group
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -31,22 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _healthy(server: subprocess.Popen, url: str, log: Path) -> bool:
-    """True once the server answers; False if it exits because its port was taken since it was picked."""
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if server.poll() is not None:
-            assert "already in use" in log.read_text(), log.read_text()[-3000:]
-            return False
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("prefect server did not start")
 
 
 @pytest.fixture
@@ -78,8 +62,11 @@ def prefect_stack(tmp_path):
             port = _free_port()
             env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
             server = start(["server", "start", "--host", "127.0.0.1", "--port", str(port)], "server")
-            if _healthy(server, env["PREFECT_API_URL"], tmp_path / "server.log"):
+            exit_code = wait_healthy(server, env["PREFECT_API_URL"], time.monotonic() + 180)
+            if exit_code is None:
                 break
+            log = (tmp_path / "server.log").read_text()
+            assert "already in use" in log, f"prefect server exited with {exit_code}:\n{log[-3000:]}"
         else:
             raise AssertionError("every port picked for the prefect server was taken before it bound it")
         yield env, start
