@@ -162,22 +162,11 @@ def start_server(
     # (the server then exits at once), a port picked here is picked again.
     for attempt in range(1, PORT_ATTEMPTS + 1):
         logged_before = log_path.stat().st_size if log_path.exists() else 0
-        server = _launch(
-            server_command(
-                str(model_dir),
-                served_name,
-                host,
-                port or free_port(host),
-                dtype,
-                max_model_len,
-                extra_args,
-                gpu_memory_utilization,
-            ),
-            host,
-            served_name,
-            log_path,
-            run_env,
+        this_port = port or free_port(host)
+        cmd = server_command(
+            str(model_dir), served_name, host, this_port, dtype, max_model_len, extra_args, gpu_memory_utilization
         )
+        server = JudgeServer(_launch(cmd, log_path, run_env), host, this_port, served_name, log_path)
         try:
             wait_healthy(server, startup_timeout)
             return server
@@ -220,7 +209,7 @@ def _port_was_taken(server: JudgeServer, logged_before: int) -> bool:
         return PORT_TAKEN in log.read().decode(errors="replace")
 
 
-def _launch(cmd: list[str], host: str, served_name: str, log_path: Path, env: dict) -> JudgeServer:
+def _launch(cmd: list[str], log_path: Path, env: dict) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
@@ -233,7 +222,7 @@ def _launch(cmd: list[str], host: str, served_name: str, log_path: Path, env: di
             start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGTERM),
         )
-    return JudgeServer(proc, host, int(cmd[cmd.index("--port") + 1]), served_name, log_path)
+    return proc
 
 
 def wait_healthy(server: JudgeServer, timeout: float) -> None:
