@@ -142,7 +142,7 @@ def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_rec
     """judge.openai.serve: the first judge stage starts vLLM at judge.openai.base_url, the second step reuses it, the
     flow's end stops it; every (rollout, rubric) pair was answered by it."""
     from flows.refiner import refiner_pipeline
-    from refiner_core.judges.serve import free_port
+    from refiner_core.runtime.procs import free_port
 
     port = free_port()
     recipe = tiny_recipe

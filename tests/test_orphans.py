@@ -199,7 +199,7 @@ def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
     the files it leaves are in the run's temporary folder."""
     import httpx
 
-    from refiner_core.judges.serve import free_port
+    from refiner_core.runtime.procs import free_port
 
     tag, port = uuid.uuid4().hex, free_port()
     args = [

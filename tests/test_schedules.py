@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,11 @@ import pytest
 
 from conftest import REPO, run_cli
 from flows.prefect_server import wait_healthy
-from refiner_core.runtime.procs import spawn, stop_group
+from refiner_core.runtime.procs import free_port, spawn, stop_group
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 OVERRIDES = ["grpo.steps=1", "run.retries=0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -59,7 +52,7 @@ def prefect_stack(tmp_path):
 
     try:
         for _ in range(3):  # `prefect server start` binds the port picked here seconds later: another may take it
-            port = _free_port()
+            port = free_port()
             env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
             server = start(["server", "start", "--host", "127.0.0.1", "--port", str(port)], "server")
             exit_code = wait_healthy(server, env["PREFECT_API_URL"], time.monotonic() + 180)

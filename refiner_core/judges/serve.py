@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from refiner_core.runtime.procs import die_with_parent
+from refiner_core.runtime.procs import die_with_parent, free_port
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES
 from refiner_core.store.storage import dir_hash
 
@@ -57,12 +57,6 @@ class JudgeServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         stop_server(self, timeout)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def on_gpu() -> bool:

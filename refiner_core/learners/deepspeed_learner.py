@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample
 from refiner_core.learners.lora import AdapterExports
 from refiner_core.models import Adapter, checkpoint_weights
-from refiner_core.runtime.procs import forget_child, spawn, stop_group
+from refiner_core.runtime.procs import forget_child, free_port, spawn, stop_group
 from refiner_core.runtime.scratch import ram_dir
 
 WORKER = "refiner_core.learners.deepspeed_worker"
@@ -41,12 +40,6 @@ POLL_SECONDS = 0.01  # how often a waiting side looks for the other's file: smal
 
 class LearnerDied(RuntimeError):
     """The ranks exited or were stopped: their optimizer state is gone, the learner cannot be used again."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_hostfile(path: str) -> list[tuple[str, int]]:

@@ -81,6 +81,14 @@ def is_running(pid: int, identity: str | None) -> bool:
     return current is not None and (identity is None or current == identity or current.startswith("pid:"))
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a child to bind: another process may take it before the child does, so a
+    caller that can bind the socket itself and hand it down should (flows/prefect_server.py)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def spawn(
     cmd: list[str],
     *,
