@@ -124,8 +124,16 @@ def run_cli(
 ) -> tuple[int, str, str, float]:
     """`refiner ARGS` in a child process (Prefect's logging and server are per process), in its own process group
     so that a temporary Prefect server a hard-killed run leaves behind is reaped. Output goes to files, not pipes:
-    such a leftover would hold a pipe open. Returns (exit code, stdout, stderr, seconds)."""
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO", **(env or {})}
+    such a leftover would hold a pipe open. The child keeps to one thread: its worker waits on it while the other
+    worker (one per core) runs beside it, and two runs at once at torch's default threads took twice as long
+    (bench/parallel_runs.py). Returns (exit code, stdout, stderr, seconds)."""
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
     fd, name = tempfile.mkstemp(prefix="cli-", dir=tmp_path)
     os.close(fd)
     out_path, err_path = Path(name + ".out"), Path(name + ".err")
