@@ -2,9 +2,10 @@
 
 Starts two `refiner run RECIPE --refresh` children side by side, each in a new folder, both reporting to one
 temporary Prefect server started here (so its start-up is timed in neither), and waits for both. Rounds alternate
-the two settings; the second sets OMP_NUM_THREADS=1 in both children, as tests/conftest.py does for the test
-suite, whose pytest-xdist workers (one per core) each start run children, engine cores and ranks beside the other
-workers' tests. Prints each round's wall seconds and one-thread / default: below 1 means one thread each is faster.
+the two settings; the second sets OMP_NUM_THREADS=1 in both children, as tests/conftest.py's `run_cli` does for
+the run children of the test suite, whose pytest-xdist workers (one per core) wait on them while the other worker's
+test runs beside them. Prints each round's wall seconds and one-thread / default: below 1 means one thread each
+is faster.
 
     .venv/bin/python bench/parallel_runs.py                 # tiny recipe, 2 rounds
     .venv/bin/python bench/parallel_runs.py --runs 1        # one run alone: what the default threads are for
