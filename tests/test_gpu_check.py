@@ -92,3 +92,11 @@ def test_rank_totals_are_summed_on_the_engines_device(monkeypatch):
     with pytest.raises(NotImplementedError):  # a meta tensor has no values to read back
         learner._reduce({"loss": 1.0, "computed_tokens": 4.0})
     assert reduced == [torch.device("meta")]
+
+
+def test_the_wheel_parts_stay_out_of_git():
+    """The device copies every file git does not ignore: an unignored .whl/ (214 MiB) would travel with each call,
+    over its 64 MiB, and `carry` names ignored paths only."""
+    for path in (".whl/parts/1/wheels.tar.0", ".whl/wheels/vllm-0.26.0-cp38-abi3-manylinux_2_31_x86_64.whl"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
+        assert ignored.returncode == 0, f"{path} is not ignored by git"
