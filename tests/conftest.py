@@ -47,8 +47,6 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SESSION_HOME / "inductor")
 # offline switch is read once, when huggingface_hub is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# DeepSpeed compiles its CPU shared-memory op (~100 s) on first use: keep the build across test sessions.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "refiner-grpo" / "torch_extensions"))
 
 import torch  # noqa: E402
 

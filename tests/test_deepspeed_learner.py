@@ -55,15 +55,20 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_path, tiny_tokenizer, tmp_path):
+def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(
+    tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch
+):
     """6 sequences in 3 micro-batches of 2 over 2 ranks (rank 1 pads with a zero-weight copy), fp32, clipping, KL
     and TIS on, two AdamW steps at lr 1e-3. Measured (also with one rank, so it is DeepSpeed's fp32 arithmetic, not
     the sharding): losses equal to 4e-9, grad norm to 1.4e-5 relative, weights to 8e-6 max abs, i.e. 0.8% of one
     step's move (Adam moves every weight by ~lr); the bounds below leave 2-7x headroom.
 
     The ranks are launched once and take both steps (optimizer state in memory); a second launch from the first
-    step's checkpoint resumes DeepSpeed's optimizer state from disk and gives the same second step."""
+    step's checkpoint resumes DeepSpeed's optimizer state from disk and gives the same second step. The ranks
+    compile none of DeepSpeed's ops (its CPU shared-memory all-reduce cost 1-2 min in every new environment)."""
     samples = [_samples(0), _samples(1)]
+    extensions = tmp_path / "torch_extensions"  # a new environment's: the ranks compile no DeepSpeed op into it
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     # The reference: the one-process torch learner, two train steps with its own optimizer.
     policy = load_model(tiny_model_path, trainable=True)
     torch_learner = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings())
@@ -116,6 +121,7 @@ def test_two_rank_zero3_equals_the_torch_learner_kept_up_and_resumed(tiny_model_
     assert _max_diff(load_model(tmp_path / "resumed").state_dict(), load_model(tmp_path / "step_2").state_dict()) == 0
     moved = _max_diff(expected_weights[1], load_model(tiny_model_path).state_dict())
     assert moved > 1e-3  # the weights really changed, by far more than the tolerance
+    assert not extensions.exists() or not any(extensions.iterdir()), list(extensions.iterdir())
 
 
 def test_lora_on_two_zero3_ranks_equals_the_torch_learner(tiny_model_path, tiny_tokenizer, tmp_path):

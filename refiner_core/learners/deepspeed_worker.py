@@ -32,6 +32,7 @@ from refiner_core.runtime.heap import freeze_heap
 STATE_DIR = "deepspeed"  # DeepSpeed's save_checkpoint folder inside an HF checkpoint
 STATE_TAG = "state"
 STATE_INFO = "refiner.json"  # {"world_size": ..., "zero_stage": ...} of the run that wrote the state
+SHARED_MEMORY_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
 
 
 def ds_config(settings: LearnerSettings, zero_stage: int, offload_optimizer: bool, bf16: bool) -> dict:
@@ -320,6 +321,11 @@ def main(work_dir: str) -> None:
 
     if on_gpu:  # before the process group: NCCL binds each rank's communicator to its current device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        # DeepSpeed's CPU backend compiles a shared-memory all-reduce when its process group opens (1-2 min on two
+        # cores, again in every new environment) that only inference_all_reduce calls; training's collectives use
+        # gloo. Marked incompatible, it is not built (DeepSpeed's own fallback where the op cannot be).
+        deepspeed.ops.__compatible_ops__[SHARED_MEMORY_OP] = False
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.time()
