@@ -86,3 +86,30 @@ def test_empty_id_inside_a_citation_list_is_a_format_error():
     }
     assert check_row(row) == ("bad_answer_format", "empty id in snippet id list 'a1b2c3, ,d4e5f6'")
     assert check_row({**row, "answer": "<answer><snippet id=a1b2c3,d4e5f6>x</snippet></answer>"}) is None
+
+
+def test_markup_that_only_looks_like_the_format_is_not_well_formed():
+    """A policy that turned <snippet id=...> into <answer id=...> (seen on SmolLM2 after 5 GRPO steps) or any other
+    tag cites nothing, so it escaped the distractor penalty while keeping the format bonus. Now a format error."""
+    from refiner_core.reward.compose import format_parts
+
+    forged = "<answer><answer id=P2>Fleming discovered penicillin in 1928.</answer>"
+    parsed = parse_answer(forged)
+    assert parsed.has_answer and not parsed.well_formed
+    assert parsed.problems == ("stray or malformed answer tag '<answer id=P2>'",)
+    parts = format_parts(forged, ["P1", "P2"], ["P1"])
+    assert (parts["format_ok"], parts["format_score"], parts["n_citations"]) == (False, 0.0, 0)
+    for text, tag in (
+        ("<answer>Fleming <cite id=P1>found it</cite>.</answer>", "<cite id=P1>"),
+        ("<answer>one<br/>two</answer>", "<br/>"),
+        ("<answer>x <B>bold</B></answer>", "<B>"),
+    ):
+        assert parse_answer(text).problems == (f"tag {tag!r} in the answer: only <snippet id=...> tags belong there",)
+    for text in ("<answer>x</answer> </answer >", "<Answer id=1> <answer>x</answer>"):
+        assert not parse_answer(text).well_formed, text
+    # Comparisons are text, not tags; snippet tags in every accepted spelling stay well-formed.
+    for text in (
+        "<answer>if a < b and c > d, then a<b and c>d; x<5</answer>",
+        "<answer><snippet id=P1>c</snippet>, <snippet id=\"P1, P2\">d</snippet>, <snippet id='P2'>e</snippet></answer>",
+    ):
+        assert parse_answer(text).well_formed, text

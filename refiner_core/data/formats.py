@@ -12,6 +12,10 @@ _SNIPPET_OPEN_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>"
 _SNIPPET_CLOSE = "</snippet>"
 SNIPPET_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>(.*?)</snippet>", re.DOTALL)
 _ANY_TAG_RE = re.compile(r"</?snippet\b[^>]*>")
+# Markup that only looks like the format's: an answer tag with attributes, spaces or capitals anywhere, and inside
+# the block any tag but a snippet's (`<b>`, `<cite id=x>`, `</p>`; not "a < b" or "a<b and c>d").
+_ANSWER_LIKE_RE = re.compile(r"<\s*/?\s*answer\b[^<>]*>", re.IGNORECASE)
+_TAG_RE = re.compile(r"</?([A-Za-z][\w-]*)(?:\s+[\w-]+\s*=[^<>]*)?\s*/?>")
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,12 @@ def parse_answer(text: str) -> ParsedAnswer:
         if "<snippet" in claim:
             problems.append("nested snippet tags")
         citations.append(Citation(ids, claim))
+    stray = [t for t in _ANSWER_LIKE_RE.findall(text) if t not in (ANSWER_OPEN, ANSWER_CLOSE)]
+    if stray:
+        problems.append(f"stray or malformed answer tag {stray[0]!r}")
+    other = [m.group(0) for m in _TAG_RE.finditer(body) if m.group(1).lower() not in ("snippet", "answer")]
+    if other:
+        problems.append(f"tag {other[0]!r} in the answer: only <snippet id=...> tags belong there")
     opens = len(_SNIPPET_OPEN_RE.findall(body))
     closes = body.count(_SNIPPET_CLOSE)
     if opens != closes or len(_ANY_TAG_RE.findall(body)) != opens + closes:
