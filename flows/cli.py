@@ -13,7 +13,7 @@ from flows.supervisor import Terminated, interrupts_never_lost, run_in_folder
 from refiner_core.config import ConfigError, describe, load_recipe
 from refiner_core.data.text_safety import visible
 from refiner_core.peer_names import peer_names_of
-from refiner_core.preflight import check_recipe
+from refiner_core.preflight import check_recipe, reward_warnings
 
 app = typer.Typer(
     add_completion=False,
@@ -254,7 +254,9 @@ def config(
         False, "--fields", help="List every field with its default, help text and TRL's and verl's names for it."
     ),
     check: bool = typer.Option(
-        False, "--check", help="Run the preflight checks `refiner run` runs (nothing starts); exit 2 on a problem."
+        False,
+        "--check",
+        help="Run the preflight checks `refiner run` runs (nothing starts); exit 2 on a problem, print warnings.",
     ),
 ) -> None:
     """Print the resolved config of a recipe (YAML), or document every field, or check it."""
@@ -273,6 +275,8 @@ def config(
         problems = check_recipe(cfg)
         if problems:
             _fail(_problems(recipe, problems, "found before running"))
+        for line in reward_warnings(cfg):
+            _warn(line)
         typer.echo(f"{recipe}: no problem found")
         return
     typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -661,7 +661,10 @@ class RewardConfig:
         0.0, "Weight of the format score (added outside the multiplier).", column="format_weight"
     )
     gate_judge_score_with_format_bonus: bool = opt(
-        False, "Zero the judged part when the format is invalid.", column="gate_judge_score_with_format_bonus"
+        False,
+        "Zero the judged part when the format is invalid, so that a broken answer scores below every well-formed "
+        "one. Needed with distractor_penalty: an answer without a block cites nothing and escapes the penalty.",
+        column="gate_judge_score_with_format_bonus",
     )
     non_stop_penalty: bool = opt(
         False, "Replace the reward of responses that hit the length limit.", column="non_stop_penalty"

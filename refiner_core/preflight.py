@@ -213,6 +213,22 @@ def check_values(cfg: RecipeConfig) -> list[str]:
     return problems
 
 
+def reward_warnings(cfg: RecipeConfig) -> list[str]:
+    """Settings that run, but whose reward pays for what a user hardly wants: printed before the run, not refused."""
+    reward = cfg.reward
+    # What an answer without a block gives up against a well-formed one with the same judge score and valid IDs.
+    given_up = reward.format_weight + reward.verification_reward * reward.citation_weight
+    gated = reward.gate_judge_score_with_format_bonus
+    if gated or not reward.distractor_penalty or reward.distractor_penalty < given_up:
+        return []
+    return [
+        f"reward.distractor_penalty = {reward.distractor_penalty:g}, and an answer with no answer block cites "
+        f"nothing, so it escapes the penalty and gives up at most {given_up:g} (reward.format_weight + "
+        "verification_reward x citation_weight): it scores at least what a well-formed answer citing a "
+        "distractor scores, and GRPO can learn to break the format; set reward.gate_judge_score_with_format_bonus=true"
+    ]
+
+
 def gpu_share_problems(cfg: RecipeConfig) -> list[str]:
     """On a GPU, a judge server the run starts holds its share for the whole run, and the vllm rollout engine
     wakes into its own beside it: together they cannot take more than the GPU (vLLM refuses to start short of its

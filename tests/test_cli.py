@@ -108,6 +108,16 @@ def test_config_fields_lists_help():
     assert "grpo.kl_estimator = 'k3'" in result.output
 
 
+def test_config_check_warns_of_a_reward_that_pays_for_breaking_the_format():
+    recipe = str(REPO / "recipes" / "refiner-smollm2.yaml")
+    escape = ["--set", "reward.gate_judge_score_with_format_bonus=false"]
+    result = runner.invoke(app, ["config", recipe, "--check", *escape])
+    assert result.exit_code == 0, result.output  # a warning, not a problem: the run may still be what is wanted
+    assert "warning: reward.distractor_penalty = 3" in result.output
+    assert "set reward.gate_judge_score_with_format_bonus=true" in " ".join(result.output.split())
+    assert "warning" not in runner.invoke(app, ["config", recipe, "--check"]).output
+
+
 def _help_lines(args: list[str]) -> list[str]:
     """The lines of a `--help` page on a terminal wide enough for any paragraph, boxes and markup removed."""
     result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "1000"})

@@ -75,6 +75,9 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     )
     penalised = _card(["rollout.repetition_penalty=1.1", "rollout.min_p=0.05"])
     assert "| sampling | temperature 1.0, top_p 1.0, min_p 0.05, repetition_penalty 1.1, engine hf |" in penalised
+    gated = _card(["reward.format_weight=1", "reward.gate_judge_score_with_format_bonus=true"])
+    assert "+ 1.0 x format score; the judged part is 0 when the format is broken |" in gated
+    assert "format is broken" not in card
     embedded = yaml.safe_load(changed.split("```yaml\n", 1)[1].split("```", 1)[0])
     assert embedded["grpo"]["beta"] == 0.05  # the reproduce section's recipe is the resolved one
 

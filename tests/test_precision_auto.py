@@ -138,15 +138,17 @@ def test_pipeline_resolves_auto_and_caches_under_the_resolved_value(prefect_serv
 
 
 def test_cli_logs_and_records_the_resolved_precision(tmp_path):
-    """`refiner run` logs the precision and why at the start and records the resolved value in recipe.yaml (the
-    run is stopped by an injected fault in its first rollout)."""
+    """`refiner run` logs the precision and why at the start, and a warning about its reward settings, and records
+    the resolved value in recipe.yaml (the run is stopped by an injected fault in its first rollout)."""
     run_dir = tmp_path / "run"
     args = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(run_dir), "--set", "run.retries=0"]
+    args += ["--set", "reward.distractor_penalty=100"]  # more than a missing answer block gives up: warned of
     code, _, err, _ = run_cli(args, tmp_path, env={"REFINER_FAIL_ONCE": "rollout@0"})
     assert code == 1, err[-3000:]
     expected = resolve_precision("auto")
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["model"]["precision"] == expected
     assert f"precision: {expected} (auto: {native_bf16()[1]})" in err
+    assert "WARNING | Flow run" in err and "reward.distractor_penalty = 100, and an answer with no answer block" in err
 
 
 @pytest.mark.parametrize("gpu, major, expected", [("Tesla T4", 7, "fp32"), ("NVIDIA H100 80GB HBM3", 9, "bf16")])

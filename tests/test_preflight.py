@@ -12,7 +12,7 @@ import pytest
 from refiner_core.config import load_recipe
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import SourceError, detect_format, load_rows
-from refiner_core.preflight import check_recipe
+from refiner_core.preflight import check_recipe, reward_warnings
 
 REPO = Path(__file__).parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -32,6 +32,26 @@ def test_shipped_recipes_pass(recipe):
         f"model.policy: {policy!r} is not 'tiny-qwen3' or 'smollm2-135m-instruct', and there is no folder"
     )
     assert [p for p in problems(recipe=recipe) if not p.startswith(absent_checkpoint)] == []
+    assert reward_warnings(load_recipe(recipe)) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        # a missing block gives up format 1 + 10 x 0.2 citation = 3: a penalty of 3 or more makes it pay
+        (["reward.distractor_penalty=3"], True),
+        (["reward.distractor_penalty=5"], True),
+        (["reward.distractor_penalty=2.9"], False),
+        (["reward.distractor_penalty=3", "reward.format_weight=1.5"], False),
+        (["reward.distractor_penalty=3", "reward.gate_judge_score_with_format_bonus=true"], False),
+        (["reward.distractor_penalty=0"], False),
+    ],
+)
+def test_a_distractor_penalty_that_pays_for_breaking_the_format_is_warned_of(overrides, warned):
+    weights = ["reward.verification_reward=10", "reward.citation_weight=0.2", "reward.format_weight=1"]
+    warnings = reward_warnings(load_recipe(REPO / "recipes" / "tiny.yaml", weights + overrides))
+    assert bool(warnings) == warned
+    assert all("gives up at most 3 " in w for w in warnings)
 
 
 def test_misspelled_mapping_key_suggests_the_canonical_name():

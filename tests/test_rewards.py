@@ -165,6 +165,28 @@ def test_distractor_penalty_enters_the_reward_outside_the_multiplier():
     assert [r["reward"] for r in off] == pytest.approx([8.0, 8.0, 8.0])
 
 
+@pytest.mark.parametrize("judge_score", [0.25, 0.5, 1.0])
+def test_the_main_jobs_reward_puts_a_broken_format_below_a_cited_distractor(judge_score):
+    """Without the gate, an answer with no block (or a forged one) cited nothing, so it escaped the distractor
+    penalty and scored what a well-formed answer citing a distractor scored (5.0 each at a judge score of 0.5): GRPO
+    could learn to break the format to avoid the penalty, and on one CPU the main job did."""
+    from refiner_core import REPO_ROOT
+    from refiner_core.config import load_recipe
+
+    reward = load_recipe(REPO_ROOT / "recipes" / "refiner-smollm2.yaml").reward
+    texts = {
+        "clean": "<answer><snippet id=S1>a</snippet></answer>",
+        "distractor": "<answer><snippet id=S1,D1>a</snippet></answer>",
+        "no block": "prose that names S1",
+        "forged": "<answer><answer id=S1>a</answer>",
+    }
+    inputs = [_inputs(sample_idx=i, **format_parts(t, SNIPPETS, SUPPORTING)) for i, t in enumerate(texts.values())]
+    scores = [_score_row(judge_score, sample_idx=i) for i in range(len(texts))]
+    rows = compute_rewards(inputs, scores, [weight_row("r", 0, "train", reward, "zero")])
+    by_kind = dict(zip(texts, (r["reward"] for r in rows)))
+    assert by_kind["clean"] > by_kind["distractor"] > max(by_kind["no block"], by_kind["forged"])
+
+
 @pytest.mark.parametrize(
     ("text", "recall"),
     [

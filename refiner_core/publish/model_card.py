@@ -164,6 +164,8 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
         judged += f" - {reward['distractor_penalty']} if it cites a distractor snippet"
     if reward.get("supporting_recall_weight"):
         judged += f" + {reward['supporting_recall_weight']} x the share of supporting snippets cited"
+    if reward.get("gate_judge_score_with_format_bonus"):
+        judged += "; the judged part is 0 when the format is broken"
     learner = grpo["learner"]
     if learner == "deepspeed":
         deepspeed = grpo["deepspeed"]
