@@ -24,8 +24,9 @@ fi
 # otherwise stop pip halfway with a bare OSError.
 need_kib=$((6 * 1024 * 1024))
 [[ -d .venv ]] && need_kib=$((1024 * 1024))
-free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
-tmp_free_kib=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}')
+available_kib() { df -Pk "$1" | awk 'NR == 2 {print $4}'; }
+free_kib=$(available_kib .)
+tmp_free_kib=$(available_kib "${TMPDIR:-/tmp}")
 (( tmp_free_kib < free_kib )) && free_kib=$tmp_free_kib
 if (( free_kib < need_kib )); then
   echo "[setup] error: $((free_kib / 1024)) MiB free here or in ${TMPDIR:-/tmp}; installing .venv needs about" \

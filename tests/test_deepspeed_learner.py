@@ -341,8 +341,8 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_rec
     assert "[deepspeed rank 0/1] trained" in ranks_said and "is deprecated" not in ranks_said
     kept, fresh = _results(tmp_path / "kept"), _results(tmp_path / "fresh")
     # Step 0 launches fresh ranks from the same model in both runs, and its policy is its reference (KL 0): a
-    # difference there is the ranks' arithmetic varying between launches, not the kept ranks (seen once, kept's
-    # step-0 KL 3.4e-8, in a suite run on 2 busy cores; not reproduced in 17 launches beside a CPU hog).
+    # difference there is the ranks' arithmetic varying between launches, not the kept ranks
+    # (docs/benchmarks.md#the-test-suite).
     step_0 = [[row for row in run["steps"] if row[0] == 0] for run in (kept, fresh)]
     assert step_0[0] == step_0[1] and step_0[0][0][2] == 0.0, f"step 0 (loss, kl, grad norm) differs: {step_0}"
     _same(kept, fresh)
