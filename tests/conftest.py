@@ -123,7 +123,7 @@ def run_cli(
     """`refiner ARGS` in a child process (Prefect's logging and server are per process), in its own process group
     so that a temporary Prefect server a hard-killed run leaves behind is reaped. Output goes to files, not pipes:
     such a leftover would hold a pipe open. The child keeps to one thread: its worker waits on it while the other
-    worker (one per core) runs beside it, and two runs at once at torch's default threads took twice as long
+    workers run beside it, and two runs at once at torch's default threads took twice as long
     (bench/parallel_runs.py). Returns (exit code, stdout, stderr, seconds)."""
     env = {
         **os.environ,
