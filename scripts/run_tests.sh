@@ -7,8 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-available_gib=$(($(free -k | awk '/^Mem:/ {print $7}') / 1048576))
 workers=$(($(nproc) + 1))
-workers=$((workers < available_gib / 4 ? workers : available_gib / 4))
-workers=$((workers > 1 ? workers : 1))
+available_kib=$(free -k 2>/dev/null | awk '/^Mem:/ {print $7}')
+if [[ -n "$available_kib" ]]; then  # without procps' free, no memory cap
+    by_memory=$((available_kib / 1048576 / 4))
+    workers=$((workers < by_memory ? workers : by_memory))
+    workers=$((workers > 1 ? workers : 1))
+fi
 exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
