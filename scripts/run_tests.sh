@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the test suite on one pytest worker more than there are cores (a test file stays on
-# one worker, so its module fixtures run once): about a fifth of a worker's time goes to waiting on its child
-# processes, servers and schedules, and the extra worker fills it (docs/benchmarks.md#the-test-suite). A worker
-# peaks near 3.5 GiB, so there is at most one per 4 GiB of available memory. Extra arguments go to pytest (a
-# `-n N` among them sets the workers).
+# one worker, so its module fixtures run once): workers wait on their child processes, servers and schedules, and
+# with one per core an eighth of the cores' time sat idle; the extra worker fills it
+# (docs/benchmarks.md#the-test-suite). A worker peaks near 3.5 GiB, so there is at most one per 4 GiB of available
+# memory. Extra arguments go to pytest (a `-n N` among them sets the workers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

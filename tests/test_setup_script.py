@@ -8,6 +8,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _executable(path: Path, body: str) -> None:
+    """A shell script at `path` (its folder made) that stands in for a command."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+
+
 def _run_setup(tmp_path: Path, free_kib: int, with_venv: bool) -> subprocess.CompletedProcess:
     project = tmp_path / "project"
     (project / "scripts").mkdir(parents=True)
@@ -16,17 +23,13 @@ def _run_setup(tmp_path: Path, free_kib: int, with_venv: bool) -> subprocess.Com
         shutil.copy(REPO / name, project / name)
     if with_venv:
         (project / ".venv").mkdir()
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
     # A df that reports `free_kib` available on every filesystem, in POSIX format.
-    (fake_bin / "df").write_text(
-        "#!/bin/sh\n"
-        'echo "Filesystem 1024-blocks Used Available Capacity Mounted on"\n'
-        f'echo "fake 100000000 1 {free_kib} 1% /"\n'
+    _executable(
+        tmp_path / "bin" / "df",
+        f'echo "Filesystem 1024-blocks Used Available Capacity Mounted on"\necho "fake 100000000 1 {free_kib} 1% /"',
     )
-    (fake_bin / "df").chmod(0o755)
     env = {
-        "PATH": f"{fake_bin}:/usr/bin:/bin",
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
         "PYTHON": "false",  # stops the script at `python -m venv`, after the check under test
         "TMPDIR": str(tmp_path),
     }
@@ -64,20 +67,14 @@ def _run_tests_command(tmp_path: Path, cores: int, available_kib: int, *args: st
     (project / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts" / "run_tests.sh", project / "scripts" / "run_tests.sh")
     (project / "scripts" / "setup.sh").write_text("exit 0\n")
-    (project / ".venv" / "bin").mkdir(parents=True)
-    fakes = {
-        project / ".venv" / "bin" / "python": 'echo "$@"',
-        tmp_path / "bin" / "nproc": f"echo {cores}",
-        tmp_path / "bin" / "free": (  # procps' `free -k` layout
-            "echo '               total        used        free      shared  buff/cache   available'\n"
-            f"echo 'Mem:        99999999     1     1     1     1     {available_kib}'\n"
-            "echo 'Swap:              0           0           0'"
-        ),
-    }
-    for path, body in fakes.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"#!/bin/sh\n{body}\n")
-        path.chmod(0o755)
+    _executable(project / ".venv" / "bin" / "python", 'echo "$@"')
+    _executable(tmp_path / "bin" / "nproc", f"echo {cores}")
+    _executable(  # procps' `free -k` layout
+        tmp_path / "bin" / "free",
+        "echo '               total        used        free      shared  buff/cache   available'\n"
+        f"echo 'Mem:        99999999     1     1     1     1     {available_kib}'\n"
+        "echo 'Swap:              0           0           0'",
+    )
     done = subprocess.run(
         ["bash", "scripts/run_tests.sh", *args],
         cwd=project,
