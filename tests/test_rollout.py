@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -92,6 +93,33 @@ def test_first_stop_keeps_eos_and_cuts_at_stop_string():
     assert first_stop([1, 2, 9, 3], {9}, (), decode) == (3, True)
     assert first_stop([1, 2, 3, 4, 5], set(), ("cd",), decode) == (4, True)  # 'abcd' is the shortest prefix
     assert first_stop([1, 2, 3], set(), ("zz",), decode) == (3, False)
+    # an EOS after the stop string is generate's padding of a stopped row, not a sampled token
+    assert first_stop([1, 2, 3, 4, 9, 9], {9}, ("cd",), decode) == (4, True)
+    assert first_stop([1, 2, 9, 3, 4], {9}, ("cd",), decode) == (3, True)  # a sampled EOS before it still ends it
+
+
+def test_a_row_stopped_by_a_stop_string_ends_with_the_token_that_completed_it(tiny_model_path, tiny_tokenizer):
+    """generate fills a row that met a stop string with the pad token while the rest of its batch samples on; with
+    pad = EOS (SmolLM2, Qwen3) that padding must not be kept as a sampled EOS, with the log-prob the policy gives
+    EOS there (on SmolLM2 as low as -22 after '</answer></', which made the step's k3 KL jump from 0.17 to 4.5)."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token
+    engine = HFRolloutEngine(load_model(tiny_model_path), tokenizer, batch_size=8)
+    assert tokenizer.pad_token_id in engine.eos_ids
+    prompts = [
+        tokenizer(t, add_special_tokens=False)["input_ids"]
+        for t in (
+            "<|im_start|>user\nshort<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\na much longer question about rivers<|im_end|>\n<|im_start|>assistant\n",
+        )
+    ]
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3)
+    free = engine.generate(prompts, params)
+    stop = engine._decode(free[0].token_ids[:4])  # the first sample's text after 4 tokens, which no other sample has
+    stopped = engine.generate(prompts, dataclasses.replace(params, stop=(stop,)))
+    assert [len(g.token_ids) for g in stopped] == [4] + [12] * 7  # the other rows sampled on in the same batch
+    assert stopped[0].token_ids == free[0].token_ids[:4] and stopped[0].finish_reason == "stop"
+    assert stopped[0].logprobs == free[0].logprobs[:4]
 
 
 def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):

@@ -84,20 +84,23 @@ def free_bytes(device_type: str) -> int:
 
 
 def first_stop(token_ids: list[int], eos_ids: set[int], stop: tuple[str, ...], decode) -> tuple[int, bool]:
-    """Length to keep and whether a stop condition was met: first EOS (kept), else the shortest prefix
-    whose text contains a stop string (found by bisection: containment is monotone in the prefix)."""
-    for i, t in enumerate(token_ids):
-        if t in eos_ids:
-            return i + 1, True
-    if stop and any(s in decode(token_ids) for s in stop):
-        lo, hi = 1, len(token_ids)
+    """Length to keep and whether a stop condition was met: the shortest prefix whose text contains a stop string
+    (found by bisection: containment is monotone in the prefix), else the first EOS (kept). The stop string is
+    looked for first because transformers' generate fills a row it stopped at one with the pad token, which is an
+    EOS id for SmolLM2 and Qwen3: an EOS after a stop string was never sampled."""
+    eos_at = next((i for i, t in enumerate(token_ids) if t in eos_ids), None)
+    head = token_ids if eos_at is None else token_ids[:eos_at]
+    if stop and any(s in decode(head) for s in stop):
+        lo, hi = 1, len(head)
         while lo < hi:
             mid = (lo + hi) // 2
-            if any(s in decode(token_ids[:mid]) for s in stop):
+            if any(s in decode(head[:mid]) for s in stop):
                 hi = mid
             else:
                 lo = mid + 1
         return lo, True
+    if eos_at is not None:
+        return eos_at + 1, True
     return len(token_ids), False
 
 
