@@ -19,16 +19,21 @@ from refiner_core.rollout.base import SamplingParams, first_stop, left_padded
 from refiner_core.rollout.hf_engine import HFRolloutEngine, RepetitionPenalty
 
 
-def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer):
-    model = load_model(tiny_model_path)
-    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
-    prompts = [
-        tiny_tokenizer(t, add_special_tokens=False)["input_ids"]
+def short_and_long_prompts(tokenizer) -> list[list[int]]:
+    """Two chat prompts of different lengths: batched together, the short one is left-padded."""
+    return [
+        tokenizer(t, add_special_tokens=False)["input_ids"]
         for t in (
             "<|im_start|>user\nshort<|im_end|>\n<|im_start|>assistant\n",
             "<|im_start|>user\na much longer question about rivers and bridges<|im_end|>\n<|im_start|>assistant\n",
         )
     ]
+
+
+def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer):
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
+    prompts = short_and_long_prompts(tiny_tokenizer)
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=5)
     gens = engine.generate(prompts, params)
     assert [(g.prompt_index, g.sample_idx) for g in gens] == [(p, s) for p in range(2) for s in range(3)]
@@ -106,13 +111,7 @@ def test_a_row_stopped_by_a_stop_string_ends_with_the_token_that_completed_it(ti
     tokenizer.pad_token = tokenizer.eos_token
     engine = HFRolloutEngine(load_model(tiny_model_path), tokenizer, batch_size=8)
     assert tokenizer.pad_token_id in engine.eos_ids
-    prompts = [
-        tokenizer(t, add_special_tokens=False)["input_ids"]
-        for t in (
-            "<|im_start|>user\nshort<|im_end|>\n<|im_start|>assistant\n",
-            "<|im_start|>user\na much longer question about rivers<|im_end|>\n<|im_start|>assistant\n",
-        )
-    ]
+    prompts = short_and_long_prompts(tokenizer)
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=3)
     free = engine.generate(prompts, params)
     stop = engine._decode(free[0].token_ids[:4])  # the first sample's text after 4 tokens, which no other sample has
