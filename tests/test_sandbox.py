@@ -19,6 +19,7 @@ from refiner_core.agent.tools.python_sandbox import (
     PythonTool,
     SandboxLimits,
     SandboxUnavailable,
+    addresses_can_be_fixed,
     check_sandbox,
 )
 
@@ -76,6 +77,25 @@ def test_runs_code_and_returns_output(box):
     assert (result.status, result.exit_code, result.stdout) == ("ok", 0, "42\n")
     failed = box.run("raise ValueError('bad input')")
     assert failed.status == "error" and failed.exit_code == 1 and "ValueError: bad input" in failed.stderr
+
+
+def test_the_same_code_prints_the_same_in_every_call(box):
+    """A seeded run repeats its conversations only if the tool does: set order and object addresses held fixed."""
+    code = "print(list({f'name-{i}' for i in range(40)}))\nprint((n for n in ()))\nprint(object())"
+    outputs = [box.run(code).stdout for _ in range(3)]
+    sets, reprs = zip(*((out.splitlines()[0], out.splitlines()[1:]) for out in outputs))
+    assert len(set(sets)) == 1, sets  # 40 strings in one order by chance: about 1 in 40!
+    assert "<generator object" in reprs[0][0] and " at 0x" in reprs[0][1]
+    if box.fixed_addresses:
+        assert len(set(map(tuple, reprs))) == 1, reprs
+    else:  # a machine that refuses `setarch -R`: the addresses vary, as the warning said
+        assert len(set(map(tuple, reprs))) > 1, reprs
+
+
+def test_a_machine_that_cannot_fix_addresses_is_warned(monkeypatch, caplog):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert addresses_can_be_fixed.__wrapped__() is False
+    assert "address randomization" in caplog.text and "install util-linux" in caplog.text
 
 
 def test_infinite_loop_is_stopped_by_the_cpu_limit():

@@ -12,8 +12,13 @@ Each call starts a fresh interpreter under `bwrap` with
 - a private writable /tmp (tmpfs of `tmp_bytes` and at most `tmp_inodes` files and folders: bwrap's tmpfs caps
   only bytes, so a launcher remounts it with an inode cap before the code starts), the working folder, discarded
   after the call;
-- a scrubbed environment (PATH, HOME=/tmp, LANG only), no stdin, and private PID, IPC and UTS namespaces: the
-  code sees only its own processes and cannot signal the host's;
+- a scrubbed environment (PATH, HOME=/tmp, LANG, PYTHONHASHSEED only), no stdin, and private PID, IPC and UTS
+  namespaces: the code sees only its own processes and cannot signal the host's;
+- the same output for the same code in every run, so a seeded run (and a resumed one) repeats its conversations:
+  string hashing is not randomized (PYTHONHASHSEED=0: a printed set of strings keeps its order) and neither is the
+  address space (`setarch -R`: an object's repr, `<generator object ... at 0x...>`, keeps its address). Where the
+  machine forbids turning address randomization off (a container's seccomp profile may), `fixed_addresses` is
+  False and a warning says so once. Code that reads the clock or draws from `random` still varies;
 - rlimits set by `prlimit` before bwrap starts: CPU seconds (SIGXCPU, then SIGKILL one second later), address
   space, processes and the size of any file written;
 - a seccomp filter (classic BPF, built here) that fails with EPERM: the kernel keyring (add_key, request_key,
@@ -56,6 +61,7 @@ SandboxUnavailable with the reason and the fix; the tool never falls back to run
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import platform
 import pwd
@@ -309,6 +315,7 @@ class PythonSandbox:
         for slot in self.uids or range(self.concurrency):
             self._slots.put(slot)
         self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="sandbox")
+        self.fixed_addresses = addresses_can_be_fixed()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -401,6 +408,9 @@ class PythonSandbox:
             "--setenv",
             "LANG",
             "C.UTF-8",
+            "--setenv",
+            "PYTHONHASHSEED",
+            "0",
             "--seccomp",
             str(seccomp_fd),
             "--cap-add",
@@ -416,7 +426,9 @@ class PythonSandbox:
             drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         else:  # the caller's uid inside its own user namespace; CAP_SETPCAP lets setpriv empty the bounding set
             box += ["--unshare-user", "--cap-add", "CAP_SETPCAP"]
-        return [*prlimit, *box, "--", *launcher, *drop, "--", self.interpreter, "-I", "-B", "-c", code]
+        # -P -s rather than -I: -I ignores PYTHONHASHSEED; the environment is bwrap's, cleared, so nothing else reads.
+        fixed = [_program("setarch"), "-R"] if self.fixed_addresses else []
+        return [*prlimit, *box, "--", *launcher, *drop, "--", *fixed, self.interpreter, "-P", "-s", "-B", "-c", code]
 
     def _run(self, code: str, uid: int) -> ExecResult:
         lim = self.limits
@@ -517,6 +529,20 @@ def _uid_has_processes(uid: int) -> bool:
             except OSError:
                 continue
     return False
+
+
+@lru_cache(maxsize=1)
+def addresses_can_be_fixed() -> bool:
+    """Whether `setarch -R` may turn address randomization off here; warns once where it may not."""
+    setarch = shutil.which("setarch")
+    works = setarch is not None and subprocess.run([setarch, "-R", "true"], capture_output=True).returncode == 0
+    if not works:
+        logging.getLogger(__name__).warning(
+            "the Python tool cannot turn address randomization off here (%s): tool output that prints an "
+            "object's address will differ between runs of the same seed",
+            "setarch is not on PATH: install util-linux" if setarch is None else "setarch -R is refused",
+        )
+    return works
 
 
 @lru_cache(maxsize=8)
