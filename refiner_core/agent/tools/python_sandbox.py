@@ -426,7 +426,7 @@ class PythonSandbox:
             drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         else:  # the caller's uid inside its own user namespace; CAP_SETPCAP lets setpriv empty the bounding set
             box += ["--unshare-user", "--cap-add", "CAP_SETPCAP"]
-        # -P -s rather than -I: -I ignores PYTHONHASHSEED; the environment is bwrap's, cleared, so nothing else reads.
+        # -P -s rather than -I, which would ignore PYTHONHASHSEED; bwrap cleared every other PYTHON* variable.
         fixed = [_program("setarch"), "-R"] if self.fixed_addresses else []
         return [*prlimit, *box, "--", *launcher, *drop, "--", *fixed, self.interpreter, "-P", "-s", "-B", "-c", code]
 
