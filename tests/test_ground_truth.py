@@ -16,6 +16,9 @@ from refiner_core.reward.ground_truth import final_answer, last_boxed, normalize
         (r"\fbox{7}", "7"),
         ("no box here", None),
         (r"\boxed{unclosed", None),
+        (r"so \boxed {42}.", "42"),  # a space before the brace is the same box in LaTeX
+        (r"\fbox {1/2} then \boxed{3} and \boxed  {4}", "4"),
+        (r"\boxedx{5}", None),  # another command
     ],
 )
 def test_last_boxed(text, expected):

@@ -12,7 +12,7 @@ import string
 from dataclasses import dataclass
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_BOXED = ("\\boxed{", "\\fbox{")
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")  # `\boxed {5}` is LaTeX for the same box
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,10 @@ class Verdict:
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} with balanced braces; None when there is none (or it is unclosed)."""
-    start = max(text.rfind(marker) for marker in _BOXED)
-    if start < 0:
+    markers = list(_BOXED_RE.finditer(text))
+    if not markers:
         return None
-    i = text.index("{", start) + 1
+    i = markers[-1].end()
     depth, begin = 1, i
     while i < len(text):
         if text[i] == "{":
