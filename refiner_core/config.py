@@ -606,9 +606,10 @@ class JudgeConfig:
     )
     on_failure: Literal["zero", "skip", "drop", "fail"] = opt(
         "zero",
-        "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric 0 "
-        "(oriented), 'skip' leaves it out of the mean, 'drop' leaves the whole rollout out of the update (its "
-        "group's advantages come from the others), 'fail' fails the judge stage (rows are not written).",
+        "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric (or the "
+        "claim's support) 0 (oriented), 'skip' leaves it out of the mean (the claim out of citation precision and "
+        "recall), 'drop' leaves the whole rollout out of the update (its group's advantages come from the "
+        "others), 'fail' fails the judge stage (rows are not written).",
     )
     price_per_mtok_in: float = opt(
         0.0,
@@ -663,7 +664,8 @@ class RewardConfig:
     gate_judge_score_with_format_bonus: bool = opt(
         False,
         "Zero the judged part when the format is invalid, so that a broken answer scores below every well-formed "
-        "one. Needed with distractor_penalty: an answer without a block cites nothing and escapes the penalty.",
+        "one. Needed with distractor_penalty: an answer without a block cites nothing and escapes the penalty. "
+        "Prompts a verifier scores (no rubrics) are not asked for the format and are not gated.",
         column="gate_judge_score_with_format_bonus",
     )
     non_stop_penalty: bool = opt(

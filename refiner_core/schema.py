@@ -281,7 +281,23 @@ _REWARD_INPUT_COLUMNS = (
         F,
         "Summed support of the cited claims / all claims (uncited ones count 0); NULL when claims were not judged.",
     ),
-    _c("citation_f1", F, "2PR / (P + R) (0 when both are 0); NULL when claims were not judged."),
+    _c(
+        "citation_f1",
+        F,
+        "2PR / (P + R) (0 when both are 0), a claim whose judgment failed counting 0; NULL when claims were not "
+        "judged.",
+    ),
+    _c(
+        "claims_failed",
+        I,
+        "Claims whose support judgment failed (citation_claims.failure); NULL when claims were not judged.",
+    ),
+    _c(
+        "citation_f1_judged",
+        F,
+        "citation_f1 with the failed claims left out: the F1 under judge.on_failure 'skip' and 'drop'; NULL when "
+        "claims were not judged.",
+    ),
     _c("finish_reason", S, "Rollout finish reason."),
     _c("response_tokens", I, "Response length in tokens."),
     _c("max_new_tokens", I, "The rollout's length limit (L_max of the overlong penalty)."),
@@ -343,12 +359,21 @@ REWARDS = Table(
             "rubric_weight * rubric_score + citation_weight * citation_score for judged "
             "prompts, verifier_score for verified ones, 0 when gated.",
         ),
-        _c("gated", B, "True when the judged part was zeroed because format_ok is false (gating on)."),
+        _c(
+            "gated",
+            B,
+            "True when the judged part of a judged prompt was zeroed because format_ok is false (gating on).",
+        ),
         _c("non_stop_penalized", B, "True when the reward was replaced by the non-stop penalty."),
         _c("overlong_penalty", F, "max(-f, min(0, -(L - (L_max - B)) / B * f)), 0 when the buffer is off."),
         _c("distractor_term", F, "-distractor_penalty when cites_distractor, else 0."),
         _c("recall_term", F, "supporting_recall_weight * supporting_recall (0 when it is NULL)."),
-        _c("dropped", B, "Left out of the update: a judgment failed under on_failure 'drop'."),
+        _c(
+            "dropped",
+            B,
+            "Left out of the update: a rubric's judgment, or a judged claim's that enters the citation score, "
+            "failed under on_failure 'drop'.",
+        ),
         _c(
             "reward",
             F,

@@ -52,6 +52,15 @@ def test_claims_keep_every_id_of_a_multi_id_citation_and_uncited_sentences():
         ("A final uncited remark.", (), ()),
     ]
     assert extract_claims("no answer block", IDS) is None
+    # a sentence ends at . ! ? before a space or the end, or at a line break; not inside "2.5" or "e.g.,"
+    decimals = extract_claims(
+        "<answer>The dose was 2.5 mg per kg, e.g., for adults! Next line here\nhas more words.</answer>", IDS
+    )
+    assert [c.text for c in decimals] == [
+        "The dose was 2.5 mg per kg, e.g., for adults!",
+        "Next line here",
+        "has more words.",
+    ]
     assert snippet_texts(TOOL)["s2"] == "Title: B\nText: The prize came in 1945."
 
 
@@ -129,3 +138,44 @@ def test_valid_ids_makes_no_claim_calls():
         64,
     )
     assert judge.calls == 1 and scored.citation_claims == [] and scored.reward_inputs[0]["citation_f1"] is None
+
+
+class JunkOnPrizeJudge(SourceMatchJudge):
+    """SourceMatchJudge, except that a claim about a prize gets an answer with no score in it."""
+
+    def complete(self, conversations):
+        out = super().complete(conversations)
+        claims = [m[-1]["content"].startswith("Sources:") and "prize" in m[-1]["content"] for m in conversations]
+        return ["no idea" if junk else o for junk, o in zip(claims, out)]
+
+
+def test_a_failed_claim_judgment_follows_judge_on_failure():
+    prompt = {"prompt_id": "p", "question": "Q?", "snippet_ids": IDS, "tool_output": TOOL, "ground_truth": None}
+    rubrics = {"p": [{"rubric_id": "pos-0", "kind": "positive", "weight": 1.0, "description": "C."}]}
+    text = (
+        "<answer><snippet id=s2>Fleming won a prize</snippet> and <snippet id=s1>Fleming found penicillin in 1928"
+        "</snippet>. Penicillin changed medicine forever.</answer>"
+    )
+
+    def scored(on_failure, kind="f1"):
+        reward = RewardConfig(citation_score=kind, citation_weight=1.0, rubric_weight=0.0, verification_reward=1.0)
+        return score_rollouts(
+            [_rollout(0, text)], {"p": prompt}, rubrics, JunkOnPrizeJudge(), reward, on_failure, 2000, 64
+        )
+
+    zero = scored("zero")
+    assert [c["failure"] is not None for c in zero.citation_claims] == [True, False, False]
+    (inputs,) = zero.reward_inputs
+    # zero: the failed claim counts 0: P = 1/2, R = 1/3, F1 = 0.4; judged only: P = 1, R = 1/2, F1 = 2/3
+    assert math.isclose(inputs["citation_f1"], 0.4) and math.isclose(inputs["citation_f1_judged"], 2 / 3)
+    assert inputs["claims_failed"] == 1
+    assert math.isclose(zero.rewards[0]["reward"], 0.4) and not zero.rewards[0]["dropped"]
+    (skip,) = scored("skip").rewards
+    assert math.isclose(skip["citation_score"], 2 / 3) and not skip["dropped"]
+    (drop,) = scored("drop").rewards
+    assert drop["dropped"] and math.isclose(drop["citation_score"], 2 / 3)
+    (dr_tulu,) = scored("skip", "dr_tulu").rewards  # 0.6 F1 + 0.4 valid-ID fraction (both IDs valid)
+    assert math.isclose(dr_tulu["citation_score"], 0.6 * 2 / 3 + 0.4)
+    # a claim that no setting reads does not drop the rollout: valid_ids makes no claim calls at all
+    (valid_ids,) = scored("drop", "valid_ids").rewards
+    assert not valid_ids["dropped"] and valid_ids["claims_failed"] is None

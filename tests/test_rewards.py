@@ -25,6 +25,12 @@ GOOD = "<answer><snippet id=a1b2c3,d4e5f6>claim</snippet> and <snippet id=ffffff
         ("score: 2", None, "unparseable"),
         ('{"score": 2', None, "unparseable"),
         ("", None, "unparseable"),
+        ('{"score": 2, "reason": "uses {braces}"}', 2.0, None),
+        ('{"score": 2, "detail": {"score": 0, "seen": [1]}}', 2.0, None),  # a nested object is part of the verdict
+        ('<think>Maybe {"score": 0}? No, it fully meets it.</think>\n{"score": 2}', 2.0, None),
+        ('<think>The rubric asks for {"score": 0}, {"score": 1} or', None, "unparseable"),  # cut off while thinking
+        ('It says {"score": 0}, {"score": 1} or {"score": 2}. {"score": 2}', None, "ambiguous"),
+        ('{"score": 1} Again: {"score": "1"}', 1.0, None),  # a restated verdict that agrees
     ],
 )
 def test_parse_judge_output(text, raw, failure):
@@ -72,6 +78,8 @@ def _inputs(text=None, *, sample_idx=0, finish_reason="stop", response_tokens=10
         "citation_precision": None,
         "citation_recall": None,
         "citation_f1": None,
+        "claims_failed": None,
+        "citation_f1_judged": None,
         "finish_reason": finish_reason,
         "response_tokens": response_tokens,
         "max_new_tokens": max_new_tokens,
@@ -327,6 +335,12 @@ def test_verified_prompts_use_the_verifier_score():
     row = _inputs("The answer is \\boxed{42}", verifier="ground_truth", verifier_score=1.0, correct=1.0)
     (out,) = _rewards([row], [], verification_reward=10.0, format_weight=0.0)
     assert out["reward"] == 10.0 and out["rubrics_scored"] == 0
+    # The format gate is about the <answer> block judged prompts are asked for; a verified one is not asked for it.
+    assert not row["format_ok"]
+    (gate_on,) = _rewards(
+        [row], [], verification_reward=10.0, format_weight=0.0, gate_judge_score_with_format_bonus=True
+    )
+    assert not gate_on["gated"] and gate_on["reward"] == 10.0
 
 
 def test_weights_are_one_row_per_version_and_versions_do_not_mix():

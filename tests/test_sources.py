@@ -225,6 +225,28 @@ def test_unrenderable_snippet_lists_are_quarantined(snippet, detail):
     assert rejection.reason == "invalid_tool_output" and detail in rejection.detail
 
 
+@pytest.mark.parametrize(
+    "tool_output,detail",
+    [
+        ("<snippet id=P1>see <snippet id=P9> for more</snippet>", "a snippet tag inside a snippet's text at offset 19"),
+        ("<snippet id=P1 P2>Text: abc</snippet>", "snippet id list 'P1 P2' at offset 0 holds an empty ID or one with"),
+        ("<snippet id=P1,>Text: abc</snippet>", "snippet id list 'P1,' at offset 0 holds an empty ID"),
+        ("<snippet id=P1>Text: abc", "an unclosed snippet at the end"),
+        ("<snippet id=P1>a</snippet></snippet>", "a closing tag with no snippet open at offset 26"),
+        ("<Snippet id=P1>a</Snippet>", "malformed snippet tag '<Snippet id=P1>' at offset 0"),
+    ],
+)
+def test_tool_output_text_is_held_to_the_rules_of_a_rendered_list(tool_output, detail):
+    """Else a tag inside a snippet's text would become an ID to cite, and a reference answer citing it would pass."""
+    from refiner_core.data.rows import RawRow
+
+    row = {**sample_rows(1)[0], "answer": "", "supporting_ids": None, "tool_output": tool_output}
+    [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
+    assert rejection.reason == "invalid_tool_output" and detail in rejection.detail
+    free_text = "Results:\n<snippet id=P1,P2>a</snippet>\nand <snippet id='P3'>b</snippet> end"
+    assert validate_rows([RawRow("line 1", "", {**row, "tool_output": free_text})]).rejected == []
+
+
 def test_rubrics_given_as_one_object_of_both_lists(tmp_path):
     from refiner_core.data.rubric_fields import RubricError, instance_rubrics
 

@@ -16,6 +16,9 @@ _ANY_TAG_RE = re.compile(r"</?snippet\b[^>]*>")
 # the block any tag but a snippet's (`<b>`, `<cite id=x>`, `</p>`; not "a < b" or "a<b and c>d").
 _ANSWER_LIKE_RE = re.compile(r"<\s*/?\s*answer\b[^<>]*>", re.IGNORECASE)
 _TAG_RE = re.compile(r"</?([A-Za-z][\w-]*)(?:\s+[\w-]+\s*=[^<>]*)?\s*/?>")
+# A snippet tag in any spelling (`<Snippet id=D1>`, `< snippet id=D1>`, `</SNIPPET >`): every one must be exactly
+# the format's, or a citation the judge reads would count as none.
+_SNIPPET_LIKE_RE = re.compile(r"<\s*/?\s*snippet\b[^<>]*>", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ class ParsedAnswer:
 
 
 def split_ids(raw: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in raw.split(",") if part.strip())
+    """The IDs of an id list, each once, in order of first mention."""
+    return tuple(dict.fromkeys(part.strip() for part in raw.split(",") if part.strip()))
 
 
 SNIPPET_FIELDS = (("title", "Title"), ("url", "URL"), ("text", "Text"))
@@ -82,6 +86,26 @@ def has_empty_id(raw: str) -> bool:
     return any(not part.strip() for part in raw.split(","))
 
 
+def tool_output_problem(tool_output: str) -> str | None:
+    """Why tool output given as text is not a sequence of whole <snippet id=...>...</snippet> blocks (text between
+    them is free), or None. The same rules as a rendered list: plain IDs, no snippet tag inside a snippet's text."""
+    inside = False
+    for tag in _SNIPPET_LIKE_RE.finditer(tool_output):
+        opening = _SNIPPET_OPEN_RE.fullmatch(tag.group(0))
+        if not opening and tag.group(0) != _SNIPPET_CLOSE:
+            return f"malformed snippet tag {tag.group(0)!r} at offset {tag.start()}"
+        if bool(opening) == inside:
+            what = "a snippet tag inside a snippet's text" if inside else "a closing tag with no snippet open"
+            return f"{what} at offset {tag.start()}"
+        inside = bool(opening)
+        if opening:
+            raw = opening.group(1)
+            bad = [i for i in raw.split(",") if not _PLAIN_ID_RE.fullmatch(i.strip())]
+            if bad:
+                return f"snippet id list {raw!r} at offset {tag.start()} holds an empty ID or one with spaces"
+    return "an unclosed snippet at the end" if inside else None
+
+
 def tool_snippet_ids(tool_output: str) -> list[str]:
     """IDs of the snippets in raw search-tool output, in order of appearance, without duplicates."""
     seen: dict[str, None] = {}
@@ -104,7 +128,12 @@ def parse_answer(text: str) -> ParsedAnswer:
             problems.append("snippet tag with no id")
         elif has_empty_id(match.group(1)):
             problems.append(f"empty id in snippet id list {match.group(1)!r}")
-        if not claim:
+        if len(ids) < sum(1 for part in match.group(1).split(",") if part.strip()):
+            problems.append(f"repeated id in snippet id list {match.group(1)!r}")
+        spaced = [i for i in ids if not _PLAIN_ID_RE.fullmatch(i)]
+        if spaced:
+            problems.append(f"id {spaced[0]!r} is not one ID: IDs are separated by commas")
+        if not any(ch.isalnum() for ch in claim):  # blank, punctuation or invisible characters only
             problems.append("snippet with empty claim")
         if "<snippet" in claim:
             problems.append("nested snippet tags")
@@ -112,6 +141,9 @@ def parse_answer(text: str) -> ParsedAnswer:
     stray = [t for t in _ANSWER_LIKE_RE.findall(text) if t not in (ANSWER_OPEN, ANSWER_CLOSE)]
     if stray:
         problems.append(f"stray or malformed answer tag {stray[0]!r}")
+    odd = [t for t in _SNIPPET_LIKE_RE.findall(body) if t != _SNIPPET_CLOSE and not _SNIPPET_OPEN_RE.fullmatch(t)]
+    if odd:
+        problems.append(f"malformed snippet tag {odd[0]!r}")
     other = [m.group(0) for m in _TAG_RE.finditer(body) if m.group(1).lower() not in ("snippet", "answer")]
     if other:
         problems.append(f"tag {other[0]!r} in the answer: only <snippet id=...> tags belong there")

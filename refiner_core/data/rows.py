@@ -13,7 +13,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refiner_core.data.formats import check_citations, parse_answer, render_snippets, tool_snippet_ids
+from refiner_core.data.formats import (
+    check_citations,
+    parse_answer,
+    render_snippets,
+    tool_output_problem,
+    tool_snippet_ids,
+)
 from refiner_core.data.rubric_fields import RubricError, instance_rubrics
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
@@ -160,6 +166,9 @@ def check_row(row: dict) -> tuple[str, str] | None:
     problem = _check_text_fields(row, REQUIRED_TEXT_FIELDS)
     if problem:
         return problem
+    broken = tool_output_problem(row["tool_output"])
+    if broken:
+        return "invalid_tool_output", broken
     ids = tool_snippet_ids(row["tool_output"])
     if not ids:
         return "no_snippets", "tool_output contains no <snippet id=...> blocks"

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from refiner_core.data.formats import SNIPPET_RE, parse_answer, split_ids
 
-_SENTENCE_RE = re.compile(r"[^.!?\n]+[.!?]?")
+# A sentence ends at . ! or ? before a space or the end, or at a line break: "2.5 mg" and "e.g.," do not end one.
+_SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n+")
 _MIN_CLAIM_CHARS = 12  # shorter leftovers ("and", "In short,") are connectives, not claims
 
 
@@ -49,10 +50,12 @@ def extract_claims(response_text: str, snippet_ids: list[str]) -> list[Claim] | 
 
 
 def _uncited(text: str) -> list[Claim]:
-    text = re.sub(r"</?snippet\b[^>]*>", " ", text)  # stray tags of a malformed answer are not claim text
+    text = re.sub(
+        r"<\s*/?\s*snippet\b[^<>]*>", " ", text, flags=re.IGNORECASE
+    )  # stray tags of a malformed answer are not claim text
     return [
         Claim(s.strip(), (), ())
-        for s in _SENTENCE_RE.findall(text)
+        for s in _SENTENCE_END_RE.split(text)
         if len(s.strip()) >= _MIN_CLAIM_CHARS and re.search(r"[A-Za-z0-9]", s)
     ]
 
@@ -66,16 +69,30 @@ def snippet_texts(tool_output: str) -> dict[str, str]:
     return texts
 
 
-def citation_scores(supports: list[float | None], cited: list[bool]) -> dict:
-    """Precision, recall and F1 from per-claim supports (None = judgment failed: counts 0) and whether each
-    claim is cited. No claims at all (an empty answer) scores 0."""
-    n_claims = len(supports)
+def citation_scores(supports: list[float | None], cited: list[bool], failed: list[bool] | None = None) -> dict:
+    """Precision, recall and F1 from per-claim supports and whether each claim is cited: a failed judgment
+    (`failed`, support None) counts 0, and `citation_f1_judged` is the F1 with those claims left out (what
+    judge.on_failure 'skip' and 'drop' read). No claims at all (an empty answer) scores 0."""
+    failed = failed or [False] * len(supports)
+    precision, recall, f1 = _precision_recall_f1(supports, cited)
+    judged = [(s, c) for s, c, f in zip(supports, cited, failed, strict=True) if not f]
+    return {
+        "claims": len(supports),
+        "citation_precision": precision,
+        "citation_recall": recall,
+        "citation_f1": f1,
+        "claims_failed": sum(failed),
+        "citation_f1_judged": _precision_recall_f1([s for s, _ in judged], [c for _, c in judged])[2],
+    }
+
+
+def _precision_recall_f1(supports: list[float | None], cited: list[bool]) -> tuple[float, float, float]:
     cited_support = [s or 0.0 for s, c in zip(supports, cited, strict=True) if c]
     precision = sum(cited_support) / len(cited_support) if cited_support else 0.0
-    recall = sum(cited_support) / n_claims if n_claims else 0.0
+    recall = sum(cited_support) / len(supports) if supports else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
-    return {"claims": n_claims, "citation_precision": precision, "citation_recall": recall, "citation_f1": f1}
+    return precision, recall, f1
 
 
-NO_ANSWER_SCORES = {"claims": 0, "citation_precision": 0.0, "citation_recall": 0.0, "citation_f1": 0.0}
-NOT_JUDGED_SCORES = {"claims": None, "citation_precision": None, "citation_recall": None, "citation_f1": None}
+NO_ANSWER_SCORES = citation_scores([], [])
+NOT_JUDGED_SCORES = dict.fromkeys(NO_ANSWER_SCORES)

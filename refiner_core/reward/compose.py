@@ -71,10 +71,10 @@ parts AS (
          coalesce(r.rubrics_failed, 0) AS rubrics_failed,
          CASE w.citation_score_kind
               WHEN 'valid_ids' THEN i.citation_valid_fraction
-              WHEN 'f1' THEN coalesce(i.citation_f1, 0.0)
-              WHEN 'dr_tulu' THEN 0.6 * coalesce(i.citation_f1, 0.0) + 0.4 * i.citation_valid_fraction
+              WHEN 'f1' THEN coalesce(claim_f1, 0.0)
+              WHEN 'dr_tulu' THEN 0.6 * coalesce(claim_f1, 0.0) + 0.4 * i.citation_valid_fraction
          END AS citation_score,
-         w.gate_judge_score_with_format_bonus AND NOT i.format_ok AS gated,
+         w.gate_judge_score_with_format_bonus AND i.verifier = 'judge' AND NOT i.format_ok AS gated,
          w.non_stop_penalty AND i.finish_reason <> 'stop' AS non_stop_penalized,
          CASE WHEN w.overlong_buffer > 0
               THEN greatest(-w.overlong_factor, least(0.0, -(i.response_tokens - (i.max_new_tokens - w.overlong_buffer))
@@ -82,9 +82,16 @@ parts AS (
               ELSE 0.0 END AS overlong_penalty,
          CASE WHEN coalesce(i.cites_distractor, false) THEN -w.distractor_penalty ELSE 0.0 END AS distractor_term,
          w.supporting_recall_weight * coalesce(i.supporting_recall, 0.0) AS recall_term,
-         w.on_failure = 'drop' AND coalesce(r.rubrics_failed, 0) > 0 AS dropped
+         w.on_failure = 'drop' AND (coalesce(r.rubrics_failed, 0) > 0
+                                    OR w.citation_score_kind <> 'valid_ids' AND coalesce(i.claims_failed, 0) > 0)
+           AS dropped
   FROM reward_inputs i
   JOIN reward_weights w ON i.run = w.run AND i.step = w.step
+  -- failed claim judgments count 0 under 'zero', are left out under 'skip' and 'drop' (rows stored before
+  -- citation_f1_judged existed have only citation_f1)
+  CROSS JOIN LATERAL (SELECT CASE WHEN w.on_failure IN ('skip', 'drop')
+                                  THEN coalesce(i.citation_f1_judged, i.citation_f1)
+                                  ELSE i.citation_f1 END AS claim_f1)
   LEFT JOIN rubric r ON r.run = i.run AND r.step = i.step AND r.prompt_id = i.prompt_id
                     AND r.sample_idx = i.sample_idx AND r.reward_version = w.reward_version
 ),

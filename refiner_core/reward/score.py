@@ -175,11 +175,12 @@ def _judged_claims(claims: list[tuple[dict, list[dict] | None]], outputs) -> tup
         if found is None:
             scores[key] = NO_ANSWER_SCORES
             continue
-        supports = []
+        supports, failed = [], []
         for idx, item in enumerate(found):
             claim, done = item["claim"], next(outputs) if item["conversation"] else None
             support, _, failure = _parsed(done) if done is not None else (0.0 if claim.cited_ids else None, None, None)
             supports.append(support)
+            failed.append(failure is not None)
             rows.append(
                 {
                     "run": r["run"],
@@ -199,7 +200,7 @@ def _judged_claims(claims: list[tuple[dict, list[dict] | None]], outputs) -> tup
                     "completion_tokens": None if done is None else done.completion_tokens,
                 }
             )
-        scores[key] = citation_scores(supports, [bool(item["claim"].cited_ids) for item in found])
+        scores[key] = citation_scores(supports, [bool(item["claim"].cited_ids) for item in found], failed)
     return rows, scores
 
 
