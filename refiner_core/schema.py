@@ -159,8 +159,8 @@ JUDGE_SCORES = Table(
             "failure",
             S,
             "NULL when parsed; otherwise why ('unparseable: ...', 'out_of_range: ...', 'non_numeric: ...', "
-            "or a transport failure after retries: 'timeout: ...', 'http_500: ...', 'refused: ...', "
-            "'budget_exhausted: ...').",
+            "'ambiguous: ...' (several score objects that disagree), or a transport failure after retries: "
+            "'timeout: ...', 'http_500: ...', 'refused: ...', 'budget_exhausted: ...').",
         ),
         _c(
             "latency_seconds",

@@ -37,14 +37,15 @@ class LoopbackServer:
 class FaultServer(LoopbackServer):
     """Chat-completions on loopback. Per prompt (hash of the messages), deterministically:
     0 sleeps past the client timeout once, 1 answers 500 once, 2 answers 429 once, 3 answers a junk body once,
-    4 answers 503 while `permanent_faults` is on, 5 always answers prose (not score JSON); others a score.
+    4 answers 503 while `permanent_faults` is on, 5 always answers prose (not score JSON); others a score, or
+    `answer` when given.
     `latency` is added to every reply (a remote judge). Counts every request it receives. Every reply reports its
     `usage` (prompt tokens: the messages' JSON characters / 4; completion: the content's characters / 4 + 1), kept
     in `usage` by prompt hash. While `stopped` is set, chat completions get no answer (GET /models still does): a
     server whose model died behind its API."""
 
-    def __init__(self, latency: float = 0.0, faults: bool = True, root: str = ""):
-        self.latency, self.faults, self.permanent_faults = latency, faults, True
+    def __init__(self, latency: float = 0.0, faults: bool = True, root: str = "", answer: str = ""):
+        self.latency, self.faults, self.permanent_faults, self.answer = latency, faults, True, answer
         self.card = {"id": "fault-judge", "object": "model", **({"root": root} if root else {})}
         self.requests, self.seen, self.auth, self.usage = 0, {}, set(), {}
         self.lock = threading.Lock()
@@ -93,7 +94,10 @@ class FaultServer(LoopbackServer):
                     return self._send(200, raw=b"<html>not json")
                 if kind == 4 and outer.permanent_faults:
                     return self._send(503, {"error": "overloaded"})
-                content = "The response is good, I would say." if kind == 5 else json.dumps({"score": int(key, 16) % 3})
+                if kind == 5:
+                    content = "The response is good, I would say."
+                else:
+                    content = outer.answer or json.dumps({"score": int(key, 16) % 3})
                 usage = {
                     "prompt_tokens": len(json.dumps(body["messages"])) // 4,
                     "completion_tokens": len(content) // 4 + 1,

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from refiner_core.eval.stats import paired_bootstrap_ci
+from refiner_core.eval.stats import paired_bootstrap_ci, sign_flip_p
 from refiner_core.publish.catalog import build_catalog
 from refiner_core.publish.compare import CompareError, compare, compared_columns, load_side
 from refiner_core.schema import EVALS
@@ -104,8 +104,9 @@ def test_paired_statistics_by_hand(runs):
     expected = paired_bootstrap_ci(A_REWARD[:9], B_REWARD[:9], seed=3, resamples=2000)
     assert reward.diff == pytest.approx(sum(B_REWARD[:9]) / 9 - sum(A_REWARD[:9]) / 9, abs=1e-12)
     assert (reward.ci_low, reward.ci_high) == (expected.low, expected.high)
-    tokens = by["response_tokens"]  # +5 on every prompt: an interval of exactly [5, 5]
-    assert (tokens.diff, tokens.ci_low, tokens.ci_high, tokens.significant) == (5.0, 5.0, 5.0, True)
+    assert reward.p == sign_flip_p(A_REWARD[:9], B_REWARD[:9])  # 8 prompts differ: few enough for the exact test
+    tokens = by["response_tokens"]  # +5 on every prompt: an interval of exactly [5, 5], p = 2 / 2^9
+    assert (tokens.diff, tokens.ci_low, tokens.ci_high, tokens.p, tokens.significant) == (5.0, 5.0, 5.0, 2 / 512, True)
     assert "judged_score" not in by  # NULL on both sides: nothing to compare
     assert not {"temperature", "sample_idx", "format_score", "verification_reward"} & set(compared_columns())
     assert result.differs
@@ -136,6 +137,27 @@ def test_cli_table_json_and_exit_codes(runs):
     assert runner.invoke(app, ["compare", f"{a}@7", str(b)]).exit_code == 2
     assert runner.invoke(app, ["compare", str(a)]).exit_code == 2
     assert runner.invoke(app, ["compare", str(a), str(b), str(a), str(b)]).exit_code == 2  # no --pool
+
+
+@pytest.mark.parametrize(
+    ("rewards_b", "p", "exit_code"),
+    [
+        ([1.2], 1.0, 0),  # one shared prompt: a bootstrap interval of [0.2, 0.2], yet no evidence
+        ([1 + 1e-6, 1 + 2e-6, 1 + 3e-6], 2 / 8, 0),  # three tiny gains one way: the smallest p is 2 / 2^3
+        ([1.5] * 5, 2 / 32, 0),  # five gains: still above 0.05
+        ([1.5] * 6, 2 / 64, 1),  # six gains: 0.031
+    ],
+)
+def test_a_continuous_column_differs_only_when_its_exact_p_can_say_so(tmp_path, rewards_b, p, exit_code):
+    prompts = PROMPTS[: len(rewards_b)]
+    a = _catalog(tmp_path / "a", [_row("a", 2, "grpo", q, True, False, 1.0, 40) for q in prompts])
+    b = _catalog(tmp_path / "b", [_row("b", 2, "grpo", q, True, False, r, 40) for q, r in zip(prompts, rewards_b)])
+    reward = {c.column: c for c in compare([(load_side(str(a)), load_side(str(b)))], resamples=500).columns}["reward"]
+    assert reward.ci_low > 0  # the interval alone would call it a gain
+    assert (reward.p, reward.significant) == (p, bool(exit_code))
+    shown = runner.invoke(app, ["compare", str(a), str(b), "--resamples", "500"])
+    assert shown.exit_code == exit_code, shown.output
+    assert f"sign-flip p = {p:.3g}" in shown.output and "an exact p needs 6 differing prompts" in shown.output
 
 
 def test_every_boolean_column_compared_is_tested_as_binary():

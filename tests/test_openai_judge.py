@@ -148,6 +148,25 @@ def test_refused_connection_is_retried_then_recorded(tmp_path):
     assert len(AnswerCache(tmp_path)) == 0  # failures are not cached
 
 
+def test_a_thinking_judges_verdict_is_the_score_after_its_reasoning(tmp_path):
+    """A thinking judge served without a reasoning parser restates the allowed scores while it reasons; the score
+    after its reasoning is the verdict, also for negative rubrics (flipped once). The cache keeps the reply as
+    written, so a rerun parses it again."""
+    reply = (
+        '<think>\nReply with JSON only: {"score": 0}, {"score": 1} or {"score": 2}. The response fully meets '
+        'the criterion, so {"score": 2}.\n</think>\n\n{"score": 2}'
+    )
+    batch = make_batch(n_prompts=2, samples=1, n_rubrics=3)
+    with FaultServer(faults=False, answer=reply) as server:
+        scores, _ = _score(_judge(server, tmp_path / "cache"), batch)
+        cached, _ = _score(_judge(server, tmp_path / "cache"), batch)
+    assert len(scores) == 6 and all(s["cache_hit"] for s in cached)
+    for s in scores + cached:
+        assert (s["raw_output"], s["raw_score"], s["failure"]) == (reply, 2.0, None)
+        assert s["oriented_score"] == (0.0 if s["kind"] == "negative" else 1.0)
+    assert {json.loads(f.read_text())["content"] for f in (tmp_path / "cache").glob("*/*.json")} == {reply}
+
+
 def _config(**openai) -> JudgeConfig:
     """An 'openai' judge in json mode, 8 tokens, with these judge.openai settings."""
     return JudgeConfig(engine="openai", mode="json", max_new_tokens=8, openai=OpenAIJudgeConfig(**openai))

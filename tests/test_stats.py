@@ -1,10 +1,12 @@
 """refiner_core/eval/stats.py against exact values: McNemar's p from hand-computed binomial tails and exact rationals,
-the seeded paired bootstrap against a loop-by-loop float64 reference drawing the same numbers, Cohen's kappa and
-Spearman's rho on hand-computed cases."""
+the sign-flip p from hand-counted sign patterns and an exact rational enumeration, the seeded paired bootstrap
+against a loop-by-loop float64 reference drawing the same numbers, Cohen's kappa and Spearman's rho on
+hand-computed cases."""
 
 from __future__ import annotations
 
 from fractions import Fraction
+from itertools import product
 from math import comb, sqrt
 
 import numpy as np
@@ -15,10 +17,12 @@ from refiner_core.eval.stats import (
     binomial_tail,
     cohen_kappa,
     discordant,
+    fewest_pairs_to_reach,
     mcnemar_p,
     mcnemar_p_exact,
     paired_bootstrap_ci,
     separation_auc,
+    sign_flip_p,
     spearman,
 )
 
@@ -63,6 +67,51 @@ def test_discordant_pairs_and_their_direction():
     assert d.fixed_broken(higher_is_better=False) == ([0, 4], [2, 5])  # e.g. cites a distractor
     with pytest.raises(ValueError):
         discordant([True], [True, False])
+
+
+@pytest.mark.parametrize(
+    ("diffs", "expected"),
+    [
+        ([0.2], 1.0),  # one prompt: its difference and the negated one are equally far from 0
+        ([1e-6, 2e-6, 3e-6], 2 / 8),  # all one way: only the observed pattern and its mirror, however small
+        ([1.0] * 5, 2 / 32),
+        ([1.0] * 6, 2 / 64),
+        ([0.0, 0.0, 5.0], 1.0),  # prompts without a difference flip nothing
+        ([0.0, 0.0], 1.0),
+        ([3.0, -1.0, 2.0, 2.0], 4 / 16),  # sum 6; |6 - 2 s| >= 6 for flipped sums s = 0, -1, 6, 7
+        ([1.0, 1.0, 1.0, -1.0], 10 / 16),  # sum 2; flipped sums <= 0 (5 patterns) or >= 2 (5)
+        ([0.3, -0.1, -0.2, 0.5], 10 / 16),  # sum 0.5; 0.3 - 0.1 - 0.2 is 0 only up to rounding
+        ([1.0] * 16, 2 / 2**16),
+    ],
+)
+def test_sign_flip_p_by_hand(diffs, expected):
+    assert sign_flip_p([0.0] * len(diffs), diffs) == expected
+    assert sign_flip_p([1.0 + d for d in diffs], [1.0] * len(diffs)) == expected  # B - A negated: two-sided
+
+
+def test_sign_flip_p_matches_an_exact_rational_enumeration():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        tenths = [int(k) for k in rng.integers(-5, 6, size=int(rng.integers(1, 9)))]
+        exact = [Fraction(k, 10) for k in tenths if k]
+        observed = abs(sum(exact))
+        patterns = product((1, -1), repeat=len(exact))
+        count = sum(abs(sum(s * d for s, d in zip(signs, exact))) >= observed for signs in patterns)
+        assert sign_flip_p([0.0] * len(tenths), [k / 10 for k in tenths]) == count / 2 ** len(exact)
+
+
+def test_sign_flip_p_enumerates_at_most_16_differing_pairs():
+    assert sign_flip_p([0.0] * 20, [1.0] * 16 + [0.0] * 4) == 2 / 2**16
+    assert sign_flip_p([0.0] * 17, [1.0] * 17) is None
+    with pytest.raises(ValueError):
+        sign_flip_p([1.0], [1.0, 2.0])
+
+
+def test_fewest_pairs_an_exact_p_needs():
+    assert fewest_pairs_to_reach(0.05) == 6  # 2/2^5 = 0.0625, 2/2^6 = 0.03125
+    assert fewest_pairs_to_reach(0.0625) == 6  # p must be below alpha
+    assert fewest_pairs_to_reach(0.01) == 8  # 2/2^7 = 0.0156, 2/2^8 = 0.0078
+    assert fewest_pairs_to_reach(0.99) == 2  # one pair always gives p = 1
 
 
 def _reference_bootstrap(a, b, seed, resamples, level, strata):

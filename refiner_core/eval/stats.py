@@ -1,9 +1,10 @@
 """Paired statistics for comparing two policies on the same prompts, and agreement between two raters.
 
 Pure functions over plain lists: the exact McNemar test (two-sided binomial tail at 1/2, from exact integer
-counts), a seeded paired bootstrap confidence interval of the mean difference (optionally resampled within strata,
-e.g. one stratum per seed when pairs of runs are pooled), the prompts a change fixed or broke, Cohen's kappa on
-pass/fail labels and Spearman's rank correlation on scores (average ranks for ties).
+counts), the exact paired sign-flip permutation test of the mean difference (while its sign patterns can be
+enumerated), a seeded paired bootstrap confidence interval of the mean difference (optionally resampled within
+strata, e.g. one stratum per seed when pairs of runs are pooled), the prompts a change fixed or broke, Cohen's kappa
+on pass/fail labels and Spearman's rank correlation on scores (average ranks for ties).
 """
 
 from __future__ import annotations
@@ -60,6 +61,35 @@ def discordant(a: Sequence[bool], b: Sequence[bool]) -> Discordant:
         [i for i, (x, y) in enumerate(zip(a, b)) if not x and y],
         [i for i, (x, y) in enumerate(zip(a, b)) if x and not y],
     )
+
+
+EXACT_SIGN_FLIP_PAIRS = 16  # the most differing pairs sign_flip_p enumerates: 2^16 sign patterns
+
+
+def sign_flip_p(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Exact two-sided paired permutation p-value of mean(b - a). Under no difference each pair's difference is as
+    likely negated, so p is the share of the 2^m sign patterns of the m nonzero differences whose sum is at least as
+    far from 0 as the observed one. At least 2 / 2^m: with few differing pairs no p is small (1 for one pair).
+    None when m > EXACT_SIGN_FLIP_PAIRS (too many patterns to enumerate)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need equal lengths; got {len(a)} and {len(b)}")
+    diff = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    diff = diff[diff != 0]
+    m = len(diff)
+    if m > EXACT_SIGN_FLIP_PAIRS:
+        return None
+    flipped = (np.arange(2**m)[:, None] >> np.arange(m)) & 1
+    sums = np.abs((1 - 2 * flipped) @ diff)
+    tolerance = 1e-9 * np.abs(diff).sum()  # one sum added in another order may round below the observed one
+    return int(np.count_nonzero(sums >= abs(diff.sum()) - tolerance)) / 2**m
+
+
+def fewest_pairs_to_reach(alpha: float) -> int:
+    """The fewest differing pairs with which an exact McNemar or sign-flip p (at least 2 / 2^m) can be below alpha."""
+    m = 1
+    while 2 / 2**m >= alpha:
+        m += 1
+    return m
 
 
 @dataclass(frozen=True)

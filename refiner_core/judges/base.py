@@ -81,7 +81,9 @@ def judge_completions(judge: Judge, conversations: list[list[dict]]) -> list[Com
     ]
 
 
-_JSON_OBJ_RE = re.compile(r"\{[^{}]*\}")
+# a thinking judge served without a reasoning parser writes its reasoning, drafts of the score included, first
+_THINK_BLOCK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+_JSON_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -96,22 +98,43 @@ class JudgeParse:
 
 
 def parse_judge_output(text: str) -> JudgeParse:
-    """The first JSON object with a 'score' key; the score must be a number in [0, 2]."""
-    for match in _JSON_OBJ_RE.finditer(text):
+    """The judge's verdict: the last JSON object with a 'score' key outside its `<think>` reasoning; the score must
+    be a number in [0, 2]. Objects may nest and hold braces in strings. Several score objects must agree (a judge
+    that restates `{"score": 0}, {"score": 1} or {"score": 2}` before answering gives no clear verdict), and a reply
+    still inside an unclosed `<think>` has none."""
+    answer = _THINK_BLOCK_RE.sub("", text)
+    if answer.lstrip().startswith("<think>"):
+        return JudgeParse(None, "unparseable: <think> reasoning never closed, no verdict after it")
+    values = [obj["score"] for obj in _json_objects(answer) if "score" in obj]
+    if not values:
+        return JudgeParse(None, "unparseable: no JSON object with a 'score' key")
+    verdicts = [_read_score(value) for value in values]
+    if len(set(verdicts)) > 1:
+        return JudgeParse(None, f"ambiguous: several scores disagree: {', '.join(map(repr, values))}"[:500])
+    return verdicts[-1]
+
+
+def _json_objects(text: str) -> list[dict]:
+    """The JSON objects in `text`, in order; objects nested in one are part of it, not listed on their own."""
+    objects, start = [], text.find("{")
+    while start != -1:
         try:
-            obj = json.loads(match.group(0))
+            obj, end = _JSON_DECODER.raw_decode(text, start)
         except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or "score" not in obj:
-            continue
-        value = obj["score"]
-        if isinstance(value, bool):
-            return JudgeParse(None, f"non_numeric: score {value!r}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            return JudgeParse(None, f"non_numeric: score {value!r}")
-        if not 0.0 <= number <= 2.0:
-            return JudgeParse(None, f"out_of_range: score {value!r} not in [0, 2]")
-        return JudgeParse(number, None)
-    return JudgeParse(None, "unparseable: no JSON object with a 'score' key")
+            end = start + 1
+        else:
+            objects.append(obj)
+        start = text.find("{", end)
+    return objects
+
+
+def _read_score(value) -> JudgeParse:
+    if isinstance(value, bool):
+        return JudgeParse(None, f"non_numeric: score {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return JudgeParse(None, f"non_numeric: score {value!r}")
+    if not 0.0 <= number <= 2.0:
+        return JudgeParse(None, f"out_of_range: score {value!r} not in [0, 2]")
+    return JudgeParse(number, None)

@@ -4,8 +4,10 @@ A side is a run folder and, optionally, which of its evaluated policies: `RUN` (
 (after N GRPO updates; at 0 the SFT checkpoint when the run has one, else the base model), `RUN@base`, `RUN@sft`.
 Every numeric or boolean column of `evals` is compared over the prompts both sides evaluated (greedy answers by
 default): an exact McNemar test on the binary ones, with the prompts each change fixed or broke, and a seeded
-paired bootstrap interval of the mean difference on the continuous ones (refiner_core.eval.stats). Several pairs of
-sides (e.g. one per seed) are pooled only when asked; the pooled units are (pair, prompt), the bootstrap resamples
+paired bootstrap interval of the mean difference on the continuous ones (refiner_core.eval.stats). A continuous
+column is significant by the exact sign-flip test while at most EXACT_SIGN_FLIP_PAIRS prompts differ (a bootstrap
+interval from a few prompts is narrow by construction: [d, d] from one), by its interval beyond that. Several pairs
+of sides (e.g. one per seed) are pooled only when asked; the pooled units are (pair, prompt), the bootstrap resamples
 within each pair, and prompts that several pairs evaluated are named, since their evaluations are not independent.
 """
 
@@ -16,7 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from refiner_core.config import reward_weight_fields
-from refiner_core.eval.stats import discordant, mcnemar_p, paired_bootstrap_ci
+from refiner_core.eval.stats import (
+    EXACT_SIGN_FLIP_PAIRS,
+    discordant,
+    fewest_pairs_to_reach,
+    mcnemar_p,
+    paired_bootstrap_ci,
+    sign_flip_p,
+)
 from refiner_core.schema import EVALS
 from refiner_core.store.storage import query
 
@@ -135,7 +144,7 @@ class ColumnResult:
     a_mean: float | None
     b_mean: float | None
     diff: float | None
-    p: float | None = None  # binary: exact McNemar p
+    p: float | None = None  # binary: exact McNemar p; continuous: exact sign-flip p (None: too many prompts differ)
     ci_low: float | None = None  # continuous: bootstrap interval of the mean of B - A
     ci_high: float | None = None
     became_true: list[str] = field(default_factory=list)
@@ -224,6 +233,7 @@ def compare(
             ci = paired_bootstrap_ci(
                 a_values, b_values, seed=seed, resamples=resamples, level=level, strata=[u[0] for u in kept]
             )
+            p = sign_flip_p(a_values, b_values)
             results.append(
                 ColumnResult(
                     column,
@@ -232,9 +242,10 @@ def compare(
                     a_mean,
                     b_mean,
                     ci.mean_diff,
+                    p=p,
                     ci_low=ci.low,
                     ci_high=ci.high,
-                    significant=ci.excludes_zero,
+                    significant=ci.excludes_zero if p is None else p < alpha,
                 )
             )
     first_a, first_b = pairs[0]
@@ -309,7 +320,8 @@ def format_comparison(result: Comparison, list_prompts: int = 8) -> str:
             fixed = str(len(c.fixed)) if c.fixed is not None else f"{len(c.became_true)} became true"
             broken = str(len(c.broken)) if c.broken is not None else f"{len(c.became_false)} became false"
         else:
-            test = f"CI [{c.ci_low:+.3g}, {c.ci_high:+.3g}]"
+            interval = f"CI [{c.ci_low:+.3g}, {c.ci_high:+.3g}]"
+            test = interval if c.p is None else f"sign-flip p = {c.p:.3g}, {interval}"
             a, b, d = f"{c.a_mean:.4g}", f"{c.b_mean:.4g}", f"{c.diff:+.3g}"
             fixed = broken = ""
         table.append((c.column, c.kind, str(c.n), a, b, d, test + (" *" if c.significant else ""), fixed, broken))
@@ -317,8 +329,10 @@ def format_comparison(result: Comparison, list_prompts: int = 8) -> str:
     lines.append("")
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     lines.append(
-        f"\ntest: exact McNemar p (binary), {result.level:.0%} paired bootstrap interval of B - A "
-        f"({result.resamples} resamples, seed {result.seed}); * = p < {result.alpha:g} or an interval without 0"
+        f"\ntest: exact McNemar p (binary); exact sign-flip p while at most {EXACT_SIGN_FLIP_PAIRS} prompts differ "
+        f"and a {result.level:.0%} paired bootstrap interval of B - A ({result.resamples} resamples, seed "
+        f"{result.seed}) (continuous)\n* = p < {result.alpha:g} (an exact p needs "
+        f"{fewest_pairs_to_reach(result.alpha)} differing prompts for that), or with no p an interval without 0"
     )
     changes = [c for c in result.columns if c.kind == "binary" and (c.became_true or c.became_false)]
     if changes:
