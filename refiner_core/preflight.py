@@ -93,6 +93,14 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         problems.append(f"eval.pass_k = {cfg.eval.pass_k}: must be at most eval.samples ({cfg.eval.samples})")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         problems.append(f"model.dtype = {cfg.model.dtype!r}: must be 'float32' or 'bfloat16'")
+    # LoRA adapters train in fp32 on a bf16 base (PEFT casts them); full weights would have no fp32 copy.
+    if cfg.grpo.learner == "torch" and cfg.model.dtype == "bfloat16" and not cfg.model.lora_rank:
+        problems.append(
+            "grpo.learner 'torch' with model.dtype = 'bfloat16' runs AdamW on the bf16 weights themselves (no fp32 "
+            "master copy): at GRPO's learning rates (1e-6) most updates are below half a bf16 unit and round away. "
+            "Set model.dtype=float32 with model.precision=bf16 (bf16 compute, fp32 weights and AdamW state), or "
+            "grpo.learner=deepspeed (ZeRO keeps fp32 master weights)"
+        )
     if cfg.judge.openai.serve and cfg.judge.engine != "openai":
         problems.append(
             f"judge.openai.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "

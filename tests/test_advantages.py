@@ -1,4 +1,5 @@
-"""Advantage std with ddof 0 (open-instruct) or 1 (verl): hand-computed cases."""
+"""Advantage std with ddof 0 (open-instruct) or 1 (verl), and groups of equal rewards (advantage 0 whatever eps):
+hand-computed cases."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from refiner_core.algo.advantages import compute_advantages, group_advantages
+from refiner_core.algo.advantages import compute_advantages, group_advantages, normalize_then_sum
 from refiner_core.config import load_recipe
 from refiner_core.reward.rescore import check_rescorable
 
@@ -78,3 +79,67 @@ def test_recipe_rejects_other_ddof_values_and_rescore_accepts_the_change():
     with pytest.raises(ValueError, match="advantage_std_ddof"):
         load_recipe(None, ["grpo.advantage_std_ddof=2"])
     check_rescorable(load_recipe(None), load_recipe(None, ["grpo.advantage_std_ddof=1"]), 0, [])
+
+
+# Group a: six rewards 0.1, equal but with a mean that is not 0.1 in floating point (r - mean = 1.4e-17, and with
+# eps 0 that rounding alone would be divided by a std of the same size). Group b: 0, 1, 0, 1 (mean 0.5, std 0.5).
+# Group c: 1, 1, equal exactly (std exactly 0: 0 / 0 with eps 0). Batch: 12 rewards, sum 4.6, sum of squares 4.06.
+TIED = [0.1] * 6 + [0.0, 1.0, 0.0, 1.0] + [1.0, 1.0]
+TIED_GROUPS = ["a"] * 6 + ["b"] * 4 + ["c"] * 2
+BATCH_STD = math.sqrt(4.06 / 12 - (4.6 / 12) ** 2)  # ddof 0: 0.437480...
+B_SIGNS = np.array([-1.0, 1.0, -1.0, 1.0])
+
+
+# Group b's advantages per normaliser, with eps; groups a and c get exactly 0.
+GROUP_B = {
+    "group_std": lambda eps: 0.5 * B_SIGNS / (0.5 + eps),
+    "batch_std": lambda eps: 0.5 * B_SIGNS / (BATCH_STD + eps),
+    "none": lambda eps: 0.5 * B_SIGNS,
+    "rloo": lambda eps: 0.5 * B_SIGNS * 4 / 3,  # r - the mean of the other three
+    # c = r - group mean: +-0.5 in b, 0 elsewhere; its batch std is sqrt(4 x 0.25 / 12)
+    "reinforce_pp_baseline": lambda eps: 0.5 * B_SIGNS / (math.sqrt(1 / 12) + eps),
+}
+
+
+@pytest.mark.parametrize("kind", list(GROUP_B))
+def test_equal_groups_get_exactly_0_with_eps_0_and_the_others_are_unchanged(kind):
+    for eps in (0.0, 1e-4):
+        adv = compute_advantages(TIED, TIED_GROUPS, kind, eps)
+        assert np.all(adv[:6] == 0.0) and np.all(adv[10:] == 0.0), (kind, eps, adv)
+        np.testing.assert_allclose(adv[6:10], GROUP_B[kind](eps), rtol=1e-12)
+
+
+def test_reinforce_pp_keeps_equal_groups_apart_from_the_batch_mean():
+    """No group baseline: an all-equal group is not flat for REINFORCE++, only a flat batch is."""
+    adv = compute_advantages(TIED, TIED_GROUPS, "reinforce_pp", 0.0)
+    np.testing.assert_allclose(adv, (np.array(TIED) - 4.6 / 12) / BATCH_STD, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["group_std", "batch_std", "none", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("rewards", [[1.0] * 12, [0.1] * 12, [0.1 + 0.2, 0.3, 0.3] * 4])
+def test_a_batch_of_equal_rewards_gets_0_in_every_variant_whatever_eps(kind, rewards):
+    """Exact ties (0 / 0 with eps 0), ties whose mean rounds (the mean of six 0.1s is 0.1 - 1.4e-17, and so is the
+    std) and rewards equal up to rounding (0.1 + 0.2 is 0.30000000000000004) all carry no signal."""
+    for eps in (0.0, 1e-4):
+        for ddof in (0, 1):
+            adv = compute_advantages(rewards, ["x"] * 6 + ["y"] * 6, kind, eps, ddof)
+            assert adv.tolist() == [0.0] * 12, (eps, ddof)
+
+
+def test_a_reward_part_equal_up_to_rounding_adds_0_to_the_sum():
+    """normalize_then_sum with eps 0: part x is 0.3 four times, once computed as 0.1 + 0.2, and adds 0; part y
+    (0, 1, 0, 1) gives +-1, and the sums +-1 whiten to themselves (mean 0, std 1)."""
+    values = np.array([[0.1 + 0.2, 0.0], [0.3, 1.0], [0.3, 0.0], [0.3, 1.0]])
+    adv = normalize_then_sum(values, np.ones_like(values), np.array(["g"] * 4), eps=0.0)
+    np.testing.assert_allclose(adv, B_SIGNS, rtol=1e-12)
+
+
+def test_group_advantages_count_a_group_equal_up_to_rounding_as_flat():
+    rows = [{"prompt_id": g, "sample_idx": i, "reward": r} for i, (r, g) in enumerate(zip(TIED, TIED_GROUPS))]
+    rows += [{"prompt_id": "d", "sample_idx": i, "reward": r} for i, r in enumerate([0.1 + 0.2, 0.3, 0.3])]
+    grpo = load_recipe(None, ["grpo.advantage_eps=0", "grpo.filter_zero_std_groups=true"]).grpo
+    out, stats = group_advantages(rows, grpo)
+    assert [o["advantage"] for o in out] == pytest.approx([0.0] * 6 + B_SIGNS.tolist() + [0.0] * 5, abs=1e-12)
+    assert [o["prompt_id"] for o in out if o["trained"]] == ["b"] * 4
+    assert stats["zero_std_group_fraction"] == 0.75 and stats["informative_groups"] == 1
+    assert stats["advantage_abs_mean"] == pytest.approx(4 / 15)

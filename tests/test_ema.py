@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -77,6 +78,58 @@ def test_ema_weights_equal_a_hand_rolled_ema_of_the_saved_policies(tiny_model_pa
     from refiner_core.models import load_model
 
     load_model(teacher)  # an HF checkpoint the rollout engine can load
+
+
+def _bf16_checkpoint(source: Path, target: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """An HF checkpoint as a bf16 run writes it: the source's files, config dtype bfloat16, `weights` in bf16."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()},
+        str(target / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return target
+
+
+def test_a_bf16_policys_teacher_is_kept_in_fp32_and_follows_the_exact_ema(tiny_model_path, tmp_path):
+    """At alpha 0.01, alpha * (policy - teacher) is far below half a bf16 ulp of most weights: the teacher is stored
+    in fp32, so over several updates from bf16 policies it tracks a float64 EMA of them to within fp32 rounding,
+    and a bf16 run still loads it in bf16 (learners, the hf engine's checkpoint sync)."""
+    from refiner_core.config import EngineSettings
+    from refiner_core.models import checkpoint_weights, load_model
+    from refiner_core.rollout.hf_engine import make_hf_engine
+
+    start = {k: v.double() for k, v in load_file(tiny_model_path / "model.safetensors").items()}
+    teacher = _bf16_checkpoint(tiny_model_path, tmp_path / "start", start)
+    expected = {k: v.to(torch.bfloat16).double() for k, v in start.items()}
+    g = torch.Generator().manual_seed(0)
+    drift = {k: 1e-3 * torch.randn(v.shape, generator=g, dtype=torch.float64) for k, v in start.items()}
+    for step in range(1, 6):  # the policy drifts away step by step, as training moves it
+        policy = _bf16_checkpoint(
+            tiny_model_path, tmp_path / f"policy_{step}", {k: v + step * drift[k] for k, v in start.items()}
+        )
+        out = tmp_path / f"teacher_{step}"
+        out.mkdir()
+        ema_checkpoint(teacher, policy, 0.01, out)
+        teacher = out
+        saved = load_file(policy / "model.safetensors")
+        expected = {k: 0.01 * saved[k].double() + 0.99 * v for k, v in expected.items()}
+    got = load_file(teacher / "model.safetensors")
+    for name, value in got.items():
+        assert value.dtype == torch.float32, name
+        torch.testing.assert_close(value.double(), expected[name], rtol=1e-6, atol=1e-9)
+    moved = sum(int((v.to(torch.bfloat16) != start[k].to(torch.bfloat16)).sum()) for k, v in got.items())
+    assert moved > 0.5 * sum(v.numel() for v in got.values())  # even rounded to bf16, most weights moved
+
+    in_bf16 = {name: value.to(torch.bfloat16) for name, value in got.items()}
+    loaded = load_model(teacher, "bfloat16", device="cpu").state_dict()
+    assert all(loaded[n].dtype == torch.bfloat16 and torch.equal(loaded[n], v) for n, v in in_bf16.items())
+    engine = make_hf_engine(str(tmp_path / "start"), EngineSettings.of(), dtype="bfloat16")
+    engine.load_weights(checkpoint_weights(teacher))
+    synced = engine.model.state_dict()
+    assert all(synced[n].dtype == torch.bfloat16 and torch.equal(synced[n], v) for n, v in in_bf16.items())
 
 
 def test_ema_refuses_another_model_and_alpha_outside_0_1(tiny_model_path, tmp_path):

@@ -224,6 +224,23 @@ def test_a_moving_reference_needs_a_kl_term_and_full_weights():
     assert p.startswith("grpo.ref_sync_every = 4 with model.lora_rank: the KL reference is the starting policy")
 
 
+def test_the_torch_learner_refuses_bf16_weights_it_would_step_without_an_fp32_copy():
+    """tests/test_learner_precision.py shows why: at lr 1e-6 AdamW's steps round away on bf16 weights."""
+    [p] = problems("model.dtype=bfloat16")  # tiny.yaml trains with the torch learner
+    assert p == (
+        "grpo.learner 'torch' with model.dtype = 'bfloat16' runs AdamW on the bf16 weights themselves (no fp32 "
+        "master copy): at GRPO's learning rates (1e-6) most updates are below half a bf16 unit and round away. "
+        "Set model.dtype=float32 with model.precision=bf16 (bf16 compute, fp32 weights and AdamW state), or "
+        "grpo.learner=deepspeed (ZeRO keeps fp32 master weights)"
+    )
+    assert problems("model.dtype=float32", "model.precision=bf16") == []
+    assert problems("model.dtype=bfloat16", "grpo.learner=deepspeed") == []
+    assert problems("model.dtype=bfloat16", "model.lora_rank=8") == []  # PEFT's adapters are fp32 on a bf16 base
+    # the bf16 recipes, switched to the torch learner
+    [p] = problems("grpo.learner=torch", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml")
+    assert p.startswith("grpo.learner 'torch' with model.dtype = 'bfloat16'")
+
+
 def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zero_cap():
     [p] = problems(
         "rollout.dynamic_sampling=true", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml"

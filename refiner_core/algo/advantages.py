@@ -5,6 +5,10 @@ reward in its group instead, then whitens the weighted sum over the batch.
 The std's `ddof` is a setting (grpo.advantage_std_ddof): 0 divides by G (population std, as open-instruct), 1 by
 G - 1 (sample std, as verl, which Co-rewarding builds on). A one-member group has std 0 under either. Batch
 statistics count each response once (verl's REINFORCE++ whitens per token, weighting responses by length).
+
+A group whose rewards are all equal (up to floating rounding) carries no signal and gets advantage exactly 0 under
+every normaliser, and so does a whole batch of equal rewards under the batch ones, whatever advantage_eps is: with
+eps 0, 0 / 0 would be NaN, and the rounding left in r - mean (the mean of six 0.1s is not 0.1) would become +-1.
 """
 
 from __future__ import annotations
@@ -16,66 +20,85 @@ import numpy as np
 from refiner_core.algo.kl_reward import penalised_reward
 from refiner_core.config import GRPOConfig
 
+# Rewards closer than this, relative to their size, are equal up to floating rounding (0.1 + 0.2 and 0.3 differ by
+# 1.9e-16 of it): a group of them teaches nothing.
+TIE_RTOL = 1e-9
+
+
+def _all_equal(values: np.ndarray) -> bool:
+    """Whether the values are equal up to rounding (in every column, for a matrix)."""
+    return np.all(np.ptp(values, axis=0) <= TIE_RTOL * np.abs(values).max(axis=0))
+
 
 def _std(values: np.ndarray, ddof: int) -> float:
     return float(values.std(ddof=ddof)) if len(values) > ddof else 0.0
 
 
-def _group_stats(rewards: np.ndarray, groups: np.ndarray, ddof: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row mean and std (with `ddof`) of the row's group."""
-    mean, std = np.empty_like(rewards), np.empty_like(rewards)
+def _group_std(rewards: np.ndarray, groups: np.ndarray, ddof: int) -> np.ndarray:
+    """Per row, the std (with `ddof`) of the row's group."""
+    std = np.empty_like(rewards)
     for g in np.unique(groups):
         members = groups == g
-        mean[members] = rewards[members].mean()
         std[members] = _std(rewards[members], ddof)
-    return mean, std
+    return std
+
+
+def _centred(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """r - the mean of the row's group; exactly 0 across a group whose rewards are all equal."""
+    centred = np.zeros_like(rewards)
+    for g in np.unique(groups):
+        members = groups == g
+        if not _all_equal(rewards[members]):
+            centred[members] = rewards[members] - rewards[members].mean()
+    return centred
+
+
+def _scaled(centred: np.ndarray, scale) -> np.ndarray:
+    """centred / scale, and 0 where centred is 0: a flat group's std (or a flat batch's) is 0 too when eps is 0."""
+    return np.divide(centred, scale, out=np.zeros_like(centred), where=centred != 0)
 
 
 def group_std(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """A_i = (r_i - mean_group) / (std_group + eps): the original GRPO normaliser. TRL scale_rewards 'group'
     (ddof 1, eps 1e-4), verl `grpo` (ddof 1, eps 1e-6), open-instruct advantage_normalization_type 'standard'
     (ddof 0, eps 1e-8)."""
-    mean, std = _group_stats(rewards, groups, ddof)
-    return (rewards - mean) / (std + eps)
+    return _scaled(_centred(rewards, groups), _group_std(rewards, groups, ddof) + eps)
 
 
 def batch_std(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """(r - mean_group) / (std of the batch's rewards + eps): avoids blowing up near-constant groups. TRL
     scale_rewards 'batch' (ddof 1, eps 1e-4)."""
-    mean, _ = _group_stats(rewards, groups, ddof)
-    return (rewards - mean) / (_std(rewards, ddof) + eps)
+    return _scaled(_centred(rewards, groups), _std(rewards, ddof) + eps)
 
 
 def mean_only(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """Dr.GRPO: r - mean_group, no std division (removes the difficulty bias of per-group scaling); ddof does not
     apply. TRL scale_rewards 'none', verl norm_adv_by_std_in_grpo False, open-instruct 'centered'."""
-    mean, _ = _group_stats(rewards, groups, ddof)
-    return rewards - mean
+    return _centred(rewards, groups)
 
 
 def rloo(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """RLOO: A_i = r_i - mean of the other G - 1 rewards of the group = G/(G-1) (r_i - mean); a one-member group
     gets 0. TRL RLOOTrainer (normalize_advantages False), verl `rloo` (which leaves a one-member group's reward
     as its advantage); eps and ddof do not apply."""
-    mean, _ = _group_stats(rewards, groups, ddof)
     sizes = np.array([np.count_nonzero(groups == g) for g in groups], dtype=np.float64)
-    return np.where(sizes > 1, (rewards - mean) * sizes / np.maximum(sizes - 1, 1), 0.0)
+    return _centred(rewards, groups) * sizes / np.maximum(sizes - 1, 1)  # a one-member group is flat: 0
 
 
 def reinforce_pp(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """REINFORCE++: no group baseline, A = (r - batch mean) / (batch std + eps). verl `reinforce_plus_plus` (gamma
     1, outcome reward) whitens per token instead: equal when every response has one token, with ddof 1 and
     eps 0 (verl adds 1e-8 to the variance)."""
-    return (rewards - rewards.mean()) / (_std(rewards, ddof) + eps)
+    whole_batch = np.zeros(len(rewards))
+    return _scaled(_centred(rewards, whole_batch), _std(rewards, ddof) + eps)
 
 
 def reinforce_pp_baseline(rewards: np.ndarray, groups: np.ndarray, eps: float, ddof: int = 0) -> np.ndarray:
     """REINFORCE++ with baseline: c = r - group mean, A = c / (batch std of c + eps) (c's batch mean is 0 by
     construction). verl `reinforce_plus_plus_baseline`, which whitens c per token: equal for one-token responses,
     ddof 1, eps 0, and groups of two or more (verl keeps a one-member group's raw reward as c)."""
-    mean, _ = _group_stats(rewards, groups, ddof)
-    centred = rewards - mean
-    return centred / (_std(centred, ddof) + eps)
+    centred = _centred(rewards, groups)
+    return _scaled(centred, _std(centred, ddof) + eps)
 
 
 ADVANTAGES: dict[str, Callable[..., np.ndarray]] = {
@@ -106,10 +129,8 @@ def normalize_then_sum(
     summed = np.zeros(len(values))
     for k in range(values.shape[1]):
         column = values[:, k]
-        mean, std = _group_stats(column, groups, ddof)
-        flat = np.isin(groups, list(zero_std_groups(column, groups)))
-        summed += np.where(flat, 0.0, weights[:, k] * (column - mean) / np.where(flat, 1.0, std + eps))
-    if not len(summed) or not np.ptp(summed):
+        summed += _scaled(weights[:, k] * _centred(column, groups), _group_std(column, groups, ddof) + eps)
+    if not len(summed) or _all_equal(summed):
         return np.zeros_like(summed)
     return (summed - summed.mean()) / (_std(summed, ddof) + eps)
 
@@ -155,13 +176,13 @@ def _advantages(signal: np.ndarray, weights: np.ndarray | None, groups: list, gr
 
 
 def zero_std_groups(values: Sequence, groups: Sequence) -> set:
-    """Groups whose values are all equal (every column, for a matrix of reward parts): their advantages are 0
-    and they teach nothing."""
+    """Groups whose values are all equal up to rounding (every column, for a matrix of reward parts): their
+    advantages are 0 and they teach nothing."""
     v, g = np.asarray(values, dtype=np.float64), np.asarray(groups)
     if not len(g):
         return set()
     v = v.reshape(len(g), -1)
-    return {k for k in np.unique(g).tolist() if not np.ptp(v[g == k], axis=0).any()}
+    return {k for k in np.unique(g).tolist() if _all_equal(v[g == k])}
 
 
 def group_advantages(

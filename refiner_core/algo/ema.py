@@ -4,6 +4,11 @@ The teacher starts as the starting policy and is updated every `update_interval`
 checkpoint just written, with alpha on a cosine schedule from alpha_start (step 0) to alpha_end (step
 `schedule_steps`, constant after). Each teacher is an HF checkpoint folder of its own (same files as the policy's,
 weights averaged), so any rollout engine samples from it and a resumed run continues from the folder on disk.
+
+The same average moves the KL reference (grpo.ref_sync_every). Both are stored in fp32 whatever the policy's dtype:
+in bf16, alpha * (policy - teacher) at alpha 0.01 is far below half a unit in the last place of most weights, so a
+teacher rounded to bf16 after each update would never move. The config keeps the policy's dtype: engines and
+learners load the folder in the run's dtype, cast on load.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def _weights(folder: Path) -> dict[str, Path]:
 
 def ema_checkpoint(teacher_dir: Path, policy_dir: Path, alpha: float, out_dir: Path) -> None:
     """Write alpha * policy + (1 - alpha) * teacher into out_dir (an existing, empty folder), tensor by tensor in
-    fp32, stored in the policy's dtypes and file layout; the policy's config and tokenizer files are copied."""
+    fp32, stored in fp32 in the policy's file layout; the policy's config and tokenizer files are copied."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -55,10 +60,7 @@ def ema_checkpoint(teacher_dir: Path, policy_dir: Path, alpha: float, out_dir: P
             raise ValueError(
                 f"teacher {teacher_dir} lacks tensors of the policy, e.g. {missing[:3]}: not the same model"
             )
-        averaged = {
-            k: (alpha * v.float() + (1.0 - alpha) * teacher[k].float()).to(v.dtype).contiguous()
-            for k, v in policy.items()
-        }
+        averaged = {k: (alpha * v.float() + (1.0 - alpha) * teacher[k].float()).contiguous() for k, v in policy.items()}
         save_file(averaged, str(Path(out_dir) / name), metadata={"format": "pt"})
     for item in Path(policy_dir).iterdir():
         if item.suffix == ".safetensors" or item.name in SKIPPED:

@@ -224,7 +224,11 @@ def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
             + "".join(f", {k} {rollout[k]}" for k, off in SAMPLING_OFF.items() if rollout.get(k, off) != off)
             + f", engine {rollout['engine']}",
         ),
-        ("precision", f"{model['precision']} (weights {model['dtype']})"),
+        (
+            "precision",
+            f"{model['precision']} (weights {model['dtype']}"
+            + ("; this average is stored in float32)" if kind in ("teacher", "reference") else ")"),
+        ),
         ("learner", learner),
         ("seed", recipe["run"]["seed"]),
     ]
