@@ -150,7 +150,8 @@ class ModelConfig:
     dtype: str = opt(
         "float32",
         "Parameter dtype for policy and reference ('float32' or 'bfloat16'). grpo.learner 'torch' takes 'bfloat16' "
-        "with LoRA only: it would step full bf16 weights with no fp32 copy (preflight refuses it).",
+        "with LoRA only: it would step full bf16 weights with no fp32 copy (preflight refuses it). The SFT warm "
+        "start trains fp32 weights whatever it is and writes its checkpoint in it.",
     )
     precision: Literal["auto", "fp32", "bf16"] = opt(
         "auto",

@@ -107,8 +107,12 @@ def train_sft(
     precision: str = "fp32",
 ) -> list[dict]:
     """Train in place; returns metric rows (split, step, epoch, loss, tokens, lr, grad_norm). `precision` as
-    model.precision: 'bf16' autocasts forward passes, weights and AdamW state stay as loaded. The model's attention
-    becomes settings.packed_attention's."""
+    model.precision: 'bf16' autocasts forward passes. Weights and AdamW state are fp32 while training, whatever
+    the model was loaded in (a bf16 model is cast back at the end): AdamW steps on bf16 weights at SFT's learning
+    rates are mostly below half a bf16 unit and round away. The model's attention becomes
+    settings.packed_attention's."""
+    loaded_dtype = next(model.parameters()).dtype
+    model.float()
     apply_packed_attention([model], settings.packed_attention)
     torch.manual_seed(settings.seed)
     model.train()
@@ -180,4 +184,5 @@ def train_sft(
                 on_step(record)
         validate(step, float(epoch + 1))
     bar.close()
+    model.to(loaded_dtype)
     return history
