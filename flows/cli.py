@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -70,10 +72,9 @@ def _problems(recipe: Path, problems: list[str], when: str) -> str:
     return "\n  ".join([f"{recipe}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, {when}:", *problems])
 
 
-def _run_locked(cfg, folder: Path, refresh: bool, debug: bool, command: str, before=None) -> None:
-    """Run the pipeline in `folder` holding its lock (exit 3 when another run holds it); `before` is called once
-    the lock is held."""
-    folder.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _holding(folder: Path, command: str) -> Iterator[None]:
+    """Hold the run folder's lock for the block: refused at once, exit 3, while another process (a run) holds it."""
     from refiner_core.runtime.runlock import BUSY_EXIT_CODE, RunFolderBusy, acquire, release
 
     try:
@@ -81,18 +82,27 @@ def _run_locked(cfg, folder: Path, refresh: bool, debug: bool, command: str, bef
     except RunFolderBusy as e:
         _fail(str(e), code=BUSY_EXIT_CODE)
     try:
-        if before is not None:
-            before()
-        with interrupts_never_lost():
-            run_in_folder(cfg, folder, refresh, debug, warn=_warn)
-    except Terminated:
-        typer.secho("terminated: run the same command again to resume from the unfinished stage", err=True)
-        raise typer.Exit(143) from None
-    except KeyboardInterrupt:  # a Ctrl-C redelivered as the run ended
-        typer.secho("interrupted: run the same command again to resume from the unfinished stage", err=True)
-        raise typer.Exit(130) from None
+        yield
     finally:
         release(folder)
+
+
+def _run_locked(cfg, folder: Path, refresh: bool, debug: bool, command: str, before=None) -> None:
+    """Run the pipeline in `folder` holding its lock (exit 3 when another run holds it); `before` is called once
+    the lock is held."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with _holding(folder, command):
+        try:
+            if before is not None:
+                before()
+            with interrupts_never_lost():
+                run_in_folder(cfg, folder, refresh, debug, warn=_warn)
+        except Terminated:
+            typer.secho("terminated: run the same command again to resume from the unfinished stage", err=True)
+            raise typer.Exit(143) from None
+        except KeyboardInterrupt:  # a Ctrl-C redelivered as the run ended
+            typer.secho("interrupted: run the same command again to resume from the unfinished stage", err=True)
+            raise typer.Exit(130) from None
 
 
 def _warn_stale_rescores(run_dirs: list[Path]) -> None:
@@ -314,7 +324,8 @@ def rescore(
 
     The new version is written beside training's ('train') under RUN_DIR/rescores/ and into the catalog's
     rewards, reward_weights and advantages tables (column reward_version); step_rewards compares versions.
-    Settings that need new judgments are refused (exit 2) with what would be re-judged."""
+    Settings that need new judgments are refused (exit 2) with what would be re-judged. It rewrites the run's
+    catalog: a folder in use by a run is refused (exit 3), as `refiner run` refuses it."""
     from refiner_core.reward.rescore import RescoreError, rescore_run
 
     recipe = run_dir / "recipe.yaml"
@@ -323,7 +334,8 @@ def rescore(
     try:
         base = load_recipe(recipe)
         new = load_recipe(recipe, overrides)
-        version, steps = rescore_run(run_dir.resolve(), base, new, name)
+        with _holding(run_dir.resolve(), f"refiner rescore {run_dir}"):
+            version, steps = rescore_run(run_dir.resolve(), base, new, name)
     except (ConfigError, RescoreError) as e:
         _fail(str(e))
     typer.echo(
@@ -448,7 +460,8 @@ def compare(
     """Compare two evaluated policies (two runs, or two steps of one run) on the held-out prompts both evaluated.
 
     Every binary eval column gets an exact McNemar test and the prompts it fixed or broke, every continuous one a
-    paired bootstrap interval of B - A. Exit code, as diff's: 0 no column differs at --alpha, 1 some column does,
+    paired bootstrap interval of B - A (while at most 16 prompts differ, an exact sign-flip test decides whether it
+    differs). Exit code, as diff's: 0 no column differs at --alpha, 1 some column does,
     2 trouble (a side names no evaluated policy, the sides share no prompt, bad arguments)."""
     from refiner_core.publish.compare import CompareError, format_comparison, load_side
     from refiner_core.publish.compare import compare as compare_sides
@@ -507,13 +520,15 @@ def judge_agreement(
     (--judge-config), or read a person's labels (--labels), and store per rubric group Cohen's kappa of the pass/fail
     verdicts, Spearman's rho of the scores, how well the judge's score separates the other side's passes from its
     fails, and the spread of the judge's own scores (catalog tables judge_agreement, judge_checks). Exit 2 on bad
-    input (no catalog, neither or both of --judge-config and --labels, labels naming no stored judgment)."""
+    input (no catalog, neither or both of --judge-config and --labels, labels naming no stored judgment), 3 while a
+    run uses the folder (the check rewrites its catalog)."""
     from refiner_core.publish.judge_agreement import AgreementError, check_judge
 
     try:
-        check = check_judge(
-            run_dir.resolve(), judge_config=judge_config, labels=labels, sample=sample, seed=seed, name=name
-        )
+        with _holding(run_dir.resolve(), f"refiner judge agreement {run_dir}"):
+            check = check_judge(
+                run_dir.resolve(), judge_config=judge_config, labels=labels, sample=sample, seed=seed, name=name
+            )
     except AgreementError as e:
         _fail(str(e))
     if as_json:

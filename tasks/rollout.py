@@ -14,10 +14,10 @@ from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, part_ranges
 from refiner_core.runtime.live_engines import release
 from refiner_core.runtime.unsaved_weights import model_folder
-from refiner_core.schema import ROLLOUTS, TURNS
+from refiner_core.schema import ROLLOUTS, TURNS, to_arrow
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.faults import stage_fault
-from refiner_core.store.storage import json_hash, read_rows, write_table
+from refiner_core.store.storage import json_hash, read_rows, table_hash, write_arrow, write_table
 from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
 from tasks.stage import CODE_VERSION, stage
 
@@ -126,11 +126,11 @@ def rollout(
         len(rows),
         sum(r["response_tokens"] for r in rows) / max(len(rows), 1),
     )
-    written = write_table(ROLLOUTS, rows, path)
+    written = write_rollouts(rows, path)
     for stale in path.parent.glob(f"{PARTS_PREFIX}*"):  # every part is in rollouts.parquet now
         shutil.rmtree(stale, ignore_errors=True)
     manifest = {
-        "rollouts": {"path": str(path), "hash": written},
+        "rollouts": written,
         "rows": len(rows),
         "prompt_ids": chosen,
         "weight_sync_seconds": acquired.sync_seconds,
@@ -148,6 +148,18 @@ def rollout(
             sum(r["tool_rounds"] for r in rows) / max(len(rows), 1),
         )
     return manifest
+
+
+def write_rollouts(rows: list[dict], path: Path) -> dict:
+    """Write the rollouts rows; their manifest entry holds the file's hash (checked for damage) and `rows_hash`, the
+    rows' without created_at: the stages after the rollout are keyed by it, so a rollout that reruns with the same
+    samples (another rollout.groups_per_part, say) leaves them cached."""
+    data = to_arrow(ROLLOUTS, rows)
+    return {
+        "path": str(path),
+        "hash": write_arrow(data, path),
+        "rows_hash": table_hash(data.drop_columns(["created_at"])),
+    }
 
 
 PARTS_PREFIX = ".parts-"
@@ -177,11 +189,13 @@ def sample_in_parts(
 ) -> list[dict]:
     """The step's rollouts rows, sampled `per_part` prompts at a time, each part written to `folder` as it is done;
     parts already there (an earlier attempt was killed after writing them) are read, not sampled again. A part is
-    seeded by its place in the step (prompt_offset), so the samples do not depend on which parts were reused."""
+    seeded by its place in the step (prompt_offset), so the samples do not depend on which parts were reused. A part
+    is named by its prompts' range (part-START-END): an attempt with another `per_part` reuses only parts of the
+    same range, never one that holds other groups."""
     ranges = part_ranges(len(prompt_ids), per_part)
     rows, reused = [], []
     for k, (start, end) in enumerate(ranges):
-        part = folder / f"part-{k:04d}.parquet"
+        part = folder / f"part-{start:04d}-{end:04d}.parquet"
         if part.is_file():
             rows += read_rows(part)
             reused.append(k)

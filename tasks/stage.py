@@ -41,10 +41,16 @@ def _content(value: Any, key: str) -> Any:
     return value
 
 
+# What manifests record of how long their stages took (the stage, the rollout's weight sync): not what they made.
+TIMINGS = ("seconds", "weight_sync_seconds")
+
+
 def _without_timings(value: Any) -> Any:
-    """Upstream manifests enter the key by their content hashes, not by how long the stage took."""
+    """Upstream manifests enter the key by their content hashes, not by how long the stage took or when: an output
+    with a `rows_hash` (its rows without the time they were written) enters by it, not by its file's hash."""
     if isinstance(value, dict):
-        return {k: _without_timings(v) for k, v in value.items() if k != "seconds"}
+        left_out = (*TIMINGS, "hash") if "rows_hash" in value else TIMINGS
+        return {k: _without_timings(v) for k, v in value.items() if k not in left_out}
     if isinstance(value, list):
         return [_without_timings(v) for v in value]
     return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import duckdb
@@ -284,6 +285,36 @@ def test_sql_over_several_runs_has_a_run_column_and_stays_read_only(tmp_path):
     assert result.exit_code == 2 and "several run folders are named run-a" in result.output
 
 
+def test_run_folders_named_like_glob_patterns_publish_their_own_files(tmp_path):
+    """DuckDB's read_parquet reads a path as a glob pattern: runs/exp[12] would publish the files of runs/exp1, and
+    runs/run* those of every sibling it matches. The catalog, a rescore version written into it and a rescore's
+    inputs hash all read exactly the files named."""
+    from refiner_core.reward.rescore import inputs_hash
+    from refiner_core.store.storage import replace_version_rows
+
+    def write(folder: Path, name: str, rows: list[dict]) -> Path:
+        path = folder / f"{name}.parquet"
+        write_table(ALL_TABLES[name], [{c: None for c in ALL_TABLES[name].column_names} | r for r in rows], path)
+        return path
+
+    for name in ("exp1", "exp[12]", "runX", "run*"):
+        folder = _catalog(tmp_path / name, {"steps": _steps(name, 1)})
+        key = {"run": name, "step": 0, "prompt_id": f"q-{name}", "sample_idx": 0}
+        write(folder / "scores" / "step=0", "reward_inputs", [key])
+        write(folder / "scores" / "step=0", "judge_scores", [key | {"rubric_id": "pos-0", "oriented_score": 1.0}])
+        write(folder / "rescores" / "v1", "rewards", [key | {"reward_version": "v1", "reward": 1.0}])
+    for name in ("exp[12]", "run*"):
+        db = tmp_path / name / "catalog.duckdb"
+        replace_version_rows(db, {"rewards": [str(tmp_path / name / "rescores" / "v1" / "rewards.parquet")]}, "v1")
+        con = duckdb.connect(str(db), read_only=True)
+        assert con.execute("SELECT DISTINCT run FROM steps").fetchall() == [(name,)]
+        assert con.execute("SELECT DISTINCT run FROM rewards").fetchall() == [(name,)]
+        con.close()
+    shutil.copytree(tmp_path / "exp[12]" / "scores", tmp_path / "plain" / "scores")
+    step = Path("scores") / "step=0"
+    assert inputs_hash(tmp_path / "exp[12]" / step) == inputs_hash(tmp_path / "plain" / step)
+
+
 @pytest.mark.parametrize("suffix", [".parquet", ".csv"])
 def test_sql_export_writes_the_result_where_asked(catalog_dir, tmp_path, suffix):
     import pyarrow.csv as pcsv
@@ -299,6 +330,21 @@ def test_sql_export_writes_the_result_where_asked(catalog_dir, tmp_path, suffix)
     assert table.to_pydict() == {"step": [0, 1, 2], "reward_mean": [0.0, 0.5, 1.0]}
     bad = runner.invoke(app, ["sql", str(catalog_dir), "SELECT 1", "--export", str(tmp_path / "x.json")])
     assert bad.exit_code == 2 and "must end in .parquet or .csv" in bad.output
+
+
+def test_sql_export_of_lists_to_csv_is_one_error_line_and_leaves_no_file(tmp_path):
+    folder = _catalog(tmp_path / "run", {"prompts": [{"run": "r", "prompt_id": "q1", "snippet_ids": ["P1", "P2"]}]})
+    exports = tmp_path / "exports"
+    result = runner.invoke(app, ["sql", str(folder), "SELECT * FROM prompts", "--export", str(exports / "p.csv")])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert line.startswith(f"error: --export {exports / 'p.csv'}: ") and '"snippet_ids"' in line
+    assert "write a .parquet file, or select such columns as text: CAST(column AS VARCHAR)" in line
+    assert list(exports.iterdir()) == []  # neither the export nor its temporary file
+    as_text = "SELECT prompt_id, CAST(snippet_ids AS VARCHAR) AS snippet_ids FROM prompts"
+    result = runner.invoke(app, ["sql", str(folder), as_text, "--export", str(exports / "p.csv")])
+    assert result.exit_code == 0, result.output
+    assert (exports / "p.csv").read_text().splitlines() == ['"prompt_id","snippet_ids"', '"q1","[P1, P2]"']
 
 
 @pytest.fixture

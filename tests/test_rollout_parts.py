@@ -75,13 +75,26 @@ def test_a_killed_rollout_samples_only_the_missing_parts_and_the_same_samples(en
     killed = tmp_path / "killed" / ".parts-a"
     with pytest.raises(RuntimeError, match="killed"):
         _sample(Counting(engine, die_after=2), killed)
-    assert sorted(p.name for p in killed.iterdir()) == ["part-0000.parquet", "part-0001.parquet"]
+    assert sorted(p.name for p in killed.iterdir()) == ["part-0000-0002.parquet", "part-0002-0004.parquet"]
     resumed = Counting(engine)
     with caplog.at_level(logging.INFO, logger="test"):
         rows = _sample(resumed, killed)
     assert resumed.calls == [1]  # only the last part (one prompt) was sampled again
     assert _sampled(rows) == _sampled(whole)
     assert "2 of 3 parts (4 of 5 groups) were written by an earlier attempt" in caplog.text
+
+
+def test_a_rollout_resumed_with_another_part_size_reads_no_part_of_other_prompts(engine, tmp_path):
+    """Killed after two parts of 2 prompts, resumed with 1 prompt per part (rollout.groups_per_part lowered after an
+    out-of-memory, say): no part written covers a range of the new attempt, so every group is sampled, once."""
+    whole = _sample(Counting(engine), tmp_path / "uninterrupted" / ".parts-a", per_part=1)
+    killed = tmp_path / "killed" / ".parts-a"
+    with pytest.raises(RuntimeError, match="killed"):
+        _sample(Counting(engine, die_after=2), killed, per_part=2)
+    resumed = Counting(engine)
+    rows = _sample(resumed, killed, per_part=1)
+    assert resumed.calls == [1] * len(PROMPTS)
+    assert _sampled(rows) == _sampled(whole)
 
 
 def test_one_part_samples_what_the_engine_samples_for_the_whole_step(engine, tmp_path):

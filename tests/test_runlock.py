@@ -1,11 +1,12 @@
-"""One run per run folder: the lock file, its holder, stale locks, run folder templates, a SIGTERM that is never lost,
-two real `refiner run`s."""
+"""One run per run folder: the lock file, its holder, stale locks, the commands that rewrite a run's catalog, run
+folder templates, a SIGTERM that is never lost, two real `refiner run`s."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -132,6 +133,44 @@ def test_the_flow_itself_refuses_a_folder_in_use(prefect_server, tiny_recipe, tm
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["rescore", "{run}", "--set", "reward.citation_weight=0.5"],
+        ["judge", "agreement", "{run}", "--labels", "{labels}"],
+    ],
+)
+def test_commands_that_rewrite_the_catalog_refuse_a_folder_in_use(tmp_path, command):
+    """`refiner rescore` and `refiner judge agreement` replace catalog.duckdb with a changed copy of it: beside a run
+    publishing its catalog, one of the two would drop the rows the other just wrote. They take the run's lock."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from refiner_core.publish.catalog import build_catalog
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(REPO / "recipes" / "tiny.yaml", run_dir / "recipe.yaml")
+    build_catalog(run_dir / "catalog.duckdb", {})
+    catalog = (run_dir / "catalog.duckdb").read_bytes()
+    labels = tmp_path / "labels.csv"
+    labels.write_text("step,prompt_id,sample_idx,rubric_id,passed\n0,q1,0,pos-0,true\n")
+    args = [arg.format(run=run_dir, labels=labels) for arg in command]
+    holder = _hold_in_child(run_dir)
+    try:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == BUSY_EXIT_CODE, result.output
+        assert result.output.startswith(f"error: run folder {run_dir} is in use by PID {holder.pid} ")
+        assert read_holder(run_dir)["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (run_dir / "catalog.duckdb").read_bytes() == catalog
+    result = CliRunner().invoke(app, args)  # the folder free: the command runs (nothing to rescore or check here)
+    assert result.exit_code == 2, result.output
+    assert read_holder(run_dir) is None, "the command gave the lock back"
 
 
 def test_run_folder_template():

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 from conftest import REPO
-from refiner_core.schema import STEPS
+from refiner_core.schema import ROLLOUTS, STEPS
 from refiner_core.store.storage import write_table
+from tasks.rollout import write_rollouts
 from tasks.stage import damaged_outputs, stage_cache_key
 
 
@@ -36,6 +38,29 @@ def test_key_ignores_timings_but_not_content(tmp_path):
     )
     data.write_text('{"id": 2}\n')  # same path, new content
     assert _key({"run_dir": "r", "data_file": str(data), "rollouts": upstream}) != base
+
+
+def test_key_ignores_when_rollouts_were_written_and_how_long_their_weight_sync_took(tmp_path):
+    """A rollout that reruns with the same samples (another rollout.groups_per_part, say) writes them with another
+    created_at after another weight sync: the stages after it keep their keys. Other samples change them."""
+    path = tmp_path / "rollouts.parquet"
+
+    def rollout(written_at: datetime, logprob: float, sync_seconds: float) -> dict:
+        rows = [
+            {c: None for c in ROLLOUTS.column_names}
+            | {"run": "r", "step": 0, "prompt_id": "q1", "sample_idx": s, "response_logprobs": [logprob]}
+            | {"created_at": written_at}
+            for s in range(2)
+        ]
+        written = write_rollouts(rows, path)
+        return {"rollouts": written, "rows": 2, "weight_sync_seconds": sync_seconds, "seconds": 1.0}
+
+    first = rollout(datetime(2026, 1, 1, tzinfo=UTC), -0.5, 0.12)
+    again = rollout(datetime(2026, 1, 2, tzinfo=UTC), -0.5, 0.31)
+    assert again["rollouts"]["hash"] != first["rollouts"]["hash"]  # the file differs: damage checks still see it
+    assert _key({"run_dir": "r", "rollouts": again}) == _key({"run_dir": "r", "rollouts": first})
+    other = rollout(datetime(2026, 1, 1, tzinfo=UTC), -0.25, 0.12)
+    assert _key({"run_dir": "r", "rollouts": other}) != _key({"run_dir": "r", "rollouts": first})
 
 
 def test_key_is_stable_across_processes(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 from refiner_core.publish.monitors import monitor_views
 from refiner_core.reward.compose import REWARD_SQL, STEP_INPUTS_HASH_SQL
 from refiner_core.schema import ALL_TABLES, duckdb_ddl, to_arrow
-from refiner_core.store.storage import catalog_copy
+from refiner_core.store.storage import catalog_copy, insert_parquet
 
 
 def build_catalog(
@@ -35,16 +35,8 @@ def build_catalog(
             missing = [f for f in files if not Path(f).exists()]
             if missing:  # never publish a catalog that silently lacks rows
                 raise FileNotFoundError(f"catalog table {name!r}: missing {missing[:3]}; rerun with --refresh")
-            if files and run is not None and "run" in table.column_names:
-                con.execute(
-                    f'INSERT INTO "{name}" BY NAME SELECT * REPLACE (?::VARCHAR AS run) '
-                    "FROM read_parquet(?, union_by_name = true)",
-                    [run, files],
-                )
-            elif files:  # by name: files written before a column existed (rollouts.round) leave it NULL
-                con.execute(
-                    f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?, union_by_name = true)', [files]
-                )
+            if files:  # by name: files written before a column existed (rollouts.round) leave it NULL
+                insert_parquet(con, name, files, run if "run" in table.column_names else None)
             if rows and rows.get(name):
                 con.register("added_rows", to_arrow(table, rows[name]))
                 con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM added_rows')

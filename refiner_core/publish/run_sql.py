@@ -221,15 +221,24 @@ def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
     table: pa.Table = relation.to_arrow_table()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
 
-        pq.write_table(table, tmp)
-    else:
-        import pyarrow.csv as pcsv
+            pq.write_table(table, tmp)
+        else:
+            import pyarrow.csv as pcsv
 
-        pcsv.write_csv(table, tmp)
-    tmp.replace(path)
+            pcsv.write_csv(table, tmp)
+        tmp.replace(path)
+    except pa.ArrowException as e:  # a type the format cannot hold: lists in CSV, intervals in either
+        nested = [f'"{_ident(f.name)}"' for f in table.schema if pa.types.is_nested(f.type)]
+        hint = "select such columns as text: CAST(column AS VARCHAR)"
+        if path.suffix == ".csv" and nested:
+            hint = f"a CSV file holds no lists or structs ({', '.join(nested)}): write a .parquet file, or {hint}"
+        raise CatalogError(f"--export {path}: {e}; {hint}") from None
+    finally:  # a write that failed leaves no temporary file beside the export
+        tmp.unlink(missing_ok=True)
     return table.num_rows
 
 

@@ -23,7 +23,7 @@ from refiner_core.config import RecipeConfig, RewardConfig, dotted_settings
 from refiner_core.reward.compose import STEP_INPUTS_HASH_SQL, compute_rewards, reward_parts, weight_row
 from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
 from refiner_core.store.forks import read_fork
-from refiner_core.store.storage import json_hash, query, read_rows, replace_version_rows, write_table
+from refiner_core.store.storage import insert_parquet, json_hash, query, read_rows, replace_version_rows, write_table
 
 RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "reward_aggregation", "filter_zero_std_groups")
 RESCORABLE_JUDGE = ("on_failure",)
@@ -113,10 +113,7 @@ def inputs_hash(score_dir: Path, run: str | None = None) -> str:
     try:
         for table in (REWARD_INPUTS, JUDGE_SCORES):
             con.execute(duckdb_ddl(table))
-            con.execute(
-                f'INSERT INTO "{table.name}" BY NAME SELECT * REPLACE (coalesce(?, run) AS run) FROM read_parquet(?)',
-                [run, [str(p) for p in round_files(score_dir, table.name)]],
-            )
+            insert_parquet(con, table.name, round_files(score_dir, table.name), run)
         [(digest,)] = con.execute(f"SELECT inputs_hash FROM ({STEP_INPUTS_HASH_SQL})").fetchall()
         return digest
     finally:

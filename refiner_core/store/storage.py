@@ -7,13 +7,15 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, duckdb_type, to_arrow
@@ -121,6 +123,15 @@ def json_hash(obj: Any) -> str:
     return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
+def table_hash(data: pa.Table) -> str:
+    """Content hash of an Arrow table's schema and values (its IPC stream, one chunk per column), whatever file
+    they are written to."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, data.schema) as writer:
+        writer.write_table(data.combine_chunks())
+    return hashlib.blake2b(sink.getvalue(), digest_size=16).hexdigest()
+
+
 @contextmanager
 def catalog_copy(db_path: Path, from_existing: bool) -> Iterator[duckdb.DuckDBPyConnection]:
     """A connection to a temporary copy of the catalog (of the existing one, or a new empty database) that
@@ -156,13 +167,32 @@ def _match_schema(con: duckdb.DuckDBPyConnection, table: Table) -> None:
             con.execute(f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {duckdb_type(column.type)}')
 
 
+def insert_parquet(
+    con: duckdb.DuckDBPyConnection, table: str, paths: Iterable[Path | str], run: str | None = None
+) -> None:
+    """Insert the rows of exactly these Parquet files into `table`, by column name: a column a file lacks (written
+    before the column existed) is NULL in its rows. `run`: every row's run column is this name.
+
+    The files reach DuckDB as an Arrow dataset of these very paths, not through read_parquet, which reads every path
+    as a glob pattern (a run folder named exp[12] would publish exp1's files) and cannot match a path that holds a
+    backslash and a glob character however it is escaped."""
+    files = ds.dataset([str(p) for p in paths], format="parquet", filesystem=pafs.LocalFileSystem())
+    schema = pa.unify_schemas([f.physical_schema for f in files.get_fragments()], promote_options="permissive")
+    con.register("parquet_files", files.replace_schema(schema))
+    try:
+        select = "SELECT *" if run is None else "SELECT * REPLACE (?::VARCHAR AS run)"
+        con.execute(f'INSERT INTO "{table}" BY NAME {select} FROM parquet_files', [] if run is None else [run])
+    finally:
+        con.unregister("parquet_files")
+
+
 def replace_version_rows(db_path: Path, files: dict[str, list[str]], version: str) -> None:
     """Swap one reward version's rows of a published catalog for the given Parquet files, atomically."""
     with catalog_copy(db_path, from_existing=True) as con:
         for name, paths in files.items():
             _match_schema(con, ALL_TABLES[name])
             con.execute(f'DELETE FROM "{ALL_TABLES[name].name}" WHERE reward_version = ?', [version])
-            con.execute(f'INSERT INTO "{ALL_TABLES[name].name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
+            insert_parquet(con, ALL_TABLES[name].name, paths)
 
 
 def query(db_path: Path | str, sql: str, params: list | None = None) -> tuple[list[str], list[tuple]]:
@@ -187,4 +217,4 @@ def replace_rows(db_path: Path, files: dict[str, list[str]], column: str, value:
                 raise ValueError(f"table {name} has no column {column!r}")
             _match_schema(con, table)
             con.execute(f'DELETE FROM "{name}" WHERE "{column}" = ?', [value])
-            con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM read_parquet(?)', [paths])
+            insert_parquet(con, name, paths)
