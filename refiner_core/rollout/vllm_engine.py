@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refiner_core.config import EngineSettings
-from refiner_core.models import Adapter, checkpoint_adapter, checkpoint_weights, release_gpu_cache
+from refiner_core.models import Adapter, checkpoint_adapter, checkpoint_weights, lora_adapter, release_gpu_cache
 from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
 from refiner_core.runtime import weight_transfer as wt
 
@@ -112,6 +112,9 @@ class VLLMRolloutEngine:
     device_type: str = "cpu"
     takes_adapters: bool = False  # built with enable_lora: load_weights takes an Adapter
     lora: object = None  # the LoRARequest every generate applies; None: the base weights alone
+    # The checkpoint folder the engine's weights are exactly (None: weights pushed from memory). An adapter goes on
+    # its own base: where the weights are another folder's (merged weights, an EMA teacher), the base comes back first.
+    weights_from: str | None = None
     loras_loaded: int = 0  # adapter ids handed out (vLLM caches an adapter by its id)
     dtype: object = None  # the torch dtype vLLM computes in: weights are sent in it
     sleep_level: int = 0  # built with sleep mode (GPU): 1 or 2 (rollout.sleep_level); 0: cannot sleep
@@ -183,6 +186,7 @@ class VLLMRolloutEngine:
             return
         state = weights.state_dict() if hasattr(weights, "state_dict") else weights
         self.lora = None  # full weights replace the base: no adapter on top
+        self.weights_from = None
         if self.transport == "ipc":
             self._stream(state.items(), "state dict")
             return
@@ -213,9 +217,10 @@ class VLLMRolloutEngine:
         bucket at a time over CUDA IPC where the engine takes IPC, else through host memory."""
         if self.transport != "ipc":
             self.load_weights(checkpoint_weights(path))
-            return
-        self.lora = None
-        self._stream(wt.safetensors_items(path), f"checkpoint {path}")
+        else:
+            self.lora = None
+            self._stream(wt.safetensors_items(path), f"checkpoint {path}")
+        self.weights_from = path
 
     @property
     def in_process(self) -> bool:
@@ -268,6 +273,7 @@ class VLLMRolloutEngine:
         self.llm.finish_weight_update()
         self.llm.reset_prefix_cache()
         self.lora = None
+        self.weights_from = None
 
     # ---- sleep mode (GPU) ----
 
@@ -278,6 +284,8 @@ class VLLMRolloutEngine:
             return
         self.llm.sleep(level=self.sleep_level)
         self.asleep = {"weights", "kv_cache"}
+        if self.sleep_level >= 2:  # the weights are dropped: none are any folder's until loaded again
+            self.weights_from = None
 
     def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
         """Take back the memory of `tags` (None: all). vLLM's order for new weights: ('weights',), load them, then
@@ -303,6 +311,8 @@ class VLLMRolloutEngine:
                 f"vllm engine: adapter rank {adapter.rank} is over the engine's max_lora_rank "
                 f"{self.llm.llm_engine.vllm_config.lora_config.max_lora_rank}"
             )
+        if not _same_folder(self.weights_from, adapter.base):
+            self.load_checkpoint(adapter.base)
         self.loras_loaded += 1  # a new id: vLLM would serve a cached adapter under an id it has seen
         self.lora = LoRARequest(f"policy-{self.loras_loaded}", self.loras_loaded, adapter.path)
         self.llm.reset_prefix_cache()
@@ -373,6 +383,9 @@ def make_vllm_engine(
     if sleeps:
         options["enable_sleep_mode"] = True
     adapter = checkpoint_adapter(model_path)
+    if adapter is None and settings.adapter_rank:
+        # merged weights beside an adapter: built on the base, so that the next adapter replaces this one
+        adapter = lora_adapter(model_path)
     rank = max(settings.adapter_rank, adapter.rank if adapter else 0)
     if rank:
         if rank > LORA_RANKS[-1]:
@@ -409,6 +422,7 @@ def make_vllm_engine(
         held_bytes=held,
         device_type="cuda" if on_gpu else "cpu",
         takes_adapters=bool(rank),
+        weights_from=weights_path,
         dtype=llm.llm_engine.model_config.dtype,
         sleep_level=settings.sleep_level if sleeps else 0,
         transport=transport,
@@ -418,6 +432,10 @@ def make_vllm_engine(
     if adapter:
         engine.load_weights(adapter)
     return engine
+
+
+def _same_folder(a: str | None, b: str) -> bool:
+    return a is not None and Path(a).resolve() == Path(b).resolve()
 
 
 def _generation_eos(model_path) -> list[int]:
