@@ -49,6 +49,31 @@ def test_sampled_logprobs_match_learner_logprobs(tiny_model_path, tiny_tokenizer
     assert (other[mask] - batch["rollout_logprobs"][mask]).abs().max() > 1e-2
 
 
+def test_sampling_settings_in_the_checkpoint_do_not_reach_the_samples(tiny_model_path, tiny_tokenizer):
+    """A generation_config.json that ships a repetition penalty or an n-gram ban (Qwen2.5-Instruct: 1.05) shaped the
+    samples and their log-probs although SamplingParams said neither: the learner's log-probs no longer matched."""
+    model = load_model(tiny_model_path)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(40)  # sharp logits: the penalty moves them visibly
+    plain = HFRolloutEngine(copy.deepcopy(model), tiny_tokenizer, batch_size=8)
+    model.generation_config.repetition_penalty = 1.05
+    model.generation_config.no_repeat_ngram_size = 2
+    shipped = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
+    prompts = short_and_long_prompts(tiny_tokenizer)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=3)
+    gens = shipped.generate(prompts, params)
+    assert [(g.token_ids, g.logprobs) for g in gens] == [
+        (g.token_ids, g.logprobs) for g in plain.generate(prompts, params)
+    ]
+    batch = collate(
+        [TrainSample(prompts[g.prompt_index], g.token_ids, 0.0, g.logprobs) for g in gens], tiny_tokenizer.pad_token_id
+    )
+    with torch.no_grad():
+        learner_lp = token_logprobs(model, batch, temperature=1.0)
+    mask = batch["mask"].bool()
+    torch.testing.assert_close(learner_lp[mask], batch["rollout_logprobs"][mask], atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("truncation", [{"top_k": 5}, {"min_p": 0.3}], ids=["top_k", "min_p"])
 def test_top_k_and_min_p_sample_inside_the_truncated_distribution_and_report_its_logprobs(
     tiny_model_path, tiny_tokenizer, truncation

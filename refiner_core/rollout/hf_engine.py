@@ -98,9 +98,17 @@ class HFRolloutEngine:
     weights_hash: str = ""
 
     def __post_init__(self) -> None:
-        gen_eos = self.model.generation_config.eos_token_id
-        ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        from transformers import GenerationConfig
+
+        own = self.model.generation_config
+        ids = own.eos_token_id if isinstance(own.eos_token_id, list) else [own.eos_token_id]
         self.eos_ids = {i for i in [*ids, self.tokenizer.eos_token_id] if i is not None}
+        # Only the checkpoint's token ids: `generate` fills every setting it is not passed from the model's
+        # generation config, so one that generation_config.json ships (Qwen2.5-Instruct's repetition_penalty 1.05,
+        # no_repeat_ngram_size) would shape every sample behind SamplingParams' back, and the log-probs trained on.
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id
+        )
         use_cpu_decode_attention(self.model)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
