@@ -223,6 +223,30 @@ def test_token_budget_ends_conversations(tiny_model_path, tiny_tokenizer, python
         assert len(scripted.token_ids) == budget or scripted.turns[-1].role in ("assistant", "tool")
 
 
+def test_a_round_whose_results_do_not_fit_the_budget_still_counts(tiny_model_path, tiny_tokenizer, python_tool):
+    """The calls ran (the turn rows say 'ok'), so the round counts for the Tool Call Reward, though the results are
+    not shown: no room is left for them and another turn. It went uncounted, and a wrong answer scored 0.1 lower."""
+    model = load_model(tiny_model_path)
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=4)
+    prompt = render_prompt(tiny_tokenizer, [{"role": "user", "content": "What is 6 * 7?"}])[1]
+    call = tiny_tokenizer(CALL, add_special_tokens=False)["input_ids"]
+    results = tool_message_ids(tiny_tokenizer, ["42"])
+    (rollout,) = run_agent(
+        engine,
+        tiny_tokenizer,
+        [prompt],
+        SamplingParams(n=1, temperature=1.0, max_new_tokens=64, seed=1),
+        {"python": python_tool},
+        AgentSettings(max_turns=8, max_response_tokens=len(call) + len(results)),  # the results open with an EOT
+        scripted={(0, 0): [CALL]},
+        score=model_scorer(model, 1.0),
+    )
+    assert rollout.finish_reason == "length" and rollout.turns[-1].role == "tool"
+    (tool,) = [t for t in rollout.turns if t.role == "tool"]
+    assert (tool.status, tool.text, tool.token_start == tool.token_end) == ("ok", "42", True)  # ran, not shown
+    assert rollout.tool_rounds == 1
+
+
 def test_calls_the_tool_cannot_take_are_recorded_and_stored(tiny_model_path, tiny_tokenizer, python_tool, tmp_path):
     model = load_model(tiny_model_path)
     engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=1)

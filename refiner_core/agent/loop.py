@@ -177,6 +177,7 @@ def run_agent(
             ids = tool_message_ids(tokenizer, [res.text for _, _, res in mine])
             if r.token_ids and r.token_ids[-1] in eos and ids and ids[0] == r.token_ids[-1]:
                 ids = ids[1:]  # the model already ended its turn with the template's end-of-turn token
+            r.tool_rounds += any(res.status not in NOT_RUN for _, _, res in mine)  # ran, whether or not shown
             if len(r.token_ids) + len(ids) >= settings.max_response_tokens:
                 r.finish_reason = "length"  # no room for the results and another turn
                 for k, call, res in mine:
@@ -185,7 +186,6 @@ def run_agent(
             start, end = r.add(ids, [0.0] * len(ids), sampled=False)
             for k, call, res in mine:
                 r.turns.append(_tool_turn(turn, k, call, res, start, end))
-            r.tool_rounds += any(res.status not in NOT_RUN for _, _, res in mine)
             follow.append(r)
         turn += 1
         if not follow:
