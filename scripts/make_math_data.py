@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -113,8 +114,9 @@ def served_rephrasing(question: str, endpoint: str, model: str, cache_dir: Path,
 
 
 def usable_rephrasing(text: str | None, expression: str) -> bool:
-    """Every number of the expression still appears."""
-    return bool(text) and all(n in text for n in expression.split()[::2])
+    """Every number of the expression still appears, as a whole number ('15 plus 15' does not hold 5)."""
+    numbers = set(re.findall(r"(?<![\d.])\d+(?:\.\d+)?(?!\.?\d)", text or ""))
+    return bool(text) and all(n in numbers for n in expression.split()[::2])
 
 
 def hub_problems(name: str, split: str, question_column: str, answer_column: str, rephrased_column: str) -> list[dict]:

@@ -239,3 +239,13 @@ def test_rephrasing_through_an_openai_compatible_server_is_cached_and_checked(tm
         assert again[1] == twins and len(requests) == 2  # from the cache: no new request
     finally:
         server.shutdown()
+
+
+def test_a_rephrasing_must_keep_every_number_whole():
+    from scripts.make_math_data import usable_rephrasing
+
+    assert usable_rephrasing("Take 5 and add 15 to it.", "5 + 15")
+    assert usable_rephrasing("Start at 12, then add 7.", "12 + 7")
+    assert not usable_rephrasing("What is 15 plus 15?", "5 + 15")  # 5 only inside 15: another question
+    assert not usable_rephrasing("Add 7 to 12.5.", "12 + 7")
+    assert not usable_rephrasing(None, "1 + 2") and not usable_rephrasing("", "1 + 2")
