@@ -14,10 +14,10 @@ from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, part_ranges
 from refiner_core.runtime.live_engines import release
 from refiner_core.runtime.unsaved_weights import model_folder
-from refiner_core.schema import ROLLOUTS, TURNS, to_arrow
+from refiner_core.schema import ROLLOUTS, TURNS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.faults import stage_fault
-from refiner_core.store.storage import json_hash, read_rows, table_hash, write_arrow, write_table
+from refiner_core.store.storage import json_hash, read_rows, write_sampled, write_table
 from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
 from tasks.stage import CODE_VERSION, stage
 
@@ -126,7 +126,7 @@ def rollout(
         len(rows),
         sum(r["response_tokens"] for r in rows) / max(len(rows), 1),
     )
-    written = write_rollouts(rows, path)
+    written = write_sampled(ROLLOUTS, rows, path)
     for stale in path.parent.glob(f"{PARTS_PREFIX}*"):  # every part is in rollouts.parquet now
         shutil.rmtree(stale, ignore_errors=True)
     manifest = {
@@ -148,18 +148,6 @@ def rollout(
             sum(r["tool_rounds"] for r in rows) / max(len(rows), 1),
         )
     return manifest
-
-
-def write_rollouts(rows: list[dict], path: Path) -> dict:
-    """Write the rollouts rows; their manifest entry holds the file's hash (checked for damage) and `rows_hash`, the
-    rows' without created_at: the stages after the rollout are keyed by it, so a rollout that reruns with the same
-    samples (another rollout.groups_per_part, say) leaves them cached."""
-    data = to_arrow(ROLLOUTS, rows)
-    return {
-        "path": str(path),
-        "hash": write_arrow(data, path),
-        "rows_hash": table_hash(data.drop_columns(["created_at"])),
-    }
 
 
 PARTS_PREFIX = ".parts-"

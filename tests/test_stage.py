@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 from conftest import REPO
 from refiner_core.schema import ROLLOUTS, STEPS
-from refiner_core.store.storage import write_table
-from tasks.rollout import write_rollouts
+from refiner_core.store.storage import write_sampled, write_table
 from tasks.stage import damaged_outputs, stage_cache_key
 
 
@@ -52,7 +51,7 @@ def test_key_ignores_when_rollouts_were_written_and_how_long_their_weight_sync_t
             | {"created_at": written_at}
             for s in range(2)
         ]
-        written = write_rollouts(rows, path)
+        written = write_sampled(ROLLOUTS, rows, path)
         return {"rollouts": written, "rows": 2, "weight_sync_seconds": sync_seconds, "seconds": 1.0}
 
     first = rollout(datetime(2026, 1, 1, tzinfo=UTC), -0.5, 0.12)

@@ -69,6 +69,18 @@ def write_table(table: Table, rows: list[dict], path: Path) -> str:
     return write_arrow(to_arrow(table, rows), path)
 
 
+def write_sampled(table: Table, rows: list[dict], path: Path) -> dict:
+    """Write sampled rows (rollouts, teacher rollouts) and return their manifest entry: the file's hash (checked for
+    damage) and `rows_hash`, the rows' without created_at. The stages after key on the rows_hash, so a rerun that
+    samples the same rows (another rollout.groups_per_part, say) leaves them cached."""
+    data = to_arrow(table, rows)
+    return {
+        "path": str(path),
+        "hash": write_arrow(data, path),
+        "rows_hash": table_hash(data.drop_columns(["created_at"])),
+    }
+
+
 def write_arrow(data: pa.Table, path: Path) -> str:
     tmp, final = atomic_path(Path(path))
     try:
