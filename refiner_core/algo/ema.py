@@ -17,11 +17,8 @@ import math
 import shutil
 from pathlib import Path
 
-from refiner_core.models import ADAPTER_DIR
-
-# Training state a policy checkpoint may carry that a teacher does not need, and the policy's LoRA adapter: the
-# average is in the merged weights, and an engine taking adapters would serve the policy's adapter for the teacher.
-SKIPPED = ("optimizer.pt", "deepspeed", "launch.log", ADAPTER_DIR)
+# Training state a policy checkpoint may carry that a teacher does not need.
+SKIPPED = ("optimizer.pt", "deepspeed", "launch.log")
 
 
 def alpha_at(step: int, alpha_start: float, alpha_end: float, schedule_steps: int) -> float:
@@ -66,7 +63,9 @@ def ema_checkpoint(teacher_dir: Path, policy_dir: Path, alpha: float, out_dir: P
         averaged = {k: (alpha * v.float() + (1.0 - alpha) * teacher[k].float()).contiguous() for k, v in policy.items()}
         save_file(averaged, str(Path(out_dir) / name), metadata={"format": "pt"})
     for item in Path(policy_dir).iterdir():
-        if item.suffix == ".safetensors" or item.name in SKIPPED:
+        # nor the policy's LoRA adapter (a folder with PEFT's adapter_config.json): the average is in the merged
+        # weights, and an engine taking adapters would serve the policy's adapter for the teacher
+        if item.suffix == ".safetensors" or item.name in SKIPPED or (item / "adapter_config.json").is_file():
             continue
         if item.is_dir():
             shutil.copytree(item, Path(out_dir) / item.name)
