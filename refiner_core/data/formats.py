@@ -18,7 +18,7 @@ _ANSWER_LIKE_RE = re.compile(r"<\s*/?\s*answer\b[^<>]*>", re.IGNORECASE)
 _TAG_RE = re.compile(r"</?([A-Za-z][\w-]*)(?:\s+[\w-]+\s*=[^<>]*)?\s*/?>")
 # A snippet tag in any spelling (`<Snippet id=D1>`, `< snippet id=D1>`, `</SNIPPET >`): every one must be exactly
 # the format's, or a citation the judge reads would count as none.
-_SNIPPET_LIKE_RE = re.compile(r"<\s*/?\s*snippet\b[^<>]*>", re.IGNORECASE)
+SNIPPET_LIKE_RE = re.compile(r"<\s*/?\s*snippet\b[^<>]*>", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def tool_output_problem(tool_output: str) -> str | None:
     """Why tool output given as text is not a sequence of whole <snippet id=...>...</snippet> blocks (text between
     them is free), or None. The same rules as a rendered list: plain IDs, no snippet tag inside a snippet's text."""
     inside = False
-    for tag in _SNIPPET_LIKE_RE.finditer(tool_output):
+    for tag in SNIPPET_LIKE_RE.finditer(tool_output):
         opening = _SNIPPET_OPEN_RE.fullmatch(tag.group(0))
         if not opening and tag.group(0) != _SNIPPET_CLOSE:
             return f"malformed snippet tag {tag.group(0)!r} at offset {tag.start()}"
@@ -140,7 +140,7 @@ def parse_answer(text: str) -> ParsedAnswer:
     stray = [t for t in _ANSWER_LIKE_RE.findall(text) if t not in (ANSWER_OPEN, ANSWER_CLOSE)]
     if stray:
         problems.append(f"stray or malformed answer tag {stray[0]!r}")
-    odd = [t for t in _SNIPPET_LIKE_RE.findall(body) if t != _SNIPPET_CLOSE and not _SNIPPET_OPEN_RE.fullmatch(t)]
+    odd = [t for t in SNIPPET_LIKE_RE.findall(body) if t != _SNIPPET_CLOSE and not _SNIPPET_OPEN_RE.fullmatch(t)]
     if odd:
         problems.append(f"malformed snippet tag {odd[0]!r}")
     other = [m.group(0) for m in _TAG_RE.finditer(body) if m.group(1).lower() not in ("snippet", "answer")]

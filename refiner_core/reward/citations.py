@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from refiner_core.data.formats import SNIPPET_RE, parse_answer, split_ids
+from refiner_core.data.formats import SNIPPET_LIKE_RE, SNIPPET_RE, parse_answer, split_ids
 
 # A sentence ends at . ! or ? before a space or the end, or at a line break: "2.5 mg" and "e.g.," do not end one.
 _SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -50,9 +50,7 @@ def extract_claims(response_text: str, snippet_ids: list[str]) -> list[Claim] | 
 
 
 def _uncited(text: str) -> list[Claim]:
-    text = re.sub(
-        r"<\s*/?\s*snippet\b[^<>]*>", " ", text, flags=re.IGNORECASE
-    )  # stray tags of a malformed answer are not claim text
+    text = SNIPPET_LIKE_RE.sub(" ", text)  # stray tags of a malformed answer are not claim text
     return [
         Claim(s.strip(), (), ())
         for s in _SENTENCE_END_RE.split(text)

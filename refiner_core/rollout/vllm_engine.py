@@ -382,10 +382,9 @@ def make_vllm_engine(
     sleeps = on_gpu and settings.sleep_level > 0 and _sleep_mode_available()
     if sleeps:
         options["enable_sleep_mode"] = True
-    adapter = checkpoint_adapter(model_path)
-    if adapter is None and settings.adapter_rank:
-        # merged weights beside an adapter: built on the base, so that the next adapter replaces this one
-        adapter = lora_adapter(model_path)
+    # An engine taking adapters is built on the base of a checkpoint's adapter, even with merged weights beside it,
+    # so that the next adapter replaces this one; an adapter-only checkpoint needs LoRA kernels in any case.
+    adapter = lora_adapter(model_path) if settings.adapter_rank else checkpoint_adapter(model_path)
     rank = max(settings.adapter_rank, adapter.rank if adapter else 0)
     if rank:
         if rank > LORA_RANKS[-1]:
