@@ -577,6 +577,11 @@ def judge_serve(
     model: str = typer.Argument(
         ..., help="Model spec as model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder."
     ),
+    vllm_args: list[str] | None = typer.Argument(
+        None,
+        help="More arguments for vLLM's server, after --: `refiner judge serve MODEL -- --reasoning-parser qwen3`.",
+        show_default=False,
+    ),
     port: int = typer.Option(8000, "--port", help="Port (0 = a free one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     name: str = typer.Option(
@@ -608,6 +613,7 @@ def judge_serve(
             startup_timeout=startup_timeout,
             log_path=log,
             gpu_memory_utilization=gpu_memory_utilization or None,
+            extra_args=vllm_args,
         )
     except (ServerStartError, FileNotFoundError) as e:
         _fail(str(e), code=1)

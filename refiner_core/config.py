@@ -511,6 +511,12 @@ class OpenAIJudgeConfig:
         "shares must leave the learner room (preflight refuses a sum over 1). Unused on CPU.",
         check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
     )
+    serve_args: list = opt(
+        [],
+        "judge.openai.serve: more arguments for the vLLM server's command line, e.g. ['--reasoning-parser', "
+        "'qwen3'] for a thinking judge (its reasoning then stays out of the reply's content) or "
+        "['--max-num-seqs', '64'].",
+    )
     api_model: str = opt(
         "",
         "The model name sent in requests; '' = the first model the server "
@@ -613,8 +619,9 @@ class JudgeConfig:
         "zero",
         "A failed judgment (unparseable output, or no answer after retries): 'zero' scores the rubric (or the "
         "claim's support) 0 (oriented), 'skip' leaves it out of the mean (the claim out of citation precision and "
-        "recall), 'drop' leaves the whole rollout out of the update (its group's advantages come from the "
-        "others), 'fail' fails the judge stage (rows are not written).",
+        "recall; a rollout whose rubrics, or claims, all failed leaves the update), 'drop' leaves the whole "
+        "rollout out of the update (its group's advantages come from the others), 'fail' fails the judge stage "
+        "(rows are not written).",
     )
     price_per_mtok_in: float = opt(
         0.0,

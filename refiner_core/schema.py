@@ -372,7 +372,8 @@ REWARDS = Table(
             "dropped",
             B,
             "Left out of the update: a rubric's judgment, or a judged claim's that enters the citation score, "
-            "failed under on_failure 'drop'.",
+            "failed under on_failure 'drop'; or under 'skip', every rubric's judgment, or every claim's, failed "
+            "(nothing left to average).",
         ),
         _c(
             "reward",

@@ -62,6 +62,7 @@ def ensure_judge_server(openai_cfg: dict, model_path: str, run_dir: str, log) ->
         served_name=openai_cfg["api_model"],
         startup_timeout=openai_cfg["serve_startup_timeout"],
         gpu_memory_utilization=openai_cfg["serve_gpu_memory_utilization"],
+        extra_args=[str(arg) for arg in openai_cfg["serve_args"]],
         log_path=log_path,
     )
     log.info("judge server healthy: pid %d, model %s", _SERVED[url].pid, _SERVED[url].model_name)

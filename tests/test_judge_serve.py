@@ -60,6 +60,9 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
                 "0",  # a free one, picked again should another process take it first
                 "--name",
                 "tiny",
+                "--",  # the rest goes to vLLM's server as it is
+                "--max-num-seqs",
+                "3",
             ],
             cwd=REPO,
             stdout=f,
@@ -77,6 +80,8 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
         port = int(endpoint.group(1))
         server_pid = int(text.split("pid: ")[1].split()[0])
         assert _alive(server_pid)
+        server_log = Path(re.search(r"^log: (.+)$", text, re.MULTILINE).group(1)).read_text()
+        assert re.search(r"^\$ .* --enforce-eager --max-num-seqs 3$", server_log, re.MULTILINE), server_log[:2000]
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         served = served_model_name(tiny_model_path, "tiny")
         assert re.fullmatch(r"tiny-[0-9a-f]{12}", served) and f"model: {served}" in text
@@ -155,6 +160,7 @@ def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_rec
                 "serve": True,
                 "base_url": f"http://127.0.0.1:{port}/v1",
                 "api_model": "tiny-judge",
+                "serve_args": ["--max-num-seqs", 8],
                 "concurrency": 4,
                 "timeout_seconds": 60,
                 "cache_path": str(tmp_path / "judge-cache"),
@@ -166,6 +172,7 @@ def test_pipeline_starts_and_stops_its_own_judge_server(prefect_server, tiny_rec
     assert state.is_completed(), state.message
     log = (run_dir / "logs" / f"judge-server-{port}.log").read_text()
     assert log.count("$ ") == 1  # one server for both steps
+    assert re.search(r"^\$ .* --max-num-seqs 8$", log, re.MULTILINE)  # judge.openai.serve_args
     with pytest.raises(httpx.HTTPError):  # stopped with the run
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)

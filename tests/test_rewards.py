@@ -234,8 +234,24 @@ def test_rubric_mean_under_each_failure_treatment():
     assert math.isclose(skip["rubric_score"], 2.5 / 3) and not skip["dropped"]  # (2*1 + 1*0.5) / 3
     assert drop["dropped"] and math.isclose(drop["rubric_score"], 2.5 / 3)
     assert (zero["rubrics_scored"], zero["rubrics_failed"]) == (2, 1)
-    (only_failed,) = _rewards([_inputs()], [_score_row(None)], "skip", citation_weight=0.0)
-    assert only_failed["rubric_score"] == 0.0 and only_failed["reward"] == 0.0
+    # skip with every rubric failed: nothing is left to average, so the rollout leaves the update (a rubric
+    # score of 0 would teach the policy the judge's failures); one scored rubric keeps it in
+    (only_failed,) = _rewards([_inputs()], [_score_row(None, rubric="a"), _score_row(None, rubric="b")], "skip")
+    assert only_failed["dropped"] and (only_failed["rubrics_scored"], only_failed["rubrics_failed"]) == (0, 2)
+    (zero_all,) = _rewards([_inputs()], [_score_row(None)], "zero")
+    assert not zero_all["dropped"] and zero_all["rubric_score"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "claims,failed,kind,dropped",
+    [(3, 3, "f1", True), (3, 2, "f1", False), (3, 3, "dr_tulu", True), (3, 3, "valid_ids", False), (0, 0, "f1", False)],
+)
+def test_skip_drops_a_rollout_whose_claims_all_failed(claims, failed, kind, dropped):
+    """Under skip, a claim-level citation score with every claim's judgment failed has nothing to average; an
+    answer without claims (F1 0 by definition) and valid_ids (no claim calls) stay in the update."""
+    row = _inputs(claims=claims, claims_failed=failed, citation_f1=0.0, citation_f1_judged=0.0)
+    (out,) = _rewards([row], [_score_row(1.0)], "skip", citation_score=kind)
+    assert out["dropped"] is dropped
 
 
 def test_reward_hand_computed():

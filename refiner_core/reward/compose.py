@@ -82,9 +82,14 @@ parts AS (
               ELSE 0.0 END AS overlong_penalty,
          CASE WHEN coalesce(i.cites_distractor, false) THEN -w.distractor_penalty ELSE 0.0 END AS distractor_term,
          w.supporting_recall_weight * coalesce(i.supporting_recall, 0.0) AS recall_term,
-         w.on_failure = 'drop' AND (coalesce(r.rubrics_failed, 0) > 0
-                                    OR w.citation_score_kind <> 'valid_ids' AND coalesce(i.claims_failed, 0) > 0)
-           AS dropped
+         -- 'drop': any failed judgment; 'skip': every judgment of a part failed, so nothing is left to average
+         CASE w.on_failure
+              WHEN 'drop' THEN coalesce(r.rubrics_failed, 0) > 0
+                               OR w.citation_score_kind <> 'valid_ids' AND coalesce(i.claims_failed, 0) > 0
+              WHEN 'skip' THEN coalesce(r.rubrics_failed, 0) > 0 AND r.rubrics_scored = 0
+                               OR w.citation_score_kind <> 'valid_ids' AND coalesce(i.claims_failed, 0) > 0
+                                  AND i.claims_failed = i.claims
+              ELSE false END AS dropped
   FROM reward_inputs i
   JOIN reward_weights w ON i.run = w.run AND i.step = w.step
   -- failed claim judgments count 0 under 'zero', are left out under 'skip' and 'drop' (rows stored before
