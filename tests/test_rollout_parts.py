@@ -110,3 +110,15 @@ def test_parts_of_other_inputs_are_never_reused(tmp_path):
     mine.mkdir()
     other = parts_folder(tmp_path, ["policy-b", "prompts"])  # another policy: another folder; the first one goes
     assert other != mine and not mine.exists()
+
+
+def test_no_batch_shares_its_random_stream_with_another_steps_batch(engine):
+    """Step seeds are consecutive (seed * 100_003 + step): a later batch of step s seeded s + its place would be step
+    s + place's first batch, the same draws for the same prompts. Batches after the first take a mixed seed."""
+    same = [[1, 2, 3, 4]] * 4  # n=2, batch_size 4: prompts 0-1 are the first batch, 2-3 the second (place 4)
+    step = engine.generate(same, PARAMS)
+    later_step = engine.generate(same, replace(PARAMS, seed=PARAMS.seed + 4))
+    second_batch = [g.token_ids for g in step if g.prompt_index >= 2]
+    assert second_batch != [g.token_ids for g in later_step if g.prompt_index < 2]
+    # the first batch keeps the step's seed: the same draws whatever follows it
+    assert [g.token_ids for g in engine.generate(same[:2], PARAMS)] == [g.token_ids for g in step if g.prompt_index < 2]

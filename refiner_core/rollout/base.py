@@ -6,6 +6,7 @@ only the chosen one is imported: 'hf' (transformers generate) runs anywhere.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +28,13 @@ class SamplingParams:
     # Index of the first prompt in the whole step: an engine sampling a shard of the step (rollout.num_engines)
     # seeds each prompt as one engine sampling the whole step would.
     prompt_offset: int = 0
+
+
+def request_seed(seed: int, place: int) -> int:
+    """A well-mixed 31-bit seed per (step seed, place in the step): prompts never share samples, reruns reproduce
+    them."""
+    digest = hashlib.blake2b(f"{seed}:{place}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 2**16)  # room for vLLM's seed + sample_idx
 
 
 def part_ranges(prompts: int, per_part: int) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from refiner_core.config import EngineSettings
 from refiner_core.learners.logprobs import autocast
 from refiner_core.models import Adapter, adapter_weights, release_gpu_cache, use_sdpa_variant
-from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded
+from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded, request_seed
 from refiner_core.runtime.progress import progress_bar
 
 # transformers' SDPA attention, except where one query token attends under CPU bf16 autocast (every decode step):
@@ -124,8 +124,10 @@ class HFRolloutEngine:
             input_ids, attention = (t.to(self.model.device) for t in left_padded([prompts[p] for p, _ in chunk], pad))
             sample = params.temperature > 0
             # One seed per batch, from its first sample's place in the step (prompt_offset: where this call's prompts
-            # start): reruns of a step, and of a part of it, reproduce its samples.
-            torch.manual_seed(params.seed + params.prompt_offset * params.n + start)
+            # start): reruns of a step, and of a part of it, reproduce its samples. Step seeds are consecutive, so
+            # a later batch's seed is mixed (seed + place would be another step's first batch's seed).
+            place = params.prompt_offset * params.n + start
+            torch.manual_seed(params.seed if place == 0 else request_seed(params.seed, place))
             casts = (
                 cached_weight_casts(self.model, self.precision) if self.cache_weight_casts else contextlib.nullcontext()
             )

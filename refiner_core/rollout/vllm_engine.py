@@ -14,7 +14,6 @@ chosen; importing refiner_core never imports vllm.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from refiner_core.config import EngineSettings
 from refiner_core.models import Adapter, checkpoint_adapter, checkpoint_weights, lora_adapter, release_gpu_cache
-from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes
+from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, request_seed
 from refiner_core.runtime import weight_transfer as wt
 
 log = logging.getLogger(__name__)
@@ -67,12 +66,6 @@ def reload_in_worker(worker, blob: bytes) -> None:
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-
-
-def request_seed(seed: int, prompt_index: int) -> int:
-    """A well-mixed 31-bit seed per (step seed, prompt): prompts never share samples, reruns reproduce them."""
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 2**16)  # room for vLLM's seed + sample_idx
 
 
 class _Discard:
