@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shlex
 import sys
 from collections.abc import Iterator
@@ -157,7 +158,8 @@ def sql(
     finally:
         con.close()
     if fmt == "json":
-        typer.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1))
+        rows = [_json_value(r) for r in rows]
+        typer.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1, allow_nan=False))
     elif fmt == "csv":
         import csv
 
@@ -168,6 +170,18 @@ def sql(
         writer.writerows([shown(v) for v in r] for r in rows)
     else:
         _print_table(columns, rows, max_width)
+
+
+def _json_value(value):
+    """VALUE with every NaN and infinity (in lists and structs too) as None: JSON has no such numbers, so they are
+    written as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
 
 
 def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:

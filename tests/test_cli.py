@@ -285,6 +285,40 @@ def test_sql_over_several_runs_has_a_run_column_and_stays_read_only(tmp_path):
     assert result.exit_code == 2 and "several run folders are named run-a" in result.output
 
 
+def test_sql_over_several_runs_gives_the_catalog_views_each_run_once(tmp_path):
+    """The catalog's own views (step_rewards, the monitors) over three runs: each run's figures are the ones the
+    run's catalog alone gives."""
+
+    def run(name: str, reward: float) -> Path:
+        key = {"run": name, "step": 0, "prompt_id": "p", "reward_version": "train", "reward": reward}
+        rewards = [key | {"sample_idx": i, "verifier": "judge", "gated": False} for i in range(2)]
+        inputs = [{"run": name, "step": 0, "prompt_id": "p", "sample_idx": i, "verifier": "judge"} for i in range(2)]
+        weights = [{"run": name, "step": 0, "reward_version": "train", "on_failure": "zero"}]
+        tables = {"rewards": rewards, "reward_inputs": inputs, "reward_weights": weights, "steps": _steps(name, 2)}
+        return _catalog(tmp_path / name, tables)
+
+    folders = [run(name, reward) for name, reward in (("a", 1.0), ("b", 5.0), ("c", 9.0))]
+    queries = (
+        "SELECT run, count(*) AS n, sum(rollouts) AS rollouts, avg(reward_mean) AS reward FROM step_rewards "
+        "GROUP BY run ORDER BY run",
+        "SELECT run, monitor, count(*) AS n FROM monitors GROUP BY ALL ORDER BY ALL",
+        "SELECT run, count(*) AS n FROM monitor_kl_jump GROUP BY run ORDER BY run",
+        "SELECT run, count(*) AS n FROM rewards_recomputed GROUP BY run ORDER BY run",
+    )
+    for sql in queries:
+        alone = [row for folder in folders for row in _json(folder, sql)]
+        assert alone and _json_runs(folders, sql) == alone, sql
+    assert _json_runs(folders, queries[0]) == [
+        {"run": name, "n": 1, "rollouts": 2, "reward": reward} for name, reward in (("a", 1.0), ("b", 5.0), ("c", 9.0))
+    ]
+
+
+def _json_runs(run_dirs, sql):
+    result = runner.invoke(app, ["sql", *map(str, run_dirs), sql, "-f", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
 def test_run_folders_named_like_glob_patterns_publish_their_own_files(tmp_path):
     """DuckDB's read_parquet reads a path as a glob pattern: runs/exp[12] would publish the files of runs/exp1, and
     runs/run* those of every sibling it matches. The catalog, a rescore version written into it and a rescore's
@@ -330,6 +364,29 @@ def test_sql_export_writes_the_result_where_asked(catalog_dir, tmp_path, suffix)
     assert table.to_pydict() == {"step": [0, 1, 2], "reward_mean": [0.0, 0.5, 1.0]}
     bad = runner.invoke(app, ["sql", str(catalog_dir), "SELECT 1", "--export", str(tmp_path / "x.json")])
     assert bad.exit_code == 2 and "must end in .parquet or .csv" in bad.output
+
+
+def test_sql_export_where_nothing_can_be_written_is_one_error_line(catalog_dir, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder.csv").mkdir()
+    for out, why in (
+        (tmp_path / "a-file" / "steps.csv", f"cannot make its folder (File exists: {tmp_path / 'a-file'})"),
+        (tmp_path / "a-file" / "sub" / "steps.parquet", "cannot make its folder (Not a directory: "),
+        (tmp_path / "a-folder.csv", "cannot write it (Is a directory)"),
+    ):
+        result = runner.invoke(app, ["sql", str(catalog_dir), "SELECT step FROM steps", "--export", str(out)])
+        assert result.exit_code == 2, result.output
+        [line] = result.output.splitlines()
+        assert line.startswith(f"error: --export {out}: {why}"), line
+    assert list((tmp_path / "a-folder.csv").iterdir()) == [] and not (tmp_path / "a-folder.csv.tmp").exists()
+
+
+def test_sql_json_writes_nan_and_infinity_as_null(catalog_dir):
+    sql = "SELECT 'nan'::DOUBLE AS x, '-inf'::DOUBLE AS y, [1.5, 'nan'::DOUBLE] AS l, {'a': 'inf'::DOUBLE} AS s"
+    result = runner.invoke(app, ["sql", str(catalog_dir), sql, "-f", "json"])
+    assert result.exit_code == 0, result.output
+    assert "NaN" not in result.stdout and "Infinity" not in result.stdout  # neither is JSON
+    assert json.loads(result.stdout) == [{"x": None, "y": None, "l": [1.5, None], "s": {"a": None}}]
 
 
 def test_sql_export_of_lists_to_csv_is_one_error_line_and_leaves_no_file(tmp_path):
@@ -483,6 +540,23 @@ def test_show_adds_the_judge_cost_and_the_monitors_that_tripped(tmp_path):
     assert "judge over 2 step(s): 10 requests, 450 prompt + 20 completion tokens, $0.0011" in result.output
     assert "monitors tripped (1;" in result.output and "citation_drift" in result.output
     assert "citations per answer 2.00 -> 1.00" in result.output
+
+
+@pytest.mark.parametrize(
+    ("prices", "cost"), [((0.0, 0.0), "not priced (judge.price_per_mtok_in / _out)"), ((2.0, 8.0), "$0.3040")]
+)
+def test_show_says_a_judge_without_prices_is_not_priced(tmp_path, prices, cost):
+    """The recipe's default prices, 0 and 0, price nothing: judge_cost_usd stays NULL rather than $0."""
+    steps = [_steps("r", 1)[0] | {"judge_requests": 40, "judge_prompt_tokens": 120000, "judge_completion_tokens": 8000}]
+    path = tmp_path / "steps.parquet"
+    write_table(ALL_TABLES["steps"], [{c: None for c in ALL_TABLES["steps"].column_names} | s for s in steps], path)
+    build_catalog(tmp_path / "catalog.duckdb", {"steps": [path]}, judge_price=prices)
+    assert _json(tmp_path, "SELECT judge_cost_usd FROM steps") == [
+        {"judge_cost_usd": None if cost.startswith("not") else pytest.approx(0.304)}
+    ]
+    result = runner.invoke(app, ["show", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert f"judge over 1 step(s): 40 requests, 120000 prompt + 8000 completion tokens, {cost}\n" in result.output
 
 
 def test_example_commands_quote_the_run_folder():

@@ -82,6 +82,50 @@ def test_card_names_the_recipe_settings_and_parses_as_hf_metadata():
     assert embedded["grpo"]["beta"] == 0.05  # the reproduce section's recipe is the resolved one
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_the_reproduce_command_trains_the_checkpoints_steps_at_their_learning_rates(schedule):
+    """A checkpoint of step 10 of a 20-step run: the command the card gives stops at step 10 with the learning rates
+    steps 0-9 had (a decay over grpo.steps would otherwise end at step 10)."""
+    import re
+
+    from refiner_core.algo.schedules import learning_rate_at
+    from refiner_core.preflight import check_values
+    from refiner_core.stage_settings import stage_settings, stage_view
+
+    overrides = [
+        "model.lora_sync=merged",
+        f"grpo.lr_scheduler_type={schedule}",
+        "grpo.lr_warmup_steps=3",
+        "grpo.min_lr_ratio=0.1",
+    ]
+    original = load_recipe(REPO / "recipes" / "tiny.yaml", [*overrides, "grpo.steps=20"])
+    card = model_card(original.to_dict(), kind="grpo", run="r", step=10, checkpoint="c", parent="p")
+    command = re.search(r"```bash\n(.*)\n```", card).group(1)
+    again = load_recipe(
+        REPO / "recipes" / "tiny.yaml", [*overrides, "grpo.steps=20", *re.findall(r"--set (\S+)", command)]
+    )
+    assert again.grpo.steps == 10 and not [p for p in check_values(again) if "lr_" in p]
+
+    def rates(cfg):
+        update = stage_view("update", stage_settings(cfg).update)
+        return [learning_rate_at(s, update) for s in range(10)]
+
+    assert rates(again) == rates(original)
+    assert ("lr_decay_steps" in command) == (schedule != "constant")
+
+
+def test_the_judge_cost_section_says_not_priced_without_prices():
+    cost = {"steps": 2, "judge_requests": 8, "judge_prompt_tokens": 1000, "judge_completion_tokens": 10}
+    priced = _card(
+        ["judge.price_per_mtok_in=2", "judge.price_per_mtok_out=8"], judge_cost=cost | {"judge_cost_usd": 0.00208}
+    )
+    assert "over 2 GRPO step(s): $0.0021 at $2 / $8 per million" in priced
+    for unpriced in (cost | {"judge_cost_usd": None}, cost | {"judge_cost_usd": 0}):  # a NULL or unpriced ledger
+        card = _card([], judge_cost=unpriced)
+        assert "8 requests, 1000 prompt and 10 completion tokens over 2 GRPO step(s): not priced (judge." in card
+        assert "$0" not in card
+
+
 def test_smollm2_card_names_its_hub_base_model_and_license():
     data = ModelCard(_card(["model.policy=smollm2-135m-instruct"])).data
     assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and data.license == "apache-2.0"

@@ -135,6 +135,31 @@ def test_default_thresholds_trip_on_the_hacked_step_only(hacked_run):
     }
 
 
+def test_a_first_step_of_equal_rewards_gives_no_verdict_in_units_of_its_std(tmp_path):
+    """A verified run whose first step solved nothing (every reward 0, std 0): a tiny training-reward rise above a
+    flat held-out reward is no figure at all for the checks measured in that std, not a huge one that trips."""
+    rewards = [
+        {"run": RUN, "step": step, "prompt_id": "p", "sample_idx": i, "reward_version": "train", "verifier": "math",
+         "reward": 0.0008 if (step, i) == (1, 7) else 0.0, "correct": 0.0, "format_weight": 0.0, "format_score": 1.0}
+        for step in (0, 1)
+        for i in range(8)
+    ]  # fmt: skip
+    evals = [
+        {"run": RUN, "step": step, "phase": phase, "mode": "greedy", "prompt_id": "h", "sample_idx": 0, "reward": 0.0}
+        for step, phase in ((0, "base"), (2, "grpo"))
+    ]
+    tables = {"rewards": rewards, "evals": evals, "steps": [{"run": RUN, "step": s, "kl": 0.0} for s in (0, 1)]}
+    files = {}
+    for name, rows in tables.items():
+        write_table(ALL_TABLES[name], _table(name, rows), tmp_path / f"{name}.parquet")
+        files[name] = [tmp_path / f"{name}.parquet"]
+    build_catalog(tmp_path / "catalog.duckdb", files)
+    figures = _figures(tmp_path)
+    assert figures[("verified_flat", 1)] is None and figures[("heldout_gap", 1)] is None
+    assert figures[("verified_flat", 0)] is None  # no rise, but no unit either
+    assert tripped(tmp_path / "catalog.duckdb", 1, MonitorsConfig()) == []
+
+
 _FLOW_RUNS: list = []
 
 

@@ -108,9 +108,49 @@ def test_wandb_offline_run_holds_the_steps_values(tmp_path):
     """No network: the W&B run is written offline under RUN_DIR/wandb (`wandb sync` uploads it later); its history
     records, read back from the run file, hold the steps values."""
     assert _report(tmp_path, ["wandb"]) == ({"wandb": 5}, [])
-    close_trackers(tmp_path)  # the run's end: the W&B run is finished
-    ledger = json.loads((tmp_path / "tracking" / "wandb.json").read_text())
-    [run_file] = (tmp_path / "wandb").glob(f"offline-run-*-{ledger['id']}/run-{ledger['id']}.wandb")
+    history = [h for h in _wandb_history(tmp_path) if "steps/loss" in h]
+    assert [(h["train_step"], h["steps/loss"], h["steps/reward_mean"]) for h in history] == [
+        (0, 0.5, 1.25),
+        (1, 0.4, 2.25),
+        (2, pytest.approx(0.3), 3.25),
+    ]
+    assert not any("steps/entropy" in h for h in history)  # NULL columns are not logged
+    [table] = next((tmp_path / "wandb").glob("offline-run-*/files/media/table")).glob("rollouts_*.table.json")
+    assert json.loads(table.read_text())["data"] == [[2, "**best**: reward 3"]]
+
+
+def test_wandb_keeps_every_training_step_logged_after_evals_and_rollouts(tmp_path):
+    """A report after each step, as a run sends them: an eval at step 0 and a rollouts table with every step come
+    between the training steps, and W&B still keeps each step's metrics, on its own step axis."""
+    steps = [{"run": "r", "step": s, "loss": 0.5 - 0.1 * s} for s in range(4)]
+    evals = [
+        {"step": 0, "phase": "base", "mode": "greedy", "reward": 1.0},
+        {"step": 2, "phase": "grpo", "mode": "greedy", "reward": 2.0},
+    ]
+    for s in range(4):
+        sent, warnings = _report(
+            tmp_path, ["wandb"], steps=steps[: s + 1], evals=[e for e in evals if e["step"] <= s], rollouts={s: f"{s}"}
+        )
+        assert warnings == [] and sent["wandb"] >= 2
+    history = _wandb_history(tmp_path)
+    assert [(h["train_step"], h["steps/loss"]) for h in history if "steps/loss" in h] == [
+        (0, 0.5),
+        (1, 0.4),
+        (2, pytest.approx(0.3)),
+        (3, pytest.approx(0.2)),
+    ]
+    assert [(h["eval_step"], h[k]) for h in history for k in h if k.startswith("eval/")] == [
+        (0, 1.0),
+        (2, 2.0),
+    ]
+    assert [h["rollouts_step"] for h in history if "rollouts_step" in h] == [0, 1, 2, 3]
+
+
+def _wandb_history(run_dir) -> list[dict]:
+    """The history rows of the run's W&B run file, once the run is finished and the file complete."""
+    close_trackers(run_dir)  # the run's end: the W&B run is finished
+    ledger = json.loads((run_dir / "tracking" / "wandb.json").read_text())
+    [run_file] = (run_dir / "wandb").glob(f"offline-run-*-{ledger['id']}/run-{ledger['id']}.wandb")
     # W&B's writer keeps the file's last 32 KiB block in memory until its stream closes, which happens in its service
     # process shortly after finish() returns (later still on a loaded machine): read the file once it holds the exit
     records = _wandb_records(run_file)
@@ -119,15 +159,7 @@ def test_wandb_offline_run_holds_the_steps_values(tmp_path):
         time.sleep(0.2)
         records = _wandb_records(run_file)
     assert any(r.WhichOneof("record_type") == "exit" for r in records), "the W&B run file was never completed"
-    history = [h for h in map(_history_row, records) if h and "steps/loss" in h]
-    assert [(h["_step"], h["steps/loss"], h["steps/reward_mean"]) for h in history] == [
-        (0, 0.5, 1.25),
-        (1, 0.4, 2.25),
-        (2, pytest.approx(0.3), 3.25),
-    ]
-    assert not any("steps/entropy" in h for h in history)  # NULL columns are not logged
-    [table] = (run_file.parent / "files" / "media" / "table").glob("rollouts_*.table.json")
-    assert json.loads(table.read_text())["data"] == [[2, "**best**: reward 3"]]
+    return [h for h in map(_history_row, records) if h]
 
 
 def _wandb_records(run_file) -> list:

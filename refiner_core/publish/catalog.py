@@ -23,7 +23,8 @@ def build_catalog(
     """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
 
     Every table of the schema exists, even when empty, so queries never fail on a missing table. `judge_price`
-    (dollars per million prompt and completion tokens) prices each step's judge tokens into steps.judge_cost_usd.
+    (dollars per million prompt and completion tokens) prices each step's judge tokens into steps.judge_cost_usd;
+    without it, or with both prices 0 (the recipe's default: none set), judge_cost_usd stays NULL, not priced.
     `run`: the run column of every file's rows is this name (a fork's catalog: the steps it shares are its parent's
     files, written under the parent's name). `rows`: rows to add besides the files, by table name.
     """
@@ -42,13 +43,17 @@ def build_catalog(
                 con.execute(f'INSERT INTO "{name}" BY NAME SELECT * FROM added_rows')
                 con.unregister("added_rows")
             counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
-        if judge_price is not None:
+        if judge_price is not None and any(judge_price):
             con.execute(_PRICE_JUDGE_TOKENS, list(judge_price))
-        con.execute(_REWARD_RECOMPUTE_VIEW)
-        con.execute(_STEP_REWARDS_VIEW)
-        for view in monitor_views():
-            con.execute(view)
+        for name, sql in catalog_views().items():
+            con.execute(f'CREATE VIEW "{name}" AS {sql}')
     return counts
+
+
+def catalog_views() -> dict[str, str]:
+    """The catalog's views, name -> SELECT, in the order they are created (a view may read the ones before it).
+    `refiner sql` over several runs defines them again over the runs' tables together."""
+    return {"rewards_recomputed": _REWARD_RECOMPUTE_VIEW, "step_rewards": _STEP_REWARDS_VIEW, **monitor_views()}
 
 
 # A step's judge tokens at the recipe's prices (dollars per million tokens).
@@ -58,18 +63,18 @@ UPDATE steps SET judge_cost_usd = (coalesce(judge_prompt_tokens, 0) * ? + coales
 """
 
 
-# Every reward version recomputed by the one reward definition from the stored inputs: equals rewards.reward.
+# rewards_recomputed: every reward version recomputed by the one reward definition from the stored inputs: equals
+# rewards.reward.
 _REWARD_RECOMPUTE_VIEW = f"""
-CREATE VIEW rewards_recomputed AS
 SELECT run, step, prompt_id, sample_idx, reward_version, recomputed.reward AS reward_sql, stored.reward
 FROM ({REWARD_SQL}) recomputed
 JOIN rewards stored USING (run, step, prompt_id, sample_idx, reward_version)
 """
 
-# The reward figures of `steps`, per reward version: training's and each rescore's, side by side. `stale`: a
-# rescore version computed from rows that a later run of the folder replaced (NULL: a version that recorded none).
+# step_rewards: the reward figures of `steps`, per reward version: training's and each rescore's, side by side.
+# `stale`: a rescore version computed from rows that a later run of the folder replaced (NULL: a version that recorded
+# none).
 _STEP_REWARDS_VIEW = f"""
-CREATE VIEW step_rewards AS
 WITH figures AS (
   SELECT run, step, reward_version, avg(r.reward) AS reward_mean, stddev_pop(r.reward) AS reward_std,
          avg(abs(a.advantage)) AS advantage_abs_mean, count(*) AS rollouts,

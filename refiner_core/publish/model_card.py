@@ -103,10 +103,14 @@ def model_card(
 
 def judge_cost_line(cost: dict, price_in: float, price_out: float) -> str:
     """The run's judge ledger up to this checkpoint: `cost` sums the steps rows' judge_* columns ('steps' of them);
-    the prices are dollars per million prompt / completion tokens."""
-    return (
+    the prices are dollars per million prompt / completion tokens, neither set: not priced."""
+    tokens = (
         f"{cost['judge_requests']} requests, {cost['judge_prompt_tokens']} prompt and "
         f"{cost['judge_completion_tokens']} completion tokens over {cost['steps']} GRPO step(s): "
+    )
+    if cost.get("judge_cost_usd") is None or not (price_in or price_out):
+        return tokens + "not priced (judge.price_per_mtok_in / _out; held-out evaluations not included)."
+    return tokens + (
         f"${cost['judge_cost_usd']:.4f} at ${price_in:g} / ${price_out:g} per "
         "million prompt / completion tokens (judge.price_per_mtok_in / _out; held-out evaluations not included)."
     )
@@ -259,6 +263,10 @@ def _data_rows(recipe: dict, data: dict | None) -> list[tuple[str, str]]:
 
 def _reproduce(recipe: dict, kind: str, step: int | None) -> str:
     steps = f" --set grpo.steps={step}" if kind != "sft" and step else ""
+    grpo = recipe["grpo"]
+    if steps and grpo["lr_scheduler_type"] != "constant" and not grpo["lr_decay_steps"]:
+        # a decay of 0 steps ends at grpo.steps: the shorter run keeps the original's, and so its learning rates
+        steps += f" --set grpo.lr_decay_steps={grpo['steps']}"
     what = (
         "this checkpoint is the SFT checkpoint of the new run"
         if kind == "sft"

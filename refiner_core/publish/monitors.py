@@ -2,7 +2,9 @@
 step), and trips when the step's figure reaches its threshold (monitors.<name>; 0 = off). What to do then is the
 check's action (monitors.<name>_action: warn, pause or fail; the flow acts on it, flows/refiner.py).
 
-The figures compare a step with the run's first step (its baseline) unless said otherwise:
+The figures compare a step with the run's first step (its baseline) unless said otherwise. A figure is NULL (no
+verdict, never trips) where it has no unit to be measured in: verified_flat and heldout_gap when the first step's
+rewards were all equal (reward std below 1e-6).
 
 - verified_drop: the largest fall of a verifiable part (a share checked against the data, not the judge: format
   valid, citation IDs valid, supporting snippets cited, no distractor cited, verified correct) while the reward
@@ -35,7 +37,6 @@ from refiner_core.config import MonitorsConfig
 # The per-step figures every check reads: the training reward and its verifiable parts, length, citations,
 # repetition and sampled-token entropy (rollouts), KL (steps).
 STEP_FIGURES = """
-CREATE VIEW monitor_step_figures AS
 WITH r AS (
   SELECT r.*, o.response_token_ids, o.response_logprobs
   FROM rewards r LEFT JOIN rollouts o USING (run, step, prompt_id, sample_idx)  -- tokens: repetition, entropy
@@ -107,7 +108,8 @@ gains AS (
   GROUP BY run, step, reward0, reward_mean, std0
 )
 SELECT run, step,
-       CASE WHEN part_gain <= 0 THEN greatest(reward_mean - reward0, 0) / greatest(std0, 1e-6) ELSE 0.0 END AS value,
+       CASE WHEN part_gain <= 0 THEN greatest(reward_mean - reward0, 0) / (CASE WHEN std0 >= 1e-6 THEN std0 END)
+            ELSE 0.0 END AS value,
        printf('the reward went %.3f -> %.3f while the verifiable shares moved %+.3f on average', reward0, reward_mean,
               part_gain) AS detail
 FROM gains
@@ -121,7 +123,7 @@ WITH held AS (
   FROM monitor_step_figures WINDOW w AS (PARTITION BY run ORDER BY step)
 )
 SELECT t.run, t.step,
-       ((t.reward_mean - t.reward0) - (h.heldout - h0.heldout)) / greatest(t.std0, 1e-6) AS value,
+       ((t.reward_mean - t.reward0) - (h.heldout - h0.heldout)) / (CASE WHEN t.std0 >= 1e-6 THEN t.std0 END) AS value,
        printf('training reward %.3f -> %.3f, held-out %.3f -> %.3f (step %d vs the policy before step 0)',
               t.reward0, t.reward_mean, h0.heldout, h.heldout, t.step + 1) AS detail
 FROM train t JOIN held h ON h.run = t.run AND h.step = t.step + 1 JOIN held h0 ON h0.run = t.run AND h0.step = 0
@@ -176,15 +178,15 @@ WINDOW earlier AS (PARTITION BY run ORDER BY step ROWS BETWEEN UNBOUNDED PRECEDI
 }
 
 
-def monitor_views() -> list[str]:
-    """CREATE VIEW statements: monitor_step_figures, one monitor_<check> view per check, and `monitors`, every check
-    of every step side by side (monitor, run, step, value, detail)."""
+def monitor_views() -> dict[str, str]:
+    """View name -> its SELECT, in the order they are created: monitor_step_figures, one monitor_<check> view per
+    check, and `monitors`, every check of every step side by side (monitor, run, step, value, detail)."""
     union = " UNION ALL ".join(f"SELECT '{name}' AS monitor, * FROM monitor_{name}" for name in CHECKS)
-    return [
-        STEP_FIGURES,
-        *(f"CREATE VIEW monitor_{name} AS {sql}" for name, sql in CHECKS.items()),
-        f"CREATE VIEW monitors AS {union}",
-    ]
+    return {
+        "monitor_step_figures": STEP_FIGURES,
+        **{f"monitor_{name}": sql for name, sql in CHECKS.items()},
+        "monitors": union,
+    }
 
 
 @dataclass(frozen=True)

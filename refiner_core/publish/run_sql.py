@@ -2,9 +2,10 @@
 
 The first catalog is the session's database, opened read-only, which makes DuckDB attach every other database
 read-only too; further catalogs are attached under their run folder's name and every table they hold becomes
-one view over all of them (`UNION ALL BY NAME`; each row keeps its `run` column), so the queries written for one
-run work across runs. Then file access is switched off and the configuration locked, and `run_query` and
-`export` run SELECT statements only: a query can neither write (`DELETE`, `COPY … TO`), attach, detach, change
+one view over all of them (`UNION ALL BY NAME`; each row keeps its `run` column), and the catalog's own views
+(step_rewards, monitors, ...) are defined again over those, so the queries written for one run work across runs.
+Then file access is switched off and the configuration locked, and `run_query` and `export` run SELECT
+statements only: a query can neither write (`DELETE`, `COPY … TO`), attach, detach, change
 a setting nor read other files, whether the session holds one run or several. `export` writes a result only
 where the caller asks, from Python.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+
+from refiner_core.publish.catalog import catalog_views
 
 # Whether a training rollout solved its prompt, as an eval answer passes (refiner_core.eval.evaluate.passed at the
 # default eval.pass_rubric_score): training's rewards rows.
@@ -136,10 +139,12 @@ def _define_session(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[
         except duckdb.BinderException as e:  # a folder named like the first catalog's file, or 'temp', 'system'
             raise CatalogError(f"cannot attach {db} as {name!r}: {e}") from e
     if len(dbs) > 1:
+        # Tables only: a catalog's own views read bare table names, which here are the union views below, so
+        # unioning them too would repeat every run's rows once per run. They are defined again over the unions.
         tables: dict[str, list[str]] = {}
         for catalog, table in con.execute(
             "SELECT table_catalog, table_name FROM information_schema.tables WHERE "
-            "table_schema = 'main' ORDER BY table_name"
+            "table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name"
         ).fetchall():
             if catalog in catalogs:
                 tables.setdefault(table, []).append(catalog)
@@ -148,6 +153,11 @@ def _define_session(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[
                 f'SELECT * FROM "{_ident(c)}".main."{_ident(table)}"' for c in in_catalogs
             )
             con.execute(f'CREATE TEMP VIEW "{_ident(table)}" AS {union}')
+        for name, sql in catalog_views().items():
+            try:
+                con.execute(f'CREATE TEMP VIEW "{name}" AS {sql}')
+            except duckdb.Error:  # catalogs from before the tables it reads: the view is left out
+                pass
     con.execute("SET enable_external_access = false")  # only the attached catalogs stay readable
     for name, (_, sql) in VIEWS.items():
         try:
@@ -219,7 +229,10 @@ def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
     if relation is None:
         raise CatalogError("--export needs a query that returns rows (a SELECT)")
     table: pa.Table = relation.to_arrow_table()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission
+        raise CatalogError(f"--export {path}: cannot make its folder ({e.strerror}: {e.filename})") from None
     tmp = path.with_name(path.name + ".tmp")
     try:
         if path.suffix == ".parquet":
@@ -237,6 +250,8 @@ def export(con: duckdb.DuckDBPyConnection, sql: str, path: str | Path) -> int:
         if path.suffix == ".csv" and nested:
             hint = f"a CSV file holds no lists or structs ({', '.join(nested)}): write a .parquet file, or {hint}"
         raise CatalogError(f"--export {path}: {e}; {hint}") from None
+    except OSError as e:  # a folder at PATH, no permission, a full disk
+        raise CatalogError(f"--export {path}: cannot write it ({e.strerror or e})") from None
     finally:  # a write that failed leaves no temporary file beside the export
         tmp.unlink(missing_ok=True)
     return table.num_rows

@@ -125,19 +125,27 @@ class WandbTracker:
             mode=os.environ.get("WANDB_MODE", "offline"),
             settings=wandb.Settings(silent=True, console="off"),
         )  # the run's own output stays ours
+        # Each kind of item has its own step axis and no log() call passes step=: W&B drops a log(step=N) below its
+        # own step counter, which every log() call advances, so explicit steps would lose the training steps
+        # logged after an eval or a rollouts table.
+        self.run.define_metric("train_step")
+        self.run.define_metric("steps/*", step_metric="train_step")
         self.run.define_metric("eval_step")
-        self.run.define_metric("eval/*", step_metric="eval_step")
+        self.run.define_metric("eval/*", step_metric="eval_step")  # eval steps may lie behind the training step
+        self.text_axes: set[str] = set()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if any(name.startswith("eval/") for name in metrics):
-            self.run.log({**metrics, "eval_step": step})  # eval steps may lie behind the training step
-        else:
-            self.run.log(metrics, step=step)
+        axis = "eval_step" if any(name.startswith("eval/") for name in metrics) else "train_step"
+        self.run.log({**metrics, axis: step})
 
     def log_text(self, step: int, name: str, markdown: str) -> None:
         import wandb
 
-        self.run.log({name: wandb.Table(columns=["step", "markdown"], data=[[step, markdown]])})
+        if name not in self.text_axes:
+            self.run.define_metric(f"{name}_step")
+            self.run.define_metric(name, step_metric=f"{name}_step")
+            self.text_axes.add(name)
+        self.run.log({name: wandb.Table(columns=["step", "markdown"], data=[[step, markdown]]), f"{name}_step": step})
 
     def flush(self) -> None:
         pass  # the run's writer process stores what it is sent
