@@ -5,9 +5,9 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.config import ConfigError
-from refiner_core.data.prepare import prepare_prompts
-from refiner_core.data.rows import TooManyRejected, validate_rows
-from refiner_core.data.sources import load_source
+from refiner_core.data.prepare import cap_prompts, prepare_prompts
+from refiner_core.data.rows import TooManyRejected, prompt_hash, validate_rows
+from refiner_core.data.sources import load_source, source_identity
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.ledger import prompt_ledger, select_prompts
 from refiner_core.schema import PROMPT_SELECTION, PROMPTS, QUARANTINE
@@ -35,7 +35,8 @@ def prepare_data(
     catalogs of data.skip_solved_from / data.weights_from (hashed by content into the cache key), the training
     split leaves out prompts those runs always or never solved, and carries sampling weights (prompt_selection)."""
     log = get_run_logger()
-    raw = load_source(data_file, stage_view("data", data))
+    source = stage_view("data", data)
+    raw = load_source(data_file, source)
     checked = validate_rows(raw)
     tokenizer = load_tokenizer(policy["path"])
     prompts, dropped = prepare_prompts(
@@ -47,8 +48,8 @@ def prepare_data(
         data["validation_fraction"],
         seed,
     )
-    if data["max_prompts"]:
-        prompts = prompts[: data["max_prompts"]]
+    prompts = cap_prompts(prompts, data["max_prompts"])
+    hash_of = {r["id"]: prompt_hash(r) for r in checked.rows}
     rejected = checked.rejected + dropped
     quarantine = [r.as_quarantine(run, "prepare", data_file) for r in rejected]
     counts: dict[str, int] = {}
@@ -68,6 +69,11 @@ def prepare_data(
         "rows_out": len(prompts),
         "rejected": counts,
         "train_ids": sorted(p["prompt_id"] for p in prompts if p["split"] == "train"),
+        # what prepare-sft needs to leave the held-out prompts out of the warm start
+        "source": source_identity(data_file, source),
+        "held_out_prompt_hashes": {
+            p["prompt_id"]: hash_of[p["prompt_id"]] for p in prompts if p["split"] == "validation"
+        },
     }
     if skip_ledger_files or weight_ledger_files:
         kept, weights, selection = select_prompts(

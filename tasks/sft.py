@@ -5,7 +5,7 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.data.rows import validate_rows
-from refiner_core.data.sources import load_source
+from refiner_core.data.sources import load_source, source_identity
 from refiner_core.models import load_model, load_tokenizer
 from refiner_core.publish.model_card import write_model_card
 from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
@@ -24,14 +24,20 @@ def prepare_sft(
 ) -> dict:
     """Validate SFT rows, render with assistant-only masks, apply limits, dedupe, split, pack -> sft_examples,
     sft_stats, quarantine (+ stats.json). Rows of held-out prompts (the validation split of `prompts`) are left out;
-    tool-using conversations are rendered as the agent loop tokenizes them."""
+    tool-using conversations are rendered as the agent loop tokenizes them. A row is held out by its ID only when
+    `sft_file` is the prompts' own source; from another file, by its prompt."""
     log = get_run_logger()
     sft = stage_view("sft_prepare", sft_cfg)
     raw = load_source(sft_file, sft)
     usable, tool_rejected = normalise_tool_rows(raw)  # tool-using conversations: calls as Hermes blocks, checked
     checked = validate_rows(usable)
     tokenizer = load_tokenizer(policy["path"])
-    held_out = [p for p in read_rows(prompts["prompts"]["path"]) if p["split"] == "validation"]
+    hashes = prompts["held_out_prompt_hashes"]
+    held_out = [
+        {**p, "prompt_hash": hashes[p["prompt_id"]]}
+        for p in read_rows(prompts["prompts"]["path"])
+        if p["split"] == "validation"
+    ]
     prepared = prepare_sft_core(
         checked.rows,
         tokenizer,
@@ -41,6 +47,7 @@ def prepare_sft(
         seed,
         sft.histogram_bins,
         held_out,
+        same_source=prompts["source"] == source_identity(sft_file, sft),
     )
     rejected = tool_rejected + checked.rejected + prepared.rejected
     stats = {**prepared.stats, "rows_in": len(raw), "invalid_rows": len(tool_rejected) + len(checked.rejected)}
@@ -66,12 +73,14 @@ def prepare_sft(
         "examples": len(prepared.examples),
         "packing": stats["packing"],
         "dropped": stats["dropped"],
+        "held_out": stats["held_out"],
     }
     log.info(
-        "prepare-sft: %d rows in (%d held out for evaluation), %d examples (%d train / %d validation), %d "
+        "prepare-sft: %d rows in (%d held out for evaluation, by %s), %d examples (%d train / %d validation), %d "
         "rejected %s, packing efficiency train %.1f%%",
         len(raw),
         stats["held_out_rows"],
+        stats["held_out"],
         len(prepared.examples),
         stats["train_examples"],
         stats["validation_examples"],

@@ -195,6 +195,8 @@ def test_eval_rows_for_base_sft_and_last_step(sft_eval_run):
     # nor imitated by the SFT warm start
     held_out = _query(run_dir, "SELECT count(*) FROM prompts WHERE split = 'validation'")[0][0]
     assert _query(run_dir, "SELECT value FROM sft_stats WHERE name = 'held_out_rows'") == [(float(held_out),)]
+    # sft.path is empty: SFT reads data.path itself, where a held-out prompt's ID names its row
+    assert _query(run_dir, "SELECT value FROM sft_stats WHERE name = 'held_out_by_prompt_id'") == [(float(held_out),)]
     assert _query(
         run_dir,
         "SELECT count(*) FROM sft_examples s JOIN prompts p ON p.prompt_id = s.source_id WHERE p.split = 'validation'",

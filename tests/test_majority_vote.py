@@ -181,3 +181,22 @@ def test_twins_share_a_split_and_unpaired_views_are_quarantined(tiny_tokenizer):
         again, _ = prepare_prompts(validate_rows(raw).rows, tiny_tokenizer, "r", 512, 64, 0.5, seed=seed)
         splits = {p["prompt_id"]: p["split"] for p in again}
         assert splits["a"] == splits["a-r"]
+
+
+def test_max_prompts_takes_or_leaves_a_twin_pair_whole(tiny_tokenizer):
+    """A view kept without its twin would have no pseudo-label: data.max_prompts never splits a pair."""
+    from pathlib import Path
+
+    from refiner_core.data.prepare import cap_prompts, prepare_prompts
+    from refiner_core.data.rows import read_jsonl, validate_rows
+
+    twins = Path(__file__).resolve().parents[1] / "data" / "math" / "twins.jsonl"
+    rows = validate_rows(read_jsonl(twins)[:6]).rows
+    prompts, _ = prepare_prompts(rows, tiny_tokenizer, "t", 4096, 4096, 0.0, 0)
+    ids = [p["prompt_id"] for p in prompts]
+    assert ids == ["math-0000", "math-0000-r", "math-0001", "math-0001-r", "math-0002", "math-0002-r"]
+    for cap, kept in [(3, 2), (4, 4), (5, 4), (6, 6), (100, 6), (0, 6), (1, 0)]:
+        capped = cap_prompts(prompts, cap)
+        assert [p["prompt_id"] for p in capped] == ids[:kept], cap
+    plain = [dict(p, twin_id=None) for p in prompts]
+    assert cap_prompts(plain, 3) == plain[:3]

@@ -8,9 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from refiner_core.data.prompts import render_chat, render_prompt
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import load_rows
-from refiner_core.sft.data import SFTLimits, TemplateError, prepare_sft, render_with_mask, stats_rows
+from refiner_core.models import SMOLLM2, load_tokenizer, resolve_model
+from refiner_core.sft.data import (
+    SFTLimits,
+    TemplateError,
+    assistant_char_spans,
+    normalise_tool_rows,
+    prepare_sft,
+    render_with_mask,
+    sft_messages,
+    stats_rows,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -63,6 +74,51 @@ def test_a_template_that_rewrites_earlier_turns_is_reported_not_mismasked(tiny_t
 
 def _rows():
     return validate_rows(load_rows(str(SAMPLES))).rows
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "smollm2"])
+def tokenizer(request, tiny_tokenizer):
+    return tiny_tokenizer if request.param == "tiny-qwen3" else load_tokenizer(resolve_model(SMOLLM2))
+
+
+def _trained_text(tokenizer, rendered) -> str:
+    return tokenizer.decode([t for t, m in zip(rendered.input_ids, rendered.loss_mask) if m])
+
+
+@pytest.mark.parametrize("answer", ["\n\nHello", "  indented", "\nHello", " Hello world", "Hello world"])
+def test_an_answer_starting_with_whitespace_keeps_it_and_the_prompt_keeps_rollouts_tokens(tokenizer, answer):
+    """SmolLM2's tokenizer merges '\n\n' or '\n ' across the template's 'assistant\n' and the answer: SFT's prompt
+    would end in another token than the one rollout's prompt ends in, and the answer's first whitespace get no loss."""
+    messages = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": answer}]
+    rendered = render_with_mask(tokenizer, messages)
+    _, prompt_ids = render_prompt(tokenizer, messages[:1])
+    assert rendered.input_ids[: rendered.prompt_tokens] == prompt_ids
+    assert _trained_text(tokenizer, rendered) == answer + "<|im_end|>"
+
+
+def test_answers_that_start_with_text_keep_their_tokens_and_mask(tokenizer):
+    """Over the shipped SFT rows (the refiner samples; the tool-calling cold start's multi-turn conversations, which
+    prepare-sft renders as the agent loop does): the same ids and mask as tokenizing the whole rendering at once,
+    as before the text before each answer was tokenized on its own."""
+    cold_start, _ = normalise_tool_rows(load_rows(str(REPO / "data" / "math-tools" / "cold-start.jsonl")))
+    for row in _rows() + validate_rows(cold_start[:40]).rows:
+        messages = sft_messages(row)
+        _, spans = assistant_char_spans(tokenizer, messages)
+        whole = render_chat(tokenizer, messages, add_generation_prompt=False)
+        mask = [any(s <= start < e for s, e in spans) for start, _ in whole.offsets]
+        rendered = render_with_mask(tokenizer, messages)
+        assert (rendered.input_ids, rendered.loss_mask) == (whole.input_ids, mask), row["id"]
+
+
+def test_a_conversation_opening_with_an_assistant_turn_learns_only_its_text(tokenizer):
+    """Before its content lie the template's header and (SmolLM2) a default system prompt: not the assistant's."""
+    messages = [
+        {"role": "assistant", "content": "Hi! Ask me anything."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    rendered = render_with_mask(tokenizer, messages)
+    assert _trained_text(tokenizer, rendered) == "Hi! Ask me anything.<|im_end|>4<|im_end|>"
 
 
 def test_limits_drop_or_truncate_with_counts_per_reason(tiny_tokenizer):

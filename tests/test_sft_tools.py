@@ -260,7 +260,7 @@ def test_a_held_out_question_never_reaches_the_cold_start(tiny_tokenizer):
             {"role": "assistant", "content": "\\boxed{42}"},
         ]
 
-    held_out = [{"prompt_id": "q-7", "content_hash": "other", "question": "What is 6 * 7?"}]
+    held_out = [{"prompt_id": "q-7", "prompt_hash": "other", "question": "What is 6 * 7?"}]
     prepared, _ = _prepared(
         _rows(conversation("What is 6 * 7?"), conversation("What is 7 * 6?")), tiny_tokenizer, held_out
     )

@@ -11,7 +11,7 @@ import pytest
 
 from refiner_core.agent.hermes import parse_tool_calls
 from refiner_core.config import load_recipe
-from refiner_core.data.rows import split_of, validate_rows
+from refiner_core.data.rows import prompt_hash, split_of, validate_rows
 from refiner_core.data.sources import load_rows
 from refiner_core.reward.ground_truth import last_boxed
 from refiner_core.sft.data import SFTLimits, normalise_tool_rows, prepare_sft
@@ -91,7 +91,7 @@ def test_the_cold_start_never_asks_a_question_grpo_trains_on_or_holds_out(tiny_t
     assert rejected == [] and len(rows) == len(COLD)
     for seed in (42, 7):
         held_out = [
-            {"prompt_id": r["id"], "content_hash": "", "question": _question(r)}
+            {"prompt_id": r["id"], "prompt_hash": prompt_hash(r), "question": _question(r)}
             for r in QUESTIONS
             if split_of(r["id"], fraction, seed) == "validation"
         ]

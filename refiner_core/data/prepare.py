@@ -1,20 +1,19 @@
 """From validated rows to the prompts table: prompt fields, rendering within the token limits, the train/validation
-split, and dropping a co-rewarding twin whose partner was dropped."""
+split (by prompt), dropping a co-rewarding twin whose partner was dropped, and the data.max_prompts cap."""
 
 from __future__ import annotations
 
-import json
-
 from refiner_core.data.formats import tool_snippet_ids
-from refiner_core.data.prompts import refiner_messages, render_prompt
-from refiner_core.data.rows import Rejection, is_chat_row, split_of
+from refiner_core.data.prompts import render_prompt
+from refiner_core.data.rows import Rejection, is_chat_row, prompt_hash, prompt_messages, row_json, split_of
 
 
 def prompt_fields(row: dict) -> dict:
     """The prompt-side view of either row shape: chat messages up to the answer plus refiner fields."""
+    prompt = prompt_messages(row)
     if not is_chat_row(row):
         return {
-            "messages": refiner_messages(row["question"], row["reasoning"], row["tool_output"]),
+            "messages": prompt,
             "question": row["question"],
             "reasoning": row["reasoning"],
             "tool_output": row["tool_output"],
@@ -25,7 +24,6 @@ def prompt_fields(row: dict) -> dict:
         }
     messages = row["messages"]
     ends_with_answer = messages[-1]["role"] == "assistant"
-    prompt = messages[:-1] if ends_with_answer else messages
     truth = row.get("ground_truth")
     truth = str(truth) if isinstance(truth, (int, float)) and not isinstance(truth, bool) else truth
     truth = truth if isinstance(truth, str) and truth.strip() else None
@@ -55,10 +53,11 @@ def prepare_prompts(
     """Render chat prompts and drop rows over the token limits (each drop is a counted, recorded rejection)."""
     prompts, rejected = [], []
     chars_per_token = max_chars_per_token(tokenizer)
+    split_ids = split_leads(rows)
     for row in rows:
         view = prompt_fields(row)
         answer = view["answer"]
-        raw = json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")})
+        raw = row_json(row)
         # A row far over a limit is rejected before tokenizing it: a multi-megabyte row would take seconds and
         # gigabytes to tokenize only to be dropped.
         prompt_chars = sum(kept_chars(m["content"]) for m in view["messages"])
@@ -107,12 +106,11 @@ def prepare_prompts(
                 )
             )
             continue
-        pair_lead = min(row["id"], view["twin_id"]) if view["twin_id"] else row["id"]  # both views share a split
         prompts.append(
             {
                 "run": run,
                 "prompt_id": row["id"],
-                "split": split_of(pair_lead, validation_fraction, seed),
+                "split": split_of(split_ids[row["id"]], validation_fraction, seed),
                 "question": view["question"],
                 "reasoning": view["reasoning"],
                 "tool_output": view["tool_output"],
@@ -129,6 +127,36 @@ def prepare_prompts(
             }
         )
     return drop_unpaired_twins(prompts, rows, rejected)
+
+
+def split_leads(rows: list[dict]) -> dict[str, str]:
+    """For each row ID, the ID its split is drawn from (split_of). A row's own lead is its ID, or for one of a
+    twin pair the smaller ID of the two (both views share a split). Rows that share a prompt, with any answers,
+    and the twins that name each other form a group, and the group takes the smallest lead among them: no prompt
+    is in both splits, and rows with distinct prompts keep their own lead."""
+    twin_of = {r["id"]: prompt_fields(r)["twin_id"] for r in rows}
+    parent = {i: i for i in twin_of}  # union-find over row IDs: one root per group
+
+    def root(i: str) -> str:
+        while parent[i] != i:
+            parent[i] = i = parent[parent[i]]  # path halving: long groups stay cheap
+        return i
+
+    def join(a: str, b: str) -> None:
+        a, b = root(a), root(b)
+        parent[max(a, b)] = min(a, b)
+
+    first_asking: dict[str, str] = {}
+    for r in rows:
+        join(r["id"], first_asking.setdefault(prompt_hash(r), r["id"]))
+        twin = twin_of[r["id"]]
+        if twin in twin_of and twin_of[twin] == r["id"]:
+            join(r["id"], twin)
+    lead: dict[str, str] = {}
+    for i, twin in twin_of.items():
+        own = min(i, twin) if twin else i
+        lead[root(i)] = min(lead.get(root(i), own), own)
+    return {i: lead[root(i)] for i in twin_of}
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -174,7 +202,23 @@ def drop_unpaired_twins(
                 row["row_ref"],
                 "unknown_twin",
                 f"twin_id {why}",
-                json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")}),
+                row_json(row),
             )
         )
     return [p for p in prompts if p["prompt_id"] not in broken], rejected
+
+
+def cap_prompts(prompts: list[dict], max_prompts: int) -> list[dict]:
+    """The first prompts, at most `max_prompts` (0: all), a twin pair taken or left whole: a view without its twin
+    could never get a pseudo-label. Run after drop_unpaired_twins, so every twin named is there."""
+    if not max_prompts:
+        return prompts
+    kept: set[str] = set()
+    for p in prompts:
+        if p["prompt_id"] in kept:
+            continue
+        unit = {p["prompt_id"], p["twin_id"]} - {None}
+        if len(kept) + len(unit) > max_prompts:
+            break
+        kept |= unit
+    return [p for p in prompts if p["prompt_id"] in kept]

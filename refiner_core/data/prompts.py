@@ -70,7 +70,9 @@ def _layout(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tup
     return real, pieces
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> RenderedChat:
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, boundaries: tuple[int, ...] = ()
+) -> RenderedChat:
     """Render a conversation and tokenize it so that only the template's own structure can become special
     tokens: message contents (questions, reasoning, tool output, responses: untrusted text from the web or the
     policy) are tokenized as plain text even where they spell '<|im_end|>' or '<|endoftext|>'.
@@ -78,7 +80,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     The rendering is cut at the special tokens found in the template's structure pieces; each chunk between
     them (structure text and content together, as the tokenizer itself would see it) is tokenized with
     split_special_tokens=True. For content without special-token strings this is exactly what
-    tokenizer(text, add_special_tokens=False) gives, so benign prompts keep their token ids."""
+    tokenizer(text, add_special_tokens=False) gives, so benign prompts keep their token ids. `boundaries`:
+    character offsets where the text is cut as well, so that no token crosses them (the text before one is
+    tokenized as if the rendering ended there)."""
     pattern = _special_pattern(tokenizer)
     try:
         text, pieces = _layout(tokenizer, messages, add_generation_prompt)
@@ -89,8 +93,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         ):
             raise
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return RenderedChat(text, list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]], [])
+        ids, offsets = [], []
+        for start, end in _between(0, len(text), boundaries):
+            enc = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True)
+            ids.extend(enc["input_ids"])
+            offsets.extend((start + a, start + b) for a, b in enc["offset_mapping"])
+        return RenderedChat(text, ids, offsets, [])
     cuts: list[tuple[int, int]] = []  # [start, end) of each structure special token in `text`
     content_spans: list[tuple[int, int]] = []
     pos = 0
@@ -104,13 +112,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     offsets: list[tuple[int, int]] = []
 
     def plain(start: int, end: int) -> None:
-        if start == end:
-            return
-        enc = tokenizer(
-            text[start:end], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
-        )
-        ids.extend(enc["input_ids"])
-        offsets.extend((start + a, start + b) for a, b in enc["offset_mapping"])
+        for a, b in _between(start, end, boundaries):
+            enc = tokenizer(text[a:b], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+            ids.extend(enc["input_ids"])
+            offsets.extend((a + x, a + y) for x, y in enc["offset_mapping"])
 
     cursor = 0
     for start, end in cuts:
@@ -120,6 +125,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         cursor = end
     plain(cursor, len(text))
     return RenderedChat(text, ids, offsets, content_spans)
+
+
+def _between(start: int, end: int, boundaries: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[start, end) cut at the boundaries inside it, empty pieces left out."""
+    cuts = [start, *sorted(b for b in boundaries if start < b < end), end]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:

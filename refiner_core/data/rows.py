@@ -20,6 +20,7 @@ from refiner_core.data.formats import (
     tool_output_problem,
     tool_snippet_ids,
 )
+from refiner_core.data.prompts import refiner_messages
 from refiner_core.data.rubric_fields import RubricError, instance_rubrics
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
@@ -94,6 +95,32 @@ def content_hash(row: dict) -> str:
     return hashlib.blake2b(json.dumps(material, default=str).encode(), digest_size=12).hexdigest()
 
 
+def messages_hash(messages: list[dict]) -> str:
+    material = [[m["role"], m["content"]] for m in messages]
+    return hashlib.blake2b(json.dumps(material).encode(), digest_size=12).hexdigest()
+
+
+def prompt_messages(row: dict) -> list[dict]:
+    """The conversation a valid row asks the policy to continue: the refiner prompt built from its question,
+    reasoning and tool output, or a chat row's messages without a final assistant turn."""
+    if not is_chat_row(row):
+        return refiner_messages(row["question"], row["reasoning"], row["tool_output"])
+    messages = row["messages"]
+    return messages[:-1] if messages[-1]["role"] == "assistant" else messages
+
+
+def prompt_hash(row: dict) -> str:
+    """Hash of a valid row's prompt, its answer left out: rows that ask the same thing share it, whatever their
+    answers, and whichever of the two shapes they have."""
+    return messages_hash(prompt_messages(row))
+
+
+def row_json(row: dict) -> str:
+    """A validated row as JSON text for the quarantine, without the fields validation added. Values JSON has no
+    type for (timestamps, dates, decimals of a Parquet or hub source) are written as their text."""
+    return json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")}, default=str)
+
+
 def is_chat_row(row: dict) -> bool:
     """Open-instruct style: the conversation is in `messages` (refiner fields absent)."""
     return "messages" in row and "question" not in row
@@ -134,18 +161,25 @@ def check_messages(messages) -> str | None:
 # C0 controls but tab, newline and carriage return; DEL; C1 controls. NUL truncates text in C-based tools, and
 # escape sequences or stray controls in a prompt are noise the policy would learn to reproduce.
 _CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# A UTF-16 surrogate left unpaired by a JSON escape ("\ud800"): valid JSON, but no UTF-8 text can hold it, so
+# tokenizers, Parquet and terminals fail on it.
+_LONE_SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 
 def find_control_character(value, where: str = "row") -> str | None:
     """Where the first control character (other than tab, newline, carriage return) in any text of a row is:
     "field 'question' holds U+0000 at offset 12", or None."""
+    return _find_in_texts(_CONTROL_CHARACTERS, value, where)
+
+
+def _find_in_texts(pattern: re.Pattern, value, where: str) -> str | None:
     if isinstance(value, str):
-        found = _CONTROL_CHARACTERS.search(value)
+        found = pattern.search(value)
         return f"{where} holds U+{ord(found.group()):04X} at offset {found.start()}" if found else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         inner = f"field {key!r}" if where == "row" else f"{where}[{key!r}]"
-        problem = find_control_character(item, inner)
+        problem = _find_in_texts(pattern, item, inner)
         if problem:
             return problem
     return None
@@ -154,6 +188,9 @@ def find_control_character(value, where: str = "row") -> str | None:
 def check_row(row: dict) -> tuple[str, str] | None:
     """(reason, detail) when the row cannot be used, else None. Missing rubrics are not checked here: the
     rubric stage fills or quarantines them; malformed rubrics are rejected here."""
+    surrogate = _find_in_texts(_LONE_SURROGATES, row, "row")
+    if surrogate:
+        return "lone_surrogate", f"{surrogate}: a lone UTF-16 surrogate escape, which UTF-8 text cannot hold"
     control = find_control_character(row)
     if control:
         return "control_characters", control
@@ -162,7 +199,9 @@ def check_row(row: dict) -> tuple[str, str] | None:
         if problem:
             return problem
         why = check_messages(row["messages"])
-        return ("invalid_messages", why) if why else _check_rubrics(row)
+        if why:
+            return "invalid_messages", why
+        return _check_ground_truth(row.get("ground_truth")) or _check_rubrics(row)
     problem = _check_text_fields(row, REQUIRED_TEXT_FIELDS)
     if problem:
         return problem
@@ -183,6 +222,13 @@ def check_row(row: dict) -> tuple[str, str] | None:
         if check.n_invalid:
             return "unknown_snippet_id", f"answer cites IDs absent from tool_output: {sorted(set(check.invalid_ids))}"
     return _check_supporting_ids(row.get("supporting_ids"), ids) or _check_rubrics(row)
+
+
+def _check_ground_truth(truth) -> tuple[str, str] | None:
+    """A chat row's ground truth, when given, is text or a number (read as its text)."""
+    if truth is None or isinstance(truth, str) or (isinstance(truth, (int, float)) and not isinstance(truth, bool)):
+        return None
+    return "wrong_type", f"field 'ground_truth' must be a string or a number, got {type(truth).__name__}"
 
 
 def _check_supporting_ids(supporting, snippet_ids: list[str]) -> tuple[str, str] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -24,9 +25,7 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
     description = item.get("description")
     if not isinstance(description, str) or not description.strip():
         raise RubricError(f"{kind} rubric {index}: 'description' must be a non-empty string")
-    weight = item.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-        raise RubricError(f"{kind} rubric {index}: 'weight' must be a positive number, got {weight!r}")
+    weight = checked_weight(item.get("weight", 1.0), f"{kind} rubric {index}")
     title = item.get("title") or description.strip()[:60]
     if not isinstance(title, str):
         raise RubricError(f"{kind} rubric {index}: 'title' must be a string")
@@ -39,8 +38,16 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
         "source": "instance",
         "title": title,
         "description": description.strip(),
-        "weight": float(weight),
+        "weight": weight,
     }
+
+
+def checked_weight(weight, where: str) -> float:
+    """A rubric weight: a finite positive number. An infinite one would make the weighted rubric score inf/inf, NaN,
+    for every rollout of the prompt."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        raise RubricError(f"{where}: 'weight' must be a finite positive number, got {weight!r}")
+    return float(weight)
 
 
 def instance_rubrics(positive, negative, allow_empty: bool = False) -> list[dict]:
@@ -100,7 +107,7 @@ def load_static_rubrics(path: Path) -> list[dict]:
                 "source": "static",
                 "title": item["title"],
                 "description": item["description"],
-                "weight": float(item.get("weight", 1.0)),
+                "weight": checked_weight(item.get("weight", 1.0), f"{path}: static rubric {item['rubric_id']!r}"),
             }
         )
     return out

@@ -68,6 +68,17 @@ def load_source(path: str, source: SourceConfig) -> list[RawRow]:
     return load_rows(path, source.format, source.fields, source.split, source.hub_config)
 
 
+def source_identity(path: str, source: SourceConfig) -> dict:
+    """What two sections must share for their rows to be the same rows under the same IDs: the path, the split
+    and configuration read, and the column the IDs come from."""
+    return {
+        "file": path,
+        "split": source.split,
+        "hub_config": source.hub_config,
+        "id_column": (source.fields or {}).get("id", "id"),
+    }
+
+
 def apply_field_mapping(row: RawRow, fields: dict) -> RawRow:
     """Canonical names read from mapped columns; columns already named canonically stay unless remapped."""
     if row.data is None or not fields:

@@ -2,9 +2,12 @@
 
 Assistant spans are found by rendering prefixes of the conversation with the tokenizer's own chat template
 (conversation up to turn k with the generation prompt = where the assistant's text starts; up to and including
-turn k = where it ends) and mapping those character offsets onto the tokens of the full rendering. No special
-token is searched for, so any template that renders prefixes consistently works; one that does not (e.g. it
-rewrites earlier turns) is reported instead of producing a wrong mask.
+turn k = where it ends; a conversation that opens with an assistant turn: where its content starts) and mapping
+those character offsets onto the tokens of the full rendering, tokenized with a cut at each span's start and end:
+the prompt's tokens are the ones rollout renders (render_prompt), even where an answer starts with whitespace the
+tokenizer would otherwise merge into the template's. No special token is searched for, so any template that
+renders prefixes consistently works; one that does not (e.g. it rewrites earlier turns) is reported instead of
+producing a wrong mask.
 
 Tool-using conversations (a `tool` turn, or an assistant turn that calls a tool: Hermes `<tool_call>` blocks in
 its content or OpenAI `tool_calls`) are checked first (normalise_tool_rows): OpenAI calls are written as Hermes
@@ -28,7 +31,16 @@ import numpy as np
 from refiner_core.algo.packing import pack_sequences, packing_efficiency
 from refiner_core.config import SFTConfig
 from refiner_core.data.prompts import refiner_messages, render_chat
-from refiner_core.data.rows import CHAT_ROLES, RawRow, Rejection, is_chat_row, split_of
+from refiner_core.data.rows import (
+    CHAT_ROLES,
+    RawRow,
+    Rejection,
+    is_chat_row,
+    messages_hash,
+    prompt_hash,
+    row_json,
+    split_of,
+)
 
 
 class TemplateError(ValueError):
@@ -89,7 +101,7 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _template(tokenizer, messages[:k], True)
+        before = _template(tokenizer, messages[:k], True) if k else full[: _first_content_start(tokenizer, messages)]
         through = _template(tokenizer, messages[: k + 1], False)
         if not (through.startswith(before) and full.startswith(through)):
             raise TemplateError(f"chat template does not render turn {k} as a prefix of the conversation")
@@ -100,11 +112,23 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     return full, spans
 
 
+def _first_content_start(tokenizer, messages: list[dict]) -> int:
+    """Where the first message's content starts in the rendering: the template's text before an opening
+    assistant turn (its header, a default system prompt) is not the assistant's to learn."""
+    rendered = render_chat(tokenizer, messages, add_generation_prompt=False)
+    start, end = rendered.content_spans[0] if rendered.content_spans else (0, -1)
+    if rendered.text[start:end] != messages[0]["content"]:
+        raise TemplateError("chat template rewrites message contents; cannot tell where assistant turn 0 starts")
+    return start
+
+
 def render_with_mask(tokenizer, messages: list[dict]) -> Rendered:
     """Token IDs of the rendered conversation and, per token, whether it is assistant text (loss applies).
-    A token belongs to a span when its first character does."""
+    A token belongs to a span when its first character does. No token crosses a span's start or end: the text
+    before a span is tokenized as that prompt alone would be, and an answer's leading whitespace is the answer's."""
     full, spans = assistant_char_spans(tokenizer, messages)
-    encoded = render_chat(tokenizer, messages, add_generation_prompt=False)  # contents never become special tokens
+    cuts = tuple(offset for span in spans for offset in span)
+    encoded = render_chat(tokenizer, messages, add_generation_prompt=False, boundaries=cuts)  # contents stay text
     if encoded.text != full:
         raise TemplateError("chat template renders the conversation differently on a second call")
     mask = [any(s <= start < e for s, e in spans) for start, _ in encoded.offsets]
@@ -310,19 +334,21 @@ def apply_limits(rendered: Rendered, limits: SFTLimits) -> tuple[Rendered | None
     return Rendered(ids, mask), None, truncated
 
 
-def messages_hash(messages: list[dict]) -> str:
-    material = [[m["role"], m["content"]] for m in messages]
-    return hashlib.blake2b(json.dumps(material).encode(), digest_size=12).hexdigest()
-
-
-def assign_splits(hashes: list[str], validation_fraction: float, seed: int) -> list[str]:
-    """Seeded per-example split by content hash; with a positive fraction and at least two examples, at
-    least one lands in validation so validation loss always exists."""
-    splits = [split_of(h, validation_fraction, seed) for h in hashes]
-    if validation_fraction > 0 and len(hashes) >= 2 and "validation" not in splits:
-        score = [hashlib.blake2b(f"{seed}:{h}".encode(), digest_size=8).hexdigest() for h in hashes]
-        splits[score.index(min(score))] = "validation"
-    return splits
+def assign_splits(
+    hashes: list[str], prompts: list[str], source_ids: list[str], validation_fraction: float, seed: int
+) -> list[str]:
+    """Seeded split by example (content) hash, taken per prompt: the examples that share a prompt (`prompts`: their
+    prompt hashes) all take the split of the one with the smallest source ID, so no prompt is both trained on and
+    validated. With a positive fraction and at least two prompts, at least one prompt lands in validation so
+    validation loss always exists."""
+    lead: dict[str, tuple[str, str]] = {}  # prompt hash -> (smallest source ID, that example's hash)
+    for digest, prompt, source_id in zip(hashes, prompts, source_ids):
+        lead[prompt] = min(lead.get(prompt, (source_id, digest)), (source_id, digest))
+    split = {prompt: split_of(digest, validation_fraction, seed) for prompt, (_, digest) in lead.items()}
+    if validation_fraction > 0 and len(split) >= 2 and "validation" not in split.values():
+        score = {p: hashlib.blake2b(f"{seed}:{d}".encode(), digest_size=8).hexdigest() for p, (_, d) in lead.items()}
+        split[min(score, key=score.get)] = "validation"
+    return [split[p] for p in prompts]
 
 
 @dataclass
@@ -341,17 +367,21 @@ def prepare_sft(
     seed: int,
     histogram_bins: int = 10,
     held_out: list[dict] = (),
+    same_source: bool = False,
 ) -> PreparedSFT:
     """Validated rows (from data.validate_rows) -> packed SFT examples, rejections and a stats summary.
-    Rows of the `held_out` prompts (the GRPO data's validation split) are left out: evaluation scores them."""
+    Rows of the `held_out` prompts (the GRPO data's validation split, each with its prompt_hash) are left out:
+    evaluation scores them. `same_source`: the rows come from the source the prompts were read from (see
+    without_held_out)."""
     out = PreparedSFT()
-    rows, held_out_rows = without_held_out(rows, held_out)
+    rows, held_out_by = without_held_out(rows, held_out, same_source)
+    held_out_rows = sum(held_out_by.values())
     seen: set[str] = set()
     kept: list[tuple[dict, Rendered, str, list[str]]] = []
     skipped_no_answer = tool_conversations = 0
     truncations: dict[str, int] = {}
     for row in rows:
-        raw = json.dumps({k: v for k, v in row.items() if k not in ("content_hash", "row_ref")}, default=str)
+        raw = row_json(row)
         messages = sft_messages(row)
         if messages is None:
             skipped_no_answer += 1  # a valid GRPO prompt, just nothing to imitate
@@ -377,7 +407,13 @@ def prepare_sft(
         tool_conversations += renderer(messages) == "agent"
         kept.append((row, limited, digest, truncated))
 
-    splits = assign_splits([d for _, _, d, _ in kept], validation_fraction, seed)
+    splits = assign_splits(
+        [d for _, _, d, _ in kept],
+        [prompt_hash(row) for row, _, _, _ in kept],
+        [row["id"] for row, _, _, _ in kept],
+        validation_fraction,
+        seed,
+    )
     for (row, rendered, digest, truncated), split in zip(kept, splits):
         prompt = rendered.prompt_tokens
         out.examples.append(
@@ -422,6 +458,7 @@ def prepare_sft(
     out.stats = {
         "rows_in": len(rows) + held_out_rows,
         "held_out_rows": held_out_rows,
+        "held_out": held_out_by,
         "examples_out": len(out.examples),
         "skipped_no_answer": skipped_no_answer,
         "tool_conversations": tool_conversations,  # kept examples rendered as the agent loop tokenizes them
@@ -438,17 +475,31 @@ def prepare_sft(
     return out
 
 
-def without_held_out(rows: list[dict], held_out: list[dict]) -> tuple[list[dict], int]:
-    """Rows that are not held-out prompts (same ID or same content; for chat rows also the same question: the
-    last user message before the first answer), and how many were left out: the warm start must not imitate the
-    reference answer of a prompt the evaluation scores."""
-    ids = {p["prompt_id"] for p in held_out}
-    hashes = {p["content_hash"] for p in held_out}
+def without_held_out(rows: list[dict], held_out: list[dict], same_source: bool) -> tuple[list[dict], dict[str, int]]:
+    """Rows that are not held-out prompts, and how many were left out by what matched: 'prompt_id' (only when
+    `same_source`: the rows come from the prompts' own source, where a held-out prompt's ID is its row; IDs of
+    another file name other rows), 'prompt' (the same prompt, whatever the answer: prompt_hash) or 'question'
+    (a chat row asking a held-out question: its last user message before the first answer). The warm start must
+    not imitate an answer to a prompt the evaluation scores."""
+    ids = {p["prompt_id"] for p in held_out} if same_source else set()
+    hashes = {p["prompt_hash"] for p in held_out}
     questions = {p["question"] for p in held_out if p.get("question")}
-    kept = [
-        r for r in rows if r["id"] not in ids and r["content_hash"] not in hashes and chat_question(r) not in questions
-    ]
-    return kept, len(rows) - len(kept)
+
+    def matched(row: dict) -> str | None:
+        if row["id"] in ids:
+            return "prompt_id"
+        if prompt_hash(row) in hashes:
+            return "prompt"
+        return "question" if chat_question(row) in questions else None
+
+    kept, left_out = [], dict.fromkeys(("prompt_id", "prompt", "question"), 0)
+    for row in rows:
+        reason = matched(row)
+        if reason:
+            left_out[reason] += 1
+        else:
+            kept.append(row)
+    return kept, left_out
 
 
 def chat_question(row: dict) -> str | None:
@@ -516,6 +567,8 @@ def stats_rows(run: str, stats: dict) -> list[dict]:
     for name in ("rows_in", "examples_out", "skipped_no_answer", "train_examples", "validation_examples"):
         add("count", name, stats[name])
     add("count", "held_out_rows", stats.get("held_out_rows", 0))
+    for matched, n in stats.get("held_out", {}).items():
+        add("count", f"held_out_by_{matched}", n)
     add("count", "tool_conversations", stats.get("tool_conversations", 0))
     for reason, n in stats["dropped"].items():
         add("dropped", reason, n)
