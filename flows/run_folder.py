@@ -62,11 +62,12 @@ def stop_children_left_behind(folder: Path, warn) -> None:
 
 
 def remove_writes_left_behind(folder: Path, warn) -> None:
-    """Temporary files of a writer that was killed mid-write were never visible; now they go."""
+    """Temporary files of a writer that was killed mid-write were never visible; now they go (a folder it was
+    replacing is put back)."""
     leftovers = remove_partial_writes(folder)
     if leftovers:
         warn(
-            f"removed {len(leftovers)} unfinished write(s) left by an earlier run of {folder}: "
+            f"cleaned up {len(leftovers)} unfinished write(s) left by an earlier run of {folder}: "
             + ", ".join(str(p.relative_to(folder)) for p in leftovers[:5])
         )
 
@@ -156,8 +157,10 @@ def holds_run_folder(fn):
         from prefect.runtime import flow_run
 
         bound = signature.bind(*args, **kwargs)
-        bound.arguments["run_dir"] = resolve_run_dir(bound.arguments["run_dir"])
-        folder = Path(bound.arguments["run_dir"]).resolve()
+        folder = Path(resolve_run_dir(bound.arguments["run_dir"])).resolve()
+        # Stage keys hold run_dir: one spelling of the folder (a worker's relative path, `refiner run`'s absolute
+        # one) lets every entry point reuse the others' results.
+        bound.arguments["run_dir"] = str(folder)
         log = get_run_logger()
         previous = os.environ.get(PROCS_DIR_ENV)
         with (

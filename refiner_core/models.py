@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from refiner_core import REPO_ROOT
-from refiner_core.store.storage import json_hash
+from refiner_core.store.storage import json_hash, shareable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -118,6 +118,7 @@ def build_tiny_qwen3(vocab_size: int = 2048, max_position_embeddings: int = 4096
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=_models_dir()))
+    shareable(build, folder=True)
     model.save_pretrained(build)
     tokenizer.save_pretrained(build)
     return _publish(build, final)
@@ -157,6 +158,7 @@ def convert_smollm2() -> Path:
         tokenizer.pad_token = tokenizer.eos_token
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=_models_dir()))
+    shareable(build, folder=True)
     model.save_pretrained(build)
     tokenizer.save_pretrained(build)
     (build / "refiner_source.json").write_text(json.dumps({"gguf": gguf.name}))

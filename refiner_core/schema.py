@@ -22,6 +22,9 @@ class Table:
     doc: str
     key: tuple[str, ...]
     columns: tuple[Column, ...]
+    # Columns that record how a row was obtained (when, how long, what it cost), not what it holds: a rerun that
+    # makes the same rows differs in them, so the hash later stages key on leaves them out (storage.write_rows).
+    provenance: tuple[str, ...] = ()
 
     @property
     def arrow_schema(self) -> pa.Schema:
@@ -136,6 +139,7 @@ ROLLOUTS = Table(
             "prompts in place of all-equal groups); NULL in rows written before rounds existed.",
         ),
     ),
+    provenance=("created_at",),
 )
 
 JUDGE_SCORES = Table(
@@ -185,6 +189,7 @@ JUDGE_SCORES = Table(
         ),
         _c("completion_tokens", I, "Completion tokens the judgment cost (as prompt_tokens; 0 for 'expected_score')."),
     ),
+    provenance=("latency_seconds", "attempts", "cache_hit", "prompt_tokens", "completion_tokens"),
 )
 
 _ROLLOUT_KEY = (
@@ -460,6 +465,7 @@ CITATION_CLAIMS = Table(
         _c("prompt_tokens", I, "Prompt tokens the judgment cost (as judge_scores.prompt_tokens; NULL without a call)."),
         _c("completion_tokens", I, "Completion tokens the judgment cost (NULL without a call)."),
     ),
+    provenance=("cache_hit", "prompt_tokens", "completion_tokens"),
 )
 
 STEPS = Table(
@@ -570,6 +576,16 @@ STEPS = Table(
             "The step's judge tokens at judge.price_per_mtok_in / price_per_mtok_out of the run's recipe, priced "
             "when the catalog is built (so a price set later applies to every step); NULL in the step's own file.",
         ),
+    ),
+    provenance=(
+        "rollout_seconds",
+        "weight_sync_seconds",
+        "judge_seconds",
+        "update_seconds",
+        "judge_requests",
+        "judge_prompt_tokens",
+        "judge_completion_tokens",
+        "judge_cost_usd",
     ),
 )
 
@@ -750,6 +766,7 @@ TURNS = Table(
             "'max_turns' (called a tool on the last allowed turn: not run).",
         ),
     ),
+    provenance=("seconds",),
 )
 
 TEACHER_ROLLOUTS = Table(
@@ -758,6 +775,7 @@ TEACHER_ROLLOUTS = Table(
     "teacher checkpoint). Their majority-voted \\boxed{} answer is the pseudo-label of the policy's rollouts.",
     ROLLOUTS.key,
     tuple(c for c in ROLLOUTS.columns if c.name != "round"),  # the teacher samples each step once
+    provenance=ROLLOUTS.provenance,
 )
 
 TEACHER_UPDATES = Table(

@@ -8,7 +8,7 @@ from refiner_core.judges.base import judge_backend
 from refiner_core.reward.score import score_rollouts
 from refiner_core.schema import CITATION_CLAIMS, JUDGE_SCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS
 from refiner_core.stage_settings import stage_view
-from refiner_core.store.storage import read_rows, write_table
+from refiner_core.store.storage import read_rows, write_rows
 from tasks.judge_server import rubrics_by_prompt, stage_judge
 from tasks.sampling import round_folder
 from tasks.stage import stage
@@ -95,10 +95,7 @@ def judge(
         "reward_weights": (REWARD_WEIGHTS, scored.reward_weights),
         "rewards": (REWARDS, rewards),
     }
-    manifest = {
-        name: {"path": str(out / f"{name}.parquet"), "hash": write_table(table, rows, out / f"{name}.parquet")}
-        for name, (table, rows) in tables.items()
-    }
+    manifest = {name: write_rows(table, rows, out / f"{name}.parquet") for name, (table, rows) in tables.items()}
     return {**manifest, "judge_failures": failed, "judge_usage": usage}
 
 

@@ -17,7 +17,7 @@ from refiner_core.runtime.unsaved_weights import model_folder
 from refiner_core.schema import ROLLOUTS, TURNS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.faults import stage_fault
-from refiner_core.store.storage import json_hash, read_rows, write_sampled, write_table
+from refiner_core.store.storage import json_hash, read_rows, write_rows, write_table
 from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
 from tasks.stage import CODE_VERSION, stage
 
@@ -126,7 +126,7 @@ def rollout(
         len(rows),
         sum(r["response_tokens"] for r in rows) / max(len(rows), 1),
     )
-    written = write_sampled(ROLLOUTS, rows, path)
+    written = write_rows(ROLLOUTS, rows, path)
     for stale in path.parent.glob(f"{PARTS_PREFIX}*"):  # every part is in rollouts.parquet now
         shutil.rmtree(stale, ignore_errors=True)
     manifest = {
@@ -137,7 +137,7 @@ def rollout(
     }
     if turns is not None:
         turns_path = path.with_name("turns.parquet")
-        manifest["turns"] = {"path": str(turns_path), "hash": write_table(TURNS, turns, turns_path)}
+        manifest["turns"] = write_rows(TURNS, turns, turns_path)
         tool_rows = [t for t in turns if t["role"] == "tool"]
         log.info(
             "rollout step %d: %d tool calls (%d invalid, %d not ok), mean %.2f tool rounds",

@@ -19,7 +19,7 @@ from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
 from refiner_core.data.rubric_fields import RubricError
 from refiner_core.data.sources import SourceError
-from refiner_core.runtime.unsaved_weights import UnsavedWeights
+from refiner_core.runtime.unsaved_weights import UnsavedWeights, mark_recorded
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths
 from refiner_core.store.faults import stage_fault
 from refiner_core.store.forks import adopt, ancestors, read_fork, rebase
@@ -41,23 +41,24 @@ def _content(value: Any, key: str) -> Any:
     return value
 
 
-# What manifests record of how long their stages took (the stage, the rollout's weight sync): not what they made.
-TIMINGS = ("seconds", "weight_sync_seconds")
+# What manifests record of how their stages ran (how long, the rollout's weight sync, the judge's requests and
+# tokens): not what they made.
+PROVENANCE = ("seconds", "weight_sync_seconds", "judge_usage")
 
 
-def _without_timings(value: Any) -> Any:
-    """Upstream manifests enter the key by their content hashes, not by how long the stage took or when: an output
-    with a `rows_hash` (its rows without the time they were written) enters by it, not by its file's hash."""
+def _without_provenance(value: Any) -> Any:
+    """Upstream manifests enter the key by their content hashes, not by how the stage ran: an output with a
+    `rows_hash` (its rows without their provenance columns) enters by it, not by its file's hash."""
     if isinstance(value, dict):
-        left_out = (*TIMINGS, "hash") if "rows_hash" in value else TIMINGS
-        return {k: _without_timings(v) for k, v in value.items() if k not in left_out}
+        left_out = (*PROVENANCE, "hash") if "rows_hash" in value else PROVENANCE
+        return {k: _without_provenance(v) for k, v in value.items() if k not in left_out}
     if isinstance(value, list):
-        return [_without_timings(v) for v in value]
+        return [_without_provenance(v) for v in value]
     return value
 
 
 def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    material = {k: _content(_without_timings(v), k) for k, v in sorted(parameters.items())}
+    material = {k: _content(_without_provenance(v), k) for k, v in sorted(parameters.items())}
     return _ancestor_key(context, material) or _key(context.task.name, material)
 
 
@@ -175,6 +176,7 @@ class Stage:
                     ", ".join(damaged[:3]),
                 )
                 manifest = self.task.with_options(refresh_cache=True)(**kwargs)
+        mark_recorded(manifest)  # the result is stored: a checkpoint it wrote may stand for the weights before it
         return manifest
 
 

@@ -10,7 +10,7 @@ from prefect import get_run_logger
 from refiner_core.algo.ema import alpha_at, is_update_step
 from refiner_core.runtime.live_engines import release
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
-from refiner_core.store.storage import write_sampled, write_table
+from refiner_core.store.storage import write_rows, write_table
 from tasks.checkpoints import write_average
 from tasks.sampling import response_columns, rollout_engine, sampling_params, step_prompts
 from tasks.stage import stage
@@ -60,7 +60,7 @@ def teacher_rollout(
     ]
     path = Path(run_dir) / "teacher_rollouts" / f"step={step}" / "teacher_rollouts.parquet"
     log.info("teacher-rollout step %d: %d prompts x %d samples from %s", step, len(chosen), params.n, teacher["path"])
-    return {"teacher_rollouts": write_sampled(TEACHER_ROLLOUTS, rows, path)}
+    return {"teacher_rollouts": write_rows(TEACHER_ROLLOUTS, rows, path)}
 
 
 @stage("teacher-update")

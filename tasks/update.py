@@ -15,11 +15,11 @@ from refiner_core.publish.model_card import write_model_card
 from refiner_core.reward.compose import reward_parts
 from refiner_core.runtime import live_learner
 from refiner_core.runtime.identity import weights_hash
-from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, model_folder
+from refiner_core.runtime.unsaved_weights import UnsavedWeights, forget_recorded, is_unsaved, model_folder
 from refiner_core.schema import ADVANTAGES, REFERENCE_SYNCS, STEPS
 from refiner_core.stage_settings import stage_view
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned
-from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_table
+from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned, pruned_paths
+from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_rows, write_table
 from tasks.checkpoints import write_average
 from tasks.stage import stage
 
@@ -63,6 +63,13 @@ def grpo_update(
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
     model = model_folder(policy)
+    if not Path(model).is_dir():
+        pruned = model in pruned_paths(Path(model).parent)
+        raise FileNotFoundError(
+            f"grpo-update step {step} must be recomputed (its inputs changed) from {model}, which "
+            + ("the retention policy removed (run.keep_last, run.keep_every)" if pruned else "no longer exists")
+            + "; rerun in a new run folder, or keep every checkpoint (run.keep_last 0) in runs you mean to change"
+        )
     tokenizer = load_tokenizer(model)
     optimizer_state = Path(policy["path"]) / "optimizer.pt"
     saved_state = any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES)
@@ -195,7 +202,7 @@ def grpo_update(
     )
     manifest = {
         "policy": saved,
-        "steps": {"path": str(metrics_path), "hash": write_table(STEPS, [row], metrics_path)},
+        "steps": write_rows(STEPS, [row], metrics_path),
         "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
     }
     if grpo.adaptive_entropy:
@@ -248,6 +255,7 @@ def _write_checkpoint(
 ) -> Path:
     """HF weights + training state + tokenizer + model card, atomically. unsaved: the weights a manifest names
     as never saved, written as the run ends; the checkpoint records that it holds them."""
+    forget_recorded(final)
     with atomic_dir(final) as build:
         learner.save(build)
         tokenizer.save_pretrained(build)

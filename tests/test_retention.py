@@ -57,3 +57,41 @@ def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(api_env, tmp_p
         for name in ("rollout", "judge", "grpo-update"):
             assert f"Task run '{name}[step={step}]' - Finished in state Cached" in log, (name, step)
     assert "recomputing" not in log
+
+
+def test_an_update_recomputed_from_a_pruned_checkpoint_says_so(prefect_server, tiny_recipe, tmp_path):
+    """An update whose inputs changed must start again from its policy; when the retention policy removed that
+    checkpoint, it fails saying so (not retried: the checkpoint stays gone) instead of a loader's error."""
+    import json
+
+    import pytest
+    from prefect import flow
+
+    from refiner_core.config import recipe_from_dict
+    from refiner_core.runtime.hardware import resolved_recipe
+    from refiner_core.stage_settings import stage_settings
+    from tasks.update import grpo_update
+
+    gone = tmp_path / "checkpoints" / "step_0001"
+    gone.parent.mkdir(parents=True)
+    (gone.parent / "pruned.json").write_text(json.dumps([str(gone)]))
+    policy = {"path": str(gone), "hash": "h"}
+
+    @flow
+    def update_step_1():
+        return grpo_update.task.fn(
+            run_dir=str(tmp_path),
+            run="r",
+            step=1,
+            rollouts=[],
+            scores=[],
+            policy=policy,
+            reference=policy,
+            grpo_cfg=stage_settings(resolved_recipe(recipe_from_dict(tiny_recipe))[0]).update,
+            temperature=1.0,
+            dtype="float32",
+            precision="fp32",
+        )
+
+    with pytest.raises(FileNotFoundError, match=r"step_0001, which the retention policy removed \(run.keep_last"):
+        update_step_1()

@@ -428,3 +428,21 @@ def test_two_refiner_runs_on_one_folder(tmp_path):
             os.killpg(first.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_holder_whose_pid_this_host_cannot_see_still_holds_the_folder(tmp_path):
+    """A run in another PID namespace with the same host name (a container on a shared volume) records a PID that
+    is not running here; its flock on .lock.held says it lives. Once it is gone, the lock is stale."""
+    holder = _hold_in_child(tmp_path)
+    try:
+        record = read_holder(tmp_path)
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        (tmp_path / LOCK_NAME).write_text(json.dumps({**record, "pid": int(dead.stdout)}))  # its PID, as seen here
+        with pytest.raises(RunFolderBusy):
+            acquire(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    warnings = []
+    with run_lock(tmp_path, warn=warnings.append):
+        assert len(warnings) == 1 and "stale lock" in warnings[0]

@@ -17,7 +17,7 @@ from refiner_core.config import recipe_from_dict
 from refiner_core.preflight import check_values
 from refiner_core.runtime import live, live_learner
 from refiner_core.runtime.identity import weights_hash
-from refiner_core.runtime.unsaved_weights import WRITTEN_AT_CLOSE
+from refiner_core.runtime.unsaved_weights import WRITTEN_AT_CLOSE, mark_recorded
 from tasks.stage import damaged_outputs
 
 STEPS = 3
@@ -136,6 +136,17 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(api
         assert _checkpoints(killed) == checkpoints
     _same(_results(killed, policy_hash=True), uninterrupted)  # the recomputed update made the same weights
 
+    # Killed after step 1's update wrote step_0002, before its result was stored: step_0002 does not stand for step
+    # 0's weights (step 1's update runs again, from them), so step 0's update is recomputed first.
+    after_save = tmp_path / "after_save"
+    env = {**api_env, "REFINER_KILL_ONCE": "grpo-update@1:end"}
+    code, _, err, _ = run_cli([*cli, str(after_save)], tmp_path, env)
+    assert code == 137 and _checkpoints(after_save) == ["step_0002"], err[-3000:]
+    code, _, err, _ = run_cli([*cli, str(after_save)], tmp_path, api_env)
+    assert code == 0, err[-3000:]
+    assert _recomputed(after_save) == ["grpo-update"]
+    _same(_results(after_save, policy_hash=True), uninterrupted)
+
 
 def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
     """An update's cached manifest naming weights never written is damaged unless the run's live learner holds
@@ -164,7 +175,10 @@ def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
         assert damaged_outputs(manifest, str(run_dir)) != []
     finally:
         live.close_run(run_dir)
-    (run_dir / "checkpoints" / "step_0002").mkdir(parents=True)  # saved after step_0001's weights
+    later = run_dir / "checkpoints" / "step_0002"
+    later.mkdir(parents=True)  # saved after step_0001's weights, by an update killed before its result was stored
+    assert damaged_outputs(manifest, str(run_dir)) != []
+    mark_recorded({"policy": {"path": str(later), "hash": "h"}})
     assert damaged_outputs(manifest, str(run_dir)) == []
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -137,12 +138,15 @@ def info_logs():
     prefect_logger.setLevel(level)
 
 
-def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_server, info_logs, tmp_path):
+def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_server, info_logs, tmp_path, monkeypatch):
+    """A worker's run folder is relative to its working directory; `refiner run` on the same folder (by its
+    absolute path) reuses every stage the scheduled run computed."""
     from flows.scheduled import run_recipe
     from refiner_core.config import load_recipe
     from refiner_core.runtime.hardware import resolved_recipe
 
-    run_recipe(recipe_file="recipes/tiny.yaml", run_dir=str(tmp_path / "{deployment}" / "run"), overrides=OVERRIDES)
+    monkeypatch.chdir(tmp_path)
+    run_recipe(recipe_file=str(REPO / "recipes" / "tiny.yaml"), run_dir="{deployment}/run", overrides=OVERRIDES)
     folder = tmp_path / "manual" / "run"
     ran_with, _ = resolved_recipe(load_recipe(REPO / "recipes" / "tiny.yaml", OVERRIDES))
     assert load_recipe(folder / "recipe.yaml").to_dict() == ran_with.to_dict()
@@ -157,6 +161,16 @@ def test_a_deployment_run_leaves_a_run_folder_every_command_accepts(prefect_serv
         code, out, err, _ = run_cli(command, tmp_path)
         assert code == 0, f"refiner {command[0]}: {out}{err}"
     assert out.split() == ["reward_version", "cw05", "train"]
+    overrides = [arg for override in OVERRIDES for arg in ("--set", override)]
+    code, out, err, _ = run_cli(
+        ["run", str(REPO / "recipes" / "tiny.yaml"), *overrides, "--run-dir", str(folder)], tmp_path
+    )
+    assert code == 0, err[-3000:]
+    newest = sorted((folder / "logs").glob("run-*.log"))[-1].read_text()
+    states = dict(re.findall(r"Task run '([^']+)' - Finished in state (\w+)", newest))
+    assert {states[stage] for stage in ("prepare-data", "rollout[step=0]", "judge[step=0]", "grpo-update[step=0]")} == {
+        "Cached"
+    }, states
 
 
 def test_a_failed_run_logs_the_command_that_retries_it(prefect_server, tmp_path):

@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from conftest import REPO
-from refiner_core.schema import ROLLOUTS, STEPS
-from refiner_core.store.storage import write_sampled, write_table
+from refiner_core.schema import JUDGE_SCORES, ROLLOUTS, STEPS
+from refiner_core.store.storage import write_rows, write_table
 from tasks.stage import damaged_outputs, stage_cache_key
 
 
@@ -51,7 +54,7 @@ def test_key_ignores_when_rollouts_were_written_and_how_long_their_weight_sync_t
             | {"created_at": written_at}
             for s in range(2)
         ]
-        written = write_sampled(ROLLOUTS, rows, path)
+        written = write_rows(ROLLOUTS, rows, path)
         return {"rollouts": written, "rows": 2, "weight_sync_seconds": sync_seconds, "seconds": 1.0}
 
     first = rollout(datetime(2026, 1, 1, tzinfo=UTC), -0.5, 0.12)
@@ -60,6 +63,34 @@ def test_key_ignores_when_rollouts_were_written_and_how_long_their_weight_sync_t
     assert _key({"run_dir": "r", "rollouts": again}) == _key({"run_dir": "r", "rollouts": first})
     other = rollout(datetime(2026, 1, 1, tzinfo=UTC), -0.25, 0.12)
     assert _key({"run_dir": "r", "rollouts": other}) != _key({"run_dir": "r", "rollouts": first})
+
+
+def test_key_ignores_how_judgments_were_obtained(tmp_path):
+    """A judge stage recomputed with the same verdicts (from the judge cache, after other latencies and retries)
+    leaves the update after it cached; another verdict changes its key."""
+
+    def judged(latency: float, attempts: int, cache_hit: bool, tokens: int | None, score: float) -> dict:
+        row = {c: None for c in JUDGE_SCORES.column_names} | {
+            "run": "r",
+            "step": 0,
+            "prompt_id": "q1",
+            "sample_idx": 0,
+            "rubric_id": "pos-0",
+            "raw_output": '{"score": 2}',
+            "score": score,
+        }
+        row |= {"latency_seconds": latency, "attempts": attempts, "cache_hit": cache_hit, "prompt_tokens": tokens}
+        path = tmp_path / "judge_scores.parquet"
+        usage = {"requests": attempts, "prompt_tokens": tokens or 0, "completion_tokens": 0, "unknown": 0}
+        return {"judge_scores": write_rows(JUDGE_SCORES, [row], path), "judge_failures": 0, "judge_usage": usage}
+
+    first = judged(1.7, 2, False, 120, 1.0)
+    again = judged(0.0, 0, True, None, 1.0)
+    assert again["judge_scores"]["hash"] != first["judge_scores"]["hash"]
+    assert _key({"run_dir": "r", "scores": [again]}) == _key({"run_dir": "r", "scores": [first]})
+    assert _key({"run_dir": "r", "scores": [judged(1.7, 2, False, 120, 0.5)]}) != _key(
+        {"run_dir": "r", "scores": [first]}
+    )
 
 
 def test_key_is_stable_across_processes(tmp_path):
@@ -136,3 +167,46 @@ def test_a_write_killed_before_its_rename_leaves_only_a_hidden_partial_file(tmp_
     second = subprocess.run([sys.executable, "-c", script, str(final)], env=env, cwd=REPO)
     assert second.returncode == 0 and final.exists()  # fired once: its marker is beside the destination
     assert remove_partial_writes(tmp_path) == []
+
+
+def _replace_folder(final: Path, env: dict) -> subprocess.CompletedProcess:
+    script = (
+        "import sys; from pathlib import Path; from refiner_core.store.storage import atomic_dir\n"
+        "with atomic_dir(Path(sys.argv[1])) as build:\n"
+        "    (build / 'weights').write_text('new')\n"
+    )
+    return subprocess.run([sys.executable, "-c", script, str(final)], env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("point,left", [("step_0002", 1), ("step_0002.replacing", 2)])
+def test_a_folder_replacement_killed_midway_leaves_the_old_or_the_new_folder(tmp_path, point, left):
+    """A recomputed checkpoint replaces its folder: killed before the new folder is in place (point
+    'step_0002') or with the old one moved aside ('step_0002.replacing'), the next run's clean-up finds the old
+    folder where it was; run again, the new one replaces it and nothing is left beside it."""
+    from refiner_core.store.storage import remove_partial_writes
+
+    final = tmp_path / "checkpoints" / "step_0002"
+    final.mkdir(parents=True)
+    (final / "weights").write_text("old")
+    env = {**os.environ, "REFINER_KILL_ONCE": f"write:{point}"}
+    assert _replace_folder(final, env).returncode == 137
+    assert len(remove_partial_writes(tmp_path)) == left  # the new folder's build (and the old one, put back)
+    assert (final / "weights").read_text() == "old"
+    assert _replace_folder(final, env).returncode == 0
+    assert (final / "weights").read_text() == "new"
+    assert sorted(p.name for p in final.parent.iterdir() if not p.name.startswith(".fault")) == ["step_0002"]
+
+
+def test_outputs_take_the_mode_the_umask_allows(tmp_path):
+    """Atomic writes go through temporary files (0600) and folders (0700); what they leave is readable as a plain
+    open() or mkdir() would leave it."""
+    script = (
+        "import os, sys; from pathlib import Path; os.umask(0o022)\n"
+        "from refiner_core.store.storage import atomic_dir, write_json\n"
+        "write_json({'a': 1}, Path(sys.argv[1]) / 'manifest.json')\n"
+        "with atomic_dir(Path(sys.argv[1]) / 'step_0001') as build:\n"
+        "    (build / 'weights').write_text('w')\n"
+    )
+    assert subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO).returncode == 0
+    assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "step_0001").stat().st_mode & 0o777 == 0o755

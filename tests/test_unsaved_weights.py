@@ -1,6 +1,7 @@
 """UnsavedWeights (refiner_core.runtime.unsaved_weights): the policy manifest naming weights left in the live learner
 (run.save_every) keeps the shape stage cache keys and run folders already hold, and its weights are intact while the
-live learner holds them, once the run wrote them as it ended, or once a later step checkpoint was saved."""
+live learner holds them, once the run wrote them as it ended, or once a later step checkpoint was saved by an
+update whose result is recorded."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import torch
 
 from refiner_core.runtime import live, live_learner
 from refiner_core.runtime.identity import weights_hash
-from refiner_core.runtime.unsaved_weights import WRITTEN_AT_CLOSE, UnsavedWeights, is_unsaved, model_folder
+from refiner_core.runtime.unsaved_weights import (
+    WRITTEN_AT_CLOSE,
+    UnsavedWeights,
+    forget_recorded,
+    is_unsaved,
+    mark_recorded,
+    model_folder,
+)
 
 
 class Learner:
@@ -81,10 +89,21 @@ def test_the_weights_are_intact_once_the_run_wrote_them_as_it_ended(tmp_path):
     assert not is_unsaved(unsaved.manifest()) and model_folder(unsaved.manifest()) == unsaved.path  # a checkpoint now
 
 
-def test_the_weights_are_intact_once_a_later_checkpoint_was_saved(tmp_path):
+def test_the_weights_are_intact_once_a_later_checkpoint_was_saved_by_a_recorded_update(tmp_path):
+    """A later checkpoint counts once the update that wrote it has its result recorded: one written by an update
+    killed before that runs again, and needs these weights."""
     unsaved, run_dir = _unsaved(tmp_path), tmp_path / "run"
-    (run_dir / "checkpoints" / "step_0003").mkdir(parents=True)
+    later = run_dir / "checkpoints" / "step_0003"
+    later.mkdir(parents=True)
+    assert not unsaved.saved_later() and not unsaved.intact(run_dir)
+    mark_recorded({"policy": {"path": str(unsaved.path), "hash": "h"}})  # not written: nothing is marked
+    mark_recorded({"policy": {"path": "", "hash": "h"}})
+    assert not unsaved.saved_later() and not list(later.parent.glob(".*"))
+    mark_recorded({"policy": {"path": str(later), "hash": "h"}, "steps": {}})
     assert unsaved.saved_later() and unsaved.intact(run_dir)
+    assert sorted(p.name for p in later.iterdir()) == []  # the mark lies beside it: the folder's hash is the same
+    forget_recorded(later)  # written again by an update that has not finished
+    assert not unsaved.saved_later()
 
 
 def test_a_run_ending_between_saves_writes_what_its_learner_holds(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from refiner_core.config import RewardConfig, reward_weight_fields
 from refiner_core.data.formats import check_citations, parse_answer
+from refiner_core.schema import JUDGE_SCORES
 
 
 def orient(score: float, kind: str) -> float:
@@ -143,13 +144,11 @@ def reward_parts(row: dict) -> dict[str, tuple[float, float]]:
 # What a step's rewards are computed from, one hash per (run, step): its reward_inputs and judge_scores rows
 # (without how a judgment was obtained: latency, attempts, cache hit, tokens paid). A `refiner rescore` version
 # records it.
-STEP_INPUTS_HASH_SQL = """
+STEP_INPUTS_HASH_SQL = f"""
 SELECT run, step, hash(list(row_hash ORDER BY row_hash))::VARCHAR AS inputs_hash FROM (
   SELECT run, step, hash(i) AS row_hash FROM reward_inputs i
   UNION ALL
-  SELECT run, step, hash(s) FROM (
-    SELECT * EXCLUDE (latency_seconds, attempts, cache_hit, prompt_tokens, completion_tokens) FROM judge_scores
-  ) s
+  SELECT run, step, hash(s) FROM (SELECT * EXCLUDE ({", ".join(JUDGE_SCORES.provenance)}) FROM judge_scores) s
 ) GROUP BY run, step
 """
 

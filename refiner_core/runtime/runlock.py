@@ -3,9 +3,12 @@
 A second run on a folder in use is refused at once with the holder's details (two runs writing the same
 Parquet files would each see the other's outputs as damaged and recompute them). A lock left by a process that
 is gone (its PID no longer runs on this host, or now belongs to another process) is stale: it is taken over
-with a warning. The check and the write happen under an flock on `RUN_DIR/.lock.guard`, so two runs starting
-at the same moment cannot both win. Taking the lock again in the process holding it is allowed (the CLI takes
-it, then the flow it runs does), and only the outermost release removes it.
+with a warning. The holder also keeps an flock on `RUN_DIR/.lock.held` while it runs, which the kernel drops
+when the process dies: a holder whose PID this host cannot see (another PID namespace with the same host name, a
+container) still counts as alive while it holds it. The check and the write happen under an flock on
+`RUN_DIR/.lock.guard`, so two runs starting at the same moment cannot both win. Taking the lock again in the
+process holding it is allowed (the CLI takes it, then the flow it runs does), and only the outermost release
+removes it.
 
 `format_run_dir` names the folder of a scheduled run from a template (deployment, scheduled date, flow run ID).
 """
@@ -25,9 +28,11 @@ from pathlib import Path
 from refiner_core.runtime.procs import is_running, process_identity
 
 LOCK_NAME = ".lock"
+HELD_NAME = ".lock.held"  # flocked by the holder for as long as it lives
 BUSY_EXIT_CODE = 3  # `refiner run` exit code when the run folder is used by another run
 
 _depth: dict[str, int] = {}  # lock path -> nested acquisitions in this process
+_held: dict[str, int] = {}  # lock path -> the open .lock.held whose flock this process holds
 
 
 class RunFolderBusy(RuntimeError):
@@ -58,10 +63,33 @@ def read_holder(run_dir: str | Path) -> dict | None:
         return {"pid": None, "host": None, "started": None, "command": "unreadable lock file"}
 
 
-def _holder_alive(holder: dict) -> bool:
+def _holder_alive(holder: dict, folder: Path) -> bool:
     if holder.get("host") != socket.gethostname():
         return holder.get("host") is not None  # another machine's run cannot be checked: assume it lives
-    return isinstance(holder.get("pid"), int) and is_running(holder["pid"], holder.get("identity"))
+    running = isinstance(holder.get("pid"), int) and is_running(holder["pid"], holder.get("identity"))
+    return running or _held_elsewhere(folder)
+
+
+def _held_elsewhere(folder: Path) -> bool:
+    """Whether a live process holds the folder's `.lock.held` flock."""
+    fd = os.open(folder / HELD_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a flock this call took
+    return False
+
+
+def _hold(folder: Path) -> int:
+    fd = os.open(folder / HELD_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _is_me(holder: dict) -> bool:
@@ -92,13 +120,17 @@ def acquire(run_dir: str | Path, command: str = "", warn: Callable[[str], None] 
         if holder is not None and _is_me(holder):
             _depth[str(path)] = _depth.get(str(path), 0) + 1
             return holder
-        if holder is not None and _holder_alive(holder):
+        if holder is not None and _holder_alive(holder, folder):
             raise RunFolderBusy(folder, holder)
         if holder is not None and warn is not None:
             warn(
                 f"run folder {folder}: taking over a stale lock of PID {holder.get('pid')} on host "
                 f"{holder.get('host')} since {holder.get('started')} (that process is no longer running)"
             )
+        try:
+            held = _hold(folder)
+        except BlockingIOError:  # a live process holds it without its record (the record was removed)
+            raise RunFolderBusy(folder, holder or {"command": f"its {LOCK_NAME} was removed"}) from None
         mine = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -110,6 +142,7 @@ def acquire(run_dir: str | Path, command: str = "", warn: Callable[[str], None] 
         tmp.write_text(json.dumps(mine))
         os.replace(tmp, path)
         _depth[str(path)] = 1
+        _held[str(path)] = held
         return mine
 
 
@@ -122,12 +155,17 @@ def release(run_dir: str | Path) -> None:
         _depth[str(path)] = depth
         return
     _depth.pop(str(path), None)
-    if not folder.is_dir():
-        return
-    with _guard(folder):
-        holder = read_holder(folder)
-        if holder is not None and _is_me(holder):
-            path.unlink(missing_ok=True)
+    held = _held.pop(str(path), None)
+    try:
+        if not folder.is_dir():
+            return
+        with _guard(folder):
+            holder = read_holder(folder)
+            if holder is not None and _is_me(holder):
+                path.unlink(missing_ok=True)
+    finally:
+        if held is not None:
+            os.close(held)  # drops the flock
 
 
 @contextlib.contextmanager

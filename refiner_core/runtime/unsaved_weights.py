@@ -43,17 +43,40 @@ class UnsavedWeights:
         (Path(checkpoint) / WRITTEN_AT_CLOSE).write_text(self.hash)
 
     def saved_later(self) -> bool:
-        """Whether a step checkpoint after the one they were not written to exists in its folder (nothing after
-        it needs them)."""
+        """Whether a step checkpoint after the one they were not written to exists in its folder, and the stage
+        that wrote it has its result recorded (`mark_recorded`): nothing after it needs them. A checkpoint written
+        by an update killed before its result was recorded does not count: that update runs again, from them."""
         path = Path(self.path)
         step = int(path.name.removeprefix("step_"))
-        return any(saved > step for saved in step_checkpoints(path.parent))
+        return any(saved > step and recorded(folder) for saved, folder in step_checkpoints(path.parent).items())
 
     def intact(self, run_dir: str | Path) -> bool:
         """Whether a stage's manifest naming them can still be trusted: the run's live learner holds them, the run
-        wrote them as it ended, or a later step checkpoint was saved from them. Else the update that made them is
-        recomputed."""
+        wrote them as it ended, or a later step checkpoint was saved from them by a recorded update. Else the
+        update that made them is recomputed."""
         return learner_holds(run_dir, self.hash) or self.written_at_close() or self.saved_later()
+
+
+def _record_mark(checkpoint: str | Path) -> Path:
+    checkpoint = Path(checkpoint)  # beside the checkpoint: its content hash stays that of the weights
+    return checkpoint.parent / f".{checkpoint.name}.recorded"
+
+
+def mark_recorded(manifest: dict) -> None:
+    """A stage's result is recorded: the checkpoint its manifest's `policy` names (when written) is one that
+    `saved_later` may count."""
+    policy = manifest.get("policy")
+    if isinstance(policy, dict) and not policy.get("unsaved") and policy.get("path") and Path(policy["path"]).is_dir():
+        _record_mark(policy["path"]).touch()
+
+
+def recorded(checkpoint: str | Path) -> bool:
+    return _record_mark(checkpoint).exists()
+
+
+def forget_recorded(checkpoint: str | Path) -> None:
+    """The checkpoint is being written again: no stage result stands for it until one is recorded."""
+    _record_mark(checkpoint).unlink(missing_ok=True)
 
 
 def is_unsaved(policy: dict) -> bool:

@@ -8,7 +8,8 @@ A point is a stage ('judge'), a stage at a step ('judge@1'), either with ':end' 
 are written but before the orchestrator records it done) or ':partN' (a rollout, once part N of its groups is
 written), or 'write:<path>' (REFINER_KILL_ONCE only): an atomic
 write whose destination ends with <path> ('catalog.duckdb', 'step=1/rewards.parquet', 'step_0002') has its data
-on disk but not yet in place. Markers go to RUN_DIR/.faults, for a write beside its destination.
+on disk but not yet in place; 'write:<folder>.replacing' ('step_0002.replacing'): a folder being replaced has been
+moved aside, its replacement not yet renamed in. Markers go to RUN_DIR/.faults, for a write beside its destination.
 """
 
 from __future__ import annotations

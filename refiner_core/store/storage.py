@@ -22,40 +22,88 @@ from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, duckdb_type, to_a
 from refiner_core.store.faults import write_fault
 
 PARTIAL_SUFFIX = ".partial"  # a write in progress: hidden, and removed by the next run if its writer died
+REPLACED_SUFFIX = ".replaced"  # a folder being replaced, moved aside: put back by the next run if its writer died
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def shareable(path: Path, folder: bool = False) -> None:
+    """Give a temporary file (mode 0600) or folder (0700) the mode a plain open() or mkdir() would: outputs are
+    readable as the umask allows."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
 
 
 def atomic_path(path: Path) -> tuple[Path, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent)
     os.close(fd)
+    shareable(Path(tmp))
     return Path(tmp), path
 
 
 @contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a fresh folder beside `final`; on success it replaces `final` (a recomputed stage replaces its
-    own output), on failure it is removed, so `final` is never half written."""
+    own output), on failure it is removed, so `final` is never half written. The folder it replaces is moved
+    aside before the new one is renamed in and removed after: a writer killed in between leaves it beside
+    `final`, and the next run puts it back (`remove_partial_writes`)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=PARTIAL_SUFFIX, dir=final.parent))
+    shareable(build, folder=True)
     try:
         yield build
         write_fault(final)
+        aside = final.with_name(f".{final.name}.{build.name.rsplit('.', 2)[-2]}{REPLACED_SUFFIX}")
         if final.exists():
-            shutil.rmtree(final)
-        build.rename(final)
+            final.rename(aside)
+        try:
+            write_fault(final.with_name(final.name + ".replacing"))
+            build.rename(final)
+        except BaseException:
+            if aside.exists() and not final.exists():
+                aside.rename(final)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(build, ignore_errors=True)
 
 
+def _restore_replaced(folder: Path) -> list[Path]:
+    """Folders `atomic_dir` moved aside and did not live to remove: put back where their replacement never
+    arrived, else removed."""
+    left = sorted(Path(folder).rglob(f".*{REPLACED_SUFFIX}"))
+    for aside in left:
+        final = aside.with_name(aside.name[1:].rsplit(".", 2)[0])
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.rename(final)
+    return left
+
+
 def remove_partial_writes(folder: Path) -> list[Path]:
-    """Remove what writers killed mid-write left in `folder` (their temporary files and folders); only safe while
-    no writer is running there, i.e. under the run folder's lock."""
+    """Remove what writers killed mid-write left in `folder` (their temporary files and folders, and a folder
+    moved aside to be replaced, put back if its replacement never arrived); only safe while no writer is running
+    there, i.e. under the run folder's lock."""
+    replaced = _restore_replaced(folder)
     leftovers = sorted(
         p
         for p in Path(folder).rglob(f".*{PARTIAL_SUFFIX}*")
         if p.name.endswith((PARTIAL_SUFFIX, f"{PARTIAL_SUFFIX}.wal"))
     )
+    leftovers = sorted([*leftovers, *replaced])
     for path in leftovers:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -69,16 +117,16 @@ def write_table(table: Table, rows: list[dict], path: Path) -> str:
     return write_arrow(to_arrow(table, rows), path)
 
 
-def write_sampled(table: Table, rows: list[dict], path: Path) -> dict:
-    """Write sampled rows (rollouts, teacher rollouts) and return their manifest entry: the file's hash (checked for
-    damage) and `rows_hash`, the rows' without created_at. The stages after key on the rows_hash, so a rerun that
-    samples the same rows (another rollout.groups_per_part, say) leaves them cached."""
+def write_rows(table: Table, rows: list[dict], path: Path) -> dict:
+    """Write rows as Parquet atomically and return their manifest entry: the file's hash (checked for damage) and,
+    for a table with provenance columns, `rows_hash`: the rows' without them. The stages after key on the
+    rows_hash, so a rerun that makes the same rows (sampled with another rollout.groups_per_part, judged from the
+    judge cache, timed differently) leaves them cached."""
     data = to_arrow(table, rows)
-    return {
-        "path": str(path),
-        "hash": write_arrow(data, path),
-        "rows_hash": table_hash(data.drop_columns(["created_at"])),
-    }
+    entry = {"path": str(path), "hash": write_arrow(data, path)}
+    if table.provenance:
+        entry["rows_hash"] = table_hash(data.drop_columns(list(table.provenance)))
+    return entry
 
 
 def write_arrow(data: pa.Table, path: Path) -> str:
