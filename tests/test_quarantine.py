@@ -300,3 +300,89 @@ def test_a_run_that_quarantined_rows_ends_with_a_warning(tmp_path):
     build_catalog(tmp_path / "catalog.duckdb", {"quarantine": []})
     assert quarantine_warning(tmp_path) is None
     assert quarantine_warning(tmp_path / "no-catalog-yet") is None
+
+
+def _sample_row() -> dict:
+    return json.loads((DATA.parent.parent / "data" / "refiner" / "samples.jsonl").read_text().splitlines()[0])
+
+
+def test_a_lone_surrogate_escape_is_quarantined_before_it_reaches_the_tokenizer(tiny_tokenizer, tmp_path):
+    """'\\ud800' is valid JSON and decodes to text no UTF-8 encoder (tokenizer, Parquet, terminal) accepts."""
+    good = _sample_row()
+    bad = dict(good, id="bad", question=good["question"] + " \ud800")
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (good, bad)) + "\n")  # written as the escape \ud800
+    assert "\\ud800" in path.read_text()
+    prompts, rejected = run_checks(load_rows(str(path)), tiny_tokenizer)
+    offset = len(good["question"]) + 1
+    assert [(r.row_ref, r.reason) for r in rejected] == [("line 2", "lone_surrogate")]
+    assert rejected[0].detail.startswith(f"field 'question' holds U+D800 at offset {offset}")
+    assert [p["prompt_id"] for p in prompts] == [good["id"]]
+    chat = {"id": "c", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "\udc00"}]}
+    [rejection] = validate_rows([RawRow("line 1", json.dumps(chat), json.loads(json.dumps(chat)))]).rejected
+    assert rejection.reason == "lone_surrogate" and "field 'messages'[1]['content'] holds U+DC00" in rejection.detail
+
+
+def test_a_ground_truth_that_is_not_text_or_a_number_is_wrong_type(tiny_tokenizer):
+    def row(rid: str, truth) -> RawRow:
+        data = {"id": rid, "messages": [{"role": "user", "content": f"6*7? ({rid})"}], "ground_truth": truth}
+        return RawRow(f"line {rid}", json.dumps(data), data)
+
+    checked = validate_rows([row("1", ["42"]), row("2", {"answer": "42"}), row("3", True), row("4", 42), row("5", 0.5)])
+    assert [(r.row_ref, r.reason, r.detail) for r in checked.rejected] == [
+        ("line 1", "wrong_type", "field 'ground_truth' must be a string or a number, got list"),
+        ("line 2", "wrong_type", "field 'ground_truth' must be a string or a number, got dict"),
+        ("line 3", "wrong_type", "field 'ground_truth' must be a string or a number, got bool"),
+    ]
+    prompts, _ = prepare_prompts(checked.rows, tiny_tokenizer, "t", 1000, 100, 0.0, 0)
+    assert [(p["prompt_id"], p["ground_truth"]) for p in prompts] == [("4", "42"), ("5", "0.5")]
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), 0, -1.0, True, "2"])
+def test_a_rubric_weight_that_is_not_a_finite_positive_number_is_quarantined(weight):
+    """An infinite weight made the weighted rubric score inf/inf: NaN for every rollout of the prompt."""
+    row = dict(_sample_row(), positive_rubrics=[{"description": "cites a1", "weight": weight}, "is short"])
+    [rejection] = validate_rows([RawRow("line 1", json.dumps(row), json.loads(json.dumps(row)))]).rejected
+    assert rejection.reason == "invalid_rubrics"
+    assert rejection.detail == f"positive rubric 0: 'weight' must be a finite positive number, got {weight!r}"
+
+
+def test_a_static_rubric_weight_that_is_not_finite_is_an_error(tmp_path):
+    from refiner_core.data.rubric_fields import RubricError, load_static_rubrics
+
+    rubric = {"rubric_id": "static-x", "kind": "positive", "title": "t", "description": "d"}
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps([{**rubric, "weight": 2}]))
+    assert [r["weight"] for r in load_static_rubrics(path)] == [2.0]
+    path.write_text(json.dumps([{**rubric, "weight": float("inf")}]))  # json writes Infinity
+    with pytest.raises(RubricError, match="static rubric 'static-x': 'weight' must be a finite positive number"):
+        load_static_rubrics(path)
+
+
+def test_parquet_columns_json_has_no_type_for_reach_the_quarantine_as_text(tiny_tokenizer, tmp_path):
+    """Timestamps, dates and decimals of a Parquet (or hub) source: the rows are prepared, and a rejected one's raw
+    text holds them as text."""
+    import datetime
+    import decimal
+
+    rows = [
+        json.loads(line) for line in (DATA.parent.parent / "data/refiner/samples.jsonl").read_text().splitlines()[:3]
+    ]
+    for r in rows:
+        r.update(
+            created_at=datetime.datetime(2024, 1, 2, 3, 4, 5),
+            day=datetime.date(2024, 1, 2),
+            price=decimal.Decimal("1.50"),
+            positive_rubrics=json.dumps(r["positive_rubrics"]),
+            negative_rubrics=json.dumps(r["negative_rubrics"]),
+        )
+    rows[2]["answer"] = "<answer>" + "long " * 3000 + "</answer>"
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    checked = validate_rows(load_rows(str(path)))
+    prompts, rejected = prepare_prompts(checked.rows, tiny_tokenizer, "t", 100_000, 1000, 0.0, 0)
+    assert checked.rejected == [] and len(prompts) == 2
+    [too_long] = rejected
+    assert too_long.reason == "reference_too_long"
+    raw = json.loads(too_long.raw)
+    assert (raw["created_at"], raw["day"], raw["price"]) == ("2024-01-02 03:04:05", "2024-01-02", "1.50")
