@@ -32,7 +32,6 @@ CPU_OVERRIDES = [
     "rollout.batch_size=48",
     "grpo.learning_rate=3e-5",
     "grpo.beta=0",
-    "grpo.micro_batch_size=8",
     "eval.max_new_tokens=32",
 ]
 

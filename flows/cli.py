@@ -16,7 +16,7 @@ from flows.supervisor import Terminated, interrupts_never_lost, run_in_folder
 from refiner_core.config import ConfigError, describe, load_recipe
 from refiner_core.data.text_safety import visible
 from refiner_core.peer_names import peer_names_of
-from refiner_core.preflight import check_recipe, reward_warnings
+from refiner_core.preflight import check_recipe, recipe_warnings
 
 app = typer.Typer(
     add_completion=False,
@@ -299,7 +299,7 @@ def config(
         problems = check_recipe(cfg)
         if problems:
             _fail(_problems(recipe, problems, "found before running"))
-        for line in reward_warnings(cfg):
+        for line in recipe_warnings(cfg):
             _warn(line)
         typer.echo(f"{recipe}: no problem found")
         return

@@ -17,7 +17,7 @@ from refiner_core.config import RecipeConfig, recipe_from_dict
 from refiner_core.data.quarantine import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.judges.cost import check_budget, usage_cost
-from refiner_core.preflight import resolve, reward_warnings
+from refiner_core.preflight import recipe_warnings, resolve
 from refiner_core.publish.ledger import ledger_catalogs
 from refiner_core.publish.tracking import close_trackers
 from refiner_core.reward.compose import reward_parts
@@ -181,7 +181,7 @@ def open_run(recipe: dict, run_dir: str) -> RunContext:
     own, precision_line = resolved_recipe(recipe_from_dict(recipe))
     log = get_run_logger()
     log.info(precision_line)
-    for line in reward_warnings(own):
+    for line in recipe_warnings(own):
         log.warning(line)
     watch_stages(own.run.stall_seconds, own.run.progress_every)  # the watchdog and plain-log progress of stages
     if own.run.keep_engines:  # engines live for the run (refiner_core.runtime.live) until the end hooks close them

@@ -105,7 +105,7 @@ class RunConfig:
         "that would leave its device less free memory than it holds (vLLM reserving most of a GPU) is still closed "
         "after its stage. false: every stage builds its engines and closes them.",
     )
-    report_to: list = opt(
+    report_to: list[str] = opt(
         ["tensorboard"],
         "Experiment trackers that get each step's metrics (the steps row), eval results and a sample "
         "of rollouts: 'tensorboard' (event files in RUN_DIR/tensorboard), 'mlflow' (run.mlflow_tracking_uri), "
@@ -181,7 +181,7 @@ class ModelConfig:
     lora_dropout: float = opt(
         0.0, "Dropout on the adapters' input while training (not when scoring).", check=FRACTION, read_by=("lora",)
     )
-    lora_target_modules: list = opt(
+    lora_target_modules: list[str] = opt(
         ["all-linear"],
         "Modules that get adapters: ['all-linear'] (every linear layer "
         "but the output layer) or module names, e.g. [q_proj, v_proj].",
@@ -261,13 +261,13 @@ class DataConfig(SourceConfig):
     max_rejected_fraction: float = opt(
         0.5, "Fail the stage when more than this fraction of rows is rejected.", check=FRACTION
     )
-    skip_solved_from: list = opt(
+    skip_solved_from: list[str] = opt(
         [],
         "Run folders whose difficulty ledger (catalog view prompt_difficulty over all of them) takes prompts out of "
         "this run's training split: those every sampled rollout solved there (always_solved) and those none solved "
         "(never_solved), which give GRPO no gradient. Prompts they never sampled stay. Recorded in prompt_selection.",
     )
-    weights_from: list = opt(
+    weights_from: list[str] = opt(
         [],
         "Run folders whose difficulty ledger weights how often a training prompt is drawn: 4 p (1 - p) of its pass "
         "rate p there, at least 0.05; prompts they never sampled weigh 1. Steps then draw their prompts without "
@@ -315,7 +315,7 @@ class AgentConfig:
         "sampled; tool-output tokens are masked out of the loss. rollout.max_new_tokens is the budget of the whole "
         "response (sampled and tool tokens).",
     )
-    tools: list = opt(
+    tools: list[str] = opt(
         ["python"],
         "Tools the policy may call: 'python' (code run in a bubblewrap sandbox; needs "
         "bwrap, checked when the rollout stage starts).",
@@ -405,7 +405,7 @@ class RolloutConfig:
         check=AT_LEAST_1,
         read_by=("rollout", "eval_rollout"),
     )
-    stop: list = opt(["</answer>"], "Stop strings (EOS always stops).", read_by=("rollout", "eval_rollout"))
+    stop: list[str] = opt(["</answer>"], "Stop strings (EOS always stops).", read_by=("rollout", "eval_rollout"))
     batch_size: int = opt(
         16,
         "Sequences generated together (the vllm engine: most sequences scheduled at once).",
@@ -490,7 +490,7 @@ class OpenAIJudgeConfig:
     """judge.engine 'openai': the server, its requests and the judge cache (no other engine reads these)."""
 
     base_url: str = opt("http://127.0.0.1:8000/v1", "The server's base URL (up to /v1).")
-    more_base_urls: list = opt(
+    more_base_urls: list[str] = opt(
         [],
         "More servers of the same judge model. Each (response, rubric) "
         "pair always goes to the same server (picked by its prompt's hash), judge.openai.concurrency "
@@ -511,7 +511,7 @@ class OpenAIJudgeConfig:
         "shares must leave the learner room (preflight refuses a sum over 1). Unused on CPU.",
         check=Check(lambda v: 0 < v <= 1, "must be in (0, 1]"),
     )
-    serve_args: list = opt(
+    serve_args: list[str] = opt(
         [],
         "judge.openai.serve: more arguments for the vLLM server's command line, e.g. ['--reasoning-parser', "
         "'qwen3'] for a thinking judge (its reasoning then stays out of the reply's content) or "
@@ -764,11 +764,13 @@ class DeepSpeedConfig:
 
     world_size: int = opt(
         1,
-        "Ranks (processes; one per GPU on GPUs) of each update; with a hostfile, the hostfile's slots decide.",
+        "Ranks (processes; one per GPU on GPUs) of each update; with a hostfile, its slots must add up to it.",
+        check=AT_LEAST_1,
     )
     zero_stage: int = opt(
         3,
         "ZeRO stage (3 = parameters, gradients and optimizer state partitioned over the ranks; 0-2 partition less).",
+        check=Check(lambda v: 0 <= v <= 3, "must be 0, 1, 2 or 3"),
     )
     hostfile: str = opt(
         "",
@@ -833,7 +835,11 @@ class GRPOConfig:
         check=Check(lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     )
     weight_decay: float = opt(0.0, "AdamW weight decay.", check=NON_NEGATIVE)
-    adam_betas: list = opt([0.9, 0.999], "AdamW betas.")
+    adam_betas: list[float] = opt(
+        [0.9, 0.999],
+        "AdamW betas: the decay rates of its first and second moment estimates.",
+        check=Check(lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two numbers in [0, 1)"),
+    )
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 = off).", check=NON_NEGATIVE)
     beta: float = opt(
         0.001, "KL coefficient against the frozen reference (0 = no reference model is loaded).", check=NON_NEGATIVE
@@ -1263,15 +1269,63 @@ class ConfigError(ValueError):
     pass
 
 
+class YamlText(str):
+    """A scalar written without quotes that YAML 1.1 reads as a number, a bool or a date (007 -> 7, 0123 -> 83, 1:30
+    -> 90, 1_000 -> 1000, 0x1F -> 31, no -> False), kept as written: a text setting takes the text, any other setting
+    YAML's value (`value`)."""
+
+    value: Any
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """yaml.safe_load's reading, with the scalars YamlText keeps as written kept so."""
+
+
+def _keep_text(tag: str) -> None:
+    read = yaml.SafeLoader.yaml_constructors[tag]
+
+    def construct(loader: RecipeLoader, node: yaml.ScalarNode) -> YamlText:
+        text = YamlText(node.value)
+        text.value = read(loader, node)
+        return text
+
+    RecipeLoader.add_constructor(tag, construct)
+
+
+for _tag in ("int", "float", "bool", "timestamp"):
+    _keep_text(f"tag:yaml.org,2002:{_tag}")
+
+
+def _is_text(type_: Any) -> bool:
+    """A str setting, or a choice among words."""
+    return type_ is str or (get_origin(type_) is Literal and all(isinstance(c, str) for c in get_args(type_)))
+
+
+def _as_written(value: Any, type_: Any) -> Any:
+    """`value` with its YamlText resolved for a setting of type `type_`: the text where it is text (a list[str]'s
+    items too), YAML's value elsewhere."""
+    if isinstance(value, YamlText):
+        return str(value) if _is_text(type_) else value.value
+    if isinstance(value, list):
+        item = get_args(type_)[0] if get_origin(type_) is list else None
+        return [_as_written(v, item) for v in value]
+    if isinstance(value, dict):
+        return {_as_written(k, None): _as_written(v, None) for k, v in value.items()}
+    return value
+
+
 def _coerce(value: Any, type_: Any, where: str) -> Any:
+    value = _as_written(value, type_)
     origin = get_origin(type_)
     if origin is Literal:
-        if value not in get_args(type_):
+        # a choice is matched by value and kind: 2.0 is the choice 2, true is not the choice 1
+        same = [c for c in get_args(type_) if c == value and isinstance(c, bool) is isinstance(value, bool)]
+        if not same:
             hint = peer_value_hint(where, value)
             raise ConfigError(
                 f"{where}: {value!r} is not one of {list(get_args(type_))}" + (f" ({hint})" if hint else "")
             )
-        return value
+        return same[0]
     if type_ is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
@@ -1284,8 +1338,8 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
         return value
     if type_ is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    if type_ is list and isinstance(value, list):
-        return value
+    if origin is list and isinstance(value, list):
+        return [_coerce(v, get_args(type_)[0], f"{where}[{i}]") for i, v in enumerate(value)]
     if type_ is dict and isinstance(value, dict):
         return value
     raise ConfigError(f"{where}: expected {getattr(type_, '__name__', type_)}, got {value!r}")
@@ -1390,10 +1444,10 @@ def moved_to_sections(data: dict) -> dict:
         inner = dict(inner) if isinstance(inner, dict) else {} if inner is None else inner
         if not isinstance(inner, dict):
             continue  # not a mapping: _build says so
-        if field_name in inner and inner[field_name] != value:
+        given, kept = _as_written(value, None), _as_written(inner.get(field_name), None)
+        if field_name in inner and kept != given:
             raise ConfigError(
-                f"{old} ({value!r}) and {new} ({inner[field_name]!r}) are both set: keep {new} only ({old} is its "
-                "deprecated name)"
+                f"{old} ({given!r}) and {new} ({kept!r}) are both set: keep {new} only ({old} is its deprecated name)"
             )
         _deprecated(old)
         inner[field_name] = value
@@ -1402,17 +1456,33 @@ def moved_to_sections(data: dict) -> dict:
 
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:
-    """'grpo.steps=4' -> (['grpo', 'steps'], 4); the value is parsed as YAML and typed by the field later. A moved
-    field's old name is read as its new one: 'grpo.world_size=2' -> (['grpo', 'deepspeed', 'world_size'], 2)."""
+    """'grpo.steps=4' -> (['grpo', 'steps'], 4); the value is parsed as YAML and typed by the field later, except
+    that a text setting takes the text as given ('run.name=007' -> '007'). A moved field's old name is read as its
+    new one: 'grpo.world_size=2' -> (['grpo', 'deepspeed', 'world_size'], 2)."""
     if "=" not in assignment:
         raise ConfigError(f"--set expects section.field=value, got {assignment!r}")
     key, raw = assignment.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
     key = key.strip()
     if key in MOVED_FIELDS:
         _deprecated(key)
         key = MOVED_FIELDS[key]
-    return key.split("."), value
+    keys = key.split(".")
+    type_ = _field_type(keys)
+    if _is_text(type_):
+        return keys, raw.strip()
+    value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else ""
+    # a section or an unknown name keeps its YamlText: the fields it reaches type it (or _build names it)
+    return keys, value if type_ is None else _as_written(value, type_)
+
+
+def _field_type(keys: list[str]) -> Any:
+    """The type of the recipe field named by `keys`; None for a section or a name that is none."""
+    type_: Any = RecipeConfig
+    for key in keys:
+        if not dataclasses.is_dataclass(type_):
+            return None
+        type_ = typing.get_type_hints(type_).get(key)
+    return None if dataclasses.is_dataclass(type_) else type_
 
 
 def _looks_like_float(raw: str) -> bool:
@@ -1428,7 +1498,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
     old names are read as their new ones (moved_to_sections, parse_override)."""
     data: dict = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        loaded = yaml.load(Path(path).read_text(), Loader=RecipeLoader)
         data = moved_to_sections(loaded or {})
     given: dict[str, dict[str, Any]] = {}  # field -> {name it was set by: value}, for old and new names alike
     for assignment in overrides:
@@ -1444,7 +1514,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeCon
             )
         node = data
         for k in keys[:-1]:
-            node = node.setdefault(k, {})
+            if node.get(k) is None:  # absent, or a section left empty (`eval:` with only comments under it)
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {assignment!r}: {k!r} is not a section")
         node[keys[-1]] = value

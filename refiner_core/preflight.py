@@ -11,7 +11,7 @@ from pathlib import Path
 
 from refiner_core import REPO_ROOT
 from refiner_core.algo.schedules import decays_after_warmup
-from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, RecipeConfig, checked_fields
+from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, GRPOConfig, RecipeConfig, checked_fields
 from refiner_core.data.rows import UTF8_BOM, parse_jsonl_line
 from refiner_core.data.sources import SourceError, cached_hub_columns, detect_format, hub_offline
 from refiner_core.models import SMOLLM2, TINY_QWEN3
@@ -93,14 +93,9 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         problems.append(f"eval.pass_k = {cfg.eval.pass_k}: must be at most eval.samples ({cfg.eval.samples})")
     if cfg.model.dtype not in ("float32", "bfloat16"):
         problems.append(f"model.dtype = {cfg.model.dtype!r}: must be 'float32' or 'bfloat16'")
-    # LoRA adapters train in fp32 on a bf16 base (PEFT casts them); full weights would have no fp32 copy.
-    if cfg.grpo.learner == "torch" and cfg.model.dtype == "bfloat16" and not cfg.model.lora_rank:
-        problems.append(
-            "grpo.learner 'torch' with model.dtype = 'bfloat16' runs AdamW on the bf16 weights themselves (no fp32 "
-            "master copy): at GRPO's learning rates (1e-6) most updates are below half a bf16 unit and round away. "
-            "Set model.dtype=float32 with model.precision=bf16 (bf16 compute, fp32 weights and AdamW state), or "
-            "grpo.learner=deepspeed (ZeRO keeps fp32 master weights)"
-        )
+    # LoRA adapters train in fp32 on a bf16 base (PEFT casts them); full weights need an fp32 master copy.
+    if cfg.model.dtype == "bfloat16" and not cfg.model.lora_rank:
+        problems += bf16_weight_problems(cfg)
     if cfg.judge.openai.serve and cfg.judge.engine != "openai":
         problems.append(
             f"judge.openai.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "
@@ -113,6 +108,8 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         )
     problems += gpu_share_problems(cfg)
     problems += backend_problems(cfg)
+    if cfg.grpo.learner == "deepspeed" and cfg.grpo.deepspeed.hostfile:
+        problems += hostfile_problems(cfg)
     if not 0 <= cfg.reward.overlong_buffer <= cfg.rollout.max_new_tokens:
         problems.append(
             f"reward.overlong_buffer = {cfg.reward.overlong_buffer}: must be between 0 (off) and "
@@ -219,6 +216,71 @@ def check_values(cfg: RecipeConfig) -> list[str]:
 
     problems += tracker_problems(cfg.run.report_to)
     return problems
+
+
+def bf16_weight_problems(cfg: RecipeConfig) -> list[str]:
+    """Full bf16 weights (model.dtype bfloat16, no LoRA) that the learner's AdamW would step with no fp32 master
+    copy: at GRPO's learning rates (1e-6) most updates are below half a bf16 unit and round away."""
+    rounded_away = (
+        "runs AdamW on the bf16 weights themselves (no fp32 master copy): at GRPO's learning rates (1e-6) most "
+        "updates are below half a bf16 unit and round away. Set model.dtype=float32 with model.precision=bf16 (bf16 "
+        "compute, fp32 weights and AdamW state)"
+    )
+    if cfg.grpo.learner == "torch":
+        return [
+            f"grpo.learner 'torch' with model.dtype = 'bfloat16' {rounded_away}, or grpo.learner=deepspeed with "
+            "grpo.deepspeed.zero_stage 1-3 (ZeRO keeps fp32 master weights)"
+        ]
+    if cfg.grpo.learner != "deepspeed" or cfg.grpo.deepspeed.zero_stage != 0:
+        return []
+    from refiner_core.learners.deepspeed_learner import bf16_mode
+    from refiner_core.models import default_device
+    from refiner_core.runtime.hardware import resolve_precision
+
+    device, precision = default_device(), cfg.model.precision
+    if bf16_mode(device, resolve_precision(precision, device) if precision == "auto" else precision):
+        return []
+    return [
+        f"grpo.learner 'deepspeed' with grpo.deepspeed.zero_stage = 0 and model.dtype = 'bfloat16' {rounded_away}, "
+        "or grpo.deepspeed.zero_stage 1-3 (ZeRO keeps fp32 master weights; at stage 0 only DeepSpeed's bf16 mode "
+        "does, on GPUs with model.precision bf16)"
+    ]
+
+
+def hostfile_problems(cfg: RecipeConfig) -> list[str]:
+    """The deepspeed learner's hostfile can be read and its slots add up to grpo.deepspeed.world_size, as the
+    learner requires when the first update launches it."""
+    from refiner_core.learners.deepspeed_learner import launch_hosts
+
+    hostfile = cfg.grpo.deepspeed.hostfile
+    try:
+        launch_hosts(hostfile, cfg.grpo.deepspeed.world_size)
+    except OSError as e:
+        return [f"grpo.deepspeed.hostfile: {hostfile!r} cannot be read ({e.strerror or e})"]
+    except ValueError as e:
+        return [f"grpo.deepspeed.hostfile: {e}"]
+    return []
+
+
+def recipe_warnings(cfg: RecipeConfig) -> list[str]:
+    """Settings that run, but not as a user likely means: printed before the run, not refused."""
+    return reward_warnings(cfg) + update_layout_warnings(cfg)
+
+
+def update_layout_warnings(cfg: RecipeConfig) -> list[str]:
+    """grpo.pack_length and grpo.micro_batch_size shape the update's micro-batches only with grpo.share_prompt off."""
+    grpo, defaults = cfg.grpo, GRPOConfig()
+    ignored = [
+        f"grpo.{name} = {getattr(grpo, name)}"
+        for name in ("pack_length", "micro_batch_size")
+        if getattr(grpo, name) != getattr(defaults, name)
+    ]
+    if not grpo.share_prompt or not ignored:
+        return []
+    return [
+        f"grpo.share_prompt (on by default) makes each micro-batch of the update one prompt's group, so it ignores "
+        f"{' and '.join(ignored)}: set grpo.share_prompt=false for them to apply, or leave them at their defaults"
+    ]
 
 
 def reward_warnings(cfg: RecipeConfig) -> list[str]:

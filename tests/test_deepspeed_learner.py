@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -240,6 +241,29 @@ def test_epochs_on_two_zero3_ranks_equal_the_torch_learner(tiny_model_path, tiny
     assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     diff = _max_diff(load_model(tmp_path / "out").state_dict(), {k: v.detach() for k, v in policy.state_dict().items()})
     assert diff < 0.02 * 1e-3, diff
+
+
+def test_zero_stage_0_reports_the_torch_learners_grad_norm(tiny_model_path, tiny_tokenizer, tmp_path):
+    """At ZeRO stage 0 outside its bf16 mode DeepSpeed steps torch's AdamW itself and its clipping keeps no norm
+    (get_global_grad_norm() is None): the ranks clip after DeepSpeed's all-reduce, as the torch learner does, and
+    report the norm before clipping (2.5 here, so max_grad_norm 1.0 clips). Loss, grad norm and weights as the
+    torch learner's, bounds as above."""
+    policy = load_model(tiny_model_path, trainable=True)
+    want = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings()).train_step(
+        _samples(0)
+    )
+    assert want["grad_norm"] > 1.0
+    base = Path(tiny_model_path)
+    settings = _settings(world_size=2, zero_stage=0)
+    learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
+    try:
+        metrics = learner.train_step(_samples(0))
+        learner.save(tmp_path / "out")
+    finally:
+        learner.close()
+    assert math.isfinite(metrics["grad_norm"])
+    weights = {k: v.detach() for k, v in policy.state_dict().items()}
+    _check_step(learner, metrics, _samples(0), tmp_path / "out", want, weights, resumed=0, step=0)
 
 
 def test_two_hosts_on_loopback_equal_one_host(tiny_model_path, tiny_tokenizer, tmp_path):

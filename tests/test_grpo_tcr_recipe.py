@@ -78,6 +78,8 @@ def test_published_settings():
     assert (cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens, cfg.rollout.temperature) == (8, 10480, 1.0)
     assert (cfg.grpo.clip_eps_low, cfg.grpo.clip_eps_high, cfg.grpo.beta) == (0.2, 0.28, 0.0)
     assert (cfg.grpo.loss_aggregation, cfg.grpo.learning_rate) == ("token_mean", 1e-6)
+    # packs of up to 16384 tokens, one per micro-batch: not a whole group of 8 long conversations
+    assert (cfg.grpo.share_prompt, cfg.grpo.micro_batch_size, cfg.grpo.pack_length) == (False, 1, 16384)
     assert (cfg.reward.verifier, cfg.reward.overlong_buffer, cfg.reward.overlong_factor) == ("tcr", 3000, 1.0)
     assert cfg.reward.verification_reward == 1.0
     # stage 1, the multi-turn SFT cold start, is one --set away (off: model.policy is its checkpoint)

@@ -12,7 +12,7 @@ import pytest
 from refiner_core.config import load_recipe
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import SourceError, detect_format, load_rows
-from refiner_core.preflight import check_recipe, reward_warnings
+from refiner_core.preflight import check_recipe, recipe_warnings, reward_warnings
 
 REPO = Path(__file__).parents[1]
 SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
@@ -32,7 +32,7 @@ def test_shipped_recipes_pass(recipe):
         f"model.policy: {policy!r} is not 'tiny-qwen3' or 'smollm2-135m-instruct', and there is no folder"
     )
     assert [p for p in problems(recipe=recipe) if not p.startswith(absent_checkpoint)] == []
-    assert reward_warnings(load_recipe(recipe)) == []
+    assert recipe_warnings(load_recipe(recipe)) == []
 
 
 @pytest.mark.parametrize(
@@ -172,6 +172,12 @@ def test_a_hub_source_missing_from_the_local_cache_is_reported():
             "judge.openai.serve_gpu_memory_utilization=0",
             "judge.openai.serve_gpu_memory_utilization = 0.0: must be in (0, 1]",
         ),
+        ("grpo.adam_betas=[0.9]", "grpo.adam_betas = [0.9]: must be two numbers in [0, 1)"),
+        ("grpo.adam_betas=[0.9, 1.5]", "grpo.adam_betas = [0.9, 1.5]: must be two numbers in [0, 1)"),
+        ("grpo.adam_betas=[0.9, 0.99, 0.999]", "grpo.adam_betas = [0.9, 0.99, 0.999]: must be two numbers in"),
+        ("grpo.deepspeed.zero_stage=4", "grpo.deepspeed.zero_stage = 4: must be 0, 1, 2 or 3"),
+        ("grpo.deepspeed.zero_stage=-1", "grpo.deepspeed.zero_stage = -1: must be 0, 1, 2 or 3"),
+        ("grpo.deepspeed.world_size=0", "grpo.deepspeed.world_size = 0: must be at least 1"),
     ],
 )
 def test_impossible_values(override, message):
@@ -231,7 +237,7 @@ def test_the_torch_learner_refuses_bf16_weights_it_would_step_without_an_fp32_co
         "grpo.learner 'torch' with model.dtype = 'bfloat16' runs AdamW on the bf16 weights themselves (no fp32 "
         "master copy): at GRPO's learning rates (1e-6) most updates are below half a bf16 unit and round away. "
         "Set model.dtype=float32 with model.precision=bf16 (bf16 compute, fp32 weights and AdamW state), or "
-        "grpo.learner=deepspeed (ZeRO keeps fp32 master weights)"
+        "grpo.learner=deepspeed with grpo.deepspeed.zero_stage 1-3 (ZeRO keeps fp32 master weights)"
     )
     assert problems("model.dtype=float32", "model.precision=bf16") == []
     assert problems("model.dtype=bfloat16", "grpo.learner=deepspeed") == []
@@ -239,6 +245,85 @@ def test_the_torch_learner_refuses_bf16_weights_it_would_step_without_an_fp32_co
     # the bf16 recipes, switched to the torch learner
     [p] = problems("grpo.learner=torch", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml")
     assert p.startswith("grpo.learner 'torch' with model.dtype = 'bfloat16'")
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_stages_1_to_3_keep_fp32_master_weights_of_bf16_ones(zero_stage):
+    deepspeed = ["grpo.learner=deepspeed", f"grpo.deepspeed.zero_stage={zero_stage}", "model.precision=fp32"]
+    assert problems("model.dtype=bfloat16", *deepspeed) == []
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "refused"),
+    [
+        ("cpu", "bf16", True),
+        ("cpu", "auto", True),
+        ("cuda", "fp32", True),
+        ("cuda", "bf16", False),  # DeepSpeed's bf16 mode keeps fp32 master weights
+    ],
+)
+def test_zero_stage_0_refuses_bf16_weights_outside_deepspeeds_bf16_mode(monkeypatch, device, precision, refused):
+    """Stage 0 outside the bf16 mode steps torch's AdamW on the weights in model.dtype, as the torch learner does:
+    20 steps at lr 1e-5 changed 15.5 % of the tiny model's bf16 weights against 85 % at stage 3."""
+    import refiner_core.models
+
+    monkeypatch.setattr(refiner_core.models, "default_device", lambda: device)
+    stage_0 = ["grpo.learner=deepspeed", "grpo.deepspeed.zero_stage=0", f"model.precision={precision}"]
+    found = problems("model.dtype=bfloat16", *stage_0)
+    assert found == (
+        [
+            "grpo.learner 'deepspeed' with grpo.deepspeed.zero_stage = 0 and model.dtype = 'bfloat16' runs AdamW on "
+            "the bf16 weights themselves (no fp32 master copy): at GRPO's learning rates (1e-6) most updates are "
+            "below half a bf16 unit and round away. Set model.dtype=float32 with model.precision=bf16 (bf16 compute, "
+            "fp32 weights and AdamW state), or grpo.deepspeed.zero_stage 1-3 (ZeRO keeps fp32 master weights; at "
+            "stage 0 only DeepSpeed's bf16 mode does, on GPUs with model.precision bf16)"
+        ]
+        if refused
+        else []
+    )
+    assert problems("model.dtype=bfloat16", "model.lora_rank=8", *stage_0) == []  # fp32 adapters
+    assert problems("model.dtype=float32", *stage_0) == []
+
+
+def test_the_deepspeed_hostfile_must_exist_and_match_the_world_size(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    deepspeed = ["grpo.learner=deepspeed", f"grpo.deepspeed.hostfile={hostfile}"]
+    assert problems(*deepspeed) == [f"grpo.deepspeed.hostfile: '{hostfile}' cannot be read (No such file or directory)"]
+    hostfile.write_text("localhost slots=2\n")
+    assert problems(*deepspeed) == [
+        f"grpo.deepspeed.hostfile: {hostfile} has 2 slots over 1 host(s); grpo.deepspeed.world_size is 1: "
+        "set them equal"
+    ]
+    assert problems(*deepspeed, "grpo.deepspeed.world_size=2") == []
+    hostfile.write_text("localhost 2\n")
+    [p] = problems(*deepspeed, "grpo.deepspeed.world_size=2")
+    assert p == f"grpo.deepspeed.hostfile: {hostfile}:1: expected 'HOST slots=N', got 'localhost 2'"
+    assert problems(f"grpo.deepspeed.hostfile={tmp_path / 'absent'}") == []  # the torch learner reads none
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ignored"),
+    [
+        (["grpo.pack_length=8192"], "grpo.pack_length = 8192"),
+        (["grpo.micro_batch_size=1"], "grpo.micro_batch_size = 1"),
+        (["grpo.pack_length=64", "grpo.micro_batch_size=8"], "grpo.pack_length = 64 and grpo.micro_batch_size = 8"),
+        (["grpo.pack_length=64", "grpo.share_prompt=false"], None),
+        (["grpo.micro_batch_size=4"], None),  # the default
+    ],
+)
+def test_packing_and_micro_batches_under_shared_prompts_are_warned_of(overrides, ignored):
+    """Under grpo.share_prompt each micro-batch is one prompt's group: pack_length and micro_batch_size do not
+    apply, and a recipe that sets them runs another batch shape than it says."""
+    cfg = load_recipe(REPO / "recipes" / "tiny.yaml", overrides)
+    assert check_recipe(cfg) == []
+    assert recipe_warnings(cfg) == (
+        [
+            "grpo.share_prompt (on by default) makes each micro-batch of the update one prompt's group, so it "
+            f"ignores {ignored}: set grpo.share_prompt=false for them to apply, or leave them at their defaults"
+        ]
+        if ignored
+        else []
+    )
 
 
 def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zero_cap():

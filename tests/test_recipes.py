@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from refiner_core.config import load_recipe
-from refiner_core.preflight import check_recipe
+from refiner_core.preflight import check_recipe, recipe_warnings
 
 RECIPES_PAGE = (REPO / "docs" / "recipes.md").read_text()
 REFINER_RECIPES = ("refiner-answer-only", "refiner-instance-rubric")
@@ -41,6 +41,7 @@ PUBLISHED = {
     "grpo.learning_rate": 5e-6,
     "grpo.micro_batch_size": 1,
     "grpo.pack_length": 8192,
+    "grpo.share_prompt": False,  # a micro-batch is one pack of up to pack_length tokens, not a whole group
     "reward.verification_reward": 10.0,
     "reward.non_stop_penalty": False,
     "reward.gate_judge_score_with_format_bonus": False,
@@ -70,7 +71,7 @@ def test_recipe_has_the_published_settings(name):
 def test_documented_scale_down_line_passes_preflight(name):
     assert f".venv/bin/refiner run recipes/{name}.yaml $scale_down" in RECIPES_PAGE
     cfg = load_recipe(REPO / "recipes" / f"{name}.yaml", documented_scale_down())
-    assert check_recipe(cfg) == []
+    assert check_recipe(cfg) == [] and recipe_warnings(cfg) == []
     assert (cfg.rollout.engine, cfg.grpo.learner, cfg.judge.engine) == ("hf", "torch", "transformers")
     # what the overrides leave alone is still the published recipe
     assert cfg.reward.citation_weight == PER_RECIPE[name]["reward.citation_weight"]

@@ -58,6 +58,27 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
     return hosts
 
 
+def launch_hosts(hostfile: str, world_size: int) -> list[tuple[str, int]]:
+    """(host, slots) the ranks are launched on: the hostfile's, whose slots must add up to `world_size`, or this
+    machine's. Raises OSError for a hostfile that cannot be read, ValueError for one that does not fit."""
+    if not hostfile:
+        return [("127.0.0.1", world_size)]
+    hosts = read_hostfile(hostfile)
+    if sum(slots for _, slots in hosts) != world_size:
+        raise ValueError(
+            f"{hostfile} has {sum(s for _, s in hosts)} slots over {len(hosts)} host(s); "
+            f"grpo.deepspeed.world_size is {world_size}: set them equal"
+        )
+    return hosts
+
+
+def bf16_mode(device: str, precision: str) -> bool:
+    """Whether the ranks run DeepSpeed's bf16 mode (on GPUs under model.precision 'bf16'), whose optimizer keeps
+    fp32 master weights whatever model.dtype is; outside it only ZeRO stages 1-3 keep fp32 copies, and stage 0
+    steps the weights in model.dtype."""
+    return device == "cuda" and precision == "bf16"
+
+
 def launcher_command(
     settings: LearnerSettings, work_dir: Path, port: int | None = None, node_rank: int = 0
 ) -> list[str]:
@@ -126,13 +147,7 @@ class DeepSpeedLearner:
                 f"deepspeed learner: world_size must be >= 1 and zero_stage 0-3, got "
                 f"{settings.world_size} and {settings.zero_stage}"
             )
-        self.hosts = read_hostfile(settings.hostfile) if settings.hostfile else [("127.0.0.1", settings.world_size)]
-        if sum(slots for _, slots in self.hosts) != settings.world_size:
-            raise ValueError(
-                f"deepspeed learner: {settings.hostfile} has {sum(s for _, s in self.hosts)} slots "
-                f"over {len(self.hosts)} host(s); grpo.deepspeed.world_size is {settings.world_size}: "
-                "set them equal"
-            )
+        self.hosts = launch_hosts(settings.hostfile, settings.world_size)
         self.policy_path, self.reference_path = Path(policy_path), reference_path
         self.pad_id, self.s = pad_id, settings
         self.state_dir, self.dtype = state_dir, dtype

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
+from refiner_core.learners.deepspeed_learner import bf16_mode
 from refiner_core.learners.lora import save_lora
 from refiner_core.learners.torch_learner import TorchLearner, load_learner_models
 from refiner_core.runtime.heap import freeze_heap
@@ -42,11 +43,12 @@ def ds_config(settings: LearnerSettings, zero_stage: int, offload_optimizer: boo
     zero: dict = {"stage": zero_stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
+    clipped_by_deepspeed = settings.max_grad_norm > 0 and not steps_torch_optimizer(zero_stage, bf16)
     return {
         "train_micro_batch_size_per_gpu": settings.micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": settings.max_grad_norm if settings.max_grad_norm > 0 else 0.0,
+        "gradient_clipping": settings.max_grad_norm if clipped_by_deepspeed else 0.0,
         "optimizer": {
             "type": "AdamW",
             "params": {
@@ -64,6 +66,27 @@ def ds_config(settings: LearnerSettings, zero_stage: int, offload_optimizer: boo
     }
 
 
+def steps_torch_optimizer(zero_stage: int, bf16: bool) -> bool:
+    """Whether DeepSpeed steps torch's AdamW itself (ZeRO stage 0 outside its bf16 mode): its clipping then keeps no
+    norm (get_global_grad_norm() is None), so the ranks clip themselves (ClipBeforeStep)."""
+    return zero_stage == 0 and not bf16
+
+
+class ClipBeforeStep:
+    """Clips the gradients as the torch learner does, in a hook that runs when DeepSpeed steps torch's AdamW, after
+    its all-reduce (every rank holds the averaged gradients), and keeps the norm before clipping."""
+
+    def __init__(self, engine, max_grad_norm: float):
+        self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+        self.norm = float("nan")
+        engine.optimizer.register_step_pre_hook(self._clip)
+
+    def _clip(self, optimizer, args, kwargs) -> None:
+        grads = [p for p in self.params if p.grad is not None]
+        self.norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_norm))
+
+
 def _zero_weight(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A copy of a micro-batch that contributes nothing: every aggregation weight is a multiple of the mask."""
     out = dict(batch)
@@ -79,9 +102,18 @@ class DeepSpeedRankLearner(TorchLearner):
     learner over the whole optimizer step; DeepSpeed averages gradients over ranks, so each rank's loss is
     scaled by the world size and the update equals the one-process one."""
 
-    def __init__(self, engine, reference, pad_id: int, settings: LearnerSettings, rank: int, world: int):
+    def __init__(
+        self,
+        engine,
+        reference,
+        pad_id: int,
+        settings: LearnerSettings,
+        rank: int,
+        world: int,
+        clipping: ClipBeforeStep | None = None,
+    ):
         self.engine, self.policy, self.reference, self.pad_id, self.s = engine, engine, reference, pad_id, settings
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.clipping = rank, world, clipping
         self.local_batches = 0
         self.padding_tokens = 0  # positions computed for zero-weight copies: not the torch learner's work
         self.engine.train()
@@ -112,8 +144,7 @@ class DeepSpeedRankLearner(TorchLearner):
 
     def _optimizer_step(self) -> float:
         self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return self.clipping.norm if self.clipping is not None else float(self.engine.get_global_grad_norm())
 
     def _reduce(self, totals: dict) -> dict:
         import torch.distributed as dist
@@ -336,10 +367,13 @@ def main(work_dir: str) -> None:
     if on_gpu:
         policy.to("cuda")
         reference = reference.to("cuda") if reference is not None else None
-    bf16 = on_gpu and settings.precision == "bf16"
+    bf16 = bf16_mode(launch["device"], settings.precision)
     config = ds_config(settings, launch["zero_stage"], launch["offload_optimizer"], bf16=bf16)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=policy, model_parameters=trainable, config=config)
+    clipping = None
+    if steps_torch_optimizer(launch["zero_stage"], bf16):
+        clipping = ClipBeforeStep(engine, settings.max_grad_norm)
     resumed = try_resume(engine, launch["resume_dir"], launch["zero_stage"], world, settings.learning_rate, rank)
     freeze_heap()  # the engine and the libraries live as long as the rank: out of every full collection
     if rank == 0:
@@ -355,7 +389,7 @@ def main(work_dir: str) -> None:
             break
         if job["kind"] == "train":  # the step empties the cache
             lr, bonus = job["learning_rate"], job["entropy_coef"]
-            _train(job_dir, lr, bonus, engine, reference, launch, settings, resumed, rank, world)
+            _train(job_dir, lr, bonus, engine, reference, launch, settings, resumed, rank, world, clipping)
         elif job["kind"] == "sequence_kl":  # every rank scores every sample: ZeRO-3 gathers in each forward
             samples = [TrainSample(**x) for x in json.loads((job_dir / "samples.json").read_text())]
             kl = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world).sequence_kl(samples)
@@ -391,10 +425,11 @@ def _train(
     resumed: int,
     rank: int,
     world: int,
+    clipping: ClipBeforeStep | None,
 ) -> None:
     t0 = time.time()
     samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
-    learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world)
+    learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world, clipping)
     metrics = learner.train_step(samples, learning_rate, entropy_coef)
     steps_after = adam_steps(engine)
     rank_stats = {
