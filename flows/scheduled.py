@@ -11,6 +11,7 @@ command that retries it.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 
@@ -63,11 +64,8 @@ def _run_recipe(recipe_file: str, run_dir: str, overrides: list[str] | None) -> 
         import torch
 
         torch.set_num_threads(cfg.run.num_threads)
-    from prefect.settings import PREFECT_RESULTS_LOCAL_STORAGE_PATH, temporary_settings
-
-    # A worker imports prefect before this module: apply the results folder `refiner run` uses (tasks/__init__),
-    # so stage caches are shared between scheduled runs and `refiner run` on the same folder.
-    with temporary_settings(
-        updates={PREFECT_RESULTS_LOCAL_STORAGE_PATH: os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]}
-    ):
-        return refiner_pipeline(recipe=cfg.to_dict(), run_dir=resolve_run_dir(run_dir))
+    # A worker has read Prefect's settings before this module set the results folder `refiner run` uses
+    # (tasks/__init__), and a subflow stores results where its parent does: the pipeline is given the folder, so
+    # stage caches are shared between scheduled runs and `refiner run` on the same folder.
+    pipeline = refiner_pipeline.with_options(result_storage=Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]))
+    return pipeline(recipe=cfg.to_dict(), run_dir=resolve_run_dir(run_dir))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -1330,10 +1331,12 @@ def _coerce(value: Any, type_: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
         return value
-    if type_ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
     if type_ is float and isinstance(value, str) and _looks_like_float(value):
-        return float(value)  # YAML 1.1 reads '1e-5' (no dot) as a string
+        value = float(value)  # YAML 1.1 reads '1e-5' (no dot) as a string
+    if type_ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # .nan or .inf would pass every range check and poison the numbers
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return float(value)
     if type_ is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if type_ is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -7,6 +7,7 @@ from prefect import get_run_logger
 from refiner_core.eval.judge_checks import anchor_rows, rejudge, sample_keys
 from refiner_core.schema import JUDGE_ANCHORS
 from refiner_core.store.storage import read_rows, write_table
+from tasks.judge import judge_usage
 from tasks.judge_server import rubrics_by_prompt, stage_judge
 from tasks.stage import stage
 
@@ -52,4 +53,7 @@ def judge_anchors(
         sum(moved) / max(len(moved), 1),
     )
     path = Path(run_dir) / "scores" / f"step={step}" / "judge_anchors.parquet"
-    return {"judge_anchors": {"path": str(path), "hash": write_table(JUDGE_ANCHORS, rows, path)}}
+    return {
+        "judge_anchors": {"path": str(path), "hash": write_table(JUDGE_ANCHORS, rows, path)},
+        "judge_usage": judge_usage(again),  # judge.budget_usd counts these judgments too
+    }

@@ -101,8 +101,9 @@ def rollout(
                 prompt_ids,
                 params,
                 per_part=rollout_cfg["groups_per_part"] or max(1, engine_cfg["batch_size"] // params.n),
-                folder=parts_folder(
-                    path.parent, [CODE_VERSION, policy["hash"], chosen, asdict(params), engine_cfg, dtype, precision]
+                folder=parts_folder(  # every input its rows hold: the run's name and the policy's path too
+                    path.parent,
+                    [CODE_VERSION, run, policy, chosen, asdict(params), engine_cfg, dtype, precision],
                 ),
                 to_rows=to_rows,
                 step=step,
@@ -154,8 +155,8 @@ PARTS_PREFIX = ".parts-"
 
 
 def parts_folder(step_folder: Path, inputs: list) -> Path:
-    """Where a rollout's parts go: named by a hash of what decides its samples (code, policy, prompts, sampling and
-    engine settings), so that parts of other inputs are never reused; those are removed."""
+    """Where a rollout's parts go: named by a hash of what decides their rows (code, run, policy, prompts, sampling
+    and engine settings), so that parts of other inputs are never reused; those are removed."""
     folder = step_folder / f"{PARTS_PREFIX}{json_hash(inputs)[:16]}"
     for other in step_folder.glob(f"{PARTS_PREFIX}*"):
         if other != folder:

@@ -110,6 +110,15 @@ def test_list_items_are_typed(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "override", ["grpo.clip_cov_lb=nan", "grpo.learning_rate=.inf", "grpo.adam_betas=[0.9, .nan]", "grpo.beta=-inf"]
+)
+def test_a_number_setting_is_finite(override):
+    """NaN passes every range check (each comparison is false) and poisons what it enters; infinity is no setting."""
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        load_recipe(None, [override])
+
+
+@pytest.mark.parametrize(
     "override,stored",
     [("rollout.sleep_level=2.0", 2), ("rollout.sleep_level=2", 2), ("grpo.advantage_std_ddof=1.0", 1)],
 )

@@ -145,3 +145,19 @@ def test_a_run_takes_the_ledger_of_earlier_runs_back_in(anchored, tmp_path):
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM prompt_selection").fetchone()[0] == len(selection)
     con.close()
+
+
+def test_anchor_judgments_count_in_the_judge_budget(anchored):
+    """The judge-anchors stage reports the requests and tokens of its judgments, as the judge stage does: the
+    run's judge budget (judge.budget_usd, over every judging stage's judge_usage) includes them."""
+    import os
+
+    from prefect._internal.result_records import ResultRecord
+
+    results = Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"])
+    manifests = [ResultRecord.deserialize(f.read_bytes()).result for f in results.glob("judge-anchors-*")]
+    mine = [m for m in manifests if m["judge_anchors"]["path"].startswith(str(anchored))]
+    judgments = _query([anchored], "SELECT step, count(*) FROM judge_anchors GROUP BY step ORDER BY step")
+    assert sorted(
+        (int(Path(m["judge_anchors"]["path"]).parent.name[5:]), m["judge_usage"]["requests"]) for m in mine
+    ) == [(step, count) for step, count in judgments]

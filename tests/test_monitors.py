@@ -105,11 +105,12 @@ def test_every_check_against_hand_computed_figures(hacked_run):
         ("repetition", 0): (0 + (1 - 4 / 5)) / 2,  # 1 2 3 4 1 2 3 4: five 4-grams, four distinct
         ("repetition", 1): ((1 - 1 / 3) + 0) / 2,  # six 7s: three 4-grams, one distinct; three tokens: none
         ("entropy_collapse", 1): 1 - 0.5 / (21 / 13),  # (5 x 1 + 8 x 2) / 13 nats before, 0.5 after
-        ("kl_jump", 0): 0.0,
         ("kl_jump", 1): 0.3 / 0.01,  # no KL before: measured against 0.01
     }
     for key, value in expected.items():
         assert figures[key] == pytest.approx(value, abs=1e-12), key
+    # the first step's KL is where the reference starts (a reference other than the starting policy): no jump
+    assert figures[("kl_jump", 0)] is None
     assert ("heldout_gap", 0) not in figures  # step 0's policy was evaluated before any update only
 
 

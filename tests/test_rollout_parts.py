@@ -122,3 +122,20 @@ def test_no_batch_shares_its_random_stream_with_another_steps_batch(engine):
     assert second_batch != [g.token_ids for g in later_step if g.prompt_index < 2]
     # the first batch keeps the step's seed: the same draws whatever follows it
     assert [g.token_ids for g in engine.generate(same[:2], PARAMS)] == [g.token_ids for g in step if g.prompt_index < 2]
+
+
+@pytest.mark.slow
+def test_parts_of_a_killed_attempt_under_another_run_name_are_not_reused(api_env, tmp_path):
+    """A rollout killed after its first part, run again in the same folder under another run.name: every row names
+    the run that wrote rollouts.parquet (the parts' rows hold the run's name)."""
+    from conftest import REPO, catalog_rows, run_cli
+
+    folder = tmp_path / "run"
+    base = ["run", str(REPO / "recipes" / "tiny.yaml"), "--set", "grpo.steps=1", "--set", "rollout.groups_per_part=1"]
+    base += ["--set", "eval.every=0", "--run-dir", str(folder)]
+    killed = {**api_env, "REFINER_KILL_ONCE": "rollout@0:part1"}
+    code, _, err, _ = run_cli([*base, "--set", "run.name=first"], tmp_path, killed)
+    assert code == 137, err[-3000:]
+    code, _, err, _ = run_cli([*base, "--set", "run.name=second"], tmp_path, api_env)
+    assert code == 0, err[-3000:]
+    assert catalog_rows(folder, "SELECT DISTINCT run FROM rollouts") == [("second",)]

@@ -129,7 +129,9 @@ def test_the_flow_itself_refuses_a_folder_in_use(prefect_server, tiny_recipe, tm
         assert state.is_failed()
         with pytest.raises(RunFolderBusy, match=f"in use by PID {holder.pid} "):
             state.result()
-        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME, LOCK_NAME + ".guard"], "no stage ran"
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME, LOCK_NAME + ".guard", LOCK_NAME + ".held"], (
+            "no stage ran"
+        )
     finally:
         holder.kill()
         holder.wait()

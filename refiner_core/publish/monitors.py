@@ -20,7 +20,8 @@ rewards were all equal (reward std below 1e-6).
 - repetition: the mean share of repeated token 4-grams in the step's responses (0: none repeats).
 - entropy_collapse: 1 - the step's mean sampled-token entropy estimate (-log p of each sampled token) over the
   first step's: the policy stopped exploring.
-- kl_jump: the step's KL to the reference over the largest of the earlier steps' (at least 0.01): a sudden move.
+- kl_jump: the step's KL to the reference over the largest of the earlier steps' (at least 0.01): a sudden move
+  (none at the first step: its KL is where the reference starts).
 
 Pure SQL and DuckDB, no Prefect: tasks/monitors.py records the events, flows/refiner.py acts on them."""
 
@@ -170,7 +171,9 @@ FROM (SELECT *, first_value(entropy) OVER w AS entropy0
 WHERE entropy IS NOT NULL
 """,
     "kl_jump": """
-SELECT run, step, kl / greatest(coalesce(max(kl) OVER earlier, 0), 0.01) AS value,
+SELECT run, step,
+       -- the first step has nothing before it to jump from (its KL is how far the reference starts, model.reference)
+       CASE WHEN count(kl) OVER earlier > 0 THEN kl / greatest(max(kl) OVER earlier, 0.01) END AS value,
        printf('KL %.4f after at most %.4f before', kl, coalesce(max(kl) OVER earlier, 0)) AS detail
 FROM steps WHERE kl IS NOT NULL
 WINDOW earlier AS (PARTITION BY run ORDER BY step ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
