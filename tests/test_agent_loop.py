@@ -86,6 +86,15 @@ def test_parse_tool_calls_well_formed_and_malformed():
     deep_string = json.dumps({"name": "python", "arguments": deep})
     assert parse_tool_calls(f"<tool_call>{deep_string}</tool_call>", tools)[0].failure == TOO_DEEP
     assert parse_tool_calls("no calls here", tools) == []
+    # a degenerate sample of digits: an integer past Python's conversion limit is a recorded failure, not a crash
+    digits = "1" * 5000
+    for block in (
+        f"<tool_call>{digits}</tool_call>",
+        f'<tool_call>{{"name": "python", "arguments": {{"code": {digits}}}}}</tool_call>',
+        f'<tool_call>{{"name": "python", "arguments": "{{\\"n\\": {digits}}}"}}</tool_call>',
+    ):
+        [call] = parse_tool_calls(block, tools)
+        assert call.failure.startswith("bad_json") and call.arguments is None
 
 
 def test_tool_message_ids_are_the_templates_framing(tiny_tokenizer):

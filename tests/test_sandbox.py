@@ -254,6 +254,10 @@ def test_huge_output_is_truncated(box):
     assert result.status == "ok"
     assert result.stdout_bytes == 10_000_000 and result.stderr_bytes == 100_000 and result.truncated
     assert len(result.stdout) < LIMITS.max_output_bytes + 200 and "output truncated" in result.stdout
+    # a little over the limit is truncated too (the note and U+FFFD replacements made the text look longer)
+    over = box.run(f"import sys\nsys.stdout.buffer.write(b'\\xff' * {LIMITS.max_output_bytes + 4})")
+    assert over.stdout_bytes == LIMITS.max_output_bytes + 4 and over.truncated
+    assert not box.run("print('short')").truncated
     flood = box.run("while True:\n    print('y' * 1000)")
     assert flood.status in ("timeout", "cpu_limit") and len(flood.stdout) < LIMITS.max_output_bytes + 200
 

@@ -211,6 +211,19 @@ BROWSER = hermes_block("browser", {"url": "x"})
             "bad_tool_call",
             "message 2 tool_calls[0]: arguments are not JSON",
         ),
+        (  # an integer past Python's conversion limit
+            USER
+            + [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"function": {"name": "python", "arguments": '{"n": ' + "9" * 5000 + "}"}}],
+                }
+            ],
+            (PYTHON,),
+            "bad_tool_call",
+            "message 2 tool_calls[0]: arguments are not JSON: Exceeds the limit",
+        ),
         (
             USER + [{"role": "assistant", "content": BROWSER}, {"role": "tool", "content": "page"}],
             (PYTHON,),

@@ -50,3 +50,18 @@ def test_tcr_verifier_reads_the_last_assistant_turn_and_counts_tool_rounds():
     assert verdicts[0].extracted == "41" and verdicts[1].extracted == "42"
     with pytest.raises(ValueError, match="ground_truth"):
         verify_step([{"prompt_id": "q", "response_text": "x"}], {"q": {"prompt_id": "q"}})
+
+
+@pytest.mark.parametrize("verifier", ["ground_truth", "majority_vote"])
+def test_other_verifiers_also_read_an_agents_final_turn(verifier):
+    """A tool result that prints \\boxed{42} is not the agent's answer: the final assistant turn is, for the
+    ground-truth verifier and for the majority vote alike."""
+    from refiner_core.reward.verifiers import make_verifier
+
+    prompts = {"p": {"prompt_id": "p", "ground_truth": "42"}}
+    gave_up = {"response_text": "<tool_call>...</tool_call> \\boxed{42} I could not work it out.", "tool_rounds": 1}
+    final = "I could not work it out."
+    rollouts = [{"prompt_id": "p", "sample_idx": i, "final_text": final, **gave_up} for i in (0, 1)]
+    verdicts = make_verifier(verifier)(rollouts, prompts)
+    assert [v.score for v in verdicts] == [0.0, 0.0]  # read from the whole transcript: 1.0, 1.0
+    assert all(v.extracted != "42" for v in verdicts)

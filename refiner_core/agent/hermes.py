@@ -43,6 +43,8 @@ def _parse_block(raw: str, known_tools) -> ToolCall:
         return ToolCall(None, None, raw, f"bad_json: {e.msg} at line {e.lineno} column {e.colno}")
     except RecursionError:
         return ToolCall(None, None, raw, TOO_DEEP)
+    except ValueError as e:  # an integer past Python's digit limit (a degenerate sample of digits)
+        return ToolCall(None, None, raw, f"bad_json: {e}")
     if not isinstance(payload, dict):
         return ToolCall(
             None, None, raw, f'not_an_object: expected {{"name": ..., "arguments": ...}}, got {type(payload).__name__}'
@@ -63,6 +65,8 @@ def _parse_block(raw: str, known_tools) -> ToolCall:
             return ToolCall(name, None, raw, f"bad_json: arguments string: {e.msg}")
         except RecursionError:
             return ToolCall(name, None, raw, TOO_DEEP)
+        except ValueError as e:
+            return ToolCall(name, None, raw, f"bad_json: arguments string: {e}")
     if not isinstance(arguments, dict):
         return ToolCall(name, None, raw, f"bad_arguments: expected an object, got {type(arguments).__name__}")
     return ToolCall(name, arguments, raw)

@@ -40,29 +40,32 @@ class RenderedChat:
     content_spans: list[tuple[int, int]]  # where message contents (untrusted text) lie in `text`
 
 
-def _special_pattern(tokenizer) -> re.Pattern | None:
-    specials = sorted(
-        {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True
+def _special_pattern(tokenizer, special: bool = True) -> re.Pattern | None:
+    """The tokenizer's added tokens marked special (or, special=False, those that are not: Qwen's <tool_call>,
+    <tool_response>, <think>, which split_special_tokens does not keep text from matching)."""
+    added = sorted(
+        {t.content for t in tokenizer.added_tokens_decoder.values() if t.special is special}, key=len, reverse=True
     )  # longest first: leftmost-longest, as the tokenizer itself matches
-    return re.compile("|".join(map(re.escape, specials))) if specials else None
+    return re.compile("|".join(map(re.escape, added))) if added else None
 
 
-def _layout(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[str, bool]]]:
-    """The rendering and its pieces as (text, is_content). Renders once with a marker in place of each message's
-    content to learn where the template puts contents, then checks that putting them back gives the real
-    rendering (a template that strips or rewrites content fails the check)."""
+def _layout(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[str, int | None]]]:
+    """The rendering and its pieces as (text, index of the message whose content it is, or None for the template's
+    structure). Renders once with a marker in place of each message's content to learn where the template puts
+    contents, then checks that putting them back gives the real rendering (a template that strips or rewrites
+    content fails the check)."""
     real = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     masked = [
         {**m, "content": _SLOT.format(i)} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)
     ]
     skeleton = tokenizer.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
-    pieces: list[tuple[str, bool]] = []
+    pieces: list[tuple[str, int | None]] = []
     cursor = 0
     for match in _SLOT_RE.finditer(skeleton):
-        pieces.append((skeleton[cursor : match.start()], False))
-        pieces.append((messages[int(match.group(1))]["content"], True))
+        pieces.append((skeleton[cursor : match.start()], None))
+        pieces.append((messages[int(match.group(1))]["content"], int(match.group(1))))
         cursor = match.end()
-    pieces.append((skeleton[cursor:], False))
+    pieces.append((skeleton[cursor:], None))
     if "".join(text for text, _ in pieces) != real:
         raise UnsafeTemplateError(
             "chat template does not copy message contents verbatim; cannot keep untrusted text out of special tokens"
@@ -101,10 +104,17 @@ def render_chat(
         return RenderedChat(text, ids, offsets, [])
     cuts: list[tuple[int, int]] = []  # [start, end) of each structure special token in `text`
     content_spans: list[tuple[int, int]] = []
+    # Added tokens that are not special (a template's <tool_call>, <tool_response>) are matched in any text: in
+    # what is not the assistant's own (tool results, questions) each is cut after its first character, so a tool
+    # result that prints </tool_response> cannot end the template's block. An assistant's <tool_call> stays one
+    # token, as it was sampled.
+    forgeable = _special_pattern(tokenizer, special=False)
     pos = 0
-    for piece, is_content in pieces:
-        if is_content:
+    for piece, message in pieces:
+        if message is not None:
             content_spans.append((pos, pos + len(piece)))
+            if forgeable is not None and messages[message].get("role") != "assistant":
+                boundaries = (*boundaries, *(pos + m.start() + 1 for m in forgeable.finditer(piece)))
         elif pattern is not None:
             cuts.extend((pos + m.start(), pos + m.end()) for m in pattern.finditer(piece))
         pos += len(piece)

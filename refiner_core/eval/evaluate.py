@@ -310,7 +310,7 @@ def score_responses(
 ) -> list[dict]:
     """Score eval responses with the training reward code and return `evals` rows. Modes are scored apart: a
     greedy and a sampled response can share a sample index."""
-    from refiner_core.reward.ground_truth import last_boxed
+    from refiner_core.reward.ground_truth import answer_text, last_boxed
     from refiner_core.reward.score import score_rollouts
     from refiner_core.schema import EVALS
 
@@ -349,9 +349,7 @@ def score_responses(
                 "response_text": r["response_text"],
                 "response_tokens": r["response_tokens"],
                 "passed": passed(parts, pass_rubric_score),
-                "boxed": None
-                if parts["verifier"] == "judge"
-                else last_boxed(r.get("final_text") or r["response_text"]) is not None,
+                "boxed": None if parts["verifier"] == "judge" else last_boxed(answer_text(r)) is not None,
                 **{name: r.get(name) for name in AGENT_COLUMNS},
             }
             row.update({name: parts[name] for name in EVALS.column_names if name not in row})

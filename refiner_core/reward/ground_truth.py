@@ -63,6 +63,13 @@ def normalize(text: str) -> str:
     return t
 
 
+def answer_text(rollout: dict) -> str:
+    """The text a rollout's answer is read from: its final assistant turn (`final_text`; an agent's tool results,
+    which may print a \\boxed{} of their own, are not its answer), else the whole response."""
+    final = rollout.get("final_text")
+    return final if final is not None else rollout["response_text"]
+
+
 def verify(response: str, truth: str) -> Verdict:
     answer = final_answer(response)
     if answer is None:

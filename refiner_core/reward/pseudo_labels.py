@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refiner_core.reward.ground_truth import Verdict, last_boxed, normalize, verify
+from refiner_core.reward.ground_truth import Verdict, answer_text, last_boxed, normalize, verify
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def label_rollouts(
     empty = Vote(None, 0, 0, False)
     return [
         verdict_against_label(
-            r["response_text"],
+            answer_text(r),
             label_votes.get(r["prompt_id"], empty),
             source,
             prompts[r["prompt_id"]].get("ground_truth"),
@@ -115,6 +115,6 @@ def votes_by_prompt(rollouts: list[dict]) -> dict[str, Vote]:
     for r in rollouts:
         by_prompt.setdefault(r["prompt_id"], []).append(r)
     return {
-        pid: majority_vote([vote_of(r["response_text"]) for r in sorted(rows, key=lambda r: r["sample_idx"])])
+        pid: majority_vote([vote_of(answer_text(r)) for r in sorted(rows, key=lambda r: r["sample_idx"])])
         for pid, rows in by_prompt.items()
     }

@@ -33,7 +33,7 @@ def tcr_verifier():
     score is the TCR value; `correct` keeps the outcome."""
     import dataclasses
 
-    from refiner_core.reward.ground_truth import Verdict, verify
+    from refiner_core.reward.ground_truth import Verdict, answer_text, verify
 
     def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
         verdicts = []
@@ -41,8 +41,7 @@ def tcr_verifier():
             truth = prompts[r["prompt_id"]].get("ground_truth")
             if truth is None:
                 raise ValueError(f"prompt {r['prompt_id']!r} has no ground_truth: the 'tcr' verifier needs one")
-            text = r.get("final_text")
-            outcome = verify(text if text is not None else r["response_text"], truth)
+            outcome = verify(answer_text(r), truth)
             score = tool_call_reward(outcome.score == 1.0, int(r.get("tool_rounds") or 0))
             verdicts.append(dataclasses.replace(outcome, score=score, correct=outcome.score))
         return verdicts

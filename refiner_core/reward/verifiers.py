@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from refiner_core.reward.ground_truth import Verdict, verify
+from refiner_core.reward.ground_truth import Verdict, answer_text, verify
 from refiner_core.reward.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
 from refiner_core.runtime.registry import resolve
 
@@ -27,7 +27,7 @@ def ground_truth_verifier() -> Verifier:
                 raise ValueError(
                     f"prompt {r['prompt_id']!r} has neither rubrics nor a ground_truth: nothing can score its rollouts"
                 )
-            verdicts.append(verify(r["response_text"], truth))
+            verdicts.append(verify(answer_text(r), truth))
         return verdicts
 
     return verify_step

@@ -226,8 +226,9 @@ def _assistant_text(k: int, message: dict, offered: set[str]) -> tuple[str | Non
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError as e:
-                return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments are not JSON: {e.msg}")
+            except ValueError as e:  # not JSON, or an integer past Python's digit limit
+                detail = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments are not JSON: {detail}")
         if not isinstance(arguments, dict):
             return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments must be a JSON object")
         blocks.append(hermes_block(name, arguments))

@@ -112,10 +112,7 @@ class ExecResult:
     stdout_bytes: int  # produced, before truncation
     stderr_bytes: int
     seconds: float
-
-    @property
-    def truncated(self) -> bool:
-        return self.stdout_bytes > len(self.stdout.encode()) or self.stderr_bytes > len(self.stderr.encode())
+    truncated: bool  # some of stdout or stderr was dropped (max_output_bytes)
 
 
 def _program(name: str) -> str:
@@ -462,8 +459,16 @@ class PythonSandbox:
             except ProcessLookupError:
                 pass
             proc.wait()
+        stdout, stderr = out.text(), err.text()  # each joins its reader: the counts are final
         return ExecResult(
-            _status(code_, timed_out), code_, out.text(), err.text(), out.total, err.total, time.monotonic() - t0
+            _status(code_, timed_out),
+            code_,
+            stdout,
+            stderr,
+            out.total,
+            err.total,
+            time.monotonic() - t0,
+            truncated=out.total > len(out.kept) or err.total > len(err.kept),
         )
 
 
