@@ -534,8 +534,10 @@ def judge_agreement(
     (--judge-config), or read a person's labels (--labels), and store per rubric group Cohen's kappa of the pass/fail
     verdicts, Spearman's rho of the scores, how well the judge's score separates the other side's passes from its
     fails, and the spread of the judge's own scores (catalog tables judge_agreement, judge_checks). Exit 2 on bad
-    input (no catalog, neither or both of --judge-config and --labels, labels naming no stored judgment), 3 while a
-    run uses the folder (the check rewrites its catalog)."""
+    input (no catalog, neither or both of --judge-config and --labels, labels naming no stored judgment), 1 when the
+    other side scored no pair (every judgment failed), 3 while a run uses the folder (the check rewrites its
+    catalog)."""
+    from refiner_core.eval.judge_checks import ALL
     from refiner_core.publish.judge_agreement import AgreementError, check_judge
 
     try:
@@ -548,13 +550,17 @@ def judge_agreement(
     if as_json:
         typer.echo(json.dumps(check.agreement, indent=1, default=str))
         return
+    overall = next(a for a in check.agreement if a["rubric_group"] == ALL) if check.agreement else None
+    usable, failed = (overall["pairs"], overall["failed"]) if overall else (0, 0)
     typer.echo(
-        f"check {check.name}: {check.pairs} (rollout, rubric) pairs of {check.rollouts} rollouts against {check.other}"
+        f"check {check.name}: {usable} of {check.pairs} (rollout, rubric) pairs of {check.rollouts} rollouts judged by "
+        f"both ({failed} got no score from {check.other})"
     )
     number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     columns = [
         "rubric group",
         "pairs",
+        "failed",
         "kappa",
         "spearman",
         "separation",
@@ -568,6 +574,7 @@ def judge_agreement(
         (
             a["rubric_group"],
             a["pairs"],
+            a["failed"],
             number(a["kappa"], ".3f"),
             number(a["spearman"], ".3f"),
             number(a["separation_auc"], ".3f"),
@@ -584,6 +591,8 @@ def judge_agreement(
         f'stored: {check.folder}; refiner sql {run_dir} "SELECT * FROM judge_agreement WHERE check_name = '
         f"'{check.name}'\"",
     )
+    if usable == 0:
+        _fail(f"no pair got a score from {check.other}: nothing was compared (see judge_checks.other_failure)", code=1)
 
 
 @judge_app.command("serve")

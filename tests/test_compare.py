@@ -168,3 +168,20 @@ def test_every_boolean_column_compared_is_tested_as_binary():
 
     booleans = {c.name for c in EVALS.columns if c.type == pa.bool_()}
     assert booleans & set(compared_columns()) <= set(BINARY)
+
+
+def test_sides_evaluated_with_other_settings_are_named(tmp_path):
+    """A fork's evaluations before its step are its parent's, made with the parent's eval settings: pairing them
+    with the fork's later ones compares settings as well as policies, and the comparison says which."""
+    a = _catalog(
+        tmp_path / "a", [_row("a", 2, "grpo", p, True, False, 1.0, 8) | {"max_new_tokens": 8} for p in PROMPTS]
+    )
+    b_rows = [_row("b", 3, "grpo", p, True, False, 1.0, 16) | {"max_new_tokens": 16} for p in PROMPTS]
+    b = _catalog(tmp_path / "b", [r | {"temperature": 0.5} for r in b_rows])
+    result = compare([(load_side(str(a)), load_side(str(b)))], resamples=200)
+    assert result.different_settings == ["max_new_tokens: A 8, B 16", "temperature: A 0.0, B 0.5"]
+    shown = runner.invoke(app, ["compare", str(a), str(b), "--resamples", "200"])
+    assert "warning: the sides were evaluated with different settings" in shown.output
+    assert "max_new_tokens: A 8, B 16" in shown.output
+    same = compare([(load_side(str(a)), load_side(str(a)))], resamples=200)
+    assert same.different_settings == []

@@ -37,7 +37,7 @@ class VerdictJudge(LoopbackServer):
     """An OpenAI-compatible judge on loopback: reads 'verdict N' from the response it is shown and answers N for a
     positive criterion, 2 - N for a negative one (so every rubric of a rollout gets the oriented score N / 2)."""
 
-    def __init__(self):
+    def __init__(self, junk: bool = False):
         self.requests = 0
         self.lock = threading.Lock()
         outer = self
@@ -64,7 +64,8 @@ class VerdictJudge(LoopbackServer):
                 text = body["messages"][-1]["content"]
                 verdict = int(re.search(r"verdict (\d)", text).group(1))
                 score = 2 - verdict if "Must not name Sydney" in text else verdict
-                message = {"role": "assistant", "content": json.dumps({"score": score})}
+                content = "I think it is fine." if outer.junk else json.dumps({"score": score})
+                message = {"role": "assistant", "content": content}
                 self._send(
                     {
                         "object": "chat.completion",
@@ -73,6 +74,7 @@ class VerdictJudge(LoopbackServer):
                     }
                 )
 
+        self.junk = junk  # answer without a score: every judgment fails
         self.listen(Handler)
 
 
@@ -199,7 +201,9 @@ def test_labels_file_and_its_errors(judged_run, tmp_path):
     # both pass 5, run only 3, label only 1, neither 3: p_o = 8/12, p_e = (8 * 6 + 4 * 6) / 144 = 1/2 -> kappa 1/3
     assert everything["kappa"] == pytest.approx(1 / 3, abs=1e-12)
     shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(labels)])
-    assert "check labels-labels: 12 (rollout, rubric) pairs of 4 rollouts" in shown.output
+    assert "check labels-labels: 12 of 12 (rollout, rubric) pairs of 4 rollouts judged by both (0 got no score" in (
+        shown.output
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"step": 3, "prompt_id": "q1", "sample_idx": 0, "rubric_id": "pos-0", "score": 1}) + "\n")
     with pytest.raises(AgreementError, match="1 labels name no stored judgment"):
@@ -207,3 +211,18 @@ def test_labels_file_and_its_errors(judged_run, tmp_path):
     bad.write_text(json.dumps({"step": 0, "prompt_id": "q1"}) + "\n")
     assert runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(bad)]).exit_code == 2
     assert runner.invoke(app, ["judge", "agreement", str(judged_run)]).exit_code == 2  # neither option
+
+
+def test_a_judge_that_scores_nothing_is_no_agreement(judged_run, tmp_path):
+    """Every re-judgment unparseable: the headline counts no usable pair and the failures, and the exit is 1."""
+    with VerdictJudge(junk=True) as server:
+        config = tmp_path / "judge.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {"judge": {"engine": "openai", "mode": "json", "openai": {"base_url": server.base_url, "cache": False}}}
+            )
+        )
+        shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--judge-config", str(config)])
+    assert shown.exit_code == 1, shown.output
+    assert "0 of 12 (rollout, rubric) pairs of 4 rollouts judged by both (12 got no score from" in shown.output
+    assert "no pair got a score from" in shown.output

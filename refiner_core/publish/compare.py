@@ -168,6 +168,9 @@ class Comparison:
     resamples: int
     seed: int
     columns: list[ColumnResult]
+    # "max_new_tokens: A 8, B 16": eval settings that differ between the sides of a pair (a fork's evaluations
+    # before its step are its parent's, made with the parent's settings): the differences may be theirs
+    different_settings: list[str] = field(default_factory=list)
 
     @property
     def differs(self) -> bool:
@@ -249,6 +252,12 @@ def compare(
                 )
             )
     first_a, first_b = pairs[0]
+    different = [
+        f"{column}: A {_shown(a_values)}, B {_shown(b_values)}" + (f" (pair {index + 1})" if len(pairs) > 1 else "")
+        for index, (a, b) in enumerate(pairs)
+        for column in sorted(_SETTINGS | {"temperature"})
+        if (a_values := _setting(a, column)) != (b_values := _setting(b, column))
+    ]
     return Comparison(
         pairs=[(a.label, b.label) for a, b in pairs],
         mode=first_a.mode,
@@ -262,7 +271,17 @@ def compare(
         resamples=resamples,
         seed=seed,
         columns=results,
+        different_settings=different,
     )
+
+
+def _setting(side: Side, column: str) -> set:
+    """The values of an eval setting over a side's rows."""
+    return {row.get(column) for rows in side.rows.values() for row in rows}
+
+
+def _shown(values: set) -> str:
+    return "/".join(sorted(str(v) for v in values))
 
 
 def _binary(column: str, a: list[float], b: list[float], names: list[str], alpha: float) -> ColumnResult:
@@ -305,6 +324,11 @@ def format_comparison(result: Comparison, list_prompts: int = 8) -> str:
     if result.only_a or result.only_b:
         lines.append(
             f"left out (evaluated by one side only): {len(result.only_a)} prompts of A, {len(result.only_b)} of B"
+        )
+    if result.different_settings:
+        lines.append(
+            "warning: the sides were evaluated with different settings, which may explain differences: "
+            + "; ".join(result.different_settings)
         )
     if result.repeated_prompts:
         lines.append(
