@@ -217,7 +217,11 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         raise ForkError(f"--at {at}: the fork would compute no step (grpo.steps {cfg.grpo.steps}); raise grpo.steps")
     if base.grpo.async_steps or cfg.grpo.async_steps:
         raise ForkError("forks of runs that sample ahead (grpo.async_steps) are not supported")
-    if at > 0:
+    existing = read_fork(new)
+    # The same command again resumes the fork: once the fork holds its own (hard-linked) checkpoint of step `at`,
+    # the parent may have pruned its copy since.
+    resuming = existing is not None and (existing.parent_dir, existing.at) == (str(parent), at)
+    if at > 0 and not (resuming and at in step_checkpoints(new / "checkpoints")):
         done = _finished_steps(parent)
         if at - 1 not in done:
             raise ForkError(
@@ -230,8 +234,7 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
                 f"{parent}/checkpoints/step_{at:04d} (the policy after step {at - 1}) was pruned (run.keep_last, "
                 f"run.keep_every): fork at a step whose checkpoint is kept: --at {', '.join(map(str, sorted(kept)))}"
             )
-    existing = read_fork(new)
-    if existing is not None and (existing.parent_dir, existing.at) != (str(parent), at):
+    if existing is not None and not resuming:
         raise ForkError(f"{new} is already a fork of {existing.parent_dir} at step {existing.at}")
     if existing is None and new.exists() and any(new.iterdir()):
         raise ForkError(f"{new} exists and holds another run: choose a new folder")
@@ -254,6 +257,10 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
             f"{parent.name} ran code version {recorded}, this is {code_version()}: stage cache keys hold the code "
             "version, so none of its stages can be reused and the fork recomputes them"
         )
+    if resuming:  # its steps before `at` run with the recipes it recorded, whatever the parent has run since
+        segments = existing.segments
+    else:
+        segments = trunk_segments(read_fork(parent), base.to_dict(), at) if not changed else []
     fork = Fork(
         run_dir=str(new),
         run=run_name(cfg.run.name, str(new)),
@@ -263,7 +270,7 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         settings=settings,
         shares_steps=not changed,
         note="; ".join(notes),
-        segments=trunk_segments(read_fork(parent), base.to_dict(), at) if not changed else [],
+        segments=segments,
         created_at=existing.created_at if existing else datetime.now(UTC).isoformat(timespec="seconds"),
     )
     return cfg, fork

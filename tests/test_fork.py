@@ -17,6 +17,7 @@ from conftest import REPO, RUN_TABLES, table_key
 from flows.cli import app
 from flows.run_folder import ForkError, plan_fork
 from refiner_core.config import load_recipe
+from refiner_core.store.checkpoints import step_checkpoints
 from refiner_core.store.forks import Fork, changed_before_steps, read_fork, shared_disk, trunk_segments, write_fork
 
 TABLES = {table: table_key(table) for table in RUN_TABLES}  # table -> its key, to compare rows in order
@@ -144,6 +145,25 @@ def test_a_fork_judges_its_own_steps_with_its_own_judge_settings(parent, tmp_pat
     assert record.shares_steps
     assert states["judge[step=0]"] == states["rollout[step=1]"] == "Cached"  # the parent's settings and policy
     assert states["judge[step=1]"] == "Completed", states  # its cache key holds 40: not the parent's judgment
+
+
+def test_the_same_command_resumes_a_fork_after_its_parent_pruned_the_fork_step(
+    prefect_server, tiny_model_path, tmp_path
+):
+    """The fork holds its own hard link of step_0001: the parent going on and pruning its copy (run.keep_last 2)
+    does not stop the same command from resuming it from its own copy; a new fork there is still refused."""
+    small = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12"]
+    parent, fork_dir, fork_settings = tmp_path / "p", tmp_path / "f", ["grpo.steps=2", "grpo.learning_rate=0.01"]
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml", small).to_dict(), parent)
+    first, _ = _fork(parent, fork_dir, 1, fork_settings)
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml", [*small, "grpo.steps=4"]).to_dict(), parent)
+    assert 1 not in step_checkpoints(parent / "checkpoints") and 1 in step_checkpoints(fork_dir / "checkpoints")
+    record, states = _fork(parent, fork_dir, 1, fork_settings)
+    stages = {s for n, s in states.items() if n.split("[")[0] in ("prepare-data", "rollout", "judge", "grpo-update")}
+    assert stages == {"Cached"}, sorted(states.items())
+    assert record.segments == first.segments  # the recipe it ran steps 0-0 with, not the parent's grpo.steps 4
+    with pytest.raises(ForkError, match=r"step_0001 \(the policy after step 0\) was pruned.*--at 3, 4"):
+        plan_fork(parent, tmp_path / "g", 1, fork_settings)
 
 
 def _fake_parent(folder: Path, finished: int, checkpoints: list[int]) -> Path:

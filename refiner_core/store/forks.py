@@ -134,7 +134,8 @@ def link_into(source: Path, target: Path) -> bool:
 def adopt(manifest: Any, run_dir: str) -> tuple[Any, list[str]]:
     """A stage result an ancestor computed, made the fork's: each path it names below an ancestor's folder is
     hard-linked to the same place below `run_dir` (the folder as the fork's manifests write it) and rebased there.
-    Returns the manifest and the paths adopted (relative to the ancestor's folder). Paths that do not exist (a
+    Returns the manifest and the paths adopted (relative to the ancestor's folder). A path the ancestor no longer
+    holds names the fork's copy where an earlier run of the fork linked it; other paths that do not exist (a
     pruned checkpoint, weights never saved) or cannot be linked keep naming the ancestor's file."""
     folders = [folder for folder, _ in ancestors(run_dir)]
     adopted: list[str] = []
@@ -149,7 +150,10 @@ def adopt(manifest: Any, run_dir: str) -> tuple[Any, list[str]]:
         for folder in folders:
             if _under(value, folder) and value != folder:
                 relative = value[len(folder.rstrip("/")) + 1 :]
-                if link_into(Path(value), Path(run_dir) / relative):
+                source, target = Path(value), Path(run_dir) / relative
+                # gone from the ancestor (pruned, deleted) but linked by an earlier run of the fork: the fork's
+                # copy (damaged_outputs still checks its hash)
+                if link_into(source, target) or (not source.exists() and target.exists()):
                     adopted.append(relative)
                     return run_dir.rstrip("/") + "/" + relative
                 return value
