@@ -63,11 +63,11 @@ def normalize(text: str) -> str:
     return t
 
 
-def answer_text(rollout: dict) -> str:
-    """The text a rollout's answer is read from: its final assistant turn (`final_text`; an agent's tool results,
-    which may print a \\boxed{} of their own, are not its answer), else the whole response."""
-    final = rollout.get("final_text")
-    return final if final is not None else rollout["response_text"]
+def answer_text(row: dict) -> str:
+    """The text a rollout row's answer is read from: its final assistant turn (`final_text`; an agent's tool
+    results, which may print a \\boxed{} of their own, are not its answer), else the whole response."""
+    final = row.get("final_text")
+    return final if final is not None else row["response_text"]
 
 
 def verify(response: str, truth: str) -> Verdict:
