@@ -384,6 +384,8 @@ def make_vllm_engine(
             raise ValueError(f"vllm engine: LoRA rank {rank} is over vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
         options |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in LORA_RANKS if r >= rank)}
     weights_path = adapter.base if adapter else str(model_path)
+    if on_gpu:  # a learner in this process may have initialised CUDA, which a forked engine core cannot use
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     llm = LLM(
         model=weights_path,
         tokenizer=str(model_path),
