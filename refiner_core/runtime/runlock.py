@@ -72,17 +72,15 @@ def _holder_alive(holder: dict, folder: Path) -> bool:
 
 def _held_elsewhere(folder: Path) -> bool:
     """Whether a live process holds the folder's `.lock.held` flock."""
-    fd = os.open(folder / HELD_NAME, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(_hold(folder))  # closing drops the flock this call took
     except BlockingIOError:
         return True
-    finally:
-        os.close(fd)  # closing drops a flock this call took
     return False
 
 
 def _hold(folder: Path) -> int:
+    """The open `.lock.held`, flocked by this process; BlockingIOError when another holds it."""
     fd = os.open(folder / HELD_NAME, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
