@@ -357,6 +357,9 @@ def test_a_static_rubric_weight_that_is_not_finite_is_an_error(tmp_path):
     path.write_text(json.dumps([{**rubric, "weight": float("inf")}]))  # json writes Infinity
     with pytest.raises(RubricError, match="static rubric 'static-x': 'weight' must be a finite positive number"):
         load_static_rubrics(path)
+    path.write_text(json.dumps([{**rubric, "description": "d\x1b[2J"}]))
+    with pytest.raises(RubricError, match=r"static rubric 'static-x': 'description' holds U\+001B at offset 1"):
+        load_static_rubrics(path)
 
 
 def test_parquet_columns_json_has_no_type_for_reach_the_quarantine_as_text(tiny_tokenizer, tmp_path):

@@ -24,7 +24,8 @@ SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
 
 class FakeOpenAI(BaseHTTPRequestHandler):
     """A deterministic chat-completions endpoint. The question decides the behaviour: TIMEOUT sleeps past the
-    client's timeout, JUNK answers prose, BADSHAPE answers JSON of the wrong shape, HTTP500 fails."""
+    client's timeout, JUNK answers prose, BADSHAPE answers JSON of the wrong shape, ESCAPES a rubric holding a
+    terminal escape, HTTP500 fails."""
 
     requests: list[dict] = []
 
@@ -43,6 +44,8 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             content = "Sure! A good answer would be accurate and concise."
         elif "BADSHAPE" in question:
             content = json.dumps({"positive_rubrics": "be accurate"})
+        elif "ESCAPES" in question:  # a rubric that would clear the screen of whoever prints it
+            content = json.dumps({"positive_rubrics": ["Accurate.\x1b[2J"], "negative_rubrics": []})
         else:
             content = (
                 "```json\n"
@@ -122,6 +125,7 @@ def test_generated_rubrics_are_parsed_and_cached_per_row(endpoint, tmp_path):
         ("HTTP500 please", "rubric_generation_http_error", False),
         ("JUNK please", "rubric_generation_unparseable", True),
         ("BADSHAPE please", "rubric_generation_invalid", True),
+        ("ESCAPES please", "rubric_generation_invalid", True),
     ],
 )
 def test_failures_become_reasons_not_crashes(endpoint, tmp_path, question, reason, cached_after):
@@ -190,6 +194,33 @@ def test_separate_rubric_file_is_joined_by_id_with_rejections(tmp_path):
         ("line 6", "invalid_json"),
         ("id p4", "missing_rubrics"),
     }
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        ("Names \x1b]0;owned\x07Fleming.", "holds U+001B at offset 6 (a control character)"),
+        ("Names\x00 Fleming.", "holds U+0000 at offset 5 (a control character)"),
+        ("Names \ud800 Fleming.", "holds U+D800 at offset 6 (a lone UTF-16 surrogate)"),
+    ],
+)
+def test_a_rubric_file_with_control_characters_is_quarantined(tmp_path, text, detail):
+    """Rubric files are read as data rows are: a control character or a lone surrogate (JSON's "\\ud800") in a
+    rubric's description or title quarantines the row, as in the data's own rubric fields, rather than reaching the
+    judge's prompt and every terminal that prints it."""
+    lines = [
+        {"id": "p1", "positive_rubrics": [text]},
+        {"id": "p2", "negative_rubrics": [{"description": "Wrong year.", "title": text}]},
+        {"id": "p3", "positive_rubrics": ["Tab\tand newline\nare text."]},
+    ]
+    path = tmp_path / "rubrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    joined, rejected = join_rubrics([_prompt(p) for p in ("p1", "p2", "p3")], load_rows(str(path)), [], True)
+    assert sorted(joined) == ["p3"]
+    assert [(r.row_ref, r.reason, r.detail) for r in rejected] == [
+        ("line 1", "invalid_rubrics", f"positive rubric 0: 'description' {detail}"),
+        ("line 2", "invalid_rubrics", f"negative rubric 0: 'title' {detail}"),
+    ]
 
 
 def test_generation_fills_only_rows_without_rubrics(endpoint, tmp_path):

@@ -22,6 +22,7 @@ from refiner_core.data.formats import (
 )
 from refiner_core.data.prompts import refiner_messages
 from refiner_core.data.rubric_fields import RubricError, instance_rubrics
+from refiner_core.data.text_safety import DATA_CONTROL_CHARACTERS, LONE_SURROGATES
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -158,18 +159,10 @@ def check_messages(messages) -> str | None:
     return None
 
 
-# C0 controls but tab, newline and carriage return; DEL; C1 controls. NUL truncates text in C-based tools, and
-# escape sequences or stray controls in a prompt are noise the policy would learn to reproduce.
-_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
-# A UTF-16 surrogate left unpaired by a JSON escape ("\ud800"): valid JSON, but no UTF-8 text can hold it, so
-# tokenizers, Parquet and terminals fail on it.
-_LONE_SURROGATES = re.compile(r"[\ud800-\udfff]")
-
-
 def find_control_character(value, where: str = "row") -> str | None:
     """Where the first control character (other than tab, newline, carriage return) in any text of a row is:
     "field 'question' holds U+0000 at offset 12", or None."""
-    return _find_in_texts(_CONTROL_CHARACTERS, value, where)
+    return _find_in_texts(DATA_CONTROL_CHARACTERS, value, where)
 
 
 def _find_in_texts(pattern: re.Pattern, value, where: str) -> str | None:
@@ -188,7 +181,7 @@ def _find_in_texts(pattern: re.Pattern, value, where: str) -> str | None:
 def check_row(row: dict) -> tuple[str, str] | None:
     """(reason, detail) when the row cannot be used, else None. Missing rubrics are not checked here: the
     rubric stage fills or quarantines them; malformed rubrics are rejected here."""
-    surrogate = _find_in_texts(_LONE_SURROGATES, row, "row")
+    surrogate = _find_in_texts(LONE_SURROGATES, row, "row")
     if surrogate:
         return "lone_surrogate", f"{surrogate}: a lone UTF-16 surrogate escape, which UTF-8 text cannot hold"
     control = find_control_character(row)

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from refiner_core.data.text_safety import unusable_character
+
 
 class RubricError(ValueError):
     pass
@@ -29,6 +31,8 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
     title = item.get("title") or description.strip()[:60]
     if not isinstance(title, str):
         raise RubricError(f"{kind} rubric {index}: 'title' must be a string")
+    checked_text(description, f"{kind} rubric {index}: 'description'")
+    checked_text(title, f"{kind} rubric {index}: 'title'")
     unknown = set(item) - {"description", "weight", "title"}
     if unknown:
         raise RubricError(f"{kind} rubric {index}: unknown keys {sorted(unknown)}")
@@ -40,6 +44,15 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
         "description": description.strip(),
         "weight": weight,
     }
+
+
+def checked_text(text: str, where: str) -> str:
+    """A rubric's text as the judge will read it: no control character or lone surrogate (a rubric file or a
+    generating model's answer is checked here as data rows are when they are read)."""
+    problem = unusable_character(text)
+    if problem:
+        raise RubricError(f"{where} {problem}")
+    return text
 
 
 def checked_weight(weight, where: str) -> float:
@@ -105,8 +118,10 @@ def load_static_rubrics(path: Path) -> list[dict]:
                 "rubric_id": item["rubric_id"],
                 "kind": kind,
                 "source": "static",
-                "title": item["title"],
-                "description": item["description"],
+                "title": checked_text(item["title"], f"{path}: static rubric {item['rubric_id']!r}: 'title'"),
+                "description": checked_text(
+                    item["description"], f"{path}: static rubric {item['rubric_id']!r}: 'description'"
+                ),
                 "weight": checked_weight(item.get("weight", 1.0), f"{path}: static rubric {item['rubric_id']!r}"),
             }
         )

@@ -17,6 +17,24 @@ _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>:@])")
 
 
+# Not data: C0 controls but tab, newline and carriage return; DEL; C1 controls. NUL truncates text in C-based tools,
+# and escape sequences or stray controls in a prompt or rubric are noise the policy (or the judge) would read.
+DATA_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# A UTF-16 surrogate left unpaired by a JSON escape ("\ud800"): valid JSON, but no UTF-8 text can hold it, so
+# tokenizers, Parquet and terminals fail on it.
+LONE_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+
+def unusable_character(text: str) -> str | None:
+    """Why TEXT cannot be data, else None: "holds U+001B at offset 3 (a control character)", or a lone surrogate."""
+    kinds = ((LONE_SURROGATES, "a lone UTF-16 surrogate"), (DATA_CONTROL_CHARACTERS, "a control character"))
+    for pattern, what in kinds:
+        found = pattern.search(text)
+        if found:
+            return f"holds U+{ord(found.group()):04X} at offset {found.start()} ({what})"
+    return None
+
+
 def visible(text: str) -> str:
     """TEXT with each control character but newline and tab written out as an escape (ESC as `\\x1b`, the
     right-to-left override as `\\u202e`), so printing it cannot drive the terminal."""
