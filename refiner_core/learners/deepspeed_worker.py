@@ -28,6 +28,7 @@ from refiner_core.learners.base import LearnerSettings, TrainSample
 from refiner_core.learners.deepspeed_learner import bf16_mode
 from refiner_core.learners.lora import save_lora
 from refiner_core.learners.torch_learner import TorchLearner, load_learner_models
+from refiner_core.models import release_gpu_cache
 from refiner_core.runtime.heap import freeze_heap
 
 STATE_DIR = "deepspeed"  # DeepSpeed's save_checkpoint folder inside an HF checkpoint
@@ -145,6 +146,9 @@ class DeepSpeedRankLearner(TorchLearner):
     def _optimizer_step(self) -> float:
         self.engine.step()
         return self.clipping.norm if self.clipping is not None else float(self.engine.get_global_grad_norm())
+
+    def _hand_back_memory(self) -> None:
+        release_gpu_cache()  # a rank is its own process: a rollout engine on its GPU can take only what it hands back
 
     def _reduce(self, totals: dict) -> dict:
         import torch.distributed as dist

@@ -25,7 +25,7 @@ from refiner_core.learners.batching import collate, collate_group, collate_rows,
 from refiner_core.learners.logprobs import token_logprobs, token_scores
 from refiner_core.learners.lora import AdapterExports, AdaptersOff, lora_policy, merged_state_dict, save_lora
 from refiner_core.learners.packed_attention import apply_packed_attention
-from refiner_core.models import Adapter, release_gpu_cache
+from refiner_core.models import Adapter
 from refiner_core.runtime.progress import progress_bar
 
 
@@ -35,20 +35,56 @@ def selection_seed(batch: dict[str, torch.Tensor], pass_index: int) -> int:
     return zlib.crc32(batch["input_ids"].cpu().numpy().tobytes(), pass_index)
 
 
+# what a train step sums over its micro-batches (0 where a setting leaves one out)
+TOTALS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "clipped",
+    "entropy",
+    "is_weight",
+    "off_policy_masked",
+    "bonus_entropy",
+    "bonus_tokens",
+    "tokens",
+)
+
+
+class DeviceSums:
+    """Per-micro-batch figures summed where they were computed, in float64, and read once at the end: reading each
+    (.item()) would make the host wait for the device at every micro-batch. The sums equal those of the figures
+    read one at a time (float64 additions in the same order)."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def read(self) -> dict[str, float]:
+        keys = list(self.sums)
+        return dict(zip(keys, torch.stack([self.sums[k] for k in keys]).tolist())) if keys else {}
+
+
 class TorchLearner:
     def __init__(self, policy, reference, pad_id: int, settings: LearnerSettings, optimizer_state: Path | None = None):
         self.policy, self.reference, self.pad_id, self.s = policy, reference, pad_id, settings
         self.policy.train()
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        # on a GPU one fused kernel updates every tensor; on CPU the per-tensor loop keeps runs' figures as they were
+        fused = bool(trained) and all(p.is_cuda for p in trained)
         self.optimizer = torch.optim.AdamW(
-            [p for p in policy.parameters() if p.requires_grad],
+            trained,
             lr=settings.learning_rate,
             betas=tuple(settings.adam_betas),
             weight_decay=settings.weight_decay,
+            fused=fused or None,
         )
         if optimizer_state is not None and Path(optimizer_state).exists():
             self.optimizer.load_state_dict(torch.load(optimizer_state, map_location="cpu", weights_only=True))
-            for group in self.optimizer.param_groups:  # the recipe's lr wins over the saved one
-                group["lr"] = settings.learning_rate
+            for group in self.optimizer.param_groups:  # the recipe's lr wins over the saved one, as the device's kernel
+                group["lr"], group["fused"] = settings.learning_rate, fused or None
         self.exports: AdapterExports | None = None  # made by the first adapter()
 
     def _layout(self, samples: list[TrainSample]) -> list[list[dict[str, torch.Tensor]]]:
@@ -139,20 +175,7 @@ class TorchLearner:
         aggregate = AGGREGATIONS[s.loss_aggregation]
         reads_entropy = bonus != 0 or s.adaptive_entropy or s.top_entropy_quantile < 1
         knobs = surrogate_knobs(s)
-        totals = {
-            "loss": 0.0,
-            "pg_loss": 0.0,
-            "kl": 0.0,
-            "clipped": 0.0,
-            "entropy": 0.0,
-            "is_weight": 0.0,
-            "off_policy_masked": 0.0,
-            "bonus_entropy": 0.0,
-            "bonus_tokens": 0.0,
-            "tokens": 0.0,
-            "real_tokens": float(sum(int(b["real_tokens"]) for b in flat)),
-            "computed_tokens": float(sum(int(b["computed_tokens"]) for b in flat)),
-        }
+        sums = DeviceSums()
         grad_norms = []
         bar = progress_bar(len(flat) * s.epochs, "update", "mb")
         # (index of its first micro-batch in `flat`, micro-batches, normalisers) per optimizer step, every pass
@@ -186,7 +209,7 @@ class TorchLearner:
                     kept = off_policy_sequences(
                         logp, batch["rollout_logprobs"], batch["advantages"], sequences, s.off_policy_mask_threshold
                     )
-                    totals["off_policy_masked"] += ((1.0 - kept) * mask).sum().item()
+                    sums.add("off_policy_masked", ((1.0 - kept) * mask).sum())
                 out = grpo_token_loss(
                     logp,
                     old,
@@ -210,24 +233,26 @@ class TorchLearner:
                 weights = aggregate(mask, batch["sequence_tokens"], step_tokens, step_sequences, s.loss_constant)
                 loss = (out["loss"] * weights).sum()
                 self._backward(loss)
-                totals["loss"] += loss.item()
-                totals["pg_loss"] += (out["pg"] * mask).sum().item()
-                totals["kl"] += (out["kl"] * mask).sum().item()
-                totals["clipped"] += (out["clipped"] * mask).sum().item()
+                sums.add("loss", loss)
+                sums.add("pg_loss", (out["pg"] * mask).sum())
+                sums.add("kl", (out["kl"] * mask).sum())
+                sums.add("clipped", (out["clipped"] * mask).sum())
                 if entropy is not None:
-                    totals["entropy"] += (entropy * mask).sum().item()
-                if s.adaptive_entropy:  # the controller's measure: two more device syncs, only when it reads them
+                    sums.add("entropy", (entropy * mask).sum())
+                if s.adaptive_entropy:  # the controller's measure, only when it reads it
                     acted_on = mask if policy_tokens is None else mask * policy_tokens
-                    totals["bonus_entropy"] += (entropy * acted_on).sum().item()
-                    totals["bonus_tokens"] += acted_on.sum().item()
+                    sums.add("bonus_entropy", (entropy * acted_on).sum())
+                    sums.add("bonus_tokens", acted_on.sum())
                 if is_w is not None:  # already zero off the response mask
-                    totals["is_weight"] += is_w.sum().item()
-                totals["tokens"] += mask.sum().item()
+                    sums.add("is_weight", is_w.sum())
+                sums.add("tokens", mask.sum())
                 bar.update(1)
             grad_norms.append(self._optimizer_step())
         bar.close()
-        if self.policy.device.type == "cuda":  # activations' cached blocks: a rollout engine wakes into them
-            release_gpu_cache()
+        self._hand_back_memory()
+        totals = dict.fromkeys(TOTALS, 0.0) | sums.read()
+        totals["real_tokens"] = float(sum(int(b["real_tokens"]) for b in flat))
+        totals["computed_tokens"] = float(sum(int(b["computed_tokens"]) for b in flat))
         totals = self._reduce(totals)
         tokens = max(totals["tokens"], 1.0)
         entropy = {"entropy": totals["entropy"] / tokens} if reads_entropy else {}
@@ -274,6 +299,9 @@ class TorchLearner:
     def _reduce(self, totals: dict) -> dict:
         return totals
 
+    def _hand_back_memory(self) -> None:
+        pass  # a rollout engine in this process takes the cached blocks; one in another releases them first
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's current weights, in memory (a live rollout engine copies them instead of reading disk);
         with LoRA, base + adapters merged, under the base model's names."""
@@ -319,6 +347,20 @@ def load_learner_models(policy_path, reference_path, dtype: str, settings, devic
     return policy, reference
 
 
+def compile_decoder_layers(model) -> int:
+    """torch.compile each decoder layer of `model` in place (grpo.compile_layers); returns how many. The layers
+    share one compiled code (their weights are its inputs), so a model compiles once, not once per layer."""
+    count = model.config.num_hidden_layers
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if not stacks:
+        raise ValueError(f"grpo.compile_layers: no list of {count} decoder layers found in {type(model).__name__}")
+    for layer in stacks[0]:
+        layer.compile()
+    return len(stacks[0])
+
+
 def make_torch_learner(policy_path, reference_path, tokenizer, settings, optimizer_state, dtype="float32"):
     policy, reference = load_learner_models(policy_path, reference_path, dtype, settings)
+    if settings.compile_layers:
+        compile_decoder_layers(policy)
     return TorchLearner(policy, reference, tokenizer.pad_token_id, settings, optimizer_state)

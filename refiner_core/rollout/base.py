@@ -81,11 +81,13 @@ class RolloutEngine(Protocol):
 
 
 def free_bytes(device_type: str) -> int:
-    """Memory still available on a device: the GPU's free memory, or the machine's available RAM."""
+    """Memory still available on a device: the GPU's free memory plus the blocks this process's PyTorch holds cached
+    but unused (its own models take them; another process's engine gets them from release_gpu_cache, which runs
+    before one is built or woken), or the machine's available RAM."""
     if device_type == "cuda":
         import torch
 
-        return torch.cuda.mem_get_info()[0]
+        return torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     import psutil
 
     return psutil.virtual_memory().available

@@ -286,6 +286,7 @@ class VLLMRolloutEngine:
         waking = self.asleep & set(tags or self.asleep)
         if not waking:
             return
+        release_gpu_cache()  # blocks this process's learner cached are the engine core's to take
         self.llm.wake_up(sorted(waking) if tags else None)
         self.asleep -= waking
         if "kv_cache" in waking:
@@ -386,6 +387,7 @@ def make_vllm_engine(
     weights_path = adapter.base if adapter else str(model_path)
     if on_gpu:  # a learner in this process may have initialised CUDA, which a forked engine core cannot use
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        release_gpu_cache()  # and cached blocks the engine core sizes its share against
     llm = LLM(
         model=weights_path,
         tokenizer=str(model_path),

@@ -10,9 +10,8 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
@@ -20,6 +19,9 @@ import pyarrow.parquet as pq
 
 from refiner_core.schema import ALL_TABLES, Table, duckdb_ddl, duckdb_type, to_arrow
 from refiner_core.store.faults import write_fault
+
+if TYPE_CHECKING:  # imported where a catalog is opened: a learner alone (the GPU check's part d) needs no DuckDB
+    import duckdb
 
 PARTIAL_SUFFIX = ".partial"  # a write in progress: hidden, and removed by the next run if its writer died
 REPLACED_SUFFIX = ".replaced"  # a folder being replaced, moved aside: put back by the next run if its writer died
@@ -201,6 +203,8 @@ def catalog_copy(db_path: Path, from_existing: bool) -> Iterator[duckdb.DuckDBPy
         shutil.copyfile(final, tmp)
     else:
         tmp.unlink()  # DuckDB refuses to open an empty non-database file
+    import duckdb
+
     try:
         con = duckdb.connect(str(tmp))
         try:
@@ -258,6 +262,8 @@ def replace_version_rows(db_path: Path, files: dict[str, list[str]], version: st
 def query(db_path: Path | str, sql: str, params: list | None = None) -> tuple[list[str], list[tuple]]:
     """Run SQL on a catalog read-only, with no access to files outside it (a `COPY ... TO`, `read_csv` or
     `ATTACH` is refused); returns (column names, rows)."""
+    import duckdb
+
     con = duckdb.connect(str(db_path), read_only=True, config={"enable_external_access": False})
     try:
         cur = con.execute(sql, params or [])
