@@ -185,3 +185,41 @@ def test_sides_evaluated_with_other_settings_are_named(tmp_path):
     assert "max_new_tokens: A 8, B 16" in shown.output
     same = compare([(load_side(str(a)), load_side(str(a)))], resamples=200)
     assert same.different_settings == []
+
+
+def test_ids_that_name_different_prompts_are_not_paired(tmp_path):
+    """Two runs on other data numbered alike (p0..p9 in both) would pair unrelated prompts: the prompts table's
+    content hashes tell them apart, and those IDs are left out and named; with none left, nothing is compared."""
+    from refiner_core.schema import PROMPTS as PROMPTS_TABLE
+
+    def with_prompts(folder: Path, run: str, passed: list[bool], hashes: dict[str, str]) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_table(
+            EVALS, [_row(run, 2, "grpo", p, ok, False, 1.0, 40) for p, ok in zip(PROMPTS, passed)], folder / "e.parquet"
+        )
+        prompts = [
+            {c: None for c in PROMPTS_TABLE.column_names}
+            | {"run": run, "prompt_id": p, "split": "validation", "content_hash": h}
+            for p, h in hashes.items()
+        ]
+        write_table(PROMPTS_TABLE, prompts, folder / "p.parquet")
+        build_catalog(folder / "catalog.duckdb", {"evals": [folder / "e.parquet"], "prompts": [folder / "p.parquet"]})
+        return folder
+
+    same = {p: f"c{p}" for p in PROMPTS}
+    other = same | {"p3": "x3", "p4": "x4"}
+    a = with_prompts(tmp_path / "a", "a", A_PASSED, same)
+    b = with_prompts(tmp_path / "b", "b", B_PASSED, other)
+    result = compare([(load_side(str(a)), load_side(str(b)))], resamples=200)
+    assert result.different_prompts == ["p3", "p4"] and result.units == 8
+    passed = {c.column: c for c in result.columns}["passed"]
+    assert passed.fixed == ["p2", "p5", "p6"] and passed.broken == ["p1"]  # p3, p4 were fixed under other prompts
+    shown = runner.invoke(app, ["compare", str(a), str(b), "--resamples", "200"])
+    warning = "warning: 2 prompt IDs name different prompts on the two sides (other data under the same IDs)"
+    assert f"{warning}, left out: p3, p4" in shown.output
+    unknown = with_prompts(tmp_path / "c", "c", B_PASSED, {})  # a catalog without the hashes pairs by ID as before
+    assert compare([(load_side(str(a)), load_side(str(unknown)))], resamples=200).units == 10
+    unrelated = with_prompts(tmp_path / "d", "d", B_PASSED, {p: f"d{p}" for p in PROMPTS})
+    with pytest.raises(CompareError, match=r"share no evaluated prompt \(the 10 IDs both evaluated name different"):
+        compare([(load_side(str(a)), load_side(str(unrelated)))])
+    assert runner.invoke(app, ["compare", str(a), str(unrelated)]).exit_code == 2

@@ -79,6 +79,9 @@ class Side:
     phase: str
     mode: str
     rows: dict[str, list[dict]]  # prompt_id -> its eval rows of this mode
+    # prompt_id -> the content hash of its source row (prompts.content_hash): two runs may use one ID for different
+    # prompts (other data numbered 0..N); empty where the catalog records none
+    contents: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -117,7 +120,25 @@ def load_side(spec: str, mode: str = "greedy") -> Side:
         r = dict(zip(columns, row))
         by_prompt.setdefault(r["prompt_id"], []).append(r)
     run = next(iter(by_prompt.values()))[0]["run"]
-    return Side(spec, str(run_dir), run, step, phase, mode, by_prompt)
+    return Side(spec, str(run_dir), run, step, phase, mode, by_prompt, _contents(db, run))
+
+
+def _contents(db: Path, run: str) -> dict[str, str]:
+    """prompt_id -> content hash of the run's prompts, from the catalog's prompts table where it has one."""
+    _, found = query(db, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'prompts'")
+    if not found[0][0]:
+        return {}
+    _, rows = query(db, "SELECT prompt_id, content_hash FROM prompts WHERE run = ?", [run])
+    return {prompt: digest for prompt, digest in rows if digest}
+
+
+def shared_prompts(a: Side, b: Side) -> tuple[list[str], list[str]]:
+    """(prompt IDs both sides evaluated, for the same prompt; IDs both evaluated that name different prompts). A
+    prompt whose content one side does not record counts as the same."""
+    ids = sorted(set(a.rows) & set(b.rows))
+    known = [(p, a.contents.get(p), b.contents.get(p)) for p in ids]
+    differ = [p for p, x, y in known if x is not None and y is not None and x != y]
+    return [p for p in ids if p not in set(differ)], differ
 
 
 def _choose(spec: str, at: str | None, evaluated: list[tuple[int, str]]) -> tuple[int, str]:
@@ -171,6 +192,8 @@ class Comparison:
     # "max_new_tokens: A 8, B 16": eval settings that differ between the sides of a pair (a fork's evaluations
     # before its step are its parent's, made with the parent's settings): the differences may be theirs
     different_settings: list[str] = field(default_factory=list)
+    # prompt IDs both sides evaluated whose prompts differ (their source rows' content): left out of the pairs
+    different_prompts: list[str] = field(default_factory=list)
 
     @property
     def differs(self) -> bool:
@@ -207,11 +230,18 @@ def compare(
     if len({a.mode for a, b in pairs} | {b.mode for a, b in pairs}) != 1:
         raise CompareError("every side must be compared in the same mode")
     units: list[tuple[int, str]] = []
+    different_prompts: list[str] = []
     for index, (a, b) in enumerate(pairs):
-        shared = sorted(set(a.rows) & set(b.rows))
+        shared, differ = shared_prompts(a, b)
         if not shared:
-            raise CompareError(f"{a.spec} and {b.spec} share no evaluated prompt (different held-out sets)")
+            why = (
+                f"the {len(differ)} IDs both evaluated name different prompts (other data under the same IDs)"
+                if differ
+                else "different held-out sets"
+            )
+            raise CompareError(f"{a.spec} and {b.spec} share no evaluated prompt ({why})")
         units += [(index, p) for p in shared]
+        different_prompts += differ if len(pairs) == 1 else [f"{p} (pair {index + 1})" for p in differ]
     per_prompt: dict[str, int] = {}
     for _, prompt in units:
         per_prompt[prompt] = per_prompt.get(prompt, 0) + 1
@@ -272,6 +302,7 @@ def compare(
         seed=seed,
         columns=results,
         different_settings=different,
+        different_prompts=different_prompts,
     )
 
 
@@ -324,6 +355,11 @@ def format_comparison(result: Comparison, list_prompts: int = 8) -> str:
     if result.only_a or result.only_b:
         lines.append(
             f"left out (evaluated by one side only): {len(result.only_a)} prompts of A, {len(result.only_b)} of B"
+        )
+    if result.different_prompts:
+        lines.append(
+            f"warning: {len(result.different_prompts)} prompt IDs name different prompts on the two sides (other "
+            "data under the same IDs), left out: " + _names(result.different_prompts, list_prompts)
         )
     if result.different_settings:
         lines.append(
