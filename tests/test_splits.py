@@ -192,3 +192,25 @@ def test_the_same_source_is_the_same_file_split_and_id_column():
     assert source_identity("/d/rows.jsonl", data) != source_identity("/d/sft.jsonl", SFTConfig())
     assert source_identity("/d/rows.jsonl", data) != source_identity("/d/rows.jsonl", SFTConfig(fields={"id": "key"}))
     assert source_identity("/d/rows", data) != source_identity("/d/rows", SFTConfig(split="sft"))
+
+
+def test_conversations_that_continue_one_opening_share_the_sft_split(tiny_tokenizer):
+    """A two-turn conversation holds a one-turn one's answer as a trained turn: were the short one validated and the
+    long one trained, the warm start would imitate the validated answer. Both follow the opening's split."""
+
+    def chat(rid: str, turns: list[tuple[str, str]]) -> dict:
+        messages = [m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+        return {"id": rid, "messages": messages}
+
+    rows = []
+    for k in range(12):
+        first = (f"Question {k}: what is {k} + {k}?", f"{2 * k}.")
+        rows += [chat(f"{k}-a", [first]), chat(f"{k}-b", [first, ("And doubled?", f"{4 * k}.")])]
+    rows = _validated(rows)
+    for seed in range(6):
+        out = prepare_sft(rows, tiny_tokenizer, "t", LIMITS, 0.5, seed)
+        by_opening: dict[str, set[str]] = {}
+        for e in out.examples:
+            by_opening.setdefault(e["source_id"].split("-")[0], set()).add(e["split"])
+        assert all(len(splits) == 1 for splits in by_opening.values()), (seed, by_opening)
+        assert {s for splits in by_opening.values() for s in splits} == {"train", "validation"}

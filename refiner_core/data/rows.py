@@ -116,6 +116,14 @@ def prompt_hash(row: dict) -> str:
     return messages_hash(prompt_messages(row))
 
 
+def opening_hash(row: dict) -> str:
+    """Hash of what a valid row asks before its first answer (its whole prompt where it holds no answer): the
+    conversations that continue one opening share it, a longer one holding a shorter one's answers as context."""
+    messages = prompt_messages(row)
+    first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return messages_hash(messages[:first_answer])
+
+
 def row_json(row: dict) -> str:
     """A validated row as JSON text for the quarantine, without the fields validation added. Values JSON has no
     type for (timestamps, dates, decimals of a Parquet or hub source) are written as their text."""

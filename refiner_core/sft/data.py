@@ -37,6 +37,7 @@ from refiner_core.data.rows import (
     Rejection,
     is_chat_row,
     messages_hash,
+    opening_hash,
     prompt_hash,
     row_json,
     split_of,
@@ -338,10 +339,11 @@ def apply_limits(rendered: Rendered, limits: SFTLimits) -> tuple[Rendered | None
 def assign_splits(
     hashes: list[str], prompts: list[str], source_ids: list[str], validation_fraction: float, seed: int
 ) -> list[str]:
-    """Seeded split by example (content) hash, taken per prompt: the examples that share a prompt (`prompts`: their
-    prompt hashes) all take the split of the one with the smallest source ID, so no prompt is both trained on and
-    validated. With a positive fraction and at least two prompts, at least one prompt lands in validation so
-    validation loss always exists."""
+    """Seeded split by example (content) hash, taken per prompt: the examples that share a prompt (`prompts`: the
+    hashes of their openings, what each asks before its first answer) all take the split of the one with the
+    smallest source ID, so no prompt is both trained on and validated, nor a validated conversation's answers trained
+    on as turns of a longer conversation that continues it. With a positive fraction and at least two prompts, at
+    least one prompt lands in validation so validation loss always exists."""
     lead: dict[str, tuple[str, str]] = {}  # prompt hash -> (smallest source ID, that example's hash)
     for digest, prompt, source_id in zip(hashes, prompts, source_ids):
         lead[prompt] = min(lead.get(prompt, (source_id, digest)), (source_id, digest))
@@ -410,7 +412,7 @@ def prepare_sft(
 
     splits = assign_splits(
         [d for _, _, d, _ in kept],
-        [prompt_hash(row) for row, _, _, _ in kept],
+        [opening_hash(row) for row, _, _, _ in kept],
         [row["id"] for row, _, _, _ in kept],
         validation_fraction,
         seed,
