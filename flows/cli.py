@@ -407,7 +407,7 @@ def push(
 
 @app.command()
 def fork(
-    parent: Path = typer.Argument(..., exists=True, file_okay=False, help="The run folder to fork."),
+    parent: Path = typer.Argument(..., file_okay=False, help="The run folder to fork."),
     new: Path = typer.Argument(..., help="The fork's run folder (new, or a fork of PARENT at the same step)."),
     at: int = typer.Option(..., "--at", help="The first step the fork computes with its own settings."),
     overrides: list[str] = typer.Option([], "--set", help="A setting of the fork: section.field=value (repeatable)."),
@@ -418,8 +418,8 @@ def fork(
 
     A setting that the stages before step 0 read (data, rubrics, SFT, the base model, the seed, the precision)
     changes step 0's rollout: such a fork reuses no step and says why. Running the same command again resumes the
-    fork. Exit codes as `refiner run`'s; 2 also for a fork that cannot be made (the parent has not finished step
-    N-1, or pruned its checkpoint)."""
+    fork, from its own checkpoint and recipe once the parent pruned step N or is gone. Exit codes as `refiner
+    run`'s; 2 also for a fork that cannot be made (the parent has not finished step N-1, or pruned its checkpoint)."""
     from flows.run_folder import ForkError, plan_fork
     from refiner_core.store.forks import shared_disk, write_fork
 
@@ -442,6 +442,8 @@ def fork(
     if record.note:
         _warn(record.note)
     _run_locked(cfg, Path(record.run_dir), False, debug, f"refiner fork {parent} --at {at}", lambda: write_fork(record))
+    if not Path(record.parent_dir).is_dir():
+        return
     disk = shared_disk(record.parent_dir, record.run_dir)
     typer.echo(
         f"\nfork disk: {_mib(disk['own'])} of its own ({disk['own'] / max(disk['parent'], 1):.1%} of the parent's "

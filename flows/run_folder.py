@@ -203,7 +203,13 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
     from refiner_core.store.forks import Fork, changed_before_steps, read_fork, trunk_segments
 
     parent, new = parent.resolve(), new.resolve()
+    existing = read_fork(new)
+    # The same command again resumes the fork: once the fork holds its own (hard-linked) checkpoint of step `at`,
+    # the parent may have pruned its copy since, or be gone.
+    resuming = existing is not None and (existing.parent_dir, existing.at) == (str(parent), at)
     if not (parent / RECIPE_FILE).is_file():
+        if resuming:
+            return _fork_without_parent(new, existing, overrides)
         raise ForkError(f"{parent} has no {RECIPE_FILE}: not a run folder")
     if new == parent:
         raise ForkError("the fork needs a folder of its own")
@@ -217,10 +223,6 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         raise ForkError(f"--at {at}: the fork would compute no step (grpo.steps {cfg.grpo.steps}); raise grpo.steps")
     if base.grpo.async_steps or cfg.grpo.async_steps:
         raise ForkError("forks of runs that sample ahead (grpo.async_steps) are not supported")
-    existing = read_fork(new)
-    # The same command again resumes the fork: once the fork holds its own (hard-linked) checkpoint of step `at`,
-    # the parent may have pruned its copy since.
-    resuming = existing is not None and (existing.parent_dir, existing.at) == (str(parent), at)
     if at > 0 and not (resuming and at in step_checkpoints(new / "checkpoints")):
         done = _finished_steps(parent)
         if at - 1 not in done:
@@ -274,6 +276,32 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         created_at=existing.created_at if existing else datetime.now(UTC).isoformat(timespec="seconds"),
     )
     return cfg, fork
+
+
+def _fork_without_parent(new: Path, fork, overrides: list[str]):
+    """A fork whose parent folder is gone, resumed by the same command: with the recipe it recorded, which the
+    command's settings must leave as it is, and its steps before the fork step with the recipes its record holds."""
+    import dataclasses
+
+    from refiner_core.config import ConfigError, load_recipe
+    from refiner_core.reward.rescore import changed_settings
+    from refiner_core.runtime.hardware import resolved_recipe
+
+    if not (new / RECIPE_FILE).is_file():
+        raise ForkError(f"{fork.parent_dir} is gone and the fork {new} never ran: there is nothing to fork from")
+    try:
+        recorded = load_recipe(new / RECIPE_FILE)
+        cfg, _ = resolved_recipe(load_recipe(new / RECIPE_FILE, list(overrides)))
+    except ConfigError as e:
+        raise ForkError(str(e)) from None
+    moved = changed_settings(recorded, cfg)
+    if moved:
+        raise ForkError(
+            f"{fork.parent_dir} is gone, so {new} resumes only with the recipe it recorded, and the command changes "
+            f"{', '.join(moved)}: run it with the --set settings it was forked with"
+        )
+    note = f"{fork.parent_dir} is gone: the fork resumes with the recipe it recorded"
+    return cfg, dataclasses.replace(fork, note=note)
 
 
 def run_name(name: str, run_dir: str) -> str:

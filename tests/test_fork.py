@@ -5,6 +5,7 @@ is never written; forks that cannot be made are refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -164,6 +165,35 @@ def test_the_same_command_resumes_a_fork_after_its_parent_pruned_the_fork_step(
     assert record.segments == first.segments  # the recipe it ran steps 0-0 with, not the parent's grpo.steps 4
     with pytest.raises(ForkError, match=r"step_0001 \(the policy after step 0\) was pruned.*--at 3, 4"):
         plan_fork(parent, tmp_path / "g", 1, fork_settings)
+
+
+def test_the_same_command_resumes_a_fork_whose_parent_folder_is_gone(prefect_server, tiny_model_path, tmp_path):
+    """With the parent folder deleted, `refiner fork` resumes the fork from what it holds (every stage Cached, its
+    tables unchanged) with the recipe it recorded; a --set that would change that recipe, or a fork that never ran,
+    is refused with the reason (exit 2)."""
+    import shutil
+
+    small = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12"]
+    parent, fork_dir, fork_settings = tmp_path / "p", tmp_path / "f", ["grpo.steps=2", "grpo.learning_rate=0.01"]
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml", small).to_dict(), parent)
+    _fork(parent, fork_dir, 1, fork_settings)
+    before = {table: _rows(fork_dir, table) for table in ("rollouts", "steps")}
+    shutil.rmtree(parent)
+    record, states = _fork(parent, fork_dir, 1, fork_settings)
+    stages = {s for n, s in states.items() if n.split("[")[0] in ("prepare-data", "rollout", "judge", "grpo-update")}
+    assert stages == {"Cached"}, sorted(states.items())
+    assert {table: _rows(fork_dir, table) for table in before} == before
+    assert record.note == f"{parent} is gone: the fork resumes with the recipe it recorded"
+    cli = CliRunner()
+    changed = cli.invoke(app, ["fork", str(parent), str(fork_dir), "--at", "1", "--set", "grpo.learning_rate=0.02"])
+    assert changed.exit_code == 2 and "changes grpo.learning_rate: run it with the --set settings" in changed.output
+    never_ran = tmp_path / "g"
+    never_ran.mkdir()
+    write_fork(dataclasses.replace(record, run_dir=str(never_ran)))
+    missing = cli.invoke(app, ["fork", str(parent), str(never_ran), "--at", "1"])
+    assert missing.exit_code == 2 and "never ran: there is nothing to fork from" in missing.output
+    other = cli.invoke(app, ["fork", str(tmp_path / "nowhere"), str(tmp_path / "h"), "--at", "1"])
+    assert other.exit_code == 2 and "has no recipe.yaml: not a run folder" in other.output
 
 
 def _fake_parent(folder: Path, finished: int, checkpoints: list[int]) -> Path:
