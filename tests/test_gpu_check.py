@@ -41,6 +41,28 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     assert (tmp_path / "d.log").exists() and (tmp_path / "e.log").exists()
 
 
+@pytest.mark.slow
+def test_gpu_check_cpu_runs_the_colocated_flow(tmp_path):
+    """Part f on CPU: the tiny flow with a vllm engine and the deepspeed learner (ZeRO-3), three steps; the engine is
+    built once and synced from the learner's memory at each later step (kept awake: vLLM cannot sleep on a CPU)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("deepspeed")
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--cpu", "--parts", "f", "--keep", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [line] = [json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"part": "f"')]
+    assert line["ok"] is True and len(line["steps"]) == 3 and line["empty"] == []
+    assert line["rollouts"][0] == "engine built from the checkpoint"
+    assert all(
+        r.startswith("engine kept, weights synced in place from the learner's memory") for r in line["rollouts"][1:]
+    )
+
+
 def test_part_d_needs_none_of_the_carried_wheels():
     """Part d (the learner's throughput) imports only what the GPU machine has (torch, transformers, pyarrow,
     pandas, PyYAML, psutil, tqdm): it can run there in one call, before or without the wheels the other parts need."""
