@@ -185,6 +185,12 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "starting policy with the adapters switched off, and a moved reference would be a second copy of the "
             "model; train full weights, or set grpo.ref_sync_every=0"
         )
+    if cfg.grpo.gradient_checkpointing and cfg.grpo.share_prompt:
+        problems.append(
+            "grpo.gradient_checkpointing recomputes each layer in the backward pass, and grpo.share_prompt (on by "
+            "default) keeps the shared prompt's key/value cache, which recomputation would drop: set "
+            "grpo.share_prompt=false"
+        )
     if cfg.grpo.compile_layers and (cfg.grpo.learner != "torch" or cfg.model.lora_rank):
         problems.append(
             "grpo.compile_layers compiles the torch learner's full-weight policy: set grpo.learner=torch and "

@@ -382,3 +382,24 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_rec
 def _ranks_left() -> list[str]:
     found = subprocess.run(["pgrep", "-af", "refiner_core.learners.deepspeed_worker"], capture_output=True, text=True)
     return found.stdout.splitlines()
+
+
+def test_zero3_with_recomputed_activations_updates_as_the_torch_learner(tiny_model_path, tiny_tokenizer, tmp_path):
+    """grpo.gradient_checkpointing on a ZeRO-3 rank (its layers' parameters gathered again for the recomputation):
+    one step equals the torch learner's, which keeps its activations, to the bounds of the test above."""
+    batch = _samples(0)
+    policy = load_model(tiny_model_path, trainable=True)
+    expected = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings()).train_step(
+        batch
+    )
+    settings = _settings(zero_stage=3, share_prompt=False, gradient_checkpointing=True)
+    learner = make_learner("deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, settings, None)
+    try:
+        metrics = learner.train_step(batch)
+        learner.save(tmp_path / "step_1")
+    finally:
+        learner.close()
+    assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-7)
+    assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    updated = {k: v for k, v in load_model(tmp_path / "step_1").state_dict().items()}
+    assert _max_diff(updated, {k: v for k, v in policy.state_dict().items() if k in updated}) < 3e-5

@@ -497,3 +497,12 @@ def test_compiled_layers_are_the_torch_learners_full_weights_only():
     assert problems("grpo.compile_layers=true") == []
     assert problems("grpo.compile_layers=true", "grpo.learner=deepspeed") == refused
     assert problems("grpo.compile_layers=true", "model.lora_rank=8") == refused
+
+
+def test_recomputed_activations_need_the_prompt_read_per_sequence():
+    assert problems("grpo.gradient_checkpointing=true") == [
+        "grpo.gradient_checkpointing recomputes each layer in the backward pass, and grpo.share_prompt (on by "
+        "default) keeps the shared prompt's key/value cache, which recomputation would drop: set "
+        "grpo.share_prompt=false"
+    ]
+    assert problems("grpo.gradient_checkpointing=true", "grpo.share_prompt=false") == []

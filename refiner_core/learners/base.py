@@ -82,6 +82,7 @@ class LearnerSettings:
     pack_length: int
     packed_attention: str  # 'mask' or 'per_sequence' (refiner_core/learners/packed_attention.py)
     compile_layers: bool  # torch.compile the policy's decoder layers (torch learner)
+    gradient_checkpointing: bool  # recompute the policy's layer activations in the backward pass
     precision: str
     temperature: float
     # How the 'deepspeed' learner launches its ranks; the one-process learners ignore them.

@@ -70,6 +70,8 @@ class DeviceSums:
 class TorchLearner:
     def __init__(self, policy, reference, pad_id: int, settings: LearnerSettings, optimizer_state: Path | None = None):
         self.policy, self.reference, self.pad_id, self.s = policy, reference, pad_id, settings
+        if settings.share_prompt and settings.gradient_checkpointing:  # transformers turns the prompt's cache off
+            raise ValueError("grpo.gradient_checkpointing needs grpo.share_prompt false (preflight says why)")
         self.policy.train()
         trained = [p for p in policy.parameters() if p.requires_grad]
         # on a GPU one fused kernel updates every tensor; on CPU the per-tensor loop keeps runs' figures as they were
@@ -339,12 +341,22 @@ def load_learner_models(policy_path, reference_path, dtype: str, settings, devic
     if settings.lora_rank:
         base = load_model(reference_path, dtype, device=device)
         apply_packed_attention([base], settings.packed_attention)
+        recompute_activations(base, settings.gradient_checkpointing)
         policy = lora_policy(base, policy_path, settings)
         return policy, (AdaptersOff(policy) if settings.reads_reference else None)
     policy = load_model(policy_path, dtype, trainable=True, device=device)
     reference = load_model(reference_path, dtype, device=device) if settings.reads_reference else None
     apply_packed_attention([policy, reference], settings.packed_attention)
+    recompute_activations(policy, settings.gradient_checkpointing)
     return policy, reference
+
+
+def recompute_activations(model, on: bool) -> None:
+    """grpo.gradient_checkpointing: each decoder layer's activations recomputed in the backward pass (in training
+    mode with gradients; the frozen passes are not affected). Non-reentrant: the gradients reach LoRA adapters on
+    a frozen base and DeepSpeed's partitioned parameters alike."""
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def compile_decoder_layers(model) -> int:
