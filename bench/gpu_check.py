@@ -475,14 +475,15 @@ def train_flops(config, tokens_per_sequence: int, sequences: int, scored_tokens:
 def part_d(root: Path, cpu: bool) -> None:
     """The torch learner's GRPO step (clipped surrogate, beta 0, AdamW) on random bf16 weights: 2048-token
     sequences (1024 prompt + 1024 response), one per micro-batch; for the largest shape also two and four per
-    micro-batch (larger matrix products; a GPU without the memory for it records that), and on a GPU two with the
+    micro-batch (larger matrix products; a GPU without the memory for it records that), four with the layers'
+    activations recomputed (grpo.gradient_checkpointing: the peak memory it saves), and on a GPU two with the
     decoder layers compiled (grpo.compile_layers; its compile is in the warm-up step). One warm-up step, then the
     median of timed ones. Then what a colocated run pays once a step on top: the learner's cached memory handed
     back to the GPU for a rollout engine (release_gpu_cache) and the next step regrowing it."""
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from refiner_core.learners.torch_learner import TorchLearner, compile_decoder_layers
+    from refiner_core.learners.torch_learner import TorchLearner, compile_decoder_layers, recompute_activations
     from refiner_core.models import release_gpu_cache
 
     peak = matmul_tflops(cpu)
@@ -490,10 +491,13 @@ def part_d(root: Path, cpu: bool) -> None:
     shapes, length, count, timed = (CPU_SHAPES, 128, 4, 2) if cpu else (SHAPES, 2048, 8, 3)
     device = "cpu" if cpu else "cuda"
     largest = list(shapes)[-1]
-    runs = [(n, s, 1, False) for n, s in shapes.items()] + [(largest, shapes[largest], m, False) for m in (2, 4)]
+    # (shape, micro-batch size, compiled layers, recomputed activations)
+    runs = [(n, s, 1, False, False) for n, s in shapes.items()]
+    runs += [(largest, shapes[largest], 2, False, False), (largest, shapes[largest], 4, False, False)]
+    runs.append((largest, shapes[largest], 4, False, True))
     if not cpu:
-        runs.append((largest, shapes[largest], 2, True))
-    for name, shape, micro, compiled in runs:
+        runs.append((largest, shapes[largest], 2, True, False))
+    for name, shape, micro, compiled, recomputed in runs:
         config = shape_config(shape, vocab=8192 if cpu else 151936)
         torch.manual_seed(0)
         with torch.device(device):
@@ -501,12 +505,21 @@ def part_d(root: Path, cpu: bool) -> None:
         params = sum(p.numel() for p in model.parameters())
         if compiled:
             compile_decoder_layers(model)
+        recompute_activations(model, recomputed)
         settings = dataclasses.replace(
-            grpo_settings(cpu, micro_batch_size=micro, pack_length=0, share_prompt=False, learning_rate=1e-6),
+            grpo_settings(
+                cpu,
+                micro_batch_size=micro,
+                pack_length=0,
+                share_prompt=False,
+                learning_rate=1e-6,
+                gradient_checkpointing=recomputed,
+            ),
             precision="bf16",
         )
         learner = TorchLearner(model, None, 0, settings)
         run = {"model": name, "device": device_name(cpu), "micro_batch_size": micro, "compiled_layers": compiled}
+        run["recomputed_activations"] = recomputed  # MFU counts no recomputation, as is usual: it reads lower
         try:
             step = _timed_steps(learner, config.vocab_size, length, count, timed, cpu)
             start = time.perf_counter()
