@@ -476,7 +476,8 @@ def part_d(root: Path, cpu: bool) -> None:
     """The torch learner's GRPO step (clipped surrogate, beta 0, AdamW) on random bf16 weights: 2048-token
     sequences (1024 prompt + 1024 response), one per micro-batch; for the largest shape also two and four per
     micro-batch (larger matrix products; a GPU without the memory for it records that), four with the layers'
-    activations recomputed (grpo.gradient_checkpointing: the peak memory it saves), and on a GPU two with the
+    activations recomputed (grpo.gradient_checkpointing: the peak memory it saves), the same with the logits in
+    chunks of 1024 positions (grpo.logit_chunk_tokens), and on a GPU two with the
     decoder layers compiled (grpo.compile_layers; its compile is in the warm-up step). One warm-up step, then the
     median of timed ones. Then what a colocated run pays once a step on top: the learner's cached memory handed
     back to the GPU for a rollout engine (release_gpu_cache) and the next step regrowing it."""
@@ -491,13 +492,14 @@ def part_d(root: Path, cpu: bool) -> None:
     shapes, length, count, timed = (CPU_SHAPES, 128, 4, 2) if cpu else (SHAPES, 2048, 8, 3)
     device = "cpu" if cpu else "cuda"
     largest = list(shapes)[-1]
-    # (shape, micro-batch size, compiled layers, recomputed activations)
-    runs = [(n, s, 1, False, False) for n, s in shapes.items()]
-    runs += [(largest, shapes[largest], 2, False, False), (largest, shapes[largest], 4, False, False)]
-    runs.append((largest, shapes[largest], 4, False, True))
+    # (shape, micro-batch size, compiled layers, recomputed activations, positions per chunk of logits)
+    big = (largest, shapes[largest])
+    runs = [(n, s, 1, False, False, 0) for n, s in shapes.items()]
+    runs += [(*big, 2, False, False, 0), (*big, 4, False, False, 0), (*big, 4, False, True, 0)]
+    runs.append((*big, 4, False, True, 64 if cpu else 1024))
     if not cpu:
-        runs.append((largest, shapes[largest], 2, True, False))
-    for name, shape, micro, compiled, recomputed in runs:
+        runs.append((*big, 2, True, False, 0))
+    for name, shape, micro, compiled, recomputed, chunk in runs:
         config = shape_config(shape, vocab=8192 if cpu else 151936)
         torch.manual_seed(0)
         with torch.device(device):
@@ -514,12 +516,14 @@ def part_d(root: Path, cpu: bool) -> None:
                 share_prompt=False,
                 learning_rate=1e-6,
                 gradient_checkpointing=recomputed,
+                logit_chunk_tokens=chunk,
             ),
             precision="bf16",
         )
         learner = TorchLearner(model, None, 0, settings)
         run = {"model": name, "device": device_name(cpu), "micro_batch_size": micro, "compiled_layers": compiled}
         run["recomputed_activations"] = recomputed  # MFU counts no recomputation, as is usual: it reads lower
+        run["logit_chunk_tokens"] = chunk
         try:
             step = _timed_steps(learner, config.vocab_size, length, count, timed, cpu)
             start = time.perf_counter()

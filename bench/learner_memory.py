@@ -1,14 +1,15 @@
-"""What grpo.gradient_checkpointing trades: one GRPO update with the policy's layer activations kept, and with them
-recomputed in the backward pass, each in a process of its own, side by side.
+"""What grpo.gradient_checkpointing and grpo.logit_chunk_tokens trade: one GRPO update with the policy's layer
+activations kept, with them recomputed in the backward pass, and recomputed with the logits computed --chunk
+positions at a time, each in a process of its own, side by side.
 
     .venv/bin/python bench/learner_memory.py [--model smollm2-135m-instruct|tiny-qwen3] [--sequences 4]
-        [--tokens 1024] [--threads 2]
+        [--tokens 1024] [--chunk 256] [--threads 2]
 
 Random sequences (half prompt, half response), padded rows of --sequences per micro-batch, fp32, share_prompt off.
 Prints per setting: the bytes of the tensors autograd saved for the backward pass outside recomputed regions (exact,
 counted once per storage, parameters left out: what the update keeps from the forward pass besides the layer
 inputs recomputation holds), the process's peak resident memory grown over the update (what the machine saw, layer
-inputs included), wall and CPU seconds; then the ratios checkpointed / kept. The losses agree.
+inputs included), wall and CPU seconds; then the ratios to kept. The losses agree.
 """
 
 from __future__ import annotations
@@ -68,9 +69,14 @@ def samples(vocab: int, count: int, tokens: int) -> list[TrainSample]:
     return out
 
 
-def one_update(path: str, checkpointed: bool, count: int, tokens: int) -> dict:
+def one_update(path: str, checkpointed: bool, chunk: int, count: int, tokens: int) -> dict:
     grpo = GRPOConfig(
-        learning_rate=1e-5, beta=0.0, share_prompt=False, micro_batch_size=count, gradient_checkpointing=checkpointed
+        learning_rate=1e-5,
+        beta=0.0,
+        share_prompt=False,
+        micro_batch_size=count,
+        gradient_checkpointing=checkpointed,
+        logit_chunk_tokens=chunk,
     )
     policy = load_model(path, trainable=True)
     recompute_activations(policy, checkpointed)
@@ -96,36 +102,35 @@ def main() -> None:
     )
     parser.add_argument("--sequences", type=int, default=4, help="sequences, all in one micro-batch")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per sequence")
+    parser.add_argument("--chunk", type=int, default=256, help="positions per chunk of logits (the third setting)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model, max_position_embeddings=max(2048, args.tokens)))
     if args.child:
-        print(json.dumps(one_update(path, args.child == "checkpointed", args.sequences, args.tokens)))
+        chunk = args.chunk if args.child == "chunked_logits" else 0
+        print(json.dumps(one_update(path, args.child != "kept", chunk, args.sequences, args.tokens)))
         return
     results = {}
-    for setting in ("kept", "checkpointed"):
+    for setting in ("kept", "checkpointed", "chunked_logits"):
         cmd = [sys.executable, __file__, "--child", setting, *sys.argv[1:]]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results[setting] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{setting}: {results[setting]}", file=sys.stderr, flush=True)
-    kept, recomputed = results["kept"], results["checkpointed"]
-    print(
-        json.dumps(
-            {
-                "model": args.model,
-                "sequences": args.sequences,
-                "tokens_per_sequence": args.tokens,
-                **results,
-                "saved_ratio": round(recomputed["saved_mib"] / kept["saved_mib"], 3),
-                "peak_rss_growth_ratio": round(recomputed["peak_rss_growth_mib"] / kept["peak_rss_growth_mib"], 3),
-                "cpu_seconds_ratio": round(recomputed["cpu_seconds"] / kept["cpu_seconds"], 3),
-                "loss_gap": abs(recomputed["loss"] - kept["loss"]),
-            },
-            indent=1,
-        )
-    )
+    kept = results["kept"]
+    ratios = {
+        setting: {
+            "saved": round(r["saved_mib"] / kept["saved_mib"], 3),
+            "peak_rss_growth": round(r["peak_rss_growth_mib"] / kept["peak_rss_growth_mib"], 3),
+            "cpu_seconds": round(r["cpu_seconds"] / kept["cpu_seconds"], 3),
+            "loss_gap": abs(r["loss"] - kept["loss"]),
+        }
+        for setting, r in results.items()
+        if setting != "kept"
+    }
+    shape = {"model": args.model, "sequences": args.sequences, "tokens_per_sequence": args.tokens, "chunk": args.chunk}
+    print(json.dumps({**shape, **results, "to_kept": ratios}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1070,6 +1070,17 @@ class GRPOConfig:
         "gradients, either learner, LoRA too. Needs grpo.share_prompt false: transformers turns off the key/value "
         "cache the shared prompt's forward hands to its responses.",
     )
+    logit_chunk_tokens: int = opt(
+        0,
+        "Run the output layer and the log-softmax this many positions at a time, each chunk's logits recomputed in "
+        "the backward pass (0: all positions at once). The fp32 logits of a position take 4 x vocabulary bytes "
+        "(0.6 MB for Qwen3's 151936), about 5 GB for an 8192-token pack, held several times over by the "
+        "log-softmax and its gradient; chunks of 1024 keep one chunk's. Same log-probs up to rounding. Rows only "
+        "(grpo.share_prompt false), Llama, Mistral and Qwen2/3 models (their output layer is a plain projection), "
+        "the torch learner or DeepSpeed ZeRO stages 0-2 (ZeRO-3's gradient hooks lose part of the gradient of an "
+        "output layer called once per chunk).",
+        check=NON_NEGATIVE,
+    )
     compile_layers: bool = opt(
         False,
         "torch.compile each decoder layer of the policy (the torch learner): the layers share one compiled code, so "

@@ -30,8 +30,9 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     shapes = [x for x in lines if x["part"] == "d" and "model" in x]
     assert len(peak) == 1 and peak[0]["tflops"] > 0
     assert shapes and all(x["tokens_per_second"] > 0 and 0 < x["mfu"] <= 1 for x in shapes)
-    assert [x["micro_batch_size"] for x in shapes] == [1, 2, 4, 4] and len({x["model"] for x in shapes}) == 1
-    assert [x["recomputed_activations"] for x in shapes] == [False, False, False, True]
+    assert [x["micro_batch_size"] for x in shapes] == [1, 2, 4, 4, 4] and len({x["model"] for x in shapes}) == 1
+    assert [x["recomputed_activations"] for x in shapes] == [False, False, False, True, True]
+    assert [x["logit_chunk_tokens"] for x in shapes] == [0, 0, 0, 0, 64]
     assert not any(x["compiled_layers"] for x in shapes)  # the compiled run is the GPU's
     assert all(x["hand_back_seconds"] >= 0 and x["step_after_hand_back_seconds"] > 0 for x in shapes)
     full = [x for x in lines if x["part"] == "e" and x.get("mode") == "full"]

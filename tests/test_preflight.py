@@ -506,3 +506,19 @@ def test_recomputed_activations_need_the_prompt_read_per_sequence():
         "grpo.share_prompt=false"
     ]
     assert problems("grpo.gradient_checkpointing=true", "grpo.share_prompt=false") == []
+
+
+def test_chunked_logits_are_for_training_rows():
+    assert problems("grpo.logit_chunk_tokens=1024") == [
+        "grpo.logit_chunk_tokens = 1024 chunks the logits of training rows, and grpo.share_prompt (on by default) "
+        "computes a group's logits over its shared prompt's cache instead: set grpo.share_prompt=false, or "
+        "grpo.logit_chunk_tokens=0"
+    ]
+    assert problems("grpo.logit_chunk_tokens=1024", "grpo.share_prompt=false") == []
+    rows = ["grpo.logit_chunk_tokens=1024", "grpo.share_prompt=false", "grpo.learner=deepspeed"]
+    [zero3] = problems(*rows)
+    assert zero3.startswith("grpo.logit_chunk_tokens calls the output layer once per chunk, and DeepSpeed's ZeRO-3")
+    assert problems(*rows, "grpo.deepspeed.zero_stage=2") == []
+    assert problems("grpo.logit_chunk_tokens=-1", "grpo.share_prompt=false") == [
+        "grpo.logit_chunk_tokens = -1: must be >= 0"
+    ]

@@ -83,6 +83,7 @@ class LearnerSettings:
     packed_attention: str  # 'mask' or 'per_sequence' (refiner_core/learners/packed_attention.py)
     compile_layers: bool  # torch.compile the policy's decoder layers (torch learner)
     gradient_checkpointing: bool  # recompute the policy's layer activations in the backward pass
+    logit_chunk_tokens: int  # > 0: the output layer and log-softmax that many positions at a time (logprobs.py)
     precision: str
     temperature: float
     # How the 'deepspeed' learner launches its ranks; the one-process learners ignore them.

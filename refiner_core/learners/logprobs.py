@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils.checkpoint
 
 
 def autocast(precision: str, device: torch.device):
@@ -17,35 +18,99 @@ def autocast(precision: str, device: torch.device):
     raise ValueError(f"unknown precision {precision!r}; choose from ['bf16', 'fp32']")
 
 
-def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32") -> torch.Tensor:
+def token_logprobs(
+    model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32", chunk: int = 0
+) -> torch.Tensor:
     """log pi(token_{t+1} | <= t) under the same temperature the sampler used; [R, T-1], computed in fp32.
 
     Logits are computed only from the first position any row scores (`logits_to_keep`): the vocabulary
     projection and log-softmax over the prompt part of padded rows would be thrown away. Positions before it are
-    0 and carry no mask."""
-    return token_scores(model, batch, temperature, precision)[0]
+    0 and carry no mask. `chunk` > 0: `chunk` positions of logits at a time (chunked_scores)."""
+    return token_scores(model, batch, temperature, precision, chunk=chunk)[0]
 
 
 def token_scores(
-    model, batch: dict[str, torch.Tensor], temperature: float, precision: str = "fp32", entropy: bool = False
+    model,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    precision: str = "fp32",
+    entropy: bool = False,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(token_logprobs, and with `entropy` the entropy of every scored position's next-token distribution,
     H = logsumexp(z) - sum softmax(z) z over the same temperature-scaled fp32 logits z, else None). The entropy
-    costs one more pass over the logits already computed, no extra forward."""
+    costs one more pass over the logits already computed, no extra forward. `chunk` > 0 (rows, not shared
+    prompts): the output layer and the log-softmax run `chunk` positions at a time (chunked_scores)."""
     if "prefix_ids" in batch:
         logits, start = _group_logits(model, batch, precision), 0
+    elif chunk:
+        return chunked_scores(model, batch, temperature, precision, entropy, chunk)
     else:
         logits, start = _row_logits(model, batch, precision)
+    logp, ent = _scores(logits, batch["targets"][:, start:], temperature, entropy)
+    shape = batch["targets"].shape
+    return _from_start(logp, shape, start), (_from_start(ent, shape, start) if entropy else None)
+
+
+def _scores(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+    """(log-prob of each target, entropy or None) from logits [..., V], in fp32 at the sampler's temperature."""
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     normaliser = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, batch["targets"][:, start:].unsqueeze(-1)).squeeze(-1)
-    logp = _from_start(picked - normaliser, batch["targets"].shape, start)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not entropy:
-        return logp, None
+        return picked - normaliser, None
     probs = torch.exp(logits - normaliser.unsqueeze(-1))
-    return logp, _from_start(normaliser - (probs * logits).sum(-1), batch["targets"].shape, start)
+    return picked - normaliser, normaliser - (probs * logits).sum(-1)
+
+
+# Causal LMs whose logits are the output layer applied to the decoder's last hidden state, nothing after it
+# (no soft-capping or scaling), so the output layer can run a chunk of positions at a time.
+PLAIN_OUTPUT_LAYER = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def chunked_scores(
+    model, batch: dict[str, torch.Tensor], temperature: float, precision: str, entropy: bool, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_scores of a collate_rows batch with the output layer and the log-softmax run `chunk` positions at a
+    time, each chunk's logits recomputed in the backward pass rather than kept (grpo.logit_chunk_tokens): the fp32
+    logits of every scored position (V = 151936 for Qwen3: 0.6 MB a position, about 5 GB for an 8192-token pack,
+    held several times over by the log-softmax and its gradient) never exist at once. The same values as
+    computing them whole, up to rounding."""
+    model = getattr(model, "module", model)  # a DeepSpeed engine's model (ZeRO-3 gathers on each submodule's call)
+    kind = model.config.model_type
+    if kind not in PLAIN_OUTPUT_LAYER:
+        raise ValueError(
+            f"grpo.logit_chunk_tokens: the output layer of a {kind!r} model may do more than a projection; "
+            f"chunked log-probs are for {', '.join(PLAIN_OUTPUT_LAYER)} (set grpo.logit_chunk_tokens=0)"
+        )
+    width = batch["targets"].shape[1]
+    scored = batch["mask"].any(0).nonzero()
+    if not len(scored):  # nothing scored (a zero-weight pass): one position's logits, still in the graph
+        return token_scores(model, batch, temperature, precision, entropy)
+    start = int(scored[0])
+    with autocast(precision, model.device):
+        hidden = model.get_decoder()(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).last_hidden_state[:, start:width]
+    head = model.get_output_embeddings()
+
+    def scores(h: torch.Tensor, targets: torch.Tensor):
+        with autocast(precision, model.device):
+            logits = head(h)
+        return _scores(logits, targets, temperature, entropy)
+
+    parts = []
+    for a in range(0, width - start, chunk):
+        args = (hidden[:, a : a + chunk], batch["targets"][:, start + a : start + a + chunk])
+        recompute = torch.is_grad_enabled() and hidden.requires_grad
+        parts.append(
+            torch.utils.checkpoint.checkpoint(scores, *args, use_reentrant=False) if recompute else scores(*args)
+        )
+    shape = batch["targets"].shape
+    logp = _from_start(torch.cat([p[0] for p in parts], dim=1), shape, start)
+    return logp, (_from_start(torch.cat([p[1] for p in parts], dim=1), shape, start) if entropy else None)
 
 
 def _from_start(scored: torch.Tensor, shape: torch.Size, start: int) -> torch.Tensor:

@@ -111,7 +111,9 @@ class TorchLearner:
     def _frozen_logprobs(self, model, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         was_training = model.training
         model.eval()
-        out = [token_logprobs(model, b, self.s.temperature, self.s.precision) for b in batches]
+        out = [
+            token_logprobs(model, b, self.s.temperature, self.s.precision, self.s.logit_chunk_tokens) for b in batches
+        ]
         model.train(was_training)
         return out
 
@@ -188,7 +190,9 @@ class TorchLearner:
             self._zero_grad()
             for k, batch in enumerate(step, start=first):
                 # token entropies only when the loss reads them: one more reduction over the logits
-                logp, entropy = token_scores(self.policy, batch, s.temperature, s.precision, entropy=reads_entropy)
+                logp, entropy = token_scores(
+                    self.policy, batch, s.temperature, s.precision, entropy=reads_entropy, chunk=s.logit_chunk_tokens
+                )
                 old = old_lp[k] if old_lp is not None else logp.detach()
                 mask = batch["mask"]
                 sequences = Sequences(batch["sequence_index"], mask)
