@@ -84,9 +84,12 @@ class TorchLearner:
             fused=fused or None,
         )
         if optimizer_state is not None and Path(optimizer_state).exists():
-            self.optimizer.load_state_dict(torch.load(optimizer_state, map_location="cpu", weights_only=True))
-            for group in self.optimizer.param_groups:  # the recipe's lr wins over the saved one, as the device's kernel
-                group["lr"], group["fused"] = settings.learning_rate, fused or None
+            state = torch.load(optimizer_state, map_location="cpu", weights_only=True)
+            for group in state["param_groups"]:  # this device's kernel, before loading: the fused one keeps its
+                group["fused"] = fused or None  # step counts on the GPU, where loading then moves them
+            self.optimizer.load_state_dict(state)
+            for group in self.optimizer.param_groups:  # the recipe's lr wins over the saved one
+                group["lr"] = settings.learning_rate
         self.exports: AdapterExports | None = None  # made by the first adapter()
 
     def _layout(self, samples: list[TrainSample]) -> list[list[dict[str, torch.Tensor]]]:
