@@ -157,6 +157,25 @@ def run_cli(
     return code, out_path.read_text(), err_path.read_text(), time.time() - t0
 
 
+def learner_samples():
+    """Eight train samples of the tiny model's vocabulary: prompts of 20-41 tokens, responses of 8-22, advantages of
+    both signs and one 0."""
+    import torch
+
+    from refiner_core.learners.base import TrainSample
+
+    g = torch.Generator().manual_seed(0)
+    return [
+        TrainSample(
+            torch.randint(3, 2000, (20 + 3 * k,), generator=g).tolist(),
+            torch.randint(3, 2000, (8 + 2 * k,), generator=g).tolist(),
+            adv,
+            [-7.0] * (8 + 2 * k),
+        )
+        for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -1.2, 0.0, 0.3])
+    ]
+
+
 def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overrides):
     """LearnerSettings for learner tests, from the recipe's GRPO and LoRA fields (their defaults, then these): fp32,
     k3 KL, token-mean, no clipping of the gradient norm, padded batches (no packing, no shared prompts)."""

@@ -14,18 +14,23 @@ import pytest
 from conftest import REPO
 
 
-@pytest.mark.slow
-def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
-    pytest.importorskip("vllm")
+def _check_on_cpu(parts: str, folder) -> tuple[list[dict], str]:
+    """`bench/gpu_check.py --cpu --parts PARTS`, which must pass: its JSON lines and its whole output."""
     done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--cpu", "--parts", "d,e", "--keep", str(tmp_path)],
+        [sys.executable, "bench/gpu_check.py", "--cpu", "--parts", parts, "--keep", str(folder)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")], done.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
+    pytest.importorskip("vllm")
+    lines, stdout = _check_on_cpu("d,e", tmp_path)
     peak = [x for x in lines if x["part"] == "d" and x.get("check") == "bf16 matmul peak"]
     shapes = [x for x in lines if x["part"] == "d" and "model" in x]
     assert len(peak) == 1 and peak[0]["tflops"] > 0
@@ -39,7 +44,7 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     delta = [x for x in lines if x["part"] == "e" and x.get("mode") == "delta"]
     assert full and all(x["ok"] is True and x["transport"] == "host" and x["sync_seconds"] > 0 for x in full)
     assert len(delta) == 1 and delta[0]["ok"] is None and "NCCL" in delta[0]["not_run"]
-    assert done.stdout.rstrip().splitlines()[-1].startswith("files and logs:")  # the table comes last
+    assert stdout.rstrip().splitlines()[-1].startswith("files and logs:")  # the table comes last
     assert (tmp_path / "d.log").exists() and (tmp_path / "e.log").exists()
 
 
@@ -49,15 +54,7 @@ def test_gpu_check_cpu_runs_the_colocated_flow(tmp_path):
     built once and synced from the learner's memory at each later step (kept awake: vLLM cannot sleep on a CPU)."""
     pytest.importorskip("vllm")
     pytest.importorskip("deepspeed")
-    done = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--cpu", "--parts", "f", "--keep", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    [line] = [json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"part": "f"')]
+    [line] = [x for x in _check_on_cpu("f", tmp_path)[0] if x["part"] == "f"]
     assert line["ok"] is True and len(line["steps"]) == 3 and line["empty"] == []
     assert line["rollouts"][0] == "engine built from the checkpoint"
     assert all(

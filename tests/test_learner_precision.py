@@ -3,23 +3,9 @@
 import pytest
 import torch
 
-from conftest import learner_settings
-from refiner_core.learners.base import TrainSample
+from conftest import learner_samples, learner_settings
 from refiner_core.learners.torch_learner import TorchLearner, load_learner_models
 from refiner_core.models import load_model
-
-
-def _samples():
-    g = torch.Generator().manual_seed(0)
-    return [
-        TrainSample(
-            torch.randint(3, 2000, (20 + 3 * k,), generator=g).tolist(),
-            torch.randint(3, 2000, (8 + 2 * k,), generator=g).tolist(),
-            adv,
-            [-7.0] * (8 + 2 * k),
-        )
-        for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -1.2, 0.0, 0.3])
-    ]
 
 
 def _settings(**kw):
@@ -33,7 +19,7 @@ def test_bf16_loss_and_gradients_close_to_fp32(tiny_model_path):
     for precision in ("fp32", "bf16"):
         policy = load_model(tiny_model_path, trainable=True)
         metrics = TorchLearner(policy, load_model(tiny_model_path), 0, _settings(precision=precision)).train_step(
-            _samples()
+            learner_samples()
         )
         results[precision] = metrics, torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
     (fp32, g32), (bf16, g16) = results["fp32"], results["bf16"]
@@ -53,7 +39,7 @@ def test_bf16_autocasts_every_pass_and_keeps_fp32_state(tiny_model_path):
             lambda module, args, out, name=name: seen[name].add((torch.is_grad_enabled(), out.dtype))
         )
     learner = TorchLearner(policy, reference, 0, _settings(precision="bf16", minibatches=2))
-    learner.train_step(_samples())
+    learner.train_step(learner_samples())
     # policy: pi_old under no_grad and the training passes with grad; reference under no_grad
     assert seen == {"policy": {(False, torch.bfloat16), (True, torch.bfloat16)}, "reference": {(False, torch.bfloat16)}}
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in policy.parameters())
@@ -66,7 +52,7 @@ def _moved_fraction(learner: TorchLearner, policy, steps: int = 1) -> float:
     trained = [p for p in policy.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in trained]
     for _ in range(steps):
-        learner.train_step(_samples())
+        learner.train_step(learner_samples())
     return sum(int((p.detach() != b).sum()) for p, b in zip(trained, before)) / sum(b.numel() for b in before)
 
 

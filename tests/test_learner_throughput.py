@@ -5,8 +5,7 @@ activations recomputed in the backward pass (grpo.gradient_checkpointing)."""
 import pytest
 import torch
 
-from conftest import REPO, learner_settings
-from refiner_core.learners.base import TrainSample
+from conftest import REPO, learner_samples, learner_settings
 from refiner_core.learners.torch_learner import (
     DeviceSums,
     TorchLearner,
@@ -14,19 +13,6 @@ from refiner_core.learners.torch_learner import (
     load_learner_models,
 )
 from refiner_core.models import load_model
-
-
-def _samples():
-    g = torch.Generator().manual_seed(0)
-    return [
-        TrainSample(
-            torch.randint(3, 2000, (20 + 3 * k,), generator=g).tolist(),
-            torch.randint(3, 2000, (8 + 2 * k,), generator=g).tolist(),
-            adv,
-            [-7.0] * (8 + 2 * k),
-        )
-        for k, adv in enumerate([1.0, -1.0, 0.5, -0.5, 1.2, -1.2, 0.0, 0.3])
-    ]
 
 
 def test_device_sums_equal_the_figures_read_one_at_a_time():
@@ -64,7 +50,7 @@ def test_compiled_layers_share_one_graph_and_train_as_eager(tiny_model_path):
         learner = TorchLearner(
             policy, load_model(tiny_model_path), 0, learner_settings(micro_batch_size=8, tis_cap=2.0)
         )
-        losses = [learner.train_step(_samples())["loss"] for _ in range(2)]
+        losses = [learner.train_step(learner_samples())["loss"] for _ in range(2)]
         results[compiled] = losses, [p.detach().clone() for p in policy.parameters()]
     assert counters["stats"]["unique_graphs"] == 1
     (eager, eager_weights), (fused, fused_weights) = results[False], results[True]
@@ -86,7 +72,7 @@ def test_fused_adamw_is_for_gpus_and_a_gpu_runs_state_loads_on_cpu(tiny_model_pa
     policy = load_model(tiny_model_path, trainable=True)
     learner = TorchLearner(policy, None, 0, learner_settings(beta=0.0))
     assert [g["fused"] for g in learner.optimizer.param_groups] == [None]
-    learner.train_step(_samples())
+    learner.train_step(learner_samples())
     state = learner.optimizer.state_dict()
     state["param_groups"][0]["fused"] = True  # as a GPU run saves it
     torch.save(state, tmp_path / "optimizer.pt")
@@ -94,7 +80,7 @@ def test_fused_adamw_is_for_gpus_and_a_gpu_runs_state_loads_on_cpu(tiny_model_pa
     assert [g["fused"] for g in resumed.optimizer.param_groups] == [None]
     first = next(iter(resumed.optimizer.state.values()))
     assert int(first["step"]) == 1
-    resumed.train_step(_samples())
+    resumed.train_step(learner_samples())
     assert int(next(iter(resumed.optimizer.state.values()))["step"]) == 2
 
 
@@ -116,7 +102,7 @@ def test_recomputed_activations_give_the_same_update_and_keep_less(tiny_model_pa
         assert policy.is_gradient_checkpointing == recompute
         learner = TorchLearner(policy, reference, 0, settings)
         with SavedBytes(policy) as saved:
-            loss = learner.train_step(_samples())["loss"]
+            loss = learner.train_step(learner_samples())["loss"]
         grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
         results[recompute] = loss, grads, saved.total
     (loss, grads, kept), (loss_again, grads_again, recomputed) = results[False], results[True]
@@ -139,7 +125,7 @@ def test_chunked_logits_score_as_whole_ones_and_keep_less(tiny_model_path):
     from refiner_core.learners.batching import collate_rows
     from refiner_core.learners.logprobs import token_scores
 
-    batch = collate_rows([[s] for s in _samples()[:4]], 0)
+    batch = collate_rows([[s] for s in learner_samples()[:4]], 0)
     results = {}
     for chunk in (0, 5):
         model = load_model(tiny_model_path, trainable=True)
@@ -166,7 +152,7 @@ def test_a_learner_with_chunked_logits_updates_as_one_without(tiny_model_path):
     for chunk in (0, 4):
         settings = learner_settings(micro_batch_size=4, tis_cap=2.0, logit_chunk_tokens=chunk, entropy_coef=0.01)
         policy, reference = load_learner_models(tiny_model_path, tiny_model_path, "float32", settings)
-        metrics = TorchLearner(policy, reference, 0, settings).train_step(_samples())
+        metrics = TorchLearner(policy, reference, 0, settings).train_step(learner_samples())
         results[chunk] = metrics, [p.detach().clone() for p in policy.parameters()]
     (whole, weights), (chunked, weights_c) = results[0], results[4]
     assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-8)
