@@ -32,6 +32,13 @@ PEER_NAMES: dict[str, PeerName] = {
         "True = per_sequence, with grpo.pack_length > 0 and grpo.share_prompt false: sequences packed into rows "
         "and attended one at a time (verl: flash-attention varlen over unpadded tokens); False = mask",
     ),
+    "enable_gradient_checkpointing": PeerName("verl", "grpo.gradient_checkpointing"),
+    "use_liger_loss": PeerName(
+        "TRL",
+        "grpo.logit_chunk_tokens",
+        "Liger's fused linear loss never holds a whole pack's logits either; ours runs the output layer and the "
+        "log-softmax N positions at a time",
+    ),
     "steps_per_generation": PeerName(
         "TRL", "grpo.minibatches", "ours counts optimizer steps: steps_per_generation / gradient_accumulation_steps"
     ),
