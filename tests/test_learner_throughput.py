@@ -33,23 +33,24 @@ def test_device_sums_equal_the_figures_read_one_at_a_time():
     assert fp32 != by_item  # the case can tell a float32 sum apart
 
 
-def test_compiled_layers_share_one_graph_and_train_as_eager(tiny_model_path):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compiled_layers_share_one_graph_and_train_as_eager(tiny_model_path, recompute):
     """Two decoder layers compile into one graph (one per layer would be two); two updates from the same weights
-    agree with eager to rounding. Measured: losses within 2e-7 relative, weights within 3e-4 after two AdamW steps
+    agree with eager to rounding, also with the compiled layers recomputed in the backward pass
+    (grpo.gradient_checkpointing). Measured: losses within 2e-7 relative, weights within 3e-4 after two AdamW steps
     at lr 1e-2 (which turns rounding-sized gradient differences into steps)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    settings = learner_settings(micro_batch_size=8, tis_cap=2.0, gradient_checkpointing=recompute)
     results = {}
     for compiled in (False, True):
-        policy = load_model(tiny_model_path, trainable=True)
+        policy, reference = load_learner_models(tiny_model_path, tiny_model_path, "float32", settings)
         if compiled:
             torch._dynamo.reset()
             counters.clear()
             assert compile_decoder_layers(policy) == policy.config.num_hidden_layers == 2
-        learner = TorchLearner(
-            policy, load_model(tiny_model_path), 0, learner_settings(micro_batch_size=8, tis_cap=2.0)
-        )
+        learner = TorchLearner(policy, reference, 0, settings)
         losses = [learner.train_step(learner_samples())["loss"] for _ in range(2)]
         results[compiled] = losses, [p.detach().clone() for p in policy.parameters()]
     assert counters["stats"]["unique_graphs"] == 1
