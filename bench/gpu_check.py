@@ -164,15 +164,16 @@ def grpo_settings(cpu: bool, deepspeed: dict | None = None, **overrides):
 def part_a(root: Path, cpu: bool) -> None:
     """The real flow (`refiner run recipes/tiny.yaml`) in a child process: two steps, hf engine, torch learner,
     model.precision auto. Then the catalog: every table the tiny recipe writes has rows, nothing is NaN."""
-    line = tiny_flow(root / "tiny-run", cpu, [])
+    line = tiny_flow("a", root / "tiny-run", cpu, [])
     if line is not None:
+        line.pop("log")
         emit("a", **line)
 
 
-def tiny_flow(run_dir: Path, cpu: bool, overrides: list[str]) -> dict | None:
+def tiny_flow(part: str, run_dir: Path, cpu: bool, overrides: list[str]) -> dict | None:
     """`refiner run recipes/tiny.yaml --set OVERRIDES` in a child process, then its catalog: the fields of the part's
     line, `ok` when every table the tiny recipe writes has rows, nothing is NaN, every step ran and the precision
-    line says bf16 on a GPU; the run's log under "log". None when the run failed (its line emitted)."""
+    line says bf16 on a GPU; the run's log under "log". None when the run failed (`part`'s line emitted)."""
     import duckdb
 
     root = run_dir.parent
@@ -191,7 +192,6 @@ def tiny_flow(run_dir: Path, cpu: bool, overrides: list[str]) -> dict | None:
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     log = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))) if run_dir.exists() else ""
-    part = "f" if overrides else "a"
     if done.returncode != 0:
         emit(part, ok=False, error=f"refiner run exited {done.returncode}", tail=(done.stderr or done.stdout)[-3000:])
         return None
@@ -224,7 +224,7 @@ def tiny_flow(run_dir: Path, cpu: bool, overrides: list[str]) -> dict | None:
         "empty": empty,
         "nan_logprobs": bad_logprobs,
         "nan_rewards": bad_rewards,
-        **({"log": log} if overrides else {}),
+        "log": log,
     }
 
 
@@ -245,7 +245,7 @@ def part_f(root: Path, cpu: bool) -> None:
         "grpo.deepspeed.zero_stage=3",
         "grpo.steps=3",
     ]
-    line = tiny_flow(root / "colocated-run", cpu, overrides)
+    line = tiny_flow("f", root / "colocated-run", cpu, overrides)
     if line is None:
         return
     # the rollout stage logs how it got its engine: "rollout step 1: engine woken from sleep in …, weights synced …"

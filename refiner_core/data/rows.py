@@ -22,7 +22,7 @@ from refiner_core.data.formats import (
 )
 from refiner_core.data.prompts import refiner_messages
 from refiner_core.data.rubric_fields import RubricError, instance_rubrics
-from refiner_core.data.text_safety import DATA_CONTROL_CHARACTERS, LONE_SURROGATES
+from refiner_core.data.text_safety import DATA_CONTROL_CHARACTERS, LONE_SURROGATES, found_at
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -175,8 +175,8 @@ def find_control_character(value, where: str = "row") -> str | None:
 
 def _find_in_texts(pattern: re.Pattern, value, where: str) -> str | None:
     if isinstance(value, str):
-        found = pattern.search(value)
-        return f"{where} holds U+{ord(found.group()):04X} at offset {found.start()}" if found else None
+        found = found_at(pattern, value)
+        return f"{where} {found}" if found else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         inner = f"field {key!r}" if where == "row" else f"{where}[{key!r}]"

@@ -25,13 +25,19 @@ DATA_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 LONE_SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 
+def found_at(pattern: re.Pattern, text: str) -> str | None:
+    """Where `pattern` first matches TEXT, "holds U+001B at offset 3", or None."""
+    found = pattern.search(text)
+    return f"holds U+{ord(found.group()):04X} at offset {found.start()}" if found else None
+
+
 def unusable_character(text: str) -> str | None:
     """Why TEXT cannot be data, else None: "holds U+001B at offset 3 (a control character)", or a lone surrogate."""
     kinds = ((LONE_SURROGATES, "a lone UTF-16 surrogate"), (DATA_CONTROL_CHARACTERS, "a control character"))
     for pattern, what in kinds:
-        found = pattern.search(text)
+        found = found_at(pattern, text)
         if found:
-            return f"holds U+{ord(found.group()):04X} at offset {found.start()} ({what})"
+            return f"{found} ({what})"
     return None
 
 

@@ -85,11 +85,9 @@ def chunked_scores(
             f"grpo.logit_chunk_tokens: the output layer of a {kind!r} model may do more than a projection; "
             f"chunked log-probs are for {', '.join(PLAIN_OUTPUT_LAYER)} (set grpo.logit_chunk_tokens=0)"
         )
-    width = batch["targets"].shape[1]
-    scored = batch["mask"].any(0).nonzero()
-    if not len(scored):  # nothing scored (a zero-weight pass): one position's logits, still in the graph
+    width, start = batch["targets"].shape[1], _first_scored(batch)
+    if start == width:  # nothing scored (a zero-weight pass): one position's logits, still in the graph
         return token_scores(model, batch, temperature, precision, entropy)
-    start = int(scored[0])
     with autocast(precision, model.device):
         hidden = model.get_decoder()(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
@@ -102,15 +100,21 @@ def chunked_scores(
         return _scores(logits, targets, temperature, entropy)
 
     parts = []
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
     for a in range(0, width - start, chunk):
         args = (hidden[:, a : a + chunk], batch["targets"][:, start + a : start + a + chunk])
-        recompute = torch.is_grad_enabled() and hidden.requires_grad
         parts.append(
             torch.utils.checkpoint.checkpoint(scores, *args, use_reentrant=False) if recompute else scores(*args)
         )
     shape = batch["targets"].shape
     logp = _from_start(torch.cat([p[0] for p in parts], dim=1), shape, start)
     return logp, (_from_start(torch.cat([p[1] for p in parts], dim=1), shape, start) if entropy else None)
+
+
+def _first_scored(batch: dict[str, torch.Tensor]) -> int:
+    """The first position any row of a collate_rows batch scores (the width when none does)."""
+    scored = batch["mask"].any(0).nonzero()
+    return int(scored[0]) if len(scored) else batch["targets"].shape[1]
 
 
 def _from_start(scored: torch.Tensor, shape: torch.Size, start: int) -> torch.Tensor:
@@ -124,9 +128,7 @@ def _from_start(scored: torch.Tensor, shape: torch.Size, start: int) -> torch.Te
 
 def _row_logits(model, batch: dict[str, torch.Tensor], precision: str) -> tuple[torch.Tensor, int]:
     """Logits of a collate_rows batch from the first scored position on, and that position."""
-    width = batch["targets"].shape[1]
-    scored = batch["mask"].any(0).nonzero()
-    start = int(scored[0]) if len(scored) else width
+    width, start = batch["targets"].shape[1], _first_scored(batch)
     with autocast(precision, model.device):
         logits = model(
             input_ids=batch["input_ids"],
