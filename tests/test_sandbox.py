@@ -108,6 +108,24 @@ def test_infinite_loop_is_stopped_by_the_cpu_limit():
     assert result.status == "cpu_limit" and result.exit_code == 128 + 24  # SIGXCPU
 
 
+def test_an_exit_code_above_128_is_the_codes_own_and_a_signal_is_named(box):
+    """bwrap reports a child killed by signal N as 128 + N; the launcher reports the code's wait status beside it, so
+    sys.exit(152) is an exit code (it read as SIGXCPU's cpu_limit) and a signal is still named. The report's file
+    descriptor is closed before the code starts."""
+    exited, signalled, plain, fds = box.run_many(
+        [
+            "import sys\nsys.exit(152)",
+            "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)",
+            "import sys\nsys.exit(3)",
+            "import os\nprint(sorted(int(f) for f in os.listdir('/proc/self/fd')))",
+        ]
+    )
+    assert (exited.status, exited.exit_code) == ("error", 152)
+    assert (signalled.status, signalled.exit_code) == ("killed:SIGTERM", 128 + 15)
+    assert (plain.status, plain.exit_code) == ("error", 3)
+    assert fds.status == "ok" and json.loads(fds.stdout) == [0, 1, 2, 3]  # 3: the listing's own
+
+
 def test_sleeping_code_is_stopped_by_the_wall_clock(box):
     t0 = time.monotonic()
     result = box.run("import time\ntime.sleep(60)")

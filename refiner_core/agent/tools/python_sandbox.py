@@ -106,7 +106,7 @@ class SandboxLimits:
 @dataclass
 class ExecResult:
     status: str  # 'ok' | 'error' (non-zero exit) | 'timeout' | 'cpu_limit' | 'file_size_limit' | 'killed:SIG...'
-    exit_code: int | None  # None when the wall-clock timeout killed it
+    exit_code: int | None  # 128 + N for signal N (as a shell shows it); None when the wall-clock timeout killed it
     stdout: str
     stderr: str
     stdout_bytes: int  # produced, before truncation
@@ -202,12 +202,26 @@ _SECCOMP_RET_ALLOW = 0x7FFF0000
 
 # Runs first inside the sandbox, with CAP_SYS_ADMIN: remount /tmp (keeping nosuid and nodev) with at most argv[1]
 # inodes, then exec the rest of argv. mount(2) directly: util-linux mount refuses remounts to a non-root uid.
+# Remounts /tmp with an inode cap, then runs the rest of its arguments in a child and writes the child's wait
+# status to the file descriptor argv[2]: bwrap reports a child killed by a signal as 128 + signal, which an exit
+# code of the code's own (sys.exit(152)) would otherwise read as.
 _LAUNCHER = """import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
 if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, b"nr_inodes=" + sys.argv[1].encode()):
     sys.exit("sandbox launcher: cannot cap the inodes of /tmp: " + os.strerror(ctypes.get_errno()))
-os.execv(sys.argv[2], sys.argv[2:])
+report = int(sys.argv[2])
+os.set_inheritable(report, False)
+child = os.fork()
+if child == 0:
+    try:
+        os.execv(sys.argv[3], sys.argv[3:])
+    finally:
+        os._exit(127)
+status = os.waitpid(child, 0)[1]
+os.write(report, str(status).encode())
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
 """
 
 
@@ -278,18 +292,38 @@ def code_problem(code: str, max_bytes: int) -> str | None:
     return None
 
 
-def _status(code: int | None, timed_out: bool) -> str:
+def _status(code: int | None, timed_out: bool, wait_status: int | None) -> str:
+    """The call's status from bwrap's exit code and, where the launcher reported it, the code's wait status
+    (None: the launcher itself failed or was killed; bwrap's 128 + signal is read as a signal then)."""
     if timed_out:
         return "timeout"
-    if code == 0:
+    if wait_status is not None:
+        if os.WIFEXITED(wait_status):
+            return "ok" if os.WEXITSTATUS(wait_status) == 0 else "error"
+        number = os.WTERMSIG(wait_status)
+    elif code == 0:
         return "ok"
-    if code is not None and code > 128:  # bwrap reports a child killed by a signal as 128 + signal
-        try:
-            sig = signal.Signals(code - 128)
-        except ValueError:
-            return "error"
-        return _LIMIT_SIGNALS.get(sig, f"killed:{sig.name}")
-    return "error"
+    elif code is not None and code > 128:
+        number = code - 128
+    else:
+        return "error"
+    try:
+        sig = signal.Signals(number)
+    except ValueError:
+        return "error"
+    return _LIMIT_SIGNALS.get(sig, f"killed:{sig.name}")
+
+
+def _read_report(fd: int) -> int | None:
+    """The wait status the launcher wrote, or None where it wrote none."""
+    os.set_blocking(fd, False)  # bwrap waits for the launcher, which wrote before it exited: nothing to wait for
+    try:
+        text = os.read(fd, 64)
+    except BlockingIOError:
+        return None
+    finally:
+        os.close(fd)
+    return int(text) if text.strip().isdigit() else None
 
 
 class PythonSandbox:
@@ -337,7 +371,7 @@ class PythonSandbox:
                 _wait_until_gone(uid)
             self._slots.put(uid)
 
-    def command(self, code: str, uid: int, seccomp_fd: int) -> list[str]:
+    def command(self, code: str, uid: int, seccomp_fd: int, report_fd: int) -> list[str]:
         lim = self.limits
         bwrap = _program("bwrap")  # first: the missing piece people are most likely to lack
         prlimit = [
@@ -415,7 +449,7 @@ class PythonSandbox:
         ]  # for the launcher's remount only
         # bwrap's --size caps the bytes of /tmp but not its inodes: the launcher remounts it with an inode cap, then
         # setpriv drops every capability before the interpreter starts.
-        launcher = [self.interpreter, "-I", "-S", "-B", "-c", _LAUNCHER, str(lim.tmp_inodes)]
+        launcher = [self.interpreter, "-I", "-S", "-B", "-c", _LAUNCHER, str(lim.tmp_inodes), str(report_fd)]
         drop = [_program("setpriv"), "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
         if self.as_root:
             # Root's processes are exempt from RLIMIT_NPROC: the code runs as an unprivileged uid instead.
@@ -431,21 +465,26 @@ class PythonSandbox:
         lim = self.limits
         t0 = time.monotonic()
         seccomp_read, seccomp_write = os.pipe()  # the filter is a few hundred bytes: the pipe holds it whole
+        report_read, report_write = os.pipe()
         try:
             with os.fdopen(seccomp_write, "wb") as pipe:
                 pipe.write(seccomp_program())
             proc = subprocess.Popen(
-                self.command(code, uid, seccomp_read),
+                self.command(code, uid, seccomp_read, report_write),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env={},
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=(seccomp_read,),
+                pass_fds=(seccomp_read, report_write),
             )
+        except BaseException:
+            os.close(report_read)
+            raise
         finally:
             os.close(seccomp_read)
+            os.close(report_write)
         out, err = _Capped(proc.stdout, lim.max_output_bytes), _Capped(proc.stderr, lim.max_output_bytes)
         timed_out = False
         try:
@@ -461,7 +500,7 @@ class PythonSandbox:
             proc.wait()
         stdout, stderr = out.text(), err.text()  # each joins its reader: the counts are final
         return ExecResult(
-            _status(code_, timed_out),
+            _status(code_, timed_out, _read_report(report_read)),
             code_,
             stdout,
             stderr,
