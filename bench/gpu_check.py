@@ -477,8 +477,9 @@ def part_d(root: Path, cpu: bool) -> None:
     sequences (1024 prompt + 1024 response), one per micro-batch; for the largest shape also two and four per
     micro-batch (larger matrix products; a GPU without the memory for it records that), four with the layers'
     activations recomputed (grpo.gradient_checkpointing: the peak memory it saves), the same with the logits in
-    chunks of 1024 positions (grpo.logit_chunk_tokens), and on a GPU two with the
-    decoder layers compiled (grpo.compile_layers; its compile is in the warm-up step). One warm-up step, then the
+    chunks of 1024 positions (grpo.logit_chunk_tokens), and on a GPU two with the decoder layers compiled
+    (grpo.compile_layers; its compile is in the warm-up step) and four with the activations kept and the logits in
+    chunks (what the chunks' memory buys without recomputation). One warm-up step, then the
     median of timed ones. Then what a colocated run pays once a step on top: the learner's cached memory handed
     back to the GPU for a rollout engine (release_gpu_cache) and the next step regrowing it."""
     import torch
@@ -497,8 +498,9 @@ def part_d(root: Path, cpu: bool) -> None:
     runs = [(n, s, 1, False, False, 0) for n, s in shapes.items()]
     runs += [(*big, 2, False, False, 0), (*big, 4, False, False, 0), (*big, 4, False, True, 0)]
     runs.append((*big, 4, False, True, 64 if cpu else 1024))
-    if not cpu:
-        runs.append((*big, 2, True, False, 0))
+    if not cpu:  # compiled layers; four with their activations kept and the logits chunked (the memory it frees)
+        runs += [(*big, 2, True, False, 0), (*big, 4, False, False, 1024)]
+    profiled = None
     for name, shape, micro, compiled, recomputed, chunk in runs:
         config = shape_config(shape, vocab=8192 if cpu else 151936)
         torch.manual_seed(0)
@@ -530,6 +532,11 @@ def part_d(root: Path, cpu: bool) -> None:
             release_gpu_cache()
             hand_back = time.perf_counter() - start
             after_hand_back = _timed_steps(learner, config.vocab_size, length, count, 1, cpu, warm_up=False)
+            if (micro, compiled, recomputed, chunk) == (2, False, False, 0):  # the largest shape's plain row
+                try:
+                    profiled = _profiled_step(learner, config.vocab_size, length, count, cpu)
+                except (RuntimeError, OSError) as e:  # a profiler the machine refuses (CUPTI) costs no row
+                    profiled = {"profile_error": repr(e)[:300]}
         except torch.OutOfMemoryError:
             emit("d", **run, error="out of GPU memory")
         else:
@@ -548,6 +555,9 @@ def part_d(root: Path, cpu: bool) -> None:
                 hand_back_seconds=round(hand_back, 3),
                 step_after_hand_back_seconds=round(after_hand_back, 3),
             )
+            if profiled:
+                emit("d", check="profile", **run, **profiled)
+                profiled = None
         del learner, model
         gc.collect()
         if not cpu:
@@ -556,21 +566,77 @@ def part_d(root: Path, cpu: bool) -> None:
             torch.cuda.reset_peak_memory_stats()
 
 
-def _timed_steps(learner, vocab: int, length: int, count: int, timed: int, cpu: bool, warm_up: bool = True) -> float:
-    """Median seconds of `timed` learner steps on `count` random sequences, after one warm-up step."""
+def _random_samples(vocab: int, length: int, count: int, g) -> list:
+    """`count` sequences of `length` random tokens, the second half the response."""
     import torch
 
     from refiner_core.learners.base import TrainSample
 
+    out = []
+    for _ in range(count):
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        half = length // 2
+        out.append(TrainSample(ids[:half], ids[half:], 1.0, [-2.0] * (length - half)))
+    return out
+
+
+# Kernel names by what they compute, for the profile's shares (flash and memory-efficient attention, the
+# optimizer's multi-tensor kernels, cuBLAS / CUTLASS / nvjet GEMMs); the rest is element-wise work and copies.
+KERNEL_KINDS = {  # in this order: attention kernels are CUTLASS's too
+    "attention": ("flash", "fmha", "attention", "sdpa"),
+    "optimizer": ("adam", "multi_tensor", "foreach"),
+    "matmul": ("gemm", "nvjet", "cutlass", "xmma", "addmm", "aten::mm", "aten::bmm", "matmul"),
+}
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS.items() if any(m in lowered for m in marks)), "other")
+
+
+def _profiled_step(learner, vocab: int, length: int, count: int, cpu: bool, top: int = 12) -> dict:
+    """One learner step under torch's profiler: how much of its wall time the device computed (busy_share; the
+    rest is the host launching, waiting or reading), that time by kind of kernel, and the kernels that took most
+    (self time: on a GPU the kernels', on a CPU the operators')."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = _random_samples(vocab, length, count, torch.Generator().manual_seed(2))
+    activities = [ProfilerActivity.CPU] if cpu else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    if not cpu:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        learner.train_step(batch)
+        if not cpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if cpu:  # operators' own time (their children's left out): each instant counted once
+        rows = [(e.key, e.self_cpu_time_total / 1e6) for e in prof.key_averages()]
+    else:  # kernels only: an operator's device time is its kernels' again
+        cuda = torch.autograd.DeviceType.CUDA
+        rows = [(e.key, e.self_device_time_total / 1e6) for e in prof.key_averages() if e.device_type == cuda]
+    rows = sorted(((name, sec) for name, sec in rows if sec > 0), key=lambda r: -r[1])
+    busy = sum(sec for _, sec in rows)
+    kinds: dict[str, float] = {}
+    for name, sec in rows:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + sec
+    return {
+        "profiled_step_seconds": round(wall, 3),
+        "busy_share": round(busy / wall, 3),
+        "seconds_by_kind": {k: round(v, 4) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top": [[name[:90], round(sec, 4), round(sec / busy, 3)] for name, sec in rows[:top]],
+    }
+
+
+def _timed_steps(learner, vocab: int, length: int, count: int, timed: int, cpu: bool, warm_up: bool = True) -> float:
+    """Median seconds of `timed` learner steps on `count` random sequences, after one warm-up step."""
+    import torch
+
     g = torch.Generator().manual_seed(1)
 
     def samples(n):
-        out = []
-        for _ in range(n):
-            ids = torch.randint(3, vocab, (length,), generator=g).tolist()
-            half = length // 2
-            out.append(TrainSample(ids[:half], ids[half:], 1.0, [-2.0] * (length - half)))
-        return out
+        return _random_samples(vocab, length, n, g)
 
     if warm_up:
         learner.train_step(samples(2))  # kernels chosen (and compiled), allocator grown

@@ -1072,13 +1072,13 @@ class GRPOConfig:
     )
     logit_chunk_tokens: int = opt(
         0,
-        "Run the output layer and the log-softmax this many positions at a time, each chunk's logits recomputed in "
-        "the backward pass (0: all positions at once). The fp32 logits of a position take 4 x vocabulary bytes "
+        "Run the output layer and the log-softmax this many positions at a time, each chunk's logits computed again "
+        "in the backward pass (0: all positions at once). The fp32 logits of a position take 4 x vocabulary bytes "
         "(0.6 MB for Qwen3's 151936), about 5 GB for an 8192-token pack, held several times over by the "
-        "log-softmax and its gradient; chunks of 1024 keep one chunk's. Same log-probs up to rounding. Rows only "
-        "(grpo.share_prompt false), Llama, Mistral and Qwen2/3 models (their output layer is a plain projection), "
-        "the torch learner or DeepSpeed ZeRO stages 0-2 (ZeRO-3's gradient hooks lose part of the gradient of an "
-        "output layer called once per chunk).",
+        "log-softmax and its gradient; chunks of 1024 keep one chunk's, and only a position's log-normaliser is "
+        "kept between the passes (TRL's use_liger_loss and verl's fused kernels do the same). Same log-probs and "
+        "gradients up to rounding, either learner and every ZeRO stage. Rows only (grpo.share_prompt false), "
+        "Llama, Mistral and Qwen2/3 models (their output layer is a plain projection), without an adapter on it.",
         check=NON_NEGATIVE,
     )
     compile_layers: bool = opt(

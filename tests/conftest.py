@@ -43,6 +43,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU in the test environment: no accelerator probing
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SESSION_HOME / "inductor"))
+# vLLM's engine sockets (one file per engine, never removed by vLLM): in the session's home, not /tmp. Runs put
+# theirs in their own temporary folder; this is for engines tests build outside a run.
+(_SESSION_HOME / "vllm-ipc").mkdir()
+os.environ.setdefault("VLLM_RPC_BASE_PATH", str(_SESSION_HOME / "vllm-ipc"))
 # As refiner_core.models sets them, but before a test module imports transformers or datasets first: the Hub's
 # offline switch is read once, when huggingface_hub is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

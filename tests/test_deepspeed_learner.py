@@ -384,14 +384,15 @@ def _ranks_left() -> list[str]:
     return found.stdout.splitlines()
 
 
-@pytest.mark.parametrize(("zero_stage", "chunk"), [(3, 0), (2, 4)])
+@pytest.mark.parametrize(("zero_stage", "chunk"), [(3, 4), (2, 0)])
 def test_recomputed_activations_on_a_rank_update_as_the_torch_learner(
     tiny_model_path, tiny_tokenizer, tmp_path, zero_stage, chunk
 ):
-    """grpo.gradient_checkpointing on a ZeRO-3 rank (its layers' parameters gathered again for the recomputation),
-    and on a ZeRO-2 rank with grpo.logit_chunk_tokens (the output layer called a chunk at a time): one step equals
-    the torch learner's, which keeps its activations and whole logits, to the bounds of the test above. (ZeRO-3
-    with chunks gave the same loss and a grad norm of 1.70 against 2.44: preflight refuses it.)"""
+    """grpo.gradient_checkpointing on a ZeRO-3 rank (its layers' parameters gathered again for the recomputation)
+    with grpo.logit_chunk_tokens (the output layer's weight gathered for its call and again for its backward), and
+    on a ZeRO-2 rank: one step equals the torch learner's, which keeps its activations and whole logits, to the
+    bounds of the test above. (Chunks through torch's checkpoint, the output layer called once per chunk, gave
+    the same loss at ZeRO-3 and a grad norm of 1.70 against 2.44.)"""
     batch = _samples(0)
     policy = load_model(tiny_model_path, trainable=True)
     expected = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings()).train_step(

@@ -32,7 +32,12 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     pytest.importorskip("vllm")
     lines, stdout = _check_on_cpu("d,e", tmp_path)
     peak = [x for x in lines if x["part"] == "d" and x.get("check") == "bf16 matmul peak"]
-    shapes = [x for x in lines if x["part"] == "d" and "model" in x]
+    shapes = [x for x in lines if x["part"] == "d" and "model" in x and "check" not in x]
+    [profile] = [x for x in lines if x["part"] == "d" and x.get("check") == "profile"]
+    assert profile["micro_batch_size"] == 2 and 0 < profile["busy_share"] <= 1.05  # op times overlap a little
+    assert profile["seconds_by_kind"]["matmul"] > 0 and len(profile["top"]) > 3
+    seconds = [sec for _, sec, _ in profile["top"]]
+    assert seconds == sorted(seconds, reverse=True) and sum(share for *_, share in profile["top"]) <= 1.001
     assert len(peak) == 1 and peak[0]["tflops"] > 0
     assert shapes and all(x["tokens_per_second"] > 0 and 0 < x["mfu"] <= 1 for x in shapes)
     assert [x["micro_batch_size"] for x in shapes] == [1, 2, 4, 4, 4] and len({x["model"] for x in shapes}) == 1

@@ -145,6 +145,54 @@ def test_chunked_logits_score_as_whole_ones_and_keep_less(tiny_model_path):
     model.config.model_type = "gemma2"  # soft-caps its logits after the projection
     with pytest.raises(ValueError, match="output layer of a 'gemma2' model may do more than a projection"):
         token_scores(model, batch, 0.7, "fp32", chunk=5)
+    model.config.model_type = "qwen3"
+    model.set_output_embeddings(torch.nn.Sequential(model.get_output_embeddings()))
+    with pytest.raises(ValueError, match="output layer is a Sequential, not a plain Linear"):
+        token_scores(model, batch, 0.7, "fp32", chunk=5)
+
+
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_chunked_output_scores_backward_is_the_float64_derivative(frozen_weight):
+    """ChunkedOutputScores' hand-written backward against finite differences in float64 (torch's gradcheck): the
+    hidden states', weight's and bias's gradients of the log-probs and entropies at a temperature, 7 positions in
+    chunks of 3; a frozen weight (LoRA's base) gets no gradient."""
+    from refiner_core.learners.logprobs import ChunkedOutputScores
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=not frozen_weight)
+    bias = torch.randn(11, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 7), generator=g)
+
+    def scores(h, w, b):
+        return ChunkedOutputScores.apply(h, w, b, targets, 0.7, True, 3, torch.float64)
+
+    assert torch.autograd.gradcheck(scores, (hidden, weight, bias))
+    logp, entropy = scores(hidden, weight, bias)
+    whole = (hidden @ weight.T + bias) / 0.7
+    reference = torch.log_softmax(whole, -1)
+    assert torch.allclose(logp, reference.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-12)
+    assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1), atol=1e-12)
+    (logp.sum() + entropy.sum()).backward()
+    assert (weight.grad is None) == frozen_weight and hidden.grad is not None and bias.grad is not None
+
+
+def test_chunked_logits_in_bf16_score_as_whole_ones(tiny_model_path):
+    """Under bf16 autocast the chunks' logits are the bf16 products autocast's linear gives: log-probs as the whole
+    logits give them, gradients within bf16 rounding."""
+    from refiner_core.learners.batching import collate_rows
+    from refiner_core.learners.logprobs import token_scores
+
+    batch = collate_rows([[s] for s in learner_samples()[:4]], 0)
+    results = {}
+    for chunk in (0, 5):
+        model = load_model(tiny_model_path, trainable=True)
+        logp, entropy = token_scores(model, batch, 0.7, "bf16", entropy=True, chunk=chunk)
+        ((logp * batch["mask"]).sum() + 0.1 * (entropy * batch["mask"]).sum()).backward()
+        results[chunk] = logp, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    (logp, grads), (logp_c, grads_c) = results[0], results[5]
+    assert torch.allclose(logp_c, logp, atol=1e-5)
+    assert ((grads_c - grads).norm() / grads.norm()).item() < 1e-2  # measured 1.1e-3: bf16 products summed apart
 
 
 def test_a_learner_with_chunked_logits_updates_as_one_without(tiny_model_path):

@@ -147,8 +147,6 @@ class DeepSpeedLearner:
                 f"deepspeed learner: world_size must be >= 1 and zero_stage 0-3, got "
                 f"{settings.world_size} and {settings.zero_stage}"
             )
-        if settings.logit_chunk_tokens and settings.zero_stage == 3:
-            raise ValueError("deepspeed learner: logit_chunk_tokens needs zero_stage 0-2 (preflight says why)")
         self.hosts = launch_hosts(settings.hostfile, settings.world_size)
         self.policy_path, self.reference_path = Path(policy_path), reference_path
         self.pad_id, self.s = pad_id, settings

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.utils.checkpoint
 
 
 def autocast(precision: str, device: torch.device):
@@ -74,41 +73,122 @@ def chunked_scores(
     model, batch: dict[str, torch.Tensor], temperature: float, precision: str, entropy: bool, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_scores of a collate_rows batch with the output layer and the log-softmax run `chunk` positions at a
-    time, each chunk's logits recomputed in the backward pass rather than kept (grpo.logit_chunk_tokens): the fp32
-    logits of every scored position (V = 151936 for Qwen3: 0.6 MB a position, about 5 GB for an 8192-token pack,
-    held several times over by the log-softmax and its gradient) never exist at once. The same values as
-    computing them whole, up to rounding."""
-    model = getattr(model, "module", model)  # a DeepSpeed engine's model (ZeRO-3 gathers on each submodule's call)
-    kind = model.config.model_type
+    time, forward and backward (grpo.logit_chunk_tokens, ChunkedOutputScores): the fp32 logits of every scored
+    position (V = 151936 for Qwen3: 0.6 MB a position, about 5 GB for an 8192-token pack, held several times over
+    by the log-softmax and its gradient) never exist at once. The same values as computing them whole, up to
+    rounding."""
+    unwrapped = getattr(model, "module", model)  # a DeepSpeed engine's model
+    kind = unwrapped.config.model_type
     if kind not in PLAIN_OUTPUT_LAYER:
         raise ValueError(
             f"grpo.logit_chunk_tokens: the output layer of a {kind!r} model may do more than a projection; "
             f"chunked log-probs are for {', '.join(PLAIN_OUTPUT_LAYER)} (set grpo.logit_chunk_tokens=0)"
         )
+    head = unwrapped.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(
+            f"grpo.logit_chunk_tokens: the output layer is a {type(head).__name__}, not a plain Linear (an adapter on "
+            "it?); chunked log-probs need the plain projection (set grpo.logit_chunk_tokens=0)"
+        )
     width, start = batch["targets"].shape[1], _first_scored(batch)
     if start == width:  # nothing scored (a zero-weight pass): one position's logits, still in the graph
         return token_scores(model, batch, temperature, precision, entropy)
-    with autocast(precision, model.device):
-        hidden = model.get_decoder()(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        ).last_hidden_state[:, start:width]
-    head = model.get_output_embeddings()
+    dtype = torch.bfloat16 if precision == "bf16" else head.weight.dtype  # what autocast's linear computes in
+    targets = batch["targets"][:, start:]
 
-    def scores(h: torch.Tensor, targets: torch.Tensor):
-        with autocast(precision, model.device):
-            logits = head(h)
-        return _scores(logits, targets, temperature, entropy)
+    def scores(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the positions from start to width: the last has no target
+        args = (hidden[:, :-1], head.weight, head.bias, targets, temperature, entropy, chunk, dtype)
+        return ChunkedOutputScores.apply(*args)
 
-    parts = []
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
-    for a in range(0, width - start, chunk):
-        args = (hidden[:, a : a + chunk], batch["targets"][:, start + a : start + a + chunk])
-        parts.append(
-            torch.utils.checkpoint.checkpoint(scores, *args, use_reentrant=False) if recompute else scores(*args)
-        )
+    # The whole model's forward with the output layer's own forward computing the scores: ZeRO-3 gathers a weight
+    # around its module's call and again before the backward of what the call returned, and its gradients
+    # accumulate over micro-batches only through the top module's forward (submodules called apart lost all but
+    # the last micro-batch's, measured).
+    head.forward = scores
+    try:
+        with autocast(precision, unwrapped.device):
+            logp, ent = model(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+                logits_to_keep=width + 1 - start,
+            ).logits
+    finally:
+        del head.forward
     shape = batch["targets"].shape
-    logp = _from_start(torch.cat([p[0] for p in parts], dim=1), shape, start)
-    return logp, (_from_start(torch.cat([p[1] for p in parts], dim=1), shape, start) if entropy else None)
+    return _from_start(logp, shape, start), (_from_start(ent, shape, start) if entropy else None)
+
+
+class ChunkedOutputScores(torch.autograd.Function):
+    """(log-prob of each target, entropy) of softmax((hidden W^T + b) / temperature), computed `chunk` positions
+    at a time in fp32 (float64 for float64 inputs) from `dtype` logits, as autocast's linear gives them. Only each
+    position's log-normaliser is kept for the backward pass, which computes each chunk's logits again and from
+    them the gradients of the hidden states, the weight (summed over chunks in fp32) and the bias. The weight
+    enters the graph once, so hooks on its gradient (DeepSpeed's) fire once."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, entropy, chunk, dtype):
+        divisor = temperature if temperature > 0 else 1.0
+        w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+        logp = torch.empty(targets.shape, dtype=_scores_dtype(dtype), device=hidden.device)
+        ent, normaliser = torch.zeros_like(logp), torch.empty_like(logp)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for a in range(0, targets.shape[1], chunk):
+                z = _chunk_logits(hidden[:, a : a + chunk], w, b, dtype, divisor)
+                lse = normaliser[:, a : a + chunk] = torch.logsumexp(z, dim=-1)
+                logp[:, a : a + chunk] = z.gather(-1, targets[:, a : a + chunk].unsqueeze(-1)).squeeze(-1) - lse
+                if entropy:
+                    ent[:, a : a + chunk] = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, normaliser, ent)
+        ctx.settings = divisor, chunk, dtype
+        ctx.set_materialize_grads(False)  # an output the loss does not read gets None, not zeros to multiply by
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, bias, targets, normaliser, ent = ctx.saved_tensors
+        divisor, chunk, dtype = ctx.settings
+        w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+        wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None
+        acc = _scores_dtype(dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if wants_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if wants_bias else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for a in range(0, targets.shape[1], chunk):
+                h = hidden[:, a : a + chunk].to(dtype)
+                log_p = _chunk_logits(h, w, b, dtype, divisor) - normaliser[:, a : a + chunk].unsqueeze(-1)
+                p = log_p.exp()
+                dz = torch.zeros_like(p)
+                if grad_logp is not None:  # d logp_t / dz = onehot(t) - p
+                    g = grad_logp[:, a : a + chunk].unsqueeze(-1)
+                    dz -= p * g
+                    dz.scatter_add_(-1, targets[:, a : a + chunk].unsqueeze(-1), g)
+                if grad_ent is not None:  # d H / dz = -p (log p + H)
+                    g = grad_ent[:, a : a + chunk].unsqueeze(-1)
+                    dz -= p * (log_p + ent[:, a : a + chunk].unsqueeze(-1)) * g
+                dlogits = (dz / divisor).to(dtype)
+                if wants_hidden:
+                    grad_hidden[:, a : a + chunk] = dlogits @ w
+                if wants_weight:
+                    grad_weight += (dlogits.flatten(0, 1).T @ h.flatten(0, 1)).to(acc)
+                if wants_bias:
+                    grad_bias += dlogits.to(acc).sum((0, 1))
+        grad_weight = grad_weight.to(weight.dtype) if wants_weight else None
+        grad_bias = grad_bias.to(bias.dtype) if wants_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _chunk_logits(hidden, w, b, dtype, divisor) -> torch.Tensor:
+    """fp32 logits of `dtype` hidden states and weights, divided by the sampler's temperature."""
+    z = torch.nn.functional.linear(hidden.to(dtype), w, b).to(_scores_dtype(dtype))
+    return z / divisor if divisor != 1.0 else z
+
+
+def _scores_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or float64 where the inputs are (a reference computation)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _first_scored(batch: dict[str, torch.Tensor]) -> int:
