@@ -32,9 +32,9 @@ def test_inside_the_process_and_its_children_use_the_run_folders(run_dir):
     held = scratch.create(run_dir)
     assert json.loads((run_dir / scratch.RECORD).read_text())["disk"] == held.disk
     assert Path(held.disk).parent == Path(outside) and Path(held.disk).name.startswith("refiner-run-")
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    inductor, sockets = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get(scratch.VLLM_SOCKETS_ENV)
     with scratch.in_use(held):
-        assert tempfile.gettempdir() == held.disk == os.environ["TMPDIR"]
+        assert tempfile.gettempdir() == held.disk == os.environ["TMPDIR"] == os.environ[scratch.VLLM_SOCKETS_ENV]
         ray = Path(scratch.short_folder("ray"))  # sockets' paths stay short: beside the folder, not in it
         assert ray == Path(f"{held.disk}-ray") and ray.is_dir()
         if held.ram:
@@ -46,6 +46,7 @@ def test_inside_the_process_and_its_children_use_the_run_folders(run_dir):
         )
         assert child.stdout.strip() == held.disk
     assert tempfile.gettempdir() == outside and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == inductor
+    assert os.environ.get(scratch.VLLM_SOCKETS_ENV) == sockets  # the session's, or none
     assert scratch.RAM_DIR_ENV not in os.environ
     folders = held.folders
     assert folders == [held.disk, str(ray), *([held.ram] if held.ram else [])]

@@ -138,6 +138,13 @@ class AdaptersOff(torch.nn.Module):
     def device(self) -> torch.device:
         return self.policy.device
 
+    @property
+    def config(self):
+        return self.policy.config
+
+    def get_output_embeddings(self):  # the base's: adapters leave the output layer alone ("all-linear" skips it)
+        return self.policy.get_output_embeddings()
+
     def train(self, mode: bool = True):
         self.training = mode
         return self

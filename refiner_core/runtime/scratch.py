@@ -3,10 +3,11 @@ that what a killed run leaves there (weights exported for the rollout engine in 
 job folder, vLLM's rendezvous file and sockets, torch elastic's folders) is removed by the next run of that folder,
 and a run that ends removes its own.
 
-While a run holds them, TMPDIR (and `tempfile.tempdir`) names its folder on disk, so every process it starts keeps
-its temporary files there, and REFINER_RAM_DIR its folder in /dev/shm where /dev/shm is writable. Ray's session
-folder, whose socket paths must stay short, sits beside the one on disk (`short_folder`). Torch's compile cache,
-which defaults to the temporary directory but is meant to outlast a run, stays where it was.
+While a run holds them, TMPDIR (and `tempfile.tempdir`, and VLLM_RPC_BASE_PATH, which vLLM reads first) names its
+folder on disk, so every process it starts keeps its temporary files there, and REFINER_RAM_DIR its folder in
+/dev/shm where /dev/shm is writable. Ray's session folder, whose socket paths must stay short, sits beside the one
+on disk (`short_folder`). Torch's compile cache, which defaults to the temporary directory but is meant to outlast
+a run, stays where it was.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from refiner_core.store.checkpoints import folder_bytes
 RECORD = ".temporary-folders.json"
 PREFIX = "refiner-run-"
 RAM_DIR_ENV = "REFINER_RAM_DIR"
+VLLM_SOCKETS_ENV = "VLLM_RPC_BASE_PATH"  # vLLM's engine sockets, never removed by vLLM: in the run's folder too
 SHARED_MEMORY = Path("/dev/shm")
 
 
@@ -112,10 +114,11 @@ def remove(run_dir: Path) -> list[tuple[str, int]]:
 @contextlib.contextmanager
 def in_use(scratch: Scratch) -> Iterator[None]:
     """Inside, this process and those it starts keep their temporary files in SCRATCH's folders."""
-    saved_env = {name: os.environ.get(name) for name in ("TMPDIR", RAM_DIR_ENV, "TORCHINDUCTOR_CACHE_DIR")}
+    names = ("TMPDIR", VLLM_SOCKETS_ENV, RAM_DIR_ENV, "TORCHINDUCTOR_CACHE_DIR")
+    saved_env = {name: os.environ.get(name) for name in names}
     saved_tempdir = tempfile.tempdir
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _torch_compile_cache())
-    os.environ["TMPDIR"] = tempfile.tempdir = scratch.disk
+    os.environ["TMPDIR"] = os.environ[VLLM_SOCKETS_ENV] = tempfile.tempdir = scratch.disk
     if scratch.ram:
         os.environ[RAM_DIR_ENV] = scratch.ram
     try:
