@@ -68,13 +68,16 @@ def _key(name: str, material: dict[str, Any]) -> str:
 
 def _ancestor_key(context: TaskRunContext, material: dict[str, Any]) -> str | None:
     """In a fork (refiner fork), the key of a result an ancestor run computed with these inputs: the material with
-    the fork's folder and run name read as the ancestor's. None when no ancestor has one, or the stage is being
-    recomputed (--refresh, damaged outputs): a recomputed result is recorded under the fork's own key, never over
-    an ancestor's."""
+    the fork's folder and run name read as the ancestor's. None when no ancestor has one, when the fork holds a
+    result of its own for them (computed before the ancestor got there), or the stage is being recomputed
+    (--refresh, damaged outputs): a recomputed result is recorded under the fork's own key, never over an
+    ancestor's."""
     run_dir = material.get("run_dir")
     fork = read_fork(run_dir) if isinstance(run_dir, str) else None
     if fork is None or context.task.refresh_cache or _refreshing_all():
         return None
+    if context.result_store.exists(_key(context.task.name, material)):
+        return None  # the fork computed it before an ancestor did: its own result stands, and what it fed
     for folder, run in ancestors(run_dir):
         mapped = rebase(material, run_dir, folder)
         if mapped.get("run") == fork.run:

@@ -152,16 +152,21 @@ def test_the_same_command_resumes_a_fork_after_its_parent_pruned_the_fork_step(
     prefect_server, tiny_model_path, tmp_path
 ):
     """The fork holds its own hard link of step_0001: the parent going on and pruning its copy (run.keep_last 2)
-    does not stop the same command from resuming it from its own copy; a new fork there is still refused."""
+    does not stop the same command from resuming it from its own copy; a new fork there is still refused. The fork
+    sampled step 1 before the parent did: its own rollout stands once the parent has one of the same inputs (the
+    parent's was adopted over it, and the fork's update, whose input it is, ran again)."""
     small = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12"]
     parent, fork_dir, fork_settings = tmp_path / "p", tmp_path / "f", ["grpo.steps=2", "grpo.learning_rate=0.01"]
-    _run(load_recipe(REPO / "recipes" / "tiny.yaml", small).to_dict(), parent)
-    first, _ = _fork(parent, fork_dir, 1, fork_settings)
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml", [*small, "grpo.steps=1"]).to_dict(), parent)
+    first, states = _fork(parent, fork_dir, 1, fork_settings)
+    assert states["rollout[step=1]"] == "Completed"  # the parent has no step 1 yet
     _run(load_recipe(REPO / "recipes" / "tiny.yaml", [*small, "grpo.steps=4"]).to_dict(), parent)
     assert 1 not in step_checkpoints(parent / "checkpoints") and 1 in step_checkpoints(fork_dir / "checkpoints")
     record, states = _fork(parent, fork_dir, 1, fork_settings)
     stages = {s for n, s in states.items() if n.split("[")[0] in ("prepare-data", "rollout", "judge", "grpo-update")}
     assert stages == {"Cached"}, sorted(states.items())
+    rollouts = "rollouts/step=1/rollouts.parquet"
+    assert not os.path.samefile(fork_dir / rollouts, parent / rollouts)
     assert record.segments == first.segments  # the recipe it ran steps 0-0 with, not the parent's grpo.steps 4
     with pytest.raises(ForkError, match=r"step_0001 \(the policy after step 0\) was pruned.*--at 3, 4"):
         plan_fork(parent, tmp_path / "g", 1, fork_settings)
