@@ -216,3 +216,20 @@ def test_a_learner_with_chunked_logits_updates_as_one_without(tiny_model_path, a
     assert chunked["entropy"] == pytest.approx(whole["entropy"], rel=1e-6)
     # measured 6e-6: AdamW at lr 1e-2 turns rounding-sized gradient differences into up to 0.06 % of a step
     assert max((a - b).abs().max().item() for a, b in zip(weights, weights_c)) < 1e-4
+
+
+def test_output_layer_bench_compares_chunks_with_whole_logits():
+    """bench/output_layer_memory.py on a small shape: each setting in its own process, the chunks' gradients those
+    of the whole logits, ratios printed."""
+    import json
+    import subprocess
+    import sys
+
+    args = ["--rows", "2", "--positions", "48", "--vocab", "512", "--hidden", "32", "--chunks", "16", "--threads", "1"]
+    done = subprocess.run(
+        [sys.executable, "bench/output_layer_memory.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["whole"]["grad_gap"] == 0.0 and report["chunks_of_16"]["grad_gap"] < 1e-6
+    assert set(report["to_whole"]["chunks_of_16"]) == {"peak_rss_growth", "cpu_seconds"}

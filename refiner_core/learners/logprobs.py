@@ -138,8 +138,9 @@ class ChunkedOutputScores(torch.autograd.Function):
                 z = _chunk_logits(hidden[:, a : a + chunk], w, b, dtype, divisor)
                 lse = normaliser[:, a : a + chunk] = torch.logsumexp(z, dim=-1)
                 logp[:, a : a + chunk] = z.gather(-1, targets[:, a : a + chunk].unsqueeze(-1)).squeeze(-1) - lse
-                if entropy:
-                    ent[:, a : a + chunk] = lse - (torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1)
+                if entropy:  # H = lse - sum p z, p made in place: two chunk-sized tensors at most
+                    ent[:, a : a + chunk] = lse - (z - lse.unsqueeze(-1)).exp_().mul_(z).sum(-1)
+                del z
         ctx.save_for_backward(hidden, weight, bias, targets, normaliser, ent)
         ctx.settings = divisor, chunk, dtype
         ctx.set_materialize_grads(False)  # an output the loss does not read gets None, not zeros to multiply by
@@ -158,23 +159,30 @@ class ChunkedOutputScores(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for a in range(0, targets.shape[1], chunk):
                 h = hidden[:, a : a + chunk].to(dtype)
-                log_p = _chunk_logits(h, w, b, dtype, divisor) - normaliser[:, a : a + chunk].unsqueeze(-1)
-                p = log_p.exp()
-                dz = torch.zeros_like(p)
-                if grad_logp is not None:  # d logp_t / dz = onehot(t) - p
-                    g = grad_logp[:, a : a + chunk].unsqueeze(-1)
-                    dz -= p * g
-                    dz.scatter_add_(-1, targets[:, a : a + chunk].unsqueeze(-1), g)
-                if grad_ent is not None:  # d H / dz = -p (log p + H)
-                    g = grad_ent[:, a : a + chunk].unsqueeze(-1)
-                    dz -= p * (log_p + ent[:, a : a + chunk].unsqueeze(-1)) * g
-                dlogits = (dz / divisor).to(dtype)
+                g_logp = grad_logp[:, a : a + chunk].unsqueeze(-1) if grad_logp is not None else None
+                # dL/dz = g_logp (onehot(t) - p) - g_H p (log p + H), built in place in the logits' own tensor
+                dz = _chunk_logits(h, w, b, dtype, divisor).sub_(normaliser[:, a : a + chunk].unsqueeze(-1))
+                p = dz.exp()
+                if grad_ent is not None:
+                    dz.add_(ent[:, a : a + chunk].unsqueeze(-1)).mul_(grad_ent[:, a : a + chunk].unsqueeze(-1))
+                    if g_logp is not None:
+                        dz.add_(g_logp)
+                elif g_logp is not None:
+                    dz.copy_(g_logp.expand_as(dz))
+                else:
+                    dz.zero_()
+                dz.mul_(p).neg_()
+                del p
+                if g_logp is not None:
+                    dz.scatter_add_(-1, targets[:, a : a + chunk].unsqueeze(-1), g_logp)
+                dlogits = (dz.div_(divisor) if divisor != 1.0 else dz).to(dtype)
+                del dz
                 if wants_hidden:
                     grad_hidden[:, a : a + chunk] = dlogits @ w
-                if wants_weight:
-                    grad_weight += (dlogits.flatten(0, 1).T @ h.flatten(0, 1)).to(acc)
+                if wants_weight:  # the bf16 product added into the fp32 sum without an fp32 copy of it
+                    grad_weight.add_(dlogits.flatten(0, 1).T @ h.flatten(0, 1))
                 if wants_bias:
-                    grad_bias += dlogits.to(acc).sum((0, 1))
+                    grad_bias.add_(dlogits.sum((0, 1), dtype=acc))
         grad_weight = grad_weight.to(weight.dtype) if wants_weight else None
         grad_bias = grad_bias.to(bias.dtype) if wants_bias else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
