@@ -116,7 +116,7 @@ TORCHRUN_PARENT = textwrap.dedent("""
     from refiner_core.runtime.procs import die_with_parent
     # as the DeepSpeed learner launches its ranks: own session, SIGTERM when the parent dies
     subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
-                      "--nproc_per_node", "2", sys.argv[1]], start_new_session=True,
+                      "--log-dir", sys.argv[2], "--nproc_per_node", "2", sys.argv[1]], start_new_session=True,
                      preexec_fn=die_with_parent(signal.SIGTERM))
     time.sleep(300)
 """)
@@ -129,7 +129,7 @@ def test_torchrun_and_its_ranks_end_with_a_sigkilled_parent(tmp_path):
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:
         parent = subprocess.Popen(
-            [sys.executable, "-c", TORCHRUN_PARENT, str(rank)],
+            [sys.executable, "-c", TORCHRUN_PARENT, str(rank), str(tmp_path / "elastic")],  # not a /tmp folder
             cwd=REPO,
             env={**os.environ, "REFINER_TEST_TAG": tag},
             stdout=out,
