@@ -198,19 +198,20 @@ def test_chunked_logits_in_bf16_score_as_whole_ones(tiny_model_path):
 ADAPTERS = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=("all-linear",))
 
 
-@pytest.mark.parametrize("adapters", [{}, ADAPTERS], ids=["full", "lora"])
-def test_a_learner_with_chunked_logits_updates_as_one_without(tiny_model_path, adapters):
+@pytest.mark.parametrize("layout", [{}, ADAPTERS, {"pack_length": 64}], ids=["full", "lora", "packed"])
+def test_a_learner_with_chunked_logits_updates_as_one_without(tiny_model_path, layout):
     """The whole update (TIS, an entropy bonus, the reference pass) with logits in chunks of 4; with LoRA the
-    output layer's weight is frozen and gets no gradient."""
+    output layer's weight is frozen and gets no gradient; packs of several sequences (the GPU recipes' layout)."""
+    adapters = "lora_rank" in layout
     results = {}
     for chunk in (0, 4):
         settings = learner_settings(
-            micro_batch_size=4, tis_cap=2.0, logit_chunk_tokens=chunk, entropy_coef=0.01, **adapters
+            micro_batch_size=4, tis_cap=2.0, logit_chunk_tokens=chunk, entropy_coef=0.01, **layout
         )
         policy, reference = load_learner_models(tiny_model_path, tiny_model_path, "float32", settings)
         metrics = TorchLearner(policy, reference, 0, settings).train_step(learner_samples())
         results[chunk] = metrics, [p.detach().clone() for p in policy.parameters()]
-        assert (policy.get_output_embeddings().weight.grad is None) == bool(adapters)
+        assert (policy.get_output_embeddings().weight.grad is None) == adapters
     (whole, weights), (chunked, weights_c) = results[0], results[4]
     assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-8)
     assert chunked["entropy"] == pytest.approx(whole["entropy"], rel=1e-6)
