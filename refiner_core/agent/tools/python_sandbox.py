@@ -11,7 +11,8 @@ Each call starts a fresh interpreter under `bwrap` with
   /dev/pts;
 - a private writable /tmp (tmpfs of `tmp_bytes` and at most `tmp_inodes` files and folders: bwrap's tmpfs caps
   only bytes, so a launcher remounts it with an inode cap before the code starts), the working folder, discarded
-  after the call;
+  after the call. The launcher stays as the code's parent and reports its wait status (bwrap's exit code reads
+  a signal N as 128 + N, as it would an exit code of the code's own);
 - a scrubbed environment (PATH, HOME=/tmp, LANG, PYTHONHASHSEED only), no stdin, and private PID, IPC and UTS
   namespaces: the code sees only its own processes and cannot signal the host's;
 - the same output for the same code in every run, so a seeded run (and a resumed one) repeats its conversations:
