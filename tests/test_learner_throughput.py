@@ -139,6 +139,12 @@ def test_chunked_logits_score_as_whole_ones_and_keep_less(tiny_model_path):
     assert torch.allclose(logp_c, logp, atol=1e-6) and torch.allclose(entropy_c, entropy, atol=1e-6)
     assert ((grads_c - grads).norm() / grads.norm()).item() < 1e-6  # measured 6e-8: the sums' order
     assert chunked < 0.8 * whole  # measured 0.65 on the tiny model's 2048-token vocabulary
+    head = model.get_output_embeddings()
+    assert "forward" not in vars(head)  # the class's forward again after the chunked pass
+    wrapped = head.forward  # a forward set on the instance before (accelerate's hooks set one) comes back
+    head.forward = wrapped
+    token_scores(model, batch, 0.7, "fp32", chunk=5)
+    assert vars(head)["forward"] is wrapped
     nothing = dict(batch, mask=torch.zeros_like(batch["mask"]))
     logp_none, _ = token_scores(model, nothing, 0.7, "fp32", chunk=5)
     assert logp_none.requires_grad

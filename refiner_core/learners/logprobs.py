@@ -105,19 +105,30 @@ def chunked_scores(
     # around its module's call and again before the backward of what the call returned, and its gradients
     # accumulate over micro-batches only through the top module's forward (submodules called apart lost all but
     # the last micro-batch's, measured).
-    head.forward = scores
-    try:
-        with autocast(precision, unwrapped.device):
-            logp, ent = model(
-                input_ids=batch["input_ids"],
-                position_ids=batch["position_ids"],
-                use_cache=False,
-                logits_to_keep=width + 1 - start,
-            ).logits
-    finally:
-        del head.forward
+    with _forward_as(head, scores), autocast(precision, unwrapped.device):
+        logp, ent = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=width + 1 - start,
+        ).logits
     shape = batch["targets"].shape
     return _from_start(logp, shape, start), (_from_start(ent, shape, start) if entropy else None)
+
+
+@contextlib.contextmanager
+def _forward_as(module: torch.nn.Module, forward):
+    """`module` computes `forward` when called (its hooks still run around it); a forward set on the instance
+    before (a wrapper of accelerate's, say) comes back after."""
+    before = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if before is None:
+            del module.forward
+        else:
+            module.forward = before
 
 
 class ChunkedOutputScores(torch.autograd.Function):
