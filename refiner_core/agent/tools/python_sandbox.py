@@ -222,7 +222,7 @@ if child == 0:
 status = os.waitpid(child, 0)[1]
 os.write(report, str(status).encode())
 code = os.waitstatus_to_exitcode(status)
-sys.exit(code if code >= 0 else 128 - code)
+os._exit(code if code >= 0 else 128 - code)
 """
 
 
