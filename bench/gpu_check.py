@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -539,6 +540,8 @@ def part_d(root: Path, cpu: bool) -> None:
                     profiled = {"profile_error": repr(e)[:300]}
         except torch.OutOfMemoryError:
             emit("d", **run, error="out of GPU memory")
+        except Exception as e:  # one setting that breaks on this machine's versions costs its row, not the rest
+            emit("d", **run, ok=False, error=repr(e)[:500], tail=traceback.format_exc()[-2000:])
         else:
             flops = train_flops(config, length, count, scored_tokens=length - length // 2 + 1)
             emit(
