@@ -501,8 +501,8 @@ def part_d(root: Path, cpu: bool) -> None:
     runs.append((*big, 4, False, True, 64 if cpu else 1024))
     if not cpu:  # compiled layers; four with their activations kept and the logits chunked (the memory it frees)
         runs += [(*big, 2, True, False, 0), (*big, 4, False, False, 1024)]
-    profiled = None
     for name, shape, micro, compiled, recomputed, chunk in runs:
+        profiled = None
         config = shape_config(shape, vocab=8192 if cpu else 151936)
         torch.manual_seed(0)
         with torch.device(device):
@@ -560,7 +560,6 @@ def part_d(root: Path, cpu: bool) -> None:
             )
             if profiled:
                 emit("d", check="profile", **run, **profiled)
-                profiled = None
         del learner, model
         gc.collect()
         if not cpu:

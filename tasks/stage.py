@@ -59,24 +59,25 @@ def _without_provenance(value: Any) -> Any:
 
 def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     material = {k: _content(_without_provenance(v), k) for k, v in sorted(parameters.items())}
-    return _ancestor_key(context, material) or _key(context.task.name, material)
+    own = _key(context.task.name, material)
+    return _ancestor_key(context, material, own) or own
 
 
 def _key(name: str, material: dict[str, Any]) -> str:
     return f"{name}-{json_hash([CODE_VERSION, material])}"
 
 
-def _ancestor_key(context: TaskRunContext, material: dict[str, Any]) -> str | None:
+def _ancestor_key(context: TaskRunContext, material: dict[str, Any], own: str) -> str | None:
     """In a fork (refiner fork), the key of a result an ancestor run computed with these inputs: the material with
     the fork's folder and run name read as the ancestor's. None when no ancestor has one, when the fork holds a
-    result of its own for them (computed before the ancestor got there), or the stage is being recomputed
-    (--refresh, damaged outputs): a recomputed result is recorded under the fork's own key, never over an
-    ancestor's."""
+    result of its own under `own`, its key (computed before the ancestor got there), or the stage is being
+    recomputed (--refresh, damaged outputs): a recomputed result is recorded under the fork's own key, never over
+    an ancestor's."""
     run_dir = material.get("run_dir")
     fork = read_fork(run_dir) if isinstance(run_dir, str) else None
     if fork is None or context.task.refresh_cache or _refreshing_all():
         return None
-    if context.result_store.exists(_key(context.task.name, material)):
+    if context.result_store.exists(own):
         return None  # the fork computed it before an ancestor did: its own result stands, and what it fed
     for folder, run in ancestors(run_dir):
         mapped = rebase(material, run_dir, folder)

@@ -202,10 +202,9 @@ _EPERM, _ENOSYS = 1, 38
 _SECCOMP_RET_ALLOW = 0x7FFF0000
 
 # Runs first inside the sandbox, with CAP_SYS_ADMIN: remount /tmp (keeping nosuid and nodev) with at most argv[1]
-# inodes, then exec the rest of argv. mount(2) directly: util-linux mount refuses remounts to a non-root uid.
-# Remounts /tmp with an inode cap, then runs the rest of its arguments in a child and writes the child's wait
-# status to the file descriptor argv[2]: bwrap reports a child killed by a signal as 128 + signal, which an exit
-# code of the code's own (sys.exit(152)) would otherwise read as.
+# inodes, then run the rest of argv in a child and write its wait status to the file descriptor argv[2] (bwrap
+# reports a child killed by a signal as 128 + signal, which an exit code of the code's own, sys.exit(152), would
+# otherwise read as). mount(2) directly: util-linux mount refuses remounts to a non-root uid.
 _LAUNCHER = """import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
