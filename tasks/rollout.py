@@ -47,6 +47,8 @@ def rollout(
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
     engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)
     log.info("rollout step %d: %s", step, acquired.describe())
+    if acquired.how in ("built", "fresh") and getattr(engine, "placement", ""):  # Ray's engines: where each went
+        log.info("rollout step %d: %s", step, engine.placement)
     path = round_folder(Path(run_dir) / "rollouts" / f"step={step}", round) / "rollouts.parquet"
 
     def to_rows(outputs: list[tuple[int, int, dict]]) -> list[dict]:

@@ -4,6 +4,7 @@ makes the stage retry. The rollouts equal one engine's without Ray, token for to
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -81,3 +82,80 @@ def test_two_ray_engines_equal_one_and_survive_a_killed_worker(
     log = "\n".join(p.read_text() for p in sorted((tmp_path / "two" / "logs").glob("run-*.log")))
     assert "ray: started for the run on this machine" in log
     assert "rollout step 1: engine kept, weights synced in place" in log
+    assert "rollout step 0: engine 1/2 on " in log and "; engine 2/2 on " in log  # where Ray put each engine
+
+
+def test_engines_that_can_never_fit_the_clusters_gpus_are_refused_at_once():
+    from refiner_core.config import ConfigError
+    from refiner_core.rollout.sharded import refuse_unplaceable
+
+    refuse_unplaceable(2, 2, {"10.0.0.1": 4.0})
+    refuse_unplaceable(3, 1, {"10.0.0.1": 1.0, "10.0.0.2": 2.0})
+    with pytest.raises(ConfigError, match=r"needs 2 groups of 2 GPU\(s\), each on one node; .*room for 1"):
+        refuse_unplaceable(2, 2, {"10.0.0.1": 3.0})
+    # two GPUs in the cluster, but one engine's two must share a node
+    with pytest.raises(ConfigError, match=r"\{10.0.0.1: 1, 10.0.0.2: 1\}, room for 0"):
+        refuse_unplaceable(1, 2, {"10.0.0.1": 1.0, "10.0.0.2": 1.0})
+
+
+@pytest.mark.slow
+def test_engines_take_the_gpus_ray_gives_them_and_wait_for_held_ones(tiny_model_path, caplog):
+    """Ray started with two GPUs declared (this machine has none: Ray sets CUDA_VISIBLE_DEVICES for its actors all
+    the same, and torch on a CPU build ignores it): each engine gets a GPU of its own, an engine that needs more GPUs
+    than any node has is refused before anything waits, and one that needs GPUs others hold waits, saying so, until
+    they are given back."""
+    import threading
+
+    import ray
+
+    from refiner_core.config import ConfigError, EngineSettings
+    from refiner_core.rollout import sharded
+    from refiner_core.rollout.base import SamplingParams
+    from refiner_core.rollout.sharded import ShardedEngine
+    from refiner_core.runtime import cluster
+    from refiner_core.runtime.scratch import short_folder
+
+    runtime_env = {"env_vars": {"PYTHONPATH": ":".join(p for p in cluster._python_path() if p)}}
+    session = short_folder("ray")  # Ray's sockets need a short path
+    ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, runtime_env=runtime_env, _temp_dir=session)
+    try:
+        settings = EngineSettings.of(engine="hf", num_engines=2, batch_size=4)
+        two = ShardedEngine(str(tiny_model_path), settings, "float32", "fp32")
+        node = ray.util.get_node_ip_address()
+        places = two.placement.split("; ")
+        assert [p.rsplit(" GPU ", 1)[0] for p in places] == [f"engine 1/2 on {node}", f"engine 2/2 on {node}"]
+        assert {p.rsplit(" GPU ", 1)[1] for p in places} == {"0", "1"}, two.placement
+        out = two.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, max_new_tokens=4, seed=3))
+        assert [(g.prompt_index, g.sample_idx) for g in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+        with pytest.raises(ConfigError, match=r"rollout.num_engines = 1 with rollout.tensor_parallel_size = 3"):
+            ShardedEngine(
+                str(tiny_model_path), EngineSettings.of(engine="hf", tensor_parallel_size=3), "float32", "fp32"
+            )
+
+        # both GPUs are held by `two`: a third engine waits, with a line a second here, until they are handed back
+        caplog.set_level("WARNING", logger=sharded.__name__)
+        built: list = []
+        waiter = threading.Thread(
+            target=lambda: built.append(
+                ShardedEngine(str(tiny_model_path), EngineSettings.of(engine="hf", batch_size=4), "float32", "fp32")
+            )
+        )
+        sharded.WAIT_LINE_SECONDS, every = 1.0, sharded.WAIT_LINE_SECONDS
+        try:
+            waiter.start()
+            for _ in range(60):
+                if "rollout engines: 0 of 1 built; the others wait" in caplog.text:
+                    break
+                waiter.join(0.5)
+            assert "each asks for 1 CPU and 1 GPU(s); free now: 1 CPUs, 0 GPUs" in caplog.text, caplog.text
+            assert not built
+            two.close()
+            waiter.join(120)
+        finally:
+            sharded.WAIT_LINE_SECONDS = every
+        assert built and built[0].placement.rsplit(" GPU ", 1)[1] in {"0", "1"}, built
+        built[0].close()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(session, ignore_errors=True)

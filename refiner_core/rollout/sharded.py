@@ -10,11 +10,12 @@ engines; the hf engine seeds each batch, so other shards give other (equally val
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
 
-from refiner_core.config import EngineSettings
+from refiner_core.config import ConfigError, EngineSettings
 from refiner_core.models import Adapter
 from refiner_core.rollout.base import Generation, SamplingParams, make_engine
 from refiner_core.store.faults import stage_fault
@@ -53,6 +54,12 @@ class EngineActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def placement(self) -> tuple[str, list]:
+        """The node's address and the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES is set to them)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
+
 
 class ShardedEngine:
     """N engines (Ray actor handles) behind the one-engine interface."""
@@ -65,12 +72,19 @@ class ShardedEngine:
         from refiner_core.runtime.cluster import gpus_available
 
         gpus = settings.tensor_parallel_size if gpus_available() else 0
+        if gpus:
+            refuse_unplaceable(settings.num_engines, gpus, node_gpus())
         actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)
         self.actors = [
             actor.remote(model_path, settings, dtype, precision, markers) for _ in range(settings.num_engines)
         ]
         self.name, self.weights_hash = settings.engine, ""
-        ray.get([a.pid.remote() for a in self.actors])  # built (or failed) before the stage goes on
+        _wait_built(self.actors, gpus)  # built (or failed) before the stage goes on
+        places = ray.get([a.placement.remote() for a in self.actors])
+        self.placement = "; ".join(
+            f"engine {k}/{len(places)} on {node}" + (f" GPU {','.join(ids)}" if ids else "")
+            for k, (node, ids) in enumerate(places, 1)
+        )
         self.takes_adapters = ray.get(self.actors[0].takes_adapters.remote())
         self.sleep_level = min(ray.get([a.sleep_level.remote() for a in self.actors]))
         self.asleep = False
@@ -140,3 +154,49 @@ def _shards(count: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def node_gpus() -> dict[str, float]:
+    """GPUs of each live node of the Ray cluster, by address."""
+    import ray
+
+    return {n["NodeManagerAddress"]: n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]}
+
+
+def refuse_unplaceable(engines: int, gpus_each: int, nodes: dict[str, float]) -> None:
+    """Raise where `engines` engines of `gpus_each` GPUs (one engine's GPUs on one node) can never fit the
+    cluster's nodes: Ray would keep them pending and the stage would wait forever. Not retried: a setting."""
+    fits = sum(int(gpus // gpus_each) for gpus in nodes.values())
+    if fits < engines:
+        held = ", ".join(f"{node}: {gpus:g}" for node, gpus in nodes.items()) or "none"
+        raise ConfigError(
+            f"rollout.num_engines = {engines} with rollout.tensor_parallel_size = {gpus_each} needs {engines} "
+            f"groups of {gpus_each} GPU(s), each on one node; the Ray cluster's nodes have GPUs {{{held}}}, room for "
+            f"{fits}. Lower rollout.num_engines or rollout.tensor_parallel_size, or add GPUs to the cluster"
+        )
+
+
+WAIT_LINE_SECONDS = 60.0
+
+
+def _wait_built(actors: list, gpus_each: int) -> None:
+    """Wait until every actor is built (an error raised in one is raised here), with a line every
+    WAIT_LINE_SECONDS while some wait for resources that other work holds (a shared cluster)."""
+    import ray
+
+    pending = [a.pid.remote() for a in actors]
+    while True:
+        ready, waiting = ray.wait(pending, num_returns=len(pending), timeout=WAIT_LINE_SECONDS)
+        ray.get(ready)  # an engine that failed to build fails the stage now, not once the others are placed
+        if not waiting:
+            return
+        free = ray.available_resources()
+        logging.getLogger(__name__).warning(
+            "rollout engines: %d of %d built; the others wait for the Ray cluster's resources (each asks for 1 CPU "
+            "and %d GPU(s); free now: %g CPUs, %g GPUs)",
+            len(ready),
+            len(pending),
+            gpus_each,
+            free.get("CPU", 0.0),
+            free.get("GPU", 0.0),
+        )
