@@ -80,7 +80,9 @@ def test_cli_judge_serve_prints_endpoint_and_sigint_stops_it(tiny_model_path, tm
         port = int(endpoint.group(1))
         server_pid = int(text.split("pid: ")[1].split()[0])
         assert _alive(server_pid)
-        server_log = Path(re.search(r"^log: (.+)$", text, re.MULTILINE).group(1)).read_text()
+        log_file = Path(re.search(r"^log: (.+)$", text, re.MULTILINE).group(1))  # the default: a temporary file
+        server_log = log_file.read_text()
+        log_file.unlink()  # the server appends to the open file; the suite leaves nothing in /tmp
         assert re.search(r"^\$ .* --enforce-eager --max-num-seqs 3$", server_log, re.MULTILINE), server_log[:2000]
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         served = served_model_name(tiny_model_path, "tiny")
