@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import pickle
 import random
+import types
 
 import pytest
 import torch
@@ -159,3 +160,57 @@ def test_runtime_patches_index_the_fused_parameters_as_vllm_026_lays_them_out():
                 prefix + "self_attn.v_proj.weight": (4, 4),
             },
         )
+
+
+class _TransferCalls:
+    """vLLM's LLM as the engine's weight-transfer calls reach it (NCCL needs GPUs): what was called, in order."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(tie_word_embeddings=True))
+        self.llm_engine = types.SimpleNamespace(model_config=config)
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append(name)
+
+
+def test_an_nccl_group_is_opened_again_for_a_new_learner_and_after_another_engines(tiny_model_path, tmp_path):
+    """The NCCL group is rank 0's and one engine's. A kept engine whose learner was replaced (a failed update's
+    retry) joins the new learner's group, and an engine whose learner opened a group with another engine since
+    (an eval engine beside the rollout's) joins a new one; else the new rank 0 broadcast on no group, or on the
+    other engine's. A group's first send is whole: the engine's weights did not come from it."""
+    from conftest import learner_settings
+    from refiner_core.learners.deepspeed_learner import DeepSpeedLearner
+    from refiner_core.rollout.vllm_engine import VLLMRolloutEngine
+
+    def learner():
+        made = DeepSpeedLearner(tiny_model_path, None, 0, learner_settings(), None)  # ranks start on first job
+        made.jobs = []
+
+        def call(kind, samples=None, serve=None, meanwhile=None, **payload):  # the ranks' side needs CUDA
+            made.jobs.append((kind, payload.get("delta")))
+            if meanwhile is not None:
+                meanwhile()
+
+        made._call = call
+        return made
+
+    rollout, evaluation = (
+        VLLMRolloutEngine(_TransferCalls(), None, transport="delta", dtype=torch.bfloat16) for _ in range(2)
+    )
+    first = learner()
+    first.send_weights(rollout, holding=None, sending="w1")
+    first.send_weights(rollout, holding="w1", sending="w2")
+    assert first.jobs == [("transfer_init", None), ("send_weights", False), ("send_weights", True)]
+    assert rollout.transfer_group and rollout.llm.calls.count("init_weight_transfer_engine") == 1
+
+    first.send_weights(evaluation, holding=None, sending="w2")  # rank 0's group is now the eval engine's
+    first.send_weights(rollout, holding="w2", sending="w3")
+    assert first.jobs[3:] == [("transfer_init", None), ("send_weights", False)] * 2
+    assert rollout.transfer_group != evaluation.transfer_group
+
+    first.close()
+    second = learner()  # the retry's learner: new ranks, and the engine is kept
+    second.send_weights(rollout, holding="w3", sending="w4")
+    assert second.jobs == [("transfer_init", None), ("send_weights", False)]
+    second.close()

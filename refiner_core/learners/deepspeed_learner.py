@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -167,6 +168,7 @@ class DeepSpeedLearner:
         self._jobs = 0
         self._exported_at = -1  # `updates` when the weights in self.export were written
         self._sent: str | None = None  # the weights last sent to an engine over vLLM's weight transfer
+        self._group = ""  # the NCCL group rank 0 holds with an engine's workers (one at a time); '' none
         self._proc = None
         self._dead = ""  # why the ranks are gone, once they are
         self._tail: collections.deque[str] = collections.deque(maxlen=60)
@@ -383,9 +385,14 @@ class DeepSpeedLearner:
         (`sending` names them), else every element goes."""
         from refiner_core.runtime import weight_transfer as wt
 
-        if engine.transport in ("nccl", "delta") and not engine.transfer_ready:
+        # A group is rank 0's and one engine's: an engine that joined another learner's (this one's ranks were
+        # relaunched) or that this learner left for another engine's joins a new one.
+        if engine.transport in ("nccl", "delta") and (not self._group or engine.transfer_group != self._group):
             init = wt.nccl_init_info(self.hosts[0][0], free_port(), engine.workers)
-            self._call("transfer_init", init=init, meanwhile=lambda: engine.init_transfer(init))
+            group = uuid.uuid4().hex
+            self._group = ""
+            self._call("transfer_init", init=init, meanwhile=lambda: engine.init_transfer(init, group))
+            self._group = group
             self._sent = None  # a new group: whatever the engine holds, it did not get it from this one
         delta = engine.transport == "delta" and holding is not None and holding == self._sent
         engine.start_update()

@@ -115,7 +115,7 @@ class VLLMRolloutEngine:
     transport: str = "host"  # how new weights arrive (refiner_core.runtime.weight_transfer)
     bucket_bytes: int = 512 << 20
     workers: int = 1  # the engine's worker processes (tensor_parallel_size): NCCL ranks after the sender
-    transfer_ready: bool = False  # the NCCL group with the sender is up (init_transfer)
+    transfer_group: str = ""  # the sender's NCCL group this engine joined (init_transfer); '' none
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -248,10 +248,12 @@ class VLLMRolloutEngine:
 
     # ---- vLLM's weight-transfer API (the learner streams; refiner_core.runtime.weight_transfer) ----
 
-    def init_transfer(self, init_info: dict) -> None:
-        """Join the sender's NCCL group (blocks until the sender joins too)."""
+    def init_transfer(self, init_info: dict, group: str) -> None:
+        """Join the sender's NCCL group `group` (blocks until the sender joins too); it replaces any group joined
+        before."""
+        self.transfer_group = ""
         self.llm.init_weight_transfer_engine({"init_info": init_info})
-        self.transfer_ready = True
+        self.transfer_group = group
 
     def start_update(self) -> None:
         self.llm.start_weight_update()
