@@ -15,13 +15,12 @@ from refiner_core.eval.evaluate import (
     summarize,
 )
 from refiner_core.models import load_tokenizer
-from refiner_core.runtime.live_engines import release
 from refiner_core.runtime.unsaved_weights import model_folder
 from refiner_core.schema import EVALS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge_server import rubrics_by_prompt, stage_judge
-from tasks.sampling import rollout_engine
+from tasks.sampling import sampling_engine
 from tasks.stage import stage
 
 
@@ -64,14 +63,14 @@ def evaluate(
             f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
             "run.keep_last); keep it with run.keep_every, or evaluate a new run"
         )
-    engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)  # the run's live one
-    log.info("eval step %d: %s", step, acquired.describe())
-    if agent.enabled:
-        tokenizer = load_tokenizer(model_folder(policy))
-        responses = agent_eval_responses(engine, tokenizer, chosen, settings.sampling(seed), agent)
-    else:
-        responses = generate_responses(engine, chosen, settings, seed)
-    release(run_dir, engine, acquired)  # kept, or closed to free memory before the judge loads
+    # the run's live engine; kept after, or closed to free memory before the judge loads
+    with sampling_engine(run_dir, engine_cfg, policy, dtype, precision) as (engine, acquired):
+        log.info("eval step %d: %s", step, acquired.describe())
+        if agent.enabled:
+            tokenizer = load_tokenizer(model_folder(policy))
+            responses = agent_eval_responses(engine, tokenizer, chosen, settings.sampling(seed), agent)
+        else:
+            responses = generate_responses(engine, chosen, settings, seed)
 
     rubric_rows = rubrics_by_prompt(rubrics)
     _, scorer = stage_judge(run_dir, judge_model, judge_cfg, dtype, precision, log)

@@ -12,13 +12,12 @@ from refiner_core.agent.rollout import rollout_row as agent_rollout_row
 from refiner_core.agent.rollout import turn_rows as agent_turn_rows
 from refiner_core.models import load_tokenizer
 from refiner_core.rollout.base import SamplingParams, part_ranges
-from refiner_core.runtime.live_engines import release
 from refiner_core.runtime.unsaved_weights import model_folder
 from refiner_core.schema import ROLLOUTS, TURNS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.faults import stage_fault
 from refiner_core.store.storage import json_hash, read_rows, write_rows, write_table
-from tasks.sampling import response_columns, rollout_engine, round_folder, sampling_params, step_prompts
+from tasks.sampling import response_columns, round_folder, sampling_engine, sampling_params, step_prompts
 from tasks.stage import CODE_VERSION, stage
 
 ROUND_SEED_OFFSET = 1_000_033  # a later sampling round of a step draws other random numbers than its first
@@ -44,11 +43,6 @@ def rollout(
     sampling round (rollout.dynamic_sampling) samples the fresh prompts it is given -> rollouts/step=N/round=R/."""
     log = get_run_logger()
     chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed, round_prompt_ids)
-    # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
-    engine, acquired = rollout_engine(run_dir, engine_cfg, policy, dtype, precision)
-    log.info("rollout step %d: %s", step, acquired.describe())
-    if acquired.how in ("built", "fresh") and getattr(engine, "placement", ""):  # Ray's engines: where each went
-        log.info("rollout step %d: %s", step, engine.placement)
     path = round_folder(Path(run_dir) / "rollouts" / f"step={step}", round) / "rollouts.parquet"
 
     def to_rows(outputs: list[tuple[int, int, dict]]) -> list[dict]:
@@ -73,9 +67,14 @@ def rollout(
             for p, s, response in outputs
         ]
 
-    try:  # an engine that failed mid-sampling (a dead worker) is not kept: the retry builds another
-        params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
-        agent, turns = stage_view("rollout", rollout_cfg).agent, None
+    params = sampling_params(rollout_cfg, seed * 100_003 + step + round * ROUND_SEED_OFFSET)
+    agent, turns = stage_view("rollout", rollout_cfg).agent, None
+
+    # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
+    with sampling_engine(run_dir, engine_cfg, policy, dtype, precision) as (engine, acquired):
+        log.info("rollout step %d: %s", step, acquired.describe())
+        if acquired.how in ("built", "fresh") and getattr(engine, "placement", ""):  # Ray's engines: where each went
+            log.info("rollout step %d: %s", step, engine.placement)
         if agent.enabled:  # multi-turn tool calling; the tools check their sandbox before anything is sampled
             tokenizer = load_tokenizer(model_folder(policy))
             conversations = agent_rollouts(
@@ -112,10 +111,6 @@ def rollout(
                 markers=Path(run_dir) / ".faults",
                 log=log,
             )
-    except BaseException:
-        engine.close()
-        raise
-    release(run_dir, engine, acquired)  # kept for the next step, or closed to free memory for the learner
     if turns is not None:
         rows = to_rows(outputs)
     stopped = sum(r["finish_reason"] == "stop" for r in rows)

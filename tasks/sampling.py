@@ -4,6 +4,7 @@ columns of a generation."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from refiner_core.config import EngineSettings
@@ -53,10 +54,13 @@ def round_folder(step_folder: Path, round: int) -> Path:
     return step_folder / f"round={round}" if round else step_folder
 
 
-def rollout_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, precision: str):
-    """An engine holding `policy`'s weights and how it was got: the run's live engine
+@contextlib.contextmanager
+def sampling_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, precision: str):
+    """(engine, how it was got) holding `policy`'s weights for the block: the run's live engine
     (refiner_core.runtime.live_engines), else one built from the checkpoint (engine_cfg: an EngineSettings as a
-    dict). Hand it back with `live_engines.release`."""
+    dict). Handed back after the block (kept for the run's next stage, asleep or closed: `live_engines.release`);
+    closed where the block fails, since an engine that failed mid-sampling (a dead worker) is not kept and one
+    kept by nobody would hold its GPU memory: the retry builds another."""
     engine = EngineSettings(**engine_cfg)
 
     def build(path: str):
@@ -65,7 +69,13 @@ def rollout_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, pre
         return make_engine(path, engine, dtype, precision)
 
     key = live_engines.engine_key(engine, model_folder(policy), dtype, precision)
-    return live_engines.rollout_engine(run_dir, key, policy, build)
+    held, acquired = live_engines.rollout_engine(run_dir, key, policy, build)
+    try:
+        yield held, acquired
+    except BaseException:
+        held.close()
+        raise
+    live_engines.release(run_dir, held, acquired)
 
 
 def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:

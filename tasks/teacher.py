@@ -8,11 +8,10 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.algo.ema import alpha_at, is_update_step
-from refiner_core.runtime.live_engines import release
 from refiner_core.schema import TEACHER_ROLLOUTS, TEACHER_UPDATES
 from refiner_core.store.storage import write_rows, write_table
 from tasks.checkpoints import write_average
-from tasks.sampling import response_columns, rollout_engine, sampling_params, step_prompts
+from tasks.sampling import response_columns, sampling_engine, sampling_params, step_prompts
 from tasks.stage import stage
 
 TEACHER_SEED_OFFSET = 500_009  # the teacher's samples never repeat the policy's, even while their weights agree
@@ -35,11 +34,10 @@ def teacher_rollout(
     """G responses of the teacher to the same prompts the policy answers at this step -> teacher_rollouts."""
     log = get_run_logger()
     chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
-    engine, acquired = rollout_engine(run_dir, engine_cfg, teacher, dtype, precision)
-    log.info("teacher-rollout step %d: %s", step, acquired.describe())
     params = sampling_params(rollout_cfg, seed * 100_003 + step + TEACHER_SEED_OFFSET)
-    generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")
-    release(run_dir, engine, acquired)
+    with sampling_engine(run_dir, engine_cfg, teacher, dtype, precision) as (engine, acquired):
+        log.info("teacher-rollout step %d: %s", step, acquired.describe())
+        generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")
     now = datetime.now(UTC)
     rows = [
         {

@@ -180,6 +180,49 @@ def test_no_registry_builds_and_closes_and_closing_a_run_closes_its_engines(chec
     live.close_run(tmp_path / "other-run")
 
 
+def test_a_stage_that_fails_with_the_runs_engine_closes_it_and_one_that_ends_keeps_it(checkpoints, run_dir):
+    """tasks.sampling.sampling_engine, which the rollout, teacher and eval stages sample through: an engine lent
+    from the run's registry goes back after the stage, and is closed where the stage failed with it (kept by nobody,
+    a vLLM engine would hold its GPU memory while the retry builds another)."""
+    from tasks.sampling import sampling_engine
+
+    old, _ = checkpoints
+    settings = dataclasses.asdict(ENGINE)
+    with pytest.raises(RuntimeError, match="a worker died"):
+        with sampling_engine(str(run_dir), settings, old, "float32", "fp32") as (failed, got):
+            assert got.how == "built"
+            raise RuntimeError("a worker died mid-sampling")
+    assert failed.model is None and not live.run_of(run_dir).rollout  # closed, not kept
+
+    with sampling_engine(str(run_dir), settings, old, "float32", "fp32") as (engine, got):
+        assert got.how == "built" and engine is not failed
+    assert engine.model is not None and list(live.run_of(run_dir).rollout.values()) == [engine]
+    with sampling_engine(str(run_dir), settings, old, "float32", "fp32") as (again, got):
+        assert again is engine and got.how == "kept"
+
+
+def test_closing_a_run_closes_the_learner_after_an_engine_that_fails_to_close(checkpoints, run_dir, tiny_tokenizer):
+    """An engine whose close raises (its worker already dead) does not keep the run's end from the learner: the
+    weights no checkpoint holds are still written, and the engine's error is raised once all were closed."""
+
+    class DeadWorker:
+        def close(self):
+            raise RuntimeError("the engine's worker is gone")
+
+    from refiner_core.learners.torch_learner import make_torch_learner
+
+    old, _ = checkpoints
+    learner = make_torch_learner(old["path"], old["path"], tiny_tokenizer, learner_settings(), None)
+    learner.close = lambda: closed.append(1)  # the torch learner's own close drops nothing we could observe
+    written, closed = [], []
+    run = live.run_of(run_dir)
+    run.rollout["dead"] = DeadWorker()
+    run.learner = live_learner.KeptLearner("key", learner, "weights-1", save_at_close=lambda: written.append(1))
+    with pytest.raises(RuntimeError, match="worker is gone"):
+        live.close_run(run_dir)
+    assert written == [1] and closed == [1] and live.run_of(run_dir) is None
+
+
 # ---- the pipeline ----
 
 

@@ -159,3 +159,15 @@ def test_engines_take_the_gpus_ray_gives_them_and_wait_for_held_ones(tiny_model_
     finally:
         ray.shutdown()
         shutil.rmtree(session, ignore_errors=True)
+
+
+def test_engines_on_their_own_gpus_fit_each_on_its_own_and_on_one_cpu_together():
+    """What several engines report to `live_engines.fits`: the device with the least room beyond what it holds."""
+    from refiner_core.rollout.sharded import tightest
+
+    on_gpus = [("10.0.0.1", ["0"]), ("10.0.0.1", ["1"])]
+    assert tightest(on_gpus, [(32, 48), (32, 40)]) == (32, 40)  # each fits its own GPU: kept awake
+    on_cpu = [("10.0.0.1", []), ("10.0.0.1", [])]
+    assert tightest(on_cpu, [(10, 15), (10, 14)]) == (20, 14)  # one host's memory for both: they do not fit
+    two_hosts = [("10.0.0.1", []), ("10.0.0.2", [])]
+    assert tightest(two_hosts, [(10, 15), (10, 14)]) == (10, 14)

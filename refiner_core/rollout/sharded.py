@@ -80,10 +80,10 @@ class ShardedEngine:
         ]
         self.name, self.weights_hash = settings.engine, ""
         _wait_built(self.actors, gpus)  # built (or failed) before the stage goes on
-        places = ray.get([a.placement.remote() for a in self.actors])
+        self.places = [tuple(place) for place in ray.get([a.placement.remote() for a in self.actors])]
         self.placement = "; ".join(
-            f"engine {k}/{len(places)} on {node}" + (f" GPU {','.join(ids)}" if ids else "")
-            for k, (node, ids) in enumerate(places, 1)
+            f"engine {k}/{len(self.places)} on {node}" + (f" GPU {','.join(ids)}" if ids else "")
+            for k, (node, ids) in enumerate(self.places, 1)
         )
         self.takes_adapters = ray.get(self.actors[0].takes_adapters.remote())
         self.sleep_level = min(ray.get([a.sleep_level.remote() for a in self.actors]))
@@ -118,10 +118,11 @@ class ShardedEngine:
         ray.get([a.load_weights.remote(shared) for a in self.actors])
 
     def memory_bytes(self) -> tuple[int, int]:
+        """(held, free) of the device that has least room to spare: engines on one node's CPU share its memory,
+        an engine on GPUs has them to itself."""
         import ray
 
-        sizes = ray.get([a.memory_bytes.remote() for a in self.actors])
-        return sum(held for held, _ in sizes), min(free for _, free in sizes)
+        return tightest(self.places, ray.get([a.memory_bytes.remote() for a in self.actors]))
 
     def sleep(self) -> None:
         import ray
@@ -154,6 +155,18 @@ def _shards(count: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def tightest(places: list[tuple[str, list]], sizes: list[tuple[int, int]]) -> tuple[int, int]:
+    """Of the engines' (held, free) bytes, those of the device with the least free beyond what is held there,
+    engines placed alike (`places`: node, GPU ids) sharing a device: their held bytes add up, its free bytes are
+    counted once."""
+    devices: dict[tuple, tuple[int, int]] = {}
+    for (node, gpus), (held, free) in zip(places, sizes, strict=True):
+        key = (node, tuple(gpus))
+        before = devices.get(key, (0, free))
+        devices[key] = (before[0] + held, min(before[1], free))
+    return min(devices.values(), key=lambda device: device[1] - device[0])
 
 
 def node_gpus() -> dict[str, float]:

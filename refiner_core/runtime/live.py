@@ -78,15 +78,20 @@ atexit.register(close_all)
 
 
 def _close(run: LiveRun) -> None:
-    for engine in run.rollout.values():
-        engine.close()
-    for judge in run.judges.values():
-        judge.close()
-    if run.learner is not None:
-        run.learner.close()
+    """Close everything the run keeps, each whatever the others do (an engine whose worker died must not keep the
+    learner from writing weights no checkpoint holds); the first failure is raised once all were tried."""
+    kept = [*run.rollout.values(), *run.judges.values(), *([run.learner] if run.learner is not None else [])]
     run.rollout.clear()
     run.judges.clear()
     run.learner = None
+    failed: BaseException | None = None
+    for value in kept:
+        try:
+            value.close()
+        except BaseException as e:  # each is closed whatever came before
+            failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 def open_runs() -> list[str]:

@@ -137,7 +137,11 @@ def release(run_dir: str | Path, engine, acquired: Acquired) -> str:
         with LOCK:
             free_slot = acquired.key not in run.rollout
         if free_slot and how == "asleep":
-            engine.sleep()
+            try:
+                engine.sleep()
+            except BaseException:  # neither asleep nor awake for certain: kept by nobody, it would hold its memory
+                engine.close()
+                raise
             if engine.sleep_level >= 2:  # its weights are gone: the next stage loads them whatever it needs
                 engine.weights_hash = None
         with LOCK:
