@@ -1072,8 +1072,9 @@ class GRPOConfig:
     )
     logit_chunk_tokens: int = opt(
         0,
-        "Run the output layer and the log-softmax this many positions at a time, each chunk's logits computed again "
-        "in the backward pass (0: all positions at once). The fp32 logits of a position take 4 x vocabulary bytes "
+        "Run the output layer and the log-softmax this many positions of each row at a time (a micro-batch of R "
+        "rows: R x this many positions' logits at once), each chunk's logits computed again in the backward pass "
+        "(0: all positions at once). The fp32 logits of a position take 4 x vocabulary bytes "
         "(0.6 MB for Qwen3's 151936), about 5 GB for an 8192-token pack, held several times over by the "
         "log-softmax and its gradient; chunks of 1024 keep one chunk's, and only a position's log-normaliser is "
         "kept between the passes (TRL's use_liger_loss and verl's fused kernels do the same). Same log-probs and "
@@ -1086,7 +1087,9 @@ class GRPOConfig:
         "torch.compile each decoder layer of the policy (the torch learner): the layers share one compiled code, so "
         "the first update compiles once (about 10 s for a small model on a CPU), and a second sequence length once "
         "more, after which lengths are dynamic. Fuses the norms, rotary embedding and activation into fewer kernels, "
-        "which a GPU step is short of; the loss agrees with eager to rounding. Not with the deepspeed learner or LoRA.",
+        "which a GPU step is short of; the loss agrees with eager to rounding. Not with the deepspeed learner or LoRA. "
+        "With grpo.share_prompt each layer compiles its own code (the prompt's cache is read by layer number), past "
+        "torch's limit of 8 the rest run uncompiled: the run warns.",
     )
     minibatches: int = opt(
         1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).", check=AT_LEAST_1

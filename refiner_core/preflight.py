@@ -285,19 +285,30 @@ def recipe_warnings(cfg: RecipeConfig) -> list[str]:
 
 
 def update_layout_warnings(cfg: RecipeConfig) -> list[str]:
-    """grpo.pack_length and grpo.micro_batch_size shape the update's micro-batches only with grpo.share_prompt off."""
+    """grpo.pack_length and grpo.micro_batch_size shape the update's micro-batches only with grpo.share_prompt off,
+    and compiled layers share one compiled code only with it off."""
     grpo, defaults = cfg.grpo, GRPOConfig()
+    if not grpo.share_prompt:
+        return []
     ignored = [
         f"grpo.{name} = {getattr(grpo, name)}"
         for name in ("pack_length", "micro_batch_size")
         if getattr(grpo, name) != getattr(defaults, name)
     ]
-    if not grpo.share_prompt or not ignored:
-        return []
-    return [
-        f"grpo.share_prompt (on by default) makes each micro-batch of the update one prompt's group, so it ignores "
-        f"{' and '.join(ignored)}: set grpo.share_prompt=false for them to apply, or leave them at their defaults"
-    ]
+    found = []
+    if ignored:
+        found.append(
+            f"grpo.share_prompt (on by default) makes each micro-batch of the update one prompt's group, so it "
+            f"ignores {' and '.join(ignored)}: set grpo.share_prompt=false for them to apply, or leave them at their "
+            "defaults"
+        )
+    if grpo.compile_layers:
+        found.append(
+            "grpo.compile_layers with grpo.share_prompt: the prompt's cache is read by each layer's number, so each "
+            "layer compiles code of its own (8 graphs for 2 layers of the tiny model, against 1 without), and past "
+            "torch's limit of 8 recompilations the remaining layers run uncompiled: set grpo.share_prompt=false"
+        )
+    return found
 
 
 def reward_warnings(cfg: RecipeConfig) -> list[str]:

@@ -411,3 +411,29 @@ def test_recomputed_activations_on_a_rank_update_as_the_torch_learner(
     assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
     updated = {k: v for k, v in load_model(tmp_path / "step_1").state_dict().items()}
     assert _max_diff(updated, {k: v for k, v in policy.state_dict().items() if k in updated}) < 3e-5
+
+
+def test_two_zero3_ranks_with_chunked_logits_and_a_padded_share_equal_the_torch_learner(
+    tiny_model_path, tiny_tokenizer
+):
+    """Two ZeRO-3 ranks share 3 micro-batches, so rank 1 pads with a zero-weight one; with grpo.logit_chunk_tokens
+    it goes through the chunked output layer as the scored ones do (whole logits there left the two ranks waiting
+    on each other's collectives in the backward pass until gloo's 10-minute timeout). Entropy bonus on: both of
+    the chunked function's outputs carry gradients."""
+    batch = _samples(0)
+    want = TorchLearner(
+        load_model(tiny_model_path, trainable=True),
+        load_model(tiny_model_path),
+        tiny_tokenizer.pad_token_id,
+        _settings(entropy_coef=0.01),
+    ).train_step(batch)
+    settings = _settings(world_size=2, zero_stage=3, share_prompt=False, entropy_coef=0.01, logit_chunk_tokens=4)
+    learner = make_learner("deepspeed", tiny_model_path, tiny_model_path, tiny_tokenizer, settings, None)
+    try:
+        got = learner.train_step(batch)
+    finally:
+        learner.close()
+    assert [r["micro_batches"] for r in learner.rank_stats] == [2, 1]  # rank 1 also runs a zero-weight pad
+    for key in ("loss", "pg_loss", "kl", "entropy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)

@@ -326,6 +326,35 @@ def test_packing_and_micro_batches_under_shared_prompts_are_warned_of(overrides,
     )
 
 
+def test_compiled_layers_under_shared_prompts_are_warned_of(tiny_model_path):
+    """Under grpo.share_prompt the layers read the prompt's cache by their number, so each compiles its own code:
+    counted here on the tiny model, 1 graph for its 2 layers without shared prompts and more with them."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from conftest import learner_samples, learner_settings
+    from refiner_core.learners.torch_learner import TorchLearner, compile_decoder_layers, load_learner_models
+
+    graphs = {}
+    for shared in (False, True):
+        settings = learner_settings(micro_batch_size=8, share_prompt=shared)
+        policy, reference = load_learner_models(tiny_model_path, tiny_model_path, "float32", settings)
+        torch._dynamo.reset()
+        counters.clear()
+        compile_decoder_layers(policy)
+        TorchLearner(policy, reference, 0, settings).train_step(learner_samples())
+        graphs[shared] = counters["stats"]["unique_graphs"]
+    assert graphs[False] == 1 and graphs[True] > 2, graphs
+    [warning] = recipe_warnings(load_recipe(REPO / "recipes" / "tiny.yaml", ["grpo.compile_layers=true"]))
+    assert warning.startswith("grpo.compile_layers with grpo.share_prompt: the prompt's cache is read by each layer")
+    assert (
+        recipe_warnings(
+            load_recipe(REPO / "recipes" / "tiny.yaml", ["grpo.compile_layers=true", "grpo.share_prompt=false"])
+        )
+        == []
+    )
+
+
 def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zero_cap():
     [p] = problems(
         "rollout.dynamic_sampling=true", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml"

@@ -91,8 +91,9 @@ def chunked_scores(
             "it?); chunked log-probs need the plain projection (set grpo.logit_chunk_tokens=0)"
         )
     width, start = batch["targets"].shape[1], _first_scored(batch)
-    if start == width:  # nothing scored (a zero-weight pass): one position's logits, still in the graph
-        return token_scores(model, batch, temperature, precision, entropy)
+    # Nothing scored (a rank's zero-weight pass): the last position, through the same function as every other
+    # micro-batch; ZeRO-3 ranks running other code for one micro-batch wait on each other's collectives for ever.
+    start = min(start, width - 1)
     dtype = torch.bfloat16 if precision == "bf16" else head.weight.dtype  # what autocast's linear computes in
     targets = batch["targets"][:, start:]
 
