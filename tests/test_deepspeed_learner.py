@@ -345,7 +345,9 @@ def test_a_rank_that_dies_fails_the_step_clearly(tiny_model_path, tiny_tokenizer
     assert process_identity(launcher) is None and not learner.work.exists()
 
 
-def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_recipe, tmp_path, info_logs, capsys):
+def test_flow_keeps_the_ranks_up_and_gives_the_same_run(
+    prefect_server, tiny_recipe, tmp_path, info_logs, capsys, monkeypatch
+):
     """Two GRPO steps of the tiny recipe with grpo.learner=deepspeed (one rank, ZeRO-3): ranks kept for the run
     with a checkpoint every 2 steps (step 1's weights live only in the ranks, the rollout engine copies them from
     shared memory) give the same rollouts, rewards, metrics and final weights as ranks launched for every step
@@ -355,11 +357,12 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_rec
 
     grpo = {**tiny_recipe["grpo"], "learner": "deepspeed", "steps": 2, "deepspeed": {"world_size": 1}}
     runs = {"kept": {"keep_engines": True, "save_every": 2}, "fresh": {"keep_engines": False, "save_every": 1}}
+    monkeypatch.setenv(RANKS_TAG, tmp_path.name)  # the ranks inherit it: this test's, not another file's
     for name, run in runs.items():
         recipe = {**tiny_recipe, "grpo": grpo, "run": {**tiny_recipe["run"], **run}}
         state = refiner_pipeline(recipe=recipe, run_dir=str(tmp_path / name), return_state=True)
         assert state.is_completed(), state.message
-        assert _ranks_left() == [], name
+        assert _ranks_left(tmp_path.name) == [], name
         assert not (tmp_path / name / scratch.RECORD).exists()
     ranks_said = capsys.readouterr().err
     assert "[deepspeed rank 0/1] trained" in ranks_said and "is deprecated" not in ranks_said
@@ -379,9 +382,22 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(prefect_server, tiny_rec
     assert "grpo-update step 1: learner loaded from" in _log(tmp_path / "fresh")
 
 
-def _ranks_left() -> list[str]:
+def _ranks_left(tag: str) -> list[str]:
+    """Rank processes (and their launcher) still running that carry `tag` in their environment: those a run of
+    this test started, not those of another test file running beside it."""
     found = subprocess.run(["pgrep", "-af", "refiner_core.learners.deepspeed_worker"], capture_output=True, text=True)
-    return found.stdout.splitlines()
+    left = []
+    for line in found.stdout.splitlines():
+        try:
+            environment = Path(f"/proc/{line.split()[0]}/environ").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if f"{RANKS_TAG}={tag}".encode() in environment:
+            left.append(line)
+    return left
+
+
+RANKS_TAG = "REFINER_TEST_RANKS_TAG"
 
 
 @pytest.mark.parametrize(("zero_stage", "chunk"), [(3, 4), (2, 0)])
