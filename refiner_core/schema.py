@@ -129,7 +129,9 @@ ROLLOUTS = Table(
         _c(
             "final_text",
             S,
-            "The last assistant turn's text, where the final answer is read (agent rollouts); response_text otherwise.",
+            "The last assistant turn's text, where the final answer is read (agent rollouts; '' when that turn "
+            "called a tool: the conversation ended at max_turns or out of tokens waiting for a result); "
+            "response_text otherwise.",
         ),
         _c("created_at", TS, "When the rollout was written."),
         _c(

@@ -20,6 +20,7 @@ from refiner_core.learners.base import TrainSample
 from refiner_core.learners.batching import collate
 from refiner_core.learners.logprobs import token_logprobs
 from refiner_core.models import load_model
+from refiner_core.reward.ground_truth import answer_text, verify
 from refiner_core.rollout.base import SamplingParams
 from refiner_core.rollout.hf_engine import HFRolloutEngine
 from refiner_core.schema import TURNS
@@ -197,6 +198,9 @@ def test_multi_turn_token_bookkeeping(tiny_model_path, tiny_tokenizer, python_to
     looping = by_key[(1, 1)]
     assert looping.finish_reason == "max_turns" and looping.tool_rounds == 2
     assert len([t for t in looping.turns if t.role == "assistant"]) == settings.max_turns
+    # it ended on a call: no answer to grade (its code, print(6 * 7), was graded as one and could match)
+    assert looping.final_text == "" and mixed.final_text == ""
+    assert verify(answer_text({"final_text": looping.final_text}), "42").method == "no_answer"
 
     # The learner scores exactly the sampled tokens, and its log-probs equal the ones recorded.
     samples = [TrainSample(prompts[r.prompt_index], r.token_ids, 1.0, r.logprobs, r.loss_mask) for r in rollouts]
@@ -254,6 +258,7 @@ def test_a_round_whose_results_do_not_fit_the_budget_still_counts(tiny_model_pat
     (tool,) = [t for t in rollout.turns if t.role == "tool"]
     assert (tool.status, tool.text, tool.token_start == tool.token_end) == ("ok", "42", True)  # ran, not shown
     assert rollout.tool_rounds == 1
+    assert rollout.final_text == ""  # no answer: the conversation ended waiting for its call's result
 
 
 def test_calls_the_tool_cannot_take_are_recorded_and_stored(tiny_model_path, tiny_tokenizer, python_tool, tmp_path):
@@ -458,6 +463,34 @@ def test_calls_past_the_caps_are_refused_never_run_and_earn_no_tool_round(tiny_m
         {"p": {"ground_truth": "42"}},
     )
     assert [(v.correct, v.score) for v in verdicts] == [(1.0, 1.0), (0.0, -1.0)]
+
+
+def test_a_call_that_never_ran_takes_none_of_the_tool_time(tiny_model_path, tiny_tokenizer):
+    """The python tool answers a call without its code argument itself, untimed: the call took no time, and the
+    other conversation's call, which ran for a second in the same batch, is not shared with it (the conversation's
+    tool-time budget ran down by it)."""
+    check_sandbox()
+    tool = PythonTool(PythonSandbox(SandboxLimits(wall_seconds=10.0), concurrency=2))
+    model = load_model(tiny_model_path)
+    prompt = render_prompt(tiny_tokenizer, [{"role": "user", "content": "What is 6 * 7?"}])[1]
+    slow = '<tool_call>{"name": "python", "arguments": {"code": "import time; time.sleep(1)"}}</tool_call>'
+    unnamed = '<tool_call>{"name": "python", "arguments": {"source": "print(1)"}}</tool_call>'
+    try:
+        ran, never = run_agent(
+            HFRolloutEngine(model, tiny_tokenizer, batch_size=2),
+            tiny_tokenizer,
+            [prompt],
+            SamplingParams(n=2, max_new_tokens=8, seed=0),
+            {"python": tool},
+            AgentSettings(max_turns=3, max_response_tokens=2000),
+            scripted={(0, 0): [slow, "\\boxed{42}"], (0, 1): [unnamed, "\\boxed{42}"]},
+            score=model_scorer(model, 1.0),
+        )
+    finally:
+        tool.close()
+    (invalid,) = [t for t in never.turns if t.role == "tool"]
+    assert invalid.status == "invalid_call" and invalid.seconds == 0 and never.tool_seconds == 0
+    assert ran.tool_seconds >= 1.0
 
 
 def test_preflight_refuses_caps_that_stop_every_call():

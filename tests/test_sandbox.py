@@ -327,6 +327,28 @@ def test_calls_run_concurrently_and_bounded():
     assert 3.0 <= elapsed < 5.5  # two at a time: two rounds of 1.5 s, not one and not four
 
 
+def test_what_the_code_printed_before_it_was_stopped_or_exited_reaches_the_model(box):
+    """The interpreter writes unbuffered: a pipe would hold what it printed until an exit that never comes (a
+    timeout, a signal, os._exit). A failing exit with nothing on stderr says so: '(no output)' read as success."""
+    from refiner_core.agent.tools.python_sandbox import python_tool_result
+
+    stopped, killed, hard_exit, quiet_exit = (
+        python_tool_result(r)
+        for r in box.run_many(
+            [
+                "print('partial result: 42')\nimport time\ntime.sleep(60)",
+                "import os, signal\nprint('before')\nos.kill(os.getpid(), signal.SIGKILL)",
+                "import os\nprint('written')\nos._exit(2)",
+                "import sys\nsys.exit(3)",
+            ]
+        )
+    )
+    assert stopped.text == "partial result: 42\nerror: the code ran out of time and was stopped"
+    assert killed.text == "before\nerror: the code was stopped (killed:SIGKILL)"
+    assert hard_exit.text == "written\nerror: the code exited with status 2"
+    assert quiet_exit.text == "error: the code exited with status 3"
+
+
 def test_python_tool_reports_bad_arguments_without_running():
     tool = PythonTool(PythonSandbox(LIMITS, concurrency=1))
     try:

@@ -70,7 +70,9 @@ class AgentRollout:
     turns: list[Turn] = field(default_factory=list)
     finish_reason: str = ""
     tool_rounds: int = 0  # assistant turns with at least one call that ran (valid call, tool executed)
-    final_text: str = ""  # the last assistant turn's text: where the final answer is read
+    # the last assistant turn's text, where the final answer is read; '' when that turn called a tool (the
+    # conversation ran out of turns or tokens waiting for a result): its code is no answer
+    final_text: str = ""
     tool_seconds: float = 0.0  # what the conversation's calls that ran took
 
     @property
@@ -165,7 +167,7 @@ def run_agent(
                     turn, "assistant", 0, text, start, end, finish_reason="tool_call" if found and not cut else finished
                 )
             )
-            r.final_text = text
+            r.final_text = "" if found else text  # a turn that calls a tool is no answer, should the talk end there
             r.finish_reason = finished
             calls.extend((r, k, c) for k, c in enumerate(found) if not finished)
         if not calls:
@@ -283,7 +285,7 @@ def _execute(
         t0 = time.monotonic()
         ran = tools[name].run_many([calls[i][2].arguments for i in idx])
         for i, res in zip(idx, ran):
-            if not res.seconds:
+            if not res.seconds and res.status not in NOT_RUN:  # a tool that does not time its runs: a share
                 res.seconds = (time.monotonic() - t0) / len(idx)
             results[i] = res
             calls[i][0].tool_seconds += res.seconds

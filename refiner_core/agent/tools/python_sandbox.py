@@ -457,9 +457,11 @@ class PythonSandbox:
             drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         else:  # the caller's uid inside its own user namespace; CAP_SETPCAP lets setpriv empty the bounding set
             box += ["--unshare-user", "--cap-add", "CAP_SETPCAP"]
-        # -P -s rather than -I, which would ignore PYTHONHASHSEED; bwrap cleared every other PYTHON* variable.
+        # -P -s rather than -I, which would ignore PYTHONHASHSEED; bwrap cleared every other PYTHON* variable. -u:
+        # what the code printed before a timeout, a signal or os._exit reaches the model (a pipe buffers it).
         fixed = [_program("setarch"), "-R"] if self.fixed_addresses else []
-        return [*prlimit, *box, "--", *launcher, *drop, "--", *fixed, self.interpreter, "-P", "-s", "-B", "-c", code]
+        interpreter = [self.interpreter, "-P", "-s", "-B", "-u", "-c", code]
+        return [*prlimit, *box, "--", *launcher, *drop, "--", *fixed, *interpreter]
 
     def _run(self, code: str, uid: int) -> ExecResult:
         lim = self.limits
@@ -642,6 +644,8 @@ def python_tool_result(result: ExecResult) -> ToolResult:
         parts.append("error: the code ran out of time and was stopped")
     elif result.status == "cpu_limit":
         parts.append("error: the code used up its CPU time and was stopped")
+    elif result.status == "error" and not result.stderr:  # sys.exit(3), os._exit(2): nothing says it failed
+        parts.append(f"error: the code exited with status {result.exit_code}")
     elif result.status not in ("ok", "error"):
         parts.append(f"error: the code was stopped ({result.status})")
     text = "\n".join(parts) if parts else "(no output)"
