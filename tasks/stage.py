@@ -57,8 +57,10 @@ def _without_provenance(value: Any) -> Any:
     return value
 
 
-def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    material = {k: _content(_without_provenance(v), k) for k, v in sorted(parameters.items())}
+def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any], unkeyed: tuple[str, ...] = ()) -> str:
+    """The stage's key: its name, the code version and its parameters, but for `unkeyed` ones, which change how a
+    result is kept rather than what it is."""
+    material = {k: _content(_without_provenance(v), k) for k, v in sorted(parameters.items()) if k not in unkeyed}
     own = _key(context.task.name, material)
     return _ancestor_key(context, material, own) or own
 
@@ -225,9 +227,10 @@ def _logger():
         return logging.getLogger("refiner")
 
 
-def stage(name: str) -> Callable[[Callable], Stage]:
+def stage(name: str, unkeyed: tuple[str, ...] = ()) -> Callable[[Callable], Stage]:
     """Decorator for a pipeline stage. The wrapped function takes keyword arguments (with `run_dir`) and
-    returns a JSON-able manifest whose {path, hash} entries are the stage's outputs."""
+    returns a JSON-able manifest whose {path, hash} entries are the stage's outputs. `unkeyed`: parameters left
+    out of its cache key (a result computed under any value of them serves every value)."""
 
     def decorate(fn: Callable) -> Stage:
         @functools.wraps(fn)
@@ -246,7 +249,7 @@ def stage(name: str) -> Callable[[Callable], Stage]:
             task(
                 run,
                 name=name,
-                cache_key_fn=stage_cache_key,
+                cache_key_fn=functools.partial(stage_cache_key, unkeyed=unkeyed) if unkeyed else stage_cache_key,
                 persist_result=True,
                 retries=2,
                 retry_delay_seconds=2,

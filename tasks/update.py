@@ -24,7 +24,9 @@ from tasks.checkpoints import write_average
 from tasks.stage import stage
 
 
-@stage("grpo-update")
+# `save` (run.save_every) follows grpo.steps and eval.every, which a longer rerun changes: out of the key, so the
+# steps that ran stay Cached (weights a step left unsaved were written as that run ended, or are recomputed).
+@stage("grpo-update", unkeyed=("save",))
 def grpo_update(
     *,
     run_dir: str,

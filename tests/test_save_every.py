@@ -148,6 +148,26 @@ def test_save_every_2_equals_saving_every_step_and_a_lost_learner_recomputes(api
     _same(_results(after_save, policy_hash=True), uninterrupted)
 
 
+@pytest.mark.slow
+def test_a_longer_rerun_keeps_the_updates_that_ran_and_equals_a_run_of_that_length(
+    api_env, tiny_recipe, tmp_path, info_logs
+):
+    """Which updates save follows grpo.steps (the last one does): a 3-step run saved step 2's update, a 4-step run
+    leaves it unsaved. That is how the result is kept, not what it is, so the longer rerun takes it from the cache
+    (it recomputed it from step_0002, whose optimizer state the newest checkpoint had taken, and trained on from a
+    fresh AdamW) and its steps equal a 4-step run's."""
+    longer, fresh = tmp_path / "longer", tmp_path / "fresh"
+    assert _pipeline(_recipe(tiny_recipe, 2), longer).is_completed()
+    four = {**_recipe(tiny_recipe, 2), "grpo": {**tiny_recipe["grpo"], "steps": 4}}
+    assert _pipeline(four, longer).is_completed()
+    newest = sorted((longer / "logs").glob("run-*.log"))[-1].read_text()
+    assert "Task run 'grpo-update[step=2]' - Finished in state Cached" in newest
+    assert "AdamW starts afresh" not in newest
+    assert _pipeline(four, fresh).is_completed()
+    steps = "SELECT step, loss, kl, grad_norm, reward_mean FROM steps ORDER BY step"
+    assert catalog_rows(longer, steps) == catalog_rows(fresh, steps)
+
+
 def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
     """An update's cached manifest naming weights never written is damaged unless the run's live learner holds
     them, or a later step checkpoint was saved from them."""
