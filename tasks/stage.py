@@ -120,13 +120,13 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
     that made them is recomputed."""
     damaged = []
     for entry in manifest.values():
-        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry) or entry["path"] in pruned_paths(
-            Path(entry["path"]).parent
-        ):
+        if not (isinstance(entry, dict) and "path" in entry and "hash" in entry):
             continue
-        if (unsaved := UnsavedWeights.named_by(entry)) is not None:
-            if not unsaved.intact(run_dir):
+        if (unsaved := UnsavedWeights.named_by(entry)) is not None:  # before the pruned list: an earlier run of the
+            if not unsaved.intact(run_dir):  # folder may have pruned a checkpoint of that name, not these weights
                 damaged.append(f"{entry['path']} (never saved; no live learner holds it)")
+            continue
+        if entry["path"] in pruned_paths(Path(entry["path"]).parent):
             continue
         path = Path(entry["path"])
         actual = dir_hash(path, TRAINING_STATE_FILES) if path.is_dir() else file_hash(path) if path.is_file() else None

@@ -18,7 +18,13 @@ from refiner_core.runtime.identity import weights_hash
 from refiner_core.runtime.unsaved_weights import UnsavedWeights, forget_recorded, is_unsaved, model_folder
 from refiner_core.schema import ADVANTAGES, REFERENCE_SYNCS, STEPS
 from refiner_core.stage_settings import stage_view
-from refiner_core.store.checkpoints import TRAINING_STATE_FILES, folder_bytes, forget_pruned, pruned_paths
+from refiner_core.store.checkpoints import (
+    TRAINING_STATE_FILES,
+    folder_bytes,
+    forget_pruned,
+    pruned_paths,
+    step_checkpoints,
+)
 from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_rows, write_table
 from tasks.checkpoints import write_average
 from tasks.stage import stage
@@ -246,6 +252,9 @@ def _save(learner, save: bool, *, run_dir: str, run: str, step: int, model: str,
     """The policy manifest of the updated weights: an HF checkpoint, or (save false, run.save_every) the weights
     left in the live learner, named by content hash."""
     final = Path(run_dir) / "checkpoints" / f"step_{step + 1:04d}"
+    for number, later in step_checkpoints(final.parent).items():  # an earlier run's, trained from other weights:
+        if number > step + 1:  # none stands for these (UnsavedWeights.saved_later) until rewritten and recorded
+            forget_recorded(later)
     if save or not live_learner.keeps_learner(run_dir, learner):  # weights nothing would hold are written
         _write_checkpoint(learner, final, tokenizer, run_dir=run_dir, run=run, step=step)
         return {"path": str(final), "hash": dir_hash(final, TRAINING_STATE_FILES)}

@@ -6,6 +6,7 @@ that name weights nobody holds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -197,9 +198,36 @@ def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
         live.close_run(run_dir)
     later = run_dir / "checkpoints" / "step_0002"
     later.mkdir(parents=True)  # saved after step_0001's weights, by an update killed before its result was stored
+    # an earlier run of the folder pruned a checkpoint of that name: not these weights, which nothing holds
+    (run_dir / "checkpoints" / "pruned.json").write_text(json.dumps([str(checkpoint)]))
     assert damaged_outputs(manifest, str(run_dir)) != []
     mark_recorded({"policy": {"path": str(later), "hash": "h"}})
     assert damaged_outputs(manifest, str(run_dir)) == []
+
+
+@pytest.mark.slow
+def test_a_rerun_killed_between_saves_recomputes_over_an_earlier_runs_checkpoints(api_env, tmp_path):
+    """A 4-step run saves every step and prunes steps 1 and 2 (run.keep_last 2). A rerun with another learning rate
+    and run.save_every 2, killed before step 1's rollout, leaves step 0's new weights nowhere. Neither the earlier
+    run's pruned step_0001 nor its recorded step_0003 and step_0004, trained from other weights, stands for them:
+    the next rerun recomputes step 0's update and finishes (every rerun failed: 'the weights of ... were never
+    saved')."""
+    cli = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(tmp_path / "run")]
+    small = [
+        "--set=grpo.steps=4",
+        "--set=run.retries=0",
+        "--set=rollout.prompts_per_step=2",
+        "--set=rollout.samples_per_prompt=2",
+        "--set=rollout.max_new_tokens=12",
+    ]
+    code, _, err, _ = run_cli([*cli, *small], tmp_path, api_env)
+    assert code == 0 and _checkpoints(tmp_path / "run") == ["step_0003", "step_0004"], err[-3000:]
+    changed = [*small, "--set=grpo.learning_rate=3e-5", "--set=run.save_every=2"]
+    code, _, err, _ = run_cli([*cli, *changed], tmp_path, {**api_env, "REFINER_KILL_ONCE": "rollout@1"})
+    assert code == 137, err[-3000:]
+    code, _, err, _ = run_cli([*cli, *changed], tmp_path, api_env)
+    assert code == 0, err[-3000:]
+    assert _recomputed(tmp_path / "run") == ["grpo-update"]
 
 
 def test_save_every_needs_the_live_learner(tiny_recipe):
