@@ -102,9 +102,9 @@ def rollout(
                 prompt_ids,
                 params,
                 per_part=rollout_cfg["groups_per_part"] or max(1, engine_cfg["batch_size"] // params.n),
-                folder=parts_folder(  # every input its rows hold: the run's name and the policy's path too
+                folder=parts_folder(  # every input its rows hold: run name, policy path, prompt tokens
                     path.parent,
-                    [CODE_VERSION, run, policy, chosen, asdict(params), engine_cfg, dtype, precision],
+                    [CODE_VERSION, run, policy, chosen, prompt_ids, asdict(params), engine_cfg, dtype, precision],
                 ),
                 to_rows=to_rows,
                 step=step,

@@ -139,3 +139,31 @@ def test_parts_of_a_killed_attempt_under_another_run_name_are_not_reused(api_env
     code, _, err, _ = run_cli([*base, "--set", "run.name=second"], tmp_path, api_env)
     assert code == 0, err[-3000:]
     assert catalog_rows(folder, "SELECT DISTINCT run FROM rollouts") == [("second",)]
+
+
+@pytest.mark.slow
+def test_parts_sampled_from_prompts_since_edited_are_not_reused(api_env, tmp_path):
+    """A rollout killed after its first part; the data file's questions are edited (the same row IDs, so the same
+    prompt IDs) before the rerun: every row holds the new prompts' tokens (the part sampled from the old text was
+    kept: prompt_token_ids of the old question)."""
+    import json
+
+    from conftest import REPO, catalog_rows, run_cli
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text((REPO / "data" / "refiner" / "samples.jsonl").read_text())
+    folder = tmp_path / "run"
+    base = ["run", str(REPO / "recipes" / "tiny.yaml"), "--set", "grpo.steps=1", "--set", "rollout.groups_per_part=1"]
+    base += ["--set", "eval.every=0", "--set", f"data.path={data}", "--run-dir", str(folder)]
+    code, _, err, _ = run_cli(base, tmp_path, {**api_env, "REFINER_KILL_ONCE": "rollout@0:part1"})
+    assert code == 137, err[-3000:]
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    data.write_text("".join(json.dumps({**r, "question": "Briefly: " + r["question"]}) + "\n" for r in rows))
+    code, _, err, _ = run_cli(base, tmp_path, api_env)
+    assert code == 0, err[-3000:]
+    stale = catalog_rows(
+        folder,
+        "SELECT count(*) FROM rollouts r JOIN prompts p USING (run, prompt_id) "
+        "WHERE r.prompt_token_ids <> p.prompt_token_ids",
+    )
+    assert stale == [(0,)]
