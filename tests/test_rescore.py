@@ -237,3 +237,17 @@ def test_a_catalog_published_before_a_column_existed_takes_the_new_versions_rows
         {"reward_version": "v1", "reward_kl": 3.0, "kl_coef": 0.1},
     ]
     assert _rows(tmp_path, "SELECT inputs_hash FROM rescores") == [{"inputs_hash": "h"}]
+
+
+def test_only_the_runs_own_steps_are_rescored(tmp_path):
+    """A folder run for 3 steps, then for 2: step 2's scores are still on disk but not the run's (its catalog holds
+    steps 0 and 1). Rescoring them made a version over 3 steps and a stale warning no rescore could clear."""
+    from refiner_core.reward.rescore import scored_steps
+
+    for step in (0, 1, 2):
+        folder = tmp_path / "scores" / f"step={step}"
+        folder.mkdir(parents=True)
+        (folder / "reward_inputs.parquet").touch()
+    (tmp_path / "scores" / "step=3").mkdir()  # judged in part: no reward inputs
+    assert scored_steps(tmp_path, 2) == [0, 1]
+    assert scored_steps(tmp_path, 5) == [0, 1, 2]

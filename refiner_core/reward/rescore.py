@@ -130,10 +130,11 @@ def read_step(score_dir: Path, name: str) -> list[dict]:
     return [row for path in round_files(score_dir, name) for row in read_rows(path)]
 
 
-def scored_steps(run_dir: Path) -> list[int]:
-    """Steps whose judge stage finished (their reward inputs exist), in order."""
-    steps = [int(p.parent.name.split("=")[1]) for p in run_dir.glob("scores/step=*/reward_inputs.parquet")]
-    return sorted(steps)
+def scored_steps(run_dir: Path, steps: int) -> list[int]:
+    """Steps of a run of `steps` steps whose judge stage finished (their reward inputs exist), in order; the
+    folder's later steps, left by a longer earlier run, are not the run's."""
+    found = [int(p.parent.name.split("=")[1]) for p in run_dir.glob("scores/step=*/reward_inputs.parquet")]
+    return sorted(step for step in found if step < steps)
 
 
 def _with_trained_kl(rewards: list[dict], run_dir: Path, step: int) -> list[dict]:
@@ -152,7 +153,7 @@ def rescore_run(
     run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: str | None = None
 ) -> tuple[str, list[StepRescore]]:
     """Write reward version `version` (default: derived from the settings) for every scored step."""
-    steps = scored_steps(run_dir)
+    steps = scored_steps(run_dir, base.grpo.steps)
     if not steps:
         raise RescoreError(f"{run_dir} has no scored step (no scores/step=*/reward_inputs.parquet)")
     score_files = {s: run_dir / "scores" / f"step={s}" for s in steps}
