@@ -66,6 +66,12 @@ def run(
     if problems:
         _fail(_problems(recipe, problems, "nothing was run"))
     folder = (run_dir or Path(cfg.run.run_root) / (cfg.run.name or recipe.stem)).resolve()
+    from refiner_core.runtime.hardware import resolved_recipe
+    from refiner_core.store.forks import read_fork, recipe_leaves_fork
+
+    fork = read_fork(folder)
+    if fork is not None and (refused := recipe_leaves_fork(fork, resolved_recipe(cfg)[0].to_dict())):
+        _fail(refused)
     _run_locked(cfg, folder, refresh, debug, f"refiner run {recipe}")
 
 

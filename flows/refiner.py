@@ -13,7 +13,7 @@ import tasks  # noqa: F401  (sets Prefect's environment before prefect is import
 from flows.run_folder import holds_run_folder, remove_run_temporary_files, resolve_run_dir, run_name
 from refiner_core.algo.advantages import informative_prompt_ids
 from refiner_core.algo.ema import is_update_step
-from refiner_core.config import RecipeConfig, recipe_from_dict
+from refiner_core.config import ConfigError, RecipeConfig, recipe_from_dict
 from refiner_core.data.quarantine import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
 from refiner_core.judges.cost import check_budget, usage_cost
@@ -24,7 +24,7 @@ from refiner_core.reward.compose import reward_parts
 from refiner_core.runtime import cluster, live
 from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.stage_settings import StageSettings, stage_settings
-from refiner_core.store.forks import read_fork
+from refiner_core.store.forks import read_fork, recipe_leaves_fork
 from refiner_core.store.storage import read_rows
 from tasks.anchors import judge_anchors
 from tasks.artifacts import publish_step_artifacts
@@ -191,6 +191,8 @@ def open_run(recipe: dict, run_dir: str) -> RunContext:
     if own.run.ray_address:  # Ray places the rollout engines (rollout.num_engines); the end hooks leave it
         log.info(cluster.connect(own.run.ray_address))
     fork = read_fork(run_dir)
+    if fork is not None and (refused := recipe_leaves_fork(fork, own.to_dict())):
+        raise ConfigError(refused)
     segments = [(s["until"], recipe_from_dict(s["recipe"])) for s in fork.segments] if fork else []
     if segments:
         log.info("fork of %s at step %d: steps 0-%d run as they ran there", fork.parent_dir, fork.at, fork.at - 1)

@@ -200,7 +200,7 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
     from refiner_core.reward.rescore import changed_settings
     from refiner_core.runtime.hardware import resolved_recipe
     from refiner_core.store.checkpoints import step_checkpoints
-    from refiner_core.store.forks import Fork, changed_before_steps, read_fork, trunk_segments
+    from refiner_core.store.forks import Fork, changed_before_steps, read_fork, recipe_leaves_fork, trunk_segments
 
     parent, new = parent.resolve(), new.resolve()
     existing = read_fork(new)
@@ -259,6 +259,8 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
             f"{parent.name} ran code version {recorded}, this is {code_version()}: stage cache keys hold the code "
             "version, so none of its stages can be reused and the fork recomputes them"
         )
+    if resuming and (refused := recipe_leaves_fork(existing, cfg.to_dict())):
+        raise ForkError(refused)
     if resuming:  # its steps before `at` run with the recipes it recorded, whatever the parent has run since
         segments = existing.segments
     else:

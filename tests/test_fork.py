@@ -140,6 +140,24 @@ def test_a_setting_read_before_step_0_shares_no_step_and_says_which(parent, tmp_
     ) == ["run.seed"]
 
 
+def test_a_fork_resumed_or_run_with_a_setting_read_before_step_0_is_refused(parent, tmp_path, api_env):
+    """A fork's steps before its fork step run with its parent's recipe: the same fork command again with another
+    data split, or `refiner run` of its folder with one, would keep the parent's split there (it did, silently,
+    and recorded the new value in recipe.yaml). Both are refused, saying what to do; without the change both go."""
+    from conftest import run_cli
+
+    fork_dir, settings = tmp_path / "fork", ["grpo.steps=2", "grpo.learning_rate=0.01"]
+    _fork(parent, fork_dir, 1, settings)
+    with pytest.raises(ForkError, match=r"data.validation_fraction changed from it: the stages before step 0 read"):
+        plan_fork(parent, fork_dir, 1, [*settings, "data.validation_fraction=0.5"])
+    assert plan_fork(parent, fork_dir, 1, settings)[1].shares_steps
+    recipe = ["run", str(REPO / "recipes" / "tiny.yaml"), "--run-dir", str(fork_dir)]
+    recipe += [f"--set={s}" for s in settings]
+    code, _, err, _ = run_cli([*recipe, "--set=data.validation_fraction=0.5"], tmp_path, api_env)
+    assert code == 2 and f"refiner fork {parent} NEW --at 1 --set ..." in err, err[-2000:]
+    assert "validation_fraction: 0.5" not in (fork_dir / "recipe.yaml").read_text()
+
+
 def test_a_fork_judges_its_own_steps_with_its_own_judge_settings(parent, tmp_path):
     """The step judge of a fork's own segment takes the fork's judge settings, not the ancestor's it ran before."""
     record, states = _fork(parent, tmp_path / "judge", 1, ["judge.max_response_chars=40"])

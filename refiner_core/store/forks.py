@@ -175,6 +175,23 @@ def changed_before_steps(parent: dict, fork: dict) -> list[str]:
     return changed
 
 
+def recipe_leaves_fork(fork: Fork, recipe: dict) -> str | None:
+    """Why a fork's folder cannot run with resolved `recipe` (RecipeConfig.to_dict()), or None: its steps before
+    the fork step run with its ancestors' recipes (segments), so a setting the stages before step 0 read, changed
+    from theirs, would never apply there (the run kept their data, split and SFT)."""
+    if not fork.segments:
+        return None
+    changed = changed_before_steps(fork.segments[0]["recipe"], recipe)
+    if not changed:
+        return None
+    return (
+        f"{fork.run_dir} is a fork of {fork.parent_dir} at step {fork.at}, whose steps before it run with "
+        f"{fork.parent_run}'s recipe, and {', '.join(changed)} changed from it: the stages before step 0 read "
+        f"{'these' if len(changed) > 1 else 'it'}, so no step would be {fork.parent_run}'s. Fork into a new folder "
+        f"with the change (refiner fork {fork.parent_dir} NEW --at {fork.at} --set ...), or run without it"
+    )
+
+
 def shared_disk(parent_dir: str | Path, fork_dir: str | Path) -> dict[str, int]:
     """Bytes of the fork folder's files: `shared` (hard links to files of the parent folder), `own` (the rest),
     and `parent` (every file of the parent folder), each file counted once."""
