@@ -79,7 +79,7 @@ def _ancestor_key(context: TaskRunContext, material: dict[str, Any], own: str) -
     fork = read_fork(run_dir) if isinstance(run_dir, str) else None
     if fork is None or context.task.refresh_cache or _refreshing_all():
         return None
-    if context.result_store.exists(own):
+    if context.result_store.exists(own) and not _damaged_record(context, own, run_dir):
         return None  # the fork computed it before an ancestor did: its own result stands, and what it fed
     for folder, run in ancestors(run_dir):
         mapped = rebase(material, run_dir, folder)
@@ -89,6 +89,16 @@ def _ancestor_key(context: TaskRunContext, material: dict[str, Any], own: str) -
         if context.result_store.exists(key):
             return key
     return None
+
+
+def _damaged_record(context: TaskRunContext, key: str, run_dir: str) -> bool:
+    """Whether the result stored under `key` names files since lost (an earlier run of the folder, removed): an
+    ancestor's intact result of the same inputs serves before it is recomputed."""
+    try:
+        manifest = context.result_store.read(key).result
+    except Exception:  # unreadable: as good as lost
+        return True
+    return not isinstance(manifest, dict) or bool(damaged_outputs(manifest, run_dir))
 
 
 def _refreshing_all() -> bool:

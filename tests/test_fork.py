@@ -158,6 +158,21 @@ def test_a_fork_resumed_or_run_with_a_setting_read_before_step_0_is_refused(pare
     assert "validation_fraction: 0.5" not in (fork_dir / "recipe.yaml").read_text()
 
 
+def test_a_fork_into_a_folder_an_earlier_run_left_reuses_its_parent(parent, tmp_path):
+    """A run of the parent's recipe in the folder, removed, then a fork into it: the stages before the fork step
+    have keys that run's records hold, naming its deleted files. The parent's results serve (hard-linked), not a
+    recomputation of them."""
+    import shutil
+
+    folder = tmp_path / "used"
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml").to_dict(), folder)
+    shutil.rmtree(folder)
+    _, states = _fork(parent, folder, 1, ["grpo.learning_rate=0.01"])
+    assert states["rollout[step=0]"] == states["grpo-update[step=0]"] == "Cached", states
+    rollouts = "rollouts/step=0/rollouts.parquet"
+    assert os.path.samefile(folder / rollouts, parent / rollouts)
+
+
 def test_a_fork_judges_its_own_steps_with_its_own_judge_settings(parent, tmp_path):
     """The step judge of a fork's own segment takes the fork's judge settings, not the ancestor's it ran before."""
     record, states = _fork(parent, tmp_path / "judge", 1, ["judge.max_response_chars=40"])
