@@ -223,7 +223,10 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         raise ForkError(f"--at {at}: the fork would compute no step (grpo.steps {cfg.grpo.steps}); raise grpo.steps")
     if base.grpo.async_steps or cfg.grpo.async_steps:
         raise ForkError("forks of runs that sample ahead (grpo.async_steps) are not supported")
-    if at > 0 and not (resuming and at in step_checkpoints(new / "checkpoints")):
+    # resuming needs the fork step's checkpoint only while the fork has not trained from it (its own keep_last
+    # may have pruned its copy since)
+    holds_it = resuming and (at in step_checkpoints(new / "checkpoints") or at in _finished_steps(new))
+    if at > 0 and not holds_it:
         done = _finished_steps(parent)
         if at - 1 not in done:
             raise ForkError(

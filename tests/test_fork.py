@@ -205,6 +205,23 @@ def test_the_same_command_resumes_a_fork_after_its_parent_pruned_the_fork_step(
         plan_fork(parent, tmp_path / "g", 1, fork_settings)
 
 
+def test_the_same_command_resumes_a_fork_that_pruned_its_fork_step_as_its_parent_did(
+    prefect_server, tiny_model_path, tmp_path
+):
+    """A 4-step fork at step 1 keeps its last 2 checkpoints, so its own step_0001 goes; the parent, run on to 4
+    steps, prunes its copy too. The fork trained from it already: the same command resumes it, every stage Cached
+    (it was refused: 'step_0001 ... was pruned')."""
+    small = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12"]
+    parent, fork_dir, fork_settings = tmp_path / "p", tmp_path / "f", ["grpo.steps=4", "grpo.learning_rate=0.01"]
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml", [*small, "grpo.steps=1"]).to_dict(), parent)
+    _fork(parent, fork_dir, 1, fork_settings)
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml", [*small, "grpo.steps=4"]).to_dict(), parent)
+    assert 1 not in step_checkpoints(parent / "checkpoints") and 1 not in step_checkpoints(fork_dir / "checkpoints")
+    _, states = _fork(parent, fork_dir, 1, fork_settings)
+    stages = {s for n, s in states.items() if n.split("[")[0] in ("prepare-data", "rollout", "judge", "grpo-update")}
+    assert stages == {"Cached"}, sorted(states.items())
+
+
 def test_the_same_command_resumes_a_fork_whose_parent_folder_is_gone(prefect_server, tiny_model_path, tmp_path):
     """With the parent folder deleted, `refiner fork` resumes the fork from what it holds (every stage Cached, its
     tables unchanged) with the recipe it recorded; a --set that would change that recipe, or a fork that never ran,
