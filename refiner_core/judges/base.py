@@ -9,7 +9,6 @@ A judge may also offer `complete_detailed`, returning one `Completion` per conve
 from __future__ import annotations
 
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,7 +81,7 @@ def judge_completions(judge: Judge, conversations: list[list[dict]]) -> list[Com
 
 
 # a thinking judge served without a reasoning parser writes its reasoning, drafts of the score included, first
-_THINK_BLOCK_RE = re.compile(r"<think>.*?</think>", re.DOTALL)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _JSON_DECODER = json.JSONDecoder()
 
 
@@ -102,8 +101,10 @@ def parse_judge_output(text: str) -> JudgeParse:
     be a number in [0, 2]. Objects may nest and hold braces in strings. Several score objects must agree (a judge
     that restates `{"score": 0}, {"score": 1} or {"score": 2}` before answering gives no clear verdict), and a reply
     still inside an unclosed `<think>` has none."""
-    answer = _THINK_BLOCK_RE.sub("", text)
-    if answer.lstrip().startswith("<think>"):
+    # Reasoning ends at the last </think>: a judge whose chat template opens <think> in the prompt (Qwen3 thinking
+    # models, DeepSeek-R1 distills) writes only the close, and its drafts before it are no verdict.
+    answer = text[text.rfind(THINK_CLOSE) + len(THINK_CLOSE) :] if THINK_CLOSE in text else text
+    if THINK_OPEN in answer:
         return JudgeParse(None, "unparseable: <think> reasoning never closed, no verdict after it")
     values = [obj["score"] for obj in _json_objects(answer) if "score" in obj]
     if not values:
@@ -120,7 +121,7 @@ def _json_objects(text: str) -> list[dict]:
     while start != -1:
         try:
             obj, end = _JSON_DECODER.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nested too deep
             end = start + 1
         else:
             objects.append(obj)
@@ -134,7 +135,9 @@ def _read_score(value) -> JudgeParse:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        return JudgeParse(None, f"non_numeric: score {value!r}")
+        return JudgeParse(None, f"non_numeric: score {value!r}"[:500])
+    except OverflowError:  # an integer past float's range
+        return JudgeParse(None, f"out_of_range: score {str(value)[:40]}... not in [0, 2]")
     if not 0.0 <= number <= 2.0:
-        return JudgeParse(None, f"out_of_range: score {value!r} not in [0, 2]")
+        return JudgeParse(None, f"out_of_range: score {value!r} not in [0, 2]"[:500])
     return JudgeParse(number, None)
