@@ -92,7 +92,9 @@ def judge(
         "judge_scores": (JUDGE_SCORES, scores),
         "citation_claims": (CITATION_CLAIMS, scored.citation_claims),
         "reward_inputs": (REWARD_INPUTS, scored.reward_inputs),
-        "reward_weights": (REWARD_WEIGHTS, scored.reward_weights),
+        # the step's one row per reward version: its first round's (a later round's, the same, doubled every
+        # reward the catalog's REWARD_SQL computes)
+        "reward_weights": (REWARD_WEIGHTS, [] if round else scored.reward_weights),
         "rewards": (REWARDS, rewards),
     }
     manifest = {name: write_rows(table, rows, out / f"{name}.parquet") for name, (table, rows) in tables.items()}

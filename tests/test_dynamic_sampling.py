@@ -134,6 +134,10 @@ def test_a_step_samples_fresh_prompts_until_its_batch_is_informative(sampled_run
     assert trained == [(0, p) for p in sorted(sampled & INFORMATIVE[0])] and len(trained) == PER_STEP
     assert (run_dir / "rollouts/step=0/round=1/rollouts.parquet").is_file()
     assert (run_dir / "scores/step=0/round=1/rewards.parquet").is_file()
+    # one weights row per step and version, so the catalog's reward SQL sees each rollout once (a row per round
+    # doubled every recomputed reward of a two-round step)
+    assert _sql(run_dir, "SELECT step, count(*) FROM reward_weights GROUP BY ALL ORDER BY ALL") == [(0, 1), (1, 1)]
+    assert _sql(run_dir, "SELECT count(*) FROM rewards_recomputed") == _sql(run_dir, "SELECT count(*) FROM rewards")
 
 
 def test_steps_record_entropy_and_importance_weight_when_the_loss_uses_them(sampled_run):
