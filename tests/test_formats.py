@@ -103,6 +103,12 @@ def test_markup_that_only_looks_like_the_format_is_not_well_formed():
         ("<answer>Fleming <cite id=P1>found it</cite>.</answer>", "<cite id=P1>"),
         ("<answer>one<br/>two</answer>", "<br/>"),
         ("<answer>x <B>bold</B></answer>", "<B>"),
+        # look-alikes the judge reads as a citation, which would cite nothing: a Cyrillic "ѕ", an invisible
+        # character in the name, a namespace, full-width brackets
+        ("<answer>Lyon <\u0455nippet id=D1>is large</\u0455nippet>.</answer>", "<\u0455nippet id=D1>"),
+        ("<answer>Lyon <s\u200bnippet id=D1>is large</s\u200bnippet>.</answer>", "<s\u200bnippet id=D1>"),
+        ("<answer>Lyon <x:snippet id=D1>is large</x:snippet>.</answer>", "<x:snippet id=D1>"),
+        ("<answer>Lyon \uff1csnippet id=D1\uff1eis large\uff1c/snippet\uff1e.</answer>", "\uff1csnippet id=D1\uff1e"),
     ):
         assert parse_answer(text).problems == (f"tag {tag!r} in the answer: only <snippet id=...> tags belong there",)
     for text in ("<answer>x</answer> </answer >", "<Answer id=1> <answer>x</answer>"):

@@ -15,7 +15,14 @@ _ANY_TAG_RE = re.compile(r"</?snippet\b[^>]*>")
 # Markup that only looks like the format's: an answer tag with attributes, spaces or capitals anywhere, and inside
 # the block any tag but a snippet's (`<b>`, `<cite id=x>`, `</p>`; not "a < b" or "a<b and c>d").
 _ANSWER_LIKE_RE = re.compile(r"<\s*/?\s*answer\b[^<>]*>", re.IGNORECASE)
-_TAG_RE = re.compile(r"</?([A-Za-z][\w-]*)(?:\s+[\w-]+\s*=[^<>]*)?\s*/?>")
+# A tag in any script or look-alike: a name of letters of any alphabet (Cyrillic "ѕ" for "s"), with invisible
+# format characters or a namespace colon in it, in "<>" or their full-width or quotation look-alikes. Only the
+# format's own spelling is a citation; the judge reads the others as one.
+_OPENS, _CLOSES, _INVISIBLE = "<\uff1c\u2039", ">\uff1e\u203a", "\u00ad\u200b-\u200f\u2060-\u2064\ufeff"
+_TAG_RE = re.compile(
+    rf"[{_OPENS}]/?((?:[^\W\d_]|[{_INVISIBLE}])(?:[\w:-]|[{_INVISIBLE}])*)"
+    rf"(?:\s+[\w-]+\s*=[^<>{_OPENS}{_CLOSES}]*)?\s*/?[{_CLOSES}]"
+)
 # A snippet tag in any spelling (`<Snippet id=D1>`, `< snippet id=D1>`, `</SNIPPET >`): every one must be exactly
 # the format's, or a citation the judge reads would count as none.
 SNIPPET_LIKE_RE = re.compile(r"<\s*/?\s*snippet\b[^<>]*>", re.IGNORECASE)
@@ -143,7 +150,7 @@ def parse_answer(text: str) -> ParsedAnswer:
     odd = [t for t in SNIPPET_LIKE_RE.findall(body) if t != _SNIPPET_CLOSE and not _SNIPPET_OPEN_RE.fullmatch(t)]
     if odd:
         problems.append(f"malformed snippet tag {odd[0]!r}")
-    other = [m.group(0) for m in _TAG_RE.finditer(body) if m.group(1).lower() not in ("snippet", "answer")]
+    other = [m.group(0) for m in _TAG_RE.finditer(body) if not _plain_tag(m, ("snippet", "answer"))]
     if other:
         problems.append(f"tag {other[0]!r} in the answer: only <snippet id=...> tags belong there")
     opens = len(_SNIPPET_OPEN_RE.findall(body))
@@ -153,6 +160,12 @@ def parse_answer(text: str) -> ParsedAnswer:
     if not body.strip():
         problems.append("empty answer")
     return ParsedAnswer(True, body.strip(), tuple(citations), not problems, tuple(problems))
+
+
+def _plain_tag(match: re.Match, names: tuple[str, ...]) -> bool:
+    """A tag of these names in ASCII brackets (its spelling and attributes are checked apart)."""
+    text = match.group(0)
+    return text[0] == "<" and text[-1] == ">" and match.group(1).lower() in names
 
 
 @dataclass(frozen=True)
