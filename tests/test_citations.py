@@ -61,6 +61,9 @@ def test_claims_keep_every_id_of_a_multi_id_citation_and_uncited_sentences():
         "Next line here",
         "has more words.",
     ]
+    # uncited sentences in any script are claims, CJK ones ending at a full-width stop with no space after it
+    foreign = extract_claims("<answer>Франция находится в Европе. 法国位于欧洲。巴黎是首都。ok.</answer>", IDS)
+    assert [c.text for c in foreign] == ["Франция находится в Европе.", "法国位于欧洲。", "巴黎是首都。"]
     assert snippet_texts(TOOL)["s2"] == "Title: B\nText: The prize came in 1945."
 
 

@@ -16,13 +16,15 @@ relevance (precision) questions: the precision of a citation is whether its text
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from refiner_core.data.formats import SNIPPET_LIKE_RE, SNIPPET_RE, parse_answer, split_ids
 
-# A sentence ends at . ! or ? before a space or the end, or at a line break: "2.5 mg" and "e.g.," do not end one.
-_SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|\n+")
-_MIN_CLAIM_CHARS = 12  # shorter leftovers ("and", "In short,") are connectives, not claims
+# A sentence ends at . ! or ? before a space or the end, at a full-width 。！？ (no space follows those), or at a
+# line break: "2.5 mg" and "e.g.," do not end one.
+_SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*|\n+")
+_MIN_CLAIM_WIDTH = 12  # shorter leftovers ("and", "In short,") are connectives, not claims; a wide (CJK) char is 2
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,12 @@ def _uncited(text: str) -> list[Claim]:
     return [
         Claim(s.strip(), (), ())
         for s in _SENTENCE_END_RE.split(text)
-        if len(s.strip()) >= _MIN_CLAIM_CHARS and re.search(r"[A-Za-z0-9]", s)
+        if _width(s.strip()) >= _MIN_CLAIM_WIDTH and any(ch.isalnum() for ch in s)  # letters of any script
     ]
+
+
+def _width(text: str) -> int:
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
 
 
 def snippet_texts(tool_output: str) -> dict[str, str]:
