@@ -295,6 +295,12 @@ _REWARD_INPUT_COLUMNS = (
         "judged.",
     ),
     _c(
+        "claims_judged",
+        I,
+        "Claims the judge was asked to rate (cited with an ID of the tool output; uncited claims and those citing "
+        "only invented IDs need no call); NULL when claims were not judged.",
+    ),
+    _c(
         "claims_failed",
         I,
         "Claims whose support judgment failed (citation_claims.failure); NULL when claims were not judged.",

@@ -83,6 +83,7 @@ def _inputs(text=None, *, sample_idx=0, finish_reason="stop", response_tokens=10
         "citation_precision": None,
         "citation_recall": None,
         "citation_f1": None,
+        "claims_judged": None,
         "claims_failed": None,
         "citation_f1_judged": None,
         "finish_reason": finish_reason,
@@ -248,13 +249,22 @@ def test_rubric_mean_under_each_failure_treatment():
 
 
 @pytest.mark.parametrize(
-    "claims,failed,kind,dropped",
-    [(3, 3, "f1", True), (3, 2, "f1", False), (3, 3, "dr_tulu", True), (3, 3, "valid_ids", False), (0, 0, "f1", False)],
+    "claims,judged,failed,kind,dropped",
+    [
+        (3, 3, 3, "f1", True),
+        (3, 3, 2, "f1", False),
+        (3, 3, 3, "dr_tulu", True),
+        (3, 3, 3, "valid_ids", False),
+        (0, 0, 0, "f1", False),
+        (3, 2, 2, "f1", True),  # both judged claims failed; the third is an uncited sentence, which needs no call
+        (3, None, 2, "f1", False),  # rows stored before claims_judged: every claim counted as judged
+    ],
 )
-def test_skip_drops_a_rollout_whose_claims_all_failed(claims, failed, kind, dropped):
-    """Under skip, a claim-level citation score with every claim's judgment failed has nothing to average; an
-    answer without claims (F1 0 by definition) and valid_ids (no claim calls) stay in the update."""
-    row = _inputs(claims=claims, claims_failed=failed, citation_f1=0.0, citation_f1_judged=0.0)
+def test_skip_drops_a_rollout_whose_claims_all_failed(claims, judged, failed, kind, dropped):
+    """Under skip, a claim-level citation score with every judged claim's judgment failed has nothing to average
+    (its uncited claims alone gave F1 0, and the rollout trained on the judge's failures); an answer without claims
+    (F1 0 by definition) and valid_ids (no claim calls) stay in the update."""
+    row = _inputs(claims=claims, claims_judged=judged, claims_failed=failed, citation_f1=0.0, citation_f1_judged=0.0)
     (out,) = _rewards([row], [_score_row(1.0)], "skip", citation_score=kind)
     assert out["dropped"] is dropped
 

@@ -73,10 +73,14 @@ def snippet_texts(tool_output: str) -> dict[str, str]:
     return texts
 
 
-def citation_scores(supports: list[float | None], cited: list[bool], failed: list[bool] | None = None) -> dict:
+def citation_scores(
+    supports: list[float | None], cited: list[bool], failed: list[bool] | None = None, asked: list[bool] | None = None
+) -> dict:
     """Precision, recall and F1 from per-claim supports and whether each claim is cited: a failed judgment
     (`failed`, support None) counts 0, and `citation_f1_judged` is the F1 with those claims left out (what
-    judge.on_failure 'skip' and 'drop' read). No claims at all (an empty answer) scores 0."""
+    judge.on_failure 'skip' and 'drop' read). `asked`: the claims the judge was asked about (default: the cited
+    ones; uncited claims and those citing only invented IDs need no call). No claims at all (an empty answer)
+    scores 0."""
     failed = failed or [False] * len(supports)
     precision, recall, f1 = _precision_recall_f1(supports, cited)
     judged = [(s, c) for s, c, f in zip(supports, cited, failed, strict=True) if not f]
@@ -85,6 +89,7 @@ def citation_scores(supports: list[float | None], cited: list[bool], failed: lis
         "citation_precision": precision,
         "citation_recall": recall,
         "citation_f1": f1,
+        "claims_judged": sum(cited if asked is None else asked),
         "claims_failed": sum(failed),
         "citation_f1_judged": _precision_recall_f1([s for s, _ in judged], [c for _, c in judged])[2],
     }

@@ -89,7 +89,7 @@ parts AS (
                                OR w.citation_score_kind <> 'valid_ids' AND coalesce(i.claims_failed, 0) > 0
               WHEN 'skip' THEN coalesce(r.rubrics_failed, 0) > 0 AND r.rubrics_scored = 0
                                OR w.citation_score_kind <> 'valid_ids' AND coalesce(i.claims_failed, 0) > 0
-                                  AND i.claims_failed = i.claims
+                                  AND i.claims_failed = coalesce(i.claims_judged, i.claims)
               ELSE false END AS dropped
   FROM reward_inputs i
   JOIN reward_weights w ON i.run = w.run AND i.step = w.step

@@ -200,7 +200,8 @@ def _judged_claims(claims: list[tuple[dict, list[dict] | None]], outputs) -> tup
                     "completion_tokens": None if done is None else done.completion_tokens,
                 }
             )
-        scores[key] = citation_scores(supports, [bool(item["claim"].cited_ids) for item in found], failed)
+        cited = [bool(item["claim"].cited_ids) for item in found]
+        scores[key] = citation_scores(supports, cited, failed, [item["conversation"] is not None for item in found])
     return rows, scores
 
 
