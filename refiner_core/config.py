@@ -1637,7 +1637,7 @@ class MonitorsConfig:
     part_dominance: float = opt(
         0.95,
         "Largest share one reward part (rubric, citation, format, distractor, recall, overlong) has of the "
-        "parts' summed variances in a step.",
+        "parts' summed variances in a step, when at least two hold 1 % of it or more.",
     )
     part_dominance_action: MonitorAction = opt("warn", _ACTION_HELP)
     length_drift: float = opt(
@@ -1645,7 +1645,9 @@ class MonitorsConfig:
     )
     length_drift_action: MonitorAction = opt("warn", _ACTION_HELP)
     citation_drift: float = opt(
-        0.4, "Relative change of the mean citations per answer since the first step, while the mean reward rose."
+        0.4,
+        "Relative change of the mean citations per answer since the first step (over at least 1: from none, the "
+        "change itself), while the mean reward rose.",
     )
     citation_drift_action: MonitorAction = opt("warn", _ACTION_HELP)
     repetition: float = opt(0.5, "Mean share of repeated token 4-grams in a step's responses.")

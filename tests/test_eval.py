@@ -279,6 +279,27 @@ def test_plot_draws_eval_curves(sft_eval_run, tmp_path):
         assert png.size == (2400, 600)  # six held-out panels under four training ones
 
 
+def test_the_plot_card_and_tracker_summary_is_the_eval_stages_at_the_runs_pass_k(sft_eval_run, tmp_path):
+    """eval_summary (curves, model cards, trackers) takes k from the run's eval.pass_k, as the eval stage did; it
+    took every sample, so with eval.pass_k below eval.samples they showed another pass@k under the same name."""
+    import shutil
+
+    import yaml
+
+    from refiner_core.publish.plots import eval_summary
+
+    _, run_dir, result, _ = sft_eval_run
+    fields = ("step", "phase", "mode", "k", "pass_at_k", "pass_at_1")
+    assert [tuple(s[f] for f in fields) for s in eval_summary(run_dir / "catalog.duckdb")] == [
+        tuple(s[f] for f in fields) for s in result["evals"]
+    ]
+    shutil.copy(run_dir / "catalog.duckdb", tmp_path / "catalog.duckdb")
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "eval": {**recipe["eval"], "pass_k": 1}}))
+    sampled = [s for s in eval_summary(tmp_path / "catalog.duckdb") if s["mode"] == "sampled"]
+    assert sampled and all(s["k"] == 1 and s["pass_at_k"] == s["pass_at_1"] for s in sampled)
+
+
 def test_documented_eval_query_runs_on_a_real_catalog(sft_eval_run):
     import re
 

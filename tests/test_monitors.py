@@ -161,6 +161,49 @@ def test_a_first_step_of_equal_rewards_gives_no_verdict_in_units_of_its_std(tmp_
     assert tripped(tmp_path / "catalog.duckdb", 1, MonitorsConfig()) == []
 
 
+def _catalog(folder: Path, tables: dict[str, list[dict]]) -> Path:
+    files = {}
+    for name, rows in tables.items():
+        write_table(ALL_TABLES[name], _table(name, rows), folder / f"{name}.parquet")
+        files[name] = [folder / f"{name}.parquet"]
+    build_catalog(folder / "catalog.duckdb", files)
+    return folder
+
+
+def test_part_dominance_needs_a_second_part_that_really_varies_and_citation_drift_starts_from_none(tmp_path):
+    """Step 1's reward moves with its rubric alone, rollout 0 once with an overlong penalty of -0.001 besides:
+    both read 0 for part_dominance (a hair of variance in a second part made it 1.0 and tripped). A step that
+    goes from no citations to 3 per answer while the reward rises reads a drift of 3 (it read 0: no change from
+    none), and one whose second part holds a fifth of the variance reads its largest share."""
+    rows = []
+    for step, (rubrics, overlong, citations, distractor) in enumerate(
+        [
+            ((0.5, 0.5, 0.5, 0.5), 0.0, 0, (0.0, 0.0, 0.0, 0.0)),
+            ((0.5, 0.6, 0.7, 0.8), -0.001, 3, (0.0, 0.0, 0.0, 0.0)),
+            ((0.5, 0.6, 0.7, 0.8), 0.0, 3, (0.0, -0.5, 0.0, -0.5)),
+        ]
+    ):
+        for i, (score, term) in enumerate(zip(rubrics, distractor)):
+            penalty = overlong if i == 0 else 0.0
+            rows.append(
+                _rollout(step, i, 10 * score + 3.0 + term + penalty, [1, 2, 3], -1.0, rubric_score=score,
+                         overlong_penalty=penalty, distractor_term=term, n_citations=citations, response_tokens=3)
+            )  # fmt: skip
+    folder = _catalog(
+        tmp_path,
+        {
+            "rollouts": [r for r, _ in rows],
+            "rewards": [w for _, w in rows],
+            "steps": [{"run": RUN, "step": s} for s in range(3)],
+        },
+    )
+    figures = _figures(folder)
+    assert figures[("part_dominance", 1)] == 0.0
+    rubric_var, distractor_var = 10**2 * 0.0125, 0.0625  # population variances of 10 x score and of the term
+    assert figures[("part_dominance", 2)] == pytest.approx(rubric_var / (rubric_var + distractor_var))
+    assert figures[("citation_drift", 1)] == pytest.approx(3.0)
+
+
 _FLOW_RUNS: list = []
 
 

@@ -135,11 +135,13 @@ WITH parts AS (
   LATERAL (VALUES ('rubric', rubric_var), ('citation', citation_var), ('format', format_var),
                   ('distractor', distractor_var), ('recall', recall_var), ('overlong', overlong_var)) x(part, v)
 )
+-- a part varies when it holds at least 1 % of the summed variance: a hair of variance in a second part (an overlong
+-- penalty of -0.001 once) must not turn a reward that only its rubric moves into one that part "dominates"
 SELECT run, step,
-       CASE WHEN count(*) FILTER (WHERE v > 1e-12) >= 2 THEN max(v) / sum(v) ELSE 0.0 END AS value,
+       CASE WHEN count(*) FILTER (WHERE v >= 0.01 * total AND v > 0) >= 2 THEN max(v) / total ELSE 0.0 END AS value,
        printf('%s holds %.0f%% of the parts'' summed variance', arg_max(part, v),
               100 * coalesce(max(v) / nullif(sum(v), 0), 0.0)) AS detail
-FROM parts GROUP BY run, step
+FROM (SELECT *, sum(v) OVER (PARTITION BY run, step) AS total FROM parts) GROUP BY run, step, total
 """,
     "length_drift": """
 SELECT run, step,
@@ -151,7 +153,8 @@ FROM (SELECT *, first_value(length_mean) OVER w AS length0, first_value(reward_m
 """,
     "citation_drift": """
 SELECT run, step,
-       CASE WHEN reward_mean > reward0 AND citations0 > 0 THEN abs(citations_mean - citations0) / citations0
+       -- from no citations at all, the change itself (as length_drift's, a floor of 1 under the divisor)
+       CASE WHEN reward_mean > reward0 THEN abs(citations_mean - citations0) / greatest(citations0, 1)
             ELSE 0.0 END AS value,
        printf('citations per answer %.2f -> %.2f while the reward went %.3f -> %.3f', citations0, citations_mean,
               reward0, reward_mean) AS detail

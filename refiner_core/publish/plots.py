@@ -182,9 +182,11 @@ def _style(ax, title: str) -> None:
 
 
 def eval_summary(db_path: Path | str) -> list[dict]:
-    """The eval summary of a run's catalog ([] when it holds no evaluation, or predates the evals table);
-    pass@k over every sampled response of a prompt."""
+    """The eval summary of a run's catalog ([] when it holds no evaluation, or predates the evals table), as the
+    eval stage summarized it: pass@k at the run's eval.pass_k (its recipe.yaml beside the catalog), else over every
+    sampled response of a prompt."""
     import duckdb
+    import yaml
 
     from refiner_core.eval.evaluate import summarize
     from refiner_core.store.storage import query
@@ -193,4 +195,6 @@ def eval_summary(db_path: Path | str) -> list[dict]:
         columns, rows = query(db_path, "SELECT * FROM evals")
     except duckdb.CatalogException:
         return []
-    return summarize([dict(zip(columns, r)) for r in rows], pass_k=1 << 30)
+    recipe = Path(db_path).with_name("recipe.yaml")  # flows/run_folder.py's RECIPE_FILE
+    settings = (yaml.safe_load(recipe.read_text()) or {}).get("eval", {}) if recipe.is_file() else {}
+    return summarize([dict(zip(columns, r)) for r in rows], pass_k=settings.get("pass_k") or 1 << 30)
