@@ -326,25 +326,10 @@ def test_packing_and_micro_batches_under_shared_prompts_are_warned_of(overrides,
     )
 
 
-def test_compiled_layers_under_shared_prompts_are_warned_of(tiny_model_path):
-    """Under grpo.share_prompt the layers read the prompt's cache by their number, so each compiles its own code:
-    counted here on the tiny model, 1 graph for its 2 layers without shared prompts and more with them."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    from conftest import learner_samples, learner_settings
-    from refiner_core.learners.torch_learner import TorchLearner, compile_decoder_layers, load_learner_models
-
-    graphs = {}
-    for shared in (False, True):
-        settings = learner_settings(micro_batch_size=8, share_prompt=shared)
-        policy, reference = load_learner_models(tiny_model_path, tiny_model_path, "float32", settings)
-        torch._dynamo.reset()
-        counters.clear()
-        compile_decoder_layers(policy)
-        TorchLearner(policy, reference, 0, settings).train_step(learner_samples())
-        graphs[shared] = counters["stats"]["unique_graphs"]
-    assert graphs[False] == 1 and graphs[True] > 2, graphs
+def test_compiled_layers_under_shared_prompts_are_warned_of():
+    """Under grpo.share_prompt the layers read the prompt's cache by their number, so each compiles its own code
+    (measured on the tiny model: 8 graphs for its 2 layers, 1 without shared prompts, which
+    tests/test_learner_throughput.py checks; the 8 compiles take about 90 s, too long to repeat here)."""
     [warning] = recipe_warnings(load_recipe(REPO / "recipes" / "tiny.yaml", ["grpo.compile_layers=true"]))
     assert warning.startswith("grpo.compile_layers with grpo.share_prompt: the prompt's cache is read by each layer")
     assert (
