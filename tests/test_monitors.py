@@ -50,6 +50,15 @@ def _table(name: str, rows: list[dict]) -> list[dict]:
     return [{c: None for c in ALL_TABLES[name].column_names} | r for r in rows]
 
 
+def _catalog(folder: Path, tables: dict[str, list[dict]]) -> Path:
+    files = {}
+    for name, rows in tables.items():
+        write_table(ALL_TABLES[name], _table(name, rows), folder / f"{name}.parquet")
+        files[name] = [folder / f"{name}.parquet"]
+    build_catalog(folder / "catalog.duckdb", files)
+    return folder
+
+
 @pytest.fixture
 def hacked_run(tmp_path) -> Path:
     """Two steps of two rollouts. Step 0 -> 1: reward 4 -> 7.5, supporting snippets cited 0.75 -> 0.25, length
@@ -75,12 +84,7 @@ def hacked_run(tmp_path) -> Path:
         "steps": [{"run": RUN, "step": 0, "kl": 0.0}, {"run": RUN, "step": 1, "kl": 0.3}],
         "evals": evals,
     }
-    files = {}
-    for name, rows in tables.items():
-        write_table(ALL_TABLES[name], _table(name, rows), tmp_path / f"{name}.parquet")
-        files[name] = [tmp_path / f"{name}.parquet"]
-    build_catalog(tmp_path / "catalog.duckdb", files)
-    return tmp_path
+    return _catalog(tmp_path, tables)
 
 
 def _figures(run_dir: Path) -> dict[tuple[str, int], float]:
@@ -150,24 +154,10 @@ def test_a_first_step_of_equal_rewards_gives_no_verdict_in_units_of_its_std(tmp_
         for step, phase in ((0, "base"), (2, "grpo"))
     ]
     tables = {"rewards": rewards, "evals": evals, "steps": [{"run": RUN, "step": s, "kl": 0.0} for s in (0, 1)]}
-    files = {}
-    for name, rows in tables.items():
-        write_table(ALL_TABLES[name], _table(name, rows), tmp_path / f"{name}.parquet")
-        files[name] = [tmp_path / f"{name}.parquet"]
-    build_catalog(tmp_path / "catalog.duckdb", files)
-    figures = _figures(tmp_path)
+    figures = _figures(_catalog(tmp_path, tables))
     assert figures[("verified_flat", 1)] is None and figures[("heldout_gap", 1)] is None
     assert figures[("verified_flat", 0)] is None  # no rise, but no unit either
     assert tripped(tmp_path / "catalog.duckdb", 1, MonitorsConfig()) == []
-
-
-def _catalog(folder: Path, tables: dict[str, list[dict]]) -> Path:
-    files = {}
-    for name, rows in tables.items():
-        write_table(ALL_TABLES[name], _table(name, rows), folder / f"{name}.parquet")
-        files[name] = [folder / f"{name}.parquet"]
-    build_catalog(folder / "catalog.duckdb", files)
-    return folder
 
 
 def test_part_dominance_needs_a_second_part_that_really_varies_and_citation_drift_starts_from_none(tmp_path):
