@@ -36,6 +36,13 @@ GOOD = "<answer><snippet id=a1b2c3,d4e5f6>claim</snippet> and <snippet id=ffffff
         ('<think>a</think> Then <think>once more {"score": 1}', None, "unparseable"),  # a second block never closed
         ('{"score": 1' + "0" * 400 + "}", None, "out_of_range"),  # past float's range: no OverflowError
         ('{"score": 1, "n": ' + "9" * 5000 + "}", None, "unparseable"),  # past int's digit limit: no ValueError
+        # a score object nested in an object that is not valid JSON is part of a broken verdict, not the verdict
+        ('{"detail": {"score": 2}, "score": 0,}', None, "unparseable"),
+        ('{"reason": "the rubric shows {"score": 2} as full", "score": 0}', None, "unparseable"),
+        ('{"items": [{"score": 0}, {"score": 2}], "score": 1 oops} {"score": 1}', 1.0, None),
+        ('{"reason": "cut off here, {"score": 2}', None, "unparseable"),  # never closed
+        ('For the set {a, b}: {"score": 2}', 2.0, None),  # a brace in prose is no object
+        ('{"reason": "a \\"quoted\\" {brace", "score": 2}', 2.0, None),
     ],
 )
 def test_parse_judge_output(text, raw, failure):

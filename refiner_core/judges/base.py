@@ -9,6 +9,7 @@ A judge may also offer `complete_detailed`, returning one `Completion` per conve
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -116,17 +117,49 @@ def parse_judge_output(text: str) -> JudgeParse:
 
 
 def _json_objects(text: str) -> list[dict]:
-    """The JSON objects in `text`, in order; objects nested in one are part of it, not listed on their own."""
+    """The JSON objects in `text`, in order; objects nested in one are part of it, not listed on their own, and
+    so are those nested in an object that is not valid JSON."""
     objects, start = [], text.find("{")
     while start != -1:
         try:
             obj, end = _JSON_DECODER.raw_decode(text, start)
         except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nested too deep
-            end = start + 1
+            end = _end_of_invalid_object(text, start)
         else:
             objects.append(obj)
         start = text.find("{", end)
     return objects
+
+
+_OBJECT_START = re.compile(r'\{\s*"')
+
+
+def _end_of_invalid_object(text: str, start: int) -> int:
+    """Where the invalid JSON object opening at `start` ends. One that opens like an object (`{"`) is skipped to its
+    matching brace, strings minded, or to the end of the reply when it never closes (cut off): a score object inside
+    it (`{"items": {"score": 2}, "score": 0,}`) is a part of a broken verdict, not the verdict. Any other brace (prose:
+    `the set {a, b}`) is skipped alone."""
+    if not _OBJECT_START.match(text, start):
+        return start + 1
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        char = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
 
 
 def _read_score(value) -> JudgeParse:
