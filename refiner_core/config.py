@@ -1221,7 +1221,8 @@ class EvalConfig:
     pass_rubric_score: float = opt(
         0.5,
         "A judged response passes when it is format-valid, cites at least one snippet and no unknown ID, and "
-        "its rubric score is at least this; a verified one when its answer is correct.",
+        "its rubric score is at least this; a verified one when its answer is correct. The catalog's views "
+        "prompt_history (the difficulty ledger) and judge_drift judge training rollouts by it too.",
         check=FRACTION,
     )
     max_new_tokens: int = opt(

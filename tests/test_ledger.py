@@ -91,6 +91,24 @@ def test_ledger_figures_and_selection_by_hand(tmp_path):
     assert sum("p0" in d for d in draws) > 190  # p0 weighs 20x any other prompt
 
 
+def test_a_run_counts_as_solved_what_its_own_eval_would_pass(tmp_path):
+    """prompt_history reads each run's eval.pass_rubric_score from the recipe beside its catalog: at 0.95 no rollout
+    of the hand-made run (rubric scores 0.9 / 0.1) solved its prompt; a run without a recipe keeps the default 0.5."""
+    strict = _hand_made_run(tmp_path / "strict")
+    (strict / "recipe.yaml").write_text("eval:\n  pass_rubric_score: 0.95\n")
+    default = _hand_made_run(tmp_path / "default")
+    for folder in (strict, default):  # each catalog's rows carry its own run name
+        con = duckdb.connect(str(folder / "catalog.duckdb"))
+        con.execute("UPDATE rewards SET run = ?", [folder.name])
+        con.close()
+    rows = _query(
+        [strict, default], "SELECT run, sum(solved), sum(rollouts) FROM prompt_history GROUP BY run ORDER BY run"
+    )
+    assert rows == [("default", 7, 16), ("strict", 0, 16)]
+    ledger = _query([strict], "SELECT bool_and(never_solved) FROM prompt_difficulty")
+    assert ledger == [(True,)]
+
+
 @pytest.fixture(scope="module")
 def anchored(prefect_server, tiny_model_path, tmp_path_factory):
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["judge.anchor_every=1", "judge.anchor_rollouts=2"]).to_dict()

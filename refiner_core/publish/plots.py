@@ -186,15 +186,14 @@ def eval_summary(db_path: Path | str) -> list[dict]:
     eval stage summarized it: pass@k at the run's eval.pass_k (its recipe.yaml beside the catalog), else over every
     sampled response of a prompt."""
     import duckdb
-    import yaml
 
     from refiner_core.eval.evaluate import summarize
+    from refiner_core.publish.run_sql import recipe_settings
     from refiner_core.store.storage import query
 
     try:
         columns, rows = query(db_path, "SELECT * FROM evals")
     except duckdb.CatalogException:
         return []
-    recipe = Path(db_path).with_name("recipe.yaml")  # flows/run_folder.py's RECIPE_FILE
-    settings = (yaml.safe_load(recipe.read_text()) or {}).get("eval", {}) if recipe.is_file() else {}
+    settings = recipe_settings(Path(db_path), "eval")
     return summarize([dict(zip(columns, r)) for r in rows], pass_k=settings.get("pass_k") or 1 << 30)

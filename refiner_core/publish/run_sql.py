@@ -18,14 +18,19 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from refiner_core.config import EvalConfig
 from refiner_core.publish.catalog import catalog_views
 
+# The oriented rubric score at which a judged answer passes, per run: its recipe's eval.pass_rubric_score (a session
+# variable mapping each run name to it, set by open_runs), the default for a catalog without its recipe beside it.
+PASS_SCORE_SQL = f"coalesce(getvariable('pass_rubric_scores')[run], {EvalConfig.pass_rubric_score!r})"
+
 # Whether a training rollout solved its prompt, as an eval answer passes (refiner_core.eval.evaluate.passed at the
-# default eval.pass_rubric_score): training's rewards rows.
+# run's eval.pass_rubric_score): training's rewards rows.
 SOLVED_SQL = (
     "SELECT run, step, prompt_id, CASE WHEN verifier = 'judge' THEN coalesce(format_ok AND n_citations > 0 AND "
-    "n_invalid_citations = 0 AND rubric_score >= 0.5, false) ELSE coalesce(correct = 1.0, false) END AS solved "
-    "FROM rewards WHERE reward_version = 'train'"
+    f"n_invalid_citations = 0 AND rubric_score >= {PASS_SCORE_SQL}, false) ELSE coalesce(correct = 1.0, false) "
+    "END AS solved FROM rewards WHERE reward_version = 'train'"
 )
 
 # name -> (what it shows, SQL). Defined on the session, not in the catalog: older catalogs get them too.
@@ -71,7 +76,8 @@ VIEWS: dict[str, tuple[str, str]] = {
     ),
     "prompt_history": (
         "Per run, training prompt and step: rollouts sampled, how many solved it (verified: correct; judged: "
-        "format-valid, citing, no invented ID, rubric score >= 0.5, as an eval pass), and the pass rate.",
+        "format-valid, citing, no invented ID, rubric score >= the run's eval.pass_rubric_score, as an eval pass), "
+        "and the pass rate.",
         f"WITH r AS ({SOLVED_SQL}) SELECT run, prompt_id, step, count(*) AS rollouts, "
         "count(*) FILTER (WHERE solved) AS solved, avg(solved::INT) AS pass_rate FROM r GROUP BY ALL "
         "ORDER BY 1, 2, 3",
@@ -87,11 +93,11 @@ VIEWS: dict[str, tuple[str, str]] = {
     ),
     "judge_drift": (
         "judge.anchor_every: per step, the anchor rollouts' judgments against the ones they got at step 0: mean "
-        "|difference| (drift), and the share whose verdict (oriented score >= 0.5) flipped.",
+        "|difference| (drift), and the share whose verdict (oriented score >= eval.pass_rubric_score) flipped.",
         "SELECT run, step, count(*) AS judgments, avg(score) AS score_mean, avg(first_score) AS first_score_mean, "
-        "avg(abs(score - first_score)) AS mean_abs_drift, avg(((score >= 0.5) <> (first_score >= 0.5))::INT) AS "
-        "verdict_flips, count(*) FILTER (WHERE failure IS NOT NULL) AS failed FROM judge_anchors GROUP BY ALL "
-        "ORDER BY 1, 2",
+        f"avg(abs(score - first_score)) AS mean_abs_drift, avg(((score >= {PASS_SCORE_SQL}) <> "
+        f"(first_score >= {PASS_SCORE_SQL}))::INT) AS verdict_flips, count(*) FILTER (WHERE failure IS NOT NULL) "
+        "AS failed FROM judge_anchors GROUP BY ALL ORDER BY 1, 2",
     ),
 }
 
@@ -158,6 +164,7 @@ def _define_session(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[
                 con.execute(f'CREATE TEMP VIEW "{name}" AS {sql}')
             except duckdb.Error:  # catalogs from before the tables it reads: the view is left out
                 pass
+    _set_pass_scores(con, names, dbs)
     con.execute("SET enable_external_access = false")  # only the attached catalogs stay readable
     for name, (_, sql) in VIEWS.items():
         try:
@@ -165,6 +172,34 @@ def _define_session(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[
         except duckdb.Error:  # a catalog from before the tables it reads: the view is left out
             pass
     con.execute("SET lock_configuration = true")  # a query cannot switch file access back on
+
+
+def recipe_settings(db: Path, section: str) -> dict:
+    """A section of the resolved recipe a run wrote beside its catalog ({} for a catalog without one)."""
+    import yaml
+
+    recipe = Path(db).with_name("recipe.yaml")  # flows/run_folder.py's RECIPE_FILE
+    return ((yaml.safe_load(recipe.read_text()) or {}).get(section) or {}) if recipe.is_file() else {}
+
+
+def _set_pass_scores(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[Path]) -> None:
+    """The session variable pass_rubric_scores: each run name in a catalog's rewards and judge_anchors -> the
+    eval.pass_rubric_score of the recipe beside that catalog."""
+    scores: dict[str, float] = {}
+    for index, db in enumerate(dbs):
+        score = recipe_settings(db, "eval").get("pass_rubric_score")
+        if score is None:
+            continue
+        catalog = con.execute("SELECT current_database()").fetchone()[0] if index == 0 else names[index]
+        for table in ("rewards", "judge_anchors"):
+            try:
+                runs = con.execute(f'SELECT DISTINCT run FROM "{_ident(catalog)}".main.{table}').fetchall()
+            except duckdb.CatalogException:  # a catalog from before the table
+                continue
+            scores.update((run, float(score)) for (run,) in runs)
+    con.execute(
+        "SET VARIABLE pass_rubric_scores = MAP(?::VARCHAR[], ?::DOUBLE[])", [list(scores), list(scores.values())]
+    )
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
