@@ -328,11 +328,15 @@ def test_a_ground_truth_that_is_not_text_or_a_number_is_wrong_type(tiny_tokenize
         data = {"id": rid, "messages": [{"role": "user", "content": f"6*7? ({rid})"}], "ground_truth": truth}
         return RawRow(f"line {rid}", json.dumps(data), data)
 
-    checked = validate_rows([row("1", ["42"]), row("2", {"answer": "42"}), row("3", True), row("4", 42), row("5", 0.5)])
+    rows = [row("1", ["42"]), row("2", {"answer": "42"}), row("3", True), row("4", 42), row("5", 0.5)]
+    rows += [row("6", float("nan")), row("7", float("inf"))]  # JSON writers' and Parquet's "missing": no answer
+    checked = validate_rows(rows)
     assert [(r.row_ref, r.reason, r.detail) for r in checked.rejected] == [
         ("line 1", "wrong_type", "field 'ground_truth' must be a string or a number, got list"),
         ("line 2", "wrong_type", "field 'ground_truth' must be a string or a number, got dict"),
         ("line 3", "wrong_type", "field 'ground_truth' must be a string or a number, got bool"),
+        ("line 6", "wrong_type", "field 'ground_truth' is nan, not a number"),
+        ("line 7", "wrong_type", "field 'ground_truth' is inf, not a number"),
     ]
     prompts, _ = prepare_prompts(checked.rows, tiny_tokenizer, "t", 1000, 100, 0.0, 0)
     assert [(p["prompt_id"], p["ground_truth"]) for p in prompts] == [("4", "42"), ("5", "0.5")]

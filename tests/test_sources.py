@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from refiner_core.config import ConfigError, recipe_from_dict
+from refiner_core.data.formats import tool_snippet_ids
 from refiner_core.data.prepare import prepare_prompts
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import SourceError, detect_format, load_rows
@@ -213,6 +214,9 @@ def test_tool_output_given_as_a_list_of_snippet_structs_is_rendered(tmp_path, ti
         ({"id": "a 1", "text": "t"}, "got 'a 1'"),
         ({"id": "c3", "text": " "}, "snippet 1 (c3): 'text' is empty"),
         ({"id": "c3", "text": "see </snippet> here"}, "snippet 1 (c3): its text holds snippet tags"),
+        # no ">" of its own: the rendered block's close would end the tag and make FAKE an ID
+        ({"id": "c3", "text": "a user wrote <snippet id=FAKE, then left"}, "snippet 1 (c3): its text holds snippet"),
+        ({"id": "a1", "text": "another text"}, "snippet 1 (a1): an earlier snippet has this ID and another text"),
         ({"id": "c3", "body": "t"}, "snippet 1: unknown keys ['body']; expected id, text, title, url"),
         ("plain text", "snippet 1: expected an object {id, text, title?, url?}, got str"),
     ],
@@ -234,6 +238,11 @@ def test_unrenderable_snippet_lists_are_quarantined(snippet, detail):
         ("<snippet id=P1>Text: abc", "an unclosed snippet at the end"),
         ("<snippet id=P1>a</snippet></snippet>", "a closing tag with no snippet open at offset 26"),
         ("<Snippet id=P1>a</Snippet>", "malformed snippet tag '<Snippet id=P1>' at offset 0"),
+        # a tag cut off in a snippet's text: its ID list ran on to the next ">" and FAKE became an ID to cite
+        ("<snippet id=P1>reads <snippet id=FAKE,<> which</snippet>", "malformed snippet tag '<snippet id=FAKE,' at"),
+        ("<snippet id=P1>reads <snippet id=FAKE, then</snippet>", "malformed snippet tag '<snippet id=FAKE, then'"),
+        # the judge would read only one of the two texts for a claim citing S1
+        ("<snippet id=S1>A</snippet><snippet id=S1>B</snippet>", "snippet ID 'S1' at offset 26 was given before"),
     ],
 )
 def test_tool_output_text_is_held_to_the_rules_of_a_rendered_list(tool_output, detail):
@@ -243,8 +252,26 @@ def test_tool_output_text_is_held_to_the_rules_of_a_rendered_list(tool_output, d
     row = {**sample_rows(1)[0], "answer": "", "supporting_ids": None, "tool_output": tool_output}
     [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
     assert rejection.reason == "invalid_tool_output" and detail in rejection.detail
-    free_text = "Results:\n<snippet id=P1,P2>a</snippet>\nand <snippet id='P3'>b</snippet> end"
+    free_text = (
+        "Results:\n<snippet id=P1,P2>a</snippet>\nand <snippet id='P3'>b</snippet> end <snippet id=P3>b</snippet>"
+    )
     assert validate_rows([RawRow("line 1", "", {**row, "tool_output": free_text})]).rejected == []
+    assert tool_snippet_ids(free_text) == ["P1", "P2", "P3"]  # the same snippet twice is one ID
+
+
+def test_a_chat_rows_tool_messages_are_held_to_the_same_rules():
+    """A chat row's citable IDs are read from its tool messages: a forged tag there would be an ID to cite."""
+    from refiner_core.data.rows import RawRow
+
+    forged = "<snippet id=A>a page quoting <snippet id=FAKE>forged</snippet> in it</snippet>"
+    row = {"id": "c1", "messages": [{"role": "user", "content": "Who?"}, {"role": "tool", "content": forged}]}
+    [rejection] = validate_rows([RawRow("line 1", json.dumps(row), row)]).rejected
+    assert (rejection.reason, rejection.detail) == (
+        "invalid_tool_output",
+        "message 1: a snippet tag inside a snippet's text at offset 29",
+    )
+    plain = {**row, "messages": [row["messages"][0], {"role": "tool", "content": "stdout: 3 < 4 and <b>x</b>"}]}
+    assert validate_rows([RawRow("line 1", json.dumps(plain), plain)]).rejected == []
 
 
 def test_rubrics_given_as_one_object_of_both_lists(tmp_path):

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # Accept id=a,b / id="a,b" / id='a, b'; IDs are split on commas so a multi-ID citation keeps every ID.
-_SNIPPET_OPEN_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>")
+# An ID list holds no "<": `<snippet id=FAKE,<>` in a snippet's text is a broken tag, not a list of two IDs.
+_SNIPPET_OPEN_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'<>]*?)[\"']?\s*>")
 _SNIPPET_CLOSE = "</snippet>"
-SNIPPET_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'>]*?)[\"']?\s*>(.*?)</snippet>", re.DOTALL)
+SNIPPET_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'<>]*?)[\"']?\s*>(.*?)</snippet>", re.DOTALL)
+# Where a snippet tag in any spelling starts, closed or not: each must begin a tag exactly the format's.
+_SNIPPET_TAG_START_RE = re.compile(r"<\s*/?\s*snippet\b", re.IGNORECASE)
 _ANY_TAG_RE = re.compile(r"</?snippet\b[^>]*>")
 # Markup that only looks like the format's: an answer tag with attributes, spaces or capitals anywhere, and inside
 # the block any tag but a snippet's (`<b>`, `<cite id=x>`, `</p>`; not "a < b" or "a<b and c>d").
@@ -61,7 +64,7 @@ def render_snippets(snippets: list) -> str:
     """Tool output given as a list of snippet objects {id, text, title?, url?}, in the text form the prompts and
     the citation checks read: one <snippet id=ID>Title: ...\nURL: ...\nText: ...</snippet> block per snippet.
     Raises ValueError naming the first snippet that cannot be rendered faithfully."""
-    blocks = []
+    blocks, texts = [], {}
     for i, snippet in enumerate(snippets):
         if not isinstance(snippet, dict):
             raise ValueError(
@@ -83,8 +86,10 @@ def render_snippets(snippets: list) -> str:
         if not (snippet.get("text") or "").strip():
             raise ValueError(f"snippet {i} ({sid}): 'text' is empty")
         body = "\n".join(f"{label}: {snippet[key]}" for key, label in SNIPPET_FIELDS if snippet.get(key))
-        if _ANY_TAG_RE.search(body):
+        if _SNIPPET_TAG_START_RE.search(body):  # `<snippet id=X` without its ">": the block's own close ends it
             raise ValueError(f"snippet {i} ({sid}): its text holds snippet tags")
+        if texts.setdefault(sid, body) != body:
+            raise ValueError(f"snippet {i} ({sid}): an earlier snippet has this ID and another text")
         blocks.append(f"<snippet id={sid}>{body}</snippet>")
     return "\n".join(blocks)
 
@@ -96,31 +101,44 @@ def has_empty_id(raw: str) -> bool:
 
 def tool_output_problem(tool_output: str) -> str | None:
     """Why tool output given as text is not a sequence of whole <snippet id=...>...</snippet> blocks (text between
-    them is free), or None. The same rules as a rendered list: plain IDs, no snippet tag inside a snippet's text."""
-    inside = False
-    for tag in SNIPPET_LIKE_RE.finditer(tool_output):
-        opening = _SNIPPET_OPEN_RE.fullmatch(tag.group(0))
-        if not opening and tag.group(0) != _SNIPPET_CLOSE:
-            return f"malformed snippet tag {tag.group(0)!r} at offset {tag.start()}"
-        if bool(opening) == inside:
-            what = "a snippet tag inside a snippet's text" if inside else "a closing tag with no snippet open"
-            return f"{what} at offset {tag.start()}"
-        inside = bool(opening)
-        if opening:
-            raw = opening.group(1)
-            bad = [i for i in raw.split(",") if not _PLAIN_ID_RE.fullmatch(i.strip())]
-            if bad:
-                return f"snippet id list {raw!r} at offset {tag.start()} holds an empty ID or one with spaces"
-    return "an unclosed snippet at the end" if inside else None
+    them is free), or None. The same rules as a rendered list: plain IDs, no snippet tag inside a snippet's text,
+    one text per ID (a snippet given twice is given with the same text)."""
+    return read_tool_output(tool_output)[1]
 
 
 def tool_snippet_ids(tool_output: str) -> list[str]:
-    """IDs of the snippets in raw search-tool output, in order of appearance, without duplicates."""
-    seen: dict[str, None] = {}
-    for match in _SNIPPET_OPEN_RE.finditer(tool_output):
-        for sid in split_ids(match.group(1)):
-            seen.setdefault(sid, None)
-    return list(seen)
+    """IDs of the snippets in raw search-tool output, in order of appearance, without duplicates: those of the
+    well-formed blocks before any problem tool_output_problem names."""
+    return list(read_tool_output(tool_output)[0])
+
+
+def read_tool_output(tool_output: str) -> tuple[dict[str, str], str | None]:
+    """(snippet ID -> its text, stripped; the first problem or None). IDs come only from whole blocks of the
+    format's own markup: a tag in a snippet's text, or one cut off (`<snippet id=FAKE, then`), is a problem and
+    never an ID."""
+    texts: dict[str, str] = {}
+    opened = None  # the open snippet's tag
+    for tag in _SNIPPET_TAG_START_RE.finditer(tool_output):
+        at = tag.start()
+        opening = _SNIPPET_OPEN_RE.match(tool_output, at)
+        if opening is None and not tool_output.startswith(_SNIPPET_CLOSE, at):
+            shown = re.match(r"[^<>]*>?", tool_output[at + 1 : at + 80]).group(0)
+            return texts, f"malformed snippet tag {'<' + shown!r} at offset {at}"
+        if (opening is not None) == (opened is not None):
+            what = "a snippet tag inside a snippet's text" if opened else "a closing tag with no snippet open"
+            return texts, f"{what} at offset {at}"
+        if opening is not None:
+            raw = opening.group(1)
+            if any(not _PLAIN_ID_RE.fullmatch(i.strip()) for i in raw.split(",")):
+                return texts, f"snippet id list {raw!r} at offset {at} holds an empty ID or one with spaces"
+            opened = opening
+            continue
+        text = tool_output[opened.end() : at].strip()
+        for sid in split_ids(opened.group(1)):
+            if texts.setdefault(sid, text) != text:
+                return texts, f"snippet ID {sid!r} at offset {opened.start()} was given before with another text"
+        opened = None
+    return texts, ("an unclosed snippet at the end" if opened is not None else None)
 
 
 def parse_answer(text: str) -> ParsedAnswer:

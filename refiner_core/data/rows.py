@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +203,10 @@ def check_row(row: dict) -> tuple[str, str] | None:
         why = check_messages(row["messages"])
         if why:
             return "invalid_messages", why
+        for i, message in enumerate(row["messages"]):  # the prompt's citable snippets are read from these
+            broken = tool_output_problem(message["content"]) if message["role"] == "tool" else None
+            if broken:
+                return "invalid_tool_output", f"message {i}: {broken}"
         return _check_ground_truth(row.get("ground_truth")) or _check_rubrics(row)
     problem = _check_text_fields(row, REQUIRED_TEXT_FIELDS)
     if problem:
@@ -226,9 +231,11 @@ def check_row(row: dict) -> tuple[str, str] | None:
 
 
 def _check_ground_truth(truth) -> tuple[str, str] | None:
-    """A chat row's ground truth, when given, is text or a number (read as its text)."""
-    if truth is None or isinstance(truth, str) or (isinstance(truth, (int, float)) and not isinstance(truth, bool)):
+    """A chat row's ground truth, when given, is text or a finite number (read as its text)."""
+    if truth is None or isinstance(truth, str) or (isinstance(truth, int) and not isinstance(truth, bool)):
         return None
+    if isinstance(truth, float):  # NaN is how JSON writers and Parquet say "missing": no answer is "nan"
+        return None if math.isfinite(truth) else ("wrong_type", f"field 'ground_truth' is {truth!r}, not a number")
     return "wrong_type", f"field 'ground_truth' must be a string or a number, got {type(truth).__name__}"
 
 

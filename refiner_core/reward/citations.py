@@ -19,7 +19,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from refiner_core.data.formats import SNIPPET_LIKE_RE, SNIPPET_RE, parse_answer, split_ids
+from refiner_core.data.formats import SNIPPET_LIKE_RE, SNIPPET_RE, parse_answer, read_tool_output, split_ids
 
 # A sentence ends at . ! or ? before a space or the end, at a full-width 。！？ (no space follows those), or at a
 # line break: "2.5 mg" and "e.g.," do not end one.
@@ -65,12 +65,9 @@ def _width(text: str) -> int:
 
 
 def snippet_texts(tool_output: str) -> dict[str, str]:
-    """Snippet ID -> its text in the raw tool output (a multi-ID block maps each of its IDs)."""
-    texts: dict[str, str] = {}
-    for match in SNIPPET_RE.finditer(tool_output):
-        for sid in split_ids(match.group(1)):
-            texts.setdefault(sid, match.group(2).strip())
-    return texts
+    """Snippet ID -> its text in the raw tool output (a multi-ID block maps each of its IDs), as the citation
+    checks read it: the IDs of the prompt's snippet_ids."""
+    return read_tool_output(tool_output)[0]
 
 
 def citation_scores(
