@@ -266,7 +266,8 @@ class DataConfig(SourceConfig):
         [],
         "Run folders whose difficulty ledger (catalog view prompt_difficulty over all of them) takes prompts out of "
         "this run's training split: those every sampled rollout solved there (always_solved) and those none solved "
-        "(never_solved), which give GRPO no gradient. Prompts they never sampled stay. Recorded in prompt_selection.",
+        "(never_solved), which give GRPO no gradient. Prompts they never sampled stay, and so does a twin pair "
+        "(twin_id) unless both views go. Recorded in prompt_selection.",
     )
     weights_from: list[str] = opt(
         [],

@@ -82,6 +82,7 @@ def prepare_data(
             prompt_ledger(skip_ledger_files or []),
             prompt_ledger(weight_ledger_files or []),
             ", ".join(dict.fromkeys([*data["skip_solved_from"], *data["weights_from"]])),
+            twin_of={p["prompt_id"]: p["twin_id"] for p in prompts},
         )
         if not kept:
             raise ConfigError(

@@ -91,6 +91,17 @@ def test_ledger_figures_and_selection_by_hand(tmp_path):
     assert sum("p0" in d for d in draws) > 190  # p0 weighs 20x any other prompt
 
 
+def test_a_twin_pair_is_skipped_only_whole():
+    """One view always solved, its twin not: both stay (the view left alone would never get its pseudo-label)."""
+    entry = {"rollouts": 4, "pass_rate": 1.0, "always_solved": True, "never_solved": False}
+    never = {**entry, "pass_rate": 0.0, "always_solved": False, "never_solved": True}
+    ledger = {"q1": entry, "q3": entry, "q3r": never, "q4": entry}
+    twin_of = {"q1": "q1r", "q1r": "q1", "q2": "q2r", "q2r": "q2", "q3": "q3r", "q3r": "q3", "q4": None}
+    kept, _, rows = select_prompts("b", list(twin_of), ledger, {}, "a", twin_of=twin_of)
+    assert kept == ["q1", "q1r", "q2", "q2r"]
+    assert [r["skipped"] for r in rows] == [None] * 4 + ["always solved", "never solved", "always solved"]
+
+
 def test_a_run_counts_as_solved_what_its_own_eval_would_pass(tmp_path):
     """prompt_history reads each run's eval.pass_rubric_score from the recipe beside its catalog: at 0.95 no rollout
     of the hand-made run (rubric scores 0.9 / 0.1) solved its prompt; a run without a recipe keeps the default 0.5."""

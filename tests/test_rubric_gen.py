@@ -196,6 +196,19 @@ def test_separate_rubric_file_is_joined_by_id_with_rejections(tmp_path):
     }
 
 
+def test_a_prompt_whose_twin_is_rejected_goes_with_it(tmp_path):
+    """A Co-rewarding pair is one unit: 'a' alone (its twin without rubrics or ground truth) could never be labelled."""
+    path = tmp_path / "rubrics.jsonl"
+    lines = [{"id": pid, "positive_rubrics": [f"Rubric of {pid}."]} for pid in ("a", "b", "b-r", "c")]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    twins = {"a": "a-r", "a-r": "a", "b": "b-r", "b-r": "b"}
+    prompts = [{**_prompt(p), "twin_id": twins.get(p)} for p in ("a", "a-r", "b", "b-r", "c")]
+    joined, rejected = join_rubrics(prompts, load_rows(str(path)), [], separate_source=True)
+    assert sorted(joined) == ["b", "b-r", "c"]
+    assert [(r.row_ref, r.reason) for r in rejected] == [("id a-r", "missing_rubrics"), ("line 1", "unknown_twin")]
+    assert rejected[1].detail == "twin_id 'a-r' was rejected here (missing_rubrics)"
+
+
 @pytest.mark.parametrize(
     ("text", "detail"),
     [

@@ -40,14 +40,23 @@ def prompt_weight(pass_rate: float) -> float:
 
 
 def select_prompts(
-    run: str, train_ids: list[str], skip_ledger: dict[str, dict], weight_ledger: dict[str, dict], sources: str
+    run: str,
+    train_ids: list[str],
+    skip_ledger: dict[str, dict],
+    weight_ledger: dict[str, dict],
+    sources: str,
+    twin_of: dict[str, str | None] | None = None,
 ) -> tuple[list[str], dict[str, float], list[dict]]:
-    """(training prompts kept, their weights (empty without a weight ledger), prompt_selection rows)."""
+    """(training prompts kept, their weights (empty without a weight ledger), prompt_selection rows). A twin pair
+    (`twin_of`: a question's two views, one unit of the schedule) is skipped only when both views are: a view left
+    alone could never get its pseudo-label."""
+    twin_of = twin_of or {}
+    reasons = {prompt: _skip_reason(skip_ledger.get(prompt)) for prompt in train_ids}
     kept, weights, rows = [], {}, []
     for prompt in train_ids:
-        skipped = None
-        if (entry := skip_ledger.get(prompt)) is not None:
-            skipped = "always solved" if entry["always_solved"] else "never solved" if entry["never_solved"] else None
+        skipped = reasons[prompt]
+        if skipped is not None and reasons.get(twin_of.get(prompt), skipped) is None:
+            skipped = None  # its twin stays, so it does
         seen = weight_ledger.get(prompt) or skip_ledger.get(prompt)
         weight = None
         if skipped is None:
@@ -67,3 +76,9 @@ def select_prompts(
             }
         )
     return kept, weights, rows
+
+
+def _skip_reason(entry: dict | None) -> str | None:
+    if entry is None:
+        return None
+    return "always solved" if entry["always_solved"] else "never solved" if entry["never_solved"] else None

@@ -85,7 +85,29 @@ def join_rubrics(
             )
             continue
         out[pid] = rubrics + static
-    return out, rejected
+    return _drop_lone_twins(out, by_id, source_of, rejected)
+
+
+def _drop_lone_twins(
+    out: dict[str, list[dict]], by_id: dict[str, dict], source_of: dict, rejected: list[Rejection]
+) -> tuple[dict[str, list[dict]], list[Rejection]]:
+    """A prompt whose twin (its question's other view, prepare-data kept only whole pairs) was rejected here goes
+    too, as 'unknown_twin': alone it could never get a pseudo-label, and a pair is one unit of the schedule."""
+    reasons = {r.row_ref: r.reason for r in rejected}
+    lone = {pid for pid in out if (twin := by_id[pid].get("twin_id")) is not None and twin not in out}
+    for pid in sorted(lone):
+        twin = by_id[pid]["twin_id"]
+        origin, twin_origin = source_of.get(pid), source_of.get(twin)
+        twin_ref = twin_origin.row_ref if twin_origin is not None else f"id {twin}"
+        rejected.append(
+            Rejection(
+                origin.row_ref if origin is not None else f"id {pid}",
+                "unknown_twin",
+                f"twin_id {twin!r} was rejected here ({reasons.get(twin_ref, 'no rubrics')})",
+                origin.raw if origin is not None else json.dumps(_prompt_view(by_id[pid]), default=str),
+            )
+        )
+    return {pid: rubrics for pid, rubrics in out.items() if pid not in lone}, rejected
 
 
 def _prompt_view(prompt: dict) -> dict:
