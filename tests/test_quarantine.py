@@ -364,6 +364,26 @@ def test_a_static_rubric_weight_that_is_not_finite_is_an_error(tmp_path):
     path.write_text(json.dumps([{**rubric, "description": "d\x1b[2J"}]))
     with pytest.raises(RubricError, match=r"static rubric 'static-x': 'description' holds U\+001B at offset 1"):
         load_static_rubrics(path)
+    # scores are keyed by (prompt, rubric ID): a repeated ID, or an instance rubric's, would merge two rubrics
+    path.write_text(json.dumps([rubric, {**rubric, "kind": "negative"}]))
+    with pytest.raises(RubricError, match="static rubric ID 'static-x' is given twice"):
+        load_static_rubrics(path)
+    path.write_text(json.dumps([{**rubric, "rubric_id": "pos-0"}]))
+    with pytest.raises(RubricError, match=r"static rubric ID 'pos-0' is an instance rubric's \(pos-N, neg-N\)"):
+        load_static_rubrics(path)
+
+
+def test_one_list_in_both_rubric_fields_is_no_orientation():
+    """A single rubric column mapped to both fields holding a plain list: every rubric would be positive and
+    negative at once, and any verdict would score 0.5."""
+    from refiner_core.data.rubric_fields import RubricError, instance_rubrics
+
+    with pytest.raises(RubricError, match="positive_rubrics and negative_rubrics hold the same list"):
+        instance_rubrics(["Says 1900"], ["Says 1900"])
+    with pytest.raises(RubricError, match="hold the same list"):
+        instance_rubrics('["Says 1900"]', ["Says 1900"])
+    assert [r["kind"] for r in instance_rubrics(["Says 1928"], ["Says 1900"])] == ["positive", "negative"]
+    assert instance_rubrics([], [], allow_empty=True) == []
 
 
 def test_parquet_columns_json_has_no_type_for_reach_the_quarantine_as_text(tiny_tokenizer, tmp_path):

@@ -245,12 +245,14 @@ def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, 
 
 
 def test_open_instruct_chat_rows_become_sft_examples(tiny_tokenizer):
+    blank = [*CONVERSATION[:2], {"role": "assistant", "content": " \n"}]  # would teach ending the turn at once
     rows = [
         {"id": "c1", "messages": CONVERSATION, "row_ref": "line 1", "content_hash": "h1"},
-        {"id": "c2", "messages": CONVERSATION[:2], "row_ref": "line 2", "content_hash": "h2"},
-    ]  # no answer
+        {"id": "c2", "messages": CONVERSATION[:2], "row_ref": "line 2", "content_hash": "h2"},  # no answer
+        {"id": "c3", "messages": blank, "row_ref": "line 3", "content_hash": "h3"},
+    ]
     out = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(pack_length=2048), 0.0, 0)
-    assert out.stats["skipped_no_answer"] == 1 and out.rejected == []
+    assert out.stats["skipped_no_answer"] == 2 and out.rejected == []
     [example] = out.examples
     assert example["input_ids"] == render_with_mask(tiny_tokenizer, CONVERSATION).input_ids
     assert example["assistant_tokens"] == sum(render_with_mask(tiny_tokenizer, CONVERSATION).loss_mask)

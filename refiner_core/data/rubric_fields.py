@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from refiner_core.data.text_safety import unusable_character
@@ -85,6 +86,11 @@ def instance_rubrics(positive, negative, allow_empty: bool = False) -> list[dict
                 "something else; give both lists in the object, or two lists"
             )
         lists = {kind: both.get(kind) for kind in lists}
+    elif lists["positive"] and lists["positive"] == lists["negative"]:
+        raise RubricError(  # every rubric both met and violated: any verdict scores 0.5
+            "positive_rubrics and negative_rubrics hold the same list: a single rubric column mapped to both "
+            "fields must hold an object {positive: [...], negative: [...]}"
+        )
     out = []
     for kind, items in lists.items():
         items = [] if items is None else items
@@ -106,13 +112,25 @@ def _parsed(value, kind: str):
         raise RubricError(f"{kind}_rubrics: invalid JSON ({e.msg} at char {e.pos})") from None
 
 
+_INSTANCE_ID_RE = re.compile(r"(pos|neg)-\d+")
+
+
 def load_static_rubrics(path: Path) -> list[dict]:
+    """The static rubric set, added to every prompt's: IDs unique, and none an instance rubric's (pos-N, neg-N),
+    since a rubric's scores are keyed by (prompt, rubric ID)."""
     items = json.loads(Path(path).read_text())
-    out = []
+    out, seen = [], set()
     for item in items:
-        kind = item.get("kind")
+        kind, rubric_id = item.get("kind"), item.get("rubric_id")
         if kind not in ("positive", "negative"):
-            raise RubricError(f"{path}: static rubric {item.get('rubric_id')!r} has kind {kind!r}")
+            raise RubricError(f"{path}: static rubric {rubric_id!r} has kind {kind!r}")
+        if not isinstance(rubric_id, str) or not rubric_id.strip():
+            raise RubricError(f"{path}: static rubric {item.get('title')!r} needs a 'rubric_id' string")
+        if rubric_id in seen:
+            raise RubricError(f"{path}: static rubric ID {rubric_id!r} is given twice")
+        if _INSTANCE_ID_RE.fullmatch(rubric_id):
+            raise RubricError(f"{path}: static rubric ID {rubric_id!r} is an instance rubric's (pos-N, neg-N)")
+        seen.add(rubric_id)
         out.append(
             {
                 "rubric_id": item["rubric_id"],

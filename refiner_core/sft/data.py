@@ -76,10 +76,10 @@ class Rendered:
 
 def sft_messages(row: dict) -> list[dict] | None:
     """The conversation to learn from: a refiner row's prompt plus its answer, or a chat row's messages.
-    None when there is nothing to learn (no answer, no assistant turn)."""
+    None when there is nothing to learn (no answer, no assistant turn with text)."""
     if is_chat_row(row):
         messages = row["messages"]
-        return messages if any(m["role"] == "assistant" for m in messages) else None
+        return messages if any(m["role"] == "assistant" and m["content"].strip() for m in messages) else None
     answer = row.get("answer")
     if not isinstance(answer, str) or not answer.strip():
         return None
