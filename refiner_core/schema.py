@@ -489,7 +489,7 @@ STEPS = Table(
         _c("clip_fraction", F, "Fraction of response tokens whose ratio was clipped."),
         _c("reward_mean", F, "Mean reward over the step's rollouts."),
         _c("reward_std", F, "Std (ddof 0) of rewards over the step's rollouts."),
-        _c("advantage_abs_mean", F, "Mean |advantage| over rollouts."),
+        _c("advantage_abs_mean", F, "Mean |advantage| over the rollouts not dropped (judge.on_failure drop)."),
         _c(
             "zero_std_group_fraction",
             F,

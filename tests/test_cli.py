@@ -489,7 +489,7 @@ def test_predefined_views_by_hand(judged_run):
             "format_ok_rate": 0.5,
             "citations_mean": 1.0,
             "invalid_citations": 1,
-            "valid_id_fraction": 0.25,
+            "valid_id_fraction": 0.5,  # one of the step's two cited IDs (the rollout citing none has no share)
         }
     ]
     # step 0: four rollouts, so four deciles of one: length 10 (training rewards 0, 0.5), 20 (1, 1.5); the

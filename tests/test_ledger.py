@@ -14,7 +14,7 @@ from refiner_core.config import load_recipe
 from refiner_core.data.schedule import weighted_step_prompt_ids
 from refiner_core.publish.catalog import build_catalog
 from refiner_core.publish.ledger import MIN_WEIGHT, prompt_weight, select_prompts
-from refiner_core.publish.run_sql import open_runs, run_query
+from refiner_core.publish.run_sql import CatalogError, open_runs, run_query
 from refiner_core.schema import REWARDS
 from refiner_core.store.storage import write_table
 
@@ -118,6 +118,78 @@ def test_a_run_counts_as_solved_what_its_own_eval_would_pass(tmp_path):
     assert rows == [("default", 7, 16), ("strict", 0, 16)]
     ledger = _query([strict], "SELECT bool_and(never_solved) FROM prompt_difficulty")
     assert ledger == [(True,)]
+
+
+def _stepped_run(folder: Path, run: str, steps: int, fork_of: tuple[Path, str, int] | None = None) -> Path:
+    """A catalog holding the hand-made verdicts at each of `steps` steps under `run`; with `fork_of` (parent folder,
+    parent run, fork step) its folder is that parent's fork."""
+    from refiner_core.store.forks import Fork, write_fork
+
+    _hand_made_run(folder)
+    con = duckdb.connect(str(folder / "catalog.duckdb"))
+    con.execute("UPDATE rewards SET run = ?", [run])
+    for step in range(1, steps):
+        con.execute("INSERT INTO rewards SELECT * REPLACE (? AS step) FROM rewards WHERE step = 0", [step])
+    con.close()
+    if fork_of is not None:
+        parent, parent_run, at = fork_of
+        write_fork(Fork(str(folder.resolve()), run, str(parent.resolve()), parent_run, at, [], True, "", []))
+    return folder
+
+
+def test_a_forks_steps_its_parent_holds_count_once_in_the_ledger(tmp_path):
+    """A fork's catalog holds its parent's steps before the fork step under its own name: with the parent (or a fork
+    of the same parent listed before it) in the session, those steps are one set of rollouts, not two."""
+    from refiner_core.publish.run_sql import copied_steps
+
+    parent = _stepped_run(tmp_path / "p", "p", 4)
+    fork = _stepped_run(tmp_path / "f", "f", 4, (parent, "p", 2))
+    nested = _stepped_run(tmp_path / "ff", "ff", 4, (fork, "f", 3))  # steps 0-1 are p's, step 2 is f's
+    sibling = _stepped_run(tmp_path / "s", "s", 4, (parent, "p", 1))
+    catalogs = [d / "catalog.duckdb" for d in (parent, fork, nested, sibling)]
+    assert copied_steps(catalogs) == [
+        {"run": "f", "lo": 0, "hi": 2},
+        {"run": "ff", "lo": 0, "hi": 3},
+        {"run": "s", "lo": 0, "hi": 1},
+    ]
+    # without the parent, the first fork keeps the steps it copied and the sibling leaves out what they share
+    assert copied_steps([fork / "catalog.duckdb", sibling / "catalog.duckdb"]) == [{"run": "s", "lo": 0, "hi": 1}]
+    steps = "SELECT DISTINCT steps, rollouts FROM prompt_difficulty"
+    assert _query([parent, fork], steps) == [(4 + 2, 4 * (4 + 2))]
+    assert _query([parent, fork, nested, sibling], steps) == [(4 + 2 + 1 + 3, 4 * (4 + 2 + 1 + 3))]
+    assert _query([fork], steps) == [(4, 16)]  # alone, a fork's ledger is every step it holds
+
+
+def test_step_rewards_leaves_dropped_rollouts_out_of_the_advantage_as_steps_does(tmp_path):
+    """A dropped rollout (judge.on_failure drop) is stored with advantage 0 and took no part in its group."""
+    from refiner_core.algo.advantages import group_advantages
+    from refiner_core.config import GRPOConfig
+
+    folder = _hand_made_run(tmp_path / "dropped")
+    con = duckdb.connect(str(folder / "catalog.duckdb"))
+    con.execute("UPDATE rewards SET dropped = (sample_idx = 0), reward = rubric_score + sample_idx")
+    rewards = [
+        dict(zip(("prompt_id", "sample_idx", "reward", "dropped"), r))
+        for r in con.execute("SELECT prompt_id, sample_idx, reward, dropped FROM rewards ORDER BY ALL").fetchall()
+    ]
+    rows, stats = group_advantages(rewards, GRPOConfig())
+    con.executemany(
+        "INSERT INTO advantages (run, step, reward_version, prompt_id, sample_idx, reward, advantage, trained) "
+        "VALUES ('hand', 0, 'train', ?, ?, ?, ?, ?)",
+        [[r["prompt_id"], r["sample_idx"], r["reward"], r["advantage"], r["trained"]] for r in rows],
+    )
+    con.close()
+    [(figure, dropped)] = _query([folder], "SELECT advantage_abs_mean, dropped_rollouts FROM step_rewards")
+    assert dropped == 4 and figure == pytest.approx(stats["advantage_abs_mean"], rel=1e-12)
+    assert stats["advantage_abs_mean"] > 0
+
+
+def test_two_folders_holding_one_run_name_are_refused(tmp_path):
+    """Every view tells runs apart by name: two runs named alike would be averaged as one."""
+    first = _stepped_run(tmp_path / "n1", "exp", 1)
+    second = _stepped_run(tmp_path / "n2", "exp", 1)
+    with pytest.raises(CatalogError, match=r"n1/catalog.duckdb and .*n2/catalog.duckdb both hold run 'exp'"):
+        open_runs([first, second])
 
 
 @pytest.fixture(scope="module")

@@ -71,13 +71,15 @@ FROM ({REWARD_SQL}) recomputed
 JOIN rewards stored USING (run, step, prompt_id, sample_idx, reward_version)
 """
 
-# step_rewards: the reward figures of `steps`, per reward version: training's and each rescore's, side by side.
+# step_rewards: the reward figures of `steps`, per reward version: training's and each rescore's, side by side
+# (advantage_abs_mean, as steps', over the rollouts not dropped: a dropped one's advantage is a stored 0).
 # `stale`: a rescore version computed from rows that a later run of the folder replaced (NULL: a version that recorded
 # none).
 _STEP_REWARDS_VIEW = f"""
 WITH figures AS (
   SELECT run, step, reward_version, avg(r.reward) AS reward_mean, stddev_pop(r.reward) AS reward_std,
-         avg(abs(a.advantage)) AS advantage_abs_mean, count(*) AS rollouts,
+         avg(abs(a.advantage)) FILTER (WHERE NOT coalesce(r.dropped, false)) AS advantage_abs_mean,
+         count(*) AS rollouts,
          count(*) FILTER (WHERE a.trained) AS trained_rollouts, count(*) FILTER (WHERE r.dropped) AS dropped_rollouts
   FROM rewards r LEFT JOIN advantages a USING (run, step, prompt_id, sample_idx, reward_version)
   GROUP BY run, step, reward_version

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from refiner_core.config import EvalConfig
 from refiner_core.publish.catalog import catalog_views
+from refiner_core.store.forks import read_fork
 
 # The oriented rubric score at which a judged answer passes, per run: its recipe's eval.pass_rubric_score (a session
 # variable mapping each run name to it, set by open_runs), the default for a catalog without its recipe beside it.
@@ -50,10 +51,13 @@ VIEWS: dict[str, tuple[str, str]] = {
         "FROM s JOIN rubrics r USING (run, prompt_id, rubric_id) GROUP BY ALL ORDER BY 1, 2, 3",
     ),
     "citation_quality": (
-        "Per step: answers present, valid format, citations per response, share of cited IDs that exist.",
+        "Per step: answers present, valid format, citations per response, share of the cited IDs that exist (NULL when "
+        "none was cited).",
         "SELECT run, step, count(*) AS rollouts, avg(has_answer::INT) AS answer_rate, avg(format_ok::INT) AS "
         "format_ok_rate, avg(n_citations) AS citations_mean, sum(n_invalid_citations) AS invalid_citations, "
-        "avg(citation_valid_fraction) AS valid_id_fraction FROM reward_inputs GROUP BY ALL ORDER BY 1, 2",
+        # pooled over the step's cited IDs: a rollout citing nothing has no share (its reward input reads 0)
+        "1 - sum(n_invalid_citations) / nullif(sum(n_citations), 0) AS valid_id_fraction FROM reward_inputs "
+        "GROUP BY ALL ORDER BY 1, 2",
     ),
     "length_vs_reward": (
         "Per step and response-length decile: mean length and mean reward (the reward used for training).",
@@ -85,11 +89,13 @@ VIEWS: dict[str, tuple[str, str]] = {
     "prompt_difficulty": (
         "The difficulty ledger: per training prompt over every run of the session, the runs and steps that sampled "
         "it, its pass rate, whether every rollout (always_solved) or none (never_solved) solved it, and its pass-rate "
-        "history in (run, step) order; data.skip_solved_from and data.weights_from read it.",
+        "history in (run, step) order; data.skip_solved_from and data.weights_from read it. A fork's steps that "
+        "another run of the session holds too (its parent's, before the fork step) count once.",
         "SELECT prompt_id, count(DISTINCT run) AS runs, count(*) AS steps, sum(rollouts) AS rollouts, "
         "sum(solved) AS solved, sum(solved) / sum(rollouts) AS pass_rate, sum(solved) = sum(rollouts) AS "
         "always_solved, sum(solved) = 0 AS never_solved, list(round(pass_rate, 3) ORDER BY run, step) AS history "
-        "FROM prompt_history GROUP BY prompt_id ORDER BY pass_rate, prompt_id",
+        "FROM prompt_history h WHERE NOT EXISTS (SELECT 1 FROM (SELECT unnest(getvariable('copied_steps')) AS c) "
+        "WHERE c.run = h.run AND h.step >= c.lo AND h.step < c.hi) GROUP BY prompt_id ORDER BY pass_rate, prompt_id",
     ),
     "judge_drift": (
         "judge.anchor_every: per step, the anchor rollouts' judgments against the ones they got at step 0: mean "
@@ -164,7 +170,7 @@ def _define_session(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[
                 con.execute(f'CREATE TEMP VIEW "{name}" AS {sql}')
             except duckdb.Error:  # catalogs from before the tables it reads: the view is left out
                 pass
-    _set_pass_scores(con, names, dbs)
+    _set_run_variables(con, names, dbs)
     con.execute("SET enable_external_access = false")  # only the attached catalogs stay readable
     for name, (_, sql) in VIEWS.items():
         try:
@@ -182,24 +188,83 @@ def recipe_settings(db: Path, section: str) -> dict:
     return ((yaml.safe_load(recipe.read_text()) or {}).get(section) or {}) if recipe.is_file() else {}
 
 
-def _set_pass_scores(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[Path]) -> None:
-    """The session variable pass_rubric_scores: each run name in a catalog's rewards and judge_anchors -> the
-    eval.pass_rubric_score of the recipe beside that catalog."""
+def _set_run_variables(con: duckdb.DuckDBPyConnection, names: list[str], dbs: list[Path]) -> None:
+    """The session variables the views read, after refusing two catalogs that hold one run name (every view tells
+    runs apart by their `run` column): pass_rubric_scores, each run name -> the eval.pass_rubric_score of the recipe
+    beside its catalog; copied_steps, the steps of a fork that another catalog of the session holds too."""
+    current = con.execute("SELECT current_database()").fetchone()[0]
+    holder: dict[str, Path] = {}
     scores: dict[str, float] = {}
     for index, db in enumerate(dbs):
+        runs = _catalog_runs(con, current if index == 0 else names[index])
+        for run in sorted(runs):
+            if run in holder:
+                raise CatalogError(
+                    f"{holder[run]} and {db} both hold run {run!r} (run.name): a session tells runs apart by their "
+                    "names, so query these one at a time"
+                )
+            holder[run] = db
         score = recipe_settings(db, "eval").get("pass_rubric_score")
-        if score is None:
-            continue
-        catalog = con.execute("SELECT current_database()").fetchone()[0] if index == 0 else names[index]
-        for table in ("rewards", "judge_anchors"):
-            try:
-                runs = con.execute(f'SELECT DISTINCT run FROM "{_ident(catalog)}".main.{table}').fetchall()
-            except duckdb.CatalogException:  # a catalog from before the table
-                continue
-            scores.update((run, float(score)) for (run,) in runs)
+        if score is not None:
+            scores.update((run, float(score)) for run in runs)
     con.execute(
         "SET VARIABLE pass_rubric_scores = MAP(?::VARCHAR[], ?::DOUBLE[])", [list(scores), list(scores.values())]
     )
+    con.execute("SET VARIABLE copied_steps = ?::STRUCT(run VARCHAR, lo BIGINT, hi BIGINT)[]", [copied_steps(dbs)])
+
+
+def _catalog_runs(con: duckdb.DuckDBPyConnection, catalog: str) -> set[str]:
+    runs: set[str] = set()
+    for table in ("steps", "rewards", "judge_anchors"):
+        try:
+            runs.update(
+                r for (r,) in con.execute(f'SELECT DISTINCT run FROM "{_ident(catalog)}".main.{table}').fetchall()
+            )
+        except duckdb.CatalogException:  # a catalog from before the table
+            pass
+    return runs
+
+
+def copied_steps(dbs: list[Path]) -> list[dict]:
+    """[{run, lo, hi}]: the steps [lo, hi) of a fork's run that are copies of steps another catalog of the session
+    holds: its ancestor's, when that ancestor's folder is in the session, else the copy of a fork listed before it
+    (two forks of one parent). prompt_difficulty counts each such step once."""
+    folders = [str(db.parent.resolve()) for db in dbs]
+    claimed: dict[str, set[int]] = {}  # ancestor folder -> its steps some fork of the session already holds
+    copied = []
+    for folder in folders:
+        fork = read_fork(folder)
+        if fork is None:
+            continue
+        dropped: set[int] = set()
+        for origin, lo, hi in _shared_segments(folder):
+            steps = set(range(lo, hi))
+            dropped |= steps if origin in folders else steps & claimed.get(origin, set())
+            claimed.setdefault(origin, set()).update(steps)
+        copied += [{"run": fork.run, "lo": lo, "hi": hi} for lo, hi in _ranges(dropped)]
+    return copied
+
+
+def _shared_segments(folder: str) -> list[tuple[str, int, int]]:
+    """(ancestor folder, lo, hi): the steps [lo, hi) of the fork in `folder` that the ancestor computed (a fork of
+    a fork holds its grandparent's steps before the parent's own fork step)."""
+    bounds, seen, fork = [], {folder}, read_fork(folder)
+    while fork is not None and fork.shares_steps and fork.parent_dir not in seen:
+        parent = str(Path(fork.parent_dir).resolve())
+        bounds.append((parent, min(fork.at, bounds[-1][1]) if bounds else fork.at))
+        seen.add(fork.parent_dir)
+        fork = read_fork(fork.parent_dir)
+    return [(origin, bounds[i + 1][1] if i + 1 < len(bounds) else 0, hi) for i, (origin, hi) in enumerate(bounds)]
+
+
+def _ranges(steps: set[int]) -> list[tuple[int, int]]:
+    ranges: list[tuple[int, int]] = []
+    for step in sorted(steps):
+        if ranges and ranges[-1][1] == step:
+            ranges[-1] = (ranges[-1][0], step + 1)
+        else:
+            ranges.append((step, step + 1))
+    return ranges
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
