@@ -97,7 +97,12 @@ def _holding(folder: Path, command: str) -> Iterator[None]:
 def _run_locked(cfg, folder: Path, refresh: bool, debug: bool, command: str, before=None) -> None:
     """Run the pipeline in `folder` holding its lock (exit 3 when another run holds it); `before` is called once
     the lock is held."""
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        _fail(f"cannot use {folder} as the run folder: it is a file")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way to it, no permission, a read-only or missing mount
+        _fail(f"cannot use {folder} as the run folder: {e.strerror or e}")
     with _holding(folder, command):
         try:
             if before is not None:

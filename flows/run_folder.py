@@ -219,7 +219,9 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         cfg, _ = resolved_recipe(load_recipe(parent / RECIPE_FILE, [*([] if named else ["run.name="]), *overrides]))
     except ConfigError as e:
         raise ForkError(str(e)) from None
-    if not 0 <= at < cfg.grpo.steps:
+    if at < 0:
+        raise ForkError(f"--at {at}: a step is 0 or more (0 forks before the first update)")
+    if at >= cfg.grpo.steps:
         raise ForkError(f"--at {at}: the fork would compute no step (grpo.steps {cfg.grpo.steps}); raise grpo.steps")
     if base.grpo.async_steps or cfg.grpo.async_steps:
         raise ForkError("forks of runs that sample ahead (grpo.async_steps) are not supported")
@@ -241,6 +243,8 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
             )
     if existing is not None and not resuming:
         raise ForkError(f"{new} is already a fork of {existing.parent_dir} at step {existing.at}")
+    if new.exists() and not new.is_dir():
+        raise ForkError(f"{new} is a file: choose a new folder")
     if existing is None and new.exists() and any(new.iterdir()):
         raise ForkError(f"{new} exists and holds another run: choose a new folder")
     settings = [

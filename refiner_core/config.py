@@ -1506,7 +1506,7 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
     type_ = _field_type(keys)
     if _is_text(type_):
         return keys, raw.strip()
-    value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else ""
+    value = _yaml(raw, f"--set {assignment}") if raw.strip() else ""
     # a section or an unknown name keeps its YamlText: the fields it reaches type it (or _build names it)
     return keys, value if type_ is None else _as_written(value, type_)
 
@@ -1529,12 +1529,27 @@ def _looks_like_float(raw: str) -> bool:
         return False
 
 
+def _yaml(text: str, where: str) -> Any:
+    """`text` read as YAML; ConfigError in one line (what and where) when it is not."""
+    try:
+        return yaml.load(text, Loader=RecipeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"{where}: not valid YAML: {what}{at}") from None
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> RecipeConfig:
     """A recipe file (None: every default) with `--set` overrides applied in order (a later one wins). Moved fields'
     old names are read as their new ones (moved_to_sections, parse_override)."""
     data: dict = {}
     if path is not None:
-        loaded = yaml.load(Path(path).read_text(), Loader=RecipeLoader)
+        loaded = _yaml(Path(path).read_text(), str(path))
+        if not isinstance(loaded, (dict, type(None))):
+            raise ConfigError(
+                f"{path}: a recipe is a mapping of sections (run:, data:, ...), got {type(loaded).__name__}"
+            )
         data = moved_to_sections(loaded or {})
     given: dict[str, dict[str, Any]] = {}  # field -> {name it was set by: value}, for old and new names alike
     for assignment in overrides:

@@ -75,6 +75,14 @@ def check_recipe(cfg: RecipeConfig) -> list[str]:
         problems += check_source("rubrics", cfg.rubrics.path, "auto", cfg.rubrics.fields, "train", RUBRIC_FIELDS)
     if not cfg.rubrics.instance_rubrics_only and not resolve(cfg.rubrics.static_rubrics).is_file():
         problems.append(f"rubrics.static_rubrics: {_shown(cfg.rubrics.static_rubrics)} does not exist")
+    for where, folders in (
+        ("data.skip_solved_from", cfg.data.skip_solved_from),
+        ("data.weights_from", cfg.data.weights_from),
+    ):
+        for folder in folders:
+            catalog = resolve(folder) if folder.endswith(".duckdb") else resolve(folder) / "catalog.duckdb"
+            if not catalog.is_file():
+                problems.append(f"{where}: {_shown(folder)} holds no catalog.duckdb (a run that finished a step)")
     return problems
 
 
@@ -100,6 +108,11 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         problems.append(
             f"judge.openai.serve = true starts an OpenAI-compatible server: it needs judge.engine = 'openai', "
             f"not {cfg.judge.engine!r}"
+        )
+    if cfg.judge.engine == "openai" and cfg.judge.mode != "json":
+        problems.append(
+            f"judge.engine = 'openai' reads the verdict from the reply's text: it needs judge.mode = 'json', not "
+            f"{cfg.judge.mode!r} (which reads the judge's token probabilities)"
         )
     if cfg.judge.openai.serve and not _loopback_port(cfg.judge.openai.base_url):
         problems.append(

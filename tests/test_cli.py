@@ -80,6 +80,12 @@ def test_sql_is_read_only(catalog_dir):
 def test_sql_errors_have_exit_codes(catalog_dir, tmp_path):
     assert runner.invoke(app, ["sql", str(catalog_dir), "SELECT * FROM nope"]).exit_code == 1
     assert runner.invoke(app, ["sql", str(tmp_path / "missing"), "SELECT 1"]).exit_code == 2
+    for nothing in ("", "  /* only a comment */ "):
+        result = runner.invoke(app, ["sql", str(catalog_dir), nothing])
+        assert (
+            result.exit_code == 2
+            and result.output == "error: no SQL statement given: the query is empty or only comments\n"
+        )
 
 
 def test_every_table_exists_even_when_empty(catalog_dir):
@@ -94,6 +100,29 @@ def test_run_rejects_bad_config_before_doing_work(tmp_path):
     assert result.exit_code == 2
     assert "unknown field 'grpo.lr'" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_that_is_not_yaml_is_one_error_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("grpo:\n  steps: [1\n")
+    for args in (["run", str(recipe)], ["config", str(recipe)]):
+        result = runner.invoke(app, [*args, "--set", "grpo.steps=2"])
+        assert result.exit_code == 2 and result.output == (
+            f"error: {recipe}: not valid YAML: expected ',' or ']', but got '<stream end>' at line 3, column 1\n"
+        )
+    result = runner.invoke(app, ["config", str(REPO / "recipes" / "tiny.yaml"), "--set", "rollout.stop=[a,b"])
+    assert result.exit_code == 2 and result.output.startswith("error: --set rollout.stop=[a,b: not valid YAML: ")
+    recipe.write_text("- a list\n")
+    result = runner.invoke(app, ["config", str(recipe)])
+    assert result.exit_code == 2 and "a recipe is a mapping of sections" in result.output
+
+
+def test_a_run_folder_that_cannot_be_one_is_one_error_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    tiny = str(REPO / "recipes" / "tiny.yaml")
+    for folder, why in ((tmp_path / "a-file", "it is a file"), (tmp_path / "a-file" / "run", "Not a directory")):
+        result = runner.invoke(app, ["run", tiny, "--run-dir", str(folder)])
+        assert (result.exit_code, result.output) == (2, f"error: cannot use {folder} as the run folder: {why}\n")
 
 
 def test_plot_writes_png(catalog_dir):

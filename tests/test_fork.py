@@ -273,6 +273,11 @@ def test_forks_that_cannot_be_made_are_refused_before_anything_runs(tmp_path):
         plan_fork(parent, tmp_path / "f", 1, [])
     with pytest.raises(ForkError, match="would compute no step"):
         plan_fork(parent, tmp_path / "f", 3, ["grpo.steps=3"])
+    with pytest.raises(ForkError, match="--at -1: a step is 0 or more"):
+        plan_fork(parent, tmp_path / "f", -1, [])
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ForkError, match="a-file is a file: choose a new folder"):
+        plan_fork(parent, tmp_path / "a-file", 2, [])
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "catalog.duckdb").write_text("")
     with pytest.raises(ForkError, match="holds another run"):

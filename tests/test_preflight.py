@@ -123,6 +123,15 @@ def test_sft_source_is_checked_only_when_enabled():
     assert p.startswith("sft.fields: 'answr' is not a field name (did you mean 'answer'?)")
 
 
+def test_a_ledger_folder_without_a_catalog_is_reported(tmp_path):
+    [p] = problems(f"data.skip_solved_from=[{tmp_path}]")
+    assert p == f"data.skip_solved_from: {tmp_path} holds no catalog.duckdb (a run that finished a step)"
+    [p] = problems("data.weights_from=[runs/none]")
+    assert p.startswith("data.weights_from: runs/none (resolved to ") and p.endswith(
+        "holds no catalog.duckdb (a run that finished a step)"
+    )
+
+
 def test_a_hub_source_missing_from_the_local_cache_is_reported():
     # Runs never download (HF_HUB_OFFLINE): a hub data set must be in the local cache, and preflight says so.
     [p] = problems("data.path=org/dataset", "data.format=hub", "data.fields={question: q}")
@@ -148,6 +157,7 @@ def test_a_hub_source_missing_from_the_local_cache_is_reported():
         ("reward.verifier=oracle", "reward.verifier = 'oracle': unknown verifier; choose from"),
         ("rollout.engine=vlm", "rollout.engine = 'vlm': unknown rollout engine (did you mean 'vllm'?)"),
         ("judge.engine=openia", "judge.engine = 'openia': unknown judge engine (did you mean 'openai'?)"),
+        ("judge.engine=openai", "judge.engine = 'openai' reads the verdict from the reply's text: it needs judge.mode"),
         ("grpo.learner=deepspeeed", "grpo.learner = 'deepspeeed': unknown learner (did you mean"),
         (
             "judge.engine=no_such_pkg.judge:make",
@@ -467,7 +477,12 @@ def test_save_to_disk_column_types(tmp_path):
     ]
 
 
-SERVED_JUDGE = ("judge.engine=openai", "judge.openai.serve=true", "judge.openai.base_url=http://127.0.0.1:8011/v1")
+SERVED_JUDGE = (
+    "judge.engine=openai",
+    "judge.mode=json",
+    "judge.openai.serve=true",
+    "judge.openai.base_url=http://127.0.0.1:8011/v1",
+)
 
 
 @pytest.mark.parametrize("on_gpu", [True, False])

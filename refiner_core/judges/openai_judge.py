@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from refiner_core.config import JudgeConfig, OpenAIJudgeConfig
+from refiner_core.config import ConfigError, JudgeConfig, OpenAIJudgeConfig
 from refiner_core.judges.base import Completion, parse_judge_output
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
 from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_reply, shared_pacer
@@ -228,7 +228,7 @@ def _wait_all(futures: list) -> None:
 def _progress(total: int, enabled: bool):
     from refiner_core.runtime.progress import progress_bar
 
-    return progress_bar(total, "judge", "pair", disable=not enabled or total == 0)
+    return progress_bar(total, "judge", "pair", disable=None if enabled and total else True)  # None: on a terminal
 
 
 def api_key_from_env(name: str) -> str:
@@ -280,7 +280,7 @@ def make_openai_judge(
 ) -> OpenAIJudge:
     """`model_path` (the located judge checkpoint) is not used: the server holds the model."""
     if judge.mode != "json":
-        raise ValueError(f"judge.engine 'openai' supports judge.mode 'json' only, not {judge.mode!r}")
+        raise ConfigError(f"judge.engine 'openai' supports judge.mode 'json' only, not {judge.mode!r}")
     api = judge.openai
     api_key = api_key_from_env(api.api_key_env)
     base_url, timeout = api.base_url or OpenAIJudgeConfig.base_url, float(api.timeout_seconds)

@@ -269,8 +269,12 @@ def _ranges(steps: set[int]) -> list[tuple[int, int]]:
 
 def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
     """Raise QueryRefused unless every statement of SQL is a SELECT (SHOW, DESCRIBE, SUMMARIZE, and PIVOT with
-    an IN list, are) or an EXPLAIN of one. A syntax error is raised as DuckDB reports it."""
-    for statement in con.extract_statements(sql):
+    an IN list, are) or an EXPLAIN of one; CatalogError when it holds none. A syntax error is raised as DuckDB
+    reports it."""
+    statements = con.extract_statements(sql)
+    if not statements:
+        raise CatalogError("no SQL statement given: the query is empty or only comments")
+    for statement in statements:
         kind = _statement_kind(statement)
         if kind == duckdb.StatementType.SELECT or _explains_a_select(con, statement, kind):
             continue
