@@ -211,6 +211,15 @@ def test_labels_file_and_its_errors(judged_run, tmp_path):
     bad.write_text(json.dumps({"step": 0, "prompt_id": "q1"}) + "\n")
     assert runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(bad)]).exit_code == 2
     assert runner.invoke(app, ["judge", "agreement", str(judged_run)]).exit_code == 2  # neither option
+    empty = tmp_path / "empty.csv"
+    empty.write_text("step,prompt_id,sample_idx,rubric_id,passed\n")  # what an export of no judgment gives
+    with pytest.raises(AgreementError, match="the file holds no label"):
+        check_judge(judged_run, labels=empty)
+    with pytest.raises(AgreementError, match="--name '../escape': use 1-100 letters"):  # a folder of the run's
+        check_judge(judged_run, labels=labels, name="../escape")
+    spaced = tmp_path / "my labels (v2).csv"
+    spaced.write_text(labels.read_text())
+    assert check_judge(judged_run, labels=spaced).name == "labels-my-labels-v2"
 
 
 def test_a_judge_that_scores_nothing_is_no_agreement(judged_run, tmp_path):

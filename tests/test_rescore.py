@@ -137,6 +137,12 @@ def test_settings_that_need_new_judgments_are_refused(served_run, tmp_path):
     assert code == 2 and "needs claim judgments" in err
     code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", "rollout.temperature=0.3"], tmp_path)
     assert code == 2 and "would change training" in err
+    code, out, err, _ = run_cli(["rescore", str(run_dir)], tmp_path)  # would only repeat training's rewards
+    assert code == 2 and "no --set changes a setting of the run" in err
+    escape = ["rescore", str(run_dir), "--set", "reward.citation_weight=0.5", "--name", "../../escape"]
+    code, out, err, _ = run_cli(escape, tmp_path)
+    assert code == 2 and "--name '../../escape': use 1-100 letters" in err
+    assert not (run_dir.parent / "escape").exists()
     assert server.requests == judged
 
 

@@ -21,7 +21,7 @@ from refiner_core.config import ConfigError, JudgeConfig, load_recipe, moved_to_
 from refiner_core.eval.judge_checks import agreement_rows, check_rows, rejudge, rubric_group, sample_keys
 from refiner_core.publish.run_sql import catalog_path
 from refiner_core.schema import JUDGE_AGREEMENT, JUDGE_CHECKS
-from refiner_core.store.storage import json_hash, query, replace_rows, write_table
+from refiner_core.store.storage import folder_name, folder_name_problem, json_hash, query, replace_rows, write_table
 
 CHECKS_DIR = "judge_checks"
 
@@ -140,6 +140,8 @@ def check_judge(
     """Run one judge check on a run folder and store it (files and catalog)."""
     if (judge_config is None) == (labels is None):
         raise AgreementError("give either --judge-config FILE or --labels FILE")
+    if name is not None and (problem := folder_name_problem(name, "--name")):
+        raise AgreementError(problem)
     try:
         db = catalog_path(run_dir)
     except ValueError as e:
@@ -152,6 +154,8 @@ def check_judge(
     groups = {(s["prompt_id"], s["rubric_id"]): rubric_group(s) for s in stored}
     if labels is not None:
         other = read_labels(labels)
+        if not other:
+            raise AgreementError(f"--labels {labels}: the file holds no label")
         known = {(s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"]) for s in stored}
         unknown = sorted(set(other) - known)
         if unknown:
@@ -159,7 +163,7 @@ def check_judge(
                 f"--labels {labels}: {len(unknown)} labels name no stored judgment of the run, e.g. {unknown[0]}"
             )
         rollouts = {k[:3] for k in other}
-        name = name or f"labels-{labels.stem}"
+        name = name or folder_name(f"labels-{labels.stem}")
         description = f"labels {labels}"
     else:
         judge, settings, description = other_judge(run_dir, judge_config)

@@ -23,7 +23,15 @@ from refiner_core.config import RecipeConfig, RewardConfig, dotted_settings
 from refiner_core.reward.compose import STEP_INPUTS_HASH_SQL, compute_rewards, reward_parts, weight_row
 from refiner_core.schema import ADVANTAGES, JUDGE_SCORES, RESCORES, REWARD_INPUTS, REWARD_WEIGHTS, REWARDS, duckdb_ddl
 from refiner_core.store.forks import read_fork
-from refiner_core.store.storage import insert_parquet, json_hash, query, read_rows, replace_version_rows, write_table
+from refiner_core.store.storage import (
+    folder_name_problem,
+    insert_parquet,
+    json_hash,
+    query,
+    read_rows,
+    replace_version_rows,
+    write_table,
+)
 
 RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "reward_aggregation", "filter_zero_std_groups")
 RESCORABLE_JUDGE = ("on_failure",)
@@ -58,6 +66,11 @@ def check_rescorable(base: RecipeConfig, new: RecipeConfig, judged_pairs: int, s
         | {f"judge.{n}" for n in RESCORABLE_JUDGE}
         | {"run.name"}
     )
+    if not [c for c in changed if c != "run.name"]:
+        raise RescoreError(
+            "no --set changes a setting of the run: rescoring would repeat its rewards; give new values of "
+            f"reward.*, {', '.join('grpo.' + n for n in RESCORABLE_GRPO)} or judge.on_failure"
+        )
     problems = []
     judge = [c for c in changed if c.startswith("judge.") and c not in allowed]
     if judge:
@@ -160,6 +173,8 @@ def rescore_run(
     without_claims = [s for s in steps if not read_step(score_files[s], "citation_claims")]
     pairs = sum(len(read_step(score_files[s], "judge_scores")) for s in steps)
     check_rescorable(base, new, pairs, without_claims)
+    if version is not None and (problem := folder_name_problem(version, "--name")):
+        raise RescoreError(problem)
     version = version or version_name(new)
     if version == "train":
         raise RescoreError("'train' is the version training used; choose another name")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -22,6 +23,22 @@ from refiner_core.store.faults import write_fault
 
 if TYPE_CHECKING:  # imported where a catalog is opened: a learner alone (the GPU check's part d) needs no DuckDB
     import duckdb
+
+_FOLDER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def folder_name_problem(name: str, what: str) -> str | None:
+    """Why `name`, given by a user for one of a run's folders (a rescore version, a judge check), cannot be one: it
+    must stay inside its parent folder. None when it can."""
+    if _FOLDER_NAME_RE.fullmatch(name):
+        return None
+    return f"{what} {name!r}: use 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def folder_name(text: str) -> str:
+    """`text` made a name folder_name_problem accepts (a default derived from a file name)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:100] or "unnamed"
+
 
 PARTIAL_SUFFIX = ".partial"  # a write in progress: hidden, and removed by the next run if its writer died
 REPLACED_SUFFIX = ".replaced"  # a folder being replaced, moved aside: put back by the next run if its writer died
