@@ -495,6 +495,7 @@ def publish_step(run: RunContext, state: StepState, step: int, step_manifests: l
         "step %d done: %s",
         step,
         f"checkpoint {state.policy['path']}"
+        + ("" if Path(state.policy["path"]).exists() else " (pruned since: run.keep_last, run.keep_every)")
         if saved
         else f"weights in the live learner (run.save_every {cfg.run.save_every})",
     )

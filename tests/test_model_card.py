@@ -233,3 +233,23 @@ def test_sft_and_teacher_checkpoints_get_their_own_cards(tmp_path):
     card = ModelCard.load(sft / "README.md")
     assert "sft" in card.data.tags and "| epochs | 3 |" in card.text and "--set grpo.steps" not in card.text
     assert write_model_card(sft, tmp_path / "elsewhere", kind="sft", run="x", step=None) is None  # no recipe.yaml
+
+
+def test_a_forks_card_reproduces_it_as_a_fork():
+    """Its steps before the fork step ran with the parent's recipe: `refiner run` of its own recipe would train
+    them with the fork's settings and give other weights."""
+    fork = {
+        "run": "lr",
+        "parent_run": "base",
+        "parent_dir": "/runs/base",
+        "at": 1,
+        "settings": ["grpo.learning_rate=0.01"],
+        "shares_steps": True,
+        "note": "",
+    }
+    card = _card(["grpo.learning_rate=0.01"], run="lr", fork=fork)
+    reproduce = card[card.index("## Reproduce") :]
+    assert "refiner fork /runs/base NEW_RUN_DIR --at 1 --set grpo.learning_rate=0.01 --set grpo.steps=2" in reproduce
+    assert "refiner run recipe.yaml" not in reproduce and "its steps before 1 ran with `base`'s recipe" in reproduce
+    own = _card(["grpo.learning_rate=0.01"], run="lr", fork={**fork, "shares_steps": False})  # every step its own
+    assert "refiner run recipe.yaml --set grpo.steps=2 --run-dir NEW_RUN_DIR" in own

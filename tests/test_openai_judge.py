@@ -247,3 +247,21 @@ def test_transformers_judge_fills_the_new_columns(tiny_model_path):
         and len(s["prompt_hash"]) == 32
         for s in scores
     )
+
+
+def test_the_judges_bar_is_drawn_only_on_a_terminal(monkeypatch):
+    """Redirected to a log, the judge's progress comes as plain lines, not carriage-returned bars."""
+    import io
+
+    from refiner_core.judges.openai_judge import _progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr("sys.stderr", stream)
+        bar = _progress(10, enabled=True)
+        assert bar.disable is not drawn
+        bar.close()
+    assert _progress(10, enabled=False).disable and _progress(0, enabled=True).disable

@@ -94,7 +94,7 @@ def model_card(
     if judge_cost:
         prices = (recipe["judge"].get("price_per_mtok_in", 0.0), recipe["judge"].get("price_per_mtok_out", 0.0))
         sections.append("## Judge cost\n\n" + judge_cost_line(judge_cost, *prices))
-    sections.append(_reproduce(recipe, kind, step))
+    sections.append(_reproduce(recipe, kind, step, fork))
     notes = known_notes(recipe, data)
     if notes:
         sections.append("## Known notes\n\n" + "\n".join(f"- {n}" for n in notes))
@@ -129,10 +129,13 @@ def _lineage(fork: dict) -> str:
             f"Run `{fork['run']}` was forked from run `{fork['parent_run']}` (`{fork['parent_dir']}`) with {changed}; "
             "it shares no step with it."
         )
-    again = " ".join(["refiner fork", fork["parent_dir"], "NEW_RUN_DIR", f"--at {fork['at']}"])
-    again += "".join(f" --set {s}" for s in fork["settings"])
     note = f" {fork['note']}." if fork.get("note") else ""
-    return f"## Lineage\n\n{origin}{note} The same fork again:\n\n```bash\n{again}\n```"
+    return f"## Lineage\n\n{origin}{note} The same fork again:\n\n```bash\n{_fork_command(fork)}\n```"
+
+
+def _fork_command(fork: dict, extra: str = "") -> str:
+    again = " ".join(["refiner fork", fork["parent_dir"], "NEW_RUN_DIR", f"--at {fork['at']}"])
+    return again + "".join(f" --set {s}" for s in fork["settings"]) + extra
 
 
 def _setup_rows(recipe: dict, kind: str) -> list[tuple[str, str]]:
@@ -261,7 +264,7 @@ def _data_rows(recipe: dict, data: dict | None) -> list[tuple[str, str]]:
     return rows
 
 
-def _reproduce(recipe: dict, kind: str, step: int | None) -> str:
+def _reproduce(recipe: dict, kind: str, step: int | None, fork: dict | None = None) -> str:
     steps = f" --set grpo.steps={step}" if kind != "sft" and step else ""
     grpo = recipe["grpo"]
     if steps and grpo["lr_scheduler_type"] != "constant" and not grpo["lr_decay_steps"]:
@@ -274,11 +277,19 @@ def _reproduce(recipe: dict, kind: str, step: int | None) -> str:
         if kind == "grpo"
         else f"the new run's teacher of step {step} is this one"
     )
+    resolved = f"```yaml\n{yaml.safe_dump(recipe, sort_keys=False)}```"
+    if fork and fork["shares_steps"]:  # its steps before the fork step ran with the parent's recipe, not this one
+        return (
+            f"## Reproduce\n\nRun `{fork['run']}` is a fork: its steps before {fork['at']} ran with "
+            f"`{fork['parent_run']}`'s recipe, so the recipe below (the fork's own, from step {fork['at']} on) does "
+            f"not reproduce them alone. With `{fork['parent_dir']}` (or a run of its recipe that finished step "
+            f"{fork['at'] - 1}), fork it again:\n\n```bash\n{_fork_command(fork, steps)}\n```\n\n"
+            f"With the same seed, data and machine kind, {what}.\n\n{resolved}"
+        )
     return (
         f"## Reproduce\n\nSave the resolved recipe below (every setting of the run) as `recipe.yaml`, then"
         f"\n\n```bash\nrefiner run recipe.yaml{steps} --run-dir NEW_RUN_DIR\n```\n\n"
-        f"With the same seed, data and machine kind, {what}.\n\n"
-        f"```yaml\n{yaml.safe_dump(recipe, sort_keys=False)}```"
+        f"With the same seed, data and machine kind, {what}.\n\n{resolved}"
     )
 
 
