@@ -251,6 +251,27 @@ def test_the_same_command_resumes_a_fork_whose_parent_folder_is_gone(prefect_ser
     assert other.exit_code == 2 and "has no recipe.yaml: not a run folder" in other.output
 
 
+def test_a_fork_stays_whole_when_its_parent_that_pruned_its_early_checkpoints_is_deleted(
+    prefect_server, tiny_model_path, tmp_path
+):
+    """The parent (run.keep_last 2, 4 steps) pruned the checkpoints of steps 1 and 2 before the fork at 3 was made,
+    and the fork's updates 0 and 1 name them. Once the parent folder is gone the fork still knows them pruned on
+    purpose, so the same command recomputes nothing."""
+    import shutil
+
+    small = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12"]
+    parent, fork_dir = tmp_path / "p", tmp_path / "f"
+    _run(load_recipe(REPO / "recipes" / "tiny.yaml", [*small, "grpo.steps=4"]).to_dict(), parent)
+    assert sorted(step_checkpoints(parent / "checkpoints")) == [3, 4]
+    _fork(parent, fork_dir, 3, ["grpo.learning_rate=0.01"])
+    shutil.rmtree(parent)
+    for log in (fork_dir / "logs").iterdir():
+        log.unlink()
+    _fork(parent, fork_dir, 3, ["grpo.learning_rate=0.01"])
+    [log] = (fork_dir / "logs").iterdir()
+    assert "recomputing" not in log.read_text()
+
+
 def _fake_parent(folder: Path, finished: int, checkpoints: list[int]) -> Path:
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["grpo.steps=4"]).to_dict()
     recipe["model"]["precision"] = "fp32"

@@ -72,6 +72,15 @@ def pruned_paths(folder: Path) -> set[str]:
     return set(json.loads(path.read_text())) if path.exists() else set()
 
 
+def mark_pruned(folder: Path, path: Path) -> None:
+    """List `path` in `folder`'s pruned.json: a fork adopting a result whose checkpoint its parent had pruned holds
+    it as pruned too, whether or not the parent's folder stays."""
+    listed = pruned_paths(folder)
+    if str(path) not in listed:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        write_json(sorted(listed | {str(path)}), Path(folder) / PRUNED_LIST)
+
+
 def forget_pruned(folder: Path, path: Path) -> None:
     """A pruned checkpoint was written again (a recomputed update): it is no longer pruned."""
     listed = pruned_paths(folder)

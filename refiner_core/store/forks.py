@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from refiner_core.config import BEFORE_STEPS_FIELDS
-from refiner_core.store.checkpoints import pruned_paths
+from refiner_core.store.checkpoints import mark_pruned, pruned_paths
 from refiner_core.store.storage import write_json
 
 FORK_FILE = "fork.json"
@@ -136,8 +136,9 @@ def adopt(manifest: Any, run_dir: str) -> tuple[Any, list[str]]:
     """A stage result an ancestor computed, made the fork's: each path it names below an ancestor's folder is
     hard-linked to the same place below `run_dir` (the folder as the fork's manifests write it) and rebased there.
     Returns the manifest and the paths adopted (relative to the ancestor's folder). A path the ancestor no longer
-    holds names the fork's copy where an earlier run of the fork linked it (or pruned it since); other paths
-    that do not exist (a pruned checkpoint, weights never saved) or cannot be linked keep naming the ancestor's
+    holds names the fork's copy where an earlier run of the fork linked it (or pruned it since), and a checkpoint
+    the ancestor pruned names the fork's, listed pruned in the fork too (so it stays whole once the ancestor is
+    deleted); other paths that do not exist (weights never saved) or cannot be linked keep naming the ancestor's
     file."""
     folders = [folder for folder, _ in ancestors(run_dir)]
     adopted: list[str] = []
@@ -156,6 +157,9 @@ def adopt(manifest: Any, run_dir: str) -> tuple[Any, list[str]]:
                 # gone from the ancestor (pruned, deleted) but linked by an earlier run of the fork: the fork's
                 # copy (damaged_outputs still checks its hash), or the fork's since pruned by its own keep_last
                 gone = not source.exists() and (target.exists() or str(target) in pruned_paths(target.parent))
+                if not source.exists() and not gone and value in pruned_paths(source.parent):
+                    mark_pruned(target.parent, target)  # pruned by the ancestor: the fork's copy is, too
+                    gone = True
                 if link_into(source, target) or gone:
                     adopted.append(relative)
                     return run_dir.rstrip("/") + "/" + relative
