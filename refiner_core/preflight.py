@@ -80,8 +80,11 @@ def check_recipe(cfg: RecipeConfig) -> list[str]:
         ("data.weights_from", cfg.data.weights_from),
     ):
         for folder in folders:
-            catalog = resolve(folder) if folder.endswith(".duckdb") else resolve(folder) / "catalog.duckdb"
-            if not catalog.is_file():
+            from refiner_core.publish.run_sql import CatalogError, catalog_path
+
+            try:
+                catalog_path(resolve(folder))
+            except CatalogError:
                 problems.append(f"{where}: {_shown(folder)} holds no catalog.duckdb (a run that finished a step)")
     return problems
 

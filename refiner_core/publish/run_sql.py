@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from refiner_core.config import EvalConfig
 from refiner_core.publish.catalog import catalog_views
-from refiner_core.store.forks import read_fork
+from refiner_core.store.forks import Fork, read_fork
 
 # The oriented rubric score at which a judged answer passes, per run: its recipe's eval.pass_rubric_score (a session
 # variable mapping each run name to it, set by open_runs), the default for a catalog without its recipe beside it.
@@ -237,7 +237,7 @@ def copied_steps(dbs: list[Path]) -> list[dict]:
         if fork is None:
             continue
         dropped: set[int] = set()
-        for origin, lo, hi in _shared_segments(folder):
+        for origin, lo, hi in _shared_segments(folder, fork):
             steps = set(range(lo, hi))
             dropped |= steps if origin in folders else steps & claimed.get(origin, set())
             claimed.setdefault(origin, set()).update(steps)
@@ -245,10 +245,10 @@ def copied_steps(dbs: list[Path]) -> list[dict]:
     return copied
 
 
-def _shared_segments(folder: str) -> list[tuple[str, int, int]]:
-    """(ancestor folder, lo, hi): the steps [lo, hi) of the fork in `folder` that the ancestor computed (a fork of
-    a fork holds its grandparent's steps before the parent's own fork step)."""
-    bounds, seen, fork = [], {folder}, read_fork(folder)
+def _shared_segments(folder: str, fork: Fork | None) -> list[tuple[str, int, int]]:
+    """(ancestor folder, lo, hi): the steps [lo, hi) of the fork in `folder` (its record `fork`) that the ancestor
+    computed (a fork of a fork holds its grandparent's steps before the parent's own fork step)."""
+    bounds, seen = [], {folder}
     while fork is not None and fork.shares_steps and fork.parent_dir not in seen:
         parent = str(Path(fork.parent_dir).resolve())
         bounds.append((parent, min(fork.at, bounds[-1][1]) if bounds else fork.at))

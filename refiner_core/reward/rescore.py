@@ -166,6 +166,8 @@ def rescore_run(
     run_dir: Path, base: RecipeConfig, new: RecipeConfig, version: str | None = None
 ) -> tuple[str, list[StepRescore]]:
     """Write reward version `version` (default: derived from the settings) for every scored step."""
+    if version is not None and (problem := folder_name_problem(version, "--name")):
+        raise RescoreError(problem)
     steps = scored_steps(run_dir, base.grpo.steps)
     if not steps:
         raise RescoreError(f"{run_dir} has no scored step (no scores/step=*/reward_inputs.parquet)")
@@ -173,8 +175,6 @@ def rescore_run(
     without_claims = [s for s in steps if not read_step(score_files[s], "citation_claims")]
     pairs = sum(len(read_step(score_files[s], "judge_scores")) for s in steps)
     check_rescorable(base, new, pairs, without_claims)
-    if version is not None and (problem := folder_name_problem(version, "--name")):
-        raise RescoreError(problem)
     version = version or version_name(new)
     if version == "train":
         raise RescoreError("'train' is the version training used; choose another name")

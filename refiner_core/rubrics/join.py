@@ -61,9 +61,7 @@ def join_rubrics(
         if pid in invalid:
             continue
         rubrics = found.get(pid, [])
-        origin = source_of.get(pid)
-        ref = origin.row_ref if origin is not None else f"id {pid}"
-        raw_text = origin.raw if origin is not None else json.dumps(_prompt_view(prompt), default=str)
+        ref, raw_text = _source_row(pid, prompt, source_of)
         if not rubrics and prompt.get("ground_truth") is not None:
             out[pid] = []  # judged by its ground truth, not by rubrics (and not by the refiner's static set)
             continue
@@ -97,17 +95,18 @@ def _drop_lone_twins(
     lone = {pid for pid in out if (twin := by_id[pid].get("twin_id")) is not None and twin not in out}
     for pid in sorted(lone):
         twin = by_id[pid]["twin_id"]
-        origin, twin_origin = source_of.get(pid), source_of.get(twin)
-        twin_ref = twin_origin.row_ref if twin_origin is not None else f"id {twin}"
-        rejected.append(
-            Rejection(
-                origin.row_ref if origin is not None else f"id {pid}",
-                "unknown_twin",
-                f"twin_id {twin!r} was rejected here ({reasons.get(twin_ref, 'no rubrics')})",
-                origin.raw if origin is not None else json.dumps(_prompt_view(by_id[pid]), default=str),
-            )
-        )
+        ref, raw_text = _source_row(pid, by_id[pid], source_of)
+        why = reasons.get(_source_row(twin, by_id[twin], source_of)[0], "no rubrics")
+        rejected.append(Rejection(ref, "unknown_twin", f"twin_id {twin!r} was rejected here ({why})", raw_text))
     return {pid: rubrics for pid, rubrics in out.items() if pid not in lone}, rejected
+
+
+def _source_row(pid: str, prompt: dict, source_of: dict) -> tuple[str, str]:
+    """(row reference, raw text) a rejection of the prompt names: the row its rubrics came from, else the prompt."""
+    origin = source_of.get(pid)
+    if origin is not None:
+        return origin.row_ref, origin.raw
+    return f"id {pid}", json.dumps(_prompt_view(prompt), default=str)
 
 
 def _prompt_view(prompt: dict) -> dict:
