@@ -123,6 +123,19 @@ def test_pooling_is_explicit_and_names_repeated_prompts(runs):
     assert "p2 (pair 1)" in {c.column: c for c in pooled.columns}["passed"].fixed
 
 
+def test_pooled_pairs_each_name_the_prompts_one_side_left_out(runs, tmp_path):
+    """Every pair's one-sided prompts are counted and named, not only the first pair's: the second side of pair 2
+    evaluated 3 of A's 10 prompts."""
+    a, b = runs
+    c = _catalog(tmp_path / "c", [_row("c", 2, "grpo", p, True, False, 1.0, 40) for p in PROMPTS[:3]])
+    pooled = compare([(load_side(str(a)), load_side(str(b))), (load_side(str(a)), load_side(str(c)))], pool=True)
+    assert pooled.units == 9 + 3
+    assert pooled.only_a == ["p9 (pair 1)"] + [f"{p} (pair 2)" for p in PROMPTS[3:]]
+    assert pooled.only_b == ["q (pair 1)"]
+    shown = runner.invoke(app, ["compare", str(a), str(b), str(a), str(c), "--pool", "--resamples", "200"])
+    assert "left out (evaluated by one side only): 8 prompts of A, 1 of B" in shown.output, shown.output
+
+
 def test_cli_table_json_and_exit_codes(runs):
     a, b = runs
     shown = runner.invoke(app, ["compare", str(a), str(b), "--resamples", "500"])
@@ -158,6 +171,18 @@ def test_a_continuous_column_differs_only_when_its_exact_p_can_say_so(tmp_path, 
     shown = runner.invoke(app, ["compare", str(a), str(b), "--resamples", "500"])
     assert shown.exit_code == exit_code, shown.output
     assert f"sign-flip p = {p:.3g}" in shown.output and "an exact p needs 6 differing prompts" in shown.output
+
+
+def test_a_value_that_is_not_a_number_is_refused_by_name(runs, tmp_path):
+    """A NaN reward made the exact sign-flip p 0 and the comparison 'differ' (exit 1); now it is named, exit 2."""
+    a, _ = runs
+    rows = [_row("n", 2, "grpo", p, True, False, 1.0, 40) for p in PROMPTS]
+    rows[3]["reward"] = float("nan")
+    n = _catalog(tmp_path / "n", rows)
+    with pytest.raises(CompareError, match="evals column reward of prompt p3 is not a finite number"):
+        compare([(load_side(str(a)), load_side(str(n)))])
+    shown = runner.invoke(app, ["compare", str(a), str(n)])
+    assert shown.exit_code == 2 and "reward of prompt p3" in shown.output, shown.output
 
 
 def test_every_boolean_column_compared_is_tested_as_binary():

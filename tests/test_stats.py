@@ -5,6 +5,8 @@ hand-computed cases."""
 
 from __future__ import annotations
 
+import math
+
 from fractions import Fraction
 from itertools import product
 from math import comb, sqrt
@@ -105,6 +107,15 @@ def test_sign_flip_p_enumerates_at_most_16_differing_pairs():
     assert sign_flip_p([0.0] * 17, [1.0] * 17) is None
     with pytest.raises(ValueError):
         sign_flip_p([1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_value_that_is_not_a_number_has_no_p_nor_interval(bad):
+    """A NaN difference fell out of the nonzero ones' sums and made p 0 (every pattern 'less extreme' than NaN)."""
+    with pytest.raises(ValueError, match="pair 0 is not"):
+        sign_flip_p([0.0, 0.0, 0.0], [bad, 0.0, 0.0])
+    with pytest.raises(ValueError, match="pair 1 is not"):
+        paired_bootstrap_ci([0.0, bad], [1.0, 1.0], resamples=10)
 
 
 def test_fewest_pairs_an_exact_p_needs():

@@ -63,6 +63,16 @@ def discordant(a: Sequence[bool], b: Sequence[bool]) -> Discordant:
     )
 
 
+def _differences(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
+    """b - a pair by pair in float64; a NaN or infinite value has no difference to test, so it is refused."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need equal lengths; got {len(a)} and {len(b)}")
+    diff = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    if not np.isfinite(diff).all():
+        raise ValueError(f"paired values must be finite; pair {int(np.argmin(np.isfinite(diff)))} is not")
+    return diff
+
+
 EXACT_SIGN_FLIP_PAIRS = 16  # the most differing pairs sign_flip_p enumerates: 2^16 sign patterns
 
 
@@ -71,9 +81,7 @@ def sign_flip_p(a: Sequence[float], b: Sequence[float]) -> float | None:
     likely negated, so p is the share of the 2^m sign patterns of the m nonzero differences whose sum is at least as
     far from 0 as the observed one. At least 2 / 2^m: with few differing pairs no p is small (1 for one pair).
     None when m > EXACT_SIGN_FLIP_PAIRS (too many patterns to enumerate)."""
-    if len(a) != len(b):
-        raise ValueError(f"paired values need equal lengths; got {len(a)} and {len(b)}")
-    diff = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    diff = _differences(a, b)
     diff = diff[diff != 0]
     m = len(diff)
     if m > EXACT_SIGN_FLIP_PAIRS:
@@ -120,13 +128,11 @@ def paired_bootstrap_ci(
     one integers() draw of shape (resamples, n) per stratum, strata in order of first appearance), so a pair's
     two values always move together. With `strata` each resample draws as many pairs from every stratum as it
     holds (pooled seeds keep their sizes)."""
-    if len(a) != len(b):
-        raise ValueError(f"paired values need equal lengths; got {len(a)} and {len(b)}")
-    if not a:
+    diff = _differences(a, b)
+    if not len(diff):
         raise ValueError("the bootstrap needs at least one pair")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1); got {level}")
-    diff = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
     labels = list(strata) if strata is not None else [0] * len(diff)
     if len(labels) != len(diff):
         raise ValueError(f"strata need one label per pair; got {len(labels)} for {len(diff)} pairs")

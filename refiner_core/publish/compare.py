@@ -13,6 +13,7 @@ within each pair, and prompts that several pairs evaluated are named, since thei
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -182,7 +183,7 @@ class Comparison:
     units: int  # paired (pair, prompt) evaluations
     pooled: bool
     repeated_prompts: dict[str, int]  # prompt -> pairs that evaluated it (pooled only; > 1)
-    only_a: list[str]  # prompts only side A evaluated (first pair)
+    only_a: list[str]  # prompts only side A evaluated ("ID (pair N)" when pooled)
     only_b: list[str]
     alpha: float
     level: float
@@ -203,13 +204,15 @@ class Comparison:
         return {**asdict(self), "differs": self.differs}
 
 
-def _value(rows: list[dict], column: str) -> float | None:
+def _value(side: Side, prompt_id: str, column: str) -> float | None:
     """A prompt's value of `column`: its one greedy answer's, or the mean over its sampled answers (None when no
-    answer has one)."""
-    values = [r[column] for r in rows if r.get(column) is not None]
+    answer has one). A NaN or infinite value is refused: no test can say how it changed."""
+    values = [float(r[column]) for r in side.rows[prompt_id] if r.get(column) is not None]
     if not values:
         return None
-    return sum(float(v) for v in values) / len(values)
+    if not all(math.isfinite(v) for v in values):
+        raise CompareError(f"{side.spec}: evals column {column} of prompt {prompt_id} is not a finite number")
+    return sum(values) / len(values)
 
 
 def compare(
@@ -231,6 +234,7 @@ def compare(
         raise CompareError("every side must be compared in the same mode")
     units: list[tuple[int, str]] = []
     different_prompts: list[str] = []
+    only: dict[str, list[str]] = {"a": [], "b": []}
     for index, (a, b) in enumerate(pairs):
         shared, differ = shared_prompts(a, b)
         if not shared:
@@ -241,7 +245,9 @@ def compare(
             )
             raise CompareError(f"{a.spec} and {b.spec} share no evaluated prompt ({why})")
         units += [(index, p) for p in shared]
-        different_prompts += differ if len(pairs) == 1 else [f"{p} (pair {index + 1})" for p in differ]
+        different_prompts += _in_pair(differ, index, len(pairs))
+        only["a"] += _in_pair(set(a.rows) - set(b.rows), index, len(pairs))
+        only["b"] += _in_pair(set(b.rows) - set(a.rows), index, len(pairs))
     per_prompt: dict[str, int] = {}
     for _, prompt in units:
         per_prompt[prompt] = per_prompt.get(prompt, 0) + 1
@@ -252,7 +258,7 @@ def compare(
         a_values, b_values, kept = [], [], []
         for unit in units:
             a_side, b_side = pairs[unit[0]]
-            x, y = _value(a_side.rows[unit[1]], column), _value(b_side.rows[unit[1]], column)
+            x, y = _value(a_side, unit[1], column), _value(b_side, unit[1], column)
             if x is not None and y is not None:
                 a_values.append(x)
                 b_values.append(y)
@@ -294,8 +300,8 @@ def compare(
         units=len(units),
         pooled=len(pairs) > 1,
         repeated_prompts={p: n for p, n in sorted(per_prompt.items()) if n > 1},
-        only_a=sorted(set(first_a.rows) - set(first_b.rows)),
-        only_b=sorted(set(first_b.rows) - set(first_a.rows)),
+        only_a=only["a"],
+        only_b=only["b"],
         alpha=alpha,
         level=level,
         resamples=resamples,
@@ -304,6 +310,11 @@ def compare(
         different_settings=different,
         different_prompts=different_prompts,
     )
+
+
+def _in_pair(prompt_ids, index: int, pairs: int) -> list[str]:
+    """Prompt IDs as a report names them: with their pair's number when several pairs are pooled."""
+    return sorted(prompt_ids) if pairs == 1 else [f"{p} (pair {index + 1})" for p in sorted(prompt_ids)]
 
 
 def _setting(side: Side, column: str) -> set:
