@@ -565,9 +565,12 @@ def judge_agreement(
         return
     overall = next(a for a in check.agreement if a["rubric_group"] == ALL) if check.agreement else None
     usable, failed = (overall["pairs"], overall["failed"]) if overall else (0, 0)
+    # stored judgments the run's own judge failed (NULL) that the other side scored: no pair either
+    run_failed = check.pairs - usable - failed
     typer.echo(
         f"check {check.name}: {usable} of {check.pairs} (rollout, rubric) pairs of {check.rollouts} rollouts judged by "
-        f"both ({failed} got no score from {check.other})"
+        f"both ({failed} got no score from {check.other}"
+        + (f", {run_failed} none from the run's judge)" if run_failed else ")")
     )
     number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     columns = [

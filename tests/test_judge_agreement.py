@@ -19,7 +19,7 @@ from fault_server import LoopbackServer
 from flows.cli import app
 from refiner_core.config import load_recipe
 from refiner_core.publish.catalog import build_catalog
-from refiner_core.publish.judge_agreement import AgreementError, check_judge
+from refiner_core.publish.judge_agreement import AgreementError, check_judge, read_labels
 from refiner_core.schema import ALL_TABLES
 from refiner_core.store.storage import write_table
 
@@ -87,7 +87,10 @@ def _table(name: str, rows: list[dict], folder: Path) -> Path:
 
 @pytest.fixture
 def judged_run(tmp_path):
-    run_dir = tmp_path / "run"
+    return _judged_run(tmp_path / "run", STORED)
+
+
+def _judged_run(run_dir: Path, stored: list[list[float | None]]) -> Path:
     (run_dir / "src").mkdir(parents=True)
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml").to_dict()
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
@@ -144,7 +147,7 @@ def judged_run(tmp_path):
         "judge_scores": _table(
             "judge_scores",
             [
-                {**key, "sample_idx": i, "rubric_id": rid, "kind": kind, "oriented_score": STORED[i][j]}
+                {**key, "sample_idx": i, "rubric_id": rid, "kind": kind, "oriented_score": stored[i][j]}
                 for i in range(4)
                 for j, (rid, kind, _, _) in enumerate(RUBRICS)
             ],
@@ -220,6 +223,61 @@ def test_labels_file_and_its_errors(judged_run, tmp_path):
     spaced = tmp_path / "my labels (v2).csv"
     spaced.write_text(labels.read_text())
     assert check_judge(judged_run, labels=spaced).name == "labels-my-labels-v2"
+
+
+@pytest.mark.parametrize(
+    ("passed", "why"),
+    [("", "passed '' is no verdict"), ("n/a", "passed 'n/a' is no verdict"), (None, "passed None is no verdict")],
+)
+def test_a_label_without_a_verdict_is_refused_not_read_as_a_fail(tmp_path, passed, why):
+    """A blank cell, null or an unknown word was read as passed = false: a label not yet given counted as a fail."""
+    record = {"step": 0, "prompt_id": "q1", "sample_idx": 0, "rubric_id": "pos-0", "passed": passed}
+    jsonl = tmp_path / "labels.jsonl"
+    jsonl.write_text(json.dumps({**record, "passed": True}) + "\n" + json.dumps({**record, "sample_idx": 1}) + "\n")
+    with pytest.raises(AgreementError, match=f"record 2: .*{re.escape(why)}"):
+        read_labels(jsonl)
+    if passed is not None:
+        csv_file = tmp_path / "labels.csv"
+        csv_file.write_text(f"step,prompt_id,sample_idx,rubric_id,passed\n0,q1,0,pos-0,{passed}\n")
+        with pytest.raises(AgreementError, match=f"record 1: .*{re.escape(why)}"):
+            read_labels(csv_file)
+
+
+def test_labels_read_common_spellings_a_byte_order_mark_and_refuse_a_second_label(tmp_path):
+    words = ["pass", "FAIL", "y", "n", "t", "f", "Yes", "0", "1", "passed"]
+    labels = tmp_path / "labels.csv"
+    rows = "".join(f"0,q1,{i},pos-0,{w}\n" for i, w in enumerate(words))
+    labels.write_bytes("\ufeffstep,prompt_id,sample_idx,rubric_id,passed\n".encode() + rows.encode())  # Excel's CSV
+    assert [read_labels(labels)[(0, "q1", i, "pos-0")][0] for i in range(len(words))] == [
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+        1.0,
+    ]
+    labels.write_text("step,prompt_id,sample_idx,rubric_id,score\n0,q1,0,pos-0,1\n0,q1,1,pos-0,0\n0,q1,0,pos-0,0\n")
+    with pytest.raises(AgreementError, match=r"record 3: labels the same judgment as record 1"):
+        read_labels(labels)
+
+
+def test_pairs_the_runs_own_judge_failed_are_counted(tmp_path):
+    """Stored judgments the run's judge failed (NULL) have no pair; the headline said only the other side's."""
+    stored = [[0.9, None, 0.2], [0.7, 0.6, 0.6], [None, 0.6, 0.3], [0.4, 0.5, 0.9]]
+    run = _judged_run(tmp_path / "run", stored)
+    labels = tmp_path / "labels.csv"
+    labels.write_text(
+        "step,prompt_id,sample_idx,rubric_id,passed\n"
+        + "".join(f"0,q1,{i},{rid},{i < 2}\n" for i in range(4) for rid, *_ in RUBRICS)
+    )
+    shown = runner.invoke(app, ["judge", "agreement", str(run), "--labels", str(labels)])
+    assert shown.exit_code == 0, shown.output
+    assert "10 of 12 (rollout, rubric) pairs of 4 rollouts judged by both (0 got no score from labels" in shown.output
+    assert "2 none from the run's judge" in shown.output
 
 
 def test_a_judge_that_scores_nothing_is_no_agreement(judged_run, tmp_path):

@@ -50,11 +50,27 @@ def _stored(db: Path) -> list[dict]:
     return [dict(zip(columns, r)) for r in rows]
 
 
+PASS_WORDS = {"1", "true", "t", "yes", "y", "pass", "passed"}
+FAIL_WORDS = {"0", "false", "f", "no", "n", "fail", "failed"}
+
+
+def _verdict(passed) -> bool:
+    """A label's `passed`: true/false, 1/0 or one of PASS_WORDS / FAIL_WORDS (any case). Anything else, a blank cell
+    or null among them, is no verdict and refused, never read as a fail."""
+    if isinstance(passed, bool) or (isinstance(passed, int | float) and passed in (0, 1)):
+        return bool(passed)
+    word = passed.strip().lower() if isinstance(passed, str) else None
+    if word in PASS_WORDS | FAIL_WORDS:
+        return word in PASS_WORDS
+    raise ValueError(f"passed {passed!r} is no verdict: give true/false, yes/no, pass/fail or 1/0")
+
+
 def read_labels(path: Path) -> dict[tuple, tuple[float | None, str | None]]:
     """(step, prompt_id, sample_idx, rubric_id) -> (oriented score, None) from a JSONL or CSV labels file; a label
-    with `passed` only scores 1.0 or 0.0."""
+    with `passed` only scores 1.0 or 0.0. A record without a usable score or verdict, or a second label of the same
+    judgment, is refused with its record number."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a spreadsheet's CSV export may start with a byte-order mark
     except OSError as e:
         raise AgreementError(f"--labels {path}: {e}") from None
     if path.suffix == ".csv":
@@ -64,22 +80,23 @@ def read_labels(path: Path) -> dict[tuple, tuple[float | None, str | None]]:
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as e:
             raise AgreementError(f"--labels {path}: not JSON lines ({e})") from None
-    labels = {}
+    labels, first = {}, {}
     for n, record in enumerate(records, 1):
         try:
             key = (int(record["step"]), str(record["prompt_id"]), int(record["sample_idx"]), str(record["rubric_id"]))
             score = record.get("score")
-            if score in (None, ""):
-                passed = record["passed"]
-                passed = passed.strip().lower() in ("1", "true", "yes") if isinstance(passed, str) else bool(passed)
-                score = 1.0 if passed else 0.0
+            if score is None or (isinstance(score, str) and not score.strip()):
+                score = 1.0 if _verdict(record.get("passed")) else 0.0
             score = float(score)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise AgreementError(
                 f"--labels {path} record {n}: needs step, prompt_id, sample_idx, rubric_id and passed or score ({e})"
             ) from None
         if not 0.0 <= score <= 1.0:
             raise AgreementError(f"--labels {path} record {n}: score {score} is not an oriented score in [0, 1]")
+        if key in first:
+            raise AgreementError(f"--labels {path} record {n}: labels the same judgment as record {first[key]} {key}")
+        first[key] = n
         labels[key] = (score, None)
     return labels
 
