@@ -489,7 +489,13 @@ def publish_step(run: RunContext, state: StepState, step: int, step_manifests: l
     run.manifests += step_manifests
     publish_catalog(run_dir=run.dir, manifests=run.manifests, judge_price=judge_price(run))
     publish_step_artifacts(run.dir, run.name, step)
-    events = check_monitors(run_dir=run.dir, run=run.name, step=step, monitors_cfg=run.inputs.monitors)
+    events = check_monitors(
+        run_dir=run.dir,
+        run=run.name,
+        step=step,
+        monitors_cfg=run.inputs.monitors,
+        inherited=run.recipe_of(step) is not run.own,
+    )
     act_on_monitors(run.dir, step, events, cfg.monitors.pause_timeout_seconds)  # pause or fail, as configured
     get_run_logger().info(
         "step %d done: %s",

@@ -841,7 +841,8 @@ MONITOR_EVENTS = Table(
             "outcome",
             S,
             "'warned'; 'resumed' (the run paused and was resumed); 'failed' (it failed the run: a run of the folder "
-            "after it goes on past this event); NULL while a pause waits.",
+            "after it goes on past this event); 'inherited' (a pause or fail at a step a fork shares with its parent, "
+            "which the parent ran: not acted on again); NULL while a pause waits.",
         ),
         _c("detail", S, "The figures behind the value, in words."),
         _c("created_at", TS, "When the check ran."),

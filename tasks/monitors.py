@@ -3,7 +3,8 @@ monitor_events rows (RUN_DIR/monitors/step=N/monitor_events.parquet, also added 
 line each and a Prefect artifact; the flow then acts on them (`act_on_monitors`: pause or fail).
 
 An event already acted on in an earlier run of the folder (paused and resumed, or failed) is not acted on again:
-running a run again after a monitor failed it goes on past that step."""
+running a run again after a monitor failed it goes on past that step. Nor is one at a step a fork shares with its
+parent (outcome 'inherited'): the parent ran that step, and acted on it or went on past it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from refiner_core.store.storage import read_rows, replace_rows, write_table
 from tasks.artifacts import artifact_key
 
 ACTED = ("resumed", "failed")  # outcomes of an event that was acted on: not again
+INHERITED = "inherited"  # a pause or fail at a step a fork runs as its parent ran it: not acted on in the fork
 PAUSE_POLL_SECONDS = 5
 
 
@@ -33,9 +35,10 @@ def events_path(run_dir: str, step: int) -> Path:
 
 
 @task(name="check-monitors", cache_policy=None, persist_result=False, retries=1)
-def check_monitors(*, run_dir: str, run: str, step: int, monitors_cfg: dict) -> list[dict]:
+def check_monitors(*, run_dir: str, run: str, step: int, monitors_cfg: dict, inherited: bool = False) -> list[dict]:
     """The monitors that tripped at `step`, as monitor_events rows (written, added to the catalog, logged and shown
-    as an artifact). Not cached: it reads the catalog just published."""
+    as an artifact). `inherited`: the step is a fork's parent's, whose pauses and fails are not acted on again. Not
+    cached: it reads the catalog just published."""
     log = get_run_logger()
     path = events_path(run_dir, step)
     earlier = {r["monitor"]: r for r in read_rows(path)} if path.is_file() else {}
@@ -48,7 +51,7 @@ def check_monitors(*, run_dir: str, run: str, step: int, monitors_cfg: dict) -> 
             "value": e.value,
             "threshold": e.threshold,
             "action": e.action,
-            "outcome": _outcome(e.action, earlier.get(e.monitor)),
+            "outcome": _outcome(e.action, earlier.get(e.monitor), inherited),
             "detail": e.detail,
             "created_at": now,
         }
@@ -71,15 +74,21 @@ def check_monitors(*, run_dir: str, run: str, step: int, monitors_cfg: dict) -> 
     return rows
 
 
-def _outcome(action: str, earlier: dict | None) -> str | None:
-    """'warned', or what an earlier run of the folder did about the same event; None: still to be acted on."""
+def _outcome(action: str, earlier: dict | None, inherited: bool) -> str | None:
+    """'warned', 'inherited', or what an earlier run of the folder did about the same event; None: still to be acted
+    on."""
     if earlier is not None and earlier["outcome"] in ACTED:
         return earlier["outcome"]
-    return "warned" if action == "warn" else None
+    if action == "warn":
+        return "warned"
+    return INHERITED if inherited else None
 
 
 def event_line(row: dict) -> str:
-    acted = f" (already {row['outcome']} in an earlier run)" if row["outcome"] in ACTED else ""
+    if row["outcome"] == INHERITED:
+        acted = " (a step the fork shares with its parent: not acted on again)"
+    else:
+        acted = f" (already {row['outcome']} in an earlier run)" if row["outcome"] in ACTED else ""
     return (
         f"monitor {row['monitor']} tripped at step {row['step']}: {row['value']:.3g} >= {row['threshold']:g} "
         f"({row['detail']}); action {row['action']}{acted}"
@@ -107,7 +116,7 @@ def act_on_monitors(run_dir: str, step: int, rows: list[dict], pause_timeout: fl
     from prefect.runtime import flow_run
 
     log = get_run_logger()
-    todo = [r for r in rows if r["outcome"] not in ACTED]
+    todo = [r for r in rows if r["outcome"] not in (*ACTED, INHERITED)]
     for row in (r for r in todo if r["action"] == "pause"):
         api = _api_url()
         log.warning(

@@ -205,6 +205,28 @@ def test_the_same_command_resumes_a_fork_after_its_parent_pruned_the_fork_step(
         plan_fork(parent, tmp_path / "g", 1, fork_settings)
 
 
+def test_a_fork_does_not_act_again_on_a_monitor_its_parent_failed_at(prefect_server, tiny_model_path, tmp_path):
+    """The parent's kl_jump (action fail) tripped at step 1, failed it, and the run went on past it. A fork at 2 runs
+    step 1 as the parent ran it: it records the event as the parent's (outcome 'inherited') and goes on; it failed
+    there again."""
+    from flows.refiner import refiner_pipeline
+
+    small = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12"]
+    monitor = ["monitors.kl_jump=0.1", "monitors.kl_jump_action=fail"]  # step 1's figure is about 0.36
+    parent = tmp_path / "p"
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", [*small, *monitor, "grpo.steps=2"]).to_dict()
+    failed = refiner_pipeline(recipe=recipe, run_dir=str(parent), return_state=True)
+    assert failed.is_failed() and "monitor kl_jump tripped at step 1" in failed.message, failed.message
+    _run(recipe, parent)  # goes on past the event it acted on
+    _fork(parent, tmp_path / "f", 2, ["grpo.steps=3", "monitors.kl_jump_action=warn"])  # its own step 2 warns
+    events = duckdb.connect(str(tmp_path / "f" / "catalog.duckdb"), read_only=True)
+    try:
+        outcome = events.execute("SELECT outcome FROM monitor_events WHERE step = 1 AND monitor = 'kl_jump'").fetchall()
+    finally:
+        events.close()
+    assert outcome == [("inherited",)]
+
+
 def test_the_same_command_resumes_a_fork_that_pruned_its_fork_step_as_its_parent_did(
     prefect_server, tiny_model_path, tmp_path
 ):
