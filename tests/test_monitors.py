@@ -4,6 +4,7 @@ through the API (as the UI and `prefect flow-run resume` do), a 'fail' fails it,
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import asdict
@@ -192,6 +193,59 @@ def test_part_dominance_needs_a_second_part_that_really_varies_and_citation_drif
     rubric_var, distractor_var = 10**2 * 0.0125, 0.0625  # population variances of 10 x score and of the term
     assert figures[("part_dominance", 2)] == pytest.approx(rubric_var / (rubric_var + distractor_var))
     assert figures[("citation_drift", 1)] == pytest.approx(3.0)
+
+
+def test_entropy_and_repetition_read_the_sampled_tokens_not_an_agents_tool_results(tmp_path):
+    """Each step samples 8 distinct tokens at -2 nats; step 1's rollouts also hold 40 inserted tool-result tokens
+    (log-prob 0, one token repeated, response_mask false). Counted as sampled they read as entropy 2 -> 0.33 nats
+    (a collapse of 0.83 that trips) and 33 repeated 4-grams; the policy's own tokens are unchanged: 0 and 0."""
+    rows = []
+    for step, inserted in ((0, 0), (1, 40)):
+        for i in range(4):
+            sampled = list(range(10 + i, 18 + i))
+            rollout, reward = _rollout(step, i, 5.0 + i, sampled[:4] + [7] * inserted + sampled[4:], -2.0)
+            rollout["response_logprobs"] = [-2.0] * 4 + [0.0] * inserted + [-2.0] * 4
+            rollout["response_mask"] = [True] * 4 + [False] * inserted + [True] * 4
+            rows.append((rollout, reward))
+    folder = _catalog(
+        tmp_path,
+        {
+            "rollouts": [r for r, _ in rows],
+            "rewards": [w for _, w in rows],
+            "steps": [{"run": RUN, "step": 0}, {"run": RUN, "step": 1}],
+        },
+    )
+    figures = _figures(folder)
+    assert figures[("entropy_collapse", 1)] == pytest.approx(0.0, abs=1e-12)
+    assert figures[("repetition", 1)] == 0.0
+    assert tripped(folder / "catalog.duckdb", 1, MonitorsConfig()) == []
+
+
+def test_a_nan_figure_never_trips_and_a_nan_kl_is_no_largest_one(tmp_path):
+    """DuckDB orders NaN above every number: a NaN KL at step 2 stayed the 'largest earlier KL', so every later step
+    read kl_jump NaN, and a NaN figure passed `value >= threshold` (here heldout_gap from a NaN held-out reward)."""
+    rows = [_rollout(step, i, float(i + step), [1, 2, 3, 4], -1.0) for step in range(5) for i in range(4)]
+    kls = [0.0, 0.02, float("nan"), 0.02, 0.03]
+    evals = [
+        {"run": RUN, "step": step, "phase": phase, "mode": "greedy", "prompt_id": "h", "sample_idx": 0, "reward": r}
+        for step, phase, r in ((0, "base", 0.0), (2, "grpo", float("nan")))
+    ]
+    folder = _catalog(
+        tmp_path,
+        {
+            "rollouts": [r for r, _ in rows],
+            "rewards": [w for _, w in rows],
+            "steps": [{"run": RUN, "step": s, "kl": kl} for s, kl in enumerate(kls)],
+            "evals": evals,
+        },
+    )
+    figures = _figures(folder)
+    assert figures[("kl_jump", 3)] == pytest.approx(0.02 / 0.02) and figures[("kl_jump", 4)] == pytest.approx(
+        0.03 / 0.02
+    )
+    assert ("kl_jump", 2) not in figures
+    assert math.isnan(figures[("heldout_gap", 1)])
+    assert [e.monitor for e in tripped(folder / "catalog.duckdb", 1, MonitorsConfig(heldout_gap=0.5))] == []
 
 
 _FLOW_RUNS: list = []

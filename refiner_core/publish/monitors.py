@@ -4,7 +4,7 @@ check's action (monitors.<name>_action: warn, pause or fail; the flow acts on it
 
 The figures compare a step with the run's first step (its baseline) unless said otherwise. A figure is NULL (no
 verdict, never trips) where it has no unit to be measured in: verified_flat and heldout_gap when the first step's
-rewards were all equal (reward std below 1e-6).
+rewards were all equal (reward std below 1e-6). A NaN figure never trips either; kl_jump skips a step whose KL is NaN.
 
 - verified_drop: the largest fall of a verifiable part (a share checked against the data, not the judge: format
   valid, citation IDs valid, supporting snippets cited, no distractor cited, verified correct) while the reward
@@ -20,6 +20,7 @@ rewards were all equal (reward std below 1e-6).
 - repetition: the mean share of repeated token 4-grams in the step's responses (0: none repeats).
 - entropy_collapse: 1 - the step's mean sampled-token entropy estimate (-log p of each sampled token) over the
   first step's: the policy stopped exploring.
+  Both read only the tokens the policy sampled (response_mask), not the tool results an agent loop inserted.
 - kl_jump: the step's KL to the reference over the largest of the earlier steps' (at least 0.01): a sudden move
   (none at the first step: its KL is where the reference starts).
 
@@ -39,8 +40,11 @@ from refiner_core.config import MonitorsConfig
 # repetition and sampled-token entropy (rollouts), KL (steps).
 STEP_FIGURES = """
 WITH r AS (
-  SELECT r.*, o.response_token_ids, o.response_logprobs
-  FROM rewards r LEFT JOIN rollouts o USING (run, step, prompt_id, sample_idx)  -- tokens: repetition, entropy
+  -- tokens for repetition and entropy: the sampled ones, not what the agent loop inserted (tool results, framing)
+  SELECT r.*,
+         list_filter(o.response_token_ids, lambda x, i: coalesce(o.response_mask[i], true)) AS sampled_ids,
+         list_filter(o.response_logprobs, lambda x, i: coalesce(o.response_mask[i], true)) AS sampled_logprobs
+  FROM rewards r LEFT JOIN rollouts o USING (run, step, prompt_id, sample_idx)
   WHERE r.reward_version = 'train'
 ), per_rollout AS (
   SELECT *,
@@ -49,11 +53,10 @@ WITH r AS (
          verification_reward * (CASE WHEN gated OR verifier <> 'judge' THEN 0 ELSE citation_weight * citation_score
                                 END) AS citation_part,
          format_weight * format_score AS format_part,
-         CASE WHEN len(response_token_ids) < 4 THEN 0.0 ELSE
-           1 - len(list_distinct(list_transform(range(1, len(response_token_ids) - 2),
-                                                lambda i: response_token_ids[i:i + 3])))
-               / (len(response_token_ids) - 3) END AS repeated_4grams,
-         -list_sum(response_logprobs) AS surprisal, len(response_logprobs) AS sampled_tokens
+         CASE WHEN len(sampled_ids) < 4 THEN 0.0 ELSE
+           1 - len(list_distinct(list_transform(range(1, len(sampled_ids) - 2), lambda i: sampled_ids[i:i + 3])))
+               / (len(sampled_ids) - 3) END AS repeated_4grams,
+         -list_sum(sampled_logprobs) AS surprisal, len(sampled_logprobs) AS sampled_tokens
   FROM r
 )
 SELECT run, step,
@@ -178,7 +181,7 @@ SELECT run, step,
        -- the first step has nothing before it to jump from (its KL is how far the reference starts, model.reference)
        CASE WHEN count(kl) OVER earlier > 0 THEN kl / greatest(max(kl) OVER earlier, 0.01) END AS value,
        printf('KL %.4f after at most %.4f before', kl, coalesce(max(kl) OVER earlier, 0)) AS detail
-FROM steps WHERE kl IS NOT NULL
+FROM steps WHERE kl IS NOT NULL AND NOT isnan(kl)  -- a NaN KL would stay the largest earlier one for good
 WINDOW earlier AS (PARTITION BY run ORDER BY step ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
 """,
 }
@@ -229,7 +232,9 @@ def tripped(db: Path | str, step: int, settings: MonitorsConfig) -> list[Monitor
     try:
         for name, (threshold, action) in thresholds(settings).items():
             rows = con.execute(
-                f"SELECT run, step, value, detail FROM monitor_{name} WHERE step = ? AND value >= ? ORDER BY run",
+                # DuckDB orders NaN above every number: a NaN figure, as a NULL one, is no verdict
+                f"SELECT run, step, value, detail FROM monitor_{name} WHERE step = ? AND value >= ? AND NOT "
+                "isnan(value) ORDER BY run",
                 [step, threshold],
             ).fetchall()
             events += [
