@@ -195,6 +195,36 @@ def test_part_dominance_needs_a_second_part_that_really_varies_and_citation_drif
     assert figures[("citation_drift", 1)] == pytest.approx(3.0)
 
 
+def test_part_dominance_counts_a_verifiers_part_and_a_non_stop_penalty_as_the_reward_does(tmp_path):
+    """Step 1, a verified prompt: the verifier's score (1, 0, 1, 0) carries 0.25 of variance, format (0.2 x 1, 0, 1,
+    0) 0.01: it read 0 ('format holds 100%', the verifier part missing). Step 2, judged: rollout 3 stopped short
+    and its reward is the non-stop penalty -1 alone, so its rubric (10 x 0.5), citation (2) and format (1) parts are
+    0 there: variances 25, 4 and 1 times 3/16, and 3/16 for the penalty; it read 0 (every part constant)."""
+    rows = [_rollout(0, i, 8.0, [1, 2, 3], -1.0, rubric_score=0.5) for i in range(4)]
+    for i, (correct, formatted) in enumerate(((1.0, 1.0), (0.0, 0.0), (1.0, 1.0), (0.0, 0.0))):
+        rows.append(
+            _rollout(1, i, correct + 0.2 * formatted, [1, 2, 3], -1.0, verifier="math", verifier_score=correct,
+                     verification_reward=1.0, format_weight=0.2, format_score=formatted)
+        )  # fmt: skip
+    for i in range(4):
+        stopped = i < 3
+        rows.append(
+            _rollout(2, i, 8.0 if stopped else -1.0, [1, 2, 3], -1.0, rubric_score=0.5,
+                     non_stop_penalized=not stopped, non_stop_penalty_value=-1.0)
+        )  # fmt: skip
+    folder = _catalog(
+        tmp_path,
+        {
+            "rollouts": [r for r, _ in rows],
+            "rewards": [w for _, w in rows],
+            "steps": [{"run": RUN, "step": s} for s in range(3)],
+        },
+    )
+    figures = _figures(folder)
+    assert figures[("part_dominance", 1)] == pytest.approx(0.25 / (0.25 + 0.01))
+    assert figures[("part_dominance", 2)] == pytest.approx(25 / (25 + 4 + 1 + 1))
+
+
 def test_entropy_and_repetition_read_the_sampled_tokens_not_an_agents_tool_results(tmp_path):
     """Each step samples 8 distinct tokens at -2 nats; step 1's rollouts also hold 40 inserted tool-result tokens
     (log-prob 0, one token repeated, response_mask false). Counted as sampled they read as entropy 2 -> 0.33 nats

@@ -14,7 +14,8 @@ rewards were all equal (reward std below 1e-6). A NaN figure never trips either;
 - heldout_gap: at an evaluated step, how far the training reward rose beyond the held-out reward (greedy answers
   to held-out prompts, same reward code), in units of the first step's reward std.
 - part_dominance: the largest share one reward part has of the summed variances of the parts (rubric, citation,
-  format, distractor, recall, overlong), when at least two of them vary: the reward's signal comes from one part.
+  verifier, format, distractor, recall, overlong, non-stop penalty: compose.reward_parts), when at least two of them
+  vary: the reward's signal comes from one part.
 - length_drift, citation_drift: the relative change of the mean response length (tokens) / citations per
   answer while the reward rose: the reward is being earned by writing more or less.
 - repetition: the mean share of repeated token 4-grams in the step's responses (0: none repeats).
@@ -47,12 +48,20 @@ WITH r AS (
   FROM rewards r LEFT JOIN rollouts o USING (run, step, prompt_id, sample_idx)
   WHERE r.reward_version = 'train'
 ), per_rollout AS (
+  -- the reward's parts as reward_parts (refiner_core/reward/compose.py) writes it out: a non-stop penalty replaces
+  -- every other part, a gate zeroes the judged ones, a verified prompt's part is its verifier's score
   SELECT *,
-         verification_reward * (CASE WHEN gated OR verifier <> 'judge' THEN 0 ELSE rubric_weight * rubric_score END)
-           AS rubric_part,
-         verification_reward * (CASE WHEN gated OR verifier <> 'judge' THEN 0 ELSE citation_weight * citation_score
-                                END) AS citation_part,
-         format_weight * format_score AS format_part,
+         CASE WHEN non_stop_penalized OR gated OR verifier <> 'judge' THEN 0.0
+              ELSE verification_reward * rubric_weight * rubric_score END AS rubric_part,
+         CASE WHEN non_stop_penalized OR gated OR verifier <> 'judge' THEN 0.0
+              ELSE verification_reward * citation_weight * citation_score END AS citation_part,
+         CASE WHEN non_stop_penalized OR gated OR verifier = 'judge' THEN 0.0
+              ELSE verification_reward * coalesce(verifier_score, 0.0) END AS verifier_part,
+         CASE WHEN non_stop_penalized THEN 0.0 ELSE format_weight * format_score END AS format_part,
+         CASE WHEN non_stop_penalized THEN 0.0 ELSE distractor_term END AS distractor_part,
+         CASE WHEN non_stop_penalized THEN 0.0 ELSE recall_term END AS recall_part,
+         CASE WHEN non_stop_penalized THEN 0.0 ELSE overlong_penalty END AS overlong_part,
+         CASE WHEN non_stop_penalized THEN non_stop_penalty_value ELSE 0.0 END AS non_stop_part,
          CASE WHEN len(sampled_ids) < 4 THEN 0.0 ELSE
            1 - len(list_distinct(list_transform(range(1, len(sampled_ids) - 2), lambda i: sampled_ids[i:i + 3])))
                / (len(sampled_ids) - 3) END AS repeated_4grams,
@@ -66,9 +75,10 @@ SELECT run, step,
        avg(correct) AS verified_correct,
        avg(response_tokens) AS length_mean, avg(n_citations) AS citations_mean,
        avg(repeated_4grams) AS repetition, sum(surprisal) / nullif(sum(sampled_tokens), 0) AS entropy,
-       var_pop(rubric_part) AS rubric_var, var_pop(citation_part) AS citation_var, var_pop(format_part) AS format_var,
-       var_pop(distractor_term) AS distractor_var, var_pop(recall_term) AS recall_var,
-       var_pop(overlong_penalty) AS overlong_var
+       var_pop(rubric_part) AS rubric_var, var_pop(citation_part) AS citation_var,
+       var_pop(verifier_part) AS verifier_var, var_pop(format_part) AS format_var,
+       var_pop(distractor_part) AS distractor_var, var_pop(recall_part) AS recall_var,
+       var_pop(overlong_part) AS overlong_var, var_pop(non_stop_part) AS non_stop_var
 FROM per_rollout GROUP BY run, step
 """
 
@@ -135,8 +145,9 @@ FROM train t JOIN held h ON h.run = t.run AND h.step = t.step + 1 JOIN held h0 O
     "part_dominance": """
 WITH parts AS (
   SELECT run, step, part, v FROM monitor_step_figures,
-  LATERAL (VALUES ('rubric', rubric_var), ('citation', citation_var), ('format', format_var),
-                  ('distractor', distractor_var), ('recall', recall_var), ('overlong', overlong_var)) x(part, v)
+  LATERAL (VALUES ('rubric', rubric_var), ('citation', citation_var), ('verifier', verifier_var),
+                  ('format', format_var), ('distractor', distractor_var), ('recall', recall_var),
+                  ('overlong', overlong_var), ('non_stop', non_stop_var)) x(part, v)
 )
 -- a part varies when it holds at least 1 % of the summed variance: a hair of variance in a second part (an overlong
 -- penalty of -0.001 once) must not turn a reward that only its rubric moves into one that part "dominates"
