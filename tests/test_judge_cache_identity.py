@@ -229,3 +229,9 @@ def test_served_name_carries_the_checkpoint_content_hash(tmp_path):
     assert served_model_name(a) == name_a
     assert served_model_name(a, "judge") == f"judge-{name_a.rsplit('-', 1)[1]}"
     assert served_model_name(a, name_a) == name_a  # a name that already carries the hash is kept
+    # a server started with other arguments (judge.openai.serve_args) may reply otherwise: another name, another
+    # cache identity (it was the same name, and the replies cached without a reasoning parser were served again)
+    parsed = served_model_name(a, "judge", ["--reasoning-parser", "qwen3"])
+    assert parsed.startswith("judge-") and parsed != served_model_name(a, "judge")
+    assert parsed != served_model_name(a, "judge", ["--reasoning-parser", "deepseek_r1"])
+    assert served_model_name(a, "judge", []) == served_model_name(a, "judge")

@@ -24,7 +24,7 @@ import httpx
 
 from refiner_core.runtime.procs import die_with_parent, free_port
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES
-from refiner_core.store.storage import dir_hash
+from refiner_core.store.storage import dir_hash, json_hash
 
 SERVED_HASH_CHARS = 12
 PORT_ATTEMPTS = 3
@@ -105,11 +105,14 @@ def server_command(
     return cmd + list(extra or [])
 
 
-def served_model_name(model_dir: str | Path, prefix: str = "") -> str:
+def served_model_name(model_dir: str | Path, prefix: str = "", serve_args: list[str] | None = None) -> str:
     """PREFIX-HASH: HASH is the first 12 hex digits of the checkpoint's content hash (every file in the folder but
-    its training state, as checkpoint manifests hash it), PREFIX the given one or the folder's name. A prefix that
-    already ends in that hash is kept as it is."""
-    suffix = "-" + dir_hash(model_dir, TRAINING_STATE_FILES)[:SERVED_HASH_CHARS]
+    its training state, as checkpoint manifests hash it), with `serve_args` (the server's extra arguments: a
+    reasoning parser, a chat template, a quantization change its replies) hashed in where given, so that the judge
+    cache, which knows a served judge by its name, never serves one server's replies for another's. PREFIX is the
+    given one or the folder's name; a prefix that already ends in that hash is kept as it is."""
+    content = dir_hash(model_dir, TRAINING_STATE_FILES)
+    suffix = "-" + (json_hash([content, list(serve_args)]) if serve_args else content)[:SERVED_HASH_CHARS]
     prefix = prefix or Path(model_dir).name
     return prefix if prefix.endswith(suffix) else prefix + suffix
 
@@ -135,13 +138,15 @@ def start_server(
     gpu_memory_utilization: float | None = None,
 ) -> JudgeServer:
     """Resolve MODEL (a spec like model.policy: 'tiny-qwen3', 'smollm2-135m-instruct', a folder), start the server
-    and wait until GET /health answers 200. The served name is `served_model_name` of the checkpoint, its prefix
-    `served_name` or else the spec (the folder's name for a folder). On a timeout or an early exit the server is
-    stopped and the error shows the log's tail."""
+    and wait until GET /health answers 200. The served name is `served_model_name` of the checkpoint and
+    `extra_args`, its prefix `served_name` or else the spec (the folder's name for a folder). On a timeout or an
+    early exit the server is stopped and the error shows the log's tail."""
     from refiner_core.models import resolve_model
 
     model_dir = resolve_model(model)
-    served_name = served_model_name(model_dir, served_name or (model if not Path(model).exists() else ""))
+    served_name = served_model_name(
+        model_dir, served_name or (model if not Path(model).exists() else ""), list(extra_args or [])
+    )
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="judge-server-", suffix=".log")
         os.close(fd)
