@@ -257,3 +257,26 @@ def test_only_the_runs_own_steps_are_rescored(tmp_path):
     (tmp_path / "scores" / "step=3").mkdir()  # judged in part: no reward inputs
     assert scored_steps(tmp_path, 2) == [0, 1]
     assert scored_steps(tmp_path, 5) == [0, 1, 2]
+
+
+def test_a_step_scored_with_claims_rescores_though_no_answer_held_a_claim(api_env, tmp_path):
+    """reward.citation_score dr_tulu, and no rollout of the tiny model wrote an answer block: no claim to judge, and
+    rewards the stored rows decide (citation 0 without an answer). A rescore was refused as if the step had been
+    scored with 'valid_ids' (it was not)."""
+    run_dir = tmp_path / "run"
+    code, out, err, _ = run_cli(
+        ["run", "recipes/tiny.yaml", "--run-dir", str(run_dir), "--set", "reward.citation_score=dr_tulu",
+         "--set", "grpo.steps=1"],
+        tmp_path,
+        api_env,
+    )  # fmt: skip
+    assert code == 0, out + err
+    assert _rows(run_dir, "SELECT count(*) AS n FROM citation_claims")[0]["n"] == 0
+    assert _rows(run_dir, "SELECT DISTINCT citation_score_kind AS k FROM reward_weights") == [{"k": "dr_tulu"}]
+    rescore = ["rescore", str(run_dir), "--set", "reward.citation_weight=0.5", "--name", "cw05"]
+    code, out, err, _ = run_cli(rescore, tmp_path)
+    assert code == 0, out + err
+    weights = _rows(
+        run_dir, "SELECT citation_weight, citation_score_kind FROM reward_weights WHERE reward_version = 'cw05'"
+    )
+    assert weights == [{"citation_weight": 0.5, "citation_score_kind": "dr_tulu"}]

@@ -143,6 +143,13 @@ def read_step(score_dir: Path, name: str) -> list[dict]:
     return [row for path in round_files(score_dir, name) for row in read_rows(path)]
 
 
+def _claims_judged(score_dir: Path) -> bool:
+    """Whether a step's claims were judged: it was scored with a claim-level citation score (reward.citation_score
+    f1 or dr_tulu), whether or not any answer held a claim; 'valid_ids' judges none."""
+    kinds = {r["citation_score_kind"] for r in read_step(score_dir, "reward_weights")}
+    return bool(kinds) and "valid_ids" not in kinds
+
+
 def scored_steps(run_dir: Path, steps: int) -> list[int]:
     """Steps of a run of `steps` steps whose judge stage finished (their reward inputs exist), in order; the
     folder's later steps, left by a longer earlier run, are not the run's."""
@@ -172,7 +179,7 @@ def rescore_run(
     if not steps:
         raise RescoreError(f"{run_dir} has no scored step (no scores/step=*/reward_inputs.parquet)")
     score_files = {s: run_dir / "scores" / f"step={s}" for s in steps}
-    without_claims = [s for s in steps if not read_step(score_files[s], "citation_claims")]
+    without_claims = [s for s in steps if not _claims_judged(score_files[s])]
     pairs = sum(len(read_step(score_files[s], "judge_scores")) for s in steps)
     check_rescorable(base, new, pairs, without_claims)
     version = version or version_name(new)
