@@ -468,12 +468,13 @@ CITATION_CLAIMS = Table(
         ),
         _c("raw_output", S, "Verbatim judge output (NULL when no call was needed)."),
         _c("failure", S, "NULL when parsed; otherwise why."),
+        _c("attempts", I, "Requests made for the judgment (as judge_scores.attempts; NULL without a call)."),
         _c("cache_hit", B, "The answer came from the judge cache (no request)."),
         _c("prompt_hash", S, "Hash of the exact judge prompt."),
         _c("prompt_tokens", I, "Prompt tokens the judgment cost (as judge_scores.prompt_tokens; NULL without a call)."),
         _c("completion_tokens", I, "Completion tokens the judgment cost (NULL without a call)."),
     ),
-    provenance=("cache_hit", "prompt_tokens", "completion_tokens"),
+    provenance=("attempts", "cache_hit", "prompt_tokens", "completion_tokens"),
 )
 
 STEPS = Table(

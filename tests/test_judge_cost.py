@@ -103,6 +103,30 @@ def test_the_judge_paces_its_requests_and_records_the_servers_usage(tmp_path):
         }
 
 
+def test_claim_judgments_count_among_the_steps_requests(tmp_path):
+    """reward.citation_score f1: each answer's cited claim is judged too. Their requests were left out of
+    judge_usage (8 of 12 counted: the claim rows had no attempts), and so of steps.judge_requests."""
+    rollouts, prompts, rubrics = make_batch(n_prompts=2, samples=2, n_rubrics=2)
+    for prompt in prompts.values():
+        prompt["tool_output"] = "<snippet id=a1>Fact text.</snippet>\n<snippet id=b2>Other text.</snippet>"
+    with FaultServer(faults=False) as server:
+        judge = OpenAIJudge(
+            base_url=server.base_url,
+            model="fault-judge",
+            concurrency=4,
+            timeout_seconds=10.0,
+            policy=RetryPolicy(0, 0.0, 0.0),
+            cache=AnswerCache(tmp_path / "cache"),
+            progress=False,
+        )
+        scored = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(citation_score="f1"), "zero", 2000, 64)
+        claims_judged = sum(c["raw_output"] is not None for c in scored.citation_claims)
+        assert claims_judged == 4 and server.requests == 8 + 4
+        usage = judge_usage(scored.judge_scores + scored.citation_claims)
+        assert usage["requests"] == server.requests
+        assert usage["prompt_tokens"] == sum(u["prompt_tokens"] for u in server.usage.values())
+
+
 @pytest.mark.parametrize("mode", ["expected_score", "json"])
 def test_the_in_process_judge_counts_its_tokens(tiny_model_path, tiny_tokenizer, mode):
     from refiner_core.data.prompts import render_prompt

@@ -194,6 +194,7 @@ def _judged_claims(claims: list[tuple[dict, list[dict] | None]], outputs) -> tup
                     "support": support if claim.cited_ids else None,
                     "raw_output": None if done is None else done.text,
                     "failure": failure,
+                    "attempts": None if done is None else done.attempts,
                     "cache_hit": None if done is None else done.cache_hit,
                     "prompt_hash": None if done is None else done.prompt_hash,
                     "prompt_tokens": None if done is None else done.prompt_tokens,
