@@ -272,6 +272,12 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         segments = existing.segments
     else:
         segments = trunk_segments(read_fork(parent), base.to_dict(), at) if not changed else []
+    first = segments[0]["recipe"] if segments else None  # the recipe step 0 and its evaluation ran with
+    if first is not None and cfg.eval.every and not first.get("eval", {}).get("every"):
+        notes.append(
+            f"eval.every {cfg.eval.every}: {parent.name} evaluated no policy before its first update, and the fork "
+            "runs that as its parent did, so heldout_gap has no baseline in the fork and stays empty"
+        )
     fork = Fork(
         run_dir=str(new),
         run=run_name(cfg.run.name, str(new)),

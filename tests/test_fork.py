@@ -351,3 +351,16 @@ def test_a_fork_of_a_fork_runs_each_step_with_the_recipe_that_computed_it():
     assert trunk_segments(None, {"name": "P"}, 0) == []
     unshared = Fork("a", "a", "p", "p", 2, [], False, "data.path changed", segments=[])
     assert trunk_segments(unshared, {"name": "A"}, 3) == [{"until": 3, "recipe": {"name": "A"}}]
+
+
+def test_a_fork_that_turns_on_evaluation_says_heldout_gap_has_no_baseline(tmp_path):
+    """The parent evaluated nothing (eval.every 0); a fork at 2 with eval.every 1 runs the warm start and its step-0
+    evaluation as the parent did, so heldout_gap, which compares with that evaluation, stays empty: the fork says
+    so. At 0 the fork computes every step, its step-0 evaluation included: nothing to say."""
+    parent = _fake_parent(tmp_path / "p", finished=3, checkpoints=[2, 3])
+    _, record = plan_fork(parent, tmp_path / "f", 2, ["eval.every=1"])
+    assert "heldout_gap has no baseline in the fork" in record.note
+    _, record = plan_fork(parent, tmp_path / "g", 0, ["eval.every=1"])
+    assert "heldout_gap" not in record.note
+    _, record = plan_fork(parent, tmp_path / "h", 2, ["grpo.learning_rate=0.01"])
+    assert "heldout_gap" not in record.note
