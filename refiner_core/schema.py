@@ -887,7 +887,11 @@ JUDGE_CHECKS = Table(
         _c("rubric_group", S, "The static rubric's title, or 'instance positive' / 'instance negative'."),
         _c("score", F, "The run's judge: oriented score (judge_scores.oriented_score); NULL when it failed."),
         _c("other_score", F, "The other judge's oriented score, or the label's; NULL when it failed or gave none."),
-        _c("other_passed", B, "The other judge's or the label's verdict (oriented score >= the threshold)."),
+        _c(
+            "other_passed",
+            B,
+            "The other judge's or the label's verdict: oriented score >= the threshold, or a label's own `passed`.",
+        ),
         _c("other_failure", S, "Why the other judge gave no score; NULL otherwise."),
     ),
 )

@@ -265,6 +265,22 @@ def test_labels_read_common_spellings_a_byte_order_mark_and_refuse_a_second_labe
         read_labels(labels)
 
 
+def test_a_labels_verdict_stands_whatever_the_pass_threshold(judged_run, tmp_path):
+    """eval.pass_rubric_score 0: every score passes, so a label's 'passed = false' (read as score 0.0) became a
+    pass; the person failed rollouts 2 and 3 and the check said they passed all."""
+    recipe = yaml.safe_load((judged_run / "recipe.yaml").read_text())
+    recipe["eval"]["pass_rubric_score"] = 0.0
+    (judged_run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    labels = tmp_path / "labels.csv"
+    labels.write_text(
+        "step,prompt_id,sample_idx,rubric_id,passed\n"
+        + "".join(f"0,q1,{i},{rid},{i < 2}\n" for i in range(4) for rid, *_ in RUBRICS)
+    )
+    everything = {a["rubric_group"]: a for a in check_judge(judged_run, labels=labels).agreement}["all"]
+    assert (everything["pass_rate"], everything["other_pass_rate"]) == (1.0, 0.5)
+    assert everything["kappa"] == 0.0  # p_o = 1/2 = p_e: the run's judge passes everything
+
+
 def test_pairs_the_runs_own_judge_failed_are_counted(tmp_path):
     """Stored judgments the run's judge failed (NULL) have no pair; the headline said only the other side's."""
     stored = [[0.9, None, 0.2], [0.7, 0.6, 0.6], [None, 0.6, 0.3], [0.4, 0.5, 0.9]]

@@ -55,19 +55,24 @@ def check_rows(
     run: str,
     check_name: str,
     stored: list[dict],
-    other: dict[tuple, tuple[float | None, str | None]],
+    other: dict[tuple, tuple],
     groups: dict[tuple[str, str], str],
     threshold: float,
 ) -> list[dict]:
     """judge_checks rows: each stored judgment (a judge_scores row) that the other side judged, keyed by (step,
-    prompt_id, sample_idx, rubric_id) in `other` as (oriented score or None, failure or None); `groups` maps
-    (prompt_id, rubric_id) to its rubric group."""
+    prompt_id, sample_idx, rubric_id) in `other` as (oriented score or None, failure or None[, verdict]): a label's
+    own pass/fail verdict stands as given, else the score passes at `threshold`; `groups` maps (prompt_id,
+    rubric_id) to its rubric group."""
     rows = []
     for s in stored:
         key = (s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"])
         if key not in other:
             continue
-        other_score, failure = other[key]
+        other_score, failure, *verdict = other[key]
+        if verdict and verdict[0] is not None:
+            other_passed = verdict[0]
+        else:
+            other_passed = None if other_score is None else other_score >= threshold
         rows.append(
             {
                 "run": run,
@@ -79,7 +84,7 @@ def check_rows(
                 "rubric_group": groups[(s["prompt_id"], s["rubric_id"])],
                 "score": s["oriented_score"],
                 "other_score": other_score,
-                "other_passed": None if other_score is None else other_score >= threshold,
+                "other_passed": other_passed,
                 "other_failure": failure,
             }
         )
@@ -100,7 +105,7 @@ def agreement_rows(
         scores = [r["score"] for r in both]
         others = [r["other_score"] for r in both]
         passed = [s >= threshold for s in scores]
-        other_passed = [o >= threshold for o in others]
+        other_passed = [r["other_passed"] for r in both]
         out.append(
             {
                 "run": checks[0]["run"] if checks else "",

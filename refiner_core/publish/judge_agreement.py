@@ -65,9 +65,10 @@ def _verdict(passed) -> bool:
     raise ValueError(f"passed {passed!r} is no verdict: give true/false, yes/no, pass/fail or 1/0")
 
 
-def read_labels(path: Path) -> dict[tuple, tuple[float | None, str | None]]:
-    """(step, prompt_id, sample_idx, rubric_id) -> (oriented score, None) from a JSONL or CSV labels file; a label
-    with `passed` only scores 1.0 or 0.0. A record without a usable score or verdict, or a second label of the same
+def read_labels(path: Path) -> dict[tuple, tuple[float, None, bool | None]]:
+    """(step, prompt_id, sample_idx, rubric_id) -> (oriented score, None, verdict) from a JSONL or CSV labels file;
+    a label with `passed` only scores 1.0 or 0.0 and keeps its verdict whatever eval.pass_rubric_score is (None:
+    the score passes at it). A record without a usable score or verdict, or a second label of the same
     judgment, is refused with its record number."""
     try:
         text = path.read_text(encoding="utf-8-sig")  # a spreadsheet's CSV export may start with a byte-order mark
@@ -84,9 +85,10 @@ def read_labels(path: Path) -> dict[tuple, tuple[float | None, str | None]]:
     for n, record in enumerate(records, 1):
         try:
             key = (int(record["step"]), str(record["prompt_id"]), int(record["sample_idx"]), str(record["rubric_id"]))
-            score = record.get("score")
+            score, verdict = record.get("score"), None
             if score is None or (isinstance(score, str) and not score.strip()):
-                score = 1.0 if _verdict(record.get("passed")) else 0.0
+                verdict = _verdict(record.get("passed"))
+                score = 1.0 if verdict else 0.0
             score = float(score)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise AgreementError(
@@ -97,7 +99,7 @@ def read_labels(path: Path) -> dict[tuple, tuple[float | None, str | None]]:
         if key in first:
             raise AgreementError(f"--labels {path} record {n}: labels the same judgment as record {first[key]} {key}")
         first[key] = n
-        labels[key] = (score, None)
+        labels[key] = (score, None, verdict)
     return labels
 
 
