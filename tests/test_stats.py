@@ -6,7 +6,6 @@ hand-computed cases."""
 from __future__ import annotations
 
 import math
-
 from fractions import Fraction
 from itertools import product
 from math import comb, sqrt
