@@ -235,3 +235,7 @@ def test_served_name_carries_the_checkpoint_content_hash(tmp_path):
     assert parsed.startswith("judge-") and parsed != served_model_name(a, "judge")
     assert parsed != served_model_name(a, "judge", ["--reasoning-parser", "deepseek_r1"])
     assert served_model_name(a, "judge", []) == served_model_name(a, "judge")
+    # how much it serves at once changes no reply: the name, and the cached replies, stay
+    for throughput in (["--max-num-seqs", "8"], ["--max-num-batched-tokens=4096", "--disable-log-requests"]):
+        assert served_model_name(a, "judge", throughput) == served_model_name(a, "judge")
+    assert served_model_name(a, "judge", ["--max-num-seqs", "8", "--reasoning-parser", "qwen3"]) == parsed

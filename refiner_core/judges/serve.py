@@ -105,14 +105,31 @@ def server_command(
     return cmd + list(extra or [])
 
 
+# vLLM server arguments that set how much it serves at once or what it logs, never what it replies
+THROUGHPUT_ARGS = ("--max-num-seqs", "--max-num-batched-tokens", "--disable-log-requests", "--disable-log-stats")
+
+
+def reply_args(serve_args: list[str]) -> list[str]:
+    """The server arguments that may change its replies: all but THROUGHPUT_ARGS (and their values)."""
+    kept, skip_value = [], False
+    for arg in map(str, serve_args):
+        if skip_value and not arg.startswith("--"):
+            skip_value = False
+            continue
+        skip_value = arg in THROUGHPUT_ARGS  # `--flag value`; `--flag=value` is one argument
+        if not skip_value and arg.split("=", 1)[0] not in THROUGHPUT_ARGS:
+            kept.append(arg)
+    return kept
+
+
 def served_model_name(model_dir: str | Path, prefix: str = "", serve_args: list[str] | None = None) -> str:
     """PREFIX-HASH: HASH is the first 12 hex digits of the checkpoint's content hash (every file in the folder but
-    its training state, as checkpoint manifests hash it), with `serve_args` (the server's extra arguments: a
-    reasoning parser, a chat template, a quantization change its replies) hashed in where given, so that the judge
-    cache, which knows a served judge by its name, never serves one server's replies for another's. PREFIX is the
-    given one or the folder's name; a prefix that already ends in that hash is kept as it is."""
-    content = dir_hash(model_dir, TRAINING_STATE_FILES)
-    suffix = "-" + (json_hash([content, list(serve_args)]) if serve_args else content)[:SERVED_HASH_CHARS]
+    its training state, as checkpoint manifests hash it), with the `serve_args` that may change replies (a reasoning
+    parser, a chat template, a quantization: `reply_args`) hashed in where given, so that the judge cache, which
+    knows a served judge by its name, never serves one server's replies for another's. PREFIX is the given one or
+    the folder's name; a prefix that already ends in that hash is kept as it is."""
+    content, changing = dir_hash(model_dir, TRAINING_STATE_FILES), reply_args(serve_args or [])
+    suffix = "-" + (json_hash([content, changing]) if changing else content)[:SERVED_HASH_CHARS]
     prefix = prefix or Path(model_dir).name
     return prefix if prefix.endswith(suffix) else prefix + suffix
 
