@@ -100,3 +100,64 @@ def test_math_verify_equivalences(response, truth, score):
 def test_an_empty_box_is_wrong_not_an_error():
     verdict = verify(r"\boxed{}", "3")
     assert verdict.score == 0.0 and verdict.method == "normalized_match" and verdict.detail
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        # digit groups: math-verify alone read 1\,000 as 1 x 0 = 0 and 12\,345 as 357
+        (r"\boxed{1000}", r"1\,000", 1.0),
+        (r"\boxed{0}", r"1\,000", 0.0),
+        (r"\boxed{357}", r"12\,345", 0.0),
+        (r"\boxed{12\,345}", "12345", 1.0),
+        (r"\boxed{1 000}", "1000", 1.0),
+        (r"\boxed{1\ 000}", r"1,\!000", 1.0),
+        (r"\boxed{(1, 200)}", "(1,200)", 1.0),  # a tuple's comma and space are not a digit group
+        # scientific notation: the e of 1e-05 read as Euler's number
+        (r"\boxed{0.00001}", "1e-05", 1.0),
+        (r"\boxed{1e3}", "1000", 1.0),
+        (r"\boxed{1.2e6}", "1200000", 1.0),
+        (r"\boxed{2.5E-05}", "0.000025", 1.0),
+        (r"\boxed{1e-05}", "e - 5", 0.0),
+        (r"\boxed{10000000000000000}", "1e+16", 1.0),
+    ],
+)
+def test_numbers_as_a_person_writes_them(response, truth, score):
+    assert verify(response, truth).score == score
+
+
+def test_a_response_cut_off_in_its_last_box_has_no_answer_not_an_earlier_one():
+    cut = r"so the answer is \boxed{13}. Wait, recount: the answer is \boxed{1"
+    verdict = verify(cut, "13")
+    assert (verdict.score, verdict.method, verdict.extracted) == (0.0, "no_answer", None)
+    assert verify(cut + "4}", "14").score == 1.0
+
+
+@pytest.mark.parametrize("ending", ["", ".", "!"])
+@pytest.mark.parametrize("sentence", ["You end up with 14", "We get 14", "The result is 14", "Total: 14"])
+def test_an_unboxed_response_is_read_for_its_last_number_with_or_without_a_period(sentence, ending):
+    """Wrapped in $...$ as a bare answer, the sentence was one product of letters: 'We get 14' scored 0 and
+    'We get 14.' scored 1."""
+    assert verify(sentence + ending, "14").score == 1.0
+    assert verify(sentence + ending, "15").score == 0.0
+
+
+def test_an_answer_math_verify_cannot_finish_falls_back_within_its_time_limit():
+    """sympy evaluates 10^{10^{10}} exactly and never returns, holding the interpreter: the comparison runs in a
+    child process that the kernel stops at its limit; the verdict falls back to the normalised match and says why,
+    and the next comparison gets a new child."""
+    import time
+
+    from refiner_core.reward.math_verify_worker import MathVerifier
+
+    verifier = MathVerifier(limit=2)
+    try:
+        started = time.monotonic()
+        decided, detail = verifier.decide(r"$10^{10^{10}}$", "$10$")
+        assert decided is None and "no verdict within 2 s" in detail
+        assert time.monotonic() - started < 30
+        assert verifier.decide("$0.5$", r"$\frac{1}{2}$") == (True, None)
+    finally:
+        verifier.close()
+    verdict = verify(r"\boxed{-\$5}", "-5")  # the normalised match drops an escaped dollar too
+    assert verdict.score == 1.0

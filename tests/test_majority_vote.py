@@ -23,6 +23,10 @@ from refiner_core.reward.verifiers import make_verifier, verdict_columns
         (["-4", "4", "4"], Vote("4", 2, 3, False)),  # the sign is part of the answer
         (["\\frac{1}{2}", "3", "0.5"], Vote("\\frac{1}{2}", 2, 3, False)),  # equal by math-verify: one answer
         (["0.5", "3", "3", "1/2"], Vote("0.5", 2, 4, True)),  # 2-2 tie of equivalence classes: first cast wins
+        # an interval is not the tuple of its ends: counted apart, as the match tells them apart (a normalised-text
+        # shortcut counted "(1,2)" 3 votes and gave the two "[1,2]" voters reward 0)
+        (["(1,2)", "[1,2]", "[1,2]", "(3,4)", "(3,4)"], Vote("[1,2]", 2, 5, True)),
+        (["1\\,000", "0", "0", "1\\,000", "1000"], Vote("1\\,000", 3, 5, False)),  # 1\,000 is 1000, not 1 x 0
         ([None, None], Vote(None, 0, 0, False)),  # no vote: empty label
         ([], Vote(None, 0, 0, False)),
     ],

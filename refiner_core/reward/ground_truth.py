@@ -1,15 +1,21 @@
 """Ground-truth verification: the final answer of a response against a reference answer.
 
 The answer is the last `\\boxed{...}` (nested braces kept), else the text inside `<answer>...</answer>`, else the
-whole response. Equivalence by math-verify where it parses both sides (`0.5` = `\\frac{1}{2}`), else by a
-normalised string match; the method used is recorded with every verdict, so a fallback is never silent.
+whole response (math-verify reads its last expression; a response whose last box is unclosed has no answer, not an
+earlier box's). Equivalence by math-verify where it parses both sides (`0.5` = `\\frac{1}{2}`) within its time
+limit (math_verify_worker), else by a normalised string match; the method used is recorded with every verdict, so a
+fallback is never silent. Both sides are read as a person writes numbers: digit groups (`1\\,000`, `1 000`) and
+scientific notation (`1e-05`: a JSON number's text) as the number they stand for.
 """
 
 from __future__ import annotations
 
+import atexit
 import re
 import string
 from dataclasses import dataclass
+
+from refiner_core.reward.math_verify_worker import MathVerifier
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")  # `\boxed {5}` is LaTeX for the same box
@@ -43,19 +49,26 @@ def last_boxed(text: str) -> str | None:
 
 
 def final_answer(response: str) -> str | None:
+    return _final_answer(response)[0]
+
+
+def _final_answer(response: str) -> tuple[str | None, bool]:
+    """(the answer, whether it is the whole response: no box and no <answer> block)."""
     boxed = last_boxed(response)
     if boxed is not None:
-        return boxed
+        return boxed, False
     blocks = _ANSWER_RE.findall(response)
     if blocks:
-        return blocks[-1].strip()
+        return blocks[-1].strip(), False
+    if _BOXED_RE.search(response):  # its last box is unclosed (cut off): an earlier box is not its answer
+        return None, False
     stripped = response.strip()
-    return stripped or None
+    return stripped or None, True
 
 
 def normalize(text: str) -> str:
     """Case, surrounding space and punctuation, `$`, thousands separators and trailing zeros do not matter."""
-    t = text.strip().lower().replace("$", "").replace("\\!", "")
+    t = _as_written(text).strip().lower().replace("\\$", "").replace("$", "").replace("\\!", "")
     t = re.sub(r"(?<=\d),(?=\d{3}\b)", "", t)
     t = re.sub(r"\s+", " ", t).strip(string.punctuation.replace("-", "").replace("%", "") + " ")
     if re.fullmatch(r"-?\d+\.\d*", t):
@@ -71,31 +84,36 @@ def answer_text(row: dict) -> str:
 
 
 def verify(response: str, truth: str) -> Verdict:
-    answer = final_answer(response)
+    answer, whole = _final_answer(response)
     if answer is None:
         return Verdict(0.0, None, "no_answer")
-    decided, detail = _math_verify(answer, truth)
+    # a bare answer is wrapped as math; a whole response goes as it is first, for math-verify to find its last
+    # expression (wrapped, a sentence reads as one product of letters, and "ends with 14" would differ from "ends
+    # with 14."), then wrapped (a bare `(1,2)`, which it finds in no sentence)
+    written, gold = _as_written(answer), _as_math(_as_written(truth))
+    for target in [written, _as_math(written)] if whole else [_as_math(written)]:
+        decided, detail = _MATH_VERIFY.decide(target, gold)
+        if decided is not None:
+            break
     if decided is not None:
         return Verdict(1.0 if decided else 0.0, answer, "math_verify")
     return Verdict(1.0 if normalize(answer) == normalize(truth) else 0.0, answer, "normalized_match", detail)
 
 
-def _math_verify(answer: str, truth: str) -> tuple[bool | None, str | None]:
-    """math-verify's verdict, or (None, why) when it cannot decide: not installed, or a side does not parse."""
-    try:
-        from math_verify import parse
-        from math_verify import verify as mv_verify
-    except ImportError:
-        return None, "math-verify is not installed"
-    try:
-        # No timeouts: math-verify implements them with SIGALRM, which only works on the main thread.
-        gold = parse(_as_math(truth), parsing_timeout=None)
-        target = parse(_as_math(answer), parsing_timeout=None)
-        if not gold or not target:
-            return None, "math-verify could not parse " + ("the reference" if not gold else "the answer")
-        return bool(mv_verify(gold, target, timeout_seconds=None)), None
-    except Exception as e:  # a verifier bug must not decide a reward silently: fall back, say why
-        return None, f"math-verify failed: {type(e).__name__}: {e}"[:200]
+_MATH_VERIFY = MathVerifier()
+atexit.register(_MATH_VERIFY.close)
+
+# a thin space, a control space or a plain one between digit groups (`1\\,000`, `12 345`): math-verify reads
+# `1\\,000` as 1 x 0
+_DIGIT_GROUP = re.compile(r"(?<=\d)(?:\\,|\\ |\\;|\\!|~| |\u2009|\u202f)(?=\d{3}(?!\d))")
+# 1e-05, 2.5E+3: math-verify reads the e as Euler's number
+_SCIENTIFIC = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
+
+
+def _as_written(text: str) -> str:
+    """Numbers as a person reads them: digit groups joined, scientific notation as a power of ten."""
+    text = _DIGIT_GROUP.sub("", text)
+    return _SCIENTIFIC.sub(lambda m: f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}", text)
 
 
 def _as_math(text: str) -> str:

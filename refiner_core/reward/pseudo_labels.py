@@ -2,10 +2,10 @@
 source give, and a rollout is rewarded for matching it, with no ground truth involved.
 
 - A vote is the content of a response's last `\\boxed{}`; a response without one casts no vote.
-- Votes are counted by the equivalence a rollout is later matched to its label with: the same normalised text
-  (ground_truth.normalize: case, spaces, `$`, thousands separators, trailing zeros), else math-verify, so `14`,
-  `14.0` and `$14$` are one answer, and so are `0.5` and `\\frac{1}{2}`. A vote joins the first answer it equals,
-  in voting order; the label is the first-cast text of the winner.
+- Votes are counted by the equivalence a rollout is later matched to its label with (ground_truth.verify:
+  math-verify where it reads both, else the same normalised text), so `14`, `14.0` and `$14$` are one answer, and
+  so are `0.5` and `\\frac{1}{2}`, while `(1,2)` and `[1,2]` are two. A vote joins the first answer it equals, in
+  voting order; the label is the first-cast text of the winner.
 - Ties are broken deterministically: among equally voted answers, the one cast first (lowest sample index) wins;
   `label_tied` records that a tie was broken.
 - No vote at all gives an empty label (NULL), and every rollout it would label gets reward 0.
@@ -53,7 +53,9 @@ def majority_vote(votes: list[str | None]) -> Vote:
 
 
 def same_answer(vote: str, other: str) -> bool:
-    return normalize(vote) == normalize(other) or verify(vote, other).score == 1.0
+    """Whether a vote is the answer `other` (a label as first cast): as a rollout is matched to its label. A
+    normalised-text shortcut took `(1,2)` for `[1,2]`, which the match then told apart."""
+    return verify(vote, other).score == 1.0
 
 
 @dataclass(frozen=True)
