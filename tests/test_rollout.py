@@ -146,6 +146,45 @@ def test_a_row_stopped_by_a_stop_string_ends_with_the_token_that_completed_it(ti
     assert stopped[0].logprobs == free[0].logprobs[:4]
 
 
+@pytest.mark.parametrize(
+    ("stop", "likely", "prompt_end"),
+    [
+        ("<|im_start|>", "<|im_start|>", ""),  # a special token's text: no response text holds it
+        ("</answer>", ">", "</answer"),  # completed by the first sampled token, but begun in the prompt
+    ],
+)
+def test_a_stop_string_only_the_tokens_or_the_prompt_hold_is_no_stop(
+    tiny_model_path, tiny_tokenizer, stop, likely, prompt_end
+):
+    """transformers' stop strings match token strings, special tokens included, over prompt and response; neither
+    vLLM nor first_stop (the response's text, special tokens skipped) sees a stop there, so the row's padding after
+    it was kept as sampled tokens (finish_reason 'length', log-probs of about -7.7 each). With the stop token made
+    likely, the rows sample exactly as with no stop string."""
+    model = load_model(tiny_model_path)
+    token = (
+        tiny_tokenizer.convert_tokens_to_ids(likely)
+        if likely.startswith("<|")
+        else tiny_tokenizer(likely)["input_ids"][-1]
+    )
+    bias = torch.nn.functional.one_hot(torch.tensor(token), model.config.vocab_size) * 5.0
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, out: out + bias)
+    try:
+        engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
+        prompts = [
+            p + tiny_tokenizer(prompt_end, add_special_tokens=False)["input_ids"] if prompt_end else p
+            for p in short_and_long_prompts(tiny_tokenizer)
+        ]
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=5)
+        free = engine.generate(prompts, params)
+        stopped = engine.generate(prompts, dataclasses.replace(params, stop=(stop,)))
+    finally:
+        hook.remove()
+    assert sum(token in g.token_ids for g in free) >= 4  # the stop token is sampled where the old criterion stopped
+    assert [(g.token_ids, g.logprobs, g.finish_reason) for g in stopped] == [
+        (g.token_ids, g.logprobs, g.finish_reason) for g in free
+    ]
+
+
 def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
     """Reusing the KV cache of a response's shared prompt prefix must not change any rubric's score."""
     from refiner_core.data.prompts import judge_messages

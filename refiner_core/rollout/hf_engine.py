@@ -83,6 +83,26 @@ class RepetitionPenalty:
         return scores.scatter(1, ids, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
 
 
+def response_stop_strings(stop: tuple[str, ...], start: int, decode):
+    """A stopping criterion: a row stops once its response's text (from column `start`, decoded as `first_stop`
+    decodes it, special tokens skipped) holds a stop string, where vLLM stops and `first_stop` cuts. transformers'
+    own stop strings also match inside a special token and across the prompt's end, where `first_stop` finds none,
+    and the padding generate put after such a stop was kept as sampled tokens. Only the last tokens are decoded at
+    each step: a stop string can only have been completed by the newest one."""
+    import torch
+    from transformers import StoppingCriteria
+
+    window = 2 * max(len(s) for s in stop) + 4  # tokens: at least one character each but special ones
+
+    class ResponseStopStrings(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            tails = input_ids[:, max(start, input_ids.shape[1] - window) :].tolist()
+            found = [any(s in decode(tail) for s in stop) for tail in tails]
+            return torch.tensor(found, dtype=torch.bool, device=input_ids.device)
+
+    return ResponseStopStrings()
+
+
 @dataclass
 class HFRolloutEngine:
     """transformers `generate`, left-padded batches; log-probs come from the processed (tempered) scores."""
@@ -144,8 +164,9 @@ class HFRolloutEngine:
                     if params.repetition_penalty != 1.0
                     else None,
                     max_new_tokens=params.max_new_tokens,
-                    stop_strings=list(params.stop) or None,
-                    tokenizer=self.tokenizer if params.stop else None,
+                    stopping_criteria=[response_stop_strings(params.stop, input_ids.shape[1], self._decode)]
+                    if params.stop
+                    else None,
                     output_scores=True,
                     return_dict_in_generate=True,
                     pad_token_id=pad,
