@@ -185,6 +185,31 @@ def test_a_stop_string_only_the_tokens_or_the_prompt_hold_is_no_stop(
     ]
 
 
+def test_a_rollout_sampled_beside_greedy_generation_samples_what_it_would_alone(tiny_model_path, tiny_tokenizer):
+    """grpo.async_steps samples a step's rollout on another thread while the in-process judge generates greedily on
+    this one: each greedy batch seeded torch's process-wide generator, so the rollout's samples changed with the
+    timing (all 16 of a step's responses in the tiny recipe). Greedy batches now leave the generator alone, and
+    sampled batches take it one at a time."""
+    import threading
+
+    engine = HFRolloutEngine(load_model(tiny_model_path), tiny_tokenizer, batch_size=2)
+    judge = HFRolloutEngine(load_model(tiny_model_path), tiny_tokenizer, batch_size=2)
+    prompts = short_and_long_prompts(tiny_tokenizer)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11)
+    alone = engine.generate(prompts, params)
+    beside: list = []
+    sampler = threading.Thread(target=lambda: beside.extend(engine.generate(prompts, params)))
+    sampler.start()
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=2, seed=0)
+    rounds = 0
+    while sampler.is_alive() or rounds == 0:
+        judge.generate(prompts, greedy)
+        rounds += 1
+    sampler.join()
+    assert rounds > 1
+    assert [g.token_ids for g in beside] == [g.token_ids for g in alone]
+
+
 def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
     """Reusing the KV cache of a response's shared prompt prefix must not change any rubric's score."""
     from refiner_core.data.prompts import judge_messages

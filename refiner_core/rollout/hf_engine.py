@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 
 from refiner_core.config import EngineSettings
@@ -103,6 +104,25 @@ def response_stop_strings(stop: tuple[str, ...], start: int, decode):
     return ResponseStopStrings()
 
 
+# generate samples from torch's process-wide generator: one sampled batch at a time in the process, or a rollout
+# sampled ahead on another thread (grpo.async_steps) would draw from the stream another one seeded
+_SAMPLING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _seeded(params: SamplingParams, start: int):
+    """The process's generator seeded for one sampled batch, held while it samples. One seed per batch, from its
+    first sample's place in the step (prompt_offset: where this call's prompts start): reruns of a step, and of a
+    part of it, reproduce its samples. Step seeds are consecutive, so a later batch's seed is mixed (seed + place
+    would be another step's first batch's seed). Greedy batches draw nothing and neither seed nor wait."""
+    import torch
+
+    place = params.prompt_offset * params.n + start
+    with _SAMPLING:
+        torch.manual_seed(params.seed if place == 0 else request_seed(params.seed, place))
+        yield
+
+
 @dataclass
 class HFRolloutEngine:
     """transformers `generate`, left-padded batches; log-probs come from the processed (tempered) scores."""
@@ -143,15 +163,15 @@ class HFRolloutEngine:
             chunk = jobs[start : start + self.batch_size]
             input_ids, attention = (t.to(self.model.device) for t in left_padded([prompts[p] for p, _ in chunk], pad))
             sample = params.temperature > 0
-            # One seed per batch, from its first sample's place in the step (prompt_offset: where this call's prompts
-            # start): reruns of a step, and of a part of it, reproduce its samples. Step seeds are consecutive, so
-            # a later batch's seed is mixed (seed + place would be another step's first batch's seed).
-            place = params.prompt_offset * params.n + start
-            torch.manual_seed(params.seed if place == 0 else request_seed(params.seed, place))
             casts = (
                 cached_weight_casts(self.model, self.precision) if self.cache_weight_casts else contextlib.nullcontext()
             )
-            with torch.no_grad(), casts, autocast(self.precision, self.model.device):
+            with (
+                _seeded(params, start) if sample else contextlib.nullcontext(),
+                torch.no_grad(),
+                casts,
+                autocast(self.precision, self.model.device),
+            ):
                 result = self.model.generate(
                     input_ids=input_ids,
                     attention_mask=attention,
