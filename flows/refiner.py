@@ -24,6 +24,7 @@ from refiner_core.reward.compose import reward_parts
 from refiner_core.runtime import cluster, live
 from refiner_core.runtime.hardware import resolved_recipe
 from refiner_core.stage_settings import StageSettings, stage_settings
+from refiner_core.store.checkpoints import checkpoints_to_keep
 from refiner_core.store.forks import read_fork, recipe_leaves_fork
 from refiner_core.store.storage import read_rows
 from tasks.anchors import judge_anchors
@@ -484,7 +485,10 @@ def publish_step(run: RunContext, state: StepState, step: int, step_manifests: l
     cfg, saved = run.cfg, saves_checkpoint(run, step)
     if saved:  # the newest written checkpoint keeps its optimizer state: a resume continues from it
         prune_checkpoints(
-            run_dir=run.dir, newest_step=step + 1, keep_last=run.own.run.keep_last, keep_every=run.own.run.keep_every
+            run_dir=run.dir,
+            newest_step=step + 1,
+            keep_last=checkpoints_to_keep(run.own.run.keep_last, run.own.grpo.async_steps),
+            keep_every=run.own.run.keep_every,
         )
     run.manifests += step_manifests
     publish_catalog(run_dir=run.dir, manifests=run.manifests, judge_price=judge_price(run))

@@ -82,8 +82,9 @@ class RunConfig:
     num_threads: int = opt(0, "torch intra-op threads (0 = torch default).", check=NON_NEGATIVE)
     keep_last: int = opt(
         2,
-        "Step checkpoints kept: the newest keep_last (0 = keep every one). Older ones are removed once a newer "
-        "step is written; only the newest keeps its optimizer state, which is all a resume needs.",
+        "Step checkpoints kept: the newest keep_last (0 = keep every one; with grpo.async_steps K at least K + 1, "
+        "which the rollouts sampled ahead read). Older ones are removed once a newer step is written; only the "
+        "newest keeps its optimizer state, which is all a resume needs.",
     )
     keep_every: int = opt(
         0, "Also keep every keep_every-th step checkpoint (step_0010, step_0020, ... for 10; 0 = off)."

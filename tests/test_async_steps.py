@@ -287,6 +287,20 @@ def test_two_steps_ahead_sample_with_the_policy_two_updates_behind(two_ahead):
     assert _sampled_by(run_dir) == [(0, *starting), (1, *starting), (2, *starting), (3, *_checkpoint(run_dir, 1))]
 
 
+def test_keep_last_keeps_the_policies_rollouts_sampled_ahead_read(prefect_server, tmp_path, monkeypatch):
+    """grpo.async_steps 3 with run.keep_last 2: the rollout of step N reads the policy after N - 3 updates, so the
+    newest 4 checkpoints stay (with 2, a rollout slower than judge and update found its checkpoint pruned, and every
+    rerun failed on it)."""
+    from refiner_core.reward.verifiers import VERIFIERS
+
+    monkeypatch.setitem(VERIFIERS, "alternating", "test_async_steps:alternating_verifier")
+    recipe = _recipe(math_rows_file(tmp_path, 8), "grpo.async_steps=3", "grpo.steps=5", "run.keep_last=2")
+    state, _ = _run(recipe, tmp_path / "run")
+    assert state.is_completed(), state.message
+    kept = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert kept == ["step_0002", "step_0003", "step_0004", "step_0005"]
+
+
 def test_a_rerun_two_steps_ahead_is_cached_for_every_stage(two_ahead):
     stages = {name for name in two_ahead["tasks"] if name.split("[")[0] in STAGES}
     assert {f"{stage}[step={n}]" for stage in STAGES[2:] for n in range(TWO_AHEAD_STEPS)} <= stages

@@ -45,6 +45,12 @@ def retained_steps(steps: list[int], newest: int, keep_last: int, keep_every: in
     return set(recent) | periodic | {newest} | {s for s in steps if s > newest}
 
 
+def checkpoints_to_keep(keep_last: int, async_steps: int) -> int:
+    """run.keep_last, at least the newest async_steps + 1 with grpo.async_steps: the rollouts sampled ahead of the
+    step just written read the policies of its last async_steps updates and its newest one (0: keep every one)."""
+    return max(keep_last, async_steps + 1) if keep_last and async_steps else keep_last
+
+
 def prune(folder: Path, newest: int, keep_last: int, keep_every: int) -> list[str]:
     """Remove step checkpoints not retained, and the optimizer state of kept ones older than `newest` (later ones,
     left by a longer earlier run, keep theirs: extending the run again continues from them).
