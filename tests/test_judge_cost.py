@@ -57,21 +57,25 @@ def test_tokens_per_minute_are_paced_and_settled_with_the_real_count():
     assert not unlimited.limited
 
 
+def _judge(server: FaultServer, cache) -> OpenAIJudge:
+    return OpenAIJudge(
+        base_url=server.base_url,
+        model="fault-judge",
+        concurrency=4,
+        timeout_seconds=10.0,
+        policy=RetryPolicy(0, 0.0, 0.0),
+        cache=AnswerCache(cache),
+        progress=False,
+    )
+
+
 def test_the_judge_paces_its_requests_and_records_the_servers_usage(tmp_path):
     """Against a real loopback server: 12 judgments at 5 requests per minute are admitted 5, 5 and 2 per simulated
     minute; each row holds the usage the server reported; a second pass is all cache hits and costs 0 tokens."""
     rollouts, prompts, rubrics = make_batch(n_prompts=2, samples=2, n_rubrics=3)
     clock = SimulatedClock()
     with FaultServer(faults=False) as server:
-        judge = OpenAIJudge(
-            base_url=server.base_url,
-            model="fault-judge",
-            concurrency=4,
-            timeout_seconds=10.0,
-            policy=RetryPolicy(0, 0.0, 0.0),
-            cache=AnswerCache(tmp_path / "cache"),
-            progress=False,
-        )
+        judge = _judge(server, tmp_path / "cache")
         judge.pacer = Pacer(requests_per_minute=5, clock=clock, sleep=clock.sleep)
         scored = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64)
         assert server.requests == 12
@@ -110,15 +114,7 @@ def test_claim_judgments_count_among_the_steps_requests(tmp_path):
     for prompt in prompts.values():
         prompt["tool_output"] = "<snippet id=a1>Fact text.</snippet>\n<snippet id=b2>Other text.</snippet>"
     with FaultServer(faults=False) as server:
-        judge = OpenAIJudge(
-            base_url=server.base_url,
-            model="fault-judge",
-            concurrency=4,
-            timeout_seconds=10.0,
-            policy=RetryPolicy(0, 0.0, 0.0),
-            cache=AnswerCache(tmp_path / "cache"),
-            progress=False,
-        )
+        judge = _judge(server, tmp_path / "cache")
         scored = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(citation_score="f1"), "zero", 2000, 64)
         claims_judged = sum(c["raw_output"] is not None for c in scored.citation_claims)
         assert claims_judged == 4 and server.requests == 8 + 4

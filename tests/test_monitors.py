@@ -161,6 +161,12 @@ def test_a_first_step_of_equal_rewards_gives_no_verdict_in_units_of_its_std(tmp_
     assert tripped(tmp_path / "catalog.duckdb", 1, MonitorsConfig()) == []
 
 
+def _rollouts_catalog(folder: Path, rows: list[tuple[dict, dict]], steps: int | list[dict], **more) -> Path:
+    """A catalog of (rollouts row, rewards row) pairs, `steps` steps rows (a count, or the rows), and `more` tables."""
+    steps = [{"run": RUN, "step": s} for s in range(steps)] if isinstance(steps, int) else steps
+    return _catalog(folder, {"rollouts": [r for r, _ in rows], "rewards": [w for _, w in rows], "steps": steps, **more})
+
+
 def test_part_dominance_needs_a_second_part_that_really_varies_and_citation_drift_starts_from_none(tmp_path):
     """Step 1's reward moves with its rubric alone, rollout 0 once with an overlong penalty of -0.001 besides:
     both read 0 for part_dominance (a hair of variance in a second part made it 1.0 and tripped). A step that
@@ -180,14 +186,7 @@ def test_part_dominance_needs_a_second_part_that_really_varies_and_citation_drif
                 _rollout(step, i, 10 * score + 3.0 + term + penalty, [1, 2, 3], -1.0, rubric_score=score,
                          overlong_penalty=penalty, distractor_term=term, n_citations=citations, response_tokens=3)
             )  # fmt: skip
-    folder = _catalog(
-        tmp_path,
-        {
-            "rollouts": [r for r, _ in rows],
-            "rewards": [w for _, w in rows],
-            "steps": [{"run": RUN, "step": s} for s in range(3)],
-        },
-    )
+    folder = _rollouts_catalog(tmp_path, rows, steps=3)
     figures = _figures(folder)
     assert figures[("part_dominance", 1)] == 0.0
     rubric_var, distractor_var = 10**2 * 0.0125, 0.0625  # population variances of 10 x score and of the term
@@ -212,14 +211,7 @@ def test_part_dominance_counts_a_verifiers_part_and_a_non_stop_penalty_as_the_re
             _rollout(2, i, 8.0 if stopped else -1.0, [1, 2, 3], -1.0, rubric_score=0.5,
                      non_stop_penalized=not stopped, non_stop_penalty_value=-1.0)
         )  # fmt: skip
-    folder = _catalog(
-        tmp_path,
-        {
-            "rollouts": [r for r, _ in rows],
-            "rewards": [w for _, w in rows],
-            "steps": [{"run": RUN, "step": s} for s in range(3)],
-        },
-    )
+    folder = _rollouts_catalog(tmp_path, rows, steps=3)
     figures = _figures(folder)
     assert figures[("part_dominance", 1)] == pytest.approx(0.25 / (0.25 + 0.01))
     assert figures[("part_dominance", 2)] == pytest.approx(25 / (25 + 4 + 1 + 1))
@@ -237,14 +229,7 @@ def test_entropy_and_repetition_read_the_sampled_tokens_not_an_agents_tool_resul
             rollout["response_logprobs"] = [-2.0] * 4 + [0.0] * inserted + [-2.0] * 4
             rollout["response_mask"] = [True] * 4 + [False] * inserted + [True] * 4
             rows.append((rollout, reward))
-    folder = _catalog(
-        tmp_path,
-        {
-            "rollouts": [r for r, _ in rows],
-            "rewards": [w for _, w in rows],
-            "steps": [{"run": RUN, "step": 0}, {"run": RUN, "step": 1}],
-        },
-    )
+    folder = _rollouts_catalog(tmp_path, rows, steps=2)
     figures = _figures(folder)
     assert figures[("entropy_collapse", 1)] == pytest.approx(0.0, abs=1e-12)
     assert figures[("repetition", 1)] == 0.0
@@ -260,19 +245,11 @@ def test_a_nan_figure_never_trips_and_a_nan_kl_is_no_largest_one(tmp_path):
         {"run": RUN, "step": step, "phase": phase, "mode": "greedy", "prompt_id": "h", "sample_idx": 0, "reward": r}
         for step, phase, r in ((0, "base", 0.0), (2, "grpo", float("nan")))
     ]
-    folder = _catalog(
-        tmp_path,
-        {
-            "rollouts": [r for r, _ in rows],
-            "rewards": [w for _, w in rows],
-            "steps": [{"run": RUN, "step": s, "kl": kl} for s, kl in enumerate(kls)],
-            "evals": evals,
-        },
-    )
+    steps = [{"run": RUN, "step": s, "kl": kl} for s, kl in enumerate(kls)]
+    folder = _rollouts_catalog(tmp_path, rows, steps, evals=evals)
     figures = _figures(folder)
-    assert figures[("kl_jump", 3)] == pytest.approx(0.02 / 0.02) and figures[("kl_jump", 4)] == pytest.approx(
-        0.03 / 0.02
-    )
+    assert figures[("kl_jump", 3)] == pytest.approx(1.0)  # 0.02 after at most 0.02 (the NaN left out)
+    assert figures[("kl_jump", 4)] == pytest.approx(1.5)
     assert ("kl_jump", 2) not in figures
     assert math.isnan(figures[("heldout_gap", 1)])
     assert [e.monitor for e in tripped(folder / "catalog.duckdb", 1, MonitorsConfig(heldout_gap=0.5))] == []
