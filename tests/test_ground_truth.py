@@ -120,6 +120,9 @@ def test_an_empty_box_is_wrong_not_an_error():
         (r"\boxed{2.5E-05}", "0.000025", 1.0),
         (r"\boxed{1e-05}", "e - 5", 0.0),
         (r"\boxed{10000000000000000}", "1e+16", 1.0),
+        ("The answer is 1e5.", "100000", 1.0),  # a sentence's last number, its period after it
+        (r"\boxed{10 20 300}", "10 20300", 0.0),  # a list of numbers is not one number in groups
+        (r"\boxed{a_1 100}", "a_1100", 0.0),
     ],
 )
 def test_numbers_as_a_person_writes_them(response, truth, score):
@@ -131,6 +134,15 @@ def test_a_response_cut_off_in_its_last_box_has_no_answer_not_an_earlier_one():
     verdict = verify(cut, "13")
     assert (verdict.score, verdict.method, verdict.extracted) == (0.0, "no_answer", None)
     assert verify(cut + "4}", "14").score == 1.0
+
+
+@pytest.mark.parametrize(
+    "response, truth",
+    [(r"2\pi", r"2\pi"), ("(1, 2)", "(1,2)"), ("2, 3", "2,3"), (r"3\sqrt{2}", r"3\sqrt{2}"), ("(2, -1)", "(2,-1)")],
+)
+def test_a_bare_unboxed_answer_is_still_read_as_math(response, truth):
+    """Read as a sentence alone, `2\\pi` is its last number, 2: a response is right when either reading is."""
+    assert verify(response, truth).score == 1.0
 
 
 @pytest.mark.parametrize("ending", ["", ".", "!"])
@@ -161,3 +173,43 @@ def test_an_answer_math_verify_cannot_finish_falls_back_within_its_time_limit():
         verifier.close()
     verdict = verify(r"\boxed{-\$5}", "-5")  # the normalised match drops an escaped dollar too
     assert verdict.score == 1.0
+
+
+def test_a_fork_made_while_another_thread_compares_gets_a_verifier_of_its_own():
+    """The forked copy held the lock taken and waited for good on the parent's comparison."""
+    import os
+    import threading
+    import time
+
+    from refiner_core.reward.math_verify_worker import MathVerifier
+
+    verifier = MathVerifier(limit=3)
+    try:
+        slow = threading.Thread(target=verifier.decide, args=(r"$10^{10^{10}}$", "$10$"))
+        slow.start()
+        time.sleep(0.5)  # inside the slow comparison, holding the lock
+        pid = os.fork()
+        if pid == 0:  # the forked copy: one comparison of its own, then out
+            signal_alarm = __import__("signal").alarm
+            signal_alarm(20)
+            os._exit(0 if verifier.decide("$1$", "$1$") == (True, None) else 1)
+        _, status = os.waitpid(pid, 0)
+        slow.join()
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        verifier.close()
+
+
+def test_a_line_a_library_prints_in_the_child_is_not_taken_for_a_reply():
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import refiner_core.reward.math_verify_worker as w; decide = w.decide; "
+        "w.decide = lambda t, g: (print('noise'), decide(t, g))[1]; w.serve(5)"
+    )
+    request = json.dumps({"target": "$0.5$", "gold": "$\\frac{1}{2}$"}) + "\n"
+    done = subprocess.run([sys.executable, "-c", script], input=request, capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == [json.dumps({"decided": True, "detail": None})]
+    assert "noise" in done.stderr

@@ -239,3 +239,4 @@ def test_served_name_carries_the_checkpoint_content_hash(tmp_path):
     for throughput in (["--max-num-seqs", "8"], ["--max-num-batched-tokens=4096", "--disable-log-requests"]):
         assert served_model_name(a, "judge", throughput) == served_model_name(a, "judge")
     assert served_model_name(a, "judge", ["--max-num-seqs", "8", "--reasoning-parser", "qwen3"]) == parsed
+    assert served_model_name(a, "judge", ["--disable-log-stats", "-q"]) != served_model_name(a, "judge")  # -q counts

@@ -27,6 +27,8 @@ from refiner_core.reward.verifiers import make_verifier, verdict_columns
         # shortcut counted "(1,2)" 3 votes and gave the two "[1,2]" voters reward 0)
         (["(1,2)", "[1,2]", "[1,2]", "(3,4)", "(3,4)"], Vote("[1,2]", 2, 5, True)),
         (["1\\,000", "0", "0", "1\\,000", "1000"], Vote("1\\,000", 3, 5, False)),  # 1\,000 is 1000, not 1 x 0
+        (["2\\pi", "2\\pi", "4", "2\\pi"], Vote("2\\pi", 3, 4, False)),  # LaTeX votes: the same answer as written
+        (["(1, 2)", "(1,2)", "3"], Vote("(1, 2)", 2, 3, False)),
         ([None, None], Vote(None, 0, 0, False)),  # no vote: empty label
         ([], Vote(None, 0, 0, False)),
     ],
@@ -204,3 +206,9 @@ def test_max_prompts_takes_or_leaves_a_twin_pair_whole(tiny_tokenizer):
         assert [p["prompt_id"] for p in capped] == ids[:kept], cap
     plain = [dict(p, twin_id=None) for p in prompts]
     assert cap_prompts(plain, 3) == plain[:3]
+
+
+def test_a_box_that_equals_its_label_and_the_truth_as_latex_is_rewarded():
+    """A box's content is an answer, not a response to find an answer in: read as a sentence, `2\\pi` was 2."""
+    verdict = verdict_against_label(r"So the area is \boxed{2\pi}", Vote("2\\pi", 3, 4, False), "twin", "2\\pi")
+    assert (verdict.score, verdict.correct, verdict.label_correct) == (1.0, 1.0, 1.0)

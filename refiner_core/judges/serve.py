@@ -105,19 +105,19 @@ def server_command(
     return cmd + list(extra or [])
 
 
-# vLLM server arguments that set how much it serves at once or what it logs, never what it replies
-THROUGHPUT_ARGS = ("--max-num-seqs", "--max-num-batched-tokens", "--disable-log-requests", "--disable-log-stats")
+# vLLM server arguments that set how much it serves at once or what it logs, never what it replies: those that take
+# a value, and flags
+THROUGHPUT_SETTINGS = ("--max-num-seqs", "--max-num-batched-tokens")
+THROUGHPUT_FLAGS = ("--disable-log-requests", "--disable-log-stats")
 
 
 def reply_args(serve_args: list[str]) -> list[str]:
-    """The server arguments that may change its replies: all but THROUGHPUT_ARGS (and their values)."""
-    kept, skip_value = [], False
-    for arg in map(str, serve_args):
-        if skip_value and not arg.startswith("--"):
-            skip_value = False
-            continue
-        skip_value = arg in THROUGHPUT_ARGS  # `--flag value`; `--flag=value` is one argument
-        if not skip_value and arg.split("=", 1)[0] not in THROUGHPUT_ARGS:
+    """The server arguments that may change its replies: all but the throughput ones (and their values)."""
+    kept, args = [], iter(map(str, serve_args))
+    for arg in args:
+        if arg in THROUGHPUT_SETTINGS:
+            next(args, None)  # `--flag value`
+        elif arg.split("=", 1)[0] not in (*THROUGHPUT_SETTINGS, *THROUGHPUT_FLAGS):
             kept.append(arg)
     return kept
 

@@ -14,6 +14,7 @@ import atexit
 import re
 import string
 from dataclasses import dataclass
+from decimal import Decimal
 
 from refiner_core.reward.math_verify_worker import MathVerifier
 
@@ -84,36 +85,42 @@ def answer_text(row: dict) -> str:
 
 
 def verify(response: str, truth: str) -> Verdict:
+    """A response's final answer against the truth."""
     answer, whole = _final_answer(response)
     if answer is None:
         return Verdict(0.0, None, "no_answer")
-    # a bare answer is wrapped as math; a whole response goes as it is first, for math-verify to find its last
-    # expression (wrapped, a sentence reads as one product of letters, and "ends with 14" would differ from "ends
-    # with 14."), then wrapped (a bare `(1,2)`, which it finds in no sentence)
+    return match(answer, truth, whole)
+
+
+def match(answer: str, truth: str, sentence: bool = False) -> Verdict:
+    """An answer (a box's content, a label) against the truth. A bare answer is read as math; a `sentence` (a whole
+    response: no box, no <answer>) also as it is, for math-verify to find its last expression (read as math alone,
+    "ends with 14" is one product of letters, and differs from "ends with 14."), and it is right when either
+    reading is."""
     written, gold = _as_written(answer), _as_math(_as_written(truth))
-    for target in [written, _as_math(written)] if whole else [_as_math(written)]:
-        decided, detail = _MATH_VERIFY.decide(target, gold)
-        if decided is not None:
-            break
-    if decided is not None:
-        return Verdict(1.0 if decided else 0.0, answer, "math_verify")
+    verdicts = [_MATH_VERIFY.decide(target, gold) for target in ([written] if sentence else []) + [_as_math(written)]]
+    decided = [d for d, _ in verdicts if d is not None]
+    if decided:
+        return Verdict(1.0 if any(decided) else 0.0, answer, "math_verify")
+    detail = verdicts[-1][1]
     return Verdict(1.0 if normalize(answer) == normalize(truth) else 0.0, answer, "normalized_match", detail)
 
 
 _MATH_VERIFY = MathVerifier()
 atexit.register(_MATH_VERIFY.close)
 
-# a thin space, a control space or a plain one between digit groups (`1\\,000`, `12 345`): math-verify reads
-# `1\\,000` as 1 x 0
-_DIGIT_GROUP = re.compile(r"(?<=\d)(?:\\,|\\ |\\;|\\!|~| |\u2009|\u202f)(?=\d{3}(?!\d))")
-# 1e-05, 2.5E+3: math-verify reads the e as Euler's number
-_SCIENTIFIC = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")
+_SEPARATOR = r"(?:\\,|\\ |\\;|\\!|~| |\u2009|\u202f)"
+# A number written in groups of three (`1\\,000`, `12 345 678`; math-verify reads `1\\,000` as 1 x 0), not part of
+# a longer list of numbers (`10 20 300`), a subscript (`a_1 100`) or a decimal
+_DIGIT_GROUPS = re.compile(rf"(?<![\w.,])(?<!\d )(?<!\d,)\d{{1,3}}(?:{_SEPARATOR}\d{{3}})+(?!\d)")
+# 1e-05, 2.5E+3 (a JSON number's text): math-verify reads the e as Euler's number; exponents a float can hold
+_SCIENTIFIC = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d{1,3})(?!\w|\.\d)")
 
 
 def _as_written(text: str) -> str:
-    """Numbers as a person reads them: digit groups joined, scientific notation as a power of ten."""
-    text = _DIGIT_GROUP.sub("", text)
-    return _SCIENTIFIC.sub(lambda m: f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}", text)
+    """Numbers as a person reads them: digit groups joined, scientific notation as the decimal it stands for."""
+    text = _DIGIT_GROUPS.sub(lambda m: re.sub(_SEPARATOR, "", m.group(0)), text)
+    return _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), text)
 
 
 def _as_math(text: str) -> str:

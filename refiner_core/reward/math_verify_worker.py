@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 
 LIMIT_SECONDS = 10  # one comparison; ordinary answers take milliseconds
 
@@ -44,13 +45,14 @@ def serve(limit: int) -> None:
     """The child's loop: one {"target", "gold"} line in, one {"decided", "detail"} line out."""
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the kernel ends the process at the alarm, whatever it runs
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" warning: this alarm is it
+    replies, sys.stdout = sys.stdout, sys.stderr  # a library's print() must not come between the replies
     for line in sys.stdin:
         request = json.loads(line)
         signal.alarm(limit)
         decided, detail = decide(request["target"], request["gold"])
         signal.alarm(0)
-        sys.stdout.write(json.dumps({"decided": decided, "detail": detail}) + "\n")
-        sys.stdout.flush()
+        replies.write(json.dumps({"decided": decided, "detail": detail}) + "\n")
+        replies.flush()
 
 
 class MathVerifier:
@@ -61,6 +63,13 @@ class MathVerifier:
         self._proc: subprocess.Popen | None = None
         self._owner = 0  # the pid that started the child: a forked copy of this object starts its own
         self._lock = threading.Lock()
+        mine = weakref.ref(self)
+        # a fork made while another thread compares holds this lock taken: the forked copy gets a free one
+        os.register_at_fork(after_in_child=lambda: (me := mine()) is not None and me._forget_parents_child())
+
+    def _forget_parents_child(self) -> None:
+        self._lock = threading.Lock()
+        self._proc = None  # the parent's: left to it
 
     def decide(self, target: str, gold: str) -> tuple[bool | None, str | None]:
         with self._lock:
@@ -72,10 +81,14 @@ class MathVerifier:
                 line = proc.stdout.readline() if ready else ""
             except OSError:  # the child ended while being written to
                 line = ""
-            if not line:
+            try:
+                reply = json.loads(line) if line else None
+            except json.JSONDecodeError:
+                reply = None
+            if reply is None:
                 self.close()
-                return None, f"math-verify gave no verdict within {self.limit} s (stopped)"
-            reply = json.loads(line)
+                why = f"no verdict within {self.limit} s" if not line else f"a reply that is no verdict: {line[:80]!r}"
+                return None, f"math-verify gave {why} (stopped)"
             return reply["decided"], reply["detail"]
 
     def _child(self) -> subprocess.Popen:

@@ -2,7 +2,7 @@
 source give, and a rollout is rewarded for matching it, with no ground truth involved.
 
 - A vote is the content of a response's last `\\boxed{}`; a response without one casts no vote.
-- Votes are counted by the equivalence a rollout is later matched to its label with (ground_truth.verify:
+- Votes are counted by the equivalence a rollout is later matched to its label with (ground_truth.match:
   math-verify where it reads both, else the same normalised text), so `14`, `14.0` and `$14$` are one answer, and
   so are `0.5` and `\\frac{1}{2}`, while `(1,2)` and `[1,2]` are two. A vote joins the first answer it equals, in
   voting order; the label is the first-cast text of the winner.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refiner_core.reward.ground_truth import Verdict, answer_text, last_boxed, normalize, verify
+from refiner_core.reward.ground_truth import Verdict, answer_text, last_boxed, match, normalize, verify
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def majority_vote(votes: list[str | None]) -> Vote:
 def same_answer(vote: str, other: str) -> bool:
     """Whether a vote is the answer `other` (a label as first cast): as a rollout is matched to its label. A
     normalised-text shortcut took `(1,2)` for `[1,2]`, which the match then told apart."""
-    return verify(vote, other).score == 1.0
+    return match(vote, other).score == 1.0
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ def verdict_against_label(response: str, vote: Vote, source: str, truth: str | N
     elif answer is None:
         score, method, detail = 0.0, "no_answer", None
     else:
-        match = verify(answer, vote.label)
-        score, method, detail = match.score, match.method, match.detail
+        matched = match(answer, vote.label)
+        score, method, detail = matched.score, matched.method, matched.detail
     return LabelledVerdict(
         score=score,
         extracted=answer,
@@ -91,7 +91,7 @@ def verdict_against_label(response: str, vote: Vote, source: str, truth: str | N
         label_votes=vote.votes,
         label_voters=vote.voters,
         label_tied=vote.tied,
-        label_correct=None if truth is None or vote.label is None else verify(vote.label, truth).score,
+        label_correct=None if truth is None or vote.label is None else match(vote.label, truth).score,
     )
 
 
