@@ -1,11 +1,11 @@
 """Ground-truth verification: the final answer of a response against a reference answer.
 
 The answer is the last `\\boxed{...}` (nested braces kept), else the text inside `<answer>...</answer>`, else the
-whole response (math-verify reads its last expression; a response whose last box is unclosed has no answer, not an
-earlier box's). Equivalence by math-verify where it parses both sides (`0.5` = `\\frac{1}{2}`) within its time
-limit (math_verify_worker), else by a normalised string match; the method used is recorded with every verdict, so a
-fallback is never silent. Both sides are read as a person writes numbers: digit groups (`1\\,000`, `1 000`) and
-scientific notation (`1e-05`: a JSON number's text) as the number they stand for.
+whole response (read for its last expression and as one expression: `match`); a response whose last box is
+unclosed has no answer, not an earlier box's. Equivalence by math-verify where it parses both sides (`0.5` =
+`\\frac{1}{2}`) within its time limit (math_verify_worker), else by a normalised string match; the method used is
+recorded with every verdict, so a fallback is never silent. Both sides are read as a person writes numbers: digit
+groups (`1\\,000`, `1 000`) and scientific notation (`1e-05`: a JSON number's text) as the number they stand for.
 """
 
 from __future__ import annotations
