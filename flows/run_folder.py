@@ -189,6 +189,10 @@ class ForkError(ValueError):
     """A fork that cannot be made as asked: nothing was written."""
 
 
+# LoRA settings a saved adapter fixes: a fork that trains on from one keeps them
+LORA_SHAPE_FIELDS = ("model.lora_rank", "model.lora_alpha", "model.lora_dropout", "model.lora_target_modules")
+
+
 def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
     """The fork of run folder `parent` at step `at` into `new` with `overrides` (--set): its resolved recipe and its
     record (refiner_core.store.forks.Fork), checked but not yet written. Raises ForkError when the parent has not
@@ -251,6 +255,13 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         f"{name}={_flag_value(cfg.to_dict(), name)}" for name in changed_settings(base, cfg) if name != "run.name"
     ]
     changed = changed_before_steps(base.to_dict(), cfg.to_dict())
+    adapters = [name for name in changed_settings(base, cfg) if name in LORA_SHAPE_FIELDS]
+    if adapters and at > 0 and not changed:
+        raise ForkError(
+            f"{', '.join(adapters)} changed: the fork trains on from the parent's policy at step {at}, and what it"
+            " trains there (full weights or adapters, their rank, scaling, dropout and modules) cannot change; fork "
+            "at 0 to train with the new settings from the start"
+        )
     notes = []
     if changed:
         notes.append(

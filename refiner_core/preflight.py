@@ -14,7 +14,7 @@ from refiner_core.algo.schedules import decays_after_warmup
 from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, GRPOConfig, RecipeConfig, checked_fields
 from refiner_core.data.rows import UTF8_BOM, parse_jsonl_line
 from refiner_core.data.sources import SourceError, cached_hub_columns, detect_format, hub_offline
-from refiner_core.models import SMOLLM2, TINY_QWEN3
+from refiner_core.models import SMOLLM2, TINY_QWEN3, checkpoint_adapter
 
 REQUIRED_REFINER = ("id", "question", "reasoning", "tool_output")
 REQUIRED_CHAT = ("id", "messages")
@@ -409,6 +409,11 @@ def check_models(cfg: RecipeConfig) -> list[str]:
         if not (path / "config.json").is_file():
             why = f"{path} has no config.json" if path.is_dir() else f"there is no folder {path}"
             problems.append(f"{where}: {spec!r} is not {TINY_QWEN3!r} or {SMOLLM2!r}, and {why}")
+        elif where == "model.policy" and cfg.model.lora_rank and checkpoint_adapter(path) is not None:
+            problems.append(
+                f"model.policy: {spec!r} holds LoRA adapters and no merged weights, and model.lora_rank trains new "
+                "adapters on the policy's own weights: start from a checkpoint saved with model.lora_save_merged=true"
+            )
     return problems
 
 

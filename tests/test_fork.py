@@ -318,6 +318,11 @@ def test_forks_that_cannot_be_made_are_refused_before_anything_runs(tmp_path):
         plan_fork(parent, tmp_path / "f", 3, ["grpo.steps=3"])
     with pytest.raises(ForkError, match="--at -1: a step is 0 or more"):
         plan_fork(parent, tmp_path / "f", -1, [])
+    # what trains at the fork step is the parent's: its adapters kept their own alpha (the fork's recipe and model
+    # card said 64), and adapters on a full-weight parent sat on the base model, not on the parent's policy
+    with pytest.raises(ForkError, match=r"model.lora_rank changed: the fork trains on from the parent's policy"):
+        plan_fork(parent, tmp_path / "f", 2, ["model.lora_rank=4"])
+    assert plan_fork(parent, tmp_path / "f", 0, ["model.lora_rank=4"])[1].at == 0
     (tmp_path / "a-file").write_text("")
     with pytest.raises(ForkError, match="a-file is a file: choose a new folder"):
         plan_fork(parent, tmp_path / "a-file", 2, [])

@@ -256,6 +256,29 @@ def test_a_vllm_engine_puts_each_adapter_on_the_base_whatever_it_was_built_from_
         learner.close()
 
 
+def test_a_run_started_from_a_lora_checkpoint_trains_new_adapters_on_it(tiny_model_path, tiny_tokenizer, tmp_path):
+    """model.policy a LoRA checkpoint saved with its merged weights: the learner's base is those weights, and the
+    checkpoint's adapter was loaded again on top of them (base + 2 x delta, KL 0.007 at the first update). Now the
+    policy starts equal to the checkpoint with fresh adapters. An adapter-only checkpoint is refused by preflight:
+    its merged weights are not in the folder for new adapters to sit on."""
+    from refiner_core.preflight import check_models
+
+    earlier = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer, lora_save_merged=True)
+    earlier.train_step(_samples(0))
+    earlier.save(tmp_path / "merged")
+    start = tmp_path / "merged"
+    learner = _lora_learner(start, start, tiny_tokenizer)
+    assert _max_diff(learner.weights(), load_model(start).state_dict()) == 0
+    assert learner.train_step(_samples(1))["kl"] == 0.0  # the policy is its reference before the update
+
+    adapter_only = _lora_learner(tiny_model_path, tiny_model_path, tiny_tokenizer)
+    adapter_only.train_step(_samples(0))
+    adapter_only.save(tmp_path / "adapter-only")
+    cfg = recipe_from_dict({"model": {"policy": str(tmp_path / "adapter-only"), "lora_rank": 4}})
+    assert "holds LoRA adapters and no merged weights" in check_models(cfg)[0]
+    assert check_models(recipe_from_dict({"model": {"policy": str(start), "lora_rank": 4}})) == []
+
+
 def test_preflight_keeps_lora_adapters_on_the_starting_policy(tiny_recipe):
     def problems_of(base: dict, model: dict, grpo: dict | None = None) -> list[str]:
         recipe = {**base, "model": {**base["model"], **model}, "grpo": {**base["grpo"], **(grpo or {})}}

@@ -23,13 +23,14 @@ from refiner_core.runtime.scratch import ram_dir
 ADAPTER_SEED = 0
 
 
-def lora_policy(base, checkpoint: str | Path, settings):
+def lora_policy(base, checkpoint: str | Path | None, settings):
     """The PEFT model training `settings.lora_*` adapters on `base` (loaded trainable=False): the adapter of
-    `checkpoint` when it holds one, else fresh adapters (B = 0: the policy starts equal to the base)."""
+    `checkpoint` (a later step of the run) when it holds one, else fresh adapters (B = 0: the policy starts equal
+    to the base)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    saved = Path(checkpoint) / ADAPTER_DIR
-    if saved.is_dir():
+    saved = Path(checkpoint) / ADAPTER_DIR if checkpoint is not None else None
+    if saved is not None and saved.is_dir():
         with LOADING_MODELS:  # one model load at a time (refiner_core.models)
             return PeftModel.from_pretrained(base, str(saved), is_trainable=True)
     config = LoraConfig(

@@ -349,7 +349,10 @@ def load_learner_models(policy_path, reference_path, dtype: str, settings, devic
         base = load_model(reference_path, dtype, device=device)
         apply_packed_attention([base], settings.packed_attention)
         recompute_activations(base, settings.gradient_checkpointing)
-        policy = lora_policy(base, policy_path, settings)
+        # at the start the policy is the base itself: fresh adapters on it, though it may hold the adapter of an
+        # earlier run (merged in by load_model; loaded again on top, it counted twice)
+        starting = Path(policy_path).resolve() == Path(reference_path).resolve()
+        policy = lora_policy(base, None if starting else policy_path, settings)
         return policy, (AdaptersOff(policy) if settings.reads_reference else None)
     policy = load_model(policy_path, dtype, trainable=True, device=device)
     reference = load_model(reference_path, dtype, device=device) if settings.reads_reference else None
