@@ -1205,7 +1205,8 @@ class EvalConfig:
     )
     prompts: int = opt(
         16,
-        "Held-out prompts evaluated: the first N of the validation split by prompt_id (0 = all).",
+        "Held-out prompts evaluated: the first N of the validation split by prompt_id, a twin pair taken or left "
+        "whole (0 = all).",
         check=NON_NEGATIVE,
     )
     greedy: bool = opt(True, "One greedy (temperature 0) response per prompt, mode 'greedy'.")

@@ -54,6 +54,17 @@ def test_held_out_prompts_are_the_validation_split_in_id_order():
     assert [p["prompt_id"] for p in held_out_prompts(rows, 2)] == ["b", "c"]
 
 
+def test_eval_prompts_keep_twin_views_together():
+    """Co-rewarding-I labels a view by its twin's votes: eval.prompts 3 cut m1 from its twin m1-r, and m1 scored 0
+    (no label) however right its answers were. A pair is taken or left whole."""
+    rows = [
+        {"prompt_id": p, "split": "validation", "twin_id": t}
+        for p, t in [("m0", "m0-r"), ("m0-r", "m0"), ("m1", "m1-r"), ("m1-r", "m1")]
+    ]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 3)] == ["m0", "m0-r"]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 4)] == ["m0", "m0-r", "m1", "m1-r"]
+
+
 def _judged(**kw):
     row = {
         "verifier": "judge",

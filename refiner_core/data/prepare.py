@@ -217,7 +217,7 @@ def cap_prompts(prompts: list[dict], max_prompts: int) -> list[dict]:
     for p in prompts:
         if p["prompt_id"] in kept:
             continue
-        unit = {p["prompt_id"], p["twin_id"]} - {None}
+        unit = {p["prompt_id"], p.get("twin_id")} - {None}
         if len(kept) + len(unit) > max_prompts:
             break
         kept |= unit

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from math import comb
 
 from refiner_core.config import EvalConfig
+from refiner_core.data.prepare import cap_prompts
 from refiner_core.rollout.base import RolloutEngine, SamplingParams
 
 PHASES = ("base", "sft", "grpo")
@@ -100,10 +101,11 @@ def eval_steps(total_steps: int, every: int) -> list[int]:
 
 
 def held_out_prompts(prompt_rows: list[dict], limit: int) -> list[dict]:
-    """The validation split in prompt_id order, the first `limit` of it (0 = all): the same prompts at every
-    evaluation of a run, and never trained on."""
+    """The validation split in prompt_id order, the first `limit` of it (0 = all), a twin pair taken or left whole
+    (Co-rewarding-I: a view without its twin has no label, and would score 0): the same prompts at every evaluation
+    of a run, and never trained on."""
     held_out = sorted((p for p in prompt_rows if p["split"] == "validation"), key=lambda p: p["prompt_id"])
-    return held_out[:limit] if limit else held_out
+    return cap_prompts(held_out, limit)
 
 
 def generate_responses(engine: RolloutEngine, prompts: list[dict], settings: EvalSettings, seed: int) -> list[dict]:
