@@ -133,6 +133,43 @@ def test_summary_by_hand():
     assert table[1].split()[6:8] == ["-", "-"]  # no labelled prompt answered greedily
 
 
+def test_answers_whose_judgments_all_failed_are_no_score_in_the_summary():
+    """judge.on_failure skip: an answer whose every judgment failed is `dropped` with rubric score 0 and reward
+    format-only; averaged in, a judge outage read as a worse policy (judge score 0.333 for 0.5). Left out of the
+    score, reward and pass means; a mode with no scored answer shows '-'."""
+    base = {"step": 1, "phase": "grpo", "mode": "sampled", "verifier": "judge", "format_ok": True}
+    base |= {"citation_valid_fraction": 1.0, "finish_reason": "stop", "cites_distractor": None}
+    rows = [
+        {**base, "prompt_id": "p", "sample_idx": 0, "rubric_score": 0.5, "reward": 7.0, "passed": True},
+        {**base, "prompt_id": "p", "sample_idx": 1, "rubric_score": 0.5, "reward": 7.0, "passed": False},
+        {
+            **base,
+            "prompt_id": "q",
+            "sample_idx": 0,
+            "rubric_score": 0.0,
+            "reward": 2.0,
+            "passed": False,
+            "dropped": True,
+        },
+        {
+            **base,
+            "prompt_id": "q",
+            "sample_idx": 1,
+            "rubric_score": 0.0,
+            "reward": 2.0,
+            "passed": False,
+            "dropped": True,
+        },
+    ]
+    [summary] = summarize(rows, pass_k=2)
+    assert (summary["prompts"], summary["responses"]) == (2, 4)
+    assert (summary["judge_score"], summary["reward"]) == (0.5, 7.0)
+    assert (summary["pass_at_1"], summary["pass_at_k"], summary["k"]) == (0.5, 1.0, 2)  # over p alone
+    [failed] = summarize([{**r, "dropped": True} for r in rows], pass_k=2)
+    assert failed["judge_score"] is failed["reward"] is failed["pass_at_1"] is failed["pass_at_k"] is None
+    assert format_table([failed]).splitlines()[1].split()[8:12] == ["-", "-", "100%", "-"]
+
+
 def _eval_states(flow_run_id) -> list[tuple[str, str]]:
     """(task run name, state name) of every eval task run of a flow run, in start order."""
     from prefect.client.orchestration import get_client

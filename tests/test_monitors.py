@@ -255,6 +255,21 @@ def test_a_nan_figure_never_trips_and_a_nan_kl_is_no_largest_one(tmp_path):
     assert [e.monitor for e in tripped(folder / "catalog.duckdb", 1, MonitorsConfig(heldout_gap=0.5))] == []
 
 
+def test_heldout_gap_leaves_out_answers_whose_judgments_all_failed(tmp_path):
+    """Training reward 5 -> 6 (step 0's std 0.707); held-out 5 before and, after the update, 5 for one answer while
+    the other, all its judgments failed (judge.on_failure skip: dropped), has the format part alone, 1. Counted,
+    the held-out reward fell to 3 and the gap read (1 + 2) / 0.707 = 4.2; it is (1 - 0) / 0.707 = 1.4."""
+    rewards = {0: [4.0, 5.0, 6.0, 5.0], 1: [5.0, 6.0, 7.0, 6.0]}
+    rows = [_rollout(step, i, r, [1, 2, 3, 4], -1.0) for step, rs in rewards.items() for i, r in enumerate(rs)]
+    evals = [
+        {"run": RUN, "step": s, "phase": "grpo" if s else "base", "mode": "greedy", "prompt_id": p, "sample_idx": 0,
+         "reward": r, "dropped": d}
+        for s, p, r, d in ((0, "h", 5.0, False), (0, "k", 5.0, False), (2, "h", 5.0, False), (2, "k", 1.0, True))
+    ]  # fmt: skip
+    figures = _figures(_rollouts_catalog(tmp_path, rows, steps=2, evals=evals))
+    assert figures[("heldout_gap", 1)] == pytest.approx(1.0 / math.sqrt(0.5))
+
+
 _FLOW_RUNS: list = []
 
 

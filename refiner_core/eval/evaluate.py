@@ -167,31 +167,34 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
         groups.setdefault((r["step"], PHASES.index(r["phase"]), r["phase"], r["mode"]), []).append(r)
     summary = []
     for (step, _, phase, mode), group in sorted(groups.items()):
+        # a response whose judgments all failed under judge.on_failure skip/drop has no score: left out of the
+        # score, reward and pass means, as out of an update (a judge outage is not a worse policy)
+        scored = [r for r in group if not r.get("dropped")]
         by_prompt: dict[str, list[bool]] = {}
-        for r in group:
+        for r in scored:
             by_prompt.setdefault(r["prompt_id"], []).append(bool(r["passed"]))
         n = len(group)
         labeled = [r["cites_distractor"] for r in group if r.get("cites_distractor") is not None]
         recalls = [r["supporting_recall"] for r in group if r.get("supporting_recall") is not None]
-        k = min(pass_k, *(len(v) for v in by_prompt.values())) if pass_k else 1
+        k = min(pass_k, *(len(v) for v in by_prompt.values())) if pass_k and by_prompt else 1
         summary.append(
             {
                 "step": step,
                 "phase": phase,
                 "mode": mode,
-                "prompts": len(by_prompt),
+                "prompts": len({r["prompt_id"] for r in group}),
                 "responses": n,
                 "format_valid": sum(bool(r["format_ok"]) for r in group) / n,
                 "citation_valid": sum(citation_validity(r) for r in group) / n,
                 # Among responses to prompts that label their supporting snippets; None when none do.
                 "cites_distractor": sum(labeled) / len(labeled) if labeled else None,
                 "supporting_recall": _mean(recalls),
-                "judge_score": _mean([r["rubric_score"] for r in group if r["verifier"] == "judge"]),
-                "reward": sum(r["reward"] for r in group) / n,
+                "judge_score": _mean([r["rubric_score"] for r in scored if r["verifier"] == "judge"]),
+                "reward": _mean([r["reward"] for r in scored]),
                 "stopped": sum(r["finish_reason"] == "stop" for r in group) / n,
-                "pass_at_1": sum(pass_at_k(len(v), sum(v), 1) for v in by_prompt.values()) / len(by_prompt),
+                "pass_at_1": _mean([pass_at_k(len(v), sum(v), 1) for v in by_prompt.values()]),
                 "k": k,
-                "pass_at_k": sum(pass_at_k(len(v), sum(v), k) for v in by_prompt.values()) / len(by_prompt),
+                "pass_at_k": _mean([pass_at_k(len(v), sum(v), k) for v in by_prompt.values()]),
                 **answer_summary(group),
             }
         )
@@ -271,10 +274,10 @@ def eval_table(summary: list[dict]) -> tuple[list[str], list[list[str]]]:
                 "-" if s["judge_score"] is None else f"{s['judge_score']:.3f}",
             ]
         cells += [
-            f"{s['reward']:.2f}",
+            "-" if s["reward"] is None else f"{s['reward']:.2f}",
             answer_cell(s.get("stopped"), True),
-            f"{s['pass_at_1']:.0%}",
-            f"{s['pass_at_k']:.0%} (k={s['k']})",
+            answer_cell(s["pass_at_1"], True),
+            "-" if s["pass_at_k"] is None else f"{s['pass_at_k']:.0%} (k={s['k']})",
             *(answer_cell(s.get(key), rate) for _, key, rate in extra),
         ]
         rows.append(cells)

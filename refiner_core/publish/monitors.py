@@ -130,7 +130,9 @@ FROM gains
 """,
     "heldout_gap": """
 WITH held AS (
-  SELECT run, step, avg(reward) AS heldout FROM evals WHERE mode = 'greedy' GROUP BY run, step, phase
+  -- an answer whose judgments all failed (judge.on_failure skip/drop) has no reward to compare
+  SELECT run, step, avg(reward) FILTER (WHERE NOT coalesce(dropped, false)) AS heldout
+  FROM evals WHERE mode = 'greedy' GROUP BY run, step, phase
   QUALIFY row_number() OVER (PARTITION BY run, step ORDER BY CASE phase WHEN 'base' THEN 1 ELSE 0 END) = 1
 ), train AS (
   SELECT run, step, reward_mean, first_value(reward_mean) OVER w AS reward0, first_value(reward_std) OVER w AS std0
