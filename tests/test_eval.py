@@ -133,6 +133,39 @@ def test_summary_by_hand():
     assert table[1].split()[6:8] == ["-", "-"]  # no labelled prompt answered greedily
 
 
+def test_co_rewarding_2_held_out_answers_have_no_reward_but_their_accuracy():
+    """The EMA teacher answers the step's training prompts only: a held-out answer has no label, and its reward
+    read 0 whatever it answered (the table's reward a constant 0, heldout_gap blind). It is NULL now; `passed` and
+    accuracy come from the ground truth."""
+    from refiner_core.config import RewardConfig
+    from refiner_core.eval.evaluate import score_responses
+
+    prompts = {
+        f"q{i}": {"prompt_id": f"q{i}", "question": f"What is {i} + 1?", "snippet_ids": [], "ground_truth": str(i + 1)}
+        for i in range(2)
+    }
+    responses = [
+        {"mode": "greedy", "prompt_id": pid, "sample_idx": 0, "temperature": 0.0, "response_token_ids": [1],
+         "response_logprobs": [0.0], "response_text": f"So \\boxed{{{answer}}}", "response_tokens": 4,
+         "finish_reason": "stop", "max_new_tokens": 32}
+        for pid, answer in (("q0", 1), ("q1", 5))
+    ]  # fmt: skip
+    rows = {
+        verifier: score_responses(
+            responses, prompts, {}, None, RewardConfig(verifier=verifier), "zero", 2000, run="r", step=0,
+            phase="base", policy={"path": "p", "hash": "h"}, pass_rubric_score=0.5,
+        )
+        for verifier in ("ground_truth", "co_rewarding_teacher")
+    }  # fmt: skip
+    assert [r["reward"] for r in rows["ground_truth"]] == [10.0, 0.0]  # reward.verification_reward 10
+    assert [(r["reward"], r["passed"], r["correct"]) for r in rows["co_rewarding_teacher"]] == [
+        (None, True, 1.0),
+        (None, False, 0.0),
+    ]
+    [summary] = summarize(rows["co_rewarding_teacher"], pass_k=1)
+    assert (summary["reward"], summary["accuracy"], summary["pass_at_1"]) == (None, 0.5, 0.5)
+
+
 def test_answers_whose_judgments_all_failed_are_no_score_in_the_summary():
     """judge.on_failure skip: an answer whose every judgment failed is `dropped` with rubric score 0 and reward
     format-only; averaged in, a judge outage read as a worse policy (judge score 0.333 for 0.5). Left out of the

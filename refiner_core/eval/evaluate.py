@@ -190,7 +190,7 @@ def summarize(rows: list[dict], pass_k: int) -> list[dict]:
                 "cites_distractor": sum(labeled) / len(labeled) if labeled else None,
                 "supporting_recall": _mean(recalls),
                 "judge_score": _mean([r["rubric_score"] for r in scored if r["verifier"] == "judge"]),
-                "reward": _mean([r["reward"] for r in scored]),
+                "reward": _mean([r["reward"] for r in scored if r["reward"] is not None]),
                 "stopped": sum(r["finish_reason"] == "stop" for r in group) / n,
                 "pass_at_1": _mean([pass_at_k(len(v), sum(v), 1) for v in by_prompt.values()]),
                 "k": k,
@@ -358,5 +358,13 @@ def score_responses(
                 **{name: r.get(name) for name in AGENT_COLUMNS},
             }
             row.update({name: parts[name] for name in EVALS.column_names if name not in row})
+            if weights.verifier in LABELLED_BY_ROLLOUTS_NOT_EVALUATED:
+                row["reward"] = None
             rows.append(row)
     return rows
+
+
+# Verifiers whose labels come from rollouts an evaluation does not sample: Co-rewarding-II's EMA teacher answers the
+# step's training prompts only, so a held-out answer has no label and no reward (NULL; its `correct` against the
+# ground truth, where the row has one, is the held-out figure), not the 0 of an empty label.
+LABELLED_BY_ROLLOUTS_NOT_EVALUATED = ("co_rewarding_teacher",)
