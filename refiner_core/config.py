@@ -186,7 +186,7 @@ class ModelConfig:
     lora_target_modules: list[str] = opt(
         ["all-linear"],
         "Modules that get adapters: ['all-linear'] (every linear layer "
-        "but the output layer) or module names, e.g. [q_proj, v_proj].",
+        "but the output layer) or module names, e.g. [q_proj, v_proj]; not the embeddings or the output layer.",
         read_by=("lora",),
     )
     lora_save_merged: bool = opt(

@@ -218,6 +218,13 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "grpo.compile_layers compiles the torch learner's full-weight policy: set grpo.learner=torch and "
             "model.lora_rank=0, or grpo.compile_layers=false"
         )
+    embedding_targets = [m for m in cfg.model.lora_target_modules if m in ("embed_tokens", "lm_head", "wte")]
+    if cfg.model.lora_rank and embedding_targets:
+        problems.append(
+            f"model.lora_target_modules {embedding_targets}: adapters on the embeddings or the output layer (tied to "
+            "each other in these models) are not merged or exported correctly; target linear layers: "
+            "['all-linear'] or names such as [q_proj, v_proj]"
+        )
     if cfg.model.lora_rank and cfg.model.reference:
         problems.append(
             "model.lora_rank with model.reference set: the adapters sit on the starting policy, which "

@@ -82,7 +82,8 @@ def merged_state_dict(policy, state: dict | None = None) -> dict[str, torch.Tens
         if ".lora_" in key:
             continue
         key = key.replace(".base_layer.", ".")
-        merged[key] = (tensor + deltas[key].to(tensor.dtype)) if key in deltas else tensor.detach()
+        # summed in fp32 and rounded once, as PEFT's merge: a bf16 delta added in bf16 rounded twice (1 ulp off)
+        merged[key] = (tensor.float() + deltas[key].float()).to(tensor.dtype) if key in deltas else tensor.detach()
     return merged
 
 
