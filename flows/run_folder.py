@@ -251,11 +251,10 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         raise ForkError(f"{new} is a file: choose a new folder")
     if existing is None and new.exists() and any(new.iterdir()):
         raise ForkError(f"{new} exists and holds another run: choose a new folder")
-    settings = [
-        f"{name}={_flag_value(cfg.to_dict(), name)}" for name in changed_settings(base, cfg) if name != "run.name"
-    ]
+    changed_names = changed_settings(base, cfg)
+    settings = [f"{name}={_flag_value(cfg.to_dict(), name)}" for name in changed_names if name != "run.name"]
     changed = changed_before_steps(base.to_dict(), cfg.to_dict())
-    adapters = [name for name in changed_settings(base, cfg) if name in LORA_SHAPE_FIELDS]
+    adapters = [name for name in changed_names if name in LORA_SHAPE_FIELDS]
     if adapters and at > 0 and not changed:
         raise ForkError(
             f"{', '.join(adapters)} changed: the fork trains on from the parent's policy at step {at}, and what it"

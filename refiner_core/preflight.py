@@ -75,13 +75,13 @@ def check_recipe(cfg: RecipeConfig) -> list[str]:
         problems += check_source("rubrics", cfg.rubrics.path, "auto", cfg.rubrics.fields, "train", RUBRIC_FIELDS)
     if not cfg.rubrics.instance_rubrics_only and not resolve(cfg.rubrics.static_rubrics).is_file():
         problems.append(f"rubrics.static_rubrics: {_shown(cfg.rubrics.static_rubrics)} does not exist")
+    from refiner_core.publish.run_sql import CatalogError, catalog_path  # DuckDB: only when a recipe is checked
+
     for where, folders in (
         ("data.skip_solved_from", cfg.data.skip_solved_from),
         ("data.weights_from", cfg.data.weights_from),
     ):
         for folder in folders:
-            from refiner_core.publish.run_sql import CatalogError, catalog_path
-
             try:
                 catalog_path(resolve(folder))
             except CatalogError:

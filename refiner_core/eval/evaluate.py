@@ -298,6 +298,12 @@ def markdown_table(summary: list[dict]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+# Verifiers whose labels come from rollouts an evaluation does not sample: Co-rewarding-II's EMA teacher answers the
+# step's training prompts only, so a held-out answer has no label and no reward (NULL; its `correct` against the
+# ground truth, where the row has one, is the held-out figure), not the 0 of an empty label.
+LABELLED_BY_ROLLOUTS_NOT_EVALUATED = ("co_rewarding_teacher",)
+
+
 def score_responses(
     responses: list[dict],
     prompts_by_id: dict[str, dict],
@@ -362,9 +368,3 @@ def score_responses(
                 row["reward"] = None
             rows.append(row)
     return rows
-
-
-# Verifiers whose labels come from rollouts an evaluation does not sample: Co-rewarding-II's EMA teacher answers the
-# step's training prompts only, so a held-out answer has no label and no reward (NULL; its `correct` against the
-# ground truth, where the row has one, is the held-out figure), not the 0 of an empty label.
-LABELLED_BY_ROLLOUTS_NOT_EVALUATED = ("co_rewarding_teacher",)

@@ -98,11 +98,14 @@ def match(answer: str, truth: str, sentence: bool = False) -> Verdict:
     "ends with 14" is one product of letters, and differs from "ends with 14."), and it is right when either
     reading is."""
     written, gold = _as_written(answer), _as_math(_as_written(truth))
-    verdicts = [_MATH_VERIFY.decide(target, gold) for target in ([written] if sentence else []) + [_as_math(written)]]
-    decided = [d for d, _ in verdicts if d is not None]
+    decided = False  # some reading parsed and differs
+    for target in ([written] if sentence else []) + [_as_math(written)]:
+        verdict, detail = _MATH_VERIFY.decide(target, gold)
+        if verdict:  # one reading right is enough: the other is not asked
+            return Verdict(1.0, answer, "math_verify")
+        decided |= verdict is not None
     if decided:
-        return Verdict(1.0 if any(decided) else 0.0, answer, "math_verify")
-    detail = verdicts[-1][1]
+        return Verdict(0.0, answer, "math_verify")
     return Verdict(1.0 if normalize(answer) == normalize(truth) else 0.0, answer, "normalized_match", detail)
 
 

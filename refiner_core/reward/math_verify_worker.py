@@ -61,10 +61,10 @@ class MathVerifier:
     def __init__(self, limit: int = LIMIT_SECONDS):
         self.limit = limit
         self._proc: subprocess.Popen | None = None
-        self._owner = 0  # the pid that started the child: a forked copy of this object starts its own
         self._lock = threading.Lock()
         mine = weakref.ref(self)
-        # a fork made while another thread compares holds this lock taken: the forked copy gets a free one
+        # a forked copy starts a child of its own, with a free lock (a fork made while another thread compares
+        # holds this one taken)
         os.register_at_fork(after_in_child=lambda: (me := mine()) is not None and me._forget_parents_child())
 
     def _forget_parents_child(self) -> None:
@@ -92,9 +92,8 @@ class MathVerifier:
             return reply["decided"], reply["detail"]
 
     def _child(self) -> subprocess.Popen:
-        if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
-            if self._owner == os.getpid():
-                self.close()
+        if self._proc is None or self._proc.poll() is not None:
+            self.close()
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(self.limit)],
                 stdin=subprocess.PIPE,
@@ -102,7 +101,6 @@ class MathVerifier:
                 text=True,
                 bufsize=1,
             )
-            self._owner = os.getpid()
         return self._proc
 
     def close(self) -> None:
