@@ -248,3 +248,21 @@ def test_ids_that_name_different_prompts_are_not_paired(tmp_path):
     with pytest.raises(CompareError, match=r"share no evaluated prompt \(the 10 IDs both evaluated name different"):
         compare([(load_side(str(a)), load_side(str(unrelated)))])
     assert runner.invoke(app, ["compare", str(a), str(unrelated)]).exit_code == 2
+
+
+def test_a_dropped_answer_has_no_judged_value(runs, tmp_path):
+    """An answer whose judgment failed under judge.on_failure drop stores reward 0 and passed false: it is left out
+    of the judged columns, as the eval summary leaves it out (a judge outage is not a worse policy), and counted
+    as `dropped` where both sides record it. Its format and length still compare."""
+    a, _ = runs
+    rows = [_row("d", 2, "grpo", p, ok, d, r, 40) for p, ok, d, r in zip(PROMPTS, A_PASSED, A_DISTRACTOR, A_REWARD)]
+    for row in rows[:2]:  # p0 and p1: A passed them with rewards 1.0 and 2.0
+        row.update(dropped=True, passed=False, reward=0.0, rubric_score=0.0, judged_score=0.0)
+    for row in rows[2:]:
+        row["dropped"] = False
+    d = _catalog(tmp_path / "d", rows)
+    by = {c.column: c for c in compare([(load_side(str(a)), load_side(str(d)))], resamples=200).columns}
+    assert (by["reward"].n, by["reward"].diff, by["reward"].p) == (8, 0.0, 1.0)
+    assert (by["passed"].n, by["passed"].broken) == (8, [])
+    assert "rubric_score" not in by and "judged_score" not in by  # a's are NULL: nothing else to pair
+    assert by["response_tokens"].n == 10 and by["format_ok"].n == 10

@@ -54,6 +54,10 @@ BINARY: dict[str, bool | None] = {
     "dropped": False,
     "label_tied": None,
 }
+# Columns whose value a dropped answer (a judgment failed under judge.on_failure skip/drop) does not have: left
+# out for it, as evaluate.summarize leaves it out of the score, reward and pass means (a judge outage is not a
+# worse policy)
+JUDGED = {"passed", "reward", "judged_score", "rubric_score", "citation_score"}
 FIRST = ("passed", "format_ok", "cites_distractor", "stopped", "reward", "rubric_score", "response_tokens")
 
 
@@ -206,8 +210,12 @@ class Comparison:
 
 def _value(side: Side, prompt_id: str, column: str) -> float | None:
     """A prompt's value of `column`: its one greedy answer's, or the mean over its sampled answers (None when no
-    answer has one). A NaN or infinite value is refused: no test can say how it changed."""
-    values = [float(r[column]) for r in side.rows[prompt_id] if r.get(column) is not None]
+    answer has one). A dropped answer has no judged value. A NaN or infinite value is refused: no test can say how
+    it changed."""
+    rows = side.rows[prompt_id]
+    if column in JUDGED:
+        rows = [r for r in rows if not r.get("dropped")]
+    values = [float(r[column]) for r in rows if r.get(column) is not None]
     if not values:
         return None
     if not all(math.isfinite(v) for v in values):
