@@ -3,7 +3,8 @@ monitor_events rows (RUN_DIR/monitors/step=N/monitor_events.parquet, also added 
 line each and a Prefect artifact; the flow then acts on them (`act_on_monitors`: pause or fail).
 
 An event already acted on in an earlier run of the folder (paused and resumed, or failed) is not acted on again:
-running a run again after a monitor failed it goes on past that step. Nor is one at a step a fork shares with its
+running a run again after a monitor failed it goes on past that step, and the event stays on record even when a
+raised threshold no longer trips it. Nor is one at a step a fork shares with its
 parent (outcome 'inherited'): the parent ran that step, and acted on it or went on past it."""
 
 from __future__ import annotations
@@ -59,7 +60,11 @@ def check_monitors(*, run_dir: str, run: str, step: int, monitors_cfg: dict, inh
     ]
     if not rows and not path.is_file():
         return []
-    write_table(MONITOR_EVENTS, rows, path)
+    # An event acted on stays on record when it no longer trips (a threshold raised on a rerun): the run did pause
+    # or fail there, and lowering the threshold again must not act a second time.
+    now_tripped = {row["monitor"] for row in rows}
+    acted_before = [r for m, r in earlier.items() if r["outcome"] in ACTED and m not in now_tripped]
+    write_table(MONITOR_EVENTS, rows + acted_before, path)
     replace_rows(Path(run_dir) / "catalog.duckdb", {MONITOR_EVENTS.name: [str(path)]}, "step", step)
     for row in rows:
         log.warning(event_line(row))

@@ -339,6 +339,18 @@ def test_a_fail_fails_the_run_and_a_later_run_goes_on(prefect_server, hacked_run
     assert _outcomes(hacked_run)["entropy_collapse"] == "failed"
 
 
+def test_an_event_acted_on_stays_on_record_when_a_raised_threshold_no_longer_trips_it(prefect_server, hacked_run):
+    """A rerun with the threshold raised past the figure (0.69) kept the event off the record, so lowering it again
+    failed the run a second time at the step it had gone on past."""
+    settings = asdict(MonitorsConfig(entropy_collapse_action="fail"))
+    assert checks_and_acts(str(hacked_run), 1, settings, return_state=True).is_failed()
+    raised = {**settings, "entropy_collapse": 0.9}
+    assert checks_and_acts(str(hacked_run), 1, raised, return_state=True).is_completed()
+    assert _outcomes(hacked_run)["entropy_collapse"] == "failed"
+    assert checks_and_acts(str(hacked_run), 1, settings, return_state=True).is_completed()
+    assert _outcomes(hacked_run)["entropy_collapse"] == "failed"
+
+
 MAIN_JOB = Path(__file__).parent / "data" / "main-seed42"
 
 
