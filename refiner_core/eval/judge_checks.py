@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,28 +52,35 @@ def rejudge(
     ).judge_scores
 
 
+class SecondOpinion(NamedTuple):
+    """The other side's judgment of one stored judgment: another judge's or a person's label."""
+
+    score: float | None  # oriented score in [0, 1]; None when the other judge's judgment failed
+    failure: str | None  # why it failed
+    passed: bool | None = None  # a label's own pass/fail verdict; None: the score passes at the threshold
+
+
 def check_rows(
     run: str,
     check_name: str,
     stored: list[dict],
-    other: dict[tuple, tuple],
+    other: dict[tuple, SecondOpinion],
     groups: dict[tuple[str, str], str],
     threshold: float,
 ) -> list[dict]:
     """judge_checks rows: each stored judgment (a judge_scores row) that the other side judged, keyed by (step,
-    prompt_id, sample_idx, rubric_id) in `other` as (oriented score or None, failure or None[, verdict]): a label's
-    own pass/fail verdict stands as given, else the score passes at `threshold`; `groups` maps (prompt_id,
-    rubric_id) to its rubric group."""
+    prompt_id, sample_idx, rubric_id) in `other`: a label's own pass/fail verdict stands as given, else the score
+    passes at `threshold`; `groups` maps (prompt_id, rubric_id) to its rubric group."""
     rows = []
     for s in stored:
         key = (s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"])
         if key not in other:
             continue
-        other_score, failure, *verdict = other[key]
-        if verdict and verdict[0] is not None:
-            other_passed = verdict[0]
+        opinion = other[key]
+        if opinion.passed is not None:
+            other_passed = opinion.passed
         else:
-            other_passed = None if other_score is None else other_score >= threshold
+            other_passed = None if opinion.score is None else opinion.score >= threshold
         rows.append(
             {
                 "run": run,
@@ -83,9 +91,9 @@ def check_rows(
                 "rubric_id": s["rubric_id"],
                 "rubric_group": groups[(s["prompt_id"], s["rubric_id"])],
                 "score": s["oriented_score"],
-                "other_score": other_score,
+                "other_score": opinion.score,
                 "other_passed": other_passed,
-                "other_failure": failure,
+                "other_failure": opinion.failure,
             }
         )
     return rows

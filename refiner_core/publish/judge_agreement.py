@@ -18,7 +18,14 @@ from pathlib import Path
 import yaml
 
 from refiner_core.config import ConfigError, JudgeConfig, load_recipe, moved_to_sections, recipe_from_dict
-from refiner_core.eval.judge_checks import agreement_rows, check_rows, rejudge, rubric_group, sample_keys
+from refiner_core.eval.judge_checks import (
+    SecondOpinion,
+    agreement_rows,
+    check_rows,
+    rejudge,
+    rubric_group,
+    sample_keys,
+)
 from refiner_core.publish.run_sql import catalog_path
 from refiner_core.schema import JUDGE_AGREEMENT, JUDGE_CHECKS
 from refiner_core.store.storage import folder_name, folder_name_problem, json_hash, query, replace_rows, write_table
@@ -99,7 +106,7 @@ def read_labels(path: Path) -> dict[tuple, tuple[float, None, bool | None]]:
         if key in first:
             raise AgreementError(f"--labels {path} record {n}: labels the same judgment as record {first[key]} {key}")
         first[key] = n
-        labels[key] = (score, None, verdict)
+        labels[key] = SecondOpinion(score, None, verdict)
     return labels
 
 
@@ -223,6 +230,6 @@ def _rejudged(db: Path, judge, settings: JudgeConfig, keys: set[tuple]) -> dict[
         rubrics.setdefault(r["prompt_id"], []).append(r)
     scores = rejudge(rollouts, prompts, rubrics, judge, settings.max_response_chars)
     return {
-        (s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"]): (s["oriented_score"], s["failure"])
+        (s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"]): SecondOpinion(s["oriented_score"], s["failure"])
         for s in scores
     }
