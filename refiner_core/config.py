@@ -349,10 +349,18 @@ class AgentConfig:
         "later turns are sampled. For demonstrations and tests; '' = off. The stage cache keys the path, not the "
         "file's content: rerun with --refresh after editing it.",
     )
+    stop_at_first_call: bool = opt(
+        True,
+        "End a sampled turn at its first </tool_call> (a stop string): the call runs at once and the model "
+        "cannot write on past it (a made-up result), so a sampled turn makes one call. false: sample each turn "
+        "to its end and run every call in it (parallel calls, as verl's tool agent loop and vLLM's Hermes parser "
+        "read a turn), up to max_calls_per_turn.",
+    )
     max_calls_per_turn: int = opt(
         4,
-        "Tool calls one assistant turn may make; the calls past them are not run: each is answered "
-        "'error: refused: ...' and recorded with status 'refused' (no tool round for the TCR reward).",
+        "Tool calls one assistant turn may make (a written turn, or a sampled one with stop_at_first_call "
+        "false); the calls past them are not run: each is answered 'error: refused: ...' and recorded with "
+        "status 'refused' (no tool round for the TCR reward).",
     )
     tool_seconds_per_rollout: float = opt(
         60.0,

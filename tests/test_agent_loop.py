@@ -87,6 +87,18 @@ def test_parse_tool_calls_well_formed_and_malformed():
     deep_string = json.dumps({"name": "python", "arguments": deep})
     assert parse_tool_calls(f"<tool_call>{deep_string}</tool_call>", tools)[0].failure == TOO_DEEP
     assert parse_tool_calls("no calls here", tools) == []
+    # a block starts at the last opening tag before its closing one; after the last closing tag, an opening tag
+    # followed by prose is prose, one followed by a JSON object is a block never closed: a call when the turn ended
+    # (end of turn, as vLLM's Hermes parser reads it), unclosed when it was cut
+    [narrated] = parse_tool_calls("I will write a <tool_call> block.\n" + CALL, tools)
+    assert (narrated.name, narrated.arguments, narrated.failure) == ("python", {"code": "print(6 * 7)"}, None)
+    assert parse_tool_calls("No <tool_call> was needed: \\boxed{42}.", tools) == []
+    assert [c.failure for c in parse_tool_calls(CALL + " The <tool_call> above says 42.", tools)] == [None]
+    never_closed = CALL.removesuffix("</tool_call>")
+    assert parse_tool_calls(never_closed, tools)[0].arguments == {"code": "print(6 * 7)"}
+    assert parse_tool_calls(never_closed, tools, ended=False)[0].failure.startswith("unclosed_tool_call")
+    assert parse_tool_calls("Let me <tool_call>", tools)[0].failure.startswith("unclosed_tool_call")
+    assert parse_tool_calls("</tool_call> stray", tools) == []
     # a degenerate sample of digits: an integer past Python's conversion limit is a recorded failure, not a crash
     digits = "1" * 5000
     for block in (
@@ -197,7 +209,7 @@ def test_multi_turn_token_bookkeeping(tiny_model_path, tiny_tokenizer, python_to
 
     looping = by_key[(1, 1)]
     assert looping.finish_reason == "max_turns" and looping.tool_rounds == 2
-    assert len([t for t in looping.turns if t.role == "assistant"]) == settings.max_turns
+    assert [t.finish_reason for t in looping.turns if t.role == "assistant"] == ["tool_call", "tool_call", "max_turns"]
     # it ended on a call: no answer to grade (its code, print(6 * 7), was graded as one and could match)
     assert looping.final_text == "" and mixed.final_text == ""
     assert verify(answer_text({"final_text": looping.final_text}), "42").method == "no_answer"
@@ -501,3 +513,84 @@ def test_preflight_refuses_caps_that_stop_every_call():
     problems = agent_problems(AgentConfig(max_calls_per_turn=0, tool_seconds_per_rollout=5.0))
     assert any("max_calls_per_turn = 0" in p for p in problems)
     assert any("tool_seconds_per_rollout = 5.0: at least sandbox_wall_seconds (10.0)" in p for p in problems)
+
+
+class WritingEngine:
+    """An engine that writes given texts (each conversation's turns in order), cut as the real engines cut them:
+    at a stop string or the token limit (rollout.base.first_stop), through the real tokenizer."""
+
+    name = "writing"
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.tokenizer, self.turns, self.params = tokenizer, turns, []
+        self.eos_ids = {tokenizer.eos_token_id}
+
+    def generate(self, prompts, params, desc=""):
+        from refiner_core.rollout.base import Generation, first_stop
+
+        text = self.turns[len(self.params)]
+        self.params.append(params)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        ids = ids[: params.max_new_tokens]
+        decode = lambda x: self.tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+        keep, stopped = first_stop(ids, self.eos_ids, params.stop, decode)
+        ids = ids[:keep]
+        return [Generation(p, s, ids, [-0.5] * len(ids), decode(ids), "stop" if stopped else "length")
+                for p in range(len(prompts)) for s in range(params.n)]  # fmt: skip
+
+
+def _conversation(tokenizer, python_tool, turns, max_new_tokens=200, **settings):
+    engine = WritingEngine(tokenizer, turns)
+    [r] = run_agent(
+        engine,
+        tokenizer,
+        [render_prompt(tokenizer, [{"role": "user", "content": "What is 6 * 7?"}])[1]],
+        SamplingParams(n=1, max_new_tokens=max_new_tokens),
+        {"python": python_tool},
+        AgentSettings(max_turns=3, max_response_tokens=600, **settings),
+    )
+    return r, engine
+
+
+def test_sampled_turns_stop_at_their_first_call_unless_told_to_run_every_call(tiny_tokenizer, python_tool):
+    """By default a sampled turn ends at its first </tool_call> (one call runs); with stop_at_first_call false the
+    turn is sampled to its end and both of its calls run (parallel calls), as verl's tool agent loop runs them."""
+    turns = [TWO_CALLS, "\\boxed{5}"]
+    first, engine = _conversation(tiny_tokenizer, python_tool, turns)
+    assert "</tool_call>" in engine.params[0].stop
+    assert [t.stdout for t in first.turns if t.role == "tool"] == ["5\n"]
+    every, engine = _conversation(tiny_tokenizer, python_tool, turns, stop_at_first_call=False)
+    assert "</tool_call>" not in engine.params[0].stop
+    assert [(t.stdout, t.exit_code) for t in every.turns if t.role == "tool"] == [("5\n", 0), (None, 4)]
+    assert every.finish_reason == "stop" and every.final_text == "\\boxed{5}"
+
+
+def test_an_answer_naming_the_tag_is_an_answer_and_a_turn_cut_inside_a_call_is_recorded_cut(
+    tiny_tokenizer, python_tool
+):
+    """A final turn that names <tool_call> in prose was read as an unclosed call: no answer, and the conversation
+    went on to max_turns. A turn cut by its token limit inside a call was recorded as 'tool_call'."""
+    answer = "The <tool_call> printed 42, so \\boxed{42}."
+    named, _ = _conversation(tiny_tokenizer, python_tool, [CALL, answer])
+    assert (named.finish_reason, named.final_text, named.turns[-1].finish_reason) == ("stop", answer, "stop")
+    cut, _ = _conversation(tiny_tokenizer, python_tool, [CALL, answer], max_new_tokens=12)
+    assert cut.turns[0].finish_reason == "length"
+    assert cut.turns[1].status == "invalid_call" and cut.turns[1].failure.startswith("unclosed_tool_call")
+
+
+def test_a_tokenizer_that_hides_the_call_tags_is_refused(tiny_tokenizer, python_tool):
+    import copy
+
+    from transformers import AddedToken
+
+    hiding = copy.deepcopy(tiny_tokenizer)
+    hiding.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                AddedToken("<tool_call>", special=True),
+                AddedToken("</tool_call>", special=True),
+            ]
+        }
+    )
+    with pytest.raises(ValueError, match="marks <tool_call> and </tool_call> as special tokens"):
+        _conversation(hiding, python_tool, [CALL])

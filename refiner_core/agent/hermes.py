@@ -8,13 +8,11 @@ tool's answer and records it, so a malformed call never crashes a stage.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from refiner_core.agent.tools.base import ToolResult
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 TOO_DEEP = "bad_json: nested deeper than the JSON parser goes"
 
 
@@ -26,13 +24,29 @@ class ToolCall:
     failure: str | None = None  # 'bad_json: ...', 'unknown_tool: ...', ...
 
 
-def parse_tool_calls(text: str, known_tools: set[str] | dict) -> list[ToolCall]:
-    """Every tool-call block of one assistant turn, in order."""
-    calls = [_parse_block(m.group(1), known_tools) for m in _BLOCK.finditer(text)]
-    tail = text[text.rfind(CLOSE) + len(CLOSE) :] if CLOSE in text else text
-    if OPEN in tail:  # cut off before its closing tag (length limit), or never closed
-        raw = tail[tail.index(OPEN) + len(OPEN) :]
-        calls.append(ToolCall(None, None, raw, f"unclosed_tool_call: no {CLOSE} after {OPEN}"))
+def parse_tool_calls(text: str, known_tools: set[str] | dict, ended: bool = True) -> list[ToolCall]:
+    """Every tool-call block of one assistant turn, in order. A block ends at a closing tag and starts at the last
+    opening tag before it: an earlier one is the tag named in prose ("I will write a <tool_call> block"). After the
+    last closing tag, an opening tag followed by a JSON object (or by nothing) is a block never closed: a call
+    when the turn `ended` (an end of turn, not a length cut) and the object parses, as vLLM's Hermes parser reads
+    it, else an unclosed_tool_call failure; an opening tag followed by prose is prose."""
+    calls, start = [], 0
+    while (close := text.find(CLOSE, start)) != -1:
+        opened = text.rfind(OPEN, start, close)
+        if opened != -1:
+            calls.append(_parse_block(text[opened + len(OPEN) : close], known_tools))
+        start = close + len(CLOSE)
+    tail = text[start:]
+    opened = tail.find(OPEN)
+    while opened != -1:
+        raw = tail[opened + len(OPEN) :]
+        if not raw.strip() or raw.lstrip().startswith("{"):
+            call = _parse_block(raw, known_tools) if ended and raw.strip() else None
+            if call is None or (call.failure or "").startswith("bad_json"):
+                call = ToolCall(None, None, raw, f"unclosed_tool_call: no {CLOSE} after {OPEN}")
+            calls.append(call)
+            break
+        opened = tail.find(OPEN, opened + len(OPEN))
     return calls
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refiner_core.agent.hermes import CLOSE, ToolCall, invalid_call_result, parse_tool_calls
+from refiner_core.agent.hermes import CLOSE, OPEN, ToolCall, invalid_call_result, parse_tool_calls
 from refiner_core.agent.tools.base import Tool, ToolResult
 from refiner_core.data.prompts import render_chat
 from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
@@ -37,6 +37,7 @@ class AgentSettings:
     max_response_tokens: int = 10480  # sampled + inserted tokens after the prompt
     max_calls_per_turn: int = 4  # calls of one turn past this many are refused
     tool_seconds: float = 60.0  # tool time of one conversation: a call runs only if its worst case still fits
+    stop_at_first_call: bool = True  # a sampled turn ends at its first </tool_call>: one call per sampled turn
 
 
 @dataclass
@@ -135,8 +136,14 @@ def run_agent(
     place of sampling for that conversation's first turns (teacher-forced; `score` gives the policy's log-probs
     of those tokens); the engine samples any turn after the script."""
     scripted = scripted or {}
+    hidden = [tag for tag in (OPEN, CLOSE) if tag not in _as_engines_decode(tokenizer, tag)]
+    if hidden:
+        raise ValueError(
+            f"the tokenizer marks {' and '.join(hidden)} as special tokens: the engines' text (decoded without "
+            "special tokens) would never show a tool call"
+        )
     eos = set(getattr(engine, "eos_ids", None) or {tokenizer.eos_token_id})
-    stop = tuple(dict.fromkeys([*params.stop, CLOSE]))
+    stop = tuple(dict.fromkeys([*params.stop, *([CLOSE] if settings.stop_at_first_call else [])]))
     rollouts = [AgentRollout(p, s) for p in range(len(prompts)) for s in range(params.n)]
     by_key = {(r.prompt_index, r.sample_idx): r for r in rollouts}
     turn = 0
@@ -156,17 +163,16 @@ def run_agent(
             ids, lps, cut = gen.token_ids[:room], gen.logprobs[:room], len(gen.token_ids) > room
             text = gen.text if not cut else tokenizer.decode(ids, skip_special_tokens=True)
             start, end = r.add(ids, lps, sampled=True)
-            found = parse_tool_calls(text, tools)
-            finished = "length" if cut or gen.finish_reason != "stop" else "stop"
+            ended = not cut and gen.finish_reason == "stop"
+            found = parse_tool_calls(text, tools, ended=ended)
+            finished = "stop" if ended else "length"
+            # a turn cut by max_turn_tokens inside a call goes on: the call is answered as unclosed
             if found and not cut and turn + 1 >= settings.max_turns:
                 finished = "max_turns"
             elif found and not cut:
                 finished = ""
-            r.turns.append(
-                Turn(
-                    turn, "assistant", 0, text, start, end, finish_reason="tool_call" if found and not cut else finished
-                )
-            )
+            turn_finish = "length" if not ended else "max_turns" if finished == "max_turns" else finished or "tool_call"
+            r.turns.append(Turn(turn, "assistant", 0, text, start, end, finish_reason=turn_finish))
             r.final_text = "" if found else text  # a turn that calls a tool is no answer, should the talk end there
             r.finish_reason = finished
             calls.extend((r, k, c) for k, c in enumerate(found) if not finished)
@@ -214,6 +220,10 @@ def run_agent(
     for r in rollouts:
         r.finish_reason = r.finish_reason or "length"
     return rollouts
+
+
+def _as_engines_decode(tokenizer, text: str) -> str:
+    return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
 
 
 def _script_keys(scripted: dict, turn: int) -> set[tuple[int, int]]:

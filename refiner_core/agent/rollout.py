@@ -72,6 +72,7 @@ def agent_settings(agent: AgentConfig, budget: int) -> AgentSettings:
         max_response_tokens=budget,
         max_calls_per_turn=agent.max_calls_per_turn,
         tool_seconds=agent.tool_seconds_per_rollout,
+        stop_at_first_call=agent.stop_at_first_call,
     )
 
 
