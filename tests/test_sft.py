@@ -285,3 +285,57 @@ def test_a_bf16_model_trains_fp32_weights_and_comes_back_in_bf16(tiny_model_path
     assert moved > 0.99 * sum(v.numel() for v in start.values())
     for name, weight in bf16.state_dict().items():
         assert torch.equal(weight, fp32.state_dict()[name].bfloat16()), name
+
+
+def test_conversations_opening_with_a_greeting_are_split_by_what_they_ask(tiny_tokenizer):
+    """Every conversation opening with an assistant greeting shared the empty opening, so all took one split: with
+    40 of them and two other rows at fraction 0.1, some seeds trained on 2 of 42. The greeting now belongs to the
+    opening, so they split one by one (a question asked after the same greeting still groups)."""
+    from refiner_core.data.rows import RawRow
+
+    def chat(i: int, greeting: bool) -> dict:
+        opening = [{"role": "assistant", "content": f"Welcome! I am bot {i}."}] if greeting else []
+        asked = [{"role": "user", "content": f"Tell me fact {i}"}, {"role": "assistant", "content": f"{i * i}."}]
+        return {"id": f"r{i:02d}", "messages": opening + asked}
+
+    raw = [chat(i, greeting=i < 40) for i in range(42)]
+    rows = validate_rows([RawRow(f"line {i}", json.dumps(r), r, None) for i, r in enumerate(raw)]).rows
+    for seed in range(8):
+        stats = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(), 0.25, seed).stats
+        assert 20 <= stats["train_examples"] <= 40 and stats["validation_examples"] >= 2, (seed, stats)
+
+
+def test_a_held_out_question_answered_in_a_later_turn_is_left_out_of_sft():
+    """A held-out prompt [q1, a1, q2] asks q2; an SFT row [q1, a1', q2, a2] answers it in its second turn and was
+    kept, since only its first question was compared."""
+    from refiner_core.data.prepare import prompt_fields
+    from refiner_core.data.rows import prompt_hash
+    from refiner_core.sft.data import without_held_out
+
+    prime, product = {"role": "user", "content": "Name a prime."}, {"role": "user", "content": "What is 7 * 13?"}
+    held = {"id": "p1", "messages": [prime, {"role": "assistant", "content": "7"}, product], "ground_truth": "91"}
+    held_out = [{"prompt_id": "p1", "prompt_hash": prompt_hash(held), "question": prompt_fields(held)["question"]}]
+    answers = {"id": "s9", "messages": [prime, {"role": "assistant", "content": "Seven."}, product,
+                                        {"role": "assistant", "content": "91"}]}  # fmt: skip
+    other = {"id": "s10", "messages": [prime, {"role": "assistant", "content": "Seven."}]}
+    kept, left_out = without_held_out([answers, other], held_out, same_source=False)
+    assert kept == [other] and left_out == {"prompt_id": 0, "prompt": 0, "question": 1}
+
+
+def test_a_tool_conversation_opening_with_an_assistant_turn_is_quarantined_by_name(tiny_tokenizer):
+    from refiner_core.agent.hermes import hermes_block
+    from refiner_core.data.rows import RawRow
+
+    row = {
+        "id": "t0",
+        "tools": ["python"],
+        "messages": [
+            {"role": "assistant", "content": hermes_block("python", {"code": "print(1)"})},
+            {"role": "tool", "content": "1"},
+            {"role": "assistant", "content": "\\boxed{1}"},
+        ],
+    }
+    kept, rejected = normalise_tool_rows([RawRow("line 1", json.dumps(row), row, None)])
+    assert kept == [] and [(r.reason, r.detail) for r in rejected] == [
+        ("no_prompt", "message 0 is an assistant turn: the agent loop starts from a system or user prompt")
+    ]

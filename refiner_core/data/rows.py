@@ -119,10 +119,24 @@ def prompt_hash(row: dict) -> str:
 
 def opening_hash(row: dict) -> str:
     """Hash of what a valid row asks before its first answer (its whole prompt where it holds no answer): the
-    conversations that continue one opening share it, a longer one holding a shorter one's answers as context."""
+    conversations that continue one opening share it, a longer one holding a shorter one's answers as context. An
+    answer is an assistant turn after a user message: a greeting that opens a conversation belongs to its opening
+    (else every conversation opening with one would share the empty opening, and so one split)."""
     messages = prompt_messages(row)
-    first_answer = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    first_answer = next((i for i, _ in answered_questions(messages)), len(messages))
     return messages_hash(messages[:first_answer])
+
+
+def answered_questions(messages: list[dict]) -> list[tuple[int, str]]:
+    """(index, question) of each assistant turn that answers a user message: the last user message before it.
+    An assistant turn before any user message (a greeting) answers nothing."""
+    answered, asked = [], None
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            asked = m["content"]
+        elif m["role"] == "assistant" and asked is not None:
+            answered.append((i, asked))
+    return answered
 
 
 def row_json(row: dict) -> str:

@@ -35,6 +35,7 @@ from refiner_core.data.rows import (
     CHAT_ROLES,
     RawRow,
     Rejection,
+    answered_questions,
     is_chat_row,
     messages_hash,
     opening_hash,
@@ -248,10 +249,12 @@ def _assistant_text(k: int, message: dict, offered: set[str]) -> tuple[str | Non
 def hermes_conversation(row: dict) -> tuple[list[dict] | None, tuple[str, str] | None]:
     """(the row's messages, every call written as a Hermes block, None) or (None, (reason, detail)): an unknown
     role, a tool turn with no call before it, a call with no result after it, a call that does not parse, a call
-    to a tool the row does not offer."""
+    to a tool the row does not offer, a conversation opening with an assistant turn."""
     offered, problem = offered_tools(row)
     if problem:
         return None, ("invalid_tools", problem)
+    if row["messages"] and isinstance(row["messages"][0], dict) and row["messages"][0].get("role") == "assistant":
+        return None, ("no_prompt", "message 0 is an assistant turn: the agent loop starts from a system or user prompt")
     out: list[dict] = []
     pending, caller = 0, -1  # calls of the last assistant turn still waiting for their result
     for k, m in enumerate(row["messages"]):
@@ -482,8 +485,8 @@ def without_held_out(rows: list[dict], held_out: list[dict], same_source: bool) 
     """Rows that are not held-out prompts, and how many were left out by what matched: 'prompt_id' (only when
     `same_source`: the rows come from the prompts' own source, where a held-out prompt's ID is its row; IDs of
     another file name other rows), 'prompt' (the same prompt, whatever the answer: prompt_hash) or 'question'
-    (a chat row asking a held-out question: its last user message before the first answer). The warm start must
-    not imitate an answer to a prompt the evaluation scores."""
+    (a chat row answering a held-out question in any of its turns). The warm start must not imitate an answer to
+    a prompt the evaluation scores."""
     ids = {p["prompt_id"] for p in held_out} if same_source else set()
     hashes = {p["prompt_hash"] for p in held_out}
     questions = {p["question"] for p in held_out if p.get("question")}
@@ -493,7 +496,7 @@ def without_held_out(rows: list[dict], held_out: list[dict], same_source: bool) 
             return "prompt_id"
         if prompt_hash(row) in hashes:
             return "prompt"
-        return "question" if chat_question(row) in questions else None
+        return "question" if questions & chat_questions(row) else None
 
     kept, left_out = [], dict.fromkeys(("prompt_id", "prompt", "question"), 0)
     for row in rows:
@@ -505,17 +508,12 @@ def without_held_out(rows: list[dict], held_out: list[dict], same_source: bool) 
     return kept, left_out
 
 
-def chat_question(row: dict) -> str | None:
-    """A chat row's question: its last user message before the first assistant turn (None for refiner rows)."""
+def chat_questions(row: dict) -> set[str]:
+    """The questions a chat row answers: each user message an assistant turn answers (the last one before it).
+    Empty for refiner rows."""
     if not is_chat_row(row):
-        return None
-    asked = None
-    for m in row["messages"]:
-        if m["role"] == "assistant":
-            break
-        if m["role"] == "user":
-            asked = m["content"]
-    return asked
+        return set()
+    return {question for _, question in answered_questions(row["messages"])}
 
 
 def _limit_detail(reason: str, rendered: Rendered, limits: SFTLimits) -> str:
