@@ -186,8 +186,15 @@ def test_refill_draws_unused_prompts_deterministically_and_keeps_twins_together(
     assert sorted(refill_prompt_ids(ids, used, 99, step=5, sampling_round=1, seed=SEED)) == ids[4:]
     twin_of = {p: f"{p}-r" for p in ids} | {f"{p}-r": p for p in ids}
     views = ids + [f"{p}-r" for p in ids]
-    paired = refill_prompt_ids(views, ["p00", "p00-r"], 2, step=0, sampling_round=1, seed=SEED, twin_of=twin_of)
+    # `count` counts views, as the flow counts the groups a step misses (it drew twice as many: 2 questions for 2)
+    paired = refill_prompt_ids(views, ["p00", "p00-r"], 4, step=0, sampling_round=1, seed=SEED, twin_of=twin_of)
     assert len(paired) == 4 and all(twin_of[p] in paired for p in paired) and "p00" not in paired
+    assert (
+        refill_prompt_ids(views, ["p00", "p00-r"], 2, step=0, sampling_round=1, seed=SEED, twin_of=twin_of)
+        == (paired[:2])
+    )
+    odd = refill_prompt_ids(views, ["p00", "p00-r"], 3, step=0, sampling_round=1, seed=SEED, twin_of=twin_of)
+    assert odd == paired  # a question's views stay together: one view more rather than one fewer
 
 
 def test_rollout_files_without_a_round_column_stay_readable(tmp_path):

@@ -42,15 +42,19 @@ def refill_prompt_ids(
 ) -> list[str]:
     """Fresh prompts for round `sampling_round` of a step (rollout.dynamic_sampling): `count` train prompts the
     step has not used yet, in a seeded order of their own, so a rerun draws the same ones. Fewer when the train
-    split runs out. With `twin_of`, `count` counts questions and each brings its twin view, as in step_prompt_ids."""
+    split runs out. With `twin_of`, a question brings its twin view, as in step_prompt_ids: questions are taken
+    until they bring `count` views (the groups a step misses are views, each with its own advantage)."""
     taken = set(used)
     if twin_of:
         train = set(train_ids)
         leads = [p for p in train_ids if not (twin_of.get(p) in train and twin_of[p] < p)]
-        chosen = refill_prompt_ids(
-            leads, [p for p in leads if p in taken or twin_of.get(p) in taken], count, step, sampling_round, seed
-        )
-        return [q for p in chosen for q in (p, twin_of.get(p)) if q in train]
+        unused = [p for p in leads if p in taken or twin_of.get(p) in taken]
+        views: list[str] = []
+        for p in refill_prompt_ids(leads, unused, len(leads), step, sampling_round, seed):
+            if len(views) >= count:
+                break
+            views += [q for q in (p, twin_of.get(p)) if q in train]
+        return views
     order = sorted(p for p in train_ids if p not in taken)
     random.Random(f"refill {seed} {step} {sampling_round}").shuffle(order)  # a str seed hashes by SHA-512: stable
     return order[:count]
