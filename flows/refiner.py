@@ -16,7 +16,7 @@ from refiner_core.algo.ema import is_update_step
 from refiner_core.config import ConfigError, RecipeConfig, recipe_from_dict
 from refiner_core.data.quarantine import quarantine_warning
 from refiner_core.eval.evaluate import eval_steps, format_table
-from refiner_core.judges.cost import check_budget, usage_cost
+from refiner_core.judges.cost import check_budget, likely_step_cost, usage_cost
 from refiner_core.preflight import recipe_warnings, resolve
 from refiner_core.publish.ledger import ledger_catalogs
 from refiner_core.publish.tracking import close_trackers
@@ -345,7 +345,14 @@ def rollout_and_judge(run: RunContext, state: StepState, step: int) -> tuple[lis
         run.stage(teacher_rollout)(**_rollout_inputs(run, step), teacher=state.teacher) if run.teaching else None
     )
     spent = [m["judge_usage"] for m in run.manifests if "judge_usage" in m]  # every judging stage so far
-    check_budget(cfg.judge, spent, state.step_costs, step)  # stops before the step that would exceed it
+    upcoming = likely_step_cost(
+        state.step_costs,
+        [usage_cost(m["judge_usage"], cfg.judge) for m in run.manifests if m.get("stage") == "judge-anchors"],
+        [usage_cost(m["judge_usage"], cfg.judge) for m in run.evaluations if "judge_usage" in m],
+        anchors_due=anchors_due(cfg, step),
+        eval_due=step + 1 in run.eval_at,
+    )
+    check_budget(cfg.judge, spent, step, upcoming)  # stops before the step that would exceed it
     rolled, scored = [], []
     for sampling_round in range(run.max_rounds):
         fresh = None
@@ -385,7 +392,7 @@ def rollout_and_judge(run: RunContext, state: StepState, step: int) -> tuple[lis
         )
     if step == 0:  # judge.anchor_every re-judges some of step 0's rollouts
         state.anchors = {"rollouts": rolled[0], "scores": scored[0], "step": 0}
-    if cfg.judge.anchor_every and step % cfg.judge.anchor_every == 0:
+    if anchors_due(cfg, step):
         run.manifests.append(
             run.stage(judge_anchors)(
                 run_dir=run.dir,
@@ -401,6 +408,11 @@ def rollout_and_judge(run: RunContext, state: StepState, step: int) -> tuple[lis
             )
         )
     return rolled, scored
+
+
+def anchors_due(cfg: RecipeConfig, step: int) -> bool:
+    """judge.anchor_every: whether step `step` re-judges the anchors."""
+    return bool(cfg.judge.anchor_every) and step % cfg.judge.anchor_every == 0
 
 
 def train_rewards(scores: list[dict]) -> list[dict]:

@@ -8,7 +8,7 @@ import pytest
 
 from fault_server import FaultServer
 from refiner_core.config import JudgeConfig, RewardConfig
-from refiner_core.judges.cost import JudgeBudgetExceeded, check_budget, usage_cost
+from refiner_core.judges.cost import JudgeBudgetExceeded, check_budget, likely_step_cost, usage_cost
 from refiner_core.judges.openai_judge import OpenAIJudge
 from refiner_core.reward.score import score_rollouts
 from refiner_core.runtime.http_chat import AnswerCache, Pacer, RetryPolicy
@@ -147,8 +147,20 @@ def test_dollars_and_the_budget_by_hand():
     judge = JudgeConfig(price_per_mtok_in=3.0, price_per_mtok_out=15.0, budget_usd=0.05)
     usage = {"prompt_tokens": 10_000, "completion_tokens": 1_000}
     assert usage_cost(usage, judge) == pytest.approx(0.03 + 0.015)  # 0.01 M x $3 + 0.001 M x $15
-    check_budget(judge, [], [], 0)  # nothing spent, nothing known of a step yet
-    check_budget(judge, [{"prompt_tokens": 1000, "completion_tokens": 0}], [0.003], 1)  # 0.003 + 0.003 <= 0.05
+    check_budget(judge, [], 0, likely_step_cost([], [], [], anchors_due=True, eval_due=True))  # nothing known yet
+    small = {"prompt_tokens": 1000, "completion_tokens": 0}
+    check_budget(judge, [small], 1, {"rollouts": 0.003})  # 0.003 + 0.003 <= 0.05
     with pytest.raises(JudgeBudgetExceeded, match=r"\$0\.0450 of judge.budget_usd \$0\.05 spent .* step 1 would cost"):
-        check_budget(judge, [usage], [0.045], 1)  # 0.045 + 0.045 > 0.05: stop before step 1
-    check_budget(JudgeConfig(price_per_mtok_in=3.0), [usage] * 100, [1.0], 5)  # budget 0: none
+        check_budget(judge, [usage], 1, {"rollouts": 0.045})  # 0.045 + 0.045 > 0.05: stop before step 1
+    check_budget(JudgeConfig(price_per_mtok_in=3.0), [usage] * 100, 5, {"rollouts": 1.0})  # budget 0: none
+    # the held-out evaluation after a step and its anchors count where due: the run stopped only before a step
+    # whose rollouts' judging would pass the budget, so the evaluation after the last step took it past
+    upcoming = likely_step_cost([0.003, 0.004], [0.002], [0.02, 0.03], anchors_due=False, eval_due=True)
+    assert upcoming == {"rollouts": 0.004, "held-out evaluation": 0.03}
+    check_budget(judge, [usage], 2, {"rollouts": 0.004})  # 0.045 + 0.004 <= 0.05: the rollouts alone fit
+    with pytest.raises(JudgeBudgetExceeded, match=r"\(rollouts \$0\.0040, held-out evaluation \$0\.0300: the dearest"):
+        check_budget(judge, [usage], 2, upcoming)  # 0.045 + 0.034 > 0.05 with the evaluation after the step
+    assert likely_step_cost([0.003], [0.002], [], anchors_due=True, eval_due=False) == {
+        "rollouts": 0.003,
+        "anchors": 0.002,
+    }

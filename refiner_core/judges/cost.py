@@ -1,5 +1,6 @@
 """The judge's cost ledger: tokens priced at judge.price_per_mtok_in / _out, and judge.budget_usd checked before each
-step. A stage's usage is {'requests', 'prompt_tokens', 'completion_tokens'} (tasks/judge.py, tasks/eval.py)."""
+step. A stage's usage is {'requests', 'prompt_tokens', 'completion_tokens'} (tasks/judge.py, tasks/eval.py,
+tasks/anchors.py)."""
 
 from __future__ import annotations
 
@@ -18,18 +19,34 @@ def usage_cost(usage: dict, judge: JudgeConfig) -> float:
     ) / 1e6
 
 
-def check_budget(judge: JudgeConfig, spent: list[dict], step_costs: list[float], step: int) -> None:
-    """Raise JudgeBudgetExceeded when what was spent (`spent`: every judging stage's usage so far, held-out
-    evaluations included) plus the next step's likely cost (the dearest step so far; nothing before the first step)
-    exceeds judge.budget_usd (0 = no budget)."""
+def check_budget(judge: JudgeConfig, spent: list[dict], step: int, upcoming: dict[str, float]) -> None:
+    """Raise JudgeBudgetExceeded when what was spent (`spent`: every judging stage's usage so far: training steps,
+    anchors and held-out evaluations) plus what step `step` will likely judge (`upcoming`: dollars by part, e.g. its
+    rollouts at the dearest step so far, anchors and the held-out evaluation after it where due) exceeds
+    judge.budget_usd (0 = no budget)."""
     if judge.budget_usd <= 0:
         return
     total = sum(usage_cost(u, judge) for u in spent)
-    next_step = max(step_costs, default=0.0)
-    if total + next_step > judge.budget_usd:
+    coming = sum(upcoming.values())
+    if total + coming > judge.budget_usd:
+        parts = ", ".join(f"{name} ${cost:.4f}" for name, cost in upcoming.items() if cost)
         raise JudgeBudgetExceeded(
-            f"judge budget: ${total:.4f} of judge.budget_usd ${judge.budget_usd:g} spent over {len(step_costs)} "
-            f"step(s) and held-out evaluations; step {step} would cost about ${next_step:.4f} (the dearest step so "
-            "far), so the run stops before it. Raise judge.budget_usd and run the same command again to go on "
+            f"judge budget: ${total:.4f} of judge.budget_usd ${judge.budget_usd:g} spent over {step} step(s), "
+            f"their anchors and held-out evaluations; step {step} would cost about ${coming:.4f}"
+            + (f" ({parts}: the dearest of each so far)" if parts else "")
+            + ", so the run stops before it. Raise judge.budget_usd and run the same command again to go on "
             "(finished stages are cached)"
         )
+
+
+def likely_step_cost(
+    step_costs: list[float], anchor_costs: list[float], eval_costs: list[float], anchors_due: bool, eval_due: bool
+) -> dict[str, float]:
+    """What a step will likely judge, in dollars by part: its rollouts as the dearest step so far, and where due,
+    its anchors and the held-out evaluation after it as the dearest of each so far (nothing where none ran yet)."""
+    upcoming = {"rollouts": max(step_costs, default=0.0)}
+    if anchors_due:
+        upcoming["anchors"] = max(anchor_costs, default=0.0)
+    if eval_due:
+        upcoming["held-out evaluation"] = max(eval_costs, default=0.0)
+    return upcoming

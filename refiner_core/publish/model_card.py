@@ -108,11 +108,12 @@ def judge_cost_line(cost: dict, price_in: float, price_out: float) -> str:
         f"{cost['judge_requests']} requests, {cost['judge_prompt_tokens']} prompt and "
         f"{cost['judge_completion_tokens']} completion tokens over {cost['steps']} GRPO step(s): "
     )
+    left_out = "the training steps' judging: held-out evaluations and judge anchors not included"
     if cost.get("judge_cost_usd") is None or not (price_in or price_out):
-        return tokens + "not priced (judge.price_per_mtok_in / _out; held-out evaluations not included)."
+        return tokens + f"not priced (judge.price_per_mtok_in / _out; {left_out})."
     return tokens + (
         f"${cost['judge_cost_usd']:.4f} at ${price_in:g} / ${price_out:g} per "
-        "million prompt / completion tokens (judge.price_per_mtok_in / _out; held-out evaluations not included)."
+        f"million prompt / completion tokens (judge.price_per_mtok_in / _out; {left_out})."
     )
 
 
