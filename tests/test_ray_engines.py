@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -99,11 +100,12 @@ def test_engines_that_can_never_fit_the_clusters_gpus_are_refused_at_once():
 
 
 @pytest.mark.slow
-def test_engines_take_the_gpus_ray_gives_them_and_wait_for_held_ones(tiny_model_path, caplog):
+def test_engines_take_the_gpus_ray_gives_them_and_wait_for_held_ones(tiny_model_path, caplog, tmp_path, monkeypatch):
     """Ray started with two GPUs declared (this machine has none: Ray sets CUDA_VISIBLE_DEVICES for its actors all
     the same, and torch on a CPU build ignores it): each engine gets a GPU of its own, an engine that needs more GPUs
     than any node has is refused before anything waits, and one that needs GPUs others hold waits, saying so, until
-    they are given back."""
+    they are given back. Where one of two engines fails to build, the one built gives its GPU back (it kept it while
+    the failure was held, so a retry of the stage waited for it)."""
     import threading
 
     import ray
@@ -117,6 +119,7 @@ def test_engines_take_the_gpus_ray_gives_them_and_wait_for_held_ones(tiny_model_
 
     runtime_env = {"env_vars": {"PYTHONPATH": ":".join(p for p in cluster._python_path() if p)}}
     session = short_folder("ray")  # Ray's sockets need a short path
+    monkeypatch.setenv("REFINER_FAIL_ONCE", "rollout-engine-build")  # only where markers are given: the last check
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, runtime_env=runtime_env, _temp_dir=session)
     try:
         settings = EngineSettings.of(engine="hf", num_engines=2, batch_size=4)
@@ -156,6 +159,15 @@ def test_engines_take_the_gpus_ray_gives_them_and_wait_for_held_ones(tiny_model_
             sharded.WAIT_LINE_SECONDS = every
         assert built and built[0].placement.rsplit(" GPU ", 1)[1] in {"0", "1"}, built
         built[0].close()
+
+        two_settings = EngineSettings.of(engine="hf", num_engines=2, batch_size=4)
+        with pytest.raises(Exception, match="injected fault in stage 'rollout-engine-build'"):
+            ShardedEngine(str(tiny_model_path), two_settings, "float32", "fp32", markers=str(tmp_path))
+        for _ in range(60):
+            if ray.available_resources().get("GPU", 0) == 2:
+                break
+            time.sleep(0.5)
+        assert ray.available_resources().get("GPU", 0) == 2
     finally:
         ray.shutdown()
         shutil.rmtree(session, ignore_errors=True)

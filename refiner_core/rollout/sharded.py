@@ -25,6 +25,8 @@ class EngineActor:
     """One rollout engine in a Ray worker process."""
 
     def __init__(self, model_path: str, settings: EngineSettings, dtype: str, precision: str, markers: str):
+        if markers:  # REFINER_FAIL_ONCE=rollout-engine-build: this engine fails to build (out of memory, say)
+            stage_fault("rollout-engine-build", None, Path(markers))
         self.engine = make_engine(model_path, settings, dtype, precision)
         self.markers = markers
 
@@ -79,7 +81,12 @@ class ShardedEngine:
             actor.remote(model_path, settings, dtype, precision, markers) for _ in range(settings.num_engines)
         ]
         self.name, self.weights_hash = settings.engine, ""
-        _wait_built(self.actors, gpus)  # built (or failed) before the stage goes on
+        try:
+            _wait_built(self.actors, gpus)  # built (or failed) before the stage goes on
+        except BaseException:  # the engines built so far hold their CPUs/GPUs until killed: a retry would wait
+            for a in self.actors:
+                ray.kill(a)
+            raise
         self.places = [tuple(place) for place in ray.get([a.placement.remote() for a in self.actors])]
         self.placement = "; ".join(
             f"engine {k}/{len(self.places)} on {node}" + (f" GPU {','.join(ids)}" if ids else "")

