@@ -239,3 +239,42 @@ def test_sigkilled_run_takes_its_vllm_judge_server_with_it(tmp_path):
     finally:
         for pid in tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)
+
+
+VLLM_ENGINE_AND_WAIT = textwrap.dedent("""
+    import os, sys, time
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine core in its own process, as on a GPU
+    from refiner_core.config import EngineSettings
+    from refiner_core.rollout.vllm_engine import make_vllm_engine
+    engine = make_vllm_engine(sys.argv[1], EngineSettings.of(engine="vllm", batch_size=4), progress=False)
+    print("ENGINE PROCESSES", *engine.processes, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_vllm_engines_own_processes_are_stopped_by_the_next_run_after_a_sigkill(tmp_path, tiny_model_path):
+    """Where vLLM runs its engine core apart (on a GPU), those processes get no parent-death signal: a run killed
+    outright left them holding the GPU's memory share, and the next run's engine could not be built. They are
+    recorded for the run folder, so the next run stops them."""
+    records = tmp_path / "procs"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", VLLM_ENGINE_AND_WAIT, str(tiny_model_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "REFINER_PROCS_DIR": str(records)},
+    )
+    try:
+        said = next(line for line in owner.stdout if line.startswith("ENGINE PROCESSES"))
+        engine_processes = [int(p) for p in said.split()[2:]]
+        assert engine_processes, "the engine core runs in a process of its own"
+        assert sorted(int(p.stem) for p in records.glob("*.json")) == sorted(engine_processes)
+    finally:
+        owner.kill()
+        owner.wait()
+    time.sleep(2)
+    assert any(process_identity(pid) for pid in engine_processes), "they outlive their killed owner"
+    stopped = stop_leftovers(records)
+    assert sorted(e["pid"] for e in stopped) <= sorted(engine_processes) and stopped
+    assert wait_until_gone(lambda: [p for p in engine_processes if process_identity(p)]) == []

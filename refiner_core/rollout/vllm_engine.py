@@ -117,6 +117,7 @@ class VLLMRolloutEngine:
     bucket_bytes: int = 512 << 20
     workers: int = 1  # the engine's worker processes (tensor_parallel_size): NCCL ranks after the sender
     transfer_group: str = ""  # the sender's NCCL group this engine joined (init_transfer); '' none
+    processes: list[int] = field(default_factory=list)  # the engine core's processes, recorded for the run folder
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
         from vllm import SamplingParams as VLLMSamplingParams
@@ -327,6 +328,11 @@ class VLLMRolloutEngine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             del llm, engine, core
+        from refiner_core.runtime.procs import forget_child
+
+        for pid in self.processes:
+            forget_child(pid)
+        self.processes = []
         release_gpu_cache()
 
     def _decode(self, ids: list[int]) -> str:
@@ -391,6 +397,7 @@ def make_vllm_engine(
     if on_gpu:  # a learner in this process may have initialised CUDA, which a forked engine core cannot use
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         release_gpu_cache()  # and cached blocks the engine core sizes its share against
+    before = _child_pids()
     llm = LLM(
         model=weights_path,
         tokenizer=str(model_path),
@@ -427,10 +434,37 @@ def make_vllm_engine(
         transport=transport,
         bucket_bytes=max(int(settings.weight_bucket_mb), 1) << 20,
         workers=settings.tensor_parallel_size,
+        processes=_record_engine_processes(before),
     )
     if adapter:
         engine.load_weights(adapter)
     return engine
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _record_engine_processes(before: set[int]) -> list[int]:
+    """The processes the engine started (its engine core and workers, where vLLM runs them apart: on a GPU), recorded
+    for the run folder: they get no parent-death signal, so a run killed outright leaves them holding their GPU
+    memory until the next run on the folder stops them (refiner_core.runtime.procs.stop_leftovers)."""
+    import psutil
+
+    from refiner_core.runtime.procs import PROCS_DIR_ENV, record_child
+
+    record_dir = os.environ.get(PROCS_DIR_ENV)
+    started = []
+    for pid in sorted(_child_pids() - before):
+        if record_dir and not (Path(record_dir) / f"{pid}.json").exists():  # not another part's spawned child
+            try:
+                record_child(record_dir, pid, psutil.Process(pid).cmdline(), group=False)
+            except psutil.NoSuchProcess:
+                continue
+            started.append(pid)
+    return started
 
 
 def _same_folder(a: str | None, b: str) -> bool:
