@@ -227,12 +227,22 @@ def catalog_rows(run_dir: Path, sql: str) -> list[tuple]:
 
 
 def sampling_gaps(
-    model, prompts, gens, temperature: float, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0
+    model,
+    prompts,
+    gens,
+    temperature: float,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    top_p: float = 1.0,
+    top_p_first: bool = False,
 ):
-    """For generations sampled with top_k, min_p or a repetition penalty: (tokens sampled outside the truncated
-    distribution, max |engine log-prob - the token's log-prob under the processed distribution|), computed from the
-    model's logits: each token already in the prompt or the response so far has its logit divided by the penalty
-    (multiplied where negative), then the temperature, then the truncation, renormalised over the kept tokens."""
+    """For generations sampled with top_k, min_p, top_p or a repetition penalty: (tokens sampled outside the
+    truncated distribution, max |engine log-prob - the token's log-prob under the processed distribution|),
+    computed from the model's logits in vLLM's order: each token already in the prompt or the response so far has
+    its logit divided by the penalty (multiplied where negative), then the temperature, then min_p and top_k, then
+    top_p over what they kept, renormalised over the kept tokens. `top_p_first`: top_p before min_p (transformers'
+    own order)."""
     outside, gap = 0, 0.0
     for g in gens:
         prompt = prompts[g.prompt_index]
@@ -244,15 +254,27 @@ def sampling_gaps(
             logits[t, seen] = torch.where(row < 0, row * repetition_penalty, row / repetition_penalty)
         logp = torch.log_softmax(logits / temperature, -1)
         keep = torch.ones_like(logp, dtype=torch.bool)
+        if top_p < 1.0 and top_p_first:
+            keep &= _nucleus(logp, top_p)
         if top_k:
             keep &= logp >= logp.topk(top_k, -1).values[:, -1:]
         if min_p:
             keep &= logp >= logp.max(-1, keepdim=True).values + math.log(min_p)
+        if top_p < 1.0 and not top_p_first:
+            keep &= _nucleus(torch.log_softmax(logp.masked_fill(~keep, -math.inf), -1), top_p)
         tokens = torch.tensor(g.token_ids)[:, None]
         outside += int((~keep.gather(-1, tokens)).sum())
         kept = logp.gather(-1, tokens).squeeze(-1) - torch.logsumexp(logp.masked_fill(~keep, -math.inf), -1)
         gap = max(gap, (kept - torch.tensor(g.logprobs)).abs().max().item())
     return outside, gap
+
+
+def _nucleus(logp, top_p: float):
+    """The tokens of the smallest most-likely set whose probability reaches top_p (per row)."""
+    probs = logp.exp()
+    ordered, order = probs.sort(-1, descending=True)
+    before = ordered.cumsum(-1) - ordered  # the mass of the likelier tokens
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < top_p)
 
 
 def vllm_logprob_gap(

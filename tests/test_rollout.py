@@ -74,10 +74,16 @@ def test_sampling_settings_in_the_checkpoint_do_not_reach_the_samples(tiny_model
     torch.testing.assert_close(learner_lp[mask], batch["rollout_logprobs"][mask], atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("truncation", [{"top_k": 5}, {"min_p": 0.3}], ids=["top_k", "min_p"])
+@pytest.mark.parametrize(
+    "truncation",
+    [{"top_k": 5}, {"min_p": 0.3}, {"min_p": 0.5, "top_p": 0.3}],
+    ids=["top_k", "min_p", "min_p_then_top_p"],
+)
 def test_top_k_and_min_p_sample_inside_the_truncated_distribution_and_report_its_logprobs(
     tiny_model_path, tiny_tokenizer, truncation
 ):
+    """As vLLM samples: min_p and top_k, then top_p over what they kept (transformers' own warpers ran top_p first,
+    so the two engines sampled other distributions with both set)."""
     model = load_model(tiny_model_path)
     engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=8)
     prompts = [tiny_tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]]
@@ -85,6 +91,8 @@ def test_top_k_and_min_p_sample_inside_the_truncated_distribution_and_report_its
     gens = engine.generate(prompts, dataclasses.replace(params, **truncation))
     outside, gap = sampling_gaps(model, prompts, gens, 0.7, **truncation)
     assert outside == 0 and gap < 2e-4, (outside, gap)
+    if "top_p" in truncation:  # vLLM's order (min_p, then top_p over what it kept), not transformers' own
+        assert sampling_gaps(model, prompts, gens, 0.7, top_p_first=True, **truncation)[1] > 0.1
     # the random model's flat distribution: untruncated samples fall outside it
     assert sampling_gaps(model, prompts, engine.generate(prompts, params), 0.7, **truncation)[0] > 0
 

@@ -112,7 +112,11 @@ def test_seeded_reruns_reproduce(engine, prompts):
     assert [g.token_ids for g in alone] == [g.token_ids for g in a[:4]]
 
 
-@pytest.mark.parametrize("truncation", [{"top_k": 5}, {"min_p": 0.3}], ids=["top_k", "min_p"])
+@pytest.mark.parametrize(
+    "truncation",
+    [{"top_k": 5}, {"min_p": 0.3}, {"min_p": 0.5, "top_p": 0.3}],
+    ids=["top_k", "min_p", "min_p_then_top_p"],
+)
 def test_top_k_and_min_p_sample_inside_the_truncated_distribution(engine, prompts, tiny_model_path, truncation):
     """The same check as the hf engine's: no token outside, log-probs of the truncated distribution."""
     model = load_model(tiny_model_path)

@@ -84,6 +84,29 @@ class RepetitionPenalty:
         return scores.scatter(1, ids, torch.where(seen < 0, seen * self.penalty, seen / self.penalty))
 
 
+def sampling_processors(params: SamplingParams, attention) -> list:
+    """The logits processors of a request in the order vLLM's sampler applies them: the repetition penalty, the
+    temperature, min_p, then top_k and top_p on what is left (transformers' own order runs top_p before min_p, and
+    its processors after every warper: another distribution where the settings are combined). Greedy requests
+    take the penalty alone."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    processors: list = []
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenalty(params.repetition_penalty, attention))
+    if params.temperature <= 0:
+        return processors
+    if params.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(params.temperature))
+    if params.min_p > 0:
+        processors.append(MinPLogitsWarper(params.min_p))
+    if params.top_k > 0:
+        processors.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        processors.append(TopPLogitsWarper(params.top_p))
+    return processors
+
+
 def response_stop_strings(stop: tuple[str, ...], start: int, decode):
     """A stopping criterion: a row stops once its response's text (from column `start`, decoded as `first_stop`
     decodes it, special tokens skipped) holds a stop string, where vLLM stops and `first_stop` cuts. transformers'
@@ -176,13 +199,12 @@ class HFRolloutEngine:
                     input_ids=input_ids,
                     attention_mask=attention,
                     do_sample=sample,
-                    temperature=params.temperature if sample else None,
-                    top_p=params.top_p if sample and params.top_p < 1.0 else None,
-                    top_k=params.top_k if sample else None,  # 0: off (transformers' default would be 50)
-                    min_p=params.min_p if sample and params.min_p > 0 else None,
-                    logits_processor=[RepetitionPenalty(params.repetition_penalty, attention)]
-                    if params.repetition_penalty != 1.0
-                    else None,
+                    # transformers' own warpers are off (run after its processors and min_p after top_p): ours
+                    # run in vLLM's order
+                    temperature=1.0 if sample else None,
+                    top_p=1.0 if sample else None,
+                    top_k=0 if sample else None,  # transformers' default would be 50
+                    logits_processor=sampling_processors(params, attention) or None,
                     max_new_tokens=params.max_new_tokens,
                     stopping_criteria=[response_stop_strings(params.stop, input_ids.shape[1], self._decode)]
                     if params.stop
