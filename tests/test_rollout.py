@@ -245,3 +245,12 @@ def test_shared_prefix_judge_equals_plain_batches(tiny_model_path):
     head_a, head_b = list(range(100, 140)), list(range(200, 240))
     tokens = [head_a + [1, 2], head_a + [3], head_b + [4, 5], head_b + [6], head_a + [7]]
     assert prefix_groups(tokens) == [[0, 1], [2, 3], [4]]
+
+
+def test_the_memory_an_engine_holds_counts_tied_weights_once(tiny_model_path, tiny_tokenizer):
+    """The tiny model's output layer is its embedding: summed per name, it was counted twice (about a quarter too
+    much for a tied model such as Qwen3-0.6B), and live engines were closed where they fitted."""
+    model = load_model(tiny_model_path)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    held, _ = HFRolloutEngine(model, tiny_tokenizer, batch_size=2).memory_bytes()
+    assert held == sum(p.numel() * p.element_size() for p in model.parameters())

@@ -258,8 +258,9 @@ class HFRolloutEngine:
             )
 
     def memory_bytes(self) -> tuple[int, int]:
-        held = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return held, free_bytes(self.model.device.type)
+        # tied weights (an output layer sharing the embedding) are one tensor under two names: counted once
+        tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
+        return sum(tensors.values()), free_bytes(self.model.device.type)
 
     def close(self) -> None:
         """Drop the model; on a GPU its memory goes back to the device (the learner or a vLLM engine needs it)."""
