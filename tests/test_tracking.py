@@ -224,3 +224,34 @@ def test_importing_refiner_core_imports_no_tracker_package():
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlflow', 'tensorboard', 'wandb')))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_a_tracker_failing_midway_keeps_what_it_took_and_a_recomputed_step_is_sent_again(tmp_path, monkeypatch):
+    """A backend that failed on its third item had taken two, which were sent again (twice in the tracker); a
+    step recomputed with other values (a rerun with another setting) was never sent again, so the tracker kept the
+    old ones."""
+    from mlflow.tracking import MlflowClient
+
+    taken = []
+
+    class FailsOnce(TRACKERS["mlflow"]):
+        def log_metrics(self, step, metrics):
+            if step == 2 and not taken:
+                taken.append(step)
+                raise OSError("connection reset")
+            super().log_metrics(step, metrics)
+
+    monkeypatch.setitem(TRACKERS, "mlflow", FailsOnce)
+    sent, warnings = _report(tmp_path, ["mlflow"])
+    assert sent == {} and "the 3 items it did not take are sent again" in warnings[0]
+    assert _report(tmp_path, ["mlflow"]) == ({"mlflow": 3}, [])
+    ledger = json.loads((tmp_path / "tracking" / "mlflow.json").read_text())
+    history = MlflowClient(tracking_uri=ledger["tracking_uri"]).get_metric_history(ledger["id"], "steps/loss")
+    assert sorted(m.step for m in history) == [0, 1, 2]  # each once
+
+    recomputed = [STEPS[0], {**STEPS[1], "loss": 0.75}, STEPS[2]]
+    sent, warnings = _report(tmp_path, ["mlflow"], steps=recomputed)
+    assert sent == {"mlflow": 1} and "step 1 recomputed with other values" in warnings[0]
+    history = MlflowClient(tracking_uri=ledger["tracking_uri"]).get_metric_history(ledger["id"], "steps/loss")
+    assert [m.value for m in history if m.step == 1][-1] == 0.75
+    assert _report(tmp_path, ["mlflow"], steps=recomputed) == ({}, [])

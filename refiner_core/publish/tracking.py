@@ -3,14 +3,16 @@ go to TensorBoard, MLflow or Weights & Biases as well as to the catalog.
 
 One small class per backend; a backend's package is imported only when the backend is chosen, so importing
 refiner_core never imports tensorboard, mlflow or wandb. What each backend was sent is recorded in
-RUN_DIR/tracking/<backend>.json (a ledger): a resumed or cached rerun sends only what is new, so no step is logged
-twice, and a step a failed backend missed is sent with the next one. A backend that fails is a warning, never a
+RUN_DIR/tracking/<backend>.json (a ledger of items and their values' hashes): a resumed or cached rerun sends only
+what is new, so no step is logged twice, a step recomputed with other values is sent again, and a step a failed
+backend missed is sent with the next one. A backend that fails is a warning, never a
 failed run. A backend stays open from one step to the next (one TensorBoard event file, one W&B run session per
 run process) until `close_trackers` at the run's end.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -203,9 +205,11 @@ def report(
     rollouts: dict[int, str],
     warn: Callable[[str], None],
 ) -> dict[str, int]:
-    """Send what each backend of settings.report_to has not been sent yet: steps rows, eval summary rows and
-    rollout samples ({step: markdown}). Returns {backend: items sent}; a backend that fails is reported to `warn`
-    and skipped (its ledger records none of them, so they are sent again next time)."""
+    """Send what each backend of settings.report_to has not been sent yet, or was sent with other values (a step
+    recomputed, e.g. a rerun of the folder with another setting: sent again, with a warning, so the tracker's latest
+    point is the catalog's): steps rows, eval summary rows and rollout samples ({step: markdown}). Returns {backend:
+    items sent}; a backend that fails is reported to `warn` and skipped (what it took before failing is recorded,
+    the rest is sent again next time)."""
     run_dir = Path(run_dir)
     items = (
         [(f"step {r['step']}", "metrics", r["step"], step_metrics(r)) for r in steps]
@@ -215,35 +219,54 @@ def report(
     sent = {}
     for name in settings.report_to:
         ledger_path = run_dir / LEDGER_DIR / f"{name}.json"
-        ledger = json.loads(ledger_path.read_text()) if ledger_path.is_file() else {"sent": []}
-        done = set(ledger["sent"])
-        pending = [item for item in items if item[0] not in done]
+        ledger = json.loads(ledger_path.read_text()) if ledger_path.is_file() else {"sent": {}}
+        if isinstance(ledger["sent"], list):  # a ledger of names alone: their values are taken as sent
+            ledger["sent"] = {item: None for item in ledger["sent"]}
+        done = ledger["sent"]  # item -> hash of the values sent (None: unknown, taken as current)
+        pending = []
+        for item in items:
+            digest = _digest(item[3])
+            if item[0] not in done or done[item[0]] not in (None, digest):
+                pending.append((item, digest))
         if not pending:
             continue
+        changed = [item[0] for item, _ in pending if item[0] in done]
+        if changed:
+            warn(
+                f"run.report_to {name!r}: {', '.join(changed)} recomputed with other values since they were sent; "
+                "sent again, so the tracker holds both (the catalog holds the current ones)"
+            )
         key = (str(run_dir.resolve()), name)
+        logged = 0
         try:
             if key not in _OPEN:
                 _OPEN[key] = TRACKERS[name](run_dir, run, settings, ledger)
             tracker = _OPEN[key]
-            for _, what, step, value in pending:
+            for (label, what, step, value), digest in pending:
                 if what == "metrics":
                     tracker.log_metrics(step, value)
                 else:
                     tracker.log_text(step, "rollouts", value)
+                done[label] = digest
+                logged += 1
             tracker.flush()
         except Exception as e:  # noqa: BLE001 - a tracker never fails the run
             _close(key)  # the next attempt starts it afresh
             warn(
                 f"run.report_to {name!r}: logging failed ({type(e).__name__}: {e}); the run goes on, and the "
-                "items are sent again with the next step"
+                f"{len(pending) - logged} items it did not take are sent again with the next step"
             )
-            if ledger.get("id"):  # the tracker's run was created: the next attempt continues it
+            if ledger.get("id") or logged:  # the tracker's run was created, or took items: the next attempt goes on
                 _write_ledger(ledger, ledger_path)
             continue
-        ledger["sent"] += [item[0] for item in pending]
         _write_ledger(ledger, ledger_path)
         sent[name] = len(pending)
     return sent
+
+
+def _digest(value) -> str:
+    """What an item holds, hashed: a step recomputed with other values is sent again."""
+    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 def close_trackers(run_dir: Path | str) -> None:
