@@ -37,3 +37,27 @@ def test_prune_keeps_weights_of_kept_steps_and_optimizer_state_of_the_newest_onl
     assert pruned_paths(tmp_path) == set(removed)
     forget_pruned(tmp_path, Path(removed[0]))
     assert pruned_paths(tmp_path) == set(removed[1:])
+
+
+def test_a_kill_while_pruning_leaves_the_folders_listed_as_pruned(tmp_path, monkeypatch):
+    """The folders were deleted before they were listed: a kill in between left a checkpoint gone but unlisted,
+    which a rerun took for damaged and recomputed from the checkpoint before it (pruned too: the run failed for
+    good; kept: its optimizer state was gone and the rerun diverged). Now they are listed first; the next prune
+    removes what is left of them."""
+    from refiner_core.store import checkpoints
+
+    for step in range(1, 6):
+        _checkpoint(tmp_path, step)
+
+    def killed(path, *args, **kwargs):
+        raise KeyboardInterrupt  # the process ends here
+
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", killed)
+    try:
+        prune(tmp_path, newest=5, keep_last=2, keep_every=0)
+    except KeyboardInterrupt:
+        pass
+    assert pruned_paths(tmp_path) == {str(tmp_path / f"step_{s:04d}") for s in (1, 2, 3)}
+    monkeypatch.undo()
+    prune(tmp_path, newest=5, keep_last=2, keep_every=0)
+    assert sorted(step_checkpoints(tmp_path)) == [4, 5]

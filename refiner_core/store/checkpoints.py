@@ -58,18 +58,17 @@ def prune(folder: Path, newest: int, keep_last: int, keep_every: int) -> list[st
     folder = Path(folder)
     checkpoints = step_checkpoints(folder)
     keep = retained_steps(list(checkpoints), newest, keep_last, keep_every)
-    removed = []
+    removed = [str(path) for step, path in sorted(checkpoints.items()) if step not in keep]
+    if removed:  # listed before they go: a kill midway leaves listed folders the next prune removes, never one gone
+        # but unlisted, which reads as damaged and is recomputed from a checkpoint that may be pruned too
+        write_json(sorted(pruned_paths(folder) | set(removed)), folder / PRUNED_LIST)
     for step, path in sorted(checkpoints.items()):
         if step not in keep:
             shutil.rmtree(path)
-            removed.append(str(path))
         elif step < newest:
             for name in TRAINING_STATE_FILES:
                 state = path / name
                 shutil.rmtree(state) if state.is_dir() else state.unlink(missing_ok=True)
-    if removed:
-        listed = pruned_paths(folder)
-        write_json(sorted(listed | set(removed)), folder / PRUNED_LIST)
     return removed
 
 
