@@ -19,7 +19,7 @@ from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
 from refiner_core.data.rubric_fields import RubricError
 from refiner_core.data.sources import SourceError
-from refiner_core.runtime.unsaved_weights import UnsavedWeights, mark_recorded
+from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, mark_recorded
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths
 from refiner_core.store.faults import stage_fault
 from refiner_core.store.forks import adopt, ancestors, read_fork, rebase
@@ -185,6 +185,9 @@ class Stage:
                 )
         if state.name == "Cached":
             damaged = damaged_outputs(manifest, kwargs["run_dir"])
+            policy = manifest.get("policy")
+            if kwargs.get("save") and isinstance(policy, dict) and is_unsaved(policy):  # `save` is out of the key
+                damaged.append(f"{policy['path']} (never saved; this run needs it written)")
             if damaged:
                 _logger().warning(
                     "%s: cached result refers to missing or changed files (%s); recomputing",

@@ -85,10 +85,13 @@ def grpo_update(
         log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
     learner_key = live_learner.learner_key(grpo.learner, model, reference, settings, dtype)
     learner = live_learner.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
-    if learner is None and is_unsaved(policy):  # a retry after a failed step: its learner was dropped
+    if learner is None and is_unsaved(policy):
         raise FileNotFoundError(
-            f"grpo-update step {step}: the weights of {policy['path']} were never saved "
-            "(run.save_every) and the live learner no longer holds them; run again to recompute"
+            f"grpo-update step {step}: the weights it starts from, {policy['path']}, were never saved "
+            "(run.save_every) and no live learner holds them. After a failed step, run again: they are "
+            "recomputed. Where this update runs again in a later run (a setting it reads changed, or the run now "
+            "needs its checkpoint written: eval.every, grpo.ref_sync_every, a shorter grpo.steps), the updates "
+            "back to the last checkpoint written must run again too: rerun with --refresh, or in a new run folder"
         )
     log.info(
         "grpo-update step %d: %s",

@@ -168,6 +168,16 @@ def test_a_longer_rerun_keeps_the_updates_that_ran_and_equals_a_run_of_that_leng
     steps = "SELECT step, loss, kl, grad_norm, reward_mean FROM steps ORDER BY step"
     assert catalog_rows(longer, steps) == catalog_rows(fresh, steps)
 
+    # The other way: the 4-step run left step 2's update unsaved; a 3-step rerun needs it written (the run's
+    # result). Its cached result named weights nobody holds and the run ended with no step_0003 on disk.
+    assert not (fresh / "checkpoints" / "step_0003").exists()
+    assert _pipeline(_recipe(tiny_recipe, 2), fresh).is_completed()
+    newest = sorted((fresh / "logs").glob("run-*.log"))[-1].read_text()
+    assert "step_0003 (never saved; this run needs it written)" in newest
+    assert "Task run 'grpo-update[step=1]' - Finished in state Cached" in newest
+    [(checkpoint,)] = catalog_rows(fresh, "SELECT checkpoint FROM steps WHERE step = 2")
+    assert (fresh / "checkpoints" / "step_0003" / "model.safetensors").is_file() and checkpoint.endswith("step_0003")
+
 
 def test_unsaved_weights_are_intact_only_while_held_or_saved_later(tmp_path):
     """An update's cached manifest naming weights never written is damaged unless the run's live learner holds
