@@ -19,6 +19,7 @@ from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
 from refiner_core.data.rubric_fields import RubricError
 from refiner_core.data.sources import SourceError
+from refiner_core.runtime.registry import outside_sources
 from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, mark_recorded
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths
 from refiner_core.store.faults import stage_fault
@@ -61,6 +62,8 @@ def stage_cache_key(context: TaskRunContext, parameters: dict[str, Any], unkeyed
     """The stage's key: its name, the code version and its parameters, but for `unkeyed` ones, which change how a
     result is kept rather than what it is."""
     material = {k: _content(_without_provenance(v), k) for k, v in sorted(parameters.items()) if k not in unkeyed}
+    if outside := outside_sources(material):  # a judge, engine, verifier or tool of the user's own, by import path
+        material["outside_code"] = outside
     own = _key(context.task.name, material)
     return _ancestor_key(context, material, own) or own
 

@@ -71,6 +71,14 @@ def test_a_judge_from_outside_the_repository_scores_a_run(api_env, tmp_path):
     assert rows and {r[:2] for r in rows} == {('{"score": 1.5}', 1.5)}
     assert {(kind, oriented) for _, _, kind, oriented in rows} <= {("positive", 0.75), ("negative", 0.25)}
 
+    # The user's code is part of the stages' keys, as the repository's is: edited, the judging runs again (its
+    # judgments were taken from the cache, still scoring 1.5)
+    (package / "constant.py").write_text(TOY_JUDGE.replace('{"score": 1.5}', '{"score": 0.5}'))
+    code, out, err, _ = run_cli([*args, "--set", "grpo.steps=1"], tmp_path, env={**api_env, **env})
+    assert code == 0, err
+    rows = catalog_rows(run_dir, "SELECT DISTINCT raw_output, raw_score FROM judge_scores")
+    assert rows == [('{"score": 0.5}', 0.5)]
+
 
 def toy_reinforce(logp, old_logp, advantages, params, sequences):
     """Plain REINFORCE, -A * logp: no ratio, nothing clipped."""

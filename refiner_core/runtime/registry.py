@@ -9,6 +9,7 @@ judge, engine, learner, verifier or tool written outside this repository plugs i
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import re
 from dataclasses import dataclass
@@ -66,3 +67,58 @@ def problem(registry: Registry, kind: str, name: str) -> str | None:
     if not callable(getattr(imported, attr, None)):
         return f"{module} has no callable {attr!r}"
     return None
+
+
+def outside_sources(value: Any) -> dict[str, str]:
+    """{module: hash of its package's sources} for every import path `value` holds (any string in it, however
+    nested) that names code outside this repository's hashed packages: a stage keyed by it is recomputed when that
+    code is edited, as the code version does for refiner_core and tasks. An import path that does not import is
+    left to preflight."""
+    found: dict[str, str] = {}
+    for text in _strings(value):
+        if IMPORT_PATH.match(text):
+            module = text.partition(":")[0]
+            digest = _package_hash(module.partition(".")[0])
+            if digest:
+                found[module] = digest
+    return found
+
+
+def _strings(value: Any):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+@functools.cache
+def _package_hash(top: str) -> str | None:
+    """A hash of a top-level module's sources (every .py file of a package, so the helpers a factory imports count
+    too); None for this repository's own packages (in the code version) and for what cannot be found."""
+    import hashlib
+    import importlib.util
+    from pathlib import Path
+
+    from refiner_core import PACKAGE_DIR, REPO_ROOT
+
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return None
+    root = Path(spec.origin).resolve()
+    if spec.submodule_search_locations:
+        root = root.parent
+    if root == PACKAGE_DIR or root == REPO_ROOT / "tasks":
+        return None
+    files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root.parent).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
