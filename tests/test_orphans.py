@@ -100,15 +100,21 @@ def test_next_run_stops_recorded_leftovers(tmp_path):
             }
         )
     )
+    unknown = subprocess.Popen(["sleep", "300"])  # a record made after its child had exited holds no identity
+    (tmp_path / f"{unknown.pid}.json").write_text(
+        json.dumps({"pid": unknown.pid, "identity": None, "group": False, "host": os.uname().nodename, "parent": 1})
+    )
     try:
         stopped = stop_leftovers(tmp_path)
+        assert unknown.poll() is None, "a PID whose process cannot be told from the recorded one is not signalled"
         assert [e["pid"] for e in stopped] == [leftover]
         assert wait_until_gone(lambda: [leftover] if process_identity(leftover) else []) == []
         assert unrelated.poll() is None, "a reused PID must not be signalled"
         assert not list(tmp_path.glob("*.json"))
     finally:
-        unrelated.kill()
-        unrelated.wait()
+        for process in (unrelated, unknown):
+            process.kill()
+            process.wait()
 
 
 TORCHRUN_PARENT = textwrap.dedent("""

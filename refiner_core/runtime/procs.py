@@ -181,7 +181,10 @@ def stop_leftovers(record_dir: str | Path) -> list[dict]:
             continue  # this process's own children
         pid, group = entry["pid"], entry.get("group", False)
         # A group outlives its dead leader's PID: the kernel does not reuse a PID still naming a process group.
-        leftover = is_running(pid, entry.get("identity")) or (
+        # A record without an identity (the child had exited when it was recorded) cannot tell its process from
+        # one that took the PID since: only its group, if it still has one, is stopped.
+        identity = entry.get("identity")
+        leftover = (identity is not None and is_running(pid, identity)) or (
             group and process_identity(pid) is None and _group_alive(pid)
         )
         if entry.get("host") == socket.gethostname() and leftover:
