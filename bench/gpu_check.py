@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -807,10 +808,44 @@ def child(part: str, root: Path, cpu: bool) -> None:
     RUN[part](root, cpu)
 
 
+def run_part(cmd: list[str], log: Path, timeout: float) -> tuple[int | str, list[dict]]:
+    """Run a part's child: its JSON lines printed as they come (a caller's limit that ends this process first keeps
+    the rows printed so far), its stderr to `log`. Returns (exit code or 'timeout', its JSON lines)."""
+    lines: list[dict] = []
+    with open(log, "w") as err:
+        # its own process group: a part out of time goes with every process it started (engine cores, ranks)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, start_new_session=True)
+
+        def relay() -> None:
+            for text in proc.stdout:
+                try:
+                    line = json.loads(text) if text.startswith("{") else None
+                except ValueError:
+                    line = None
+                if line is not None:
+                    lines.append(line)
+                    print(json.dumps(line, default=str), flush=True)
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        try:
+            code: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = "timeout"
+        reader.join(30)
+    return code, lines
+
+
+FIRST = ("mfu", "tokens_per_second", "error")  # what the summary shows first: its rows are cut at 220 characters
+
+
 def summary(lines: list[dict]) -> str:
     rows = ["part  ok     what"]
     for d in lines:
         what = {k: v for k, v in d.items() if k not in ("part", "ok", "tail", "rows", "steps", "syncs", "all_seconds")}
+        what = {**{k: what[k] for k in FIRST if k in what}, **what}
         rows.append(f"{d['part']:<5} {str(d.get('ok', '-')):<6} {json.dumps(what, default=str)[:220]}")
     return "\n".join(rows)
 
@@ -851,21 +886,8 @@ def main() -> int:
         folder.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, __file__, "--child", part, "--root", str(folder), *(["--cpu"] if args.cpu else [])]
         start = time.perf_counter()
-        # its own process group: a part out of time goes with every process it started (engine cores, ranks)
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
-        )
-        try:
-            out, err = proc.communicate(timeout=min(args.timeout, left - 10) if args.budget else args.timeout)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            code = "timeout"
-        (root / f"{part}.log").write_text(err)
-        lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-        for line in lines:
-            print(json.dumps(line, default=str), flush=True)
+        code, lines = run_part(cmd, root / f"{part}.log", min(args.timeout, left - 10) if args.budget else args.timeout)
+        err = (root / f"{part}.log").read_text(errors="replace")
         if code != 0 or not lines:
             line = {"part": part, "ok": False, "error": f"exit {code}", "tail": err[-2500:]}
             print(json.dumps(line), flush=True)

@@ -6,7 +6,7 @@ from prefect import get_run_logger
 
 from refiner_core.config import ConfigError
 from refiner_core.data.prepare import cap_prompts, prepare_prompts
-from refiner_core.data.rows import TooManyRejected, prompt_hash, validate_rows
+from refiner_core.data.rows import TooManyRejected, prompt_hash, prompt_messages, validate_rows
 from refiner_core.data.sources import load_source, source_identity
 from refiner_core.models import load_tokenizer
 from refiner_core.publish.ledger import prompt_ledger, select_prompts
@@ -50,6 +50,7 @@ def prepare_data(
     )
     prompts = cap_prompts(prompts, data["max_prompts"])
     hash_of = {r["id"]: prompt_hash(r) for r in checked.rows}
+    asked_of = {r["id"]: [m["content"] for m in prompt_messages(r) if m["role"] == "user"] for r in checked.rows}
     rejected = checked.rejected + dropped
     quarantine = [r.as_quarantine(run, "prepare", data_file) for r in rejected]
     counts: dict[str, int] = {}
@@ -73,6 +74,9 @@ def prepare_data(
         "source": source_identity(data_file, source),
         "held_out_prompt_hashes": {
             p["prompt_id"]: hash_of[p["prompt_id"]] for p in prompts if p["split"] == "validation"
+        },
+        "held_out_asked": {  # a chat prompt's user messages, in order (refiner rows: its question)
+            p["prompt_id"]: asked_of[p["prompt_id"]] for p in prompts if p["split"] == "validation"
         },
     }
     if skip_ledger_files or weight_ledger_files:

@@ -33,8 +33,9 @@ def prepare_sft(
     checked = validate_rows(usable)
     tokenizer = load_tokenizer(policy["path"])
     hashes = prompts["held_out_prompt_hashes"]
+    asked = prompts.get("held_out_asked", {})
     held_out = [
-        {**p, "prompt_hash": hashes[p["prompt_id"]]}
+        {**p, "prompt_hash": hashes[p["prompt_id"]], "asked": asked.get(p["prompt_id"])}
         for p in read_rows(prompts["prompts"]["path"])
         if p["split"] == "validation"
     ]

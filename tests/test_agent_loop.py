@@ -99,6 +99,8 @@ def test_parse_tool_calls_well_formed_and_malformed():
     assert parse_tool_calls(never_closed, tools, ended=False)[0].failure.startswith("unclosed_tool_call")
     assert parse_tool_calls("Let me <tool_call>", tools)[0].failure.startswith("unclosed_tool_call")
     assert parse_tool_calls("</tool_call> stray", tools) == []
+    tag_in_code = '<tool_call>{"name": "python", "arguments": {"code": "print(\'<tool_call>\')"}}</tool_call>'
+    assert parse_tool_calls(tag_in_code, tools)[0].arguments == {"code": "print('<tool_call>')"}
     # a degenerate sample of digits: an integer past Python's conversion limit is a recorded failure, not a crash
     digits = "1" * 5000
     for block in (

@@ -50,8 +50,7 @@ def test_the_page_names_files_that_exist():
 @pytest.mark.slow
 def test_a_judge_from_outside_the_repository_scores_a_run(api_env, tmp_path):
     package = tmp_path / "outside" / "my_judges"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
+    package.mkdir(parents=True)  # no __init__.py: a namespace package, as a folder on PYTHONPATH is
     (package / "constant.py").write_text(TOY_JUDGE)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "outside"), os.environ.get("PYTHONPATH", "")])}
     recipe = str(REPO / "recipes" / "tiny.yaml")

@@ -314,12 +314,25 @@ def test_a_held_out_question_answered_in_a_later_turn_is_left_out_of_sft():
 
     prime, product = {"role": "user", "content": "Name a prime."}, {"role": "user", "content": "What is 7 * 13?"}
     held = {"id": "p1", "messages": [prime, {"role": "assistant", "content": "7"}, product], "ground_truth": "91"}
-    held_out = [{"prompt_id": "p1", "prompt_hash": prompt_hash(held), "question": prompt_fields(held)["question"]}]
+    asked = ["Name a prime.", "What is 7 * 13?"]  # the prepare-data manifest's held_out_asked
+    held_out = [
+        {
+            "prompt_id": "p1",
+            "prompt_hash": prompt_hash(held),
+            "question": prompt_fields(held)["question"],
+            "asked": asked,
+        }
+    ]
     answers = {"id": "s9", "messages": [prime, {"role": "assistant", "content": "Seven."}, product,
                                         {"role": "assistant", "content": "91"}]}  # fmt: skip
     other = {"id": "s10", "messages": [prime, {"role": "assistant", "content": "Seven."}]}
-    kept, left_out = without_held_out([answers, other], held_out, same_source=False)
-    assert kept == [other] and left_out == {"prompt_id": 0, "prompt": 0, "question": 1}
+    # the same follow-up after another question is another prompt: kept
+    elsewhere = {"id": "s11", "messages": [{"role": "user", "content": "Name an even number."},
+                                           {"role": "assistant", "content": "8"}, product,
+                                           {"role": "assistant", "content": "91"}]}  # fmt: skip
+    alone = {"id": "s12", "messages": [product, {"role": "assistant", "content": "91"}]}  # first question: as before
+    kept, left_out = without_held_out([answers, other, elsewhere, alone], held_out, same_source=False)
+    assert kept == [other, elsewhere] and left_out == {"prompt_id": 0, "prompt": 0, "question": 2}
 
 
 def test_a_tool_conversation_opening_with_an_assistant_turn_is_quarantined_by_name(tiny_tokenizer):

@@ -255,3 +255,5 @@ def test_a_tracker_failing_midway_keeps_what_it_took_and_a_recomputed_step_is_se
     history = MlflowClient(tracking_uri=ledger["tracking_uri"]).get_metric_history(ledger["id"], "steps/loss")
     assert [m.value for m in history if m.step == 1][-1] == 0.75
     assert _report(tmp_path, ["mlflow"], steps=recomputed) == ({}, [])
+    timed = [{**row, "update_seconds": 9.5, "checkpoint_bytes": 1024} for row in recomputed]  # recomputed alike
+    assert _report(tmp_path, ["mlflow"], steps=timed) == ({}, [])

@@ -8,6 +8,7 @@ tool's answer and records it, so a malformed call never crashes a stage.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from refiner_core.agent.tools.base import ToolResult
@@ -25,16 +26,21 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str, known_tools: set[str] | dict, ended: bool = True) -> list[ToolCall]:
-    """Every tool-call block of one assistant turn, in order. A block ends at a closing tag and starts at the last
-    opening tag before it: an earlier one is the tag named in prose ("I will write a <tool_call> block"). After the
-    last closing tag, an opening tag followed by a JSON object (or by nothing) is a block never closed: a call
-    when the turn `ended` (an end of turn, not a length cut) and the object parses, as vLLM's Hermes parser reads
-    it, else an unclosed_tool_call failure; an opening tag followed by prose is prose."""
+    """Every tool-call block of one assistant turn, in order. A block ends at a closing tag and starts at the first
+    opening tag before it (after the previous block) whose text to the closing tag is JSON, else at the last one:
+    an earlier one may be the tag named in prose ("I will write a <tool_call> block"), a later one the tag inside the
+    call's code (print("<tool_call>")). After the last closing tag, an opening tag followed by a JSON object (or by
+    nothing) is a block never closed: a call when the turn `ended` (an end of turn, not a length cut) and the
+    object parses, as vLLM's Hermes parser reads it, else an unclosed_tool_call failure; an opening tag followed by
+    prose is prose."""
     calls, start = [], 0
     while (close := text.find(CLOSE, start)) != -1:
-        opened = text.rfind(OPEN, start, close)
-        if opened != -1:
-            calls.append(_parse_block(text[opened + len(OPEN) : close], known_tools))
+        opens = [m.end() for m in re.finditer(re.escape(OPEN), text[start:close])]
+        if opens:  # the first opening tag whose block is JSON (the tag may sit inside its code), else the last
+            raw = next(
+                (r for r in (text[start + o : close] for o in opens) if _is_json(r)), text[start + opens[-1] : close]
+            )
+            calls.append(_parse_block(raw, known_tools))
         start = close + len(CLOSE)
     tail = text[start:]
     opened = tail.find(OPEN)
@@ -48,6 +54,14 @@ def parse_tool_calls(text: str, known_tools: set[str] | dict, ended: bool = True
             break
         opened = tail.find(OPEN, opened + len(OPEN))
     return calls
+
+
+def _is_json(raw: str) -> bool:
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _parse_block(raw: str, known_tools) -> ToolCall:

@@ -48,9 +48,9 @@ def refill_prompt_ids(
     if twin_of:
         train = set(train_ids)
         leads = [p for p in train_ids if not (twin_of.get(p) in train and twin_of[p] < p)]
-        unused = [p for p in leads if p in taken or twin_of.get(p) in taken]
+        used_leads = [p for p in leads if p in taken or twin_of.get(p) in taken]
         views: list[str] = []
-        for p in refill_prompt_ids(leads, unused, len(leads), step, sampling_round, seed):
+        for p in refill_prompt_ids(leads, used_leads, len(leads), step, sampling_round, seed):
             if len(views) >= count:
                 break
             views += [q for q in (p, twin_of.get(p)) if q in train]

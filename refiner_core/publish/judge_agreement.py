@@ -72,7 +72,7 @@ def _verdict(passed) -> bool:
     raise ValueError(f"passed {passed!r} is no verdict: give true/false, yes/no, pass/fail or 1/0")
 
 
-def read_labels(path: Path) -> dict[tuple, tuple[float, None, bool | None]]:
+def read_labels(path: Path) -> dict[tuple, SecondOpinion]:
     """(step, prompt_id, sample_idx, rubric_id) -> (oriented score, None, verdict) from a JSONL or CSV labels file;
     a label with `passed` only scores 1.0 or 0.0 and keeps its verdict whatever eval.pass_rubric_score is (None:
     the score passes at it). A record without a usable score or verdict, or a second label of the same
@@ -214,7 +214,7 @@ def check_judge(
     return Check(name, description, agreement, len(checks), len(rollouts), str(folder))
 
 
-def _rejudged(db: Path, judge, settings: JudgeConfig, keys: set[tuple]) -> dict[tuple, tuple[float | None, str | None]]:
+def _rejudged(db: Path, judge, settings: JudgeConfig, keys: set[tuple]) -> dict[tuple, SecondOpinion]:
     columns, rows = query(
         db,
         "SELECT o.*, i.max_new_tokens FROM rollouts o JOIN reward_inputs i USING (run, step, prompt_id, sample_idx)",

@@ -265,7 +265,10 @@ def report(
 
 
 def _digest(value) -> str:
-    """What an item holds, hashed: a step recomputed with other values is sent again."""
+    """What an item holds, hashed: a step recomputed with other values is sent again. How long it took and what
+    its checkpoint weighs are left out: a step recomputed alike (a damaged file, a checkpoint now written) is not."""
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if not k.endswith(("_seconds", "checkpoint_bytes"))}
     return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 

@@ -86,9 +86,8 @@ class RepetitionPenalty:
 
 def sampling_processors(params: SamplingParams, attention) -> list:
     """The logits processors of a request in the order vLLM's sampler applies them: the repetition penalty, the
-    temperature, min_p, then top_k and top_p on what is left (transformers' own order runs top_p before min_p, and
-    its processors after every warper: another distribution where the settings are combined). Greedy requests
-    take the penalty alone."""
+    temperature, min_p, then top_k and top_p on what is left (transformers' own warpers run top_p before min_p:
+    another distribution where both are set). Greedy requests take the penalty alone."""
     from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     processors: list = []
@@ -199,8 +198,7 @@ class HFRolloutEngine:
                     input_ids=input_ids,
                     attention_mask=attention,
                     do_sample=sample,
-                    # transformers' own warpers are off (run after its processors and min_p after top_p): ours
-                    # run in vLLM's order
+                    # transformers' own warpers are off (they run min_p after top_p): ours run in vLLM's order
                     temperature=1.0 if sample else None,
                     top_p=1.0 if sample else None,
                     top_k=0 if sample else None,  # transformers' default would be 50

@@ -109,16 +109,19 @@ def _package_hash(top: str) -> str | None:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+    if spec is None:
         return None
-    root = Path(spec.origin).resolve()
-    if spec.submodule_search_locations:
-        root = root.parent
-    if root == PACKAGE_DIR or root == REPO_ROOT / "tasks":
+    if spec.submodule_search_locations:  # a package (a namespace package, without __init__.py, has no origin)
+        roots = [Path(folder).resolve() for folder in spec.submodule_search_locations]
+    elif spec.origin and Path(spec.origin).is_file():
+        roots = [Path(spec.origin).resolve()]
+    else:
         return None
-    files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+    if any(root in (PACKAGE_DIR, REPO_ROOT / "tasks") for root in roots):
+        return None
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(root.parent).as_posix().encode())
-        digest.update(path.read_bytes())
+    for root in roots:
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+            digest.update(path.relative_to(root.parent).as_posix().encode())
+            digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -485,18 +485,24 @@ def without_held_out(rows: list[dict], held_out: list[dict], same_source: bool) 
     """Rows that are not held-out prompts, and how many were left out by what matched: 'prompt_id' (only when
     `same_source`: the rows come from the prompts' own source, where a held-out prompt's ID is its row; IDs of
     another file name other rows), 'prompt' (the same prompt, whatever the answer: prompt_hash) or 'question'
-    (a chat row answering a held-out question in any of its turns). The warm start must not imitate an answer to
-    a prompt the evaluation scores."""
+    (a chat row that asks a held-out prompt's questions, in its order, before one of its answers, whatever the
+    answers between them; or whose first question is a held-out prompt's last). The warm start must not imitate an
+    answer to a prompt the evaluation scores."""
     ids = {p["prompt_id"] for p in held_out} if same_source else set()
     hashes = {p["prompt_hash"] for p in held_out}
     questions = {p["question"] for p in held_out if p.get("question")}
+    asked = {tuple(p.get("asked") or [p["question"]]) for p in held_out if p.get("question")}
 
     def matched(row: dict) -> str | None:
         if row["id"] in ids:
             return "prompt_id"
         if prompt_hash(row) in hashes:
             return "prompt"
-        return "question" if questions & chat_questions(row) else None
+        if not is_chat_row(row):
+            return None
+        sequences = asked_before_answers(row["messages"])
+        first = sequences[0][-1] if sequences else None
+        return "question" if first in questions or asked & set(sequences) else None
 
     kept, left_out = [], dict.fromkeys(("prompt_id", "prompt", "question"), 0)
     for row in rows:
@@ -508,12 +514,12 @@ def without_held_out(rows: list[dict], held_out: list[dict], same_source: bool) 
     return kept, left_out
 
 
-def chat_questions(row: dict) -> set[str]:
-    """The questions a chat row answers: each user message an assistant turn answers (the last one before it).
-    Empty for refiner rows."""
-    if not is_chat_row(row):
-        return set()
-    return {question for _, question in answered_questions(row["messages"])}
+def asked_before_answers(messages: list[dict]) -> list[tuple[str, ...]]:
+    """For each assistant turn that answers a user message, the user messages before it, in order."""
+    return [
+        tuple(m["content"] for m in messages[:index] if m["role"] == "user")
+        for index, _ in answered_questions(messages)
+    ]
 
 
 def _limit_detail(reason: str, rendered: Rendered, limits: SFTLimits) -> str:
