@@ -98,6 +98,14 @@ for wheel in sorted(source.glob("*.whl")):
     print(f"trimmed {wheel.name}: {wheel.stat().st_size >> 20} -> {out.stat().st_size >> 20} MiB", file=sys.stderr)
 EOF
 
+# Wheels of an earlier pin stay in .whl: two versions of one project would only fail pip on the GPU machine, after
+# every part has travelled.
+twice=$(ls "$WHL/wheels" | sed 's/-[0-9].*//' | tr '[:upper:]_.' '[:lower:]--' | sort | uniq -d)
+if [ -n "$twice" ]; then
+  echo "$WHL/wheels holds two versions of: $twice (left by an earlier pin); rm -rf $WHL and run this again" >&2
+  exit 1
+fi
+
 # One tar of every wheel, cut into parts of PART_MB MiB: .whl/parts/K/wheels.tar.K (one folder per run call).
 rm -rf "$WHL/parts" && mkdir -p "$WHL/parts"
 tar -C "$WHL/wheels" -cf "$WHL/wheels.tar" .
