@@ -143,3 +143,35 @@ def test_the_wheel_parts_stay_out_of_git():
     for path in (".whl/parts/1/wheels.tar.0", ".whl/wheels/vllm-0.26.0-cp38-abi3-manylinux_2_31_x86_64.whl"):
         ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO)
         assert ignored.returncode == 0, f"{path} is not ignored by git"
+
+
+def test_a_part_received_on_a_replaced_machine_stops_that_call(tmp_path):
+    """The wheels travel one part per call and wait in /tmp while the machine stays warm: a machine replaced between
+    calls (idle too long) was noticed only by the last call, after every part had travelled again for nothing.
+    receive K now stops at once (exit 4) when an earlier part is gone, and receive 1 clears a warm machine's old
+    parts. The script runs here in a copy of its folder layout, its store moved under tmp_path."""
+    import shutil
+
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    script = (REPO / "scripts" / "gpu_check_remote.sh").read_text()
+    store = tmp_path / "store"
+    (tree / "scripts" / "gpu_check_remote.sh").write_text(
+        script.replace("STORE=/tmp/gpu-check-wheels", f"STORE={store}")
+    )
+
+    def receive(k: int) -> subprocess.CompletedProcess:
+        parts = tree / ".whl" / "parts"
+        shutil.rmtree(parts, ignore_errors=True)
+        (parts / str(k)).mkdir(parents=True)
+        (parts / str(k) / f"wheels.tar.{k - 1}").write_bytes(bytes(k) * 1000)
+        env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}
+        return subprocess.run(["bash", "scripts/gpu_check_remote.sh", "receive", str(k)], cwd=tree, env=env,
+                              capture_output=True, text=True)  # fmt: skip
+
+    replaced = receive(2)
+    assert replaced.returncode == 4 and "start again with receive 1" in replaced.stderr
+    store.mkdir(exist_ok=True)
+    (store / "wheels.tar.5").write_bytes(b"an older check's part")
+    assert receive(1).returncode == 0 and receive(2).returncode == 0
+    assert sorted(p.name for p in store.iterdir()) == ["wheels.tar.0", "wheels.tar.1"]
