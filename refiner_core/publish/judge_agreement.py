@@ -73,7 +73,7 @@ def _verdict(passed) -> bool:
 
 
 def read_labels(path: Path) -> dict[tuple, SecondOpinion]:
-    """(step, prompt_id, sample_idx, rubric_id) -> (oriented score, None, verdict) from a JSONL or CSV labels file;
+    """(step, prompt_id, sample_idx, rubric_id) -> its SecondOpinion from a JSONL or CSV labels file;
     a label with `passed` only scores 1.0 or 0.0 and keeps its verdict whatever eval.pass_rubric_score is (None:
     the score passes at it). A record without a usable score or verdict, or a second label of the same
     judgment, is refused with its record number."""
