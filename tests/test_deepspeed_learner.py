@@ -370,6 +370,8 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(
     # Step 0 launches fresh ranks from the same model in both runs, and its policy is its reference (KL 0): a
     # difference there is the ranks' arithmetic varying between launches, not the kept ranks
     # (docs/benchmarks.md#the-test-suite).
+    sampled_0 = [[row for row in run["rollouts"] if row[0] == 0] for run in (kept, fresh)]
+    assert sampled_0[0] == sampled_0[1], "step 0's rollouts differ: the rollout engine's sampling, before any rank"
     step_0 = [[row for row in run["steps"] if row[0] == 0] for run in (kept, fresh)]
     assert step_0[0] == step_0[1] and step_0[0][0][2] == 0.0, f"step 0 (loss, kl, grad norm) differs: {step_0}"
     _same(kept, fresh)
