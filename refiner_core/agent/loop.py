@@ -171,7 +171,7 @@ def run_agent(
                 finished = "max_turns"
             elif found and not cut:
                 finished = ""
-            turn_finish = "length" if not ended else "max_turns" if finished == "max_turns" else finished or "tool_call"
+            turn_finish = (finished or "tool_call") if ended else "length"  # ended: 'stop', 'max_turns' or a call
             r.turns.append(Turn(turn, "assistant", 0, text, start, end, finish_reason=turn_finish))
             r.final_text = "" if found else text  # a turn that calls a tool is no answer, should the talk end there
             r.finish_reason = finished

@@ -103,7 +103,7 @@ def _package_hash(top: str) -> str | None:
     import importlib.util
     from pathlib import Path
 
-    from refiner_core import PACKAGE_DIR, REPO_ROOT
+    from refiner_core import HASHED_PACKAGES, add_sources
 
     try:
         spec = importlib.util.find_spec(top)
@@ -117,11 +117,9 @@ def _package_hash(top: str) -> str | None:
         roots = [Path(spec.origin).resolve()]
     else:
         return None
-    if any(root in (PACKAGE_DIR, REPO_ROOT / "tasks") for root in roots):
+    if any(root in HASHED_PACKAGES for root in roots):
         return None
     digest = hashlib.sha256()
     for root in roots:
-        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
-            digest.update(path.relative_to(root.parent).as_posix().encode())
-            digest.update(path.read_bytes())
+        add_sources(digest, root)
     return digest.hexdigest()[:16]
