@@ -195,6 +195,10 @@ def _json_value(value):
     return value
 
 
+def _dollars(cost: float | None) -> str:
+    return "not priced (judge.price_per_mtok_in / _out)" if cost is None else f"${cost:.4f}"
+
+
 def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
     """Rows as a table as wide as the terminal (into a pipe or file: at least 120 columns, or the headers' width).
     Cells are Text, never markup, with control characters shown as escapes."""
@@ -267,14 +271,22 @@ def show(
                 f"{which} of step {r['step']}: reward {r['reward']} ({visible(str(r['prompt_id']))} "
                 f"#{r['sample_idx']}): {text[:width]}{'…' if len(text) > width else ''}"
             )
-    judge = summary["judge"]
+    judge, beyond = summary["judge"], summary.get("judge_beyond_steps")
     if judge and judge["requests"] is not None:
-        cost = (
-            "not priced (judge.price_per_mtok_in / _out)" if judge["cost_usd"] is None else f"${judge['cost_usd']:.4f}"
-        )
         typer.echo(
             f"judge over {judge['steps']} step(s): {judge['requests']} requests, {judge['prompt_tokens']} prompt + "
-            f"{judge['completion_tokens']} completion tokens, {cost}"
+            f"{judge['completion_tokens']} completion tokens, {_dollars(judge['cost_usd'])}"
+        )
+    if beyond and beyond["stages"]:
+        total = (
+            ""
+            if judge is None or judge["cost_usd"] is None
+            else f"; the run's judge total ${judge['cost_usd'] + (beyond['cost_usd'] or 0):.4f}"
+        )
+        typer.echo(
+            f"judge beyond the steps ({beyond['stage_names']}, {beyond['stages']} stage run(s)): {beyond['requests']} "
+            f"requests, {beyond['prompt_tokens']} prompt + {beyond['completion_tokens']} completion tokens, "
+            f"{_dollars(beyond['cost_usd'])}{total} (refiner sql RUN_DIR 'SELECT * FROM judge_spend')"
         )
     if monitors:
         typer.echo(f"monitors tripped ({len(monitors)}; refiner sql RUN_DIR 'SELECT * FROM monitor_events'):")

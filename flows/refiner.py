@@ -271,7 +271,7 @@ def warm_start(run: RunContext) -> StepState:
         )
         run.start = warm["policy"]
         run.manifests += [sft_data, warm]
-        publish_catalog(run_dir=run.dir, manifests=run.manifests, judge_price=judge_price(run))
+        publish_catalog(run_dir=run.dir, run=run.name, manifests=run.manifests, judge_price=judge_price(run))
     run.locate_reference()
     if run.eval_at:
         evaluate_policy(run, run.start, 0, "sft" if cfg.sft.enabled else "base")
@@ -503,7 +503,7 @@ def publish_step(run: RunContext, state: StepState, step: int, step_manifests: l
             keep_every=run.own.run.keep_every,
         )
     run.manifests += step_manifests
-    publish_catalog(run_dir=run.dir, manifests=run.manifests, judge_price=judge_price(run))
+    publish_catalog(run_dir=run.dir, run=run.name, manifests=run.manifests, judge_price=judge_price(run))
     publish_step_artifacts(run.dir, run.name, step)
     events = check_monitors(
         run_dir=run.dir,

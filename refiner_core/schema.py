@@ -948,6 +948,37 @@ JUDGE_ANCHORS = Table(
     ),
 )
 
+JUDGE_SPEND = Table(
+    "judge_spend",
+    "What every judging stage of the run cost: each step's rollout judging (a row per sampling round), the "
+    "judge's anchors and each held-out evaluation. steps.judge_* holds only the first kind; the run's total "
+    "judge bill (what judge.budget_usd counts) is this table's sum.",
+    ("run", "stage", "step", "round", "phase"),
+    (
+        _c("run", S, "Run name."),
+        _c("stage", S, "'judge' (a step's rollouts), 'judge-anchors' (judge.anchor_every) or 'eval' (held-out)."),
+        _c("step", I, "The step the stage ran at (eval: the policy evaluated after that many steps)."),
+        _c("round", I, "'judge': the sampling round (rollout.dynamic_sampling), 0 without one; else 0."),
+        _c("phase", S, "'eval': which policy was evaluated (evals.phase); else ''."),
+        _c("requests", I, "Requests the stage's judgments made (attempts summed)."),
+        _c("prompt_tokens", I, "Prompt tokens of its judgments (0 on a cache hit)."),
+        _c("completion_tokens", I, "Completion tokens of its judgments."),
+        _c(
+            "unknown",
+            I,
+            "Answered judgments whose tokens nobody reported (the server sent no `usage`): their tokens are missing "
+            "from the two columns before; NULL when the stage did not count them.",
+        ),
+        _c(
+            "cost_usd",
+            F,
+            "The tokens at judge.price_per_mtok_in / price_per_mtok_out of the run's recipe, priced when the catalog "
+            "is built; NULL when not priced.",
+        ),
+    ),
+    provenance=("requests", "prompt_tokens", "completion_tokens", "unknown", "cost_usd"),
+)
+
 PROMPT_SELECTION = Table(
     "prompt_selection",
     "data.skip_solved_from / data.weights_from: each training prompt's figures in the earlier runs' difficulty "
@@ -992,6 +1023,7 @@ ALL_TABLES: dict[str, Table] = {
         JUDGE_CHECKS,
         JUDGE_AGREEMENT,
         JUDGE_ANCHORS,
+        JUDGE_SPEND,
         PROMPT_SELECTION,
     )
 }

@@ -55,5 +55,5 @@ def judge_anchors(
     path = Path(run_dir) / "scores" / f"step={step}" / "judge_anchors.parquet"
     return {
         "judge_anchors": {"path": str(path), "hash": write_table(JUDGE_ANCHORS, rows, path)},
-        "judge_usage": judge_usage(again),  # judge.budget_usd counts these judgments too
+        "judge_usage": {**judge_usage(again), "step": step},  # judge.budget_usd counts these judgments too
     }

@@ -12,9 +12,12 @@ from refiner_core.store.forks import fork_rows, read_fork
 
 
 @task(name="publish-catalog", cache_policy=None, persist_result=False, retries=1)
-def publish_catalog(*, run_dir: str, manifests: list[dict], judge_price: tuple[float, float] | None = None) -> dict:
-    """Rebuild runs/<run>/catalog.duckdb from the Parquet files named in this run's manifests; `judge_price`
-    (judge.price_per_mtok_in / _out) prices the steps' judge tokens.
+def publish_catalog(
+    *, run_dir: str, run: str, manifests: list[dict], judge_price: tuple[float, float] | None = None
+) -> dict:
+    """Rebuild runs/<run>/catalog.duckdb from the Parquet files named in this run's manifests, with what each
+    judging stage spent (judge_spend, from its manifest); `judge_price` (judge.price_per_mtok_in / _out) prices
+    the judge tokens.
 
     Not cached: it is cheap and always reflects exactly the files of the current invocation."""
     stage_fault("publish-catalog", None, Path(run_dir) / ".faults")
@@ -31,11 +34,33 @@ def publish_catalog(*, run_dir: str, manifests: list[dict], judge_price: tuple[f
         files.setdefault(path.stem, []).append(str(path))
     db = Path(run_dir) / "catalog.duckdb"
     fork = read_fork(run_dir)  # a fork's catalog: every row is the fork's, its origin in `forks`
-    counts = build_catalog(
-        db, files, judge_price, run=fork.run if fork else None, rows={"forks": fork_rows(fork)} if fork else None
-    )
+    rows = {"judge_spend": judge_spend_rows(run, manifests), "forks": fork_rows(fork) if fork else []}
+    counts = build_catalog(db, files, judge_price, run=fork.run if fork else None, rows=rows)
     get_run_logger().info("catalog %s: %s", db, ", ".join(f"{k}={v}" for k, v in counts.items()))
     return {"catalog": str(db), "counts": counts}
+
+
+def judge_spend_rows(run: str, manifests: list[dict]) -> list[dict]:
+    """A judge_spend row per judging stage among the manifests (those reporting `judge_usage`)."""
+    rows = {}
+    for manifest in manifests:
+        usage = manifest.get("judge_usage")
+        if usage is None:
+            continue
+        row = {
+            "run": run,
+            "stage": manifest["stage"],
+            "step": usage["step"],
+            "round": usage.get("round", 0),
+            "phase": usage.get("phase", ""),
+            "requests": usage["requests"],
+            "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"],
+            "unknown": usage.get("unknown"),
+            "cost_usd": None,  # priced by build_catalog
+        }
+        rows[(row["stage"], row["step"], row["round"], row["phase"])] = row  # a stage called twice: one cost
+    return list(rows.values())
 
 
 def publish_quarantine(run_dir: str, manifests: list[dict]) -> str:

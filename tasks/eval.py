@@ -97,6 +97,8 @@ def evaluate(
         "requests": getattr(scorer, "requests_made", 0) - requests,
         "prompt_tokens": used[0] - tokens[0],
         "completion_tokens": used[1] - tokens[1],
+        "step": step,
+        "phase": phase,
     }
     return {
         "evals": {"path": str(path), "hash": write_table(EVALS, rows, path)},

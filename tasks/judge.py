@@ -98,7 +98,7 @@ def judge(
         "rewards": (REWARDS, rewards),
     }
     manifest = {name: write_rows(table, rows, out / f"{name}.parquet") for name, (table, rows) in tables.items()}
-    return {**manifest, "judge_failures": failed, "judge_usage": usage}
+    return {**manifest, "judge_failures": failed, "judge_usage": {**usage, "step": step, "round": round}}
 
 
 def judge_usage(judgments: list[dict]) -> dict:

@@ -588,6 +588,45 @@ def test_show_says_a_judge_without_prices_is_not_priced(tmp_path, prices, cost):
     assert f"judge over 1 step(s): 40 requests, 120000 prompt + 8000 completion tokens, {cost}\n" in result.output
 
 
+def test_show_adds_the_held_out_evaluations_and_anchors_judge_cost_from_judge_spend(tmp_path):
+    """judge_spend: a row per judging stage from its manifest's judge_usage, priced by the catalog; `refiner show`
+    prints what the evaluations and anchors cost beside the steps, and the run's total. By hand at $2 / $8 per
+    million: the step 0.24 + 0.064, anchors 0.06 + 0.008, evaluation 0.1."""
+    from tasks.catalog import judge_spend_rows
+
+    usage = {"requests": 40, "prompt_tokens": 120000, "completion_tokens": 8000, "unknown": 0}
+    manifests = [
+        {"stage": "judge", "judge_usage": usage | {"step": 0, "round": 0}},
+        {
+            "stage": "judge-anchors",
+            "judge_usage": {"requests": 6, "prompt_tokens": 30000, "completion_tokens": 1000, "unknown": 0, "step": 0},
+        },
+        {
+            "stage": "eval",
+            "judge_usage": {"requests": 10, "prompt_tokens": 50000, "completion_tokens": 0, "step": 1, "phase": "grpo"},
+        },
+        {"stage": "rollout", "rollouts": {"path": "x.parquet", "hash": "h"}},  # no judging: no row
+    ]
+    rows = judge_spend_rows("r", manifests + manifests[:1])  # a stage reported twice costs once
+    steps = [_steps("r", 1)[0] | {"judge_requests": 40, "judge_prompt_tokens": 120000, "judge_completion_tokens": 8000}]
+    path = tmp_path / "steps.parquet"
+    write_table(ALL_TABLES["steps"], [{c: None for c in ALL_TABLES["steps"].column_names} | s for s in steps], path)
+    build_catalog(tmp_path / "catalog.duckdb", {"steps": [path]}, judge_price=(2.0, 8.0), rows={"judge_spend": rows})
+    spent = _json(tmp_path, "SELECT stage, step, round, phase, unknown, cost_usd FROM judge_spend ORDER BY stage")
+    assert spent == [
+        {"stage": "eval", "step": 1, "round": 0, "phase": "grpo", "unknown": None, "cost_usd": pytest.approx(0.1)},
+        {"stage": "judge", "step": 0, "round": 0, "phase": "", "unknown": 0, "cost_usd": pytest.approx(0.304)},
+        {"stage": "judge-anchors", "step": 0, "round": 0, "phase": "", "unknown": 0, "cost_usd": pytest.approx(0.068)},
+    ]
+    result = runner.invoke(app, ["show", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "judge over 1 step(s): 40 requests, 120000 prompt + 8000 completion tokens, $0.3040\n" in result.output
+    assert (
+        "judge beyond the steps (eval, judge-anchors, 2 stage run(s)): 16 requests, 80000 prompt + 1000 completion "
+        "tokens, $0.1680; the run's judge total $0.4720" in result.output
+    )
+
+
 def test_example_commands_quote_the_run_folder():
     import shlex
 

@@ -303,6 +303,12 @@ def test_eval_rows_for_base_sft_and_last_step(sft_eval_run):
     ]
     assert [name for name, _ in states] == ["eval[step=0]", "eval[step=0]", "eval[step=2]"]
     assert {state for _, state in states} == {"Completed"}
+    # what each evaluation's judgments cost, in judge_spend beside the steps' rollout judging
+    spent = _query(
+        run_dir,
+        "SELECT step, phase, requests > 0, prompt_tokens > 0 FROM judge_spend WHERE stage = 'eval' ORDER BY 1, 2",
+    )
+    assert spent == [(0, "base", True, True), (0, "sft", True, True), (2, "grpo", True, True)]
 
 
 def test_eval_reward_parts_match_the_training_reward_code(sft_eval_run):

@@ -262,3 +262,9 @@ def test_anchor_judgments_count_in_the_judge_budget(anchored):
     assert sorted(
         (int(Path(m["judge_anchors"]["path"]).parent.name[5:]), m["judge_usage"]["requests"]) for m in mine
     ) == [(step, count) for step, count in judgments]
+    # the catalog's judge_spend: each anchor re-judging beside each step's rollout judging (steps.judge_requests)
+    spend = _query([anchored], "SELECT stage, step, requests FROM judge_spend ORDER BY stage, step")
+    by_step = _query([anchored], "SELECT step, judge_requests FROM steps ORDER BY step")
+    assert [(stage, step, n) for stage, step, n in spend] == [("judge", s, n) for s, n in by_step] + [
+        ("judge-anchors", step, count) for step, count in judgments
+    ]

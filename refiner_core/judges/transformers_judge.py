@@ -36,6 +36,7 @@ class TransformersJudge:
     def __post_init__(self):
         self.model_name = ""  # make_judge names the checkpoint
         self.tokens_used = [0, 0]  # prompt and completion tokens of every judgment so far
+        self.requests_made = 0  # judgments so far: one attempt each, as judge_scores.attempts says
 
     def complete(self, conversations: list[list[dict]]) -> list[str]:
         return [c.text or "" for c in self.complete_detailed(conversations)]
@@ -60,6 +61,7 @@ class TransformersJudge:
             read, written = [len(p) + len(prefix_ids) for p in prompts], [len(g.token_ids) for g in gens]
         written = written or [0] * len(prompts)
         self.tokens_used = [self.tokens_used[0] + sum(read), self.tokens_used[1] + sum(written)]
+        self.requests_made += len(conversations)
         share = (time.perf_counter() - start) / len(conversations)
         return [
             Completion(text, None, share, 1, False, self.model_name or self.name, prompt_hash(c), n_in, n_out)

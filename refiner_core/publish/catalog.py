@@ -23,8 +23,9 @@ def build_catalog(
     """(Re)build the DuckDB catalog from the run's Parquet files, atomically. Returns row counts per table.
 
     Every table of the schema exists, even when empty, so queries never fail on a missing table. `judge_price`
-    (dollars per million prompt and completion tokens) prices each step's judge tokens into steps.judge_cost_usd;
-    without it, or with both prices 0 (the recipe's default: none set), judge_cost_usd stays NULL, not priced.
+    (dollars per million prompt and completion tokens) prices each step's judge tokens into steps.judge_cost_usd
+    and each judging stage's into judge_spend.cost_usd; without it, or with both prices 0 (the recipe's default:
+    none set), they stay NULL, not priced.
     `run`: the run column of every file's rows is this name (a fork's catalog: the steps it shares are its parent's
     files, written under the parent's name). `rows`: rows to add besides the files, by table name.
     """
@@ -44,7 +45,8 @@ def build_catalog(
                 con.unregister("added_rows")
             counts[name] = con.execute(f'SELECT count(*) FROM "{name}"').fetchone()[0]
         if judge_price is not None and any(judge_price):
-            con.execute(_PRICE_JUDGE_TOKENS, list(judge_price))
+            for sql in _PRICE_JUDGE_TOKENS:
+                con.execute(sql, list(judge_price))
         for name, sql in catalog_views().items():
             con.execute(f'CREATE VIEW "{name}" AS {sql}')
     return counts
@@ -56,11 +58,14 @@ def catalog_views() -> dict[str, str]:
     return {"rewards_recomputed": _REWARD_RECOMPUTE_VIEW, "step_rewards": _STEP_REWARDS_VIEW, **monitor_views()}
 
 
-# A step's judge tokens at the recipe's prices (dollars per million tokens).
-_PRICE_JUDGE_TOKENS = """
+# Judge tokens at the recipe's prices (dollars per million tokens): each step's rollout judging, each judging stage.
+_PRICE_JUDGE_TOKENS = (
+    """
 UPDATE steps SET judge_cost_usd = (coalesce(judge_prompt_tokens, 0) * ? + coalesce(judge_completion_tokens, 0) * ?)
                                   / 1e6
-"""
+""",
+    "UPDATE judge_spend SET cost_usd = (prompt_tokens * ? + completion_tokens * ?) / 1e6",
+)
 
 
 # rewards_recomputed: every reward version recomputed by the one reward definition from the stored inputs: equals

@@ -108,7 +108,7 @@ def judge_cost_line(cost: dict, price_in: float, price_out: float) -> str:
         f"{cost['judge_requests']} requests, {cost['judge_prompt_tokens']} prompt and "
         f"{cost['judge_completion_tokens']} completion tokens over {cost['steps']} GRPO step(s): "
     )
-    left_out = "the training steps' judging: held-out evaluations and judge anchors not included"
+    left_out = "the training steps' judging; held-out evaluations and judge anchors: the catalog's judge_spend"
     if cost.get("judge_cost_usd") is None or not (price_in or price_out):
         return tokens + f"not priced (judge.price_per_mtok_in / _out; {left_out})."
     return tokens + (

@@ -387,6 +387,12 @@ SHOW_JUDGE_COST = (
     "SELECT count(*) AS steps, sum(judge_requests) AS requests, sum(judge_prompt_tokens) AS prompt_tokens, "
     "sum(judge_completion_tokens) AS completion_tokens, sum(judge_cost_usd) AS cost_usd FROM steps"
 )
+# the judging outside the steps' rollouts: held-out evaluations and the judge's anchors
+SHOW_JUDGE_BEYOND_STEPS = (
+    "SELECT count(*) AS stages, sum(requests) AS requests, sum(prompt_tokens) AS prompt_tokens, "
+    "sum(completion_tokens) AS completion_tokens, sum(cost_usd) AS cost_usd, "
+    "string_agg(DISTINCT stage, ', ' ORDER BY stage) AS stage_names FROM judge_spend WHERE stage <> 'judge'"
+)
 SHOW_MONITORS = (
     "SELECT step, monitor, round(value, 3) AS value, threshold, action, outcome, detail FROM monitor_events "
     "ORDER BY step, monitor"
@@ -396,7 +402,8 @@ SHOW_MONITORS = (
 def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
     """Steps (reward, KL, loss, length, stage seconds), the settings that may move per step ('moving': {name:
     (steps column, (step, value) rows)}, SHOW_MOVING), the best and worst rollout of the last step, the judge's cost
-    over the steps ('judge': None for a catalog without it) and the monitors that tripped."""
+    over the steps ('judge': None for a catalog without it) and beyond them ('judge_beyond_steps': held-out
+    evaluations and anchors; None for a catalog without judge_spend) and the monitors that tripped."""
     columns, rows = run_query(con, SHOW_STEPS)
     moving = {name: (column, _rows(con, sql)) for name, (column, sql) in SHOW_MOVING.items()}
     _, ranked = run_query(con, SHOW_EXTREMES)
@@ -410,6 +417,7 @@ def run_summary(con: duckdb.DuckDBPyConnection) -> dict:
         "moving": moving,
         **extremes,
         "judge": _optional(con, SHOW_JUDGE_COST),
+        "judge_beyond_steps": _optional(con, SHOW_JUDGE_BEYOND_STEPS),
     }
 
 
@@ -425,7 +433,7 @@ def _optional(con: duckdb.DuckDBPyConnection, sql: str) -> dict | None:
     """The one row of SQL as a dict; None when the catalog predates what it reads."""
     try:
         columns, rows = run_query(con, sql)
-    except duckdb.BinderException:  # a catalog from before the judge ledger's columns
+    except (duckdb.BinderException, duckdb.CatalogException):  # a catalog from before the judge ledger
         return None
     return dict(zip(columns, rows[0])) if rows else None
 
