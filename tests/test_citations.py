@@ -182,3 +182,58 @@ def test_a_failed_claim_judgment_follows_judge_on_failure():
     # a claim that no setting reads does not drop the rollout: valid_ids makes no claim calls at all
     (valid_ids,) = scored("drop", "valid_ids").rewards
     assert not valid_ids["dropped"] and valid_ids["claims_failed"] is None
+
+
+def test_an_id_inside_nested_or_misspelt_tags_still_counts():
+    """Every opening tag's IDs count: an invented ID or a distractor nested inside another citation, or after a
+    misspelt closing tag, is as visible to the valid-ID fraction, the distractor count and the claims as in
+    well-formed markup, so broken markup never scores above the well-formed answer citing the same IDs."""
+    from refiner_core.reward.compose import format_parts
+
+    ids = ["S1", "S2"]
+    flat = "<answer><snippet id=S1,FAKE>Paris is the capital of France</snippet></answer>"
+    nested = "<answer><snippet id=S1>Paris is the capital of France <snippet id=FAKE>and of Spain</snippet></snippet></answer>"
+    assert (
+        format_parts(flat, ids)["citation_valid_fraction"],
+        format_parts(nested, ids)["citation_valid_fraction"],
+    ) == (
+        0.5,
+        0.5,
+    )
+    parts = format_parts(nested.replace("FAKE", "S2"), ids, supporting_ids=["S1"])
+    assert parts["cites_distractor"] and not parts["format_ok"]
+    assert [(c.cited_ids, c.valid_ids, c.text) for c in extract_claims(nested, ids)] == [
+        (("S1",), ("S1",), "Paris is the capital of France"),
+        (("FAKE",), (), "and of Spain"),
+    ]
+    misspelt = (
+        "<answer><snippet id=S1>Paris is the capital of France</snippet > Rome is the capital of Spain. "
+        "<snippet id=S2>Berlin is the capital of Germany</snippet></answer>"
+    )
+    assert [(c.cited_ids, c.text) for c in extract_claims(misspelt, ids)] == [
+        (("S1",), "Paris is the capital of France"),
+        ((), "Rome is the capital of Spain."),  # uncited: it counts against recall
+        (("S2",), "Berlin is the capital of Germany"),
+    ]
+
+
+def test_a_claim_that_says_nothing_is_unsupported_without_a_judge_call():
+    prompt = {"prompt_id": "p", "question": "Q?", "snippet_ids": IDS, "tool_output": TOOL, "ground_truth": None}
+    rubrics = {"p": [{"rubric_id": "pos-0", "kind": "positive", "weight": 1.0, "description": "C."}]}
+    judge = SourceMatchJudge()
+    scored = score_rollouts(
+        [_rollout(0, "<answer><snippet id=s1> ... </snippet> Fleming found penicillin in 1928.</answer>")],
+        {"p": prompt},
+        rubrics,
+        judge,
+        RewardConfig(citation_score="f1", citation_weight=1.0),
+        "zero",
+        2000,
+        64,
+    )
+    assert judge.calls == 1  # the rubric only
+    assert [(c["cited_ids"], c["support"], c["raw_output"]) for c in scored.citation_claims] == [
+        (["s1"], 0.0, None),
+        ([], None, None),
+    ]
+    assert scored.reward_inputs[0]["citation_f1"] == 0.0

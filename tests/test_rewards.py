@@ -309,9 +309,10 @@ def test_gating_and_non_stop_penalty():
     (out,) = _rewards([_inputs(bad)], [_score_row(0.9)], gate_judge_score_with_format_bonus=True, format_weight=1.0)
     assert out["gated"] and out["reward"] == 0.0
     (ungated,) = _rewards([_inputs(bad)], [_score_row(0.9)])
-    # An unclosed tag is no citation at all: only complete <snippet>...</snippet> pairs count.
-    assert ungated["n_citations"] == 0
-    assert math.isclose(ungated["reward"], 10 * 0.9)
+    # Ungated, an unclosed tag cites as its closed twin does (its ID counts, valid or invented): no better, no worse
+    (closed,) = _rewards([_inputs("<answer><snippet id=a1b2c3>unclosed</snippet></answer>")], [_score_row(0.9)])
+    assert ungated["n_citations"] == closed["n_citations"] == 1 and not ungated["format_ok"]
+    assert math.isclose(ungated["reward"], closed["reward"]) and ungated["reward"] > 10 * 0.9
     (out,) = _rewards(
         [_inputs(finish_reason="length")], [_score_row(1.0)], non_stop_penalty=True, non_stop_penalty_value=-1.0
     )

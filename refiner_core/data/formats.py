@@ -11,7 +11,6 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # An ID list holds no "<": `<snippet id=FAKE,<>` in a snippet's text is a broken tag, not a list of two IDs.
 _SNIPPET_OPEN_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'<>]*?)[\"']?\s*>")
 _SNIPPET_CLOSE = "</snippet>"
-SNIPPET_RE = re.compile(r"<snippet\s+id\s*=\s*[\"']?([^\"'<>]*?)[\"']?\s*>(.*?)</snippet>", re.DOTALL)
 # Where a snippet tag in any spelling starts, closed or not: each must begin a tag exactly the format's.
 _SNIPPET_TAG_START_RE = re.compile(r"<\s*/?\s*snippet\b", re.IGNORECASE)
 _ANY_TAG_RE = re.compile(r"</?snippet\b[^>]*>")
@@ -148,19 +147,22 @@ def parse_answer(text: str) -> ParsedAnswer:
         return ParsedAnswer(False, "", problems=("expected exactly one <answer>...</answer> block",))
     body = blocks[0]
     citations = []
-    for match in SNIPPET_RE.finditer(body):
-        ids, claim = split_ids(match.group(1)), match.group(2).strip()
+    spans, nested = snippet_spans(body)
+    if nested:
+        problems.append("nested snippet tags")
+    for raw, claim in spans:
+        if raw is None:
+            continue
+        ids, claim = split_ids(raw), claim.strip()
         if not ids:
             problems.append("snippet tag with no id")
-        elif has_empty_id(match.group(1)):
-            problems.append(f"empty id in snippet id list {match.group(1)!r}")
+        elif has_empty_id(raw):
+            problems.append(f"empty id in snippet id list {raw!r}")
         spaced = [i for i in ids if not _PLAIN_ID_RE.fullmatch(i)]
         if spaced:
             problems.append(f"id {spaced[0]!r} is not one ID: IDs are separated by commas")
-        if not any(ch.isalnum() for ch in claim):  # blank, punctuation or invisible characters only
+        if not has_words(claim):
             problems.append("snippet with empty claim")
-        if "<snippet" in claim:
-            problems.append("nested snippet tags")
         citations.append(Citation(ids, claim))
     stray = [t for t in _ANSWER_LIKE_RE.findall(text) if t not in (ANSWER_OPEN, ANSWER_CLOSE)]
     if stray:
@@ -178,6 +180,30 @@ def parse_answer(text: str) -> ParsedAnswer:
     if not body.strip():
         problems.append("empty answer")
     return ParsedAnswer(True, body.strip(), tuple(citations), not problems, tuple(problems))
+
+
+def snippet_spans(body: str) -> tuple[list[tuple[str | None, str]], bool]:
+    """The answer body cut at every snippet tag in any spelling: (the opening tag's raw ID list, the text up to the
+    next tag) after a tag of the format's own spelling, (None, text) for the rest; and whether a citation opened
+    inside another. Well-formed markup reads as the format says; in nested or unclosed markup every cited ID still
+    has its own span, never hidden in another citation's claim, and a closing tag in any spelling ends a claim."""
+    spans: list[tuple[str | None, str]] = []
+    raw, cursor, depth, nested = None, 0, 0, False
+    for tag in SNIPPET_LIKE_RE.finditer(body):
+        spans.append((raw, body[cursor : tag.start()]))
+        opening = _SNIPPET_OPEN_RE.fullmatch(tag.group(0))
+        closing = tag.group(0).lstrip("<").lstrip().startswith("/")
+        nested |= opening is not None and depth > 0
+        depth = depth + 1 if opening is not None else max(depth - 1, 0) if closing else depth
+        raw = opening.group(1) if opening is not None else None
+        cursor = tag.end()
+    spans.append((raw, body[cursor:]))
+    return spans, nested
+
+
+def has_words(text: str) -> bool:
+    """Text holding a letter or digit of any script: not blank, punctuation or invisible characters only."""
+    return any(ch.isalnum() for ch in text)
 
 
 def _plain_tag(match: re.Match, names: tuple[str, ...]) -> bool:

@@ -2,8 +2,9 @@
 
 Claims: every `<snippet id=…>` span of the answer (all of its IDs kept), plus every uncited factual sentence
 outside the spans (a claim with no IDs). The judge rates how well each cited claim is supported by the text of
-its cited snippets: full 1 / partial 0.5 / none 0; a claim whose IDs are all invented is unsupported without a
-judge call. Then
+its cited snippets: full 1 / partial 0.5 / none 0; a claim whose IDs are all invented, or that says nothing (no
+letter or digit), is unsupported without a judge call. Nested or unclosed tags cut the answer at every tag, so each
+cited ID counts with the text after its own tag (formats.snippet_spans). Then
 
     precision = mean support over the cited claims       (are the citations right?)
     recall    = summed support / all claims              (is what the answer says backed by a citation?)
@@ -19,7 +20,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from refiner_core.data.formats import SNIPPET_LIKE_RE, SNIPPET_RE, parse_answer, read_tool_output, split_ids
+from refiner_core.data.formats import has_words, parse_answer, read_tool_output, snippet_spans, split_ids
 
 # A sentence ends at . ! or ? before a space or the end, at a full-width 。！？ (no space follows those), or at a
 # line break: "2.5 mg" and "e.g.," do not end one.
@@ -41,22 +42,20 @@ def extract_claims(response_text: str, snippet_ids: list[str]) -> list[Claim] | 
         return None
     valid = set(snippet_ids)
     claims = []
-    body, cursor = parsed.answer_text, 0
-    for match in SNIPPET_RE.finditer(body):
-        claims += _uncited(body[cursor : match.start()])
-        ids = split_ids(match.group(1))
-        claims.append(Claim(match.group(2).strip(), ids, tuple(i for i in ids if i in valid)))
-        cursor = match.end()
-    claims += _uncited(body[cursor:])
+    for raw, text in snippet_spans(parsed.answer_text)[0]:
+        if raw is None:
+            claims += _uncited(text)
+            continue
+        ids = split_ids(raw)
+        claims.append(Claim(text.strip(), ids, tuple(i for i in ids if i in valid)))
     return claims
 
 
 def _uncited(text: str) -> list[Claim]:
-    text = SNIPPET_LIKE_RE.sub(" ", text)  # stray tags of a malformed answer are not claim text
     return [
         Claim(s.strip(), (), ())
         for s in _SENTENCE_END_RE.split(text)
-        if _width(s.strip()) >= _MIN_CLAIM_WIDTH and any(ch.isalnum() for ch in s)  # letters of any script
+        if _width(s.strip()) >= _MIN_CLAIM_WIDTH and has_words(s)
     ]
 
 

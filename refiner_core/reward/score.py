@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refiner_core.config import RewardConfig
-from refiner_core.data.formats import parse_answer
+from refiner_core.data.formats import has_words, parse_answer
 from refiner_core.data.prompts import claim_support_messages, judge_messages
 from refiner_core.judges.base import Completion, Judge, judge_completions, parse_judge_output
 from refiner_core.reward.citations import (
@@ -140,7 +140,7 @@ def _claims_to_judge(
     rollouts: list[dict], prompts: dict[str, dict], rubrics: dict[str, list[dict]]
 ) -> list[tuple[dict, list[dict] | None]]:
     """(rollout, its claims) for each judged rollout; each claim carries the judge conversation rating it (None
-    when no call is needed: uncited, or citing only invented IDs). No answer block: claims None."""
+    when no call is needed: uncited, citing only invented IDs, or saying nothing). No answer block: claims None."""
     claims = []
     for r in rollouts:
         prompt = prompts[r["prompt_id"]]
@@ -157,7 +157,7 @@ def _claims_to_judge(
                     {
                         "claim": c,
                         "conversation": claim_support_messages(c.text, [(i, texts.get(i, "")) for i in c.valid_ids])
-                        if c.valid_ids
+                        if c.valid_ids and has_words(c.text)
                         else None,
                     }
                     for c in found
