@@ -192,7 +192,10 @@ def test_an_id_inside_nested_or_misspelt_tags_still_counts():
 
     ids = ["S1", "S2"]
     flat = "<answer><snippet id=S1,FAKE>Paris is the capital of France</snippet></answer>"
-    nested = "<answer><snippet id=S1>Paris is the capital of France <snippet id=FAKE>and of Spain</snippet></snippet></answer>"
+    nested = (
+        "<answer><snippet id=S1>Paris is the capital of France <snippet id=FAKE>and of Spain</snippet></snippet>"
+        "</answer>"
+    )
     assert (
         format_parts(flat, ids)["citation_valid_fraction"],
         format_parts(nested, ids)["citation_valid_fraction"],
