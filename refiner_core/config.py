@@ -721,6 +721,14 @@ class RewardConfig:
         "the data, no judge call; rows without supporting_ids and answers without an answer block add 0.",
         column="supporting_recall_weight",
     )
+    final_answer: Literal["last_expression", "marked"] = opt(
+        "last_expression",
+        "Where a verifier reads a response's final answer: 'marked' only from its last \\boxed{} (else its "
+        "<answer> block), so a response marking none has no answer and scores 0 (the reference's GT-GRPO); "
+        "'last_expression' also reads a response that marks none for its last expression, as math-verify and TRL's "
+        "accuracy reward do (small models that never box), but only one that stopped on its own: a response cut off "
+        "at the token limit ends mid-reasoning, and its last number is no answer.",
+    )
     verifier: str = opt(
         "ground_truth",
         "Scores prompts that have no rubrics (prompts with rubrics are judged): "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refiner_core.reward.ground_truth import final_answer, last_boxed, normalize, verify
+from refiner_core.reward.ground_truth import final_answer, last_boxed, normalize, verify, verify_row
 
 
 @pytest.mark.parametrize(
@@ -213,3 +213,47 @@ def test_a_line_a_library_prints_in_the_child_is_not_taken_for_a_reply():
     done = subprocess.run([sys.executable, "-c", script], input=request, capture_output=True, text=True, timeout=60)
     assert done.stdout.splitlines() == [json.dumps({"decided": True, "detail": None})]
     assert "noise" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "finish", "last_expression", "marked"),
+    [
+        ("I tried 3, 5 and 7 but none of them works.", "stop", 1.0, 0.0),  # listing candidates: only marked refuses
+        ("Step 1: let me first compute 3 + 4 = 7", "length", 0.0, 0.0),  # cut off mid-reasoning: no answer
+        ("So 3 + 4 = 7", "stop", 1.0, 0.0),
+        (r"so \boxed{7}", "length", 1.0, 1.0),  # a closed box is the answer, cut off or not
+        ("<answer>7</answer>", "stop", 1.0, 1.0),
+        (r"\boxed{5}. Alternatively 7", "stop", 0.0, 0.0),  # the box is the answer, not the last number
+    ],
+)
+def test_reward_final_answer_reads_unmarked_text_only_where_it_says(text, finish, last_expression, marked):
+    """reward.final_answer: 'marked' reads only a box or an <answer> block (the reference's GT-GRPO);
+    'last_expression' also a response that marks none, but only one that stopped on its own."""
+    row = {"response_text": text, "finish_reason": finish}
+    assert verify_row(row, "7", "last_expression").score == last_expression
+    verdict = verify_row(row, "7", "marked")
+    assert verdict.score == marked
+    if marked == 0.0 and last_expression == 1.0:
+        assert (verdict.method, verdict.extracted) == ("no_answer", None)
+
+
+def test_the_verifiers_read_the_answer_where_the_recipe_says():
+    from refiner_core.reward.tcr import tcr_verifier
+    from refiner_core.reward.verifiers import make_verifier
+
+    rollouts = [{"prompt_id": "p", "sample_idx": 0, "response_text": "so it is 7", "finish_reason": "stop"}]
+    prompts = {"p": {"ground_truth": "7"}}
+    assert [v.score for v in make_verifier("ground_truth", "last_expression")(rollouts, prompts)] == [1.0]
+    assert [v.score for v in make_verifier("ground_truth", "marked")(rollouts, prompts)] == [0.0]
+    assert [v.correct for v in tcr_verifier("marked")(rollouts, prompts)] == [0.0]
+    labelled = make_verifier("majority_vote", "marked")(rollouts, prompts)
+    assert [v.correct for v in labelled] == [0.0]  # its correctness column reads as the reward does
+
+
+def test_rescore_refuses_a_new_final_answer_reading():
+    """reward.final_answer makes the verdicts stored in reward_inputs: a rescore cannot change it."""
+    from refiner_core.config import load_recipe
+    from refiner_core.reward.rescore import RescoreError, check_rescorable
+
+    with pytest.raises(RescoreError, match=r"reward.final_answer changes how rollouts are verified"):
+        check_rescorable(load_recipe(None), load_recipe(None, ["reward.final_answer=marked"]), 0, [])

@@ -12,6 +12,10 @@ from refiner_core.reward.pseudo_labels import Vote, majority_vote, verdict_again
 from refiner_core.reward.verifiers import make_verifier, verdict_columns
 
 
+def _row(text: str, finish_reason: str = "stop") -> dict:
+    return {"response_text": text, "finish_reason": finish_reason}
+
+
 @pytest.mark.parametrize(
     "votes, expected",
     [
@@ -45,16 +49,16 @@ def test_a_vote_is_the_last_box_and_nothing_else():
 
 
 def test_empty_label_gives_reward_zero_even_to_a_correct_answer():
-    verdict = verdict_against_label(r"\boxed{3}", Vote(None, 0, 0, False), "twin", truth="3")
+    verdict = verdict_against_label(_row(r"\boxed{3}"), Vote(None, 0, 0, False), "twin", truth="3")
     assert verdict.score == 0.0 and verdict.method == "no_label" and verdict.pseudo_label is None
     assert verdict.correct == 1.0 and verdict.label_correct is None  # right answer, but nothing to match
 
 
 def test_label_match_uses_math_equivalence_and_reports_agreement_with_the_truth():
-    verdict = verdict_against_label(r"so \boxed{0.5}", Vote(r"\frac{1}{2}", 3, 4, False), "twin", truth="0.75")
+    verdict = verdict_against_label(_row(r"so \boxed{0.5}"), Vote(r"\frac{1}{2}", 3, 4, False), "twin", truth="0.75")
     assert verdict.score == 1.0 and verdict.method == "math_verify"
     assert verdict.correct == 0.0 and verdict.label_correct == 0.0  # matched a wrong label
-    no_box = verdict_against_label("0.5", Vote("0.5", 3, 4, False), "twin", truth=None)
+    no_box = verdict_against_label(_row("0.5"), Vote("0.5", 3, 4, False), "twin", truth=None)
     assert no_box.score == 0.0 and no_box.method == "no_answer" and no_box.correct is None
 
 
@@ -210,5 +214,5 @@ def test_max_prompts_takes_or_leaves_a_twin_pair_whole(tiny_tokenizer):
 
 def test_a_box_that_equals_its_label_and_the_truth_as_latex_is_rewarded():
     """A box's content is an answer, not a response to find an answer in: read as a sentence, `2\\pi` was 2."""
-    verdict = verdict_against_label(r"So the area is \boxed{2\pi}", Vote("2\\pi", 3, 4, False), "twin", "2\\pi")
+    verdict = verdict_against_label(_row(r"So the area is \boxed{2\pi}"), Vote("2\\pi", 3, 4, False), "twin", "2\\pi")
     assert (verdict.score, verdict.correct, verdict.label_correct) == (1.0, 1.0, 1.0)

@@ -401,7 +401,8 @@ def test_reward_weights_are_listed_once_in_reward_config():
     columns = [column for _, column, _, _ in reward_weight_fields()]
     assert REWARD_WEIGHTS.column_names == ["run", "step", "reward_version", *columns, "on_failure"]
     recorded = {f.name for f in dataclasses.fields(RewardConfig)} - {name for name, _, _, _ in reward_weight_fields()}
-    assert recorded == {"verifier"}  # a per-row choice, stored in reward_inputs.verifier
+    # choices that make the verifier's verdict (reward_inputs.verifier, verify_method), which `refiner rescore` refuses
+    assert recorded == {"verifier", "final_answer"}
     row = weight_row("r", 3, "v", RewardConfig(distractor_penalty=1.5, citation_score="f1"), "skip")
     assert list(row) == REWARD_WEIGHTS.column_names
     assert (row["distractor_penalty"], row["citation_score_kind"], row["on_failure"]) == (1.5, "f1", "skip")

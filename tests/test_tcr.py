@@ -44,12 +44,13 @@ def test_tcr_verifier_reads_the_last_assistant_turn_and_counts_tool_rounds():
         {"prompt_id": "p", "response_text": "\\boxed{7}", "final_text": "\\boxed{7}", "tool_rounds": 6},
         {"prompt_id": "p", "response_text": "\\boxed{42}"},  # a single-turn rollout: no agent columns
     ]
+    rollouts = [r | {"finish_reason": "stop"} for r in rollouts]
     verdicts = verify_step(rollouts, prompts)
     assert [v.score for v in verdicts] == pytest.approx([-0.8, 1.0, -1.0, -0.6, 1.0])
     assert [v.correct for v in verdicts] == [0.0, 1.0, 0.0, 0.0, 1.0]  # ...but the final turn decides
     assert verdicts[0].extracted == "41" and verdicts[1].extracted == "42"
     with pytest.raises(ValueError, match="ground_truth"):
-        verify_step([{"prompt_id": "q", "response_text": "x"}], {"q": {"prompt_id": "q"}})
+        verify_step([{"prompt_id": "q", "response_text": "x", "finish_reason": "stop"}], {"q": {"prompt_id": "q"}})
 
 
 @pytest.mark.parametrize("verifier", ["ground_truth", "majority_vote"])
@@ -59,7 +60,11 @@ def test_other_verifiers_also_read_an_agents_final_turn(verifier):
     from refiner_core.reward.verifiers import make_verifier
 
     prompts = {"p": {"prompt_id": "p", "ground_truth": "42"}}
-    gave_up = {"response_text": "<tool_call>...</tool_call> \\boxed{42} I could not work it out.", "tool_rounds": 1}
+    gave_up = {
+        "response_text": "<tool_call>...</tool_call> \\boxed{42} I could not work it out.",
+        "tool_rounds": 1,
+        "finish_reason": "stop",
+    }
     final = "I could not work it out."
     rollouts = [{"prompt_id": "p", "sample_idx": i, "final_text": final, **gave_up} for i in (0, 1)]
     verdicts = make_verifier(verifier)(rollouts, prompts)

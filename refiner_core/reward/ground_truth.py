@@ -1,8 +1,9 @@
 """Ground-truth verification: the final answer of a response against a reference answer.
 
-The answer is the last `\\boxed{...}` (nested braces kept), else the text inside `<answer>...</answer>`, else the
-whole response (read for its last expression and as one expression: `match`); a response whose last box is
-unclosed has no answer, not an earlier box's. Equivalence by math-verify where it parses both sides (`0.5` =
+The answer is the last `\\boxed{...}` (nested braces kept), else the text inside `<answer>...</answer>`, else
+(reward.final_answer 'last_expression', for a response that stopped on its own) the whole response, read for its
+last expression and as one expression (`match`); a response whose last box is unclosed has no answer, not an
+earlier box's. Equivalence by math-verify where it parses both sides (`0.5` =
 `\\frac{1}{2}`) within its time limit (math_verify_worker), else by a normalised string match; the method used is
 recorded with every verdict, so a fallback is never silent. Both sides are read as a person writes numbers: digit
 groups (`1\\,000`, `1 000`) and scientific notation (`1e-05`: a JSON number's text) as the number they stand for.
@@ -84,12 +85,21 @@ def answer_text(row: dict) -> str:
     return final if final is not None else row["response_text"]
 
 
-def verify(response: str, truth: str) -> Verdict:
-    """A response's final answer against the truth."""
+def verify(response: str, truth: str, read_unmarked: bool = True) -> Verdict:
+    """A response's final answer against the truth; `read_unmarked`: a response with no box and no <answer> block
+    is read whole (else it has no answer)."""
     answer, whole = _final_answer(response)
     if answer is None:
         return Verdict(0.0, None, "no_answer")
+    if whole and not read_unmarked:
+        return Verdict(0.0, None, "no_answer", "no \\boxed{} or <answer> block to read the answer from")
     return match(answer, truth, whole)
+
+
+def verify_row(row: dict, truth: str, final_answer: str) -> Verdict:
+    """A rollout's (or evaluation's) final answer against the truth under reward.final_answer: unmarked text is
+    read only under 'last_expression' and only from a response that stopped on its own."""
+    return verify(answer_text(row), truth, final_answer == "last_expression" and row["finish_reason"] == "stop")
 
 
 def match(answer: str, truth: str, sentence: bool = False) -> Verdict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refiner_core.reward.ground_truth import Verdict, answer_text, last_boxed, match, normalize, verify
+from refiner_core.reward.ground_truth import Verdict, answer_text, last_boxed, match, normalize, verify_row
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,12 @@ class LabelledVerdict(Verdict):
     label_correct: float | None = None  # the label against the ground truth; None without either
 
 
-def verdict_against_label(response: str, vote: Vote, source: str, truth: str | None) -> LabelledVerdict:
-    """Score 1 when the response's \\boxed{} answer matches the label, 0 otherwise (and always 0 for an empty one)."""
-    answer = vote_of(response)
+def verdict_against_label(
+    row: dict, vote: Vote, source: str, truth: str | None, final_answer: str = "last_expression"
+) -> LabelledVerdict:
+    """Score 1 when the rollout's \\boxed{} answer matches the label, 0 otherwise (and always 0 for an empty one);
+    `correct`: its final answer against the ground truth, read as reward.final_answer says."""
+    answer = vote_of(answer_text(row))
     if vote.label is None:
         score, method, detail = 0.0, "no_label", f"no {source} rollout gave a \\boxed{{}} answer"
     elif answer is None:
@@ -85,7 +88,7 @@ def verdict_against_label(response: str, vote: Vote, source: str, truth: str | N
         extracted=answer,
         method=method,
         detail=detail,
-        correct=None if truth is None else verify(response, truth).score,
+        correct=None if truth is None else verify_row(row, truth, final_answer).score,
         label_source=source,
         pseudo_label=vote.label,
         label_votes=vote.votes,
@@ -96,16 +99,17 @@ def verdict_against_label(response: str, vote: Vote, source: str, truth: str | N
 
 
 def label_rollouts(
-    rollouts: list[dict], label_votes: dict[str, Vote], prompts: dict[str, dict], source: str
+    rollouts: list[dict],
+    label_votes: dict[str, Vote],
+    prompts: dict[str, dict],
+    source: str,
+    final_answer: str = "last_expression",
 ) -> list[LabelledVerdict]:
     """One verdict per rollout against its prompt's label (`label_votes[prompt_id]`; missing = empty label)."""
     empty = Vote(None, 0, 0, False)
     return [
         verdict_against_label(
-            answer_text(r),
-            label_votes.get(r["prompt_id"], empty),
-            source,
-            prompts[r["prompt_id"]].get("ground_truth"),
+            r, label_votes.get(r["prompt_id"], empty), source, prompts[r["prompt_id"]].get("ground_truth"), final_answer
         )
         for r in rollouts
     ]

@@ -35,7 +35,7 @@ from refiner_core.store.storage import (
 
 RESCORABLE_GRPO = ("advantage", "advantage_eps", "advantage_std_ddof", "reward_aggregation", "filter_zero_std_groups")
 RESCORABLE_JUDGE = ("on_failure",)
-NEEDS_JUDGE_REWARD = ("verifier",)
+NEEDS_JUDGE_REWARD = ("verifier", "final_answer")  # they make the verdicts, not the weights
 
 
 class RescoreError(ValueError):

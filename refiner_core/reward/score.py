@@ -97,7 +97,7 @@ def score_rollouts(
             f"{first['sample_idx']}: {first['failure']}"
         )
 
-    verifier = make_verifier(weights.verifier)
+    verifier = make_verifier(weights.verifier, weights.final_answer)
     unjudged = [r for r in rollouts if not rubrics.get(r["prompt_id"])]
     verdicts = dict(
         zip(((r["prompt_id"], r["sample_idx"]) for r in unjudged), verifier(unjudged, prompts) if unjudged else [])

@@ -27,13 +27,13 @@ def tool_call_reward(
     return min(wrong + per_round * tool_rounds, wrong_cap)
 
 
-def tcr_verifier():
+def tcr_verifier(final_answer: str = "last_expression"):
     """reward.verifier 'tcr': the final answer (the last assistant turn) against the prompt's ground truth by
-    math-verify (ground_truth.verify), scored by tool_call_reward with the rollout's tool rounds. The verdict's
+    math-verify (ground_truth.verify_row), scored by tool_call_reward with the rollout's tool rounds. The verdict's
     score is the TCR value; `correct` keeps the outcome."""
     import dataclasses
 
-    from refiner_core.reward.ground_truth import Verdict, answer_text, verify
+    from refiner_core.reward.ground_truth import Verdict, verify_row
 
     def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
         verdicts = []
@@ -41,7 +41,7 @@ def tcr_verifier():
             truth = prompts[r["prompt_id"]].get("ground_truth")
             if truth is None:
                 raise ValueError(f"prompt {r['prompt_id']!r} has no ground_truth: the 'tcr' verifier needs one")
-            outcome = verify(answer_text(r), truth)
+            outcome = verify_row(r, truth, final_answer)
             score = tool_call_reward(outcome.score == 1.0, int(r.get("tool_rounds") or 0))
             verdicts.append(dataclasses.replace(outcome, score=score, correct=outcome.score))
         return verdicts

@@ -2,21 +2,23 @@
 
 A verifier maps the step's rollouts (with their prompts) to one Verdict per rollout; it sees the whole step so
 that batch-level verifiers (a majority vote over a group, a teacher's pseudo-label) fit the same interface.
-Verifiers register in VERIFIERS by "module:factory" string and are chosen by `reward.verifier`.
+Verifiers register in VERIFIERS by "module:factory" string and are chosen by `reward.verifier`; a factory taking
+a `final_answer` argument gets reward.final_answer (where a response's answer is read from).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
-from refiner_core.reward.ground_truth import Verdict, answer_text, verify
+from refiner_core.reward.ground_truth import Verdict, verify_row
 from refiner_core.reward.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
 from refiner_core.runtime.registry import resolve
 
 Verifier = Callable[[list[dict], dict[str, dict]], list[Verdict]]
 
 
-def ground_truth_verifier() -> Verifier:
+def ground_truth_verifier(final_answer: str = "last_expression") -> Verifier:
     """The final answer of each response against its prompt's ground_truth (math-verify, recorded fallback)."""
 
     def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
@@ -27,41 +29,41 @@ def ground_truth_verifier() -> Verifier:
                 raise ValueError(
                     f"prompt {r['prompt_id']!r} has neither rubrics nor a ground_truth: nothing can score its rollouts"
                 )
-            verdicts.append(verify(answer_text(r), truth))
+            verdicts.append(verify_row(r, truth, final_answer))
         return verdicts
 
     return verify_step
 
 
-def self_majority_verifier() -> Verifier:
+def self_majority_verifier(final_answer: str = "last_expression") -> Verifier:
     """Each prompt's pseudo-label is the majority \\boxed{} answer of its own rollouts (TTRL-style self-consistency)."""
 
     def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
-        return label_rollouts(rollouts, votes_by_prompt(rollouts), prompts, "self")
+        return label_rollouts(rollouts, votes_by_prompt(rollouts), prompts, "self", final_answer)
 
     return verify_step
 
 
-def twin_majority_verifier() -> Verifier:
+def twin_majority_verifier(final_answer: str = "last_expression") -> Verifier:
     """Co-rewarding-I: a prompt's pseudo-label is the majority \\boxed{} answer of its twin's rollouts (the
     question's other view, `twin_id`, sampled in the same step); no twin in the step = empty label, reward 0."""
 
     def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
         votes = votes_by_prompt(rollouts)
         label_of = {pid: votes[twin] for pid in votes if (twin := prompts[pid].get("twin_id")) in votes}
-        return label_rollouts(rollouts, label_of, prompts, "twin")
+        return label_rollouts(rollouts, label_of, prompts, "twin", final_answer)
 
     return verify_step
 
 
-def teacher_majority_verifier() -> Verifier:
+def teacher_majority_verifier(final_answer: str = "last_expression") -> Verifier:
     """Co-rewarding-II: a prompt's pseudo-label is the majority \\boxed{} answer of the EMA teacher's rollouts of it
     (the judge stage hands them over as the prompt's `teacher_rollouts`); none = empty label, reward 0."""
 
     def verify_step(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
         asked = {r["prompt_id"] for r in rollouts}
         votes = votes_by_prompt([t for pid in asked for t in prompts[pid].get("teacher_rollouts") or ()])
-        return label_rollouts(rollouts, votes, prompts, "teacher")
+        return label_rollouts(rollouts, votes, prompts, "teacher", final_answer)
 
     return verify_step
 
@@ -100,5 +102,7 @@ VERIFIERS: dict[str, str] = {
 }
 
 
-def make_verifier(name: str) -> Verifier:
-    return resolve(VERIFIERS, "verifier", name)()
+def make_verifier(name: str, final_answer: str = "last_expression") -> Verifier:
+    factory = resolve(VERIFIERS, "verifier", name)
+    takes = "final_answer" in inspect.signature(factory).parameters
+    return factory(final_answer=final_answer) if takes else factory()
