@@ -471,7 +471,13 @@ def test_calls_past_the_caps_are_refused_never_run_and_earn_no_tool_round(tiny_m
     # ... and the TCR reward sees no tool round where no call ran: -1 for the wrong answer, not -0.9.
     verdicts = tcr_verifier()(
         [
-            {"prompt_id": "p", "final_text": r.final_text, "response_text": "", "tool_rounds": r.tool_rounds}
+            {
+                "prompt_id": "p",
+                "final_text": r.final_text,
+                "response_text": "",
+                "tool_rounds": r.tool_rounds,
+                "finish_reason": r.finish_reason,
+            }
             for r in (a, b)
         ],
         {"p": {"ground_truth": "42"}},

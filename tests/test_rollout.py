@@ -254,3 +254,36 @@ def test_the_memory_an_engine_holds_counts_tied_weights_once(tiny_model_path, ti
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     held, _ = HFRolloutEngine(model, tiny_tokenizer, batch_size=2).memory_bytes()
     assert held == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_a_sample_ends_at_the_chat_templates_end_of_turn_even_when_the_checkpoint_names_another_eos(
+    tiny_model_path, tiny_tokenizer
+):
+    """A base model under a chat template (its EOS <|endoftext|>, the template's turns ending in <|im_end|>): the
+    engine stops at the template's end of turn, where it ran on to the token limit. Emulated on the tiny model with
+    a template whose turns end in the token its greedy answer starts with, and <|endoftext|> as the only EOS."""
+    from refiner_core.rollout.base import chat_turn_end_id
+
+    model = load_model(tiny_model_path)
+    prompt = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    first = HFRolloutEngine(model, tiny_tokenizer, batch_size=2).generate([ids], greedy)[0]
+    assert first.finish_reason == "length" and len(first.token_ids) == 12
+    assert chat_turn_end_id(tiny_tokenizer) == tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    ends_turns = tiny_tokenizer.convert_ids_to_tokens(first.token_ids[0])
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": [ends_turns]})
+    tokenizer.chat_template = tiny_tokenizer.chat_template.replace("<|im_end|>", ends_turns)
+    tokenizer.eos_token = "<|endoftext|>"
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    engine = HFRolloutEngine(model, tokenizer, batch_size=2)
+    assert engine.eos_ids == {tokenizer.eos_token_id, first.token_ids[0]}
+    ended = engine.generate([ids], greedy)[0]
+    assert (ended.token_ids, ended.finish_reason) == ([first.token_ids[0]], "stop")
+
+    tokenizer.chat_template = None
+    assert chat_turn_end_id(tokenizer) is None

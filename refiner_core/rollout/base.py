@@ -93,6 +93,34 @@ def free_bytes(device_type: str) -> int:
     return psutil.virtual_memory().available
 
 
+def stop_token_ids(tokenizer, checkpoint_eos: list[int | None]) -> set[int]:
+    """The tokens a sample ends at: the checkpoint's EOS ids, the tokenizer's, and the special token the chat
+    template ends an assistant turn with. Prompts are rendered with the template, so an answer ends there even where
+    the checkpoint's EOS is another token (a base model's `<|endoftext|>` under ChatML's `<|im_end|>`), which
+    would leave every sample running on into a turn of its own making, to the token limit."""
+    return {i for i in [*checkpoint_eos, tokenizer.eos_token_id, chat_turn_end_id(tokenizer)] if i is not None}
+
+
+def chat_turn_end_id(tokenizer) -> int | None:
+    """The special token right after an assistant turn's text in the tokenizer's chat template, or None (no
+    template, or plain text there)."""
+    from jinja2 import TemplateError
+
+    marker = "Fin de la réponse"
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except (TemplateError, ValueError):  # no template, or one that refuses this conversation
+        return None
+    if not isinstance(text, str) or marker not in text:
+        return None
+    after = tokenizer(text[text.rindex(marker) + len(marker) :], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
+    }
+    return after[0] if after and after[0] in special else None
+
+
 def first_stop(token_ids: list[int], eos_ids: set[int], stop: tuple[str, ...], decode) -> tuple[int, bool]:
     """Length to keep and whether a stop condition was met: the shortest prefix whose text contains a stop string
     (found by bisection: containment is monotone in the prefix), else the first EOS (kept). The stop string is

@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 from refiner_core.config import EngineSettings
 from refiner_core.learners.logprobs import autocast
 from refiner_core.models import Adapter, adapter_weights, release_gpu_cache, use_sdpa_variant
-from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, left_padded, request_seed
+from refiner_core.rollout.base import (
+    Generation,
+    SamplingParams,
+    first_stop,
+    free_bytes,
+    left_padded,
+    request_seed,
+    stop_token_ids,
+)
 from refiner_core.runtime.progress import progress_bar
 
 # transformers' SDPA attention, except where one query token attends under CPU bf16 autocast (every decode step):
@@ -164,12 +172,12 @@ class HFRolloutEngine:
 
         own = self.model.generation_config
         ids = own.eos_token_id if isinstance(own.eos_token_id, list) else [own.eos_token_id]
-        self.eos_ids = {i for i in [*ids, self.tokenizer.eos_token_id] if i is not None}
-        # Only the checkpoint's token ids: `generate` fills every setting it is not passed from the model's
-        # generation config, so one that generation_config.json ships (Qwen2.5-Instruct's repetition_penalty 1.05,
+        self.eos_ids = stop_token_ids(self.tokenizer, ids)
+        # Only the token ids: `generate` fills every setting it is not passed from the model's generation config,
+        # so one that generation_config.json ships (Qwen2.5-Instruct's repetition_penalty 1.05,
         # no_repeat_ngram_size) would shape every sample behind SamplingParams' back, and the log-probs trained on.
         self.model.generation_config = GenerationConfig(
-            bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id, pad_token_id=own.pad_token_id
+            bos_token_id=own.bos_token_id, eos_token_id=sorted(self.eos_ids), pad_token_id=own.pad_token_id
         )
         use_cpu_decode_attention(self.model)
 

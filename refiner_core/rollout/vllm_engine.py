@@ -26,7 +26,7 @@ from pathlib import Path
 
 from refiner_core.config import EngineSettings
 from refiner_core.models import Adapter, checkpoint_adapter, checkpoint_weights, lora_adapter, release_gpu_cache
-from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, request_seed
+from refiner_core.rollout.base import Generation, SamplingParams, first_stop, free_bytes, request_seed, stop_token_ids
 from refiner_core.runtime import weight_transfer as wt
 
 log = logging.getLogger(__name__)
@@ -411,10 +411,11 @@ def make_vllm_engine(
     if not on_gpu and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # vLLM's CPU worker lowers the process's torch threads; the learner needs them
     tokenizer = load_tokenizer(model_path)
-    # The hf engine's EOS set: the generation config's EOS ids (else the model config's) plus the tokenizer's.
+    # The hf engine's EOS set: the generation config's EOS ids (else the model config's), the tokenizer's and the
+    # chat template's end of turn.
     config_eos = getattr(llm.llm_engine.model_config.hf_text_config, "eos_token_id", None)
     eos = _generation_eos(model_path) or (config_eos if isinstance(config_eos, list) else [config_eos])
-    eos_ids = {i for i in [*eos, tokenizer.eos_token_id] if i is not None}
+    eos_ids = stop_token_ids(tokenizer, eos)
     if on_gpu:
         held = int(settings.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
     else:  # the weights as stored, plus the KV cache space vLLM's CPU backend allocates
