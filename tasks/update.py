@@ -25,9 +25,10 @@ from refiner_core.store.checkpoints import (
     pruned_paths,
     step_checkpoints,
 )
-from refiner_core.store.storage import atomic_dir, dir_hash, read_rows, write_rows, write_table
+from refiner_core.store.faults import stage_fault
+from refiner_core.store.storage import atomic_dir, dir_hash, json_hash, read_rows, write_rows, write_table
 from tasks.checkpoints import write_average
-from tasks.stage import stage
+from tasks.stage import damaged_outputs, stage
 
 
 # `save` (run.save_every) follows grpo.steps and eval.every, which a longer rerun changes: out of the key, so the
@@ -84,7 +85,18 @@ def grpo_update(
     if step > 0 and not is_unsaved(policy) and not saved_state:
         log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
     learner_key = live_learner.learner_key(grpo.learner, model, reference, settings, dtype)
-    learner = live_learner.take_learner(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
+    attempt = json_hash([step, rollouts, scores, policy, reference, grpo_cfg, temperature, dtype, precision, lora])
+    attempt = json_hash([attempt, save, policy_lag, entropy_control, kl_control])  # this update, by its inputs
+    done = live_learner.finished_update(run_dir, learner_key, attempt)
+    if done is not None and not damaged_outputs(done, run_dir):
+        log.warning(
+            "grpo-update step %d: an earlier attempt finished this update and failed before its result was stored; "
+            "the live learner holds its weights: its result is taken",
+            step,
+        )
+        return done
+    kept = live_learner.take_kept(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
+    learner = kept.learner if kept else None
     if learner is None and is_unsaved(policy):
         raise FileNotFoundError(
             f"grpo-update step {step}: the weights it starts from, {policy['path']}, were never saved "
@@ -103,6 +115,7 @@ def grpo_update(
     learner = learner or make_learner(
         grpo.learner, policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
     )
+    touched = False  # whether the weights may have changed
     try:
         kl, next_kl_control = {"kl_reward_coef": None, "reward_kl": None}, None
         if grpo.kl_reward_coef > 0:  # the KL under the weights before this update enters the reward
@@ -126,10 +139,16 @@ def grpo_update(
             )
         lr = learning_rate_at(step, grpo)
         bonus = entropy_coef_at(entropy_control, grpo)
+        stage_fault("grpo-update", step, Path(run_dir) / ".faults", phase="train")
+        touched = True
         metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else _no_signal_metrics(lr)
         saved = _save(learner, save, run_dir=run_dir, run=run, step=step, model=model, tokenizer=tokenizer)
-    except BaseException:  # weights half-updated: no later step may use this learner (its ranks stop)
-        learner.close()
+    except BaseException:
+        # weights as they were (a failure before training, e.g. out of memory in the KL pass): back for the retry;
+        # half-updated: no later step may use this learner (its ranks stop)
+        save_at_close = kept.save_at_close if kept else None
+        if touched or not live_learner.keep_learner(run_dir, learner_key, learner, policy["hash"], save_at_close):
+            learner.close()
         raise
     unsaved = UnsavedWeights.named_by(saved)
     save_at_close = (
@@ -146,7 +165,8 @@ def grpo_update(
         if unsaved is not None
         else None
     )
-    if not live_learner.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close):  # this checkpoint's
+    kept = live_learner.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close, made_by=attempt)
+    if kept is None:
         learner.close()
 
     rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
@@ -220,6 +240,8 @@ def grpo_update(
         manifest["entropy_control"] = entropy_control_after(entropy_control, bonus, metrics)
     if grpo.kl_reward_target > 0:
         manifest["kl_control"] = next_kl_control
+    if kept is not None:  # a retry of this update, should the stage fail from here on, takes this result
+        kept.result = manifest
     return manifest
 
 

@@ -29,6 +29,10 @@ class KeptLearner:
     # For weights never written (run.save_every): writes them to the checkpoint their manifest names, marked as
     # written at close (unsaved_weights), when the run ends before a save (SIGTERM, Ctrl-C, a failed stage).
     save_at_close: Callable[[], Any] | None = None
+    # The update that made these weights (a hash of its inputs) and the manifest it returned: an attempt that failed
+    # after it finished (its result never stored) is retried with that result, not from weights no longer held.
+    made_by: str = ""
+    result: dict | None = None
 
     def close(self) -> None:
         """The run ends: weights no checkpoint holds are written first, then the learner is closed."""
@@ -70,8 +74,15 @@ def learner_key(kind: str, policy_path: str | Path, reference: dict, settings, d
 
 def take_learner(run_dir: str | Path, key: str, policy_hash: str):
     """The run's live learner when it was built with `key` and its weights are the checkpoint `policy_hash`
-    names, else None (build one). It leaves the registry until `keep_learner` puts it back, so a step that fails
-    halfway (weights half-updated) is never reused: its retry loads from disk."""
+    names, else None (build one); take_kept's learner."""
+    kept = take_kept(run_dir, key, policy_hash)
+    return kept.learner if kept else None
+
+
+def take_kept(run_dir: str | Path, key: str, policy_hash: str) -> KeptLearner | None:
+    """The run's live learner and its record when it was built with `key` and its weights are the checkpoint
+    `policy_hash` names, else None. It leaves the registry until `keep_learner` puts it back, so a step that fails
+    halfway (weights half-updated) is never reused."""
     run = run_of(run_dir)
     if run is None:
         return None
@@ -79,24 +90,42 @@ def take_learner(run_dir: str | Path, key: str, policy_hash: str):
         LOCK.wait_for(lambda: not run.lending)
         kept, run.learner = run.learner, None
     if kept is not None and kept.key == key and kept.weights_hash == policy_hash:
-        return kept.learner
+        return kept
     if kept is not None:  # other settings or other weights: never used again
         kept.learner.close()
     return None
 
 
+def finished_update(run_dir: str | Path, key: str, made_by: str) -> dict | None:
+    """The manifest of the update `made_by` names when the run's live learner (built with `key`) holds its
+    weights: an earlier attempt of that update finished, then failed before its result was stored."""
+    run = run_of(run_dir)
+    with LOCK:
+        kept = run.learner if run is not None else None
+        if kept is None or kept.key != key or not made_by or kept.made_by != made_by:
+            return None
+        return kept.result
+
+
 def keep_learner(
-    run_dir: str | Path, key: str, learner, weights_hash: str, save_at_close: Callable[[], Any] | None = None
-) -> bool:
+    run_dir: str | Path,
+    key: str,
+    learner,
+    weights_hash: str,
+    save_at_close: Callable[[], Any] | None = None,
+    made_by: str = "",
+) -> KeptLearner | None:
     """After the learner's weights were saved as the checkpoint `weights_hash` names: keep it for the next step
-    (learners that hold their weights in this process, i.e. offer `weights()`). Returns whether it was kept.
-    `save_at_close` writes weights that no checkpoint holds yet, should the run end first."""
+    (learners that hold their weights in this process, i.e. offer `weights()`). Returns its record where kept, for
+    the update that made the weights (`made_by`) to note its manifest as `result` (finished_update). `save_at_close`
+    writes weights that no checkpoint holds yet, should the run end first."""
     run = run_of(run_dir)
     if run is None or not hasattr(learner, "weights"):
-        return False
+        return None
+    kept = KeptLearner(key, learner, weights_hash, save_at_close, made_by)
     with LOCK:
-        run.learner = KeptLearner(key, learner, weights_hash, save_at_close)
-    return True
+        run.learner = kept
+    return kept
 
 
 def keeps_learner(run_dir: str | Path, learner) -> bool:
