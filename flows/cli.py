@@ -442,7 +442,8 @@ def fork(
     A setting that the stages before step 0 read (data, rubrics, SFT, the base model, the seed, the precision)
     changes step 0's rollout: such a fork reuses no step and says why. Running the same command again resumes the
     fork, from its own checkpoint and recipe once the parent pruned step N or is gone. Exit codes as `refiner
-    run`'s; 2 also for a fork that cannot be made (the parent has not finished step N-1, or pruned its checkpoint)."""
+    run`'s; 2 also for a fork that cannot be made (the parent has not finished step N-1, or pruned its checkpoint; one
+    folder inside the other)."""
     from flows.run_folder import ForkError, plan_fork
     from refiner_core.store.forks import shared_disk, write_fork
 
@@ -489,19 +490,26 @@ def compare(
     ),
     pool: bool = typer.Option(False, "--pool", help="Pool several pairs (e.g. one per seed) into one comparison."),
     mode: str = typer.Option("greedy", "--mode", help="greedy | sampled (per-prompt means of the sampled answers)."),
-    alpha: float = typer.Option(0.05, "--alpha", help="Significance level of the exit code and the * marks."),
-    level: float = typer.Option(0.95, "--level", help="Confidence level of the bootstrap intervals."),
+    alpha: float = typer.Option(
+        0.05,
+        "--alpha",
+        help="Significance level of the exit code and the * marks (beyond 16 differing prompts: a continuous column "
+        "differs when its bootstrap interval at 1 - alpha excludes 0).",
+    ),
+    level: float = typer.Option(0.95, "--level", help="Confidence level of the bootstrap intervals shown."),
     resamples: int = typer.Option(10_000, "--resamples", help="Bootstrap resamples."),
     seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
-    list_prompts: int = typer.Option(8, "--list", help="Prompts named per change in the table output (0 = all)."),
+    list_prompts: int = typer.Option(
+        8, "--list", min=0, help="Prompts named per change in the table output (0 = all)."
+    ),
 ) -> None:
     """Compare two evaluated policies (two runs, or two steps of one run) on the held-out prompts both evaluated.
 
     Every binary eval column gets an exact McNemar test and the prompts it fixed or broke, every continuous one a
     paired bootstrap interval of B - A (while at most 16 prompts differ, an exact sign-flip test decides whether it
     differs). Exit code, as diff's: 0 no column differs at --alpha, 1 some column does,
-    2 trouble (a side names no evaluated policy, the sides share no prompt, bad arguments)."""
+    2 trouble (a side names no evaluated policy or no readable catalog, the sides share no prompt, bad arguments)."""
     from refiner_core.publish.compare import CompareError, format_comparison, load_side
     from refiner_core.publish.compare import compare as compare_sides
 
@@ -559,9 +567,9 @@ def judge_agreement(
     (--judge-config), or read a person's labels (--labels), and store per rubric group Cohen's kappa of the pass/fail
     verdicts, Spearman's rho of the scores, how well the judge's score separates the other side's passes from its
     fails, and the spread of the judge's own scores (catalog tables judge_agreement, judge_checks). Exit 2 on bad
-    input (no catalog, neither or both of --judge-config and --labels, labels naming no stored judgment), 1 when the
-    other side scored no pair (every judgment failed), 3 while a run uses the folder (the check rewrites its
-    catalog)."""
+    input (no catalog or recipe.yaml, neither or both of --judge-config and --labels, labels naming no stored
+    judgment), 1 when the other side scored no pair (every judgment failed; with --json too), 3 while a run uses the
+    folder (the check rewrites its catalog)."""
     from refiner_core.eval.judge_checks import ALL
     from refiner_core.publish.judge_agreement import AgreementError, check_judge
 
@@ -572,11 +580,14 @@ def judge_agreement(
             )
     except AgreementError as e:
         _fail(str(e))
-    if as_json:
-        typer.echo(json.dumps(check.agreement, indent=1, default=str))
-        return
     overall = next(a for a in check.agreement if a["rubric_group"] == ALL) if check.agreement else None
     usable, failed = (overall["pairs"], overall["failed"]) if overall else (0, 0)
+    nothing_compared = f"no pair got a score from {check.other}: nothing was compared (see judge_checks.other_failure)"
+    if as_json:
+        typer.echo(json.dumps(check.agreement, indent=1, default=str))
+        if usable == 0:
+            _fail(nothing_compared, code=1)
+        return
     # stored judgments the run's own judge failed (NULL) that the other side scored: no pair either
     run_failed = check.pairs - usable - failed
     typer.echo(
@@ -620,7 +631,7 @@ def judge_agreement(
         f"'{check.name}'\"",
     )
     if usable == 0:
-        _fail(f"no pair got a score from {check.other}: nothing was compared (see judge_checks.other_failure)", code=1)
+        _fail(nothing_compared, code=1)
 
 
 @judge_app.command("serve")

@@ -217,6 +217,12 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         raise ForkError(f"{parent} has no {RECIPE_FILE}: not a run folder")
     if new == parent:
         raise ForkError("the fork needs a folder of its own")
+    if new.is_relative_to(parent) or parent.is_relative_to(new):
+        where = "is inside" if new.is_relative_to(parent) else "holds"
+        raise ForkError(
+            f"{new} {where} the parent's folder {parent}: choose a folder neither inside nor around it (reusing the "
+            "parent's files and counting the fork's disk tell the two runs' files apart by their folders)"
+        )
     try:
         base = load_recipe(parent / RECIPE_FILE)
         named = any(o.split("=", 1)[0].strip() == "run.name" for o in overrides)

@@ -132,6 +132,36 @@ def test_plot_writes_png(catalog_dir):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def _eval_summary(step: int, phase: str, reward: float, format_valid: float) -> dict:
+    return {"step": step, "phase": phase, "mode": "greedy", "reward": reward, "format_valid": format_valid}
+
+
+@pytest.mark.parametrize(
+    ("evals", "base_marker"),
+    [
+        # eval.every = grpo.steps: one base and one trained evaluation, whose base point was left out
+        ([_eval_summary(0, "base", 0.2, 0.5), _eval_summary(2, "grpo", 0.9, 0.75)], [[0.0, 0.2]]),
+        (
+            [_eval_summary(0, "base", 0.2, 0.5), _eval_summary(1, "grpo", 0.5, 0.5), _eval_summary(2, "grpo", 0.9, 1)],
+            [[0.0, 0.2]],
+        ),
+        ([_eval_summary(0, "base", 0.2, 0.5)], []),  # the base model alone is the line itself
+    ],
+)
+def test_plot_marks_the_base_models_held_out_point_beside_the_trained_ones(evals, base_marker):
+    from refiner_core.publish.plots import _draw
+
+    steps = [{"run": "r", "step": s, "reward_mean": 1.0, "reward_std": 0.1, "kl": 0.0, "loss": 0.0,
+              "response_length_mean": 10.0} for s in range(2)]  # fmt: skip
+    figure = _draw(steps, evals)
+    panels = {ax.get_title(): ax for ax in figure.axes}
+    reward, format_valid = panels["eval: reward (training reward code)"], panels["eval: format-valid (%)"]
+    trained = [e for e in evals if e["phase"] != "base"] or evals
+    assert [list(line.get_xdata()) for line in reward.lines] == [[e["step"] for e in trained]]
+    assert [c.get_offsets().tolist() for c in reward.collections] == ([base_marker] if base_marker else [])
+    assert [c.get_offsets().tolist() for c in format_valid.collections] == ([[[0.0, 50.0]]] if base_marker else [])
+
+
 def test_config_fields_lists_help():
     result = runner.invoke(app, ["config", "--fields"])
     assert result.exit_code == 0

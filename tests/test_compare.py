@@ -266,3 +266,46 @@ def test_a_dropped_answer_has_no_judged_value(runs, tmp_path):
     assert (by["passed"].n, by["passed"].broken) == (8, [])
     assert "rubric_score" not in by and "judged_score" not in by  # a's are NULL: nothing else to pair
     assert by["response_tokens"].n == 10 and by["format_ok"].n == 10
+
+
+def test_alpha_decides_a_column_the_bootstrap_interval_decides(tmp_path):
+    """20 prompts differ (too many for the exact test): B - A is +1 on 15, -1 on 5. A resample's mean is
+    (2K - 20) / 20 with K ~ Bin(20, 3/4): P(K <= 10) = 0.014, so the 95 % interval lies above 0 and the 99 % one
+    reaches it. --alpha 0.01 flagged the column all the same: significance came from the interval at --level."""
+    prompts = [f"q{i:02d}" for i in range(20)]
+    rewards_b = [2.0] * 15 + [0.0] * 5
+    a = _catalog(tmp_path / "a", [_row("a", 2, "grpo", q, True, False, 1.0, 40) for q in prompts])
+    b = _catalog(tmp_path / "b", [_row("b", 2, "grpo", q, True, False, r, 40) for q, r in zip(prompts, rewards_b)])
+    at_95 = paired_bootstrap_ci([1.0] * 20, rewards_b, seed=0, resamples=2000, level=0.95)
+    at_99 = paired_bootstrap_ci([1.0] * 20, rewards_b, seed=0, resamples=2000, level=0.99)
+    assert at_95.low > 0 and at_99.low <= 0 < at_99.high
+    sides = [(load_side(str(a)), load_side(str(b)))]
+    for alpha, significant in ((0.05, True), (0.01, False)):
+        reward = {c.column: c for c in compare(sides, alpha=alpha, resamples=2000).columns}["reward"]
+        assert reward.p is None and reward.significant is significant, alpha
+        assert (reward.ci_low, reward.ci_high) == (at_95.low, at_95.high)  # the interval shown stays at --level
+    shown = runner.invoke(app, ["compare", str(a), str(b), "--alpha", "0.01", "--resamples", "2000"])
+    assert shown.exit_code == 0, shown.output
+    assert "with no p a 99% bootstrap interval without 0" in shown.output
+    assert runner.invoke(app, ["compare", str(a), str(b), "--resamples", "2000"]).exit_code == 1
+
+
+def test_a_catalog_that_is_no_duckdb_file_is_a_usage_error(runs, tmp_path):
+    """A catalog.duckdb that DuckDB cannot open raised a traceback and exit 1, which means 'some column differs'."""
+    a, _ = runs
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "catalog.duckdb").write_text("not a database\n")
+    with pytest.raises(CompareError, match=r"broken@2: cannot read the catalog .*broken/catalog.duckdb"):
+        load_side(f"{broken}@2")
+    shown = runner.invoke(app, ["compare", str(a), str(broken)])
+    assert shown.exit_code == 2 and "cannot read the catalog" in shown.output, shown.output
+
+
+@pytest.mark.parametrize("listed", ["-1", "-8"])
+def test_a_negative_list_length_is_refused(runs, listed):
+    """--list -1 named every prompt but the last and then '(1 more)'."""
+    a, b = runs
+    shown = runner.invoke(app, ["compare", str(a), str(b), "--list", listed, "--resamples", "200"])
+    assert shown.exit_code == 2, shown.output
+    assert "--list" in shown.output and "greater than or equal to 0" in shown.output

@@ -125,6 +125,11 @@ def test_fork_reuses_the_steps_before_it_and_trains_on_with_its_settings(parent,
     )
     assert _rows(nested, "steps") == _rows(fork_dir, "steps")
     assert _snapshot(parent) == before
+    # the difficulty ledger counts each rollout once: step 1's rollout too is the parent's, in both forks
+    from refiner_core.publish.run_sql import copied_steps
+
+    catalogs = [folder / "catalog.duckdb" for folder in (parent, fork_dir, nested)]
+    assert copied_steps(catalogs) == [{"run": "lr", "lo": 0, "hi": 2}, {"run": "lr-again", "lo": 0, "hi": 2}]
 
     shown = CliRunner().invoke(app, ["show", str(fork_dir)])
     assert f"fork of {parent.name} ({parent}) at step 1: steps 0-0 are {parent.name}'s" in shown.output
@@ -341,6 +346,23 @@ def test_forks_that_cannot_be_made_are_refused_before_anything_runs(tmp_path):
     result = CliRunner().invoke(app, ["fork", str(parent), str(tmp_path / "g"), "--at", "1"])
     assert result.exit_code == 2 and "was pruned" in result.output
     assert not (tmp_path / "g").exists()
+
+
+def test_a_fork_folder_inside_its_parent_or_around_it_is_refused(tmp_path):
+    """PARENT/forks/x was accepted: its files then lie below the parent's folder too, so adopting one rebased the
+    fork's own path onto PARENT/forks/x/forks/x/..., and the parent's disk counted the fork's files as its own."""
+    parent = _fake_parent(tmp_path / "runs" / "p", finished=3, checkpoints=[2, 3])
+    with pytest.raises(
+        ForkError, match=r"runs/p/forks/x is inside the parent's folder .*runs/p: choose a folder neither"
+    ):
+        plan_fork(parent, parent / "forks" / "x", 2, [])
+    with pytest.raises(ForkError, match=r"runs holds the parent's folder .*runs/p: choose a folder neither"):
+        plan_fork(parent, tmp_path / "runs", 2, [])
+    assert plan_fork(parent, tmp_path / "runs" / "p2", 2, [])[1].parent_dir == str(parent.resolve())  # a sibling
+    for new in (parent / "forks" / "x", tmp_path / "runs"):
+        result = CliRunner().invoke(app, ["fork", str(parent), str(new), "--at", "2"])
+        assert result.exit_code == 2 and "neither inside nor around it" in result.output, result.output
+    assert not (parent / "forks").exists()
 
 
 def test_a_fork_of_a_fork_runs_each_step_with_the_recipe_that_computed_it():

@@ -309,3 +309,64 @@ def test_a_judge_that_scores_nothing_is_no_agreement(judged_run, tmp_path):
     assert shown.exit_code == 1, shown.output
     assert "0 of 12 (rollout, rubric) pairs of 4 rollouts judged by both (12 got no score from" in shown.output
     assert "no pair got a score from" in shown.output
+
+
+def test_a_labels_verdict_stands_beside_its_score(judged_run, tmp_path):
+    """A label with both `passed` and `score`: its verdict was dropped and the score decided (0.6 >= 0.5: a pass),
+    so rollouts 2 and 3, failed by the person, counted as passes. The verdict stands; the score is still paired."""
+    labels = tmp_path / "labels.jsonl"
+    records = [
+        {
+            "step": 0,
+            "prompt_id": "q1",
+            "sample_idx": i,
+            "rubric_id": rid,
+            "passed": i < 2,
+            "score": 1.0 if i < 2 else 0.6,
+        }
+        for i in range(4)
+        for rid, *_ in RUBRICS
+    ]
+    labels.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert read_labels(labels)[(0, "q1", 2, "pos-0")] == (0.6, None, False)
+    mixed = tmp_path / "mixed.csv"  # a blank verdict beside a score: the score passes at the threshold
+    mixed.write_text("step,prompt_id,sample_idx,rubric_id,passed,score\n0,q1,0,pos-0,,0.7\n0,q1,1,pos-0,no,0.7\n")
+    assert read_labels(mixed) == {(0, "q1", 0, "pos-0"): (0.7, None, None), (0, "q1", 1, "pos-0"): (0.7, None, False)}
+    check = check_judge(judged_run, labels=labels)
+    everything = {a["rubric_group"]: a for a in check.agreement}["all"]
+    # as test_labels_file_and_its_errors' verdicts: kappa 1/3, the person passes 6 of 12
+    assert everything["other_pass_rate"] == 0.5
+    assert everything["kappa"] == pytest.approx(1 / 3, abs=1e-12)
+    con = duckdb.connect(str(judged_run / "catalog.duckdb"), read_only=True)
+    assert con.execute(
+        "SELECT DISTINCT other_score, other_passed FROM judge_checks WHERE sample_idx >= 2"
+    ).fetchall() == [(0.6, False)]
+    con.close()
+
+
+def test_a_judge_that_scores_nothing_exits_1_with_json_too(judged_run, tmp_path):
+    """--json printed the rows and exited 0 where the table exits 1: a script saw a check that compared nothing."""
+    with VerdictJudge(junk=True) as server:
+        config = tmp_path / "judge.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {"judge": {"engine": "openai", "mode": "json", "openai": {"base_url": server.base_url, "cache": False}}}
+            )
+        )
+        shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--judge-config", str(config), "--json"])
+    assert shown.exit_code == 1, shown.output
+    everything = {a["rubric_group"]: a for a in json.loads(shown.stdout)}["all"]
+    assert (everything["pairs"], everything["failed"]) == (0, 12)
+    assert "no pair got a score from" in shown.stderr
+
+
+def test_a_run_folder_without_its_recipe_is_a_usage_error(judged_run, tmp_path):
+    """A folder with a catalog but no recipe.yaml raised FileNotFoundError: a traceback and exit 1, which means
+    'no pair scored'."""
+    (judged_run / "recipe.yaml").unlink()
+    labels = tmp_path / "labels.csv"
+    labels.write_text("step,prompt_id,sample_idx,rubric_id,passed\n0,q1,0,pos-0,yes\n")
+    with pytest.raises(AgreementError, match=r"run has no recipe.yaml: not a run folder"):
+        check_judge(judged_run, labels=labels)
+    shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(labels)])
+    assert shown.exit_code == 2 and "recipe.yaml" in shown.output, shown.output

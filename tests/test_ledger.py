@@ -4,6 +4,8 @@ second takes the difficulty ledger back in, dropping the prompts the first alway
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import duckdb
@@ -15,7 +17,7 @@ from refiner_core.data.schedule import weighted_step_prompt_ids
 from refiner_core.publish.catalog import build_catalog
 from refiner_core.publish.ledger import MIN_WEIGHT, prompt_weight, select_prompts
 from refiner_core.publish.run_sql import CatalogError, open_runs, run_query
-from refiner_core.schema import REWARDS
+from refiner_core.schema import REWARDS, ROLLOUTS
 from refiner_core.store.storage import write_table
 
 # the hand-made run: prompt -> verdicts of its rollouts (pass rates 1/2, 1/4, 1, 0)
@@ -120,9 +122,13 @@ def test_a_run_counts_as_solved_what_its_own_eval_would_pass(tmp_path):
     assert ledger == [(True,)]
 
 
-def _stepped_run(folder: Path, run: str, steps: int, fork_of: tuple[Path, str, int] | None = None) -> Path:
-    """A catalog holding the hand-made verdicts at each of `steps` steps under `run`; with `fork_of` (parent folder,
-    parent run, fork step) its folder is that parent's fork."""
+def _stepped_run(
+    folder: Path, run: str, steps: int, fork_of: tuple[Path, str, int] | None = None, reused: Iterable[int] = ()
+) -> Path:
+    """A catalog holding the hand-made verdicts at each of `steps` steps under `run`, and a rollouts file per step
+    (rollouts/step=N/rollouts.parquet, as tasks/rollout.py writes it). With `fork_of` (parent folder, parent run,
+    fork step) its folder is that parent's fork, and the rollouts files of the steps in `reused` are hard links to
+    the parent's, as a fork's stages served from its parent's cache adopt them (tasks/stage.py)."""
     from refiner_core.store.forks import Fork, write_fork
 
     _hand_made_run(folder)
@@ -131,6 +137,18 @@ def _stepped_run(folder: Path, run: str, steps: int, fork_of: tuple[Path, str, i
     for step in range(1, steps):
         con.execute("INSERT INTO rewards SELECT * REPLACE (? AS step) FROM rewards WHERE step = 0", [step])
     con.close()
+    for step in range(steps):
+        path = folder / "rollouts" / f"step={step}" / "rollouts.parquet"
+        path.parent.mkdir(parents=True)
+        if step in reused:
+            os.link(fork_of[0] / path.relative_to(folder), path)
+        else:
+            rows = [
+                {c: None for c in ROLLOUTS.column_names} | {"run": run, "step": step, "prompt_id": p, "sample_idx": i}
+                for p, verdicts in HAND_MADE.items()
+                for i in range(len(verdicts))
+            ]
+            write_table(ROLLOUTS, rows, path)
     if fork_of is not None:
         parent, parent_run, at = fork_of
         write_fork(Fork(str(folder.resolve()), run, str(parent.resolve()), parent_run, at, [], True, "", []))
@@ -138,26 +156,52 @@ def _stepped_run(folder: Path, run: str, steps: int, fork_of: tuple[Path, str, i
 
 
 def test_a_forks_steps_its_parent_holds_count_once_in_the_ledger(tmp_path):
-    """A fork's catalog holds its parent's steps before the fork step under its own name: with the parent (or a fork
-    of the same parent listed before it) in the session, those steps are one set of rollouts, not two."""
+    """A fork's catalog holds its parent's steps before the fork step under its own name, and the fork step's
+    rollout too where the fork changed only how it trains: with the parent (or a fork of the same parent listed
+    before it) in the session, those steps are one set of rollouts, not two."""
     from refiner_core.publish.run_sql import copied_steps
 
     parent = _stepped_run(tmp_path / "p", "p", 4)
-    fork = _stepped_run(tmp_path / "f", "f", 4, (parent, "p", 2))
-    nested = _stepped_run(tmp_path / "ff", "ff", 4, (fork, "f", 3))  # steps 0-1 are p's, step 2 is f's
-    sibling = _stepped_run(tmp_path / "s", "s", 4, (parent, "p", 1))
+    fork = _stepped_run(tmp_path / "f", "f", 4, (parent, "p", 2), reused=range(3))
+    nested = _stepped_run(tmp_path / "ff", "ff", 5, (fork, "f", 3), reused=range(4))  # 0-2 are p's, 3 is f's
+    sibling = _stepped_run(tmp_path / "s", "s", 4, (parent, "p", 1), reused=range(2))
     catalogs = [d / "catalog.duckdb" for d in (parent, fork, nested, sibling)]
     assert copied_steps(catalogs) == [
-        {"run": "f", "lo": 0, "hi": 2},
-        {"run": "ff", "lo": 0, "hi": 3},
-        {"run": "s", "lo": 0, "hi": 1},
+        {"run": "f", "lo": 0, "hi": 3},
+        {"run": "ff", "lo": 0, "hi": 4},
+        {"run": "s", "lo": 0, "hi": 2},
     ]
     # without the parent, the first fork keeps the steps it copied and the sibling leaves out what they share
-    assert copied_steps([fork / "catalog.duckdb", sibling / "catalog.duckdb"]) == [{"run": "s", "lo": 0, "hi": 1}]
+    assert copied_steps([fork / "catalog.duckdb", sibling / "catalog.duckdb"]) == [{"run": "s", "lo": 0, "hi": 2}]
     steps = "SELECT DISTINCT steps, rollouts FROM prompt_difficulty"
-    assert _query([parent, fork], steps) == [(4 + 2, 4 * (4 + 2))]
-    assert _query([parent, fork, nested, sibling], steps) == [(4 + 2 + 1 + 3, 4 * (4 + 2 + 1 + 3))]
+    assert _query([parent, fork], steps) == [(4 + 1, 4 * (4 + 1))]
+    assert _query([parent, fork, nested, sibling], steps) == [(4 + 1 + 1 + 2, 4 * (4 + 1 + 1 + 2))]
     assert _query([fork], steps) == [(4, 16)]  # alone, a fork's ledger is every step it holds
+
+
+def test_a_forks_step_counts_once_exactly_where_it_reused_the_parents_rollouts(tmp_path):
+    """Only the fork record's step was read: steps before it were the parent's, the fork step the fork's own. A fork
+    that changes only the update (learning rate) reuses the fork step's rollout too, and counted it twice."""
+    from refiner_core.publish.run_sql import copied_steps
+
+    parent = _stepped_run(tmp_path / "p", "p", 3)
+    update_only = _stepped_run(tmp_path / "lr", "lr", 3, (parent, "p", 1), reused=[0, 1])
+    resampled = _stepped_run(tmp_path / "hot", "hot", 3, (parent, "p", 1), reused=[0])  # its step-1 rollout differs
+    at_zero = _stepped_run(tmp_path / "z", "z", 2, (parent, "p", 0), reused=[0])  # the same step-0 rollout
+    unlinked = _stepped_run(tmp_path / "nfs", "nfs", 3, (parent, "p", 1), reused=[0, 1])
+    for step in (0, 1):  # on another file system: no hard link, its catalog read the parent's files
+        (unlinked / "rollouts" / f"step={step}" / "rollouts.parquet").unlink()
+    forks = [update_only, resampled, at_zero, unlinked]
+    assert copied_steps([d / "catalog.duckdb" for d in (parent, *forks)]) == [
+        {"run": "lr", "lo": 0, "hi": 2},
+        {"run": "hot", "lo": 0, "hi": 1},
+        {"run": "z", "lo": 0, "hi": 1},
+        {"run": "nfs", "lo": 0, "hi": 2},
+    ]
+    steps = "SELECT DISTINCT steps, rollouts FROM prompt_difficulty"
+    assert _query([parent, update_only], steps) == [(3 + 1, 4 * (3 + 1))]
+    assert _query([parent, resampled], steps) == [(3 + 2, 4 * (3 + 2))]
+    assert _query([parent, *forks], steps) == [(3 + 1 + 2 + 1 + 1, 4 * (3 + 1 + 2 + 1 + 1))]
 
 
 def test_step_rewards_leaves_dropped_rollouts_out_of_the_advantage_as_steps_does(tmp_path):

@@ -255,6 +255,22 @@ def test_a_nan_figure_never_trips_and_a_nan_kl_is_no_largest_one(tmp_path):
     assert [e.monitor for e in tripped(folder / "catalog.duckdb", 1, MonitorsConfig(heldout_gap=0.5))] == []
 
 
+def test_a_nan_reward_mean_is_no_rise(tmp_path):
+    """Step 1: one rollout's reward NaN, so its reward mean is NaN, which DuckDB orders above 4: 'the reward rose',
+    and length_drift read |20 - 10| / 10 = 1 and tripped, citation_drift 1 and verified_drop 1 (supporting snippets
+    cited 1 -> 0). A NaN reward is no rise: every check that needs one reads 0."""
+    rows = [
+        _rollout(0, i, 4.0, [1, 2, 3, 4, 5], -1.0, response_tokens=10, n_citations=1, supporting_recall=1.0)
+        for i in range(2)
+    ]
+    rows += [_rollout(1, i, reward, [1, 2, 3, 4, 6], -1.0, response_tokens=20, n_citations=2, supporting_recall=0.0)
+             for i, reward in enumerate((float("nan"), 3.0))]  # fmt: skip
+    folder = _rollouts_catalog(tmp_path, rows, steps=2)
+    figures = _figures(folder)
+    assert [figures[(check, 1)] for check in ("length_drift", "citation_drift", "verified_drop")] == [0.0, 0.0, 0.0]
+    assert tripped(folder / "catalog.duckdb", 1, MonitorsConfig()) == []
+
+
 def test_heldout_gap_leaves_out_answers_whose_judgments_all_failed(tmp_path):
     """Training reward 5 -> 6 (step 0's std 0.707); held-out 5 before and, after the update, 5 for one answer while
     the other, all its judgments failed (judge.on_failure skip: dropped), has the format part alone, 1. Counted,

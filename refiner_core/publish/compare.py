@@ -6,7 +6,8 @@ Every numeric or boolean column of `evals` is compared over the prompts both sid
 default): an exact McNemar test on the binary ones, with the prompts each change fixed or broke, and a seeded
 paired bootstrap interval of the mean difference on the continuous ones (refiner_core.eval.stats). A continuous
 column is significant by the exact sign-flip test while at most EXACT_SIGN_FLIP_PAIRS prompts differ (a bootstrap
-interval from a few prompts is narrow by construction: [d, d] from one), by its interval beyond that. Several pairs
+interval from a few prompts is narrow by construction: [d, d] from one), beyond that when its bootstrap interval at
+1 - alpha (the same resamples as the one shown, at `level`) excludes 0. Several pairs
 of sides (e.g. one per seed) are pooled only when asked; the pooled units are (pair, prompt), the bootstrap resamples
 within each pair, and prompts that several pairs evaluated are named, since their evaluations are not independent.
 """
@@ -17,6 +18,8 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import duckdb
 
 from refiner_core.config import reward_weight_fields
 from refiner_core.eval.stats import (
@@ -110,7 +113,10 @@ def load_side(spec: str, mode: str = "greedy") -> Side:
     db = run_dir if run_dir.suffix == ".duckdb" else run_dir / "catalog.duckdb"
     if not db.is_file():
         raise CompareError(f"{spec}: no catalog at {db}")
-    _, evaluated = query(db, "SELECT DISTINCT step, phase FROM evals WHERE mode = ? ORDER BY step, phase", [mode])
+    try:
+        _, evaluated = query(db, "SELECT DISTINCT step, phase FROM evals WHERE mode = ? ORDER BY step, phase", [mode])
+    except duckdb.Error as e:  # not a DuckDB file, or one without an evals table
+        raise CompareError(f"{spec}: cannot read the catalog {db} ({e})") from None
     if not evaluated:
         raise CompareError(f"{spec}: the run has no {mode} held-out evaluation (eval.every, eval.greedy/samples)")
     step, phase = _choose(spec, at, [(s, p) for s, p in evaluated])
@@ -277,10 +283,15 @@ def compare(
         if column in BINARY and binary_mode:
             results.append(_binary(column, a_values, b_values, [name(u) for u in kept], alpha))
         else:
-            ci = paired_bootstrap_ci(
-                a_values, b_values, seed=seed, resamples=resamples, level=level, strata=[u[0] for u in kept]
-            )
+            strata = [u[0] for u in kept]
+            ci = paired_bootstrap_ci(a_values, b_values, seed=seed, resamples=resamples, level=level, strata=strata)
             p = sign_flip_p(a_values, b_values)
+            if p is None:  # decided at 1 - alpha, from the same seeded resamples as the interval shown at `level`
+                significant = paired_bootstrap_ci(
+                    a_values, b_values, seed=seed, resamples=resamples, level=1 - alpha, strata=strata
+                ).excludes_zero
+            else:
+                significant = p < alpha
             results.append(
                 ColumnResult(
                     column,
@@ -292,7 +303,7 @@ def compare(
                     p=p,
                     ci_low=ci.low,
                     ci_high=ci.high,
-                    significant=ci.excludes_zero if p is None else p < alpha,
+                    significant=significant,
                 )
             )
     first_a, first_b = pairs[0]
@@ -411,7 +422,8 @@ def format_comparison(result: Comparison, list_prompts: int = 8) -> str:
         f"\ntest: exact McNemar p (binary); exact sign-flip p while at most {EXACT_SIGN_FLIP_PAIRS} prompts differ "
         f"and a {result.level:.0%} paired bootstrap interval of B - A ({result.resamples} resamples, seed "
         f"{result.seed}) (continuous)\n* = p < {result.alpha:g} (an exact p needs "
-        f"{fewest_pairs_to_reach(result.alpha)} differing prompts for that), or with no p an interval without 0"
+        f"{fewest_pairs_to_reach(result.alpha)} differing prompts for that), or with no p a "
+        f"{100 * (1 - result.alpha):.4g}% bootstrap interval without 0 (from the same resamples)"
     )
     changes = [c for c in result.columns if c.kind == "binary" and (c.became_true or c.became_false)]
     if changes:

@@ -72,11 +72,16 @@ def _verdict(passed) -> bool:
     raise ValueError(f"passed {passed!r} is no verdict: give true/false, yes/no, pass/fail or 1/0")
 
 
+def _blank(value) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
 def read_labels(path: Path) -> dict[tuple, SecondOpinion]:
-    """(step, prompt_id, sample_idx, rubric_id) -> its SecondOpinion from a JSONL or CSV labels file;
-    a label with `passed` only scores 1.0 or 0.0 and keeps its verdict whatever eval.pass_rubric_score is (None:
-    the score passes at it). A record without a usable score or verdict, or a second label of the same
-    judgment, is refused with its record number."""
+    """(step, prompt_id, sample_idx, rubric_id) -> its SecondOpinion from a JSONL or CSV labels file.
+    A label's `passed` is its verdict whatever its score and eval.pass_rubric_score are (with a score too, the score
+    is still paired for Spearman's rho); with `passed` only it scores 1.0 or 0.0; with a score only the score
+    passes at eval.pass_rubric_score (verdict None). A record without a usable score or verdict, or a second label
+    of the same judgment, is refused with its record number."""
     try:
         text = path.read_text(encoding="utf-8-sig")  # a spreadsheet's CSV export may start with a byte-order mark
     except OSError as e:
@@ -92,11 +97,10 @@ def read_labels(path: Path) -> dict[tuple, SecondOpinion]:
     for n, record in enumerate(records, 1):
         try:
             key = (int(record["step"]), str(record["prompt_id"]), int(record["sample_idx"]), str(record["rubric_id"]))
-            score, verdict = record.get("score"), None
-            if score is None or (isinstance(score, str) and not score.strip()):
-                verdict = _verdict(record.get("passed"))
-                score = 1.0 if verdict else 0.0
-            score = float(score)
+            score, passed = record.get("score"), record.get("passed")
+            # a blank `passed` beside a score (a CSV with both columns) is no verdict: the score passes at the threshold
+            verdict = None if _blank(passed) and not _blank(score) else _verdict(passed)
+            score = (1.0 if verdict else 0.0) if _blank(score) else float(score)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise AgreementError(
                 f"--labels {path} record {n}: needs step, prompt_id, sample_idx, rubric_id and passed or score ({e})"
@@ -175,7 +179,13 @@ def check_judge(
     stored = _stored(db)
     if not stored:
         raise AgreementError(f"{run_dir} has no stored judgments (judge_scores is empty)")
-    recipe = load_recipe(run_dir / "recipe.yaml")
+    recipe_file = run_dir / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise AgreementError(f"{run_dir} has no recipe.yaml: not a run folder (the check reads its pass threshold)")
+    try:
+        recipe = load_recipe(recipe_file)
+    except ConfigError as e:
+        raise AgreementError(str(e)) from None
     run = stored[0]["run"]
     groups = {(s["prompt_id"], s["rubric_id"]): rubric_group(s) for s in stored}
     if labels is not None:

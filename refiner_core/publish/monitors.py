@@ -4,7 +4,8 @@ check's action (monitors.<name>_action: warn, pause or fail; the flow acts on it
 
 The figures compare a step with the run's first step (its baseline) unless said otherwise. A figure is NULL (no
 verdict, never trips) where it has no unit to be measured in: verified_flat and heldout_gap when the first step's
-rewards were all equal (reward std below 1e-6). A NaN figure never trips either; kl_jump skips a step whose KL is NaN.
+rewards were all equal (reward std below 1e-6). A NaN figure never trips either; kl_jump skips a step whose KL is NaN,
+and a NaN reward mean never counts as "the reward rose" (DuckDB orders NaN above every number).
 
 - verified_drop: the largest fall of a verifiable part (a share checked against the data, not the judge: format
   valid, citation IDs valid, supporting snippets cited, no distractor cited, verified correct) while the reward
@@ -100,7 +101,8 @@ parts AS (
                   ('verified_correct', verified_correct0, verified_correct)) v(part, before, now)
   WHERE before IS NOT NULL AND now IS NOT NULL
 )
-SELECT run, step, CASE WHEN reward_mean > reward0 THEN max(before - now) ELSE 0.0 END AS value,
+SELECT run, step,
+       CASE WHEN reward_mean > reward0 AND NOT isnan(reward_mean) THEN max(before - now) ELSE 0.0 END AS value,
        arg_max(printf('%s %.2f -> %.2f while the reward went %.3f -> %.3f', part, before, now, reward0, reward_mean),
                before - now) AS detail
 FROM parts GROUP BY run, step, reward0, reward_mean
@@ -161,7 +163,8 @@ FROM (SELECT *, sum(v) OVER (PARTITION BY run, step) AS total FROM parts) GROUP 
 """,
     "length_drift": """
 SELECT run, step,
-       CASE WHEN reward_mean > reward0 THEN abs(length_mean - length0) / greatest(length0, 1) ELSE 0.0 END AS value,
+       CASE WHEN reward_mean > reward0 AND NOT isnan(reward_mean)
+            THEN abs(length_mean - length0) / greatest(length0, 1) ELSE 0.0 END AS value,
        printf('mean length %.1f -> %.1f tokens while the reward went %.3f -> %.3f', length0, length_mean, reward0,
               reward_mean) AS detail
 FROM (SELECT *, first_value(length_mean) OVER w AS length0, first_value(reward_mean) OVER w AS reward0
@@ -170,8 +173,8 @@ FROM (SELECT *, first_value(length_mean) OVER w AS length0, first_value(reward_m
     "citation_drift": """
 SELECT run, step,
        -- from no citations at all, the change itself (as length_drift's, a floor of 1 under the divisor)
-       CASE WHEN reward_mean > reward0 THEN abs(citations_mean - citations0) / greatest(citations0, 1)
-            ELSE 0.0 END AS value,
+       CASE WHEN reward_mean > reward0 AND NOT isnan(reward_mean)
+            THEN abs(citations_mean - citations0) / greatest(citations0, 1) ELSE 0.0 END AS value,
        printf('citations per answer %.2f -> %.2f while the reward went %.3f -> %.3f', citations0, citations_mean,
               reward0, reward_mean) AS detail
 FROM (SELECT *, first_value(citations_mean) OVER w AS citations0, first_value(reward_mean) OVER w AS reward0

@@ -156,14 +156,14 @@ def _draw(steps: list[dict], evals: list[dict] | None):
 def _eval_panel(ax, evals: list[dict], key: str) -> None:
     scale = 100.0 if key in RATES else 1.0
     for mode in sorted({e["mode"] for e in evals}):
-        trained = [e for e in evals if e["mode"] == mode and e["phase"] != "base"] or [
-            e for e in evals if e["mode"] == mode
-        ]
-        points = [(e["step"], e[key] * scale) for e in trained if e.get(key) is not None]
+        evaluated = [e for e in evals if e["mode"] == mode]
+        trained = [e for e in evaluated if e["phase"] != "base"]
+        # with no trained policy evaluated, the base model's points are the line
+        points = [(e["step"], e[key] * scale) for e in trained or evaluated if e.get(key) is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=mode)
-        base = [e for e in evals if e["mode"] == mode and e["phase"] == "base" and e.get(key) is not None]
-        if base and len(trained) != len(base):
+        base = [e for e in evaluated if e["phase"] == "base" and e.get(key) is not None]
+        if base and trained:
             ax.scatter([0], [base[0][key] * scale], marker="x", s=60, label=f"{mode}, base model")
     if ax.get_legend_handles_labels()[0]:  # a panel without data (a judged-only metric of a verified run) has none
         ax.legend(fontsize=7)

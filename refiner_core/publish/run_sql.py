@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from refiner_core.config import EvalConfig
 from refiner_core.publish.catalog import catalog_views
-from refiner_core.store.forks import Fork, read_fork
+from refiner_core.store.forks import ancestors, read_fork, rollout_files
 
 # The oriented rubric score at which a judged answer passes, per run: its recipe's eval.pass_rubric_score (a session
 # variable mapping each run name to it, set by open_runs), the default for a catalog without its recipe beside it.
@@ -89,8 +89,8 @@ VIEWS: dict[str, tuple[str, str]] = {
     "prompt_difficulty": (
         "The difficulty ledger: per training prompt over every run of the session, the runs and steps that sampled "
         "it, its pass rate, whether every rollout (always_solved) or none (never_solved) solved it, and its pass-rate "
-        "history in (run, step) order; data.skip_solved_from and data.weights_from read it. A fork's steps that "
-        "another run of the session holds too (its parent's, before the fork step) count once.",
+        "history in (run, step) order; data.skip_solved_from and data.weights_from read it. A fork's steps whose "
+        "rollouts another run of the session holds too (the files it reused from its parent) count once.",
         "SELECT prompt_id, count(DISTINCT run) AS runs, count(*) AS steps, sum(rollouts) AS rollouts, "
         "sum(solved) AS solved, sum(solved) / sum(rollouts) AS pass_rate, sum(solved) = sum(rollouts) AS "
         "always_solved, sum(solved) = 0 AS never_solved, list(round(pass_rate, 3) ORDER BY run, step) AS history "
@@ -226,35 +226,32 @@ def _catalog_runs(con: duckdb.DuckDBPyConnection, catalog: str) -> set[str]:
 
 
 def copied_steps(dbs: list[Path]) -> list[dict]:
-    """[{run, lo, hi}]: the steps [lo, hi) of a fork's run that are copies of steps another catalog of the session
-    holds: its ancestor's, when that ancestor's folder is in the session, else the copy of a fork listed before it
-    (two forks of one parent). prompt_difficulty counts each such step once."""
+    """[{run, lo, hi}]: the steps [lo, hi) of a fork's run whose rollouts another catalog of the session holds too.
+    A fork's stage served from an ancestor's cache hard-links the ancestor's files (refiner_core.store.forks.adopt),
+    so a step is a copy where the fork's rollouts file of that step is the file an ancestor in the session holds, or
+    one a fork listed before it holds (two forks of one parent). prompt_difficulty counts each such step once."""
     folders = [str(db.parent.resolve()) for db in dbs]
-    claimed: dict[str, set[int]] = {}  # ancestor folder -> its steps some fork of the session already holds
+    files = {folder: rollout_files(folder) for folder in folders}
+    lineage = {folder: {str(Path(a).resolve()) for a, _ in ancestors(folder)} for folder in folders}
     copied = []
-    for folder in folders:
+    for index, folder in enumerate(folders):
         fork = read_fork(folder)
         if fork is None:
             continue
-        dropped: set[int] = set()
-        for origin, lo, hi in _shared_segments(folder, fork):
-            steps = set(range(lo, hi))
-            dropped |= steps if origin in folders else steps & claimed.get(origin, set())
-            claimed.setdefault(origin, set()).update(steps)
+        own, dropped = files[folder], set()
+        for position, other in enumerate(folders):
+            if other in lineage[folder]:
+                # up to the fork step, a file the fork lacks is the ancestor's: its catalog read that file where no
+                # hard link could be made (another file system)
+                dropped |= {
+                    step
+                    for step, file in files[other].items()
+                    if own.get(step) == file or (step not in own and step <= fork.at)
+                }
+            elif position < index and folder not in lineage[other]:  # listed before it, and no fork of it
+                dropped |= {step for step, file in files[other].items() if own.get(step) == file}
         copied += [{"run": fork.run, "lo": lo, "hi": hi} for lo, hi in _ranges(dropped)]
     return copied
-
-
-def _shared_segments(folder: str, fork: Fork | None) -> list[tuple[str, int, int]]:
-    """(ancestor folder, lo, hi): the steps [lo, hi) of the fork in `folder` (its record `fork`) that the ancestor
-    computed (a fork of a fork holds its grandparent's steps before the parent's own fork step)."""
-    bounds, seen = [], {folder}
-    while fork is not None and fork.shares_steps and fork.parent_dir not in seen:
-        parent = str(Path(fork.parent_dir).resolve())
-        bounds.append((parent, min(fork.at, bounds[-1][1]) if bounds else fork.at))
-        seen.add(fork.parent_dir)
-        fork = read_fork(fork.parent_dir)
-    return [(origin, bounds[i + 1][1] if i + 1 < len(bounds) else 0, hi) for i, (origin, hi) in enumerate(bounds)]
 
 
 def _ranges(steps: set[int]) -> list[tuple[int, int]]:

@@ -169,6 +169,17 @@ def adopt(manifest: Any, run_dir: str) -> tuple[Any, list[str]]:
     return visit(manifest), adopted
 
 
+def rollout_files(run_dir: str | Path) -> dict[int, tuple[int, int]]:
+    """step -> (device, inode) of the run folder's rollouts file of that step (its first sampling round's,
+    rollouts/step=N/rollouts.parquet as tasks/rollout.py writes it): a fork that adopted an ancestor's rollout holds
+    the ancestor's file itself."""
+    files = {}
+    for path in Path(run_dir).glob("rollouts/step=*/rollouts.parquet"):
+        status = path.stat()
+        files[int(path.parent.name.removeprefix("step="))] = (status.st_dev, status.st_ino)
+    return files
+
+
 def changed_before_steps(parent: dict, fork: dict) -> list[str]:
     """Dotted names of the settings that the stages before the first step read and that differ between two resolved
     recipes (RecipeConfig.to_dict()). SFT settings count only when either recipe warm-starts with SFT."""
