@@ -52,11 +52,12 @@ def evaluate(
     agent = stage_view("eval_rollout", rollout_cfg).agent
     settings = EvalSettings.from_config(stage_view("eval", eval_cfg), **sampling)
     prompt_rows = read_rows(prompts["prompts"]["path"])
-    chosen = held_out_prompts(prompt_rows, settings.prompts)
+    chosen = held_out_prompts(prompt_rows, settings.prompts, rubrics["held_out_ids"])
     if not chosen:
         raise ConfigError(
-            "eval.every > 0 needs held-out prompts, and the validation split is empty: set "
-            "data.validation_fraction > 0 (e.g. 0.2)"
+            "eval.every > 0 needs held-out prompts, and the validation split has none the rubric stage kept: set "
+            "data.validation_fraction > 0 (e.g. 0.2), or see why it rejected them: "
+            "SELECT * FROM quarantine WHERE stage = 'rubrics'"
         )
     if not Path(policy["path"]).is_dir():
         raise FileNotFoundError(

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
+from typing import NoReturn
 
 from prefect import get_run_logger
 
 from refiner_core.config import ConfigError
-from refiner_core.data.prepare import cap_prompts, prepare_prompts
+from refiner_core.data.prepare import cap_prompts, no_training_prompts, prepare_prompts
 from refiner_core.data.rows import TooManyRejected, prompt_hash, prompt_messages, validate_rows
 from refiner_core.data.sources import load_source, source_identity
 from refiner_core.models import load_tokenizer
@@ -13,7 +15,7 @@ from refiner_core.publish.ledger import prompt_ledger, select_prompts
 from refiner_core.schema import PROMPT_SELECTION, PROMPTS, QUARANTINE
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import write_table
-from tasks.catalog import fail_if_too_many_rejected
+from tasks.catalog import fail_if_too_many_rejected, publish_quarantine
 from tasks.stage import stage
 
 __all__ = ["TooManyRejected", "prepare_data"]
@@ -79,6 +81,13 @@ def prepare_data(
             p["prompt_id"]: asked_of[p["prompt_id"]] for p in prompts if p["split"] == "validation"
         },
     }
+    fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), data["max_rejected_fraction"])
+    if not manifest["train_ids"]:
+        fail_without_training_prompts(
+            run_dir,
+            [manifest],
+            no_training_prompts(prompts, rejected, data["validation_fraction"], data["max_prompts"]),
+        )
     if skip_ledger_files or weight_ledger_files:
         kept, weights, selection = select_prompts(
             run,
@@ -107,5 +116,11 @@ def prepare_data(
             f", weights {min(weights.values()):.2f}-{max(weights.values()):.2f}" if weights else "",
         )
     log.info("prepare-data: %d rows in, %d prompts out, rejected %s", len(raw), len(prompts), counts or "none")
-    fail_if_too_many_rejected(run_dir, [manifest], rejected, len(raw), data["max_rejected_fraction"])
     return manifest
+
+
+def fail_without_training_prompts(run_dir: str, manifests: list[dict], why: str) -> NoReturn:
+    """A ConfigError, not retried (the same data and settings leave the same split), saying `why` no prompt is left
+    to train on, with the quarantine published and how to query it; not a retried error at the first rollout."""
+    query = shlex.join(["refiner", "sql", str(run_dir), "SELECT * FROM quarantine"])
+    raise ConfigError(f"{why}. The rejected rows: {query}; catalog {publish_quarantine(run_dir, manifests)}")

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from refiner_core.data.prepare import rubrics_left_no_training_prompt
 from refiner_core.data.rows import accepted_raw_rows
 from refiner_core.data.rubric_fields import load_static_rubrics
 from refiner_core.data.sources import load_rows, load_source
@@ -15,6 +16,7 @@ from refiner_core.schema import QUARANTINE, RUBRICS
 from refiner_core.stage_settings import stage_view
 from refiner_core.store.storage import read_rows, write_table
 from tasks.catalog import fail_if_too_many_rejected
+from tasks.prepare import fail_without_training_prompts
 from tasks.stage import stage
 
 
@@ -88,6 +90,10 @@ def ingest_rubrics(
         "rows": len(rows),
         "generated": generated,
         "train_ids": [pid for pid in prompts["train_ids"] if pid in joined],
+        # the held-out prompts it can score: the evaluation leaves out those it rejected, as training does
+        "held_out_ids": sorted(
+            p["prompt_id"] for p in prompt_rows if p["split"] == "validation" and p["prompt_id"] in joined
+        ),
     }
     fail_if_too_many_rejected(
         run_dir,
@@ -97,4 +103,7 @@ def ingest_rubrics(
         rubric_cfg["max_rejected_fraction"],
         n_rejected=len(prompt_rows) - len(joined),
     )
+    if not manifest["train_ids"]:
+        why = rubrics_left_no_training_prompt(len(prompts["train_ids"]), rejected)
+        fail_without_training_prompts(run_dir, [prompts, manifest], why)
     return manifest

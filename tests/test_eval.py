@@ -50,8 +50,17 @@ def test_held_out_prompts_are_the_validation_split_in_id_order():
         {"prompt_id": p, "split": s}
         for p, s in [("c", "validation"), ("a", "train"), ("d", "validation"), ("b", "validation")]
     ]
-    assert [p["prompt_id"] for p in held_out_prompts(rows, 0)] == ["b", "c", "d"]
-    assert [p["prompt_id"] for p in held_out_prompts(rows, 2)] == ["b", "c"]
+    kept = [p["prompt_id"] for p in rows]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 0, kept)] == ["b", "c", "d"]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 2, kept)] == ["b", "c"]
+
+
+def test_held_out_prompts_leave_out_those_the_rubric_stage_rejected():
+    """A held-out prompt quarantined as missing_rubrics has nothing to score it by: the eval failed on it (a
+    retried ValueError) at step 0. The rubric stage's held_out_ids name those it kept."""
+    rows = [{"prompt_id": p, "split": "validation"} for p in ("c", "nr", "a", "b")]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 0, ["a", "b", "c"])] == ["a", "b", "c"]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 2, ["a", "b", "c"])] == ["a", "b"]
 
 
 def test_eval_prompts_keep_twin_views_together():
@@ -61,8 +70,9 @@ def test_eval_prompts_keep_twin_views_together():
         {"prompt_id": p, "split": "validation", "twin_id": t}
         for p, t in [("m0", "m0-r"), ("m0-r", "m0"), ("m1", "m1-r"), ("m1-r", "m1")]
     ]
-    assert [p["prompt_id"] for p in held_out_prompts(rows, 3)] == ["m0", "m0-r"]
-    assert [p["prompt_id"] for p in held_out_prompts(rows, 4)] == ["m0", "m0-r", "m1", "m1-r"]
+    kept = [p["prompt_id"] for p in rows]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 3, kept)] == ["m0", "m0-r"]
+    assert [p["prompt_id"] for p in held_out_prompts(rows, 4, kept)] == ["m0", "m0-r", "m1", "m1-r"]
 
 
 def _judged(**kw):

@@ -3,9 +3,19 @@ split (by prompt), dropping a co-rewarding twin whose partner was dropped, and t
 
 from __future__ import annotations
 
+from collections import Counter
+
 from refiner_core.data.formats import tool_snippet_ids
 from refiner_core.data.prompts import render_prompt
-from refiner_core.data.rows import Rejection, is_chat_row, prompt_hash, prompt_messages, row_json, split_of
+from refiner_core.data.rows import (
+    Rejection,
+    ground_truth_text,
+    is_chat_row,
+    prompt_hash,
+    prompt_messages,
+    row_json,
+    split_of,
+)
 
 
 def prompt_fields(row: dict) -> dict:
@@ -24,9 +34,7 @@ def prompt_fields(row: dict) -> dict:
         }
     messages = row["messages"]
     ends_with_answer = messages[-1]["role"] == "assistant"
-    truth = row.get("ground_truth")
-    truth = str(truth) if isinstance(truth, (int, float)) and not isinstance(truth, bool) else truth
-    truth = truth if isinstance(truth, str) and truth.strip() else None
+    truth = ground_truth_text(row.get("ground_truth"))
     answer = truth if truth is not None else (messages[-1]["content"] if ends_with_answer else "")
     twin = row.get("twin_id")
     return {
@@ -222,3 +230,34 @@ def cap_prompts(prompts: list[dict], max_prompts: int) -> list[dict]:
             break
         kept |= unit
     return [p for p in prompts if p["prompt_id"] in kept]
+
+
+def no_training_prompts(
+    prompts: list[dict], rejected: list[Rejection], validation_fraction: float, max_prompts: int
+) -> str:
+    """Why prepare-data left no prompt in the training split, the only one GRPO samples from, and what to change."""
+    kept = f" (data.max_prompts {max_prompts} keeps the first)" if max_prompts else ""
+    why = (
+        f"all {len(prompts)} prepared prompts{kept} are in the validation split (data.validation_fraction "
+        f"{validation_fraction})"
+        if prompts
+        else f"no prompt was prepared{kept}"
+    )
+    return (
+        f"no training prompt: {why}; rows rejected: {reason_counts(rejected)}. Lower data.validation_fraction, "
+        "raise data.max_prompts (0 = all), or fix the rejected rows"
+    )
+
+
+def rubrics_left_no_training_prompt(n_train: int, rejected: list[Rejection]) -> str:
+    """Why the rubric stage left no training prompt (it rejected every one), and what to change."""
+    return (
+        f"no training prompt: ingest-rubrics rejected each of the {n_train} training prompts (rejections: "
+        f"{reason_counts(rejected)}). Give them rubrics (or a ground_truth, or set rubrics.generation_endpoint), "
+        "lower data.validation_fraction, or raise data.max_prompts (0 = all)"
+    )
+
+
+def reason_counts(rejected: list[Rejection]) -> str:
+    """'invalid_json 2, non_utf8 1', or 'none'."""
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(Counter(r.reason for r in rejected).items())) or "none"

@@ -17,6 +17,7 @@ from pathlib import Path
 from refiner_core.data.formats import (
     check_citations,
     parse_answer,
+    read_tool_output,
     render_snippets,
     tool_output_problem,
     tool_snippet_ids,
@@ -27,6 +28,7 @@ from refiner_core.data.text_safety import DATA_CONTROL_CHARACTERS, LONE_SURROGAT
 
 REQUIRED_TEXT_FIELDS = ("id", "question", "reasoning", "tool_output")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_KEYS = ("role", "content")  # what every chat message holds; tool_calls, name, ... are optional
 RAW_LIMIT = 4096
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors start UTF-8 files with it; it is not part of line 1's JSON
 
@@ -69,8 +71,11 @@ class Validated:
 
 
 def read_jsonl(path: Path) -> list[RawRow]:
-    """Read JSONL bytes line by line; undecodable or unparseable lines become RawRows with an error."""
-    lines = Path(path).read_bytes().removeprefix(UTF8_BOM).splitlines()
+    """Read JSONL bytes line by line; undecodable or unparseable lines become RawRows with an error. Lines end at
+    LF only (a CRLF ending loses its CR), as the preflight and editors count them: bytes.splitlines would also
+    break at a lone CR inside a line, splitting it in two and shifting every later row_ref."""
+    lines = Path(path).read_bytes().removeprefix(UTF8_BOM).split(b"\n")
+    lines = [line.removesuffix(b"\r") for line in lines]
     return [parse_jsonl_line(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
 
 
@@ -90,11 +95,30 @@ def parse_jsonl_line(n: int, line: bytes) -> RawRow:
 
 
 def content_hash(row: dict) -> str:
+    """The dedupe key of a valid row. A chat row's messages count by their fields, in whatever order its JSON
+    wrote them (role and content first, as a plain row's were always hashed, so catalogs keep matching), and its
+    ground truth as the reference text it becomes: 4 and "4" are one answer."""
     if is_chat_row(row):
-        material = [row.get("messages"), row.get("ground_truth")]
+        messages = [
+            {"role": m["role"], "content": m["content"], **_sorted_keys({k: m[k] for k in m if k not in CHAT_KEYS})}
+            for m in row["messages"]
+        ]
+        material = [messages, ground_truth_text(row.get("ground_truth"))]
     else:
         material = [row.get(k) for k in ("question", "reasoning", "tool_output", "answer")]
     return hashlib.blake2b(json.dumps(material, default=str).encode(), digest_size=12).hexdigest()
+
+
+def _sorted_keys(value):
+    if isinstance(value, dict):
+        return {k: _sorted_keys(value[k]) for k in sorted(value)}
+    return [_sorted_keys(v) for v in value] if isinstance(value, list) else value
+
+
+def ground_truth_text(truth) -> str | None:
+    """A valid chat row's ground truth as the reference answer text: a number as its text, blank as none."""
+    truth = str(truth) if isinstance(truth, (int, float)) and not isinstance(truth, bool) else truth
+    return truth if isinstance(truth, str) and truth.strip() else None
 
 
 def messages_hash(messages: list[dict]) -> str:
@@ -217,10 +241,9 @@ def check_row(row: dict) -> tuple[str, str] | None:
         why = check_messages(row["messages"])
         if why:
             return "invalid_messages", why
-        for i, message in enumerate(row["messages"]):  # the prompt's citable snippets are read from these
-            broken = tool_output_problem(message["content"]) if message["role"] == "tool" else None
-            if broken:
-                return "invalid_tool_output", f"message {i}: {broken}"
+        broken = _check_tool_messages(row["messages"])
+        if broken:
+            return "invalid_tool_output", broken
         return _check_ground_truth(row.get("ground_truth")) or _check_rubrics(row)
     problem = _check_text_fields(row, REQUIRED_TEXT_FIELDS)
     if problem:
@@ -242,6 +265,24 @@ def check_row(row: dict) -> tuple[str, str] | None:
         if check.n_invalid:
             return "unknown_snippet_id", f"answer cites IDs absent from tool_output: {sorted(set(check.invalid_ids))}"
     return _check_supporting_ids(row.get("supporting_ids"), ids) or _check_rubrics(row)
+
+
+def _check_tool_messages(messages: list[dict]) -> str | None:
+    """Why the tool messages cannot be read as one tool output, or None. The prompt's citable snippets are read
+    from them joined, and a snippet ID given again with another text (a second search numbering its results
+    from S1 again) would end that reading there, every later ID dropped."""
+    given_in: dict[str, tuple[int, str]] = {}  # snippet ID -> (the message that gave it first, its text)
+    for i, message in enumerate(messages):
+        if message["role"] != "tool":
+            continue
+        texts, broken = read_tool_output(message["content"])
+        if broken:
+            return f"message {i}: {broken}"
+        for sid, text in texts.items():
+            first, known = given_in.setdefault(sid, (i, text))
+            if known != text:
+                return f"message {i}: snippet ID {sid!r} was given in message {first} with another text"
+    return None
 
 
 def _check_ground_truth(truth) -> tuple[str, str] | None:

@@ -28,7 +28,7 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
     description = item.get("description")
     if not isinstance(description, str) or not description.strip():
         raise RubricError(f"{kind} rubric {index}: 'description' must be a non-empty string")
-    weight = checked_weight(item.get("weight", 1.0), f"{kind} rubric {index}")
+    weight = checked_weight(item.get("weight"), f"{kind} rubric {index}")
     title = item.get("title") or description.strip()[:60]
     if not isinstance(title, str):
         raise RubricError(f"{kind} rubric {index}: 'title' must be a string")
@@ -57,8 +57,11 @@ def checked_text(text: str, where: str) -> str:
 
 
 def checked_weight(weight, where: str) -> float:
-    """A rubric weight: a finite positive number. An infinite one would make the weighted rubric score inf/inf, NaN,
-    for every rollout of the prompt."""
+    """A rubric weight: a finite positive number, 1 when absent or None (a Parquet or hub list of structs reads a
+    rubric without one as None). An infinite one would make the weighted rubric score inf/inf, NaN, for every
+    rollout of the prompt."""
+    if weight is None:
+        return 1.0
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
         raise RubricError(f"{where}: 'weight' must be a finite positive number, got {weight!r}")
     return float(weight)
@@ -116,31 +119,44 @@ _INSTANCE_ID_RE = re.compile(r"(pos|neg)-\d+")
 
 
 def load_static_rubrics(path: Path) -> list[dict]:
-    """The static rubric set, added to every prompt's: IDs unique, and none an instance rubric's (pos-N, neg-N),
-    since a rubric's scores are keyed by (prompt, rubric ID)."""
-    items = json.loads(Path(path).read_text())
+    """The static rubric set, added to every prompt's: a JSON list of {rubric_id, kind, title, description,
+    weight?}, IDs unique, and none an instance rubric's (pos-N, neg-N), since a rubric's scores are keyed by
+    (prompt, rubric ID). A malformed file is a RubricError naming it and the rubric."""
+    try:
+        items = json.loads(Path(path).read_bytes())
+    except ValueError as e:  # broken JSON, or bytes that are not UTF-8
+        raise RubricError(f"{path}: not JSON: {e}") from None
+    if not isinstance(items, list):
+        raise RubricError(f"{path}: expected a list of rubric objects, got {type(items).__name__}")
     out, seen = [], set()
-    for item in items:
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise RubricError(
+                f"{path}: static rubric {index}: expected an object {{rubric_id, kind, title, description, "
+                f"weight?}}, got {type(item).__name__}"
+            )
         kind, rubric_id = item.get("kind"), item.get("rubric_id")
-        if kind not in ("positive", "negative"):
-            raise RubricError(f"{path}: static rubric {rubric_id!r} has kind {kind!r}")
         if not isinstance(rubric_id, str) or not rubric_id.strip():
-            raise RubricError(f"{path}: static rubric {item.get('title')!r} needs a 'rubric_id' string")
+            raise RubricError(f"{path}: static rubric {index} needs a 'rubric_id' string")
+        where = f"{path}: static rubric {rubric_id!r}"
+        if kind not in ("positive", "negative"):
+            raise RubricError(f"{where} has kind {kind!r}")
         if rubric_id in seen:
             raise RubricError(f"{path}: static rubric ID {rubric_id!r} is given twice")
         if _INSTANCE_ID_RE.fullmatch(rubric_id):
             raise RubricError(f"{path}: static rubric ID {rubric_id!r} is an instance rubric's (pos-N, neg-N)")
+        for key in ("title", "description"):
+            if not isinstance(item.get(key), str) or not item[key].strip():
+                raise RubricError(f"{where}: {key!r} must be a non-empty string, got {item.get(key)!r}")
         seen.add(rubric_id)
         out.append(
             {
-                "rubric_id": item["rubric_id"],
+                "rubric_id": rubric_id,
                 "kind": kind,
                 "source": "static",
-                "title": checked_text(item["title"], f"{path}: static rubric {item['rubric_id']!r}: 'title'"),
-                "description": checked_text(
-                    item["description"], f"{path}: static rubric {item['rubric_id']!r}: 'description'"
-                ),
-                "weight": checked_weight(item.get("weight", 1.0), f"{path}: static rubric {item['rubric_id']!r}"),
+                "title": checked_text(item["title"], f"{where}: 'title'"),
+                "description": checked_text(item["description"], f"{where}: 'description'"),
+                "weight": checked_weight(item.get("weight"), where),
             }
         )
     return out

@@ -109,19 +109,58 @@ def apply_field_mapping(row: RawRow, fields: dict) -> RawRow:
 def _read_parquet(path: Path) -> list[RawRow]:
     import pyarrow.parquet as pq
 
-    return _rows_from_records(pq.read_table(path).to_pylist())
+    return _rows_from_table(pq.read_table(path))
 
 
-def _rows_from_records(records) -> list[RawRow]:
+def _rows_from_table(table) -> list[RawRow]:
+    """The rows of an Arrow table. A text column is not checked for UTF-8 by every writer: a row whose text (at
+    any depth) holds other bytes is unreadable, as a binary column's is, and the other rows are kept."""
+    unreadable: dict[int, str] = {}  # row -> its first column holding bytes that are not UTF-8
+    columns = {name: _column_values(table.column(name), name, unreadable) for name in table.column_names}
     out = []
-    for n, record in enumerate(records):
-        bad = _undecodable_field(record)
+    for n in range(table.num_rows):
+        record = {name: values[n] for name, values in columns.items()}
+        bad = unreadable.get(n) or _undecodable_field(record)
         raw = json.dumps(record, default=_show_bytes, ensure_ascii=False)
         if bad is not None:
             out.append(RawRow(f"row {n}", raw, None, f"non_utf8: field {bad!r} holds bytes that are not UTF-8"))
             continue
         out.append(RawRow(f"row {n}", raw, _decode_bytes(record)))
     return out
+
+
+def _column_values(column, name: str, unreadable: dict[int, str]) -> list:
+    """A column's values as Python objects; a value whose text is not UTF-8 as its bytes (shown in the quarantine
+    as read), its row noted in `unreadable`."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        pass
+    as_bytes = column.cast(_binary_type(column.type)).to_pylist()
+    values = []
+    for n in range(len(column)):
+        try:
+            values.append(column[n].as_py())
+        except UnicodeDecodeError:
+            unreadable.setdefault(n, name)
+            values.append(as_bytes[n])
+    return values
+
+
+def _binary_type(arrow_type):
+    """`arrow_type` with its text (at any depth) read as bytes."""
+    import pyarrow as pa
+
+    if pa.types.is_string(arrow_type):
+        return pa.binary()
+    if pa.types.is_large_string(arrow_type):
+        return pa.large_binary()
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        item = arrow_type.value_field.with_type(_binary_type(arrow_type.value_type))
+        return pa.list_(item) if pa.types.is_list(arrow_type) else pa.large_list(item)
+    if pa.types.is_struct(arrow_type):
+        return pa.struct([field.with_type(_binary_type(field.type)) for field in arrow_type])
+    return arrow_type
 
 
 def _undecodable_field(record: dict) -> str | None:
@@ -209,4 +248,4 @@ def _hub_errors(name: str, split: str, config: str):
 
 
 def _read_dataset(dataset) -> list[RawRow]:
-    return _rows_from_records(iter(dataset))
+    return _rows_from_table(dataset.with_format("arrow")[:])

@@ -8,7 +8,7 @@ by their weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from math import comb
 
@@ -100,11 +100,15 @@ def eval_steps(total_steps: int, every: int) -> list[int]:
     return sorted({0, *range(every, total_steps + 1, every), total_steps})
 
 
-def held_out_prompts(prompt_rows: list[dict], limit: int) -> list[dict]:
-    """The validation split in prompt_id order, the first `limit` of it (0 = all), a twin pair taken or left whole
-    (Co-rewarding-I: a view without its twin has no label, and would score 0): the same prompts at every evaluation
-    of a run, and never trained on."""
-    held_out = sorted((p for p in prompt_rows if p["split"] == "validation"), key=lambda p: p["prompt_id"])
+def held_out_prompts(prompt_rows: list[dict], limit: int, kept: Collection[str]) -> list[dict]:
+    """The validation split's prompts the rubric stage kept (`kept`, its manifest's held_out_ids: one it rejected
+    has neither rubrics nor a ground truth to score it by), in prompt_id order, the first `limit` of them (0 = all),
+    a twin pair taken or left whole (Co-rewarding-I: a view without its twin has no label, and would score 0): the
+    same prompts at every evaluation of a run, and never trained on."""
+    kept = set(kept)
+    held_out = sorted(
+        (p for p in prompt_rows if p["split"] == "validation" and p["prompt_id"] in kept), key=lambda p: p["prompt_id"]
+    )
     return cap_prompts(held_out, limit)
 
 

@@ -71,6 +71,33 @@ def atomic_path(path: Path) -> tuple[Path, Path]:
     return Path(tmp), path
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """_fsync every file and folder below `folder` and itself (symbolic links are not followed)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                _fsync(Path(root, name))
+        _fsync(Path(root))
+
+
+def _replace_synced(tmp: Path, final: Path) -> None:
+    """os.replace(tmp, final), durable: without the syncs a crash soon after can leave `final` naming an empty or
+    partial file (the rename reached the disk before the data), or the old file (the rename never did)."""
+    _fsync(tmp)
+    write_fault(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
 @contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a fresh folder beside `final`; on success it replaces `final` (a recomputed stage replaces its
@@ -83,6 +110,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     shareable(build, folder=True)
     try:
         yield build
+        _fsync_tree(build)  # what the new folder holds is on the disk before it takes the final name
         write_fault(final)
         aside = final.with_name(f".{final.name}.{build.name.rsplit('.', 2)[-2]}{REPLACED_SUFFIX}")
         if final.exists():
@@ -94,6 +122,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             if aside.exists() and not final.exists():
                 aside.rename(final)
             raise
+        _fsync(final.parent)  # the renames themselves
         shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(build, ignore_errors=True)
@@ -152,8 +181,7 @@ def write_arrow(data: pa.Table, path: Path) -> str:
     tmp, final = atomic_path(Path(path))
     try:
         pq.write_table(data, tmp)
-        write_fault(final)
-        os.replace(tmp, final)
+        _replace_synced(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
     return file_hash(final)
@@ -163,8 +191,7 @@ def write_json(obj: Any, path: Path) -> str:
     tmp, final = atomic_path(Path(path))
     try:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-        write_fault(final)
-        os.replace(tmp, final)
+        _replace_synced(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
     return file_hash(final)
@@ -228,8 +255,7 @@ def catalog_copy(db_path: Path, from_existing: bool) -> Iterator[duckdb.DuckDBPy
             yield con
         finally:
             con.close()
-        write_fault(final)
-        os.replace(tmp, final)
+        _replace_synced(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
         Path(str(tmp) + ".wal").unlink(missing_ok=True)
