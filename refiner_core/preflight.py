@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from refiner_core import REPO_ROOT
@@ -116,6 +117,12 @@ def check_values(cfg: RecipeConfig) -> list[str]:
         problems.append(
             f"judge.engine = 'openai' reads the verdict from the reply's text: it needs judge.mode = 'json', not "
             f"{cfg.judge.mode!r} (which reads the judge's token probabilities)"
+        )
+    key_env = cfg.judge.openai.api_key_env
+    if cfg.judge.engine == "openai" and key_env and key_env not in os.environ:
+        problems.append(
+            f"judge.openai.api_key_env names {key_env!r}, but that environment variable is not set here: export it, "
+            "or set judge.openai.api_key_env to '' for a server that takes no key"
         )
     if cfg.judge.openai.serve and not _loopback_port(cfg.judge.openai.base_url):
         problems.append(

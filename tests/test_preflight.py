@@ -549,3 +549,19 @@ def test_chunked_logits_are_for_training_rows():
     assert problems("grpo.logit_chunk_tokens=-1", "grpo.share_prompt=false") == [
         "grpo.logit_chunk_tokens = -1: must be >= 0"
     ]
+
+
+def test_an_unset_judge_key_variable_is_a_problem_before_the_run(monkeypatch):
+    """Found by the judge only after the rollout, as a plain ValueError, it was retried twice: now preflight names
+    it, and the judge's own check is a ConfigError (never retried)."""
+    from refiner_core.config import ConfigError
+    from refiner_core.judges.openai_judge import api_key_from_env
+
+    monkeypatch.delenv("NO_SUCH_JUDGE_KEY", raising=False)
+    settings = ["judge.engine=openai", "judge.mode=json", "judge.openai.api_key_env=NO_SUCH_JUDGE_KEY"]
+    problems = check_recipe(load_recipe(None, settings))
+    assert any("judge.openai.api_key_env names 'NO_SUCH_JUDGE_KEY'" in p for p in problems), problems
+    with pytest.raises(ConfigError, match="NO_SUCH_JUDGE_KEY"):
+        api_key_from_env("NO_SUCH_JUDGE_KEY")
+    monkeypatch.setenv("NO_SUCH_JUDGE_KEY", "sk-1")
+    assert not any("api_key_env" in p for p in check_recipe(load_recipe(None, settings)))

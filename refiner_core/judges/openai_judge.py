@@ -236,7 +236,7 @@ def api_key_from_env(name: str) -> str:
         return ""
     key = os.environ.get(name)
     if key is None:
-        raise ValueError(f"judge.openai.api_key_env names {name!r}, but that environment variable is not set")
+        raise ConfigError(f"judge.openai.api_key_env names {name!r}, but that environment variable is not set")
     return key
 
 

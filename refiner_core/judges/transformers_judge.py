@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from refiner_core.config import JudgeConfig
+from refiner_core.config import ConfigError, JudgeConfig
 from refiner_core.data.prompts import render_prompt
 from refiner_core.judges.base import Completion
 from refiner_core.judges.cache import prompt_hash
@@ -76,13 +76,16 @@ class TransformersJudge:
         for digit in "012":
             ids = tok(SCORE_PREFIX + " " + digit, add_special_tokens=False)["input_ids"]
             if ids[: len(base)] != base:
-                raise ValueError("judge tokenizer merges the score prefix with the digit; use mode 'json'")
+                raise ConfigError("judge tokenizer merges the score prefix with the digit; use judge.mode 'json'")
             tails.append(ids[len(base) :])
         if all(len(t) == 1 for t in tails):
             return base, [t[0] for t in tails]
         if all(len(t) == 2 and t[0] == tails[0][0] for t in tails):
             return base + [tails[0][0]], [t[1] for t in tails]
-        raise ValueError(f"digits 0/1/2 are not single tokens for this judge tokenizer: {tails}")
+        raise ConfigError(
+            f"digits 0/1/2 are not single tokens for this judge tokenizer ({tails}): judge.mode 'expected_score' "
+            "reads their probabilities at one position; use judge.mode 'json'"
+        )
 
     def _expected_scores(self, prompts: list[list[int]]) -> list[str]:
         context, digits = self._score_tokens()
