@@ -174,7 +174,12 @@ JUDGE_SCORES = Table(
             "Seconds the answer took (openai: the successful request, 0 on a cache hit; "
             "transformers: the batch's time / its pairs).",
         ),
-        _c("attempts", I, "HTTP requests made for this pair (1 + retries; 0 on a cache hit; 1 in-process)."),
+        _c(
+            "attempts",
+            I,
+            "HTTP requests made for this pair (1 + retries; 1 in-process; 0 on a cache hit, unless an earlier attempt "
+            "of this same stage of the run paid for the answer: then its requests, as prompt_tokens).",
+        ),
         _c("cache_hit", B, "The answer came from the judge cache (no request)."),
         _c("judge_model", S, "The judge model: the served model name (openai) or the checkpoint path (in-process)."),
         _c(
@@ -187,7 +192,9 @@ JUDGE_SCORES = Table(
             "prompt_tokens",
             I,
             "Prompt tokens the judgment cost: the server's `usage` (openai), the rendered prompt counted in-process "
-            "(transformers); 0 on a cache hit (nothing paid); NULL when unknown (no usage sent, no answer).",
+            "(transformers); 0 on a cache hit (nothing paid), unless an earlier attempt of this same stage of the run "
+            "paid for the answer (a retry, the rerun after a failure): then what it paid, so the run's spend counts "
+            "it once; NULL when unknown (no usage sent, no answer).",
         ),
         _c("completion_tokens", I, "Completion tokens the judgment cost (as prompt_tokens; 0 for 'expected_score')."),
     ),

@@ -19,6 +19,7 @@ from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
 from refiner_core.data.rubric_fields import RubricError
 from refiner_core.data.sources import SourceError
+from refiner_core.judges.cost import paying
 from refiner_core.runtime.registry import outside_sources
 from refiner_core.runtime.unsaved_weights import UnsavedWeights, is_unsaved, mark_recorded
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths
@@ -254,7 +255,7 @@ def stage(name: str, unkeyed: tuple[str, ...] = ()) -> Callable[[Callable], Stag
             step, markers = kwargs.get("step"), Path(kwargs["run_dir"]) / ".faults"
             stage_fault(name, step, markers)
             t0 = time.time()
-            with watched_stage(_attempt_name(name, kwargs), _logger(), name):  # its bars: UI, log lines, watchdog
+            with watched_stage(_attempt_name(name, kwargs), _logger(), name), paying(_payer(name, kwargs)):
                 manifest = fn(*args, **kwargs)
             stage_fault(name, step, markers, phase="end")
             manifest["seconds"] = round(time.time() - t0, 3)
@@ -275,6 +276,13 @@ def stage(name: str, unkeyed: tuple[str, ...] = ()) -> Callable[[Callable], Stag
         )
 
     return decorate
+
+
+def _payer(name: str, kwargs: dict) -> str:
+    """The stage run that pays for the judgments made in it (judges.cost.PAYER): the same in every attempt of it,
+    in this process or the rerun's."""
+    where = str(Path(kwargs["run_dir"]).resolve())
+    return json_hash([where, name, kwargs.get("step"), kwargs.get("round"), kwargs.get("phase")])
 
 
 def _attempt_name(name: str, kwargs: dict) -> str:

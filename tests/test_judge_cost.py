@@ -107,6 +107,69 @@ def test_the_judge_paces_its_requests_and_records_the_servers_usage(tmp_path):
         }
 
 
+def test_a_cache_hit_on_an_answer_the_same_stage_paid_for_counts_what_it_paid(tmp_path):
+    """An attempt of a judging stage that failed after its requests were answered paid for them; the retry finds
+    the answers in the cache. Counted as 0 there, that spend was in no stage's usage and judge.budget_usd never saw
+    it: a hit on an answer this same payer (stage run) paid for counts what was paid; another payer's counts 0."""
+    from refiner_core.judges.cost import paying
+
+    rollouts, prompts, rubrics = make_batch(n_prompts=2, samples=1, n_rubrics=3)
+    with FaultServer(faults=False) as server:
+        judge = _judge(server, tmp_path / "cache")
+        with paying("run-a judge step 0"):
+            first = judge_usage(
+                score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64).judge_scores
+            )
+            retried = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64)
+        with paying("run-b judge step 0"):
+            other = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64)
+        assert server.requests == 6  # the retry and the other run asked nothing
+    paid = {
+        "requests": 6,
+        "prompt_tokens": sum(u["prompt_tokens"] for u in server.usage.values()),
+        "completion_tokens": sum(u["completion_tokens"] for u in server.usage.values()),
+        "unknown": 0,
+    }
+    assert first == judge_usage(retried.judge_scores) == paid
+    assert all(r["cache_hit"] for r in retried.judge_scores)
+    assert judge_usage(other.judge_scores) == {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "unknown": 0}
+    assert judge.tokens_used == [2 * paid["prompt_tokens"], 2 * paid["completion_tokens"]]
+
+
+def test_a_judge_stage_retried_after_it_judged_counts_its_spend_once(
+    prefect_server, tiny_recipe, tmp_path, monkeypatch
+):
+    """A real run against a loopback judge whose judge stage fails at its end, after every request was answered:
+    the retry's answers all come from the cache, and judge_spend (what judge.budget_usd counts) holds what the
+    server was asked, once."""
+    from conftest import catalog_rows
+    from flows.refiner import refiner_pipeline
+
+    monkeypatch.setenv("REFINER_FAIL_ONCE", "judge@0:end")
+    with FaultServer(faults=False) as server:
+        judge = {
+            **tiny_recipe["judge"],
+            "engine": "openai",
+            "mode": "json",
+            "openai": {
+                **tiny_recipe["judge"]["openai"],
+                "base_url": server.base_url,
+                "cache_path": str(tmp_path / "c"),
+            },
+        }
+        recipe = {**tiny_recipe, "judge": judge, "grpo": {**tiny_recipe["grpo"], "steps": 1}}
+        state = refiner_pipeline(recipe=recipe, run_dir=str(tmp_path / "run"), return_state=True)
+        assert state.is_completed(), state.message
+        asked = server.requests
+        billed = sum(u["prompt_tokens"] for u in server.usage.values())
+    assert (tmp_path / "run" / ".faults" / "raise-judge@0:end").exists()  # the first attempt failed after judging
+    [(requests, prompt_tokens)] = catalog_rows(
+        tmp_path / "run", "SELECT requests, prompt_tokens FROM judge_spend WHERE stage = 'judge'"
+    )
+    assert catalog_rows(tmp_path / "run", "SELECT bool_and(cache_hit) FROM judge_scores") == [(True,)]
+    assert (requests, prompt_tokens) == (asked, billed) and asked > 0
+
+
 def test_claim_judgments_count_among_the_steps_requests(tmp_path):
     """reward.citation_score f1: each answer's cited claim is judged too. Their requests were left out of
     judge_usage (8 of 12 counted: the claim rows had no attempts), and so of steps.judge_requests."""

@@ -4,7 +4,26 @@ tasks/anchors.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from refiner_core.config import JudgeConfig
+
+# Who pays for the judgments made in this context: one judging stage of one run (run folder, stage, step, round or
+# phase). The judge cache records it with each answer, so that a cache hit on an answer this same stage paid for in
+# an earlier attempt (a retry, the rerun after a failure) still counts what was paid: else that spend would be in
+# no stage's usage, and judge.budget_usd would never see it.
+PAYER: ContextVar[str] = ContextVar("judge_payer", default="")
+
+
+@contextmanager
+def paying(payer: str) -> Iterator[None]:
+    token = PAYER.set(payer)
+    try:
+        yield
+    finally:
+        PAYER.reset(token)
 
 
 class JudgeBudgetExceeded(RuntimeError):

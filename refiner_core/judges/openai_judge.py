@@ -24,6 +24,7 @@ import httpx
 from refiner_core.config import ConfigError, JudgeConfig, OpenAIJudgeConfig
 from refiner_core.judges.base import Completion, parse_judge_output
 from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
+from refiner_core.judges.cost import PAYER
 from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_reply, shared_pacer
 from refiner_core.runtime.progress import check_stalled, on_stall, probing
 
@@ -118,14 +119,23 @@ class OpenAIJudge:
         todo = []
         identity = self.identity() if self.cache is not None and conversations else None
         cache = self.cache if identity is not None else None
+        payer = PAYER.get()
+        repaid = [0, 0, 0]  # requests and tokens of hits this stage paid for in an earlier attempt
         for i, messages in enumerate(conversations):
             digest = prompt_hash(messages)
             key = cache_key(identity, self.sampling, digest) if cache is not None else ""
             hit = cache.get(key) if cache is not None else None
-            if hit is not None:  # nothing paid: no tokens
-                out[i] = Completion(hit["content"], None, 0.0, 0, True, self.model, digest, 0, 0)
+            if hit is not None:  # nothing paid now; what an earlier attempt of this stage paid counts here
+                paid = (hit.get("attempts", 0), hit.get("prompt_tokens"), hit.get("completion_tokens"))
+                attempts, tokens_in, tokens_out = paid if payer and hit.get("paid_by") == payer else (0, 0, 0)
+                out[i] = Completion(
+                    hit["content"], None, 0.0, attempts, True, self.model, digest, tokens_in, tokens_out
+                )
+                repaid = [repaid[0] + attempts, repaid[1] + (tokens_in or 0), repaid[2] + (tokens_out or 0)]
             else:
                 todo.append((i, messages, digest, key))
+        self.requests_made += repaid[0]
+        self.tokens_used = [self.tokens_used[0] + repaid[1], self.tokens_used[1] + repaid[2]]
         bar = _progress(len(conversations), self.progress)
         bar.update(len(conversations) - len(todo))
         lock, failures, unparsed = threading.Lock(), [0], [0]
@@ -161,7 +171,17 @@ class OpenAIJudge:
                     reply.completion_tokens,
                 )
                 if cache is not None:
-                    cache.put(key, reply.content, judge=identity, sampling=self.sampling, prompt_hash=digest)
+                    cache.put(
+                        key,
+                        reply.content,
+                        judge=identity,
+                        sampling=self.sampling,
+                        prompt_hash=digest,
+                        paid_by=payer,
+                        attempts=attempts,
+                        prompt_tokens=reply.prompt_tokens,
+                        completion_tokens=reply.completion_tokens,
+                    )
             except ChatError as e:
                 attempts = e.attempts
                 done = Completion(None, f"{e.kind}: {e.detail}"[:500], None, e.attempts, False, self.model, digest)
