@@ -27,7 +27,7 @@ from pathlib import Path
 from refiner_core import code_version
 from refiner_core.runtime import scratch
 from refiner_core.runtime.procs import PROCS_DIR_ENV, stop_leftovers
-from refiner_core.runtime.runlock import format_run_dir, run_lock
+from refiner_core.runtime.runlock import RunFolderBusy, format_run_dir, run_lock
 from refiner_core.store.storage import remove_partial_writes
 
 PROCS_SUBDIR = ".procs"
@@ -77,6 +77,26 @@ def remove_temporary_files_left_behind(folder: Path, warn) -> None:
     removed = scratch.remove(folder)
     if removed:
         warn(f"removed temporary files left by an earlier run of {folder}: {scratch.describe(removed)}")
+
+
+def clean_up_after_dead_neighbours(folder: Path, warn) -> None:
+    """What killed runs left in the folders beside `folder` (child processes, temporary folders with weights in
+    /dev/shm): the cleanup each run does of its own folder never reaches them when every run has a folder of its
+    own (a scheduled run's runs/{deployment}/{date}-{flow_run_id}). A folder whose run is alive is left alone."""
+    if not folder.parent.is_dir():
+        return
+    for neighbour in sorted(p for p in folder.parent.iterdir() if p.is_dir() and p != folder):
+        if not (neighbour / RECIPE_FILE).is_file():
+            continue  # no run folder
+        try:
+            with run_lock(neighbour, command=f"cleanup by the run of {folder}"):
+                for entry in stop_leftovers(neighbour / PROCS_SUBDIR):
+                    warn(f"stopped PID {entry['pid']} ({' '.join(entry['cmd'][:4])} ...) left running by {neighbour}")
+                removed = scratch.remove(neighbour)
+                if removed:
+                    warn(f"removed temporary files left by the killed run of {neighbour}: {scratch.describe(removed)}")
+        except RunFolderBusy:  # its run is alive: its files are in use
+            continue
 
 
 def remove_run_temporary_files(_flow, flow_run, _state) -> None:

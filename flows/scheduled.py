@@ -4,8 +4,9 @@ The recipe is read when the run starts, so an edited recipe applies from the nex
 folder comes from `run_dir`, a template (see refiner_core.runtime.runlock.format_run_dir): the default,
 `runs/{deployment}/{date}-{flow_run_id}`, gives every scheduled run its own folder, and a retried flow run
 (`prefect flow-run retry ID`) keeps its ID and scheduled time, so it resumes its folder with finished stages
-`Cached`; a template without fields (`runs/nightly`) makes every run resume one folder. A failed run logs the
-command that retries it.
+`Cached`; a template without fields (`runs/nightly`) makes every run resume one folder. With a folder per run,
+a run first stops what killed runs in the folders beside its own left behind (their child processes and
+temporary files), which no later run of those folders would. A failed run logs the command that retries it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from prefect import flow, get_run_logger
 
 import tasks  # noqa: F401  (sets Prefect's environment before prefect is imported)
 from flows.refiner import refiner_pipeline
-from flows.run_folder import resolve_run_dir
+from flows.run_folder import clean_up_after_dead_neighbours, resolve_run_dir
 from refiner_core.config import ConfigError, load_recipe
 from refiner_core.preflight import check_recipe, resolve
 
@@ -68,4 +69,7 @@ def _run_recipe(recipe_file: str, run_dir: str, overrides: list[str] | None) -> 
     # (tasks/__init__), and a subflow stores results where its parent does: the pipeline is given the folder, so
     # stage caches are shared between scheduled runs and `refiner run` on the same folder.
     pipeline = refiner_pipeline.with_options(result_storage=Path(os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"]))
-    return pipeline(recipe=cfg.to_dict(), run_dir=resolve_run_dir(run_dir))
+    folder = resolve_run_dir(run_dir)
+    if "{" in run_dir:  # a folder per run: what a killed earlier run left beside it, no later run of its own removes
+        clean_up_after_dead_neighbours(Path(folder).resolve(), get_run_logger().warning)
+    return pipeline(recipe=cfg.to_dict(), run_dir=folder)

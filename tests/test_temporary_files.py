@@ -105,3 +105,43 @@ def test_only_folders_this_code_made_are_removed(run_dir, tmp_path):
         assert keep.is_dir() and (target / "file").exists() and link.is_symlink()
     finally:
         shutil.rmtree(target)
+
+
+LOCK_HOLDER = textwrap.dedent("""
+    import sys, time
+    from refiner_core.runtime.runlock import run_lock
+    with run_lock(sys.argv[1], command="a live run"):
+        print("locked", flush=True)
+        time.sleep(60)
+""")
+
+
+def test_a_run_with_a_folder_of_its_own_cleans_up_after_killed_runs_beside_it(tmp_path):
+    """Scheduled runs get a folder each (runs/{deployment}/{date}-{flow_run_id}), so the cleanup a run does of its
+    own folder never reached what a killed one left in its folder: /dev/shm weights stayed for good. A new run
+    removes them from every folder beside its own whose run is dead, and leaves a live run's alone."""
+    from flows.run_folder import clean_up_after_dead_neighbours
+
+    deployment = tmp_path / "runs" / "nightly"
+    killed, live, new = deployment / "20261205-0100-a", deployment / "20261205-0200-b", deployment / "20261205-0300-c"
+    for folder in (killed, live):
+        folder.mkdir(parents=True)
+        (folder / "recipe.yaml").write_text("run: {}\n")
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(killed)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = scratch.Scratch(**json.loads((killed / scratch.RECORD).read_text())).folders
+    in_use = scratch.create(live)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(live)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        warned = []
+        clean_up_after_dead_neighbours(new, warned.append)
+        assert left and not any(Path(f).exists() for f in left)
+        assert [w.split(":")[0] for w in warned] == [f"removed temporary files left by the killed run of {killed}"]
+        assert all(Path(f).exists() for f in in_use.folders)  # the live run's
+    finally:
+        holder.kill()
+        holder.wait()
+        scratch.remove(live)
