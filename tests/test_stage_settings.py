@@ -195,3 +195,18 @@ def test_every_stage_input_is_plain_json_and_one_per_stage_field():
 
     assert json.loads(json.dumps(inputs)) == inputs  # cache keys hash them
     assert all(f.metadata["help"] for f in dataclasses.fields(StageSettings))
+
+
+def test_the_code_version_changes_with_a_keyed_librarys_version(monkeypatch):
+    """A stage computed under transformers X is not a cache hit under transformers Y: generation, tokenization
+    and numerics may differ, so the upgraded run computes anew (its folder records the new code version)."""
+    import importlib.metadata
+
+    import refiner_core
+
+    before = refiner_core.code_version()
+    assert refiner_core.code_version() == before  # stable within a process and across
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0" if name == "transformers" else real(name))
+    assert refiner_core.library_versions()["transformers"] == "99.0"
+    assert refiner_core.code_version() != before
