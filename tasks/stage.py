@@ -140,9 +140,9 @@ def damaged_outputs(manifest: dict, run_dir: str) -> list[str]:
             if not unsaved.intact(run_dir):  # folder may have pruned a checkpoint of that name, not these weights
                 damaged.append(f"{entry['path']} (never saved; no live learner holds it)")
             continue
-        if entry["path"] in pruned_paths(Path(entry["path"]).parent):
-            continue
         path = Path(entry["path"])
+        if not path.exists() and entry["path"] in pruned_paths(path.parent):  # one there again is checked
+            continue
         actual = dir_hash(path, TRAINING_STATE_FILES) if path.is_dir() else file_hash(path) if path.is_file() else None
         if actual != entry["hash"]:
             damaged.append(str(path))

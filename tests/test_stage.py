@@ -133,6 +133,11 @@ def test_pruned_checkpoints_and_dropped_optimizer_state_are_not_damage(tmp_path)
     assert all(damaged_outputs(m, str(tmp_path)) == [] for m in manifests)
     (tmp_path / "checkpoints" / "step_0002" / "model.safetensors").write_bytes(b"edited")
     assert damaged_outputs(manifests[1], str(tmp_path)) == [manifests[1]["policy"]["path"]]
+    # a pruned checkpoint whose folder is there again (written anew with other weights) is checked, not trusted
+    again = tmp_path / "checkpoints" / "step_0001"
+    again.mkdir()
+    (again / "model.safetensors").write_bytes(b"other weights")
+    assert damaged_outputs(manifests[0], str(tmp_path)) == [manifests[0]["policy"]["path"]]
 
 
 def test_bars_report_to_listeners_even_when_not_drawn():
