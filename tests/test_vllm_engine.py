@@ -327,3 +327,18 @@ def test_host_reload_reaches_an_engine_core_in_another_process(tiny_model_path, 
     [[in_process, changed, gap]] = result
     assert in_process == "False" and changed == "True", result
     assert float(gap) < FP32_LOGPROB_TOL, result
+
+
+def test_an_engine_counts_its_weights_in_the_dtype_it_loaded_them_in(tmp_path, engine, tiny_model_path):
+    """vLLM's CPU backend holds the checkpoint in its own dtype: an fp32 checkpoint served in bf16 holds half its
+    file size (the size on disk was counted, so live.fits thought it twice as large); integer tensors as stored."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from refiner_core.rollout.vllm_engine import weights_bytes
+
+    save_file({"w": torch.zeros(10, 3), "ids": torch.zeros(5, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+    assert weights_bytes(tmp_path, 2) == 30 * 2 + 5 * 8 and weights_bytes(tmp_path, 4) == 30 * 4 + 5 * 8
+    kv_cache = int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+    assert engine.held_bytes == weights_bytes(tiny_model_path, 4) + kv_cache  # the fixture's fp32 engine

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import sys
 import time
@@ -418,9 +419,9 @@ def make_vllm_engine(
     eos_ids = stop_token_ids(tokenizer, eos)
     if on_gpu:
         held = int(settings.gpu_memory_utilization * torch.cuda.mem_get_info()[1])
-    else:  # the weights as stored, plus the KV cache space vLLM's CPU backend allocates
-        weights = sum(f.stat().st_size for f in Path(weights_path).glob("*.safetensors"))
-        held = weights + int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+    else:  # the weights in the engine's dtype, plus the KV cache space vLLM's CPU backend allocates
+        loaded = llm.llm_engine.model_config.dtype
+        held = weights_bytes(weights_path, loaded.itemsize) + int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
     engine = VLLMRolloutEngine(
         llm,
         tokenizer,
@@ -470,6 +471,27 @@ def _record_engine_processes(before: set[int]) -> list[int]:
 
 def _same_folder(a: str | None, b: str) -> bool:
     return a is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def weights_bytes(folder: str | Path, bytes_per_value: int) -> int:
+    """Bytes the checkpoint's floating-point weights take in memory at `bytes_per_value` each (the engine's dtype,
+    whatever the files hold: an fp32 checkpoint served in bf16 takes half its size), read from the safetensors
+    headers; other tensors as stored."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                values = math.prod(piece.get_shape())
+                dtype = piece.get_dtype()
+                stored = SAFETENSORS_BYTES.get(dtype, 1)  # BOOL and 8-bit floats: a byte
+                total += values * (bytes_per_value if dtype in ("F32", "F16", "BF16") else stored)
+    return total
+
+
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 
 
 def _generation_eos(model_path) -> list[int]:
