@@ -75,8 +75,14 @@ def run(
     _run_locked(cfg, folder, refresh, debug, f"refiner run {recipe}")
 
 
-def _problems(recipe: Path, problems: list[str], when: str) -> str:
-    return "\n  ".join([f"{recipe}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, {when}:", *problems])
+def _problems(recipe: Path | None, problems: list[str], when: str) -> str:
+    return "\n  ".join(
+        [f"{_named(recipe)}: {len(problems)} problem{'s' if len(problems) > 1 else ''}, {when}:", *problems]
+    )
+
+
+def _named(recipe: Path | None) -> str:
+    return str(recipe) if recipe is not None else "the defaults (no recipe given)"
 
 
 @contextlib.contextmanager
@@ -324,7 +330,7 @@ def config(
             _fail(_problems(recipe, problems, "found before running"))
         for line in recipe_warnings(cfg):
             _warn(line)
-        typer.echo(f"{recipe}: no problem found")
+        typer.echo(f"{_named(recipe)}: no problem found")
         return
     typer.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 

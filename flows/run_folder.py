@@ -97,6 +97,8 @@ def clean_up_after_dead_neighbours(folder: Path, warn) -> None:
                     warn(f"removed temporary files left by the killed run of {neighbour}: {scratch.describe(removed)}")
         except RunFolderBusy:  # its run is alive: its files are in use
             continue
+        except OSError as e:  # not ours to clean (another user's, read-only): never a reason to stop this run
+            warn(f"left {neighbour} as it is: {type(e).__name__}: {e}")
 
 
 def remove_run_temporary_files(_flow, flow_run, _state) -> None:

@@ -143,105 +143,108 @@ def grpo_update(
         touched = True
         metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else _no_signal_metrics(lr)
         saved = _save(learner, save, run_dir=run_dir, run=run, step=step, model=model, tokenizer=tokenizer)
+        unsaved = UnsavedWeights.named_by(saved)
+        save_at_close = (
+            functools.partial(
+                _write_checkpoint,
+                learner,
+                Path(saved["path"]),
+                tokenizer,
+                run_dir=run_dir,
+                run=run,
+                step=step,
+                unsaved=unsaved,
+            )
+            if unsaved is not None
+            else None
+        )
+        rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
+        row = {
+            "run": run,
+            "step": step,
+            **{
+                k: metrics[k]
+                for k in (
+                    "loss",
+                    "pg_loss",
+                    "kl",
+                    "clip_fraction",
+                    "grad_norm",
+                    "lr",
+                    "response_tokens",
+                    "packing_efficiency",
+                    "update_seconds",
+                )
+            },
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "advantage_abs_mean": adv_stats["advantage_abs_mean"],
+            "zero_std_group_fraction": adv_stats["zero_std_group_fraction"],
+            "sampling_rounds": len(rollouts),
+            "informative_groups": adv_stats["informative_groups"],
+            "dropped_groups": adv_stats["dropped_groups"],
+            "masked_truncated": adv_stats["masked_truncated"],
+            "entropy": metrics.get("entropy"),
+            "importance_weight_mean": metrics.get("importance_weight_mean"),
+            "off_policy_masked": metrics.get("off_policy_masked"),
+            "entropy_coef": bonus["applied"],
+            "policy_lag": policy_lag,
+            **kl,
+            "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
+            "rollout_seconds": sum(m["seconds"] for m in rollouts),
+            "weight_sync_seconds": sum(m.get("weight_sync_seconds", 0.0) for m in rollouts),
+            "judge_seconds": sum(m["seconds"] for m in scores),
+            "checkpoint": saved["path"],
+            "checkpoint_bytes": 0 if is_unsaved(saved) else folder_bytes(Path(saved["path"])),
+            **{
+                f"judge_{k}": sum(m.get("judge_usage", {}).get(k, 0) for m in scores)
+                for k in ("requests", "prompt_tokens", "completion_tokens")
+            },
+            "judge_cost_usd": None,  # priced by the catalog (judge.price_per_mtok_*), in no cache key
+        }
+        metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
+        advantages_path = metrics_path.with_name("advantages.parquet")
+        advantage_rows = [{"run": run, "step": step, "reward_version": "train", **a} for a in advantages]
+        log.info(
+            "grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%% "
+            "(sampling rounds %d, informative groups %d, dropped %d, truncated left out %d)",
+            step,
+            row["loss"],
+            row["kl"],
+            row["clip_fraction"],
+            row["reward_mean"],
+            row["reward_std"],
+            100 * row["zero_std_group_fraction"],
+            row["sampling_rounds"],
+            row["informative_groups"],
+            row["dropped_groups"],
+            row["masked_truncated"],
+        )
+        manifest = {
+            "policy": saved,
+            "steps": write_rows(STEPS, [row], metrics_path),
+            "advantages": {
+                "path": str(advantages_path),
+                "hash": write_table(ADVANTAGES, advantage_rows, advantages_path),
+            },
+        }
+        if grpo.adaptive_entropy:
+            manifest["entropy_control"] = entropy_control_after(entropy_control, bonus, metrics)
+        if grpo.kl_reward_target > 0:
+            manifest["kl_control"] = next_kl_control
     except BaseException:
         # weights as they were (a failure before training, e.g. out of memory in the KL pass): back for the retry;
-        # half-updated: no later step may use this learner (its ranks stop)
+        # moved on (half-updated, or updated with no result yet): no later step may use this learner (its ranks stop)
         save_at_close = kept.save_at_close if kept else None
         if touched or not live_learner.keep_learner(run_dir, learner_key, learner, policy["hash"], save_at_close):
             learner.close()
         raise
-    unsaved = UnsavedWeights.named_by(saved)
-    save_at_close = (
-        functools.partial(
-            _write_checkpoint,
-            learner,
-            Path(saved["path"]),
-            tokenizer,
-            run_dir=run_dir,
-            run=run,
-            step=step,
-            unsaved=unsaved,
-        )
-        if unsaved is not None
-        else None
-    )
-    kept = live_learner.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close, made_by=attempt)
-    if kept is None:
+    # a retry of this update, should the stage fail after it returned (its result never stored), takes this result
+    if (
+        live_learner.keep_learner(run_dir, learner_key, learner, saved["hash"], save_at_close, attempt, manifest)
+        is None
+    ):
         learner.close()
-
-    rewards = np.array([r["reward"] for r in reward_rows], dtype=np.float64)
-    row = {
-        "run": run,
-        "step": step,
-        **{
-            k: metrics[k]
-            for k in (
-                "loss",
-                "pg_loss",
-                "kl",
-                "clip_fraction",
-                "grad_norm",
-                "lr",
-                "response_tokens",
-                "packing_efficiency",
-                "update_seconds",
-            )
-        },
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "advantage_abs_mean": adv_stats["advantage_abs_mean"],
-        "zero_std_group_fraction": adv_stats["zero_std_group_fraction"],
-        "sampling_rounds": len(rollouts),
-        "informative_groups": adv_stats["informative_groups"],
-        "dropped_groups": adv_stats["dropped_groups"],
-        "masked_truncated": adv_stats["masked_truncated"],
-        "entropy": metrics.get("entropy"),
-        "importance_weight_mean": metrics.get("importance_weight_mean"),
-        "off_policy_masked": metrics.get("off_policy_masked"),
-        "entropy_coef": bonus["applied"],
-        "policy_lag": policy_lag,
-        **kl,
-        "response_length_mean": float(np.mean([r["response_tokens"] for r in rollout_rows])),
-        "rollout_seconds": sum(m["seconds"] for m in rollouts),
-        "weight_sync_seconds": sum(m.get("weight_sync_seconds", 0.0) for m in rollouts),
-        "judge_seconds": sum(m["seconds"] for m in scores),
-        "checkpoint": saved["path"],
-        "checkpoint_bytes": 0 if is_unsaved(saved) else folder_bytes(Path(saved["path"])),
-        **{
-            f"judge_{k}": sum(m.get("judge_usage", {}).get(k, 0) for m in scores)
-            for k in ("requests", "prompt_tokens", "completion_tokens")
-        },
-        "judge_cost_usd": None,  # priced by the catalog (judge.price_per_mtok_*), in no cache key
-    }
-    metrics_path = Path(run_dir) / "metrics" / f"step={step}" / "steps.parquet"
-    advantages_path = metrics_path.with_name("advantages.parquet")
-    advantage_rows = [{"run": run, "step": step, "reward_version": "train", **a} for a in advantages]
-    log.info(
-        "grpo-update step %d: loss %.4f kl %.5f clip %.3f reward %.3f±%.3f zero-std groups %.0f%% "
-        "(sampling rounds %d, informative groups %d, dropped %d, truncated left out %d)",
-        step,
-        row["loss"],
-        row["kl"],
-        row["clip_fraction"],
-        row["reward_mean"],
-        row["reward_std"],
-        100 * row["zero_std_group_fraction"],
-        row["sampling_rounds"],
-        row["informative_groups"],
-        row["dropped_groups"],
-        row["masked_truncated"],
-    )
-    manifest = {
-        "policy": saved,
-        "steps": write_rows(STEPS, [row], metrics_path),
-        "advantages": {"path": str(advantages_path), "hash": write_table(ADVANTAGES, advantage_rows, advantages_path)},
-    }
-    if grpo.adaptive_entropy:
-        manifest["entropy_control"] = entropy_control_after(entropy_control, bonus, metrics)
-    if grpo.kl_reward_target > 0:
-        manifest["kl_control"] = next_kl_control
-    if kept is not None:  # a retry of this update, should the stage fail from here on, takes this result
-        kept.result = manifest
     return manifest
 
 

@@ -700,3 +700,9 @@ def test_show_summary_of_a_catalog_from_before_a_per_step_setting():
         "entropy coefficient": ("entropy_coef", []),
     }
     assert len(summary["steps"]) == 2 and summary["judge"] is None
+
+
+def test_config_check_without_a_recipe_says_it_checked_the_defaults():
+    result = runner.invoke(app, ["config", "--check"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().endswith("the defaults (no recipe given): no problem found")  # was "None: ..."

@@ -136,6 +136,11 @@ def test_parquet_text_that_is_not_utf8_quarantines_its_row(tmp_path):
     ]
     assert checked.rows[1]["messages"] == [{"role": "user", "content": "bye"}]
 
+    category = refiner.set_column(1, "question", refiner.column("question").dictionary_encode())  # pandas category
+    pq.write_table(category, tmp_path / "category.parquet")
+    checked = validate_rows(load_rows(str(tmp_path / "category.parquet")))
+    assert [r["id"] for r in checked.rows] == ["0", "2"] and [r.reason for r in checked.rejected] == ["non_utf8"]
+
 
 def test_a_save_to_disk_text_that_is_not_utf8_quarantines_its_row(tmp_path):
     import datasets
@@ -435,3 +440,20 @@ def test_atomic_dir_syncs_its_files_before_the_rename_and_the_parent_after(tmp_p
     assert {"w.bin", "config.json", "sub", build.name} <= synced_before
     assert synced[at:] == [("replace", str(final)), ("fsync", str(tmp_path))]
     assert (final / "sub" / "w.bin").read_bytes() == b"w" * 100
+
+
+def test_the_content_hash_compare_matches_prompts_by_stays_the_rows_content_as_written():
+    """Dedupe reads a chat row's ground truth 4 as "4" and its messages whatever their key order (duplicate_key), but
+    prompts.content_hash, which `refiner compare` matches two runs' prompts by, stays the hash of the row as written,
+    as earlier versions computed it: a baseline run made before keeps its prompts shared."""
+    import hashlib
+    import json
+
+    from refiner_core.data.rows import content_hash, duplicate_key
+
+    messages = [{"content": "2+2?", "role": "user"}]
+    row = {"id": "a", "messages": messages, "ground_truth": 4}
+    as_written = hashlib.blake2b(json.dumps([messages, 4]).encode(), digest_size=12).hexdigest()
+    assert content_hash(row) == as_written
+    same = {"id": "b", "messages": [{"role": "user", "content": "2+2?"}], "ground_truth": "4"}
+    assert duplicate_key(row) == duplicate_key(same) and content_hash(row) != content_hash(same)

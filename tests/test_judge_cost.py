@@ -107,22 +107,31 @@ def test_the_judge_paces_its_requests_and_records_the_servers_usage(tmp_path):
         }
 
 
-def test_a_cache_hit_on_an_answer_the_same_stage_paid_for_counts_what_it_paid(tmp_path):
+def test_a_cache_hit_on_an_answer_an_earlier_attempt_paid_for_counts_what_it_paid_once(tmp_path):
     """An attempt of a judging stage that failed after its requests were answered paid for them; the retry finds
     the answers in the cache. Counted as 0 there, that spend was in no stage's usage and judge.budget_usd never saw
-    it: a hit on an answer this same payer (stage run) paid for counts what was paid; another payer's counts 0."""
+    it: a hit on an answer an earlier attempt of the same stage paid for counts what was paid, once per answer
+    (rollouts judged twice in it, as an evaluation's greedy and sampled answers may be, count it once); a hit on
+    one the same attempt paid for, or another stage's, counts 0."""
     from refiner_core.judges.cost import paying
 
     rollouts, prompts, rubrics = make_batch(n_prompts=2, samples=1, n_rubrics=3)
+
+    def usage() -> dict:
+        return judge_usage(
+            score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64).judge_scores
+        )
+
+    nothing = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "unknown": 0}
     with FaultServer(faults=False) as server:
         judge = _judge(server, tmp_path / "cache")
-        with paying("run-a judge step 0"):
-            first = judge_usage(
-                score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64).judge_scores
-            )
-            retried = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64)
+        with paying("run-a judge step 0"):  # the attempt that failed after judging
+            first = usage()
+            assert usage() == nothing  # judged again in the same attempt: paid once, counted once
+        with paying("run-a judge step 0"):  # its retry
+            retried = [usage(), usage()]
         with paying("run-b judge step 0"):
-            other = score_rollouts(rollouts, prompts, rubrics, judge, RewardConfig(), "zero", 2000, 64)
+            other = usage()
         assert server.requests == 6  # the retry and the other run asked nothing
     paid = {
         "requests": 6,
@@ -130,9 +139,7 @@ def test_a_cache_hit_on_an_answer_the_same_stage_paid_for_counts_what_it_paid(tm
         "completion_tokens": sum(u["completion_tokens"] for u in server.usage.values()),
         "unknown": 0,
     }
-    assert first == judge_usage(retried.judge_scores) == paid
-    assert all(r["cache_hit"] for r in retried.judge_scores)
-    assert judge_usage(other.judge_scores) == {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "unknown": 0}
+    assert first == retried[0] == paid and retried[1] == nothing and other == nothing
     assert judge.tokens_used == [2 * paid["prompt_tokens"], 2 * paid["completion_tokens"]]
 
 

@@ -145,3 +145,17 @@ def test_a_run_with_a_folder_of_its_own_cleans_up_after_killed_runs_beside_it(tm
         holder.kill()
         holder.wait()
         scratch.remove(live)
+
+
+def test_a_neighbour_folder_it_cannot_write_is_left_as_it_is(tmp_path):
+    """A neighbour this user may not lock (another user's run, a read-only archive) is warned of and skipped: the
+    run goes on. Run as root, the folder is made unwritable by a file where the lock's guard file would go."""
+    from flows.run_folder import clean_up_after_dead_neighbours
+
+    archived = tmp_path / "runs" / "nightly" / "old"
+    archived.mkdir(parents=True)
+    (archived / "recipe.yaml").write_text("run: {}\n")
+    (archived / ".lock.guard").mkdir()  # opening it for appending fails (IsADirectoryError), as a read-only one would
+    warned = []
+    clean_up_after_dead_neighbours(tmp_path / "runs" / "nightly" / "new", warned.append)
+    assert [w.split(":")[0] for w in warned] == [f"left {archived} as it is"]

@@ -95,17 +95,29 @@ def parse_jsonl_line(n: int, line: bytes) -> RawRow:
 
 
 def content_hash(row: dict) -> str:
-    """The dedupe key of a valid row. A chat row's messages count by their fields, in whatever order its JSON
-    wrote them (role and content first, as a plain row's were always hashed, so catalogs keep matching), and its
-    ground truth as the reference text it becomes: 4 and "4" are one answer."""
+    """A valid row's content as written (prompts.content_hash): `refiner compare` matches prompts of two runs by
+    it, so it stays what earlier versions computed."""
     if is_chat_row(row):
-        messages = [
-            {"role": m["role"], "content": m["content"], **_sorted_keys({k: m[k] for k in m if k not in CHAT_KEYS})}
-            for m in row["messages"]
-        ]
-        material = [messages, ground_truth_text(row.get("ground_truth"))]
+        material = [row.get("messages"), row.get("ground_truth")]
     else:
         material = [row.get(k) for k in ("question", "reasoning", "tool_output", "answer")]
+    return _digest(material)
+
+
+def duplicate_key(row: dict) -> str:
+    """What makes two valid rows one (duplicate_content): as content_hash, but a chat row's messages count by their
+    fields in whatever order its JSON wrote them, and its ground truth as the reference text it becomes (4 and "4"
+    are one answer)."""
+    if not is_chat_row(row):
+        return content_hash(row)
+    messages = [
+        {"role": m["role"], "content": m["content"], **_sorted_keys({k: m[k] for k in m if k not in CHAT_KEYS})}
+        for m in row["messages"]
+    ]
+    return _digest([messages, ground_truth_text(row.get("ground_truth"))])
+
+
+def _digest(material: list) -> str:
     return hashlib.blake2b(json.dumps(material, default=str).encode(), digest_size=12).hexdigest()
 
 
@@ -343,13 +355,14 @@ def validate_rows(raw_rows: list[RawRow]) -> Validated:
         if problem is None and raw.data["id"] in seen_ids:
             problem = ("duplicate_id", f"id {raw.data['id']!r} already seen")
         digest = content_hash(raw.data) if problem is None else ""
-        if problem is None and digest in seen_hashes:
+        key = duplicate_key(raw.data) if problem is None else ""
+        if problem is None and key in seen_hashes:
             problem = ("duplicate_content", "same question, reasoning, tool output and answer as an earlier row")
         if problem:
             out.rejected.append(Rejection(raw.row_ref, *problem, raw.raw))
             continue
         seen_ids.add(raw.data["id"])
-        seen_hashes.add(digest)
+        seen_hashes.add(key)
         out.rows.append({**raw.data, "content_hash": digest, "row_ref": raw.row_ref})
     return out
 

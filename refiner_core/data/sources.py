@@ -151,6 +151,8 @@ def _binary_type(arrow_type):
     """`arrow_type` with its text (at any depth) read as bytes."""
     import pyarrow as pa
 
+    if pa.types.is_dictionary(arrow_type):  # a category column (pandas): its values, decoded
+        return _binary_type(arrow_type.value_type)
     if pa.types.is_string(arrow_type):
         return pa.binary()
     if pa.types.is_large_string(arrow_type):

@@ -4,24 +4,46 @@ tasks/anchors.py)."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 from refiner_core.config import JudgeConfig
 
-# Who pays for the judgments made in this context: one judging stage of one run (run folder, stage, step, round or
-# phase). The judge cache records it with each answer, so that a cache hit on an answer this same stage paid for in
-# an earlier attempt (a retry, the rerun after a failure) still counts what was paid: else that spend would be in
-# no stage's usage, and judge.budget_usd would never see it.
-PAYER: ContextVar[str] = ContextVar("judge_payer", default="")
+
+@dataclass
+class Payer:
+    """Who pays for the judgments made in this context: one judging stage of one run (`name`: run folder, stage,
+    step, round or phase; the same in every attempt of it), in one attempt. The judge cache records both with each
+    answer, so that a hit on an answer an earlier attempt of the same stage paid for (a retry, the rerun after a
+    failure) still counts what was paid, once: else that spend would be in no stage's usage, and judge.budget_usd
+    would never see it. A hit on one this attempt paid for counts nothing: it was counted when paid."""
+
+    name: str
+    attempt: str = field(default_factory=lambda: uuid.uuid4().hex)
+    repaid: set[str] = field(default_factory=set)  # cache keys whose earlier payment this attempt counted
+
+    def counts(self, key: str, entry: dict) -> bool:
+        """Whether a cache hit on `entry` counts what it cost here (and from now on not again)."""
+        earlier = entry.get("paid_by") == self.name and entry.get("paid_in") != self.attempt
+        if not earlier or key in self.repaid:
+            return False
+        self.repaid.add(key)
+        return True
+
+
+PAYER: ContextVar[Payer | None] = ContextVar("judge_payer", default=None)
 
 
 @contextmanager
-def paying(payer: str) -> Iterator[None]:
+def paying(name: str) -> Iterator[Payer]:
+    """Judgments made in the block are paid by stage run `name`, in a new attempt."""
+    payer = Payer(name)
     token = PAYER.set(payer)
     try:
-        yield
+        yield payer
     finally:
         PAYER.reset(token)
 

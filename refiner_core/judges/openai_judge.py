@@ -127,7 +127,7 @@ class OpenAIJudge:
             hit = cache.get(key) if cache is not None else None
             if hit is not None:  # nothing paid now; what an earlier attempt of this stage paid counts here
                 paid = (hit.get("attempts", 0), hit.get("prompt_tokens"), hit.get("completion_tokens"))
-                attempts, tokens_in, tokens_out = paid if payer and hit.get("paid_by") == payer else (0, 0, 0)
+                attempts, tokens_in, tokens_out = paid if payer is not None and payer.counts(key, hit) else (0, 0, 0)
                 out[i] = Completion(
                     hit["content"], None, 0.0, attempts, True, self.model, digest, tokens_in, tokens_out
                 )
@@ -177,7 +177,8 @@ class OpenAIJudge:
                         judge=identity,
                         sampling=self.sampling,
                         prompt_hash=digest,
-                        paid_by=payer,
+                        paid_by=payer.name if payer else "",
+                        paid_in=payer.attempt if payer else "",
                         attempts=attempts,
                         prompt_tokens=reply.prompt_tokens,
                         completion_tokens=reply.completion_tokens,

@@ -114,15 +114,16 @@ def keep_learner(
     weights_hash: str,
     save_at_close: Callable[[], Any] | None = None,
     made_by: str = "",
+    result: dict | None = None,
 ) -> KeptLearner | None:
     """After the learner's weights were saved as the checkpoint `weights_hash` names: keep it for the next step
-    (learners that hold their weights in this process, i.e. offer `weights()`). Returns its record where kept, for
-    the update that made the weights (`made_by`) to note its manifest as `result` (finished_update). `save_at_close`
-    writes weights that no checkpoint holds yet, should the run end first."""
+    (learners that hold their weights in this process, i.e. offer `weights()`). Returns its record, None where not
+    kept. `save_at_close` writes weights that no checkpoint holds yet, should the run end first; `made_by` and
+    `result`: the update that made the weights and its manifest (finished_update)."""
     run = run_of(run_dir)
     if run is None or not hasattr(learner, "weights"):
         return None
-    kept = KeptLearner(key, learner, weights_hash, save_at_close, made_by)
+    kept = KeptLearner(key, learner, weights_hash, save_at_close, made_by, result)
     with LOCK:
         run.learner = kept
     return kept
