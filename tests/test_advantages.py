@@ -3,13 +3,14 @@ hand-computed cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from refiner_core.algo.advantages import compute_advantages, group_advantages, normalize_then_sum
-from refiner_core.config import load_recipe
+from refiner_core.config import GRPOConfig, load_recipe
 from refiner_core.reward.rescore import check_rescorable
 
 # Group a: rewards 1, 0, 0, 1 -> mean 0.5, squared deviations sum 1.
@@ -143,3 +144,47 @@ def test_group_advantages_count_a_group_equal_up_to_rounding_as_flat():
     assert [o["prompt_id"] for o in out if o["trained"]] == ["b"] * 4
     assert stats["zero_std_group_fraction"] == 0.75 and stats["informative_groups"] == 1
     assert stats["advantage_abs_mean"] == pytest.approx(4 / 15)
+
+
+def _group(prompt_id: str, rewards: list[float], **extra) -> list[dict]:
+    return [{"prompt_id": prompt_id, "sample_idx": i, "reward": r, **extra} for i, r in enumerate(rewards)]
+
+
+@pytest.mark.parametrize(
+    ("advantage", "aggregation"),
+    [("batch_std", "sum"), ("reinforce_pp_baseline", "sum"), ("group_std", "normalize_then_sum")],
+)
+def test_filtered_flat_groups_leave_the_batch_before_its_statistics(advantage, aggregation):
+    """Under grpo.filter_zero_std_groups (rollout.dynamic_sampling) an all-equal group is dropped, and takes no
+    part in the batch-wide whitening either: the kept group's advantages are what they are alone (before, three
+    dropped flat groups moved them from +-1.00 to +-1.03 under batch_std and +-2.00 under reinforce_pp_baseline)."""
+    grpo = dataclasses.replace(
+        GRPOConfig(), advantage=advantage, reward_aggregation=aggregation, filter_zero_std_groups=True
+    )
+    informative = _group("A", [0.0, 1.0, 0.0, 1.0])
+    flat = _group("B", [0.0] * 4) + _group("C", [1.0] * 4) + _group("D", [0.0] * 4)
+    alone, _ = group_advantages(informative, grpo)
+    mixed, stats = group_advantages(informative + flat, grpo)
+    assert [r["advantage"] for r in mixed if r["prompt_id"] == "A"] == pytest.approx([r["advantage"] for r in alone])
+    assert all(r["advantage"] == 0.0 and not r["trained"] for r in mixed if r["prompt_id"] != "A")
+    assert stats["dropped_groups"] == 3 and stats["advantage_abs_mean"] == pytest.approx(
+        sum(abs(r["advantage"]) for r in alone) / 16
+    )
+
+
+def test_a_group_flat_in_reward_is_flat_whatever_its_kl_penalty():
+    """grpo.kl_reward_coef: every response's KL differs, so read with its penalty no group is ever flat, and the
+    groups dynamic sampling replaced (flat in reward) were trained beside their replacements on the penalty's
+    noise, scaled up to unit advantages. Flatness is the reward's: such a group is dropped under the filter; off
+    the filter it still learns from the KL penalty."""
+    kl = [0.10, 0.25, 0.05, 0.40]
+    penalised = [
+        {**r, "reward_kl": kl[r["sample_idx"]], "kl_coef": 0.001}
+        for r in _group("A", [0.0, 1.0, 0.0, 1.0]) + _group("B", [1.0] * 4)
+    ]
+    filtered, stats = group_advantages(penalised, dataclasses.replace(GRPOConfig(), filter_zero_std_groups=True))
+    assert [r["trained"] for r in filtered if r["prompt_id"] == "B"] == [False] * 4
+    assert stats["informative_groups"] == 1 and stats["dropped_groups"] == 1
+    kept, _ = group_advantages(penalised, dataclasses.replace(GRPOConfig(), filter_zero_std_groups=False))
+    b = [r["advantage"] for r in kept if r["prompt_id"] == "B"]
+    assert all(r["trained"] for r in kept) and b[1] < b[0] < b[2]  # less KL, more advantage

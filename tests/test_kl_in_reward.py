@@ -67,7 +67,9 @@ def test_the_advantages_read_the_reward_less_the_penalty():
     out, stats = group_advantages(rows, grpo)
     assert [a["advantage"] for a in out] == pytest.approx([0.5 / 0.5001, -0.5 / 0.5001, 0.0, 0.0], abs=1e-12)
     assert [(a["reward"], a["reward_kl"], a["kl_coef"]) for a in out][1] == (1.0, 2.0, 0.5)
-    assert stats["informative_groups"] == 1 and informative_prompt_ids(rows, grpo) == {"a"}
+    # whether a group teaches is the reward's spread, before the penalty (what dynamic sampling and the filter
+    # read): b's rewards differ, a's do not; a still learns from the penalty while the filter is off
+    assert stats["informative_groups"] == 1 and informative_prompt_ids(rows, grpo) == {"b"}
     # without the KL: the rewards alone
     plain, _ = group_advantages([{k: r[k] for k in ("prompt_id", "sample_idx", "reward")} for r in rows], grpo)
     assert [a["advantage"] for a in plain] == pytest.approx([0.0, 0.0, 1 / 1.0001, -1 / 1.0001], abs=1e-12)

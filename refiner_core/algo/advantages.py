@@ -168,6 +168,15 @@ def _signal(kept: list[dict], grpo: GRPOConfig, parts_of: PartsOf) -> tuple[np.n
     return np.asarray([penalised_reward(r) for r in kept], dtype=np.float64).reshape(len(kept), 1), None
 
 
+def _reward_signal(kept: list[dict], grpo: GRPOConfig, parts_of: PartsOf) -> np.ndarray:
+    """The values whose spread decides whether a group teaches anything: the reward (its parts under
+    'normalize_then_sum') before any KL penalty. The penalty differs between any two responses, so read with it no
+    group would ever be flat: rollout.dynamic_sampling decides on the reward, and so does the filter that drops
+    the groups it replaced (verl's filter_groups metric 'acc')."""
+    without_kl = [{k: v for k, v in r.items() if k not in ("reward_kl", "kl_coef")} for r in kept]
+    return _signal(without_kl, grpo, parts_of)[0]
+
+
 def _advantages(signal: np.ndarray, weights: np.ndarray | None, groups: list, grpo: GRPOConfig) -> np.ndarray:
     groups = np.asarray(groups)
     if weights is not None:
@@ -194,13 +203,22 @@ def group_advantages(
     (kl_reward.with_reward_kl) lose kl_coef x reward_kl first; the returned rows carry both (None without).
 
     Rows marked `dropped` (a failed judgment under judge.on_failure 'drop') take no part: their group's
-    advantages come from the other samples. All-equal groups are untrained under grpo.filter_zero_std_groups."""
+    advantages come from the other samples. Groups whose rewards are all equal (before any KL penalty) are
+    untrained under grpo.filter_zero_std_groups, and leave the batch before its statistics are taken (verl's DAPO
+    filters before computing advantages): a kept group's advantages never depend on how many flat groups the step
+    drew (batch_std, reinforce_pp_baseline and normalize_then_sum whiten over the batch)."""
     kept = [r for r in rewards if not r.get("dropped")]
     groups = [r["prompt_id"] for r in kept]
     signal, weights = _signal(kept, grpo, parts_of)
-    adv = _advantages(signal, weights, groups, grpo) if kept else np.array([])
-    flat = zero_std_groups(signal, groups)
-    advantage_of = {(r["prompt_id"], r["sample_idx"]): float(a) for r, a in zip(kept, adv)}
+    flat = zero_std_groups(_reward_signal(kept, grpo, parts_of), groups)
+    used = [i for i, g in enumerate(groups) if not (grpo.filter_zero_std_groups and g in flat)]
+    adv = (
+        _advantages(signal[used], None if weights is None else weights[used], [groups[i] for i in used], grpo)
+        if used
+        else np.array([])
+    )
+    advantage_of = {(kept[i]["prompt_id"], kept[i]["sample_idx"]): float(a) for i, a in zip(used, adv)}
+    kept_advantages = [advantage_of.get((r["prompt_id"], r["sample_idx"]), 0.0) for r in kept]
     rows = [
         {
             "prompt_id": r["prompt_id"],
@@ -214,7 +232,7 @@ def group_advantages(
         for r in rewards
     ]
     stats = {
-        "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
+        "advantage_abs_mean": float(np.abs(kept_advantages).mean()) if kept else 0.0,
         "zero_std_group_fraction": len(flat) / max(len(set(groups)), 1),
         "informative_groups": len(set(groups) - flat),
         "dropped_groups": len(flat) if grpo.filter_zero_std_groups else 0,
@@ -228,4 +246,4 @@ def informative_prompt_ids(rewards: list[dict], grpo: GRPOConfig, parts_of: Part
     samples until the step has enough of."""
     kept = [r for r in rewards if not r.get("dropped")]
     groups = [r["prompt_id"] for r in kept]
-    return set(groups) - zero_std_groups(_signal(kept, grpo, parts_of)[0], groups)
+    return set(groups) - zero_std_groups(_reward_signal(kept, grpo, parts_of), groups)
