@@ -40,9 +40,12 @@ def step_prompts(
 
 
 def refill_prompts(prompts: dict, step: int, round: int, used: list[str], count: int, seed: int) -> list[str]:
-    """The fresh train prompts sampling round `round` of a step samples (refill_prompt_ids)."""
+    """The fresh train prompts sampling round `round` of a step samples (refill_prompt_ids), drawn by the difficulty
+    ledger's weights where the step's first round was (data.weights_from)."""
     by_id = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
-    return refill_prompt_ids(prompts["train_ids"], used, count, step, round, seed, twin_of=_twins(by_id))
+    return refill_prompt_ids(
+        prompts["train_ids"], used, count, step, round, seed, _twins(by_id), prompts.get("train_weights") or None
+    )
 
 
 def _twins(prompt_rows: dict[str, dict]) -> dict[str, str]:

@@ -39,23 +39,29 @@ def refill_prompt_ids(
     sampling_round: int,
     seed: int,
     twin_of: dict[str, str] | None = None,
+    weights: dict[str, float] | None = None,
 ) -> list[str]:
     """Fresh prompts for round `sampling_round` of a step (rollout.dynamic_sampling): `count` train prompts the
     step has not used yet, in a seeded order of their own, so a rerun draws the same ones. Fewer when the train
     split runs out. With `twin_of`, a question brings its twin view, as in step_prompt_ids: questions are taken
-    until they bring `count` views (the groups a step misses are views, each with its own advantage)."""
+    until they bring `count` views (the groups a step misses are views, each with its own advantage). With
+    `weights` (data.weights_from) they are drawn by weight, as the step's first round is (weighted_step_prompt_ids)."""
     taken = set(used)
     if twin_of:
         train = set(train_ids)
         leads = [p for p in train_ids if not (twin_of.get(p) in train and twin_of[p] < p)]
         used_leads = [p for p in leads if p in taken or twin_of.get(p) in taken]
         views: list[str] = []
-        for p in refill_prompt_ids(leads, used_leads, len(leads), step, sampling_round, seed):
+        for p in refill_prompt_ids(leads, used_leads, len(leads), step, sampling_round, seed, weights=weights):
             if len(views) >= count:
                 break
             views += [q for q in (p, twin_of.get(p)) if q in train]
         return views
     order = sorted(p for p in train_ids if p not in taken)
+    if weights:
+        rng = random.Random(f"weighted refill {seed} {step} {sampling_round}")
+        keys = {p: rng.random() ** (1.0 / max(weights.get(p, 1.0), 1e-12)) for p in order}
+        return sorted(order, key=lambda p: (-keys[p], p))[:count]
     random.Random(f"refill {seed} {step} {sampling_round}").shuffle(order)  # a str seed hashes by SHA-512: stable
     return order[:count]
 
