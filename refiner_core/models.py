@@ -223,13 +223,27 @@ class Adapter:
     rank: int
 
 
+def recorded_base(base: Path | str, checkpoint: Path | str) -> str:
+    """The base an adapter saved into `checkpoint` records (adapter_config.json's base_model_name_or_path): relative
+    to the adapter folder (../../sft) when the base is beside the checkpoint, as a run's checkpoints/sft is, so
+    the run folder can move and a fork's hard-linked copy applies to the fork's own base; else absolute."""
+    base, checkpoint = Path(base).resolve(), Path(checkpoint).resolve()
+    if base.is_relative_to(checkpoint.parent):
+        return os.path.relpath(base, checkpoint / ADAPTER_DIR)
+    return str(base)
+
+
 def lora_adapter(path: Path | str) -> Adapter | None:
     """The adapter of a LoRA checkpoint (with or without merged weights beside it), else None."""
-    config = Path(path) / ADAPTER_DIR / "adapter_config.json"
+    folder = Path(path) / ADAPTER_DIR
+    config = folder / "adapter_config.json"
     if not config.is_file():
         return None
     settings = json.loads(config.read_text())
-    return Adapter(str(Path(path) / ADAPTER_DIR), settings["base_model_name_or_path"], int(settings["r"]))
+    base = settings["base_model_name_or_path"]
+    if base.startswith("../"):  # recorded_base: beside the checkpoint
+        base = str((folder / base).resolve())
+    return Adapter(str(folder), base, int(settings["r"]))
 
 
 def checkpoint_adapter(path: Path | str) -> Adapter | None:
@@ -275,7 +289,7 @@ def checkpoint_weights(model_path: Path | str, adapters: bool = False) -> dict |
     if adapter is not None and adapters:
         return adapter
     if checkpoint_adapter(model_path) is not None:  # nothing merged on disk: merged here
-        return adapter_weights(adapter)
+        return adapter_weights(adapter, merge_dtype(model_path))
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_path} holds no *.safetensors weights to sync a live engine from")
@@ -285,8 +299,15 @@ def checkpoint_weights(model_path: Path | str, adapters: bool = False) -> dict |
     return weights
 
 
-def adapter_weights(adapter: Adapter, dtype: str = "float32") -> dict:
-    """The state dict of base + adapter merged: what an engine without LoRA kernels loads."""
+def merge_dtype(path: Path | str) -> str:
+    """The dtype a LoRA checkpoint's adapter is merged in to hold the learner's weights: its base's as the learner
+    loaded it (model.dtype), which the checkpoint's config.json records. Merged onto a bf16 base, the weights are
+    not those of a merge in fp32 rounded to bf16."""
+    return json.loads((Path(path) / "config.json").read_text()).get("dtype") or "float32"
+
+
+def adapter_weights(adapter: Adapter, dtype: str) -> dict:
+    """The state dict of base + adapter merged in `dtype`: what an engine without LoRA kernels loads."""
     return _merged(adapter, dtype).state_dict()
 
 
@@ -295,5 +316,10 @@ def _merged(adapter: Adapter, dtype: str):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    if not Path(adapter.base).is_dir():  # from_pretrained would take the path for a Hub id and say it is not one
+        raise FileNotFoundError(
+            f"the LoRA adapter {adapter.path} applies to the base model {adapter.base}, which is not there: put that "
+            "folder back (an adapter-only checkpoint holds no weights of its own; model.lora_save_merged writes them)"
+        )
     base = AutoModelForCausalLM.from_pretrained(adapter.base, dtype=getattr(torch, dtype))
     return PeftModel.from_pretrained(base, adapter.path).merge_and_unload()

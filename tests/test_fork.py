@@ -11,6 +11,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -297,6 +298,28 @@ def test_a_fork_stays_whole_when_its_parent_that_pruned_its_early_checkpoints_is
     _fork(parent, fork_dir, 3, ["grpo.learning_rate=0.01"])
     [log] = (fork_dir / "logs").iterdir()
     assert "recomputing" not in log.read_text()
+
+
+def test_a_lora_fork_stays_whole_when_its_parent_is_deleted(prefect_server, tiny_model_path, tmp_path):
+    """LoRA adapters on the SFT warm start, forked at step 1: both adapter-only checkpoints of the fork (the step it
+    shares and the step it trained) load on the fork's own hard-linked checkpoints/sft once the parent folder is
+    gone. Both named the parent's checkpoints/sft, and loading them failed with the Hub's "Repo id" error."""
+    import shutil
+
+    from refiner_core.models import checkpoint_adapter, load_model
+
+    small = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12"]
+    lora = ["sft.epochs=1", "model.lora_rank=4", "model.lora_alpha=8"]
+    parent, fork_dir = tmp_path / "p", tmp_path / "f"
+    _run(load_recipe(REPO / "recipes" / "tiny-sft.yaml", [*small, *lora]).to_dict(), parent)
+    _fork(parent, fork_dir, 1, ["grpo.steps=2", "grpo.learning_rate=0.01"])
+    checkpoints = fork_dir / "checkpoints"
+    want = {step: load_model(checkpoints / step).state_dict() for step in ("step_0001", "step_0002")}
+    shutil.rmtree(parent)
+    for step, weights in want.items():
+        assert checkpoint_adapter(checkpoints / step).base == str((checkpoints / "sft").resolve())
+        got = load_model(checkpoints / step).state_dict()
+        assert all(torch.equal(got[name], weights[name]) for name in weights), step
 
 
 def _fake_parent(folder: Path, finished: int, checkpoints: list[int]) -> Path:

@@ -22,6 +22,8 @@ from huggingface_hub.utils import filter_repo_objects
 
 from conftest import run_cli
 from refiner_core.config import load_recipe
+from refiner_core.learners.lora import lora_policy, save_lora
+from refiner_core.models import load_model, load_tokenizer
 from refiner_core.publish.hub import PushError, choose_checkpoint, plan_push, push
 from refiner_core.publish.model_card import write_model_card
 from refiner_core.store.checkpoints import PRUNED_LIST
@@ -120,18 +122,68 @@ def test_the_plan_lists_weights_tokenizer_and_card_but_no_optimizer_state(run_di
     assert plan.card_metadata == card.data.to_dict() and "grpo" in plan.card_metadata["tags"]
 
 
-def test_an_adapter_only_lora_checkpoint_uploads_its_adapter(run_dir, tmp_path):
-    """model.lora_save_merged false: the checkpoint's weights are adapter/adapter_model.safetensors."""
-    folder = tmp_path / "step_0002"
-    shutil.copytree(run_dir / "checkpoints" / "step_0002", folder)
-    (folder / "model.safetensors").unlink()
-    with pytest.raises(PushError, match=r"missing weights \(.* or a LoRA adapter/adapter_model.safetensors\)"):
-        plan_push(folder)
-    (folder / "adapter").mkdir()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        (folder / "adapter" / name).write_text("{}")
-    names = [name for name, _ in plan_push(folder).files]
-    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "config.json"} <= set(names)
+def _adapter_on_sft(run: Path, tiny_model_path: Path) -> Path:
+    """A LoRA run that warm-started with SFT (model.lora_save_merged false): checkpoints/sft, the tiny model moved,
+    and step_0001, an adapter-only checkpoint trained on it (B drawn at random, as after updates)."""
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["model.lora_rank=4", "sft.enabled=true"]).to_dict()
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    sft = run / "checkpoints" / "sft"
+    model = load_model(tiny_model_path)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(sft)
+    settings = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=["all-linear"])
+    policy = lora_policy(load_model(sft), None, settings)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=generator)
+    step = run / "checkpoints" / "step_0001"
+    save_lora(policy, step, merged=False)
+    torch.save({}, step / "optimizer.pt")
+    for folder in (sft, step):
+        load_tokenizer(tiny_model_path).save_pretrained(folder)
+    write_model_card(step, run, kind="grpo", run="lora", step=1)
+    return step
+
+
+def test_an_adapter_only_lora_checkpoint_uploads_the_policy_merged(tiny_model_path, tmp_path):
+    """model.lora_save_merged false, adapters on the run's SFT checkpoint: the push uploads that base with the
+    adapter merged, the weights the run sampled from, which load with AutoModelForCausalLM alone; no adapter/. It
+    uploaded adapter/ alone, whose card put it on tiny-qwen3 (log-probs 8.2 nats from the run's policy)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    step = _adapter_on_sft(tmp_path, tiny_model_path)
+    plan = plan_push(choose_checkpoint(tmp_path))
+    assert plan.folder == step and plan.source != step
+    names = [name for name, _ in plan.files]
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", "README.md"} <= set(names)
+    assert not [n for n in names if n.startswith(("adapter", "optimizer"))]
+    assert dict(plan.files)["model.safetensors"] == (plan.source / "model.safetensors").stat().st_size
+    pushed = AutoModelForCausalLM.from_pretrained(plan.source).state_dict()
+    policy = load_model(step).state_dict()  # what the run's engines and evaluations loaded
+    assert pushed.keys() == policy.keys() and all(torch.equal(pushed[k], policy[k]) for k in policy)
+    on_tiny = PeftModel.from_pretrained(load_model(tiny_model_path), str(step / "adapter")).merge_and_unload()
+    assert max((on_tiny.state_dict()[k] - policy[k]).abs().max().item() for k in policy) > 0.01
+    assert (plan.source / "README.md").read_text() == (step / "README.md").read_text()
+    assert "`refiner push` uploads the merged weights" in (plan.source / "README.md").read_text()
+
+    hub = RecordingHub()
+    push(plan, "acme/lora", api=hub)
+    upload = hub.calls[-1][2]
+    assert upload["folder_path"] == plan.source and upload["commit_message"] == "Upload checkpoints/step_0001"
+    on_disk = sorted(p.relative_to(plan.source).as_posix() for p in plan.source.rglob("*") if p.is_file())
+    assert list(filter_repo_objects(on_disk, allow_patterns=upload["allow_patterns"])) == names
+    staged = plan.source
+    del plan
+    assert not staged.exists()  # the merged copy goes with the plan
+
+    (tmp_path / "checkpoints" / "sft").rename(tmp_path / "elsewhere")
+    with pytest.raises(PushError, match=r"applies to the base model .*/checkpoints/sft, which is not there"):
+        plan_push(step)
 
 
 def test_an_incomplete_checkpoint_or_a_card_without_metadata_is_refused(run_dir, tmp_path):

@@ -131,6 +131,22 @@ def test_smollm2_card_names_its_hub_base_model_and_license():
     assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and data.license == "apache-2.0"
 
 
+def test_a_lora_card_names_the_base_its_adapter_applies_to_and_what_push_uploads():
+    """An adapter-only checkpoint of a run that warm-starts with SFT applies to the run's checkpoints/sft: the card
+    told readers to put it on model.policy (log-probs 8.2 nats from the run's policy on the tiny model)."""
+    on_sft = _card(["model.lora_rank=4", "sft.enabled=true"])
+    assert "The adapter applies to `checkpoints/sft`, this run's SFT checkpoint (trained from `tiny-qwen3`)" in on_sft
+    assert "load the base model" not in on_sft
+    on_policy = _card(["model.lora_rank=4"])
+    assert "The adapter applies to `tiny-qwen3` (model.policy)" in on_policy
+    for card in (on_sft, on_policy):
+        assert "A GRPO checkpoint holds the rank-4 LoRA adapter in adapter/, not merged weights" in card
+        assert "peft.PeftModel.from_pretrained(base, THIS_FOLDER, subfolder='adapter')" in card
+        assert "`refiner push` uploads the merged weights, not the adapter" in card
+        assert "AutoModelForCausalLM.from_pretrained(REPO) alone" in card
+    assert "LoRA adapter" not in _card(["model.lora_rank=4", "model.lora_save_merged=true"])
+
+
 def test_readme_does_not_change_a_checkpoint_hash(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     before = dir_hash(tmp_path)

@@ -10,6 +10,7 @@ loaded on top of that base, never on the checkpoint's merged weights, so the bas
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import weakref
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from refiner_core.models import ADAPTER_DIR, LOADING_MODELS, Adapter
+from refiner_core.models import ADAPTER_DIR, LOADING_MODELS, Adapter, recorded_base
 from refiner_core.runtime.scratch import ram_dir
 
 ADAPTER_SEED = 0
@@ -32,21 +33,25 @@ def lora_policy(base, checkpoint: str | Path | None, settings):
     saved = Path(checkpoint) / ADAPTER_DIR if checkpoint is not None else None
     if saved is not None and saved.is_dir():
         with LOADING_MODELS:  # one model load at a time (refiner_core.models)
-            return PeftModel.from_pretrained(base, str(saved), is_trainable=True)
-    config = LoraConfig(
-        r=settings.lora_rank,
-        lora_alpha=settings.lora_alpha,
-        lora_dropout=settings.lora_dropout,
-        target_modules=_targets(settings.lora_target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=str(Path(base.name_or_path).resolve()),
-    )  # found from any folder
-    # A's random start from a fixed seed: every process (the torch learner, each DeepSpeed rank, a rerun) starts
-    # the same adapters, without touching the global RNG the run's sampling uses.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(ADAPTER_SEED)
-        return get_peft_model(base, config)
+            policy = PeftModel.from_pretrained(base, str(saved), is_trainable=True)
+    else:
+        config = LoraConfig(
+            r=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
+            lora_dropout=settings.lora_dropout,
+            target_modules=_targets(settings.lora_target_modules),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        # A's random start from a fixed seed: every process (the torch learner, each DeepSpeed rank, a rerun)
+        # starts the same adapters, without touching the global RNG the run's sampling uses.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ADAPTER_SEED)
+            policy = get_peft_model(base, config)
+    # The base loaded here, found from any folder: PEFT records the path as given, and a loaded adapter the base of
+    # the run that saved it (a fork's parent).
+    policy.peft_config["default"].base_model_name_or_path = str(Path(base.name_or_path).resolve())
+    return policy
 
 
 def _targets(names) -> str | list[str]:
@@ -89,8 +94,9 @@ def merged_state_dict(policy, state: dict | None = None) -> dict[str, torch.Tens
 
 def save_lora(policy, path: Path, merged: bool, state: dict | None = None) -> None:
     """The adapter in `adapter/` and, when `merged`, the merged weights (an HF model any loader reads), else the
-    base's config and generation config only (the folder still names the architecture). `state`: the full
-    state dict of the PEFT model when its parameters live elsewhere (gathered from ZeRO-3 partitions)."""
+    base's config and generation config only (the folder still names the architecture). The adapter records its
+    base as refiner_core.models.recorded_base gives it. `state`: the full state dict of the PEFT model when its
+    parameters live elsewhere (gathered from ZeRO-3 partitions)."""
     base = policy.get_base_model()
     if merged:
         base.save_pretrained(path, state_dict=merged_state_dict(policy, state))
@@ -98,7 +104,11 @@ def save_lora(policy, path: Path, merged: bool, state: dict | None = None) -> No
         base.config.save_pretrained(path)
         if base.generation_config is not None:
             base.generation_config.save_pretrained(path)
-    policy.save_pretrained(str(Path(path) / ADAPTER_DIR), state_dict=_adapter_state(state))
+    adapter = Path(path) / ADAPTER_DIR
+    policy.save_pretrained(str(adapter), state_dict=_adapter_state(state))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = recorded_base(config["base_model_name_or_path"], path)
+    (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _adapter_state(state: dict | None) -> dict | None:

@@ -1,17 +1,20 @@
 """Publishing a checkpoint folder of a run to the Hugging Face Hub: which checkpoint, what it must hold, which of
-its files go up (never the optimizer state), and the two Hub calls that upload them.
+its files go up (never the optimizer state), and the two Hub calls that upload them. An adapter-only LoRA
+checkpoint goes up as the run's policy: its adapter merged into its base, in a temporary folder.
 
 The Hub client is passed in (`huggingface_hub.HfApi()` by default), so everything before the upload runs offline.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import shutil
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from refiner_core.models import ADAPTER_DIR
+from refiner_core.models import ADAPTER_DIR, checkpoint_adapter, load_model, merge_dtype
 from refiner_core.publish.model_card import MODEL_CARD
 from refiner_core.store.checkpoints import TRAINING_STATE_FILES, pruned_paths, step_checkpoints
 
@@ -29,9 +32,16 @@ class PushError(RuntimeError):
 
 @dataclass(frozen=True)
 class PushPlan:
-    folder: Path
-    files: list[tuple[str, int]]  # (path relative to folder, bytes), uploaded in this order
+    folder: Path  # the checkpoint
+    files: list[tuple[str, int]]  # (path relative to `source`, bytes), uploaded in this order
     card_metadata: dict
+    # an adapter-only LoRA checkpoint's merged copy (_merged_copy), removed with the plan
+    staged: tempfile.TemporaryDirectory | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def source(self) -> Path:
+        """The folder the upload reads: the checkpoint, or its merged copy."""
+        return Path(self.staged.name) if self.staged is not None else self.folder
 
     @property
     def total_bytes(self) -> int:
@@ -62,7 +72,8 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, sft: bool = False,
 
 
 def plan_push(folder: Path) -> PushPlan:
-    """Check that `folder` is a complete checkpoint and list the files to upload: all but the training state."""
+    """Check that `folder` is a complete checkpoint and list the files to upload: all but the training state; for
+    an adapter-only LoRA checkpoint, those of its merged copy (_merged_copy)."""
     from huggingface_hub import ModelCard
 
     folder = Path(folder)
@@ -90,12 +101,32 @@ def plan_push(folder: Path) -> PushPlan:
         raise PushError(f"{folder / MODEL_CARD}: not a parseable model card: {' '.join(str(e).split())}") from None
     if not metadata:
         raise PushError(f"{folder / MODEL_CARD}: the model card has no metadata block (---, YAML, ---)")
+    staged = _merged_copy(folder) if checkpoint_adapter(folder) is not None else None
+    source = Path(staged.name) if staged is not None else folder
     files = sorted(
-        (p.relative_to(folder).as_posix(), p.stat().st_size)
-        for p in folder.rglob("*")
-        if p.is_file() and p.relative_to(folder).parts[0] not in TRAINING_STATE_FILES
+        (p.relative_to(source).as_posix(), p.stat().st_size)
+        for p in source.rglob("*")
+        if p.is_file() and p.relative_to(source).parts[0] not in TRAINING_STATE_FILES
     )
-    return PushPlan(folder, files, metadata)
+    return PushPlan(folder, files, metadata, staged)
+
+
+def _merged_copy(folder: Path) -> tempfile.TemporaryDirectory:
+    """An adapter-only LoRA checkpoint as the run's engines loaded it: the adapter merged into its base, in the
+    dtype the learner merged in, beside the checkpoint's tokenizer and card; no adapter/. Its base is no model a
+    reader of the Hub has (the run's SFT checkpoint, a local folder, a model built or converted here), so the
+    adapter alone would not sample as the policy did."""
+    try:
+        model = load_model(folder, merge_dtype(folder), device="cpu")
+    except FileNotFoundError as e:  # its base is gone
+        raise PushError(f"{folder}: {e}") from None
+    staged = tempfile.TemporaryDirectory(prefix="refiner-push-")
+    model.save_pretrained(staged.name)  # config.json and generation_config.json too
+    for path in folder.iterdir():
+        kept = Path(staged.name) / path.name
+        if path.is_file() and path.name not in TRAINING_STATE_FILES and not kept.exists():
+            shutil.copy2(path, kept)
+    return staged
 
 
 def push(plan: PushPlan, repo_id: str, *, private: bool = False, revision: str | None = None, api=None) -> str:
@@ -113,7 +144,7 @@ def push(plan: PushPlan, repo_id: str, *, private: bool = False, revision: str |
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         commit = api.upload_folder(
-            folder_path=plan.folder,
+            folder_path=plan.source,
             repo_id=repo_id,
             revision=revision,
             allow_patterns=[name for name, _ in plan.files],

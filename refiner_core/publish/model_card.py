@@ -316,10 +316,19 @@ def known_notes(recipe: dict, data: dict | None) -> list[str]:
     if grpo["beta"] == 0 and not grpo.get("kl_reward_coef"):
         notes.append("beta = 0: no KL penalty, nothing holds the policy near its reference.")
     if model["lora_rank"] and not model["lora_save_merged"]:
+        # the adapters sit on the starting policy (preflight refuses model.reference with LoRA)
+        base = (
+            f"`checkpoints/sft`, this run's SFT checkpoint (trained from `{model['policy']}`)"
+            if recipe["sft"]["enabled"]
+            else f"`{model['policy']}` (model.policy)"
+        )
         notes.append(
-            f"A GRPO checkpoint holds the rank-{model['lora_rank']} LoRA adapter in adapter/, not merged "
-            "weights: load the base model, then peft.PeftModel.from_pretrained(base, THIS_FOLDER, "
-            "subfolder='adapter') (model.lora_save_merged writes merged weights too)."
+            f"A GRPO checkpoint holds the rank-{model['lora_rank']} LoRA adapter in adapter/, not merged weights "
+            f"(model.lora_save_merged writes them too). The adapter applies to {base}: "
+            "refiner_core.models.load_model(THIS_FOLDER) merges the two as the run's engines did, or load that base, "
+            "then peft.PeftModel.from_pretrained(base, THIS_FOLDER, subfolder='adapter'). `refiner push` uploads "
+            "the merged weights, not the adapter: the pushed model loads with "
+            "transformers.AutoModelForCausalLM.from_pretrained(REPO) alone."
         )
     if data and data.get("quarantined"):
         notes.append(
