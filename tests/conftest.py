@@ -212,6 +212,23 @@ def learner_settings(temperature: float = 0.7, precision: str = "fp32", **overri
     return dataclasses.replace(settings, work_root=work_root) if work_root else settings
 
 
+def moved_checkpoint(tiny_model_path: Path, folder: Path, seed: int) -> Path:
+    """The tiny model with every weight moved (seeded), saved with its tokenizer to `folder`: a run's warm start,
+    checkpoints/sft, that LoRA adapters then sit on."""
+    import torch
+
+    from refiner_core.models import load_model, load_tokenizer
+
+    model = load_model(tiny_model_path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(folder)
+    load_tokenizer(tiny_model_path).save_pretrained(folder)
+    return folder
+
+
 def math_rows_file(folder: Path, rows: int) -> Path:
     """The first ROWS math training rows (data/math/train.jsonl) as FOLDER/math.jsonl."""
     data = folder / "math.jsonl"

@@ -20,7 +20,7 @@ from huggingface_hub import ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import filter_repo_objects
 
-from conftest import run_cli
+from conftest import moved_checkpoint, run_cli
 from refiner_core.config import load_recipe
 from refiner_core.learners.lora import lora_policy, save_lora
 from refiner_core.models import load_model, load_tokenizer
@@ -127,15 +127,10 @@ def _adapter_on_sft(run: Path, tiny_model_path: Path) -> Path:
     and step_0001, an adapter-only checkpoint trained on it (B drawn at random, as after updates)."""
     recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["model.lora_rank=4", "sft.enabled=true"]).to_dict()
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    sft = run / "checkpoints" / "sft"
-    model = load_model(tiny_model_path)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    model.save_pretrained(sft)
+    sft = moved_checkpoint(tiny_model_path, run / "checkpoints" / "sft", seed=3)
     settings = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=["all-linear"])
     policy = lora_policy(load_model(sft), None, settings)
+    generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -143,8 +138,7 @@ def _adapter_on_sft(run: Path, tiny_model_path: Path) -> Path:
     step = run / "checkpoints" / "step_0001"
     save_lora(policy, step, merged=False)
     torch.save({}, step / "optimizer.pt")
-    for folder in (sft, step):
-        load_tokenizer(tiny_model_path).save_pretrained(folder)
+    load_tokenizer(tiny_model_path).save_pretrained(step)
     write_model_card(step, run, kind="grpo", run="lora", step=1)
     return step
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import learner_settings, vllm_logprob_gap
+from conftest import learner_settings, moved_checkpoint, vllm_logprob_gap
 from refiner_core.config import ConfigError, EngineSettings, GRPOConfig, ModelConfig, recipe_from_dict
 from refiner_core.grpo import grpo_loop
 from refiner_core.grpo import learner_settings as grpo_learner_settings
@@ -122,18 +122,6 @@ def test_checkpoint_holds_the_adapter_and_resumes(tiny_model_path, tiny_tokenize
     assert _max_diff(resumed.weights(), kept.weights()) < 1e-6
 
 
-def _sft_checkpoint(tiny_model_path, folder: Path) -> Path:
-    """A run's checkpoints/sft: the tiny model with every weight moved (a warm start the adapters then sit on)."""
-    model = load_model(tiny_model_path)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-    model.save_pretrained(folder)
-    load_tokenizer(tiny_model_path).save_pretrained(folder)
-    return folder
-
-
 def test_an_adapter_on_the_runs_sft_checkpoint_goes_with_the_run_folder(
     tiny_model_path, tiny_tokenizer, tmp_path, monkeypatch
 ):
@@ -142,7 +130,7 @@ def test_an_adapter_on_the_runs_sft_checkpoint_goes_with_the_run_folder(
     absolute path of the folder that trained them (a resumed update kept its first checkpoint's), and a base that is
     gone gave the Hub's "Repo id must be in the form ..." error."""
     run = tmp_path / "run"
-    sft = _sft_checkpoint(tiny_model_path, run / "checkpoints" / "sft")
+    sft = moved_checkpoint(tiny_model_path, run / "checkpoints" / "sft", seed=5)
     monkeypatch.chdir(run)  # the learner handed a relative path still exports an adapter on the absolute base
     first = _lora_learner(Path("checkpoints/sft"), Path("checkpoints/sft"), tiny_tokenizer)
     assert first.adapter().base == str(sft.resolve())
