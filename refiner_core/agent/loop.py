@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from refiner_core.agent.hermes import CLOSE, OPEN, ToolCall, invalid_call_result, parse_tool_calls
 from refiner_core.agent.tools.base import Tool, ToolResult
 from refiner_core.data.prompts import render_chat
-from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams
+from refiner_core.rollout.base import Generation, RolloutEngine, SamplingParams, chat_turn_end_id
 
 EXCERPT_CHARS = 2000
 
@@ -111,9 +111,10 @@ def following_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def end_of_turn_id(tokenizer, eos: set[int]) -> int:
     """The token that ends an assistant turn the loop writes itself (a scripted turn): the template's end-of-turn
-    token where it is an end-of-sequence token of the engine, else the tokenizer's EOS."""
-    framing = tool_message_ids(tokenizer, ["."])  # starts with the template's end-of-turn token
-    return framing[0] if framing and framing[0] in eos else tokenizer.eos_token_id
+    token (rollout.base.chat_turn_end_id) where it is an end-of-sequence token of the engine, else the tokenizer's
+    EOS."""
+    end = chat_turn_end_id(tokenizer)
+    return end if end is not None and end in eos else tokenizer.eos_token_id
 
 
 def assistant_turn_ids(tokenizer, text: str, end: int) -> list[int]:

@@ -134,8 +134,7 @@ def ground_truth_text(truth) -> str | None:
 
 
 def messages_hash(messages: list[dict]) -> str:
-    material = [[m["role"], m["content"]] for m in messages]
-    return hashlib.blake2b(json.dumps(material).encode(), digest_size=12).hexdigest()
+    return _digest([[m["role"], m["content"]] for m in messages])
 
 
 def prompt_messages(row: dict) -> list[dict]:

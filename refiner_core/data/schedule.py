@@ -59,9 +59,7 @@ def refill_prompt_ids(
         return views
     order = sorted(p for p in train_ids if p not in taken)
     if weights:
-        rng = random.Random(f"weighted refill {seed} {step} {sampling_round}")
-        keys = {p: rng.random() ** (1.0 / max(weights.get(p, 1.0), 1e-12)) for p in order}
-        return sorted(order, key=lambda p: (-keys[p], p))[:count]
+        return _by_weight(order, weights, random.Random(f"weighted refill {seed} {step} {sampling_round}"))[:count]
     random.Random(f"refill {seed} {step} {sampling_round}").shuffle(order)  # a str seed hashes by SHA-512: stable
     return order[:count]
 
@@ -87,5 +85,11 @@ def weighted_step_prompt_ids(
     if not 0 < per_step <= len(train_ids):
         raise ValueError(f"prompts per step must be in 1..{len(train_ids)} (the training prompts), got {per_step}")
     rng = random.Random(f"weighted {seed} {step}")  # a str seed hashes by SHA-512: stable across processes
-    keys = {p: rng.random() ** (1.0 / max(weights.get(p, 1.0), 1e-12)) for p in sorted(train_ids)}
-    return sorted(keys, key=lambda p: (-keys[p], p))[:per_step]
+    return _by_weight(sorted(train_ids), weights, rng)[:per_step]
+
+
+def _by_weight(ids: list[str], weights: dict[str, float], rng: random.Random) -> list[str]:
+    """`ids` in a weighted random order (Efraimidis and Spirakis): each gets the key u ** (1 / w), u uniform from
+    `rng` drawn in the order given, and the largest keys come first; ids without a weight count 1."""
+    keys = {p: rng.random() ** (1.0 / max(weights.get(p, 1.0), 1e-12)) for p in ids}
+    return sorted(ids, key=lambda p: (-keys[p], p))
