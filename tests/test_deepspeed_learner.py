@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ from conftest import learner_settings
 from refiner_core.learners.base import TrainSample, make_learner
 from refiner_core.learners.deepspeed_learner import LearnerDied
 from refiner_core.learners.torch_learner import TorchLearner
-from refiner_core.models import load_model
+from refiner_core.models import checkpoint_weights, load_model
 from refiner_core.runtime import scratch
 from refiner_core.runtime.procs import process_identity
 from test_live_engines import _log, _results, _same
@@ -367,14 +368,21 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(
     ranks_said = capsys.readouterr().err
     assert "[deepspeed rank 0/1] trained" in ranks_said and "is deprecated" not in ranks_said
     kept, fresh = _results(tmp_path / "kept"), _results(tmp_path / "fresh")
-    # Step 0 launches fresh ranks from the same model in both runs, and its policy is its reference (KL 0): a
-    # difference there is the ranks' arithmetic varying between launches, not the kept ranks
-    # (docs/benchmarks.md#the-test-suite).
     sampled_0 = [[row for row in run["rollouts"] if row[0] == 0] for run in (kept, fresh)]
     assert sampled_0[0] == sampled_0[1], "step 0's rollouts differ: the rollout engine's sampling, before any rank"
-    step_0 = [[row for row in run["steps"] if row[0] == 0] for run in (kept, fresh)]
-    assert step_0[0] == step_0[1] and step_0[0][0][2] == 0.0, f"step 0 (loss, kl, grad norm) differs: {step_0}"
-    _same(kept, fresh)
+    # Step 0 launches fresh ranks from the same model in both runs, and its policy is its reference (KL 0). Now and
+    # then a launch's arithmetic differs in the last bits (KL 3.4e-8 and grad norm 9e-7 relative off, the same bits
+    # each time; docs/benchmarks.md#the-test-suite): the runs are then the same up to that noise, which is far
+    # below what keeping the ranks could break (a step lost or optimizer state dropped moves weights by ~lr).
+    start = re.search(r"grpo-update step 0: learner loaded from (\S+)", _log(tmp_path / "fresh")).group(1)
+    _same_up_to_launch_noise(kept, fresh, load_model(start))
+    one_step_behind = {**fresh, "weights": checkpoint_weights(tmp_path / "fresh" / "checkpoints" / "step_0001")}
+    with pytest.raises(AssertionError):  # the tolerance is tight enough to see a step lost
+        _same_up_to_launch_noise(kept, one_step_behind, load_model(start))
+    if [row for row in kept["steps"] if row[0] == 0] == [row for row in fresh["steps"] if row[0] == 0]:
+        _same(kept, fresh)
+    else:
+        print(f"step 0 differs by launch noise: {kept['steps'][0]} against {fresh['steps'][0]}")
     assert not (tmp_path / "kept" / "checkpoints" / "step_0001").exists()  # never written: save_every 2
     assert (tmp_path / "kept" / "checkpoints" / "step_0002" / "deepspeed" / "refiner.json").exists()
     assert load_model(tmp_path / "kept" / "checkpoints" / "step_0002") is not None
@@ -382,6 +390,25 @@ def test_flow_keeps_the_ranks_up_and_gives_the_same_run(
     assert "grpo-update step 1: learner kept in memory" in log
     assert "rollout step 1: engine kept, weights synced in place from the learner's memory" in log
     assert "grpo-update step 1: learner loaded from" in _log(tmp_path / "fresh")
+
+
+def _same_up_to_launch_noise(a: dict, b: dict, start) -> None:
+    """Runs `a` and `b` the same but for the last bits of one launch's arithmetic: the same rollouts and rewards,
+    step metrics to 1e-5 relative (KL to 1e-6 absolute, 0 at step 0), and final weights that differ by under 1% of
+    the mean distance they moved from `start` in two steps."""
+    for table in ("rollouts", "rewards"):
+        assert a[table] == b[table], table
+    assert [row[0] for row in a["steps"]] == [row[0] for row in b["steps"]]
+    for (step, *got), (_, *want) in zip(a["steps"], b["steps"]):
+        loss, kl, grad_norm = got
+        assert loss == pytest.approx(want[0], rel=1e-5, abs=1e-8), (step, got, want)
+        assert kl == pytest.approx(want[1], abs=1e-6) and (step > 0 or abs(kl) < 1e-6), (step, got, want)
+        assert grad_norm == pytest.approx(want[2], rel=1e-5), (step, got, want)
+    before = {k: v.float() for k, v in start.state_dict().items()}
+    assert a["weights"].keys() == b["weights"].keys() <= before.keys()
+    moved = torch.cat([(b["weights"][k].float() - before[k]).abs().flatten() for k in b["weights"]]).mean()
+    apart = torch.cat([(a["weights"][k].float() - b["weights"][k].float()).abs().flatten() for k in a["weights"]])
+    assert moved > 0 and apart.mean() < 0.01 * moved, (apart.mean().item(), moved.item())
 
 
 def _ranks_left(tag: str) -> list[str]:
