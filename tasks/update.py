@@ -85,8 +85,10 @@ def grpo_update(
     if step > 0 and not is_unsaved(policy) and not saved_state:
         log.warning("grpo-update step %d: %s holds no optimizer state; AdamW starts afresh", step, policy["path"])
     learner_key = live_learner.learner_key(grpo.learner, model, reference, settings, dtype)
-    attempt = json_hash([step, rollouts, scores, policy, reference, grpo_cfg, temperature, dtype, precision, lora])
-    attempt = json_hash([attempt, save, policy_lag, entropy_control, kl_control])  # this update, by its inputs
+    attempt = json_hash(  # this update, by its inputs
+        [step, rollouts, scores, policy, reference, grpo_cfg, temperature, dtype, precision, lora]
+        + [save, policy_lag, entropy_control, kl_control]
+    )
     done = live_learner.finished_update(run_dir, learner_key, attempt)
     if done is not None and not damaged_outputs(done, run_dir):
         log.warning(
@@ -95,8 +97,11 @@ def grpo_update(
             step,
         )
         return done
-    kept = live_learner.take_kept(run_dir, learner_key, policy["hash"])  # the live one, when it holds this policy
+    # the live learner, when it holds this policy, or when an earlier attempt trained this update and failed
+    # writing its outputs (the weights moved on; what writing them needs is kept with it)
+    kept = live_learner.take_kept(run_dir, learner_key, policy["hash"], made_by=attempt)
     learner = kept.learner if kept else None
+    trained: Trained | None = kept.trained if kept else None
     if learner is None and is_unsaved(policy):
         raise FileNotFoundError(
             f"grpo-update step {step}: the weights it starts from, {policy['path']}, were never saved "
@@ -105,43 +110,54 @@ def grpo_update(
             "needs its checkpoint written: eval.every, grpo.ref_sync_every, a shorter grpo.steps), the updates "
             "back to the last checkpoint written must run again too: rerun with --refresh, or in a new run folder"
         )
-    log.info(
-        "grpo-update step %d: %s",
-        step,
-        "learner kept in memory (policy, reference, AdamW state)"
-        if learner
-        else f"learner loaded from {policy['path']}",
-    )
+    if trained is not None:
+        log.warning(
+            "grpo-update step %d: an earlier attempt trained this update and failed writing its outputs; the live "
+            "learner holds the trained weights: they and the step's tables are written now, without training again",
+            step,
+        )
+    else:
+        log.info(
+            "grpo-update step %d: %s",
+            step,
+            "learner kept in memory (policy, reference, AdamW state)"
+            if learner
+            else f"learner loaded from {policy['path']}",
+        )
     learner = learner or make_learner(
         grpo.learner, policy["path"], reference["path"], tokenizer, settings, optimizer_state, dtype
     )
     touched = False  # whether the weights may have changed
     try:
-        kl, next_kl_control = {"kl_reward_coef": None, "reward_kl": None}, None
-        if grpo.kl_reward_coef > 0:  # the KL under the weights before this update enters the reward
-            rollout_rows, reward_rows, kl, next_kl_control = kl_in_reward(
-                rollout_rows, reward_rows, learner.sequence_kl, kl_control, grpo
-            )
-            log.info(
-                "grpo-update step %d: KL in the reward: coefficient %.4g, mean per-token KL %.5f over %d responses",
-                step,
-                kl["kl_reward_coef"],
-                kl["reward_kl"],
-                len(rollout_rows),
-            )
-        samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo, reward_parts)
-        if not samples and adv_stats["masked_truncated"]:
-            log.warning(
-                "grpo-update step %d: nothing to train on: all %d responses that would be trained ran out of tokens "
-                "(grpo.mask_truncated); raise rollout.max_new_tokens, or turn grpo.mask_truncated off",
-                step,
-                adv_stats["masked_truncated"],
-            )
-        lr = learning_rate_at(step, grpo)
-        bonus = entropy_coef_at(entropy_control, grpo)
-        stage_fault("grpo-update", step, Path(run_dir) / ".faults", phase="train")
-        touched = True
-        metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else _no_signal_metrics(lr)
+        if trained is None:
+            kl, next_kl_control = {"kl_reward_coef": None, "reward_kl": None}, None
+            if grpo.kl_reward_coef > 0:  # the KL under the weights before this update enters the reward
+                rollout_rows, reward_rows, kl, next_kl_control = kl_in_reward(
+                    rollout_rows, reward_rows, learner.sequence_kl, kl_control, grpo
+                )
+                log.info(
+                    "grpo-update step %d: KL in the reward: coefficient %.4g, mean per-token KL %.5f over %d responses",
+                    step,
+                    kl["kl_reward_coef"],
+                    kl["reward_kl"],
+                    len(rollout_rows),
+                )
+            samples, advantages, adv_stats = build_train_samples(rollout_rows, reward_rows, grpo, reward_parts)
+            if not samples and adv_stats["masked_truncated"]:
+                log.warning(
+                    "grpo-update step %d: nothing to train on: all %d responses that would be trained ran out of "
+                    "tokens (grpo.mask_truncated); raise rollout.max_new_tokens, or turn grpo.mask_truncated off",
+                    step,
+                    adv_stats["masked_truncated"],
+                )
+            lr = learning_rate_at(step, grpo)
+            bonus = entropy_coef_at(entropy_control, grpo)
+            stage_fault("grpo-update", step, Path(run_dir) / ".faults", phase="train")
+            touched = True
+            metrics = learner.train_step(samples, lr, bonus["applied"]) if samples else _no_signal_metrics(lr)
+            trained = Trained(rollout_rows, reward_rows, kl, next_kl_control, advantages, adv_stats, bonus, metrics)
+            stage_fault("grpo-update", step, Path(run_dir) / ".faults", phase="trained")
+        rollout_rows, reward_rows, kl, next_kl_control, advantages, adv_stats, bonus, metrics = trained.fields()
         saved = _save(learner, save, run_dir=run_dir, run=run, step=step, model=model, tokenizer=tokenizer)
         unsaved = UnsavedWeights.named_by(saved)
         save_at_close = (
@@ -234,9 +250,14 @@ def grpo_update(
             manifest["kl_control"] = next_kl_control
     except BaseException:
         # weights as they were (a failure before training, e.g. out of memory in the KL pass): back for the retry;
-        # moved on (half-updated, or updated with no result yet): no later step may use this learner (its ranks stop)
-        save_at_close = kept.save_at_close if kept else None
-        if touched or not live_learner.keep_learner(run_dir, learner_key, learner, policy["hash"], save_at_close):
+        # trained (a failure writing the outputs, e.g. a full disk): back, with what the retry needs to write them;
+        # half-updated: no later step may use this learner (its ranks stop)
+        if trained is not None:
+            if live_learner.keep_learner(run_dir, learner_key, learner, "", made_by=attempt, trained=trained) is None:
+                learner.close()
+        elif touched or not live_learner.keep_learner(
+            run_dir, learner_key, learner, policy["hash"], kept.save_at_close if kept else None
+        ):
             learner.close()
         raise
     # a retry of this update, should the stage fail after it returned (its result never stored), takes this result
@@ -246,6 +267,24 @@ def grpo_update(
     ):
         learner.close()
     return manifest
+
+
+@dataclasses.dataclass
+class Trained:
+    """An update's training step done, and what writing its outputs needs: the rows it read (with the KL in the
+    reward), the advantages, the entropy bonus and the step's metrics."""
+
+    rollout_rows: list
+    reward_rows: list
+    kl: dict
+    next_kl_control: dict | None
+    advantages: list
+    adv_stats: dict
+    bonus: dict
+    metrics: dict
+
+    def fields(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 @stage("reference-sync")

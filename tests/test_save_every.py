@@ -247,19 +247,22 @@ def test_save_every_needs_the_live_learner(tiny_recipe):
     assert any(p.startswith("run.save_every = 0") for p in check_values(recipe_from_dict(_recipe(tiny_recipe, 0))))
 
 
-def test_a_failed_update_between_saves_is_retried_from_the_live_learner(tiny_recipe, tmp_path, monkeypatch):
+def test_a_failed_update_between_saves_is_retried_from_the_live_learner(tiny_recipe, tmp_path, monkeypatch, info_logs):
     """run.save_every 2, where update 1 starts from weights only the live learner holds. Its first attempt fails
-    before its training step (the learner goes back, weights as they were), its second after the update finished,
-    before its result was stored (the learner holds that result): the third takes it. Nothing is recomputed, and
-    the run ends with the tables and weights of an uninterrupted one; before, the retry found no learner and the
-    run failed."""
+    before its training step (the learner goes back, weights as they were); its second once the training step
+    returned, before its checkpoint and tables were written (a full disk, say: the learner holds the trained
+    weights and what writing them needs); the third writes them without training again, then fails before its
+    result was stored (the learner holds that result): the fourth takes it. Nothing is recomputed, and the run ends
+    with the tables and weights of an uninterrupted one; before, the retry found no learner and the run failed."""
     plain, failed = tmp_path / "plain", tmp_path / "failed"
     assert _pipeline(_recipe(tiny_recipe, 2), plain).is_completed()
-    monkeypatch.setenv("REFINER_FAIL_ONCE", "grpo-update@1:train,grpo-update@1:end")
-    state = _pipeline(_recipe(tiny_recipe, 2), failed)
+    monkeypatch.setenv("REFINER_FAIL_ONCE", "grpo-update@1:train,grpo-update@1:trained,grpo-update@1:end")
+    state = _pipeline(_recipe(tiny_recipe, 2, retries=3), failed)
     assert state.is_completed(), state.message
     fired = sorted(p.name for p in (failed / ".faults").iterdir())
-    assert fired == ["raise-grpo-update@1:end", "raise-grpo-update@1:train"]  # both attempts failed as asked
+    assert fired == ["raise-grpo-update@1:end", "raise-grpo-update@1:train", "raise-grpo-update@1:trained"]
     log = sorted((failed / "logs").glob("run-*.log"))[-1].read_text()
+    assert "grpo-update step 1: an earlier attempt trained this update and failed writing its outputs" in log
     assert "grpo-update step 1: an earlier attempt finished this update" in log
+    assert log.count("grpo-update step 1: loss") == 1  # written by the third attempt, taken by the fourth
     _same(_results(failed, policy_hash=True), _results(plain, policy_hash=True))

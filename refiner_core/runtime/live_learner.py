@@ -33,6 +33,9 @@ class KeptLearner:
     # after it finished (its result never stored) is retried with that result, not from weights no longer held.
     made_by: str = ""
     result: dict | None = None
+    # An update that trained these weights and then failed writing its outputs: what writing them needs, for its
+    # retry (weights_hash is then empty: no checkpoint names these weights, no engine or other update takes them).
+    trained: Any = None
 
     def close(self) -> None:
         """The run ends: weights no checkpoint holds are written first, then the learner is closed."""
@@ -79,9 +82,10 @@ def take_learner(run_dir: str | Path, key: str, policy_hash: str):
     return kept.learner if kept else None
 
 
-def take_kept(run_dir: str | Path, key: str, policy_hash: str) -> KeptLearner | None:
+def take_kept(run_dir: str | Path, key: str, policy_hash: str, made_by: str = "") -> KeptLearner | None:
     """The run's live learner and its record when it was built with `key` and its weights are the checkpoint
-    `policy_hash` names, else None. It leaves the registry until `keep_learner` puts it back, so a step that fails
+    `policy_hash` names, or were trained by the update `made_by` names before writing its outputs failed (the
+    record's `trained`); else None. It leaves the registry until `keep_learner` puts it back, so a step that fails
     halfway (weights half-updated) is never reused."""
     run = run_of(run_dir)
     if run is None:
@@ -89,8 +93,11 @@ def take_kept(run_dir: str | Path, key: str, policy_hash: str) -> KeptLearner | 
     with LOCK:
         LOCK.wait_for(lambda: not run.lending)
         kept, run.learner = run.learner, None
-    if kept is not None and kept.key == key and kept.weights_hash == policy_hash:
-        return kept
+    if kept is not None and kept.key == key:
+        if kept.trained is None and kept.weights_hash == policy_hash:
+            return kept
+        if kept.trained is not None and made_by and kept.made_by == made_by:
+            return kept
     if kept is not None:  # other settings or other weights: never used again
         kept.learner.close()
     return None
@@ -115,15 +122,17 @@ def keep_learner(
     save_at_close: Callable[[], Any] | None = None,
     made_by: str = "",
     result: dict | None = None,
+    trained: Any = None,
 ) -> KeptLearner | None:
     """After the learner's weights were saved as the checkpoint `weights_hash` names: keep it for the next step
     (learners that hold their weights in this process, i.e. offer `weights()`). Returns its record, None where not
     kept. `save_at_close` writes weights that no checkpoint holds yet, should the run end first; `made_by` and
-    `result`: the update that made the weights and its manifest (finished_update)."""
+    `result`: the update that made the weights and its manifest (finished_update); `trained`: that update's training
+    step, when writing its outputs failed (take_kept)."""
     run = run_of(run_dir)
     if run is None or not hasattr(learner, "weights"):
         return None
-    kept = KeptLearner(key, learner, weights_hash, save_at_close, made_by, result)
+    kept = KeptLearner(key, learner, weights_hash, save_at_close, made_by, result, trained)
     with LOCK:
         run.learner = kept
     return kept

@@ -6,7 +6,8 @@ Three environment variables take comma-separated points:
   REFINER_KILL_ONCE       end the process at once with no cleanup, like SIGKILL
 A point is a stage ('judge'), a stage at a step ('judge@1'), either with ':end' (fires once the stage's outputs
 are written but before the orchestrator records it done), ':partN' (a rollout, once part N of its groups is
-written) or ':train' (a grpo-update, before its training step changes the weights), or 'write:<path>'
+written), ':train' (a grpo-update, before its training step changes the weights) or ':trained' (a grpo-update,
+once its training step returned, before its checkpoint and tables are written), or 'write:<path>'
 (REFINER_KILL_ONCE only): an atomic write whose destination ends with <path> ('catalog.duckdb',
 'step=1/rewards.parquet', 'step_0002') has its data on disk but not yet in place; 'write:<folder>.replacing'
 ('step_0002.replacing'): a folder being replaced has been moved aside, its replacement not yet renamed in.
