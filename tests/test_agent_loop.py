@@ -11,7 +11,7 @@ import torch
 
 from refiner_core.agent.hermes import TOO_DEEP, hermes_system_prompt, parse_tool_calls
 from refiner_core.agent.loop import AgentSettings, model_scorer, run_agent, tool_message_ids
-from refiner_core.agent.rollout import turn_rows
+from refiner_core.agent.rollout import call_counts, turn_rows
 from refiner_core.agent.tools.base import tool_schema
 from refiner_core.agent.tools.python_sandbox import PythonSandbox, PythonTool, SandboxLimits, check_sandbox
 from refiner_core.config import EngineSettings
@@ -418,8 +418,8 @@ def test_calls_past_the_caps_are_refused_never_run_and_earn_no_tool_round(tiny_m
     scripted = {
         # 5 calls: two fit the budget (2 x 2 s reserved of 5 s), the third does not, the last two pass the cap of 3
         (0, 0): ["".join(_print_call(f"a{k}") for k in range(5)), _print_call("b0") + _print_call("b1"), "\\boxed{42}"],
-        # three malformed calls and one past the cap: nothing ran
-        (0, 1): [BAD_JSON * 3 + _print_call("never"), "\\boxed{41}"],
+        # three malformed calls, one past the cap and a malformed one past it (told it is malformed): nothing ran
+        (0, 1): [BAD_JSON * 3 + _print_call("never") + BAD_JSON, "\\boxed{41}"],
     }
     try:
         a, b = run_agent(
@@ -451,8 +451,10 @@ def test_calls_past_the_caps_are_refused_never_run_and_earn_no_tool_round(tiny_m
     assert all(t.exit_code is None and t.seconds == 0 for t in a.turns if t.status == "refused")
     assert [arguments["code"] for arguments in tool.ran] == ["print('a0')", "print('a1')", "print('b0')", "print('b1')"]
     assert 0 < a.tool_seconds <= 5.0 and a.tool_rounds == 2 and a.finish_reason == "stop"
-    assert [t.status for t in b.turns if t.role == "tool"] == ["invalid_call"] * 3 + ["refused"]
+    assert [t.status for t in b.turns if t.role == "tool"] == ["invalid_call"] * 3 + ["refused", "invalid_call"]
     assert b.tool_rounds == 0 and b.tool_seconds == 0
+    assert (call_counts(b)["well_formed_calls"], call_counts(b)["refused_calls"]) == (1, 1)
+    assert (call_counts(a)["well_formed_calls"], call_counts(a)["refused_calls"]) == (7, 3)
 
     # The refusals are a queryable status ...
     path = tmp_path / "turns.parquet"

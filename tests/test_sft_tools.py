@@ -135,6 +135,48 @@ def test_the_loss_covers_the_assistants_tokens_only(tiny_tokenizer):
     assert "What is 6 * 7?" in masked and "boxed{42}" not in masked
 
 
+def test_two_assistant_turns_in_a_row_are_framed_as_the_template_frames_them(tiny_tokenizer):
+    """The template's end of turn and the next turn's header between them, not trained: the model never learns to
+    write on after its own end-of-turn token."""
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "The tool says 42."},
+        {"role": "assistant", "content": "\\boxed{42}"},
+    ]
+    (prepared, _) = _prepared(_rows(messages), tiny_tokenizer)
+    [example] = prepared.examples
+    ids, mask = example["input_ids"], example["loss_mask"]
+    assert tiny_tokenizer.decode(ids).endswith(
+        "The tool says 42.<|im_end|>\n<|im_start|>assistant\n\\boxed{42}<|im_end|>"
+    )
+    learned = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert learned == f"{CALL}<|im_end|>The tool says 42.<|im_end|>\\boxed{{42}}<|im_end|>"
+
+
+def test_turns_end_at_the_templates_end_of_turn_where_the_eos_is_another_token(tiny_tokenizer):
+    """A base checkpoint's tokenizer (EOS <|endoftext|> under ChatML): the engines stop at the template's <|im_end|>
+    too (rollout.base.stop_token_ids), so the loop ends its turns there, and SFT trains the same tokens."""
+    import copy
+
+    base = copy.deepcopy(tiny_tokenizer)
+    base.eos_token = "<|endoftext|>"
+    messages = [
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "\\boxed{42}"},
+    ]
+    ids, mask = loop_tokens(base, messages)
+    assert base.convert_tokens_to_ids("<|endoftext|>") not in ids
+    assert base.decode([t for t, m in zip(ids, mask) if m]) == f"{CALL}<|im_end|>\\boxed{{42}}<|im_end|>"
+    assert base.decode(ids).endswith(
+        f"{CALL}<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n\\boxed{{42}}<|im_end|>"
+    )
+
+
 def test_openai_tool_calls_are_written_as_hermes_blocks(tiny_tokenizer):
     hermes = [
         {"role": "system", "content": SYSTEM},

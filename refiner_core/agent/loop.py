@@ -58,7 +58,7 @@ class Turn:
     stderr: str | None = None
     seconds: float | None = None
     failure: str | None = None
-    finish_reason: str | None = None  # assistant rows: 'stop' | 'length' | 'tool_call'
+    finish_reason: str | None = None  # assistant rows: 'stop' | 'length' | 'tool_call' | 'max_turns'
 
 
 @dataclass(eq=False)  # identity: one object per conversation
@@ -260,11 +260,10 @@ NOT_RUN = ("invalid_call", REFUSED)  # statuses of calls that never ran: no tool
 
 
 def _refusal(rollout: AgentRollout, k: int, call: ToolCall, tools, settings: AgentSettings, reserved: dict):
-    """Why the k-th call of a conversation's turn may not run, or None (then its worst case is reserved)."""
+    """Why the k-th call of a conversation's turn, a well-formed one, may not run, or None (then its worst case is
+    reserved)."""
     if k >= settings.max_calls_per_turn:
         return f"{REFUSED}: max_calls_per_turn: at most {settings.max_calls_per_turn} tool calls per turn"
-    if call.failure is not None:
-        return None
     worst = tools[call.name].max_seconds
     taken = rollout.tool_seconds + reserved.get(rollout, 0.0)
     if taken + worst > settings.tool_seconds:
@@ -285,11 +284,10 @@ def _execute(
     by_tool: dict[str, list[int]] = {}
     reserved: dict[AgentRollout, float] = {}
     for i, (rollout, k, call) in enumerate(calls):
-        refusal = _refusal(rollout, k, call, tools, settings, reserved)
-        if refusal is not None:
-            results[i] = ToolResult(text=f"error: {refusal}", status=REFUSED, failure=refusal)
-        elif call.failure is not None:
+        if call.failure is not None:  # malformed, past the cap or not: the model is told what was wrong with it
             results[i] = invalid_call_result(call)
+        elif (refusal := _refusal(rollout, k, call, tools, settings, reserved)) is not None:
+            results[i] = ToolResult(text=f"error: {refusal}", status=REFUSED, failure=refusal)
         else:
             by_tool.setdefault(call.name, []).append(i)
     for name, idx in by_tool.items():

@@ -13,31 +13,32 @@ from __future__ import annotations
 
 from refiner_core.agent.loop import AgentRollout, assistant_turn_ids, end_of_turn_id, following_ids
 from refiner_core.data.prompts import render_prompt
+from refiner_core.rollout.base import stop_token_ids
 
 
 def loop_tokens(tokenizer, messages: list[dict], eos: set[int] | None = None) -> tuple[list[int], list[bool]]:
     """Token ids of the conversation as the agent loop builds them, and per token whether the assistant wrote it
     (the loss mask: assistant text and its end-of-turn token). `eos`: the engine's end-of-sequence ids (default
-    the tokenizer's EOS). Messages after the last assistant turn carry nothing to learn and are left out."""
+    those an engine stops at for this tokenizer: its EOS and the template's end of turn). Messages after the last
+    assistant turn carry nothing to learn and are left out; two assistant turns in a row are framed as the
+    template frames them (its end of turn and the next turn's header, not trained)."""
     assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant:
         raise ValueError("the conversation has no assistant turn")
-    eos = eos or {tokenizer.eos_token_id}
+    eos = eos or stop_token_ids(tokenizer, [])
     _, ids = render_prompt(tokenizer, messages[: assistant[0]])
     mask = [False] * len(ids)
     end = end_of_turn_id(tokenizer, eos)
-    k = assistant[0]
-    while k <= assistant[-1]:
-        if messages[k]["role"] == "assistant":
-            piece, written, k = assistant_turn_ids(tokenizer, messages[k]["content"], end), True, k + 1
-        else:
-            j = next(j for j in range(k, len(messages)) if messages[j]["role"] == "assistant")
-            piece, written = following_ids(tokenizer, messages[k:j]), False
-            if ids[-1] in eos and piece and piece[0] == ids[-1]:
-                piece = piece[1:]  # the turn already ended with the template's end-of-turn token, as in the loop
-            k = j
-        ids += piece
-        mask += [written] * len(piece)
+    for before, k in zip([None, *assistant], assistant):
+        if before is not None:  # the template's framing of the messages between two assistant turns, if any
+            framing = following_ids(tokenizer, messages[before + 1 : k])
+            if ids[-1] in eos and framing and framing[0] == ids[-1]:
+                framing = framing[1:]  # the turn already ended with the template's end-of-turn token, as in the loop
+            ids += framing
+            mask += [False] * len(framing)
+        turn = assistant_turn_ids(tokenizer, messages[k]["content"], end)
+        ids += turn
+        mask += [True] * len(turn)
     return ids, mask
 
 
