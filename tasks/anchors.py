@@ -5,6 +5,7 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from refiner_core.eval.judge_checks import anchor_rows, rejudge, sample_keys
+from refiner_core.judges.cache import fresh_answers
 from refiner_core.schema import JUDGE_ANCHORS
 from refiner_core.store.storage import read_rows, write_table
 from tasks.judge import judge_usage
@@ -38,7 +39,8 @@ def judge_anchors(
     prompt_rows = {p["prompt_id"]: p for p in read_rows(prompts["prompts"]["path"])}
     rubric_rows = rubrics_by_prompt(rubrics)
     settings, scorer = stage_judge(run_dir, judge_model, judge_cfg, dtype, precision, log)
-    again = rejudge(rollout_rows, prompt_rows, rubric_rows, scorer, settings.max_response_chars)
+    with fresh_answers():  # the judge as it answers now, not step 0's answers from its cache
+        again = rejudge(rollout_rows, prompt_rows, rubric_rows, scorer, settings.max_response_chars)
     first = [s for s in first_scores if (s["prompt_id"], s["sample_idx"]) in chosen]
     rows = anchor_rows(run, step, anchors["step"], first, again)
     moved = [

@@ -10,8 +10,10 @@ import socket
 
 import pytest
 
-from fault_server import CLIENT_TIMEOUT, FaultServer
+from fault_server import CLIENT_TIMEOUT, FaultServer, LoopbackServer
 from refiner_core.config import JudgeConfig, OpenAIJudgeConfig, RewardConfig
+from refiner_core.eval.judge_checks import rejudge
+from refiner_core.judges.cache import fresh_answers
 from refiner_core.judges.openai_judge import OpenAIJudge, make_openai_judge
 from refiner_core.reward.score import JudgeFailed, score_rollouts
 from refiner_core.runtime.http_chat import AnswerCache, RetryPolicy
@@ -265,3 +267,86 @@ def test_the_judges_bar_is_drawn_only_on_a_terminal(monkeypatch):
         assert bar.disable is not drawn
         bar.close()
     assert _progress(10, enabled=False).disable and _progress(0, enabled=True).disable
+
+
+class OddServer(LoopbackServer):
+    """Chat completions that trickle in (a byte every 0.1 s, each gap well inside the client's timeout), or are
+    far larger than max_tokens allows, or are answered twice with usage but no choices before a real answer."""
+
+    def __init__(self, mode: str):
+        import time
+        from http.server import BaseHTTPRequestHandler
+
+        self.requests = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests += 1
+                usage = {"prompt_tokens": 100, "completion_tokens": 6}
+                reply = {"choices": [{"message": {"role": "assistant", "content": '{"score": 2}'}}], "usage": usage}
+                if mode == "huge":
+                    reply["choices"][0]["message"]["content"] = "x" * 2_000_000 + '{"score": 2}'
+                if mode == "no_choices" and outer.requests <= 2:
+                    reply = {"choices": [], "usage": usage}
+                body = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                try:
+                    if mode == "trickle":
+                        for k in range(len(body)):
+                            self.wfile.write(body[k : k + 1])
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                    else:
+                        self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.listen(Handler)
+
+
+def test_a_reply_that_trickles_past_the_timeout_or_outgrows_max_tokens_is_a_recorded_failure(tmp_path):
+    """judge.openai.timeout_seconds bounds the whole request (httpx's timeout bounds each read: a reply sent a byte
+    at a time never tripped it); a reply far past what max_tokens allows is no answer, and is neither scored nor
+    stored (a 2 MB reply to max_tokens 16 was scored and cached whole)."""
+    for mode, failure in (("trickle", "timeout: no whole answer from "), ("huge", "oversized: ")):
+        with OddServer(mode) as server:
+            judge = _judge(server, tmp_path / mode, timeout_seconds=1.0, max_tokens=16, policy=RetryPolicy(0))
+            rows, _ = _score(judge, make_batch(1, 1, 1))
+        assert [(r["score"], r["failure"].split("http")[0]) for r in rows] == [(None, failure)], mode
+        assert len(AnswerCache(tmp_path / mode)) == 0
+
+
+def test_usage_of_replies_that_carried_no_answer_is_counted(tmp_path):
+    """Two replies with usage but no choices, retried, then the answer: the tokens of all three are what the
+    judgment cost (the first two were dropped)."""
+    with OddServer("no_choices") as server:
+        judge = _judge(server, tmp_path, concurrency=1)
+        rows, _ = _score(judge, make_batch(1, 1, 1))
+    assert [(r["score"], r["attempts"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        (1.0, 3, 300, 18)
+    ]
+
+
+def test_anchor_rejudging_asks_the_judge_and_leaves_the_cache_as_the_run_left_it(tmp_path):
+    """judge.anchor_every measures the judge as it answers now: under fresh_answers (tasks/anchors.py) the server
+    is asked again and its new verdicts are seen, where the cache answered step 0's verdicts back (drift 0 by
+    construction); the cache keeps the answers the run trained on, for a rescore."""
+    batch = make_batch(2, 2, 2)
+    with FaultServer(faults=False, answer='{"score": 2}') as server:
+        first, _ = _score(_judge(server, tmp_path), batch)
+        server.answer = '{"score": 0}'  # the same name now answers otherwise
+        asked = server.requests
+        with fresh_answers():
+            again = rejudge(*batch, _judge(server, tmp_path), 2000)
+        assert server.requests - asked == len(first) == len(again) == 8
+        assert {a["raw_score"] for a in again} == {0.0} and not any(a["cache_hit"] for a in again)
+        rescored, _ = _score(_judge(server, tmp_path), batch)
+        assert server.requests - asked == 8 and [r["raw_score"] for r in rescored] == [r["raw_score"] for r in first]

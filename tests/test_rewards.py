@@ -31,6 +31,8 @@ GOOD = "<answer><snippet id=a1b2c3,d4e5f6>claim</snippet> and <snippet id=ffffff
         ('<think>The rubric asks for {"score": 0}, {"score": 1} or', None, "unparseable"),  # cut off while thinking
         ('It says {"score": 0}, {"score": 1} or {"score": 2}. {"score": 2}', None, "ambiguous"),
         ('{"score": 1} Again: {"score": "1"}', 1.0, None),  # a restated verdict that agrees
+        ('{"score": 0, "score": 2}', None, "ambiguous"),  # a repeated key is two verdicts (a dict keeps the last)
+        ('{"score": 2, "reason": "x", "score": 2}', 2.0, None),
         # a chat template that opened <think> in the prompt: only the close is in the reply, the drafts before it
         ('First {"score": 0}? No: it fully meets it.\n</think>\n\n{"score": 2}', 2.0, None),
         ('<think>a</think> Then <think>once more {"score": 1}', None, "unparseable"),  # a second block never closed

@@ -83,7 +83,22 @@ def judge_completions(judge: Judge, conversations: list[list[dict]]) -> list[Com
 
 # a thinking judge served without a reasoning parser writes its reasoning, drafts of the score included, first
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_JSON_DECODER = json.JSONDecoder()
+
+
+class _JSONObject(dict):
+    """A decoded JSON object that remembers every value of its 'score' key: a repeated key (`{"score": 0, "score":
+    2}`) is two verdicts, where a plain dict keeps the last."""
+
+    scores: list
+
+
+def _object_with_scores(pairs: list[tuple]) -> _JSONObject:
+    obj = _JSONObject(pairs)
+    obj.scores = [value for key, value in pairs if key == "score"]
+    return obj
+
+
+_JSON_DECODER = json.JSONDecoder(object_pairs_hook=_object_with_scores)
 
 
 @dataclass(frozen=True)
@@ -107,7 +122,7 @@ def parse_judge_output(text: str) -> JudgeParse:
     answer = text[text.rfind(THINK_CLOSE) + len(THINK_CLOSE) :] if THINK_CLOSE in text else text
     if THINK_OPEN in answer:
         return JudgeParse(None, "unparseable: <think> reasoning never closed, no verdict after it")
-    values = [obj["score"] for obj in _json_objects(answer) if "score" in obj]
+    values = [value for obj in _json_objects(answer) for value in obj.scores]
     if not values:
         return JudgeParse(None, "unparseable: no JSON object with a 'score' key")
     verdicts = [_read_score(value) for value in values]
@@ -116,7 +131,7 @@ def parse_judge_output(text: str) -> JudgeParse:
     return verdicts[-1]
 
 
-def _json_objects(text: str) -> list[dict]:
+def _json_objects(text: str) -> list[_JSONObject]:
     """The JSON objects in `text`, in order; objects nested in one are part of it, not listed on their own, and
     so are those nested in an object that is not valid JSON."""
     objects, start = [], text.find("{")

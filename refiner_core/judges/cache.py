@@ -12,11 +12,29 @@ or `judge.openai.cache_path`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from refiner_core.models import refiner_home
 from refiner_core.runtime.http_chat import AnswerCache
 from refiner_core.store.storage import json_hash
+
+# Set by `fresh_answers`: judgments that measure the judge as it answers now (judge.anchor_every) read no cached
+# answer (the same prompt's answer from step 0 would give 0 drift by construction) and write none (a cached answer
+# stands for the judgment the run trained on; a rescore must find that one).
+FRESH: ContextVar[bool] = ContextVar("judge_fresh_answers", default=False)
+
+
+@contextmanager
+def fresh_answers() -> Iterator[None]:
+    """Judgments made in the block neither read nor write the judge cache."""
+    token = FRESH.set(True)
+    try:
+        yield
+    finally:
+        FRESH.reset(token)
 
 
 def default_cache_dir() -> Path:

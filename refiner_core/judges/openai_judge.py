@@ -23,7 +23,7 @@ import httpx
 
 from refiner_core.config import ConfigError, JudgeConfig, OpenAIJudgeConfig
 from refiner_core.judges.base import Completion, parse_judge_output
-from refiner_core.judges.cache import cache_key, open_cache, prompt_hash
+from refiner_core.judges.cache import FRESH, cache_key, open_cache, prompt_hash
 from refiner_core.judges.cost import PAYER
 from refiner_core.runtime.http_chat import AnswerCache, ChatError, RequestBudget, RetryPolicy, chat_reply, shared_pacer
 from refiner_core.runtime.progress import check_stalled, on_stall, probing
@@ -117,7 +117,7 @@ class OpenAIJudge:
     def complete_detailed(self, conversations: list[list[dict]]) -> list[Completion]:
         out: list[Completion | None] = [None] * len(conversations)
         todo = []
-        identity = self.identity() if self.cache is not None and conversations else None
+        identity = self.identity() if self.cache is not None and conversations and not FRESH.get() else None
         cache = self.cache if identity is not None else None
         payer = PAYER.get()
         repaid = [0, 0, 0]  # requests and tokens of hits this stage paid for in an earlier attempt
@@ -185,7 +185,17 @@ class OpenAIJudge:
                     )
             except ChatError as e:
                 attempts = e.attempts
-                done = Completion(None, f"{e.kind}: {e.detail}"[:500], None, e.attempts, False, self.model, digest)
+                done = Completion(
+                    None,
+                    f"{e.kind}: {e.detail}"[:500],
+                    None,
+                    e.attempts,
+                    False,
+                    self.model,
+                    digest,
+                    e.prompt_tokens,
+                    e.completion_tokens,
+                )
             with lock:
                 out[i] = done
                 self.requests_made += attempts

@@ -9,6 +9,7 @@ chat-completions JSON is the model's answer, whatever its content.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
@@ -21,15 +22,30 @@ import httpx
 from refiner_core.store.storage import write_json
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+# A reply body's size limit: a floor for error pages and usage, plus generously many bytes per token asked for (a
+# token is a few characters, JSON-escaped at most 6 bytes each). A body past it is no answer to this request.
+REPLY_BYTES_FLOOR = 1 << 20
+REPLY_BYTES_PER_TOKEN = 64
 
 
 class ChatError(RuntimeError):
-    """A request that produced no model answer. `kind`: timeout | refused | http_NNN | invalid_response |
-    budget_exhausted; `retryable` says whether another attempt could help; `attempts` is set by the retry loop."""
+    """A request that produced no model answer. `kind`: timeout | refused | http_NNN | invalid_response | oversized |
+    budget_exhausted; `retryable` says whether another attempt could help; `attempts` is set by the retry loop.
+    prompt_tokens / completion_tokens: what the server said the failed attempts took (a reply it sent with usage but
+    no usable answer), None where it said nothing."""
 
-    def __init__(self, kind: str, detail: str, retryable: bool, retry_after: float | None = None):
+    def __init__(
+        self,
+        kind: str,
+        detail: str,
+        retryable: bool,
+        retry_after: float | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ):
         super().__init__(f"{kind}: {detail}")
         self.kind, self.detail, self.retryable, self.retry_after = kind, detail, retryable, retry_after
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         self.attempts = 0
 
 
@@ -61,17 +77,32 @@ def chat_once(
     client: httpx.Client, base_url: str, body: dict, api_key: str = "", timeout_seconds: float = 60.0
 ) -> ChatReply:
     """POST {base_url}/chat/completions once; the first choice's message content and the reply's token usage, or
-    ChatError."""
+    ChatError. `timeout_seconds` bounds the whole request, a reply sent a few bytes at a time included (httpx's own
+    timeout bounds each read), and the reply's size is bounded by the tokens it may hold (body['max_tokens'])."""
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_seconds
+    limit = REPLY_BYTES_FLOOR + REPLY_BYTES_PER_TOKEN * int(body.get("max_tokens") or 0)
     try:
-        response = client.post(url, json=body, headers=headers, timeout=timeout_seconds)
+        with client.stream("POST", url, json=body, headers=headers, timeout=timeout_seconds) as response:
+            raw = bytearray()
+            for chunk in response.iter_bytes():
+                raw += chunk
+                if len(raw) > limit:
+                    raise ChatError(
+                        "oversized",
+                        f"{url}: a reply of over {limit} bytes for max_tokens {body.get('max_tokens')}",
+                        False,
+                    )
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the reply did not end in time")
     except httpx.TimeoutException:
-        raise ChatError("timeout", f"no answer from {url} within {timeout_seconds}s", True) from None
+        raise ChatError("timeout", f"no whole answer from {url} within {timeout_seconds}s", True) from None
     except httpx.ConnectError as e:
         raise ChatError("refused", f"{url}: {e}", True) from None
     except httpx.TransportError as e:  # reset connections, protocol errors
         raise ChatError("transport", f"{url}: {type(e).__name__}: {e}", True) from None
+    text = bytes(raw).decode(response.encoding or "utf-8", errors="replace")
     if response.status_code != 200:
         retry_after = None
         try:
@@ -81,21 +112,29 @@ def chat_once(
         status = response.status_code
         raise ChatError(
             f"http_{status}",
-            f"{url}: {response.text[:200]!r}",
+            f"{url}: {text[:200]!r}",
             status in RETRYABLE_STATUS or status >= 500,
             retry_after,
         )
     try:
-        reply = response.json()
+        reply = json.loads(text)
+    except ValueError:
+        raise ChatError("invalid_response", f"not a chat-completions reply: {text[:200]!r}", True) from None
+    usage = reply.get("usage") if isinstance(reply, dict) and isinstance(reply.get("usage"), dict) else {}
+    tokens = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    try:
         content = reply["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise ChatError("invalid_response", f"not a chat-completions reply: {response.text[:200]!r}", True) from None
+    except (KeyError, IndexError, TypeError):
+        raise ChatError(
+            "invalid_response", f"not a chat-completions reply: {text[:200]!r}", True, None, *tokens
+        ) from None
     if content is None:
         content = ""
     if not isinstance(content, str):
-        raise ChatError("invalid_response", f"message content is {type(content).__name__}, not a string", True)
-    usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
-    return ChatReply(content, _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")))
+        raise ChatError(
+            "invalid_response", f"message content is {type(content).__name__}, not a string", True, None, *tokens
+        )
+    return ChatReply(content, *tokens)
 
 
 def _count(value) -> int | None:
@@ -236,28 +275,43 @@ def chat_reply(
     the fault is final or `cancelled` is set."""
     rng = rng or random.Random()
     attempts = 0
+    spent = [None, None]  # tokens the server said failed attempts took: counted with the answer or the failure
+
+    def failed(err: ChatError) -> ChatError:
+        err.attempts = attempts
+        err.prompt_tokens, err.completion_tokens = spent
+        return err
+
     while True:
         if cancelled is not None and cancelled.is_set():
-            err = ChatError("cancelled", "the work was cancelled (it stalled)", False)
-            err.attempts = attempts
-            raise err
+            raise failed(ChatError("cancelled", "the work was cancelled (it stalled)", False))
         if budget is not None and not budget.take():
-            err = ChatError("budget_exhausted", f"request budget of {budget.limit} requests used up", False)
-            err.attempts = attempts
-            raise err
+            raise failed(ChatError("budget_exhausted", f"request budget of {budget.limit} requests used up", False))
         entry = pacer.admit(estimated_tokens(body)) if pacer is not None and pacer.limited else None
         attempts += 1
         try:
             reply = chat_once(client, base_url, body, api_key, timeout_seconds)
         except ChatError as e:
-            e.attempts = attempts
+            spent = [_add(spent[0], e.prompt_tokens), _add(spent[1], e.completion_tokens)]
             if not e.retryable or attempts > policy.max_retries:
-                raise
+                raise failed(e) from None
             sleep(backoff_delay(attempts - 1, policy, rng, e.retry_after))
             continue
         if entry is not None and reply.prompt_tokens is not None and reply.completion_tokens is not None:
             pacer.settle(entry, reply.prompt_tokens + reply.completion_tokens)
+        if spent != [None, None]:
+            reply = dataclasses.replace(
+                reply,
+                prompt_tokens=_add(reply.prompt_tokens, spent[0]) if reply.prompt_tokens is not None else None,
+                completion_tokens=_add(reply.completion_tokens, spent[1])
+                if reply.completion_tokens is not None
+                else None,
+            )
         return reply, attempts
+
+
+def _add(total: int | None, tokens: int | None) -> int | None:
+    return tokens if total is None else total + (tokens or 0)
 
 
 def list_models(base_url: str, api_key: str = "", timeout_seconds: float = 10.0) -> list[str]:
