@@ -255,6 +255,12 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "samples only the step's first prompts, so fresh prompts would have no pseudo-label; turn "
             "one of them off"
         )
+    if cfg.rollout.agent.enabled and cfg.reward.verifier == "co_rewarding_teacher":
+        problems.append(
+            "rollout.agent.enabled with reward.verifier 'co_rewarding_teacher': the EMA teacher samples single "
+            "turns without tools, so its labels would come from another way of answering than the conversations "
+            "they reward; turn one of them off"
+        )
     if cfg.rollout.agent.enabled:
         from refiner_core.agent.rollout import agent_problems
 

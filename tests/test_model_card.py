@@ -245,6 +245,11 @@ def test_sft_and_teacher_checkpoints_get_their_own_cards(tmp_path):
     write_model_card(sft, tmp_path, kind="sft", run="co2", step=None)
     card = ModelCard.load(teacher / "README.md")
     assert "ema-teacher" in card.data.tags and "trained from `teacher/step_0001`" in card.text
+    assert "the new run's teacher of step 2 is this one" in card.text
+    reference = model_card(
+        recipe, kind="reference", run="co2", step=2, checkpoint="RUN/reference/step_0002", parent="RUN/base"
+    )
+    assert "the new run's KL reference of step 2 is this one" in reference and "teacher of step" not in reference
     assert f"| EMA teacher | alpha {recipe['teacher']['alpha_start']} -> " in card.text
     card = ModelCard.load(sft / "README.md")
     assert "sft" in card.data.tags and "| epochs | 3 |" in card.text and "--set grpo.steps" not in card.text

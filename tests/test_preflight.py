@@ -358,6 +358,18 @@ def test_dynamic_sampling_is_refused_with_the_ema_teacher_and_allowed_with_a_zer
     assert problems("rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_rounds=0") == []
 
 
+def test_the_ema_teacher_is_refused_with_the_tool_agent():
+    """The teacher samples single turns without tools: its labels would come from another way of answering."""
+    found = problems(
+        "rollout.agent.enabled=true", "model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml"
+    )
+    assert any(p.startswith("rollout.agent.enabled with reward.verifier 'co_rewarding_teacher'") for p in found)
+    assert not any(
+        "co_rewarding_teacher" in p
+        for p in problems("model.policy=tiny-qwen3", recipe=REPO / "recipes" / "co-rewarding-2.yaml")
+    )
+
+
 def test_a_decaying_learning_rate_must_decay_after_its_warmup():
     # tiny.yaml runs 2 steps: lr_decay_steps 0 ends the decay there
     [p] = problems("grpo.lr_scheduler_type=cosine", "grpo.lr_warmup_steps=2")

@@ -276,7 +276,7 @@ def _reproduce(recipe: dict, kind: str, step: int | None, fork: dict | None = No
         if kind == "sft"
         else f"the new run's checkpoint of step {step} is this one"
         if kind == "grpo"
-        else f"the new run's teacher of step {step} is this one"
+        else f"the new run's {'KL reference' if kind == 'reference' else 'teacher'} of step {step} is this one"
     )
     resolved = f"```yaml\n{yaml.safe_dump(recipe, sort_keys=False)}```"
     if fork and fork["shares_steps"]:  # its steps before the fork step ran with the parent's recipe, not this one
