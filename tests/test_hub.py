@@ -122,10 +122,12 @@ def test_the_plan_lists_weights_tokenizer_and_card_but_no_optimizer_state(run_di
     assert plan.card_metadata == card.data.to_dict() and "grpo" in plan.card_metadata["tags"]
 
 
-def _adapter_on_sft(run: Path, tiny_model_path: Path) -> Path:
-    """A LoRA run that warm-started with SFT (model.lora_save_merged false): checkpoints/sft, the tiny model moved,
-    and step_0001, an adapter-only checkpoint trained on it (B drawn at random, as after updates)."""
-    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["model.lora_rank=4", "sft.enabled=true"]).to_dict()
+def _adapter_on_sft(run: Path, tiny_model_path: Path, merged: bool = False) -> Path:
+    """A LoRA run that warm-started with SFT (model.lora_save_merged `merged`): checkpoints/sft, the tiny model
+    moved, and step_0001, the adapter trained on it (B drawn at random, as after updates), alone or beside the
+    merged weights."""
+    overrides = ["model.lora_rank=4", "sft.enabled=true", f"model.lora_save_merged={str(merged).lower()}"]
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", overrides).to_dict()
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     sft = moved_checkpoint(tiny_model_path, run / "checkpoints" / "sft", seed=3)
     settings = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=["all-linear"])
@@ -136,11 +138,22 @@ def _adapter_on_sft(run: Path, tiny_model_path: Path) -> Path:
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=generator)
     step = run / "checkpoints" / "step_0001"
-    save_lora(policy, step, merged=False)
+    save_lora(policy, step, merged=merged)
     torch.save({}, step / "optimizer.pt")
     load_tokenizer(tiny_model_path).save_pretrained(step)
     write_model_card(step, run, kind="grpo", run="lora", step=1)
     return step
+
+
+def test_a_merged_lora_checkpoint_uploads_its_merged_weights_without_the_adapter(tiny_model_path, tmp_path):
+    """model.lora_save_merged true: the checkpoint's own merged weights go up, not adapter/, whose config names
+    this machine's folder as its base (and PEFT's adapter card the training folder's path)."""
+    step = _adapter_on_sft(tmp_path, tiny_model_path, merged=True)
+    assert (step / "adapter" / "adapter_config.json").is_file() and (step / "model.safetensors").is_file()
+    plan = plan_push(choose_checkpoint(tmp_path))
+    names = [name for name, _ in plan.files]
+    assert plan.source == step and {"config.json", "model.safetensors", "README.md"} <= set(names)
+    assert not [n for n in names if n.startswith(("adapter", "optimizer"))], names
 
 
 def test_an_adapter_only_lora_checkpoint_uploads_the_policy_merged(tiny_model_path, tmp_path):

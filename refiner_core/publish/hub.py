@@ -1,6 +1,7 @@
 """Publishing a checkpoint folder of a run to the Hugging Face Hub: which checkpoint, what it must hold, which of
 its files go up (never the optimizer state), and the two Hub calls that upload them. An adapter-only LoRA
-checkpoint goes up as the run's policy: its adapter merged into its base, in a temporary folder.
+checkpoint goes up as the run's policy: its adapter merged into its base, in a temporary folder; a LoRA checkpoint
+with merged weights (model.lora_save_merged) sends those alone, not its adapter/, whose base is a local folder.
 
 The Hub client is passed in (`huggingface_hub.HfApi()` by default), so everything before the upload runs offline.
 """
@@ -72,8 +73,8 @@ def choose_checkpoint(run_dir: Path, step: int | None = None, sft: bool = False,
 
 
 def plan_push(folder: Path) -> PushPlan:
-    """Check that `folder` is a complete checkpoint and list the files to upload: all but the training state; for
-    an adapter-only LoRA checkpoint, those of its merged copy (_merged_copy)."""
+    """Check that `folder` is a complete checkpoint and list the files to upload: all but the training state and a
+    LoRA adapter/; for an adapter-only LoRA checkpoint, those of its merged copy (_merged_copy)."""
     from huggingface_hub import ModelCard
 
     folder = Path(folder)
@@ -106,7 +107,7 @@ def plan_push(folder: Path) -> PushPlan:
     files = sorted(
         (p.relative_to(source).as_posix(), p.stat().st_size)
         for p in source.rglob("*")
-        if p.is_file() and p.relative_to(source).parts[0] not in TRAINING_STATE_FILES
+        if p.is_file() and p.relative_to(source).parts[0] not in (*TRAINING_STATE_FILES, ADAPTER_DIR)
     )
     return PushPlan(folder, files, metadata, staged)
 
