@@ -294,6 +294,12 @@ class RubricConfig:
     max_rejected_fraction: float = opt(
         0.5, "Fail the stage when more than this fraction of prompts ends up without usable rubrics.", check=FRACTION
     )
+    max_per_prompt: int = opt(
+        64,
+        "A prompt with more instance rubrics than this (given or generated) is quarantined as 'too_many_rubrics': "
+        "each rubric is a judge call per rollout.",
+        check=AT_LEAST_1,
+    )
     generation_endpoint: str = opt(
         "",
         "OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1) used to write rubrics for rows that "

@@ -67,7 +67,12 @@ def ingest_rubrics(
             return rubrics
 
     joined, rejected = join_rubrics(
-        prompt_rows, source_rows, static, separate_source=bool(rubric_file), generate=generate
+        prompt_rows,
+        source_rows,
+        static,
+        separate_source=bool(rubric_file),
+        generate=generate,
+        max_per_prompt=rubric_cfg["max_per_prompt"],
     )
     rows = [{"run": run, "prompt_id": pid, **rubric} for pid, rubrics in joined.items() for rubric in rubrics]
     out = Path(run_dir) / "data"

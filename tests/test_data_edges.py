@@ -224,6 +224,10 @@ def test_crlf_line_ends_and_unicode_line_separators_in_jsonl(tmp_path):
             [{"rubric_id": "static-a", "kind": "positive", "title": " ", "description": "d"}],
             "'static-a': 'title' must be",
         ),
+        (  # a misspelt weight would weigh 1
+            [{"rubric_id": "static-a", "kind": "positive", "title": "t", "description": "d", "weigth": 5}],
+            "'static-a': unknown keys ['weigth']",
+        ),
     ],
 )
 def test_a_malformed_static_rubric_file_is_a_rubric_error_naming_the_rubric(tmp_path, content, says):

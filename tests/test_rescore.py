@@ -280,3 +280,16 @@ def test_a_step_scored_with_claims_rescores_though_no_answer_held_a_claim(api_en
         run_dir, "SELECT citation_weight, citation_score_kind FROM reward_weights WHERE reward_version = 'cw05'"
     )
     assert weights == [{"citation_weight": 0.5, "citation_score_kind": "dr_tulu"}]
+
+
+def test_rescore_refuses_on_failure_fail():
+    """judge.on_failure 'fail' stops a judge stage at a failed judgment; a rescore has no stage to stop (its SQL read
+    'fail' as 'zero', a version silently equal to it)."""
+    from refiner_core.config import load_recipe
+    from refiner_core.reward.rescore import RescoreError, check_rescorable
+
+    with pytest.raises(RescoreError, match=r"judge.on_failure='fail' stops a judge stage"):
+        check_rescorable(load_recipe(None), load_recipe(None, ["judge.on_failure=fail"]), 0, [])
+    check_rescorable(load_recipe(None), load_recipe(None, ["judge.on_failure=skip"]), 0, [])
+    fail = load_recipe(None, ["judge.on_failure=fail"])  # a run that stops on failures rescores its rewards
+    check_rescorable(fail, load_recipe(None, ["judge.on_failure=fail", "reward.format_weight=0.5"]), 0, [])

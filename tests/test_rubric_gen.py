@@ -25,7 +25,7 @@ SAMPLES = REPO / "data" / "refiner" / "samples.jsonl"
 class FakeOpenAI(BaseHTTPRequestHandler):
     """A deterministic chat-completions endpoint. The question decides the behaviour: TIMEOUT sleeps past the
     client's timeout, JUNK answers prose, BADSHAPE answers JSON of the wrong shape, ESCAPES a rubric holding a
-    terminal escape, HTTP500 fails."""
+    terminal escape, HUGEINT an integer past Python's digit limit, HEAVY a weight of 1e308, HTTP500 fails."""
 
     requests: list[dict] = []
 
@@ -44,6 +44,10 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             content = "Sure! A good answer would be accurate and concise."
         elif "BADSHAPE" in question:
             content = json.dumps({"positive_rubrics": "be accurate"})
+        elif "HUGEINT" in question:  # a number past Python's int digit limit: ValueError, not JSONDecodeError
+            content = '{"positive_rubrics": [' + "9" * 5000 + '], "negative_rubrics": []}'
+        elif "HEAVY" in question:  # a weight whose sum over two rubrics overflows to inf
+            content = json.dumps({"positive_rubrics": [{"description": "a", "weight": 1e308}], "negative_rubrics": []})
         elif "ESCAPES" in question:  # a rubric that would clear the screen of whoever prints it
             content = json.dumps({"positive_rubrics": ["Accurate.\x1b[2J"], "negative_rubrics": []})
         else:
@@ -126,6 +130,8 @@ def test_generated_rubrics_are_parsed_and_cached_per_row(endpoint, tmp_path):
         ("JUNK please", "rubric_generation_unparseable", True),
         ("BADSHAPE please", "rubric_generation_invalid", True),
         ("ESCAPES please", "rubric_generation_invalid", True),
+        ("HUGEINT please", "rubric_generation_unparseable", True),
+        ("HEAVY please", "rubric_generation_invalid", True),
     ],
 )
 def test_failures_become_reasons_not_crashes(endpoint, tmp_path, question, reason, cached_after):
@@ -194,6 +200,33 @@ def test_separate_rubric_file_is_joined_by_id_with_rejections(tmp_path):
         ("line 6", "invalid_json"),
         ("id p4", "missing_rubrics"),
     }
+
+
+def test_rubrics_that_would_crash_ingest_or_make_rewards_nan_are_quarantined(tmp_path):
+    """Weights past 1e6 (two of 1e308 summed to inf: every reward of the prompt NaN; 10**400 crashed float()), JSON
+    the decoder cannot read (an integer past Python's digit limit, nesting past its recursion limit: a crash, retried
+    and cached), a blank title and more rubrics than rubrics.max_per_prompt are the row's rejections."""
+    lines = [
+        {
+            "id": "p1",
+            "positive_rubrics": [{"description": "a", "weight": 1e308}, {"description": "b", "weight": 1e308}],
+        },
+        {"id": "p2", "positive_rubrics": [{"description": "a", "weight": 10**400}]},
+        {"id": "p3", "positive_rubrics": "[" + "1" * 5000 + "]"},
+        {"id": "p4", "positive_rubrics": "[" * 5000 + "]" * 5000},
+        {"id": "p5", "positive_rubrics": [{"description": "a", "title": "   "}]},
+        {"id": "p6", "positive_rubrics": [f"Rubric {k}." for k in range(5)]},
+        {"id": "p7", "positive_rubrics": [{"description": "a", "weight": 1e6}], "negative_rubrics": ["b", "c"]},
+    ]
+    path = tmp_path / "rubrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    prompts = [_prompt(f"p{k}") for k in range(1, 8)]
+    joined, rejected = join_rubrics(prompts, load_rows(str(path)), [], separate_source=True, max_per_prompt=4)
+    assert sorted(joined) == ["p7"] and [r["weight"] for r in joined["p7"]] == [1e6, 1.0, 1.0]
+    reasons = [(r.row_ref, r.reason) for r in rejected]
+    assert reasons == [(f"line {k}", "invalid_rubrics") for k in range(1, 6)] + [("line 6", "too_many_rubrics")]
+    assert "(0, 1e+06]" in rejected[0].detail and "unreadable JSON" in rejected[2].detail
+    assert "5 instance rubrics, over rubrics.max_per_prompt = 4" in rejected[5].detail
 
 
 def test_a_prompt_whose_twin_is_rejected_goes_with_it(tmp_path):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
 from refiner_core.data.text_safety import unusable_character
+
+MAX_RUBRIC_WEIGHT = 1e6  # far above any rubric's share, far below a sum over thousands that could overflow
 
 
 class RubricError(ValueError):
@@ -29,9 +30,11 @@ def normalise_rubric(item, kind: str, index: int) -> dict:
     if not isinstance(description, str) or not description.strip():
         raise RubricError(f"{kind} rubric {index}: 'description' must be a non-empty string")
     weight = checked_weight(item.get("weight"), f"{kind} rubric {index}")
-    title = item.get("title") or description.strip()[:60]
-    if not isinstance(title, str):
-        raise RubricError(f"{kind} rubric {index}: 'title' must be a string")
+    title = item.get("title")
+    if title is None:
+        title = description.strip()[:60]
+    if not isinstance(title, str) or not title.strip():
+        raise RubricError(f"{kind} rubric {index}: 'title' must be a non-empty string, got {title!r}"[:300])
     checked_text(description, f"{kind} rubric {index}: 'description'")
     checked_text(title, f"{kind} rubric {index}: 'title'")
     unknown = set(item) - {"description", "weight", "title"}
@@ -57,13 +60,13 @@ def checked_text(text: str, where: str) -> str:
 
 
 def checked_weight(weight, where: str) -> float:
-    """A rubric weight: a finite positive number, 1 when absent or None (a Parquet or hub list of structs reads a
-    rubric without one as None). An infinite one would make the weighted rubric score inf/inf, NaN, for every
-    rollout of the prompt."""
+    """A rubric weight: a positive number up to MAX_RUBRIC_WEIGHT, 1 when absent or None (a Parquet or hub list of
+    structs reads a rubric without one as None). An infinite one, or finite ones whose sum overflows (two of 1e308),
+    would make the weighted rubric score inf/inf, NaN, for every rollout of the prompt."""
     if weight is None:
         return 1.0
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
-        raise RubricError(f"{where}: 'weight' must be a finite positive number, got {weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_RUBRIC_WEIGHT:
+        raise RubricError(f"{where}: 'weight' must be a number in (0, {MAX_RUBRIC_WEIGHT:g}], got {weight!r}"[:300])
     return float(weight)
 
 
@@ -113,6 +116,8 @@ def _parsed(value, kind: str):
         return json.loads(value)
     except json.JSONDecodeError as e:
         raise RubricError(f"{kind}_rubrics: invalid JSON ({e.msg} at char {e.pos})") from None
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting too deep
+        raise RubricError(f"{kind}_rubrics: unreadable JSON ({type(e).__name__}: {str(e)[:100]})") from None
 
 
 _INSTANCE_ID_RE = re.compile(r"(pos|neg)-\d+")
@@ -139,6 +144,9 @@ def load_static_rubrics(path: Path) -> list[dict]:
         if not isinstance(rubric_id, str) or not rubric_id.strip():
             raise RubricError(f"{path}: static rubric {index} needs a 'rubric_id' string")
         where = f"{path}: static rubric {rubric_id!r}"
+        unknown = set(item) - {"rubric_id", "kind", "title", "description", "weight"}
+        if unknown:  # a misspelt 'weight' would silently weigh 1
+            raise RubricError(f"{where}: unknown keys {sorted(unknown)}")
         if kind not in ("positive", "negative"):
             raise RubricError(f"{where} has kind {kind!r}")
         if rubric_id in seen:

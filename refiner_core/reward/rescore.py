@@ -78,6 +78,11 @@ def check_rescorable(base: RecipeConfig, new: RecipeConfig, judged_pairs: int, s
             f"{', '.join(judge)} change the judgments themselves: {judged_pairs} (rollout, rubric) "
             "pairs would be re-judged; run the pipeline with these settings instead (`refiner run`)."
         )
+    if "judge.on_failure" in changed and new.judge.on_failure == "fail":
+        problems.append(
+            "judge.on_failure='fail' stops a judge stage at its first failed judgment; a rescore judges nothing, "
+            "so it has nothing to stop: choose zero, skip or drop (the stored failures are in judge_scores.failure)."
+        )
     verifier = [c for c in changed if c.startswith("reward.") and c not in allowed]
     if verifier:
         problems.append(f"{', '.join(verifier)} changes how rollouts are verified; run the pipeline instead.")

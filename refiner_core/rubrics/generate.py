@@ -84,6 +84,10 @@ def parse_generated(content: str) -> list[dict]:
         raise RubricGenerationError(
             "rubric_generation_unparseable", f"answer is not JSON ({e.msg} at char {e.pos}): {content[:200]!r}"
         ) from None
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting too deep
+        raise RubricGenerationError(
+            "rubric_generation_unparseable", f"answer is unreadable JSON ({type(e).__name__}): {content[:200]!r}"
+        ) from None
     if not isinstance(obj, dict) or not {"positive_rubrics", "negative_rubrics"} <= set(obj):
         raise RubricGenerationError(
             "rubric_generation_invalid",

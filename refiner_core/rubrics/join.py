@@ -12,7 +12,12 @@ from refiner_core.rubrics.generate import RubricGenerationError
 
 
 def join_rubrics(
-    prompts: list[dict], source_rows: list, static: list[dict], separate_source: bool, generate=None
+    prompts: list[dict],
+    source_rows: list,
+    static: list[dict],
+    separate_source: bool,
+    generate=None,
+    max_per_prompt: int = 64,
 ) -> tuple[dict[str, list[dict]], list]:
     """Instance rubrics per prompt ID (plus the static set) and the rejections.
 
@@ -20,7 +25,8 @@ def join_rubrics(
     `separate_source` they come from a rubric file of their own, so unreadable rows, unknown IDs and
     duplicates are rejected here; otherwise they are the data rows, already vetted by prepare-data.
     A prompt with neither rubrics nor a ground truth gets them from `generate(prompt) -> rubrics` (may raise
-    RubricGenerationError); a prompt with a ground truth and no rubrics maps to [] (verified, not judged).
+    RubricGenerationError); a prompt with a ground truth and no rubrics maps to [] (verified, not judged). A
+    prompt with more than `max_per_prompt` instance rubrics is rejected (each is a judge call per rollout).
     """
     by_id = {p["prompt_id"]: p for p in prompts}
     found: dict[str, list[dict]] = {}
@@ -81,6 +87,13 @@ def join_rubrics(
                     raw_text,
                 )
             )
+            continue
+        if len(rubrics) > max_per_prompt:
+            detail = (
+                f"{len(rubrics)} instance rubrics, over rubrics.max_per_prompt = {max_per_prompt} (each is a judge "
+                "call per rollout): raise it if they are meant"
+            )
+            rejected.append(Rejection(ref, "too_many_rubrics", detail, raw_text))
             continue
         out[pid] = rubrics + static
     return _drop_lone_twins(out, by_id, source_of, rejected)
