@@ -1119,7 +1119,10 @@ class GRPOConfig:
         "torch's limit of 8 the rest run uncompiled: the run warns.",
     )
     minibatches: int = opt(
-        1, "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass).", check=AT_LEAST_1
+        1,
+        "Optimizer steps per rollout batch (1 = on-policy, rho = 1 on the only pass): the batch cut into that many "
+        "consecutive parts whose sizes differ by at most one (fewer where there are fewer samples).",
+        check=AT_LEAST_1,
     )
     epochs: int = opt(
         1,

@@ -48,6 +48,11 @@ def build_train_samples(
     with no response token, and under grpo.mask_truncated those cut off by the token budget, are not trained
     (stats['masked_truncated'] counts the latter); their rewards still count in their group's advantages.
     `parts_of`: how a reward row splits into parts (grpo.reward_aggregation)."""
+    for rows, what in ((rollouts, "rollouts"), (rewards, "rewards")):
+        seen = [(r["prompt_id"], r["sample_idx"]) for r in rows]
+        if len(set(seen)) < len(seen):  # one key's advantage would stand for both rows
+            twice = sorted({k for k in seen if seen.count(k) > 1})
+            raise ValueError(f"{what}: (prompt_id, sample_idx) repeated, e.g. {twice[:3]}")
     keys = {(r["prompt_id"], r["sample_idx"]) for r in rewards}
     missing = [(r["prompt_id"], r["sample_idx"]) for r in rollouts if (r["prompt_id"], r["sample_idx"]) not in keys]
     if missing:
@@ -133,6 +138,7 @@ def grpo_loop(
     """Plain GRPO. The engine samples from the learner's live weights: by sharing the model object (hf), or
     through `sync`, called after every update to push them (vllm: `lambda: engine.load_weights(learner.policy)`)."""
     history, entropy_control, kl_control = [], None, None  # grpo.adaptive_entropy's and kl_reward_target's state
+    prompts_per_step = min(prompts_per_step, len(prompts))  # a prompt drawn twice in a step would be one group
     for step in range(steps):
         chosen = [(step * prompts_per_step + k) % len(prompts) for k in range(prompts_per_step)]
         step_params = dataclasses.replace(params, seed=params.seed + step)

@@ -218,6 +218,27 @@ def test_epochs_pass_over_the_batch_again_against_the_first_pass_policy(tiny_mod
     assert (weights - runs["once"][1]).abs().max() > 1e-4  # the second pass moved the weights further
 
 
+@pytest.mark.parametrize(
+    "samples, minibatches, sizes", [(12, 5, [3, 3, 2, 2, 2]), (10, 4, [3, 3, 2, 2]), (3, 5, [1, 1, 1])]
+)
+def test_minibatches_are_that_many_optimizer_steps_of_even_size(tiny_model_path, samples, minibatches, sizes):
+    """grpo.minibatches optimizer steps, the batch cut into parts whose sizes differ by at most one (ceil-sized
+    parts ran 4 steps of 12 samples for 5, and 10 samples as 3, 3, 3, 1); fewer only where samples run out."""
+    from refiner_core.models import load_model
+
+    batch = [TrainSample([1, 2, 3], [10 + k, 11], 1.0 if k % 2 else -1.0, [-1.0, -1.0]) for k in range(samples)]
+    learner = TorchLearner(
+        load_model(tiny_model_path, trainable=True),
+        None,
+        0,
+        _settings(micro_batch_size=1, minibatches=minibatches, beta=0.0),
+    )
+    layout = learner._layout(batch)
+    assert [len(step) for step in layout] == sizes
+    learner.train_step(batch)
+    assert {int(state["step"]) for state in learner.optimizer.state.values()} == {len(sizes)}
+
+
 def test_mask_truncated_trains_without_cut_off_responses_but_keeps_their_rewards_in_the_baseline():
     """Group p: rewards 0, 1, 0, 1, the last one cut off ('length'). Its mean 0.5 and std 0.5 (ddof 0) still
     include it: advantages -+0.5 / (0.5 + 1e-4) either way; only the truncated response leaves the update."""
@@ -272,3 +293,52 @@ def test_a_term_switched_on_without_its_knob_is_an_error_not_a_second_default():
         grpo_token_loss(logp, old, torch.ones(1, 1), eps_low=0.2, eps_high=0.2, policy_loss="dual_clip")
     with pytest.raises(ValueError, match="needs sapo_tau_pos, sapo_tau_neg"):
         grpo_token_loss(logp, old, torch.ones(1, 1), eps_low=0.2, eps_high=0.2, policy_loss="sapo")
+
+
+class _OneTokenEngine:
+    """Each sample's one token is 10 * (the prompt's place in the call) + its index: every response its own."""
+
+    def generate(self, prompts, params, desc=""):
+        from refiner_core.rollout.base import Generation
+
+        return [
+            Generation(p, s, [10 + 10 * p + s], [-1.0], "", "stop")
+            for p in range(len(prompts))
+            for s in range(params.n)
+        ]
+
+
+class _KeepingLearner:
+    def train_step(self, samples, lr=None, bonus=None):
+        self.samples = samples
+        return {}
+
+
+def test_a_prompt_is_drawn_once_per_step_and_a_repeated_key_is_an_error():
+    """grpo_loop with more prompts per step than prompts: a prompt drawn twice gave two groups one key, and a
+    response another's advantage (the lowest reward of its group trained up); build_train_samples refuses
+    repeated keys."""
+    from refiner_core.grpo import grpo_loop
+    from refiner_core.rollout.base import SamplingParams
+
+    learner = _KeepingLearner()
+    grpo_loop(
+        _OneTokenEngine(),
+        learner,
+        [[1, 2], [3, 4]],
+        lambda g: float(g.token_ids[0]),
+        GRPOConfig(),
+        SamplingParams(n=2),
+        steps=1,
+        prompts_per_step=4,
+    )
+    trained = [(s.prompt_ids, s.response_ids[0], s.advantage) for s in learner.samples]
+    assert [(p, r, round(a, 2)) for p, r, a in trained] == [
+        ([1, 2], 10, -1.0),
+        ([1, 2], 11, 1.0),
+        ([3, 4], 20, -1.0),
+        ([3, 4], 21, 1.0),
+    ]
+    rows = [{"prompt_id": "p", "sample_idx": 0, "reward": 1.0}] * 2
+    with pytest.raises(ValueError, match=r"rewards: \(prompt_id, sample_idx\) repeated, e.g. \[\('p', 0\)\]"):
+        build_train_samples([], rows, GRPOConfig())

@@ -4,7 +4,6 @@ padded or packed micro-batches, optional bf16 autocast, AdamW."""
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import zlib
 from pathlib import Path
@@ -97,10 +96,8 @@ class TorchLearner:
         (its prompt read once) per micro-batch; else `micro_batch_size` rows, a row being one sequence, or one pack
         of sequences when pack_length > 0 (packed within its optimizer step)."""
         s = self.s
-        per_step = math.ceil(len(samples) / s.minibatches)
         steps = []
-        for start in range(0, len(samples), per_step):
-            chunk = samples[start : start + per_step]
+        for chunk in _even_chunks(samples, s.minibatches):
             if s.share_prompt:
                 batches = [collate_group([chunk[i] for i in g], self.pad_id) for g in prompt_groups(chunk)]
             else:
@@ -337,6 +334,16 @@ class TorchLearner:
         else:
             self.policy.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), path / "optimizer.pt")  # with LoRA, the adapters' AdamW state
+
+
+def _even_chunks(items: list, count: int) -> list[list]:
+    """`items` in min(count, len(items)) consecutive chunks whose sizes differ by at most one: `count` optimizer
+    steps where there are samples for them (ceil-sized chunks ran fewer, 4 of 5 for 12 samples, and could leave
+    one sample a step of its own)."""
+    count = max(1, min(count, len(items)))
+    size, extra = divmod(len(items), count)
+    bounds = [k * size + min(k, extra) for k in range(count + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def load_learner_models(policy_path, reference_path, dtype: str, settings, device: str | None = None):
