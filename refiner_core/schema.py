@@ -708,7 +708,13 @@ EVALS = Table(
             "passed",
             B,
             "A pass for pass@k: correct = 1 for verified prompts; for judged ones format_ok, at least "
-            "one citation, none invalid, and rubric_score >= eval.pass_rubric_score.",
+            "one citation, none invalid, and rubric_score >= eval.pass_rubric_score; NULL for an answer whose "
+            "judgments failed (dropped).",
+        ),
+        _c(
+            "pass_rubric_score",
+            F,
+            "The eval.pass_rubric_score `passed` was decided at (`refiner compare` names a difference).",
         ),
         _c(
             "boxed",

@@ -202,9 +202,13 @@ def test_sides_evaluated_with_other_settings_are_named(tmp_path):
         tmp_path / "a", [_row("a", 2, "grpo", p, True, False, 1.0, 8) | {"max_new_tokens": 8} for p in PROMPTS]
     )
     b_rows = [_row("b", 3, "grpo", p, True, False, 1.0, 16) | {"max_new_tokens": 16} for p in PROMPTS]
-    b = _catalog(tmp_path / "b", [r | {"temperature": 0.5} for r in b_rows])
+    b = _catalog(tmp_path / "b", [r | {"temperature": 0.5, "pass_rubric_score": 0.9} for r in b_rows])
     result = compare([(load_side(str(a)), load_side(str(b)))], resamples=200)
-    assert result.different_settings == ["max_new_tokens: A 8, B 16", "temperature: A 0.0, B 0.5"]
+    assert result.different_settings == [  # `passed` depends on the threshold it was decided at
+        "max_new_tokens: A 8, B 16",
+        "pass_rubric_score: A None, B 0.9",
+        "temperature: A 0.0, B 0.5",
+    ]
     shown = runner.invoke(app, ["compare", str(a), str(b), "--resamples", "200"])
     assert "warning: the sides were evaluated with different settings" in shown.output
     assert "max_new_tokens: A 8, B 16" in shown.output

@@ -416,3 +416,27 @@ def test_documented_eval_query_runs_on_a_real_catalog(sft_eval_run):
         (2, "grpo", "greedy"),
         (2, "grpo", "sampled"),
     ]
+
+
+def test_an_answer_whose_judgments_all_failed_has_no_passed_verdict():
+    """judge.on_failure skip: the evals row of an answer whose judgments all failed holds passed NULL, neither a
+    pass nor a fail (it read False: `avg(passed::INT)` over evals counted a judge outage as a worse policy)."""
+    from refiner_core.config import RewardConfig
+    from refiner_core.eval.evaluate import score_responses
+    from test_openai_judge import make_batch
+
+    class FailsOnSampleOne:
+        name = "fails-on-one"
+
+        def complete(self, conversations):
+            return ["no verdict" if "variant 1." in str(c) else '{"score": 2}' for c in conversations]
+
+    rollouts, prompts, rubrics = make_batch(1, 2, 2)
+    responses = [{**r, "mode": "sampled", "temperature": 1.0, "max_new_tokens": 32} for r in rollouts]
+    rows = score_responses(
+        responses, prompts, rubrics, FailsOnSampleOne(), RewardConfig(), "skip", 2000, run="r", step=0,
+        phase="base", policy={"path": "p", "hash": "h"}, pass_rubric_score=0.5,
+    )  # fmt: skip
+    assert [(r["sample_idx"], r["dropped"], r["passed"]) for r in rows] == [(0, False, True), (1, True, None)]
+    [summary] = summarize(rows, pass_k=2)
+    assert summary["pass_at_1"] == 1.0

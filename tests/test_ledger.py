@@ -39,9 +39,10 @@ def _query(run_dirs: list[Path], sql: str) -> list[tuple]:
         con.close()
 
 
-def _hand_made_run(folder: Path) -> Path:
+def _hand_made_run(folder: Path, with_dropped: bool = False) -> Path:
     """A catalog whose rewards table says which rollouts solved their prompt (a judged answer passes when it is
-    format-valid, cites, invents no ID and scores at least 0.5)."""
+    format-valid, cites, invents no ID and scores at least 0.5); `with_dropped`: and rollouts whose judgments
+    failed (judge.on_failure skip), two more of ref-002 and two of ref-005, which has no other."""
     rows = [
         {c: None for c in REWARDS.column_names}
         | {
@@ -59,6 +60,10 @@ def _hand_made_run(folder: Path) -> Path:
         for prompt, verdicts in HAND_MADE.items()
         for i, solved in enumerate(verdicts)
     ]
+    dropped = {c: None for c in REWARDS.column_names} | {"run": "hand", "step": 0, "reward_version": "train"}
+    dropped |= {"verifier": "judge", "format_ok": True, "n_citations": 1, "n_invalid_citations": 0, "dropped": True}
+    if with_dropped:
+        rows += [dropped | {"prompt_id": p, "sample_idx": i} for p in ("ref-002", "ref-005") for i in (4, 5)]
     folder.mkdir(parents=True)
     write_table(REWARDS, rows, folder / "rewards.parquet")
     build_catalog(folder / "catalog.duckdb", {"rewards": [folder / "rewards.parquet"]})
@@ -66,7 +71,9 @@ def _hand_made_run(folder: Path) -> Path:
 
 
 def test_ledger_figures_and_selection_by_hand(tmp_path):
-    hand = _hand_made_run(tmp_path / "hand")
+    """Rollouts whose judgments failed count neither way (ref-005 had only those: it read never solved, and
+    data.skip_solved_from left it out of the next run)."""
+    hand = _hand_made_run(tmp_path / "hand", with_dropped=True)
     ledger = {
         r[0]: r
         for r in _query([hand], "SELECT prompt_id, pass_rate, always_solved, never_solved FROM prompt_difficulty")

@@ -363,7 +363,9 @@ def score_responses(
                 "temperature": r["temperature"],
                 "response_text": r["response_text"],
                 "response_tokens": r["response_tokens"],
-                "passed": passed(parts, pass_rubric_score),
+                # an answer whose judgments failed (dropped) neither passes nor fails, as the summary counts it
+                "passed": None if parts.get("dropped") else passed(parts, pass_rubric_score),
+                "pass_rubric_score": pass_rubric_score,
                 "boxed": None if parts["verifier"] == "judge" else last_boxed(answer_text(r)) is not None,
                 **{name: r.get(name) for name in AGENT_COLUMNS},
             }

@@ -40,7 +40,12 @@ class CompareError(ValueError):
 
 # evals columns that say which policy, prompt or setting a row is, not how the answer did
 _IDENTITY = {"run", "step", "phase", "mode", "prompt_id", "sample_idx", "policy", "policy_hash", "temperature"}
-_SETTINGS = {"max_new_tokens", "on_failure", *(column for _, column, _, _ in reward_weight_fields())}
+_SETTINGS = {
+    "max_new_tokens",
+    "on_failure",
+    "pass_rubric_score",  # `passed` depends on it
+    *(column for _, column, _, _ in reward_weight_fields()),
+}
 _DUPLICATES = {"format_score"}  # format_ok as 1.0 / 0.0
 # Binary columns and whether True is the better value (None: neither). `correct` and `label_correct` hold 1.0 / 0.0.
 BINARY: dict[str, bool | None] = {

@@ -27,11 +27,12 @@ from refiner_core.store.forks import ancestors, read_fork, rollout_files
 PASS_SCORE_SQL = f"coalesce(getvariable('pass_rubric_scores')[run], {EvalConfig.pass_rubric_score!r})"
 
 # Whether a training rollout solved its prompt, as an eval answer passes (refiner_core.eval.evaluate.passed at the
-# run's eval.pass_rubric_score): training's rewards rows.
+# run's eval.pass_rubric_score): training's rewards rows. A rollout whose judgments failed (dropped under
+# judge.on_failure skip or drop) neither solved its prompt nor failed it: left out, as the eval summary leaves it.
 SOLVED_SQL = (
     "SELECT run, step, prompt_id, CASE WHEN verifier = 'judge' THEN coalesce(format_ok AND n_citations > 0 AND "
     f"n_invalid_citations = 0 AND rubric_score >= {PASS_SCORE_SQL}, false) ELSE coalesce(correct = 1.0, false) "
-    "END AS solved FROM rewards WHERE reward_version = 'train'"
+    "END AS solved FROM rewards WHERE reward_version = 'train' AND NOT coalesce(dropped, false)"
 )
 
 # name -> (what it shows, SQL). Defined on the session, not in the catalog: older catalogs get them too.
