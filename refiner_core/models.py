@@ -179,6 +179,16 @@ def use_sdpa_variant(model, name: str, forward) -> bool:
     return True
 
 
+def context_length(model_path: Path | str) -> int | None:
+    """A checkpoint's context length (its config's max_position_embeddings), or None where it says none."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def load_tokenizer(path: Path | str):
     from transformers import AutoTokenizer
 

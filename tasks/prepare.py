@@ -10,7 +10,7 @@ from refiner_core.config import ConfigError
 from refiner_core.data.prepare import cap_prompts, no_training_prompts, prepare_prompts
 from refiner_core.data.rows import TooManyRejected, prompt_hash, prompt_messages, validate_rows
 from refiner_core.data.sources import load_source, source_identity
-from refiner_core.models import load_tokenizer
+from refiner_core.models import context_length, load_tokenizer
 from refiner_core.publish.ledger import prompt_ledger, select_prompts
 from refiner_core.schema import PROMPT_SELECTION, PROMPTS, QUARANTINE
 from refiner_core.stage_settings import stage_view
@@ -30,10 +30,12 @@ def prepare_data(
     data: dict,
     seed: int,
     policy: dict,
+    response_tokens: int = 0,
     skip_ledger_files: list[str] | None = None,
     weight_ledger_files: list[str] | None = None,
 ) -> dict:
-    """Stage 1: validate refiner rows, render chat prompts, apply token limits -> prompts + quarantine. With the
+    """Stage 1: validate refiner rows, render chat prompts, apply token limits (data.max_prompt_tokens, and the
+    policy's context less `response_tokens`, the longest response length limit) -> prompts + quarantine. With the
     catalogs of data.skip_solved_from / data.weights_from (hashed by content into the cache key), the training
     split leaves out prompts those runs always or never solved, and carries sampling weights (prompt_selection)."""
     log = get_run_logger()
@@ -49,6 +51,8 @@ def prepare_data(
         data["max_reference_tokens"],
         data["validation_fraction"],
         seed,
+        context_length(policy["path"]),
+        response_tokens,
     )
     prompts = cap_prompts(prompts, data["max_prompts"])
     hash_of = {r["id"]: prompt_hash(r) for r in checked.rows}
