@@ -228,7 +228,6 @@ def prepare(run: RunContext) -> None:
         data=inputs.data,
         seed=cfg.run.seed,
         policy=run.base,
-        response_tokens=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens),
         **ledgers,
     )
     run.rubrics = run.stage(ingest_rubrics)(

@@ -165,6 +165,18 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             "grpo.async_steps with rollout.dynamic_sampling: the extra sampling rounds wait for the "
             "judge of the step, so nothing can be sampled ahead; turn one of them off"
         )
+    if (
+        cfg.grpo.async_steps
+        and cfg.rollout.engine == "hf"
+        and cfg.grpo.learner == "torch"
+        and cfg.model.lora_rank
+        and cfg.model.lora_dropout > 0
+    ):
+        problems.append(
+            "grpo.async_steps with the hf engine and model.lora_dropout > 0: the update's dropout draws from "
+            "torch's process-wide generator, which the rollout sampled beside it seeds and samples from, so its "
+            "samples would depend on thread timing; set model.lora_dropout=0, or rollout.engine=vllm"
+        )
     if cfg.grpo.async_steps and cfg.reward.verifier == "co_rewarding_teacher":
         problems.append(
             "grpo.async_steps with reward.verifier 'co_rewarding_teacher': the EMA teacher labels each "
@@ -317,7 +329,35 @@ def hostfile_problems(cfg: RecipeConfig) -> list[str]:
 
 def recipe_warnings(cfg: RecipeConfig) -> list[str]:
     """Settings that run, but not as a user likely means: printed before the run, not refused."""
-    return reward_warnings(cfg) + update_layout_warnings(cfg)
+    return reward_warnings(cfg) + update_layout_warnings(cfg) + context_warnings(cfg)
+
+
+def context_warnings(cfg: RecipeConfig) -> list[str]:
+    """A prompt of data.max_prompt_tokens and a response of the longest length limit past the policy's context: the
+    engines end such a response at the context, recorded as cut off ('length') before its limit."""
+    context = _policy_context(cfg)
+    longest = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if context is None or cfg.data.max_prompt_tokens + longest <= context:
+        return []
+    return [
+        f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} + responses of up to {longest} tokens "
+        f"(rollout.max_new_tokens, eval.max_new_tokens) is past model.policy's context of {context} tokens: a "
+        f"response to a prompt over {max(context - longest, 0)} tokens ends at the context, recorded as cut off "
+        "('length') before its limit"
+    ]
+
+
+def _policy_context(cfg: RecipeConfig) -> int | None:
+    """The policy's context length: the tiny model's setting, a local checkpoint's config.json; None where it is
+    not known without building or converting a model."""
+    from refiner_core.models import context_length
+
+    if cfg.model.policy == TINY_QWEN3:
+        return cfg.model.max_position_embeddings
+    path = Path(cfg.model.policy)
+    if not path.is_absolute():
+        path = (REPO_ROOT / path) if (REPO_ROOT / path).exists() else path.resolve()
+    return context_length(path)
 
 
 def update_layout_warnings(cfg: RecipeConfig) -> list[str]:

@@ -30,12 +30,11 @@ def prepare_data(
     data: dict,
     seed: int,
     policy: dict,
-    response_tokens: int = 0,
     skip_ledger_files: list[str] | None = None,
     weight_ledger_files: list[str] | None = None,
 ) -> dict:
-    """Stage 1: validate refiner rows, render chat prompts, apply token limits (data.max_prompt_tokens, and the
-    policy's context less `response_tokens`, the longest response length limit) -> prompts + quarantine. With the
+    """Stage 1: validate refiner rows, render chat prompts, apply token limits (data.max_prompt_tokens, the policy's
+    context) -> prompts + quarantine. With the
     catalogs of data.skip_solved_from / data.weights_from (hashed by content into the cache key), the training
     split leaves out prompts those runs always or never solved, and carries sampling weights (prompt_selection)."""
     log = get_run_logger()
@@ -52,7 +51,6 @@ def prepare_data(
         data["validation_fraction"],
         seed,
         context_length(policy["path"]),
-        response_tokens,
     )
     prompts = cap_prompts(prompts, data["max_prompts"])
     hash_of = {r["id"]: prompt_hash(r) for r in checked.rows}

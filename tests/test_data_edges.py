@@ -86,21 +86,19 @@ def test_a_snippet_given_again_with_its_text_in_a_later_tool_message_is_fine(tin
     assert prompts[0]["snippet_ids"] == ["S1", "S2", "S3"]
 
 
-def test_a_prompt_with_no_room_for_its_response_in_the_context_is_too_long(tiny_tokenizer):
-    """A prompt and a response of the longest length limit must fit the policy's context: past it vLLM cut the
-    response at the context (read as cut off at its limit) or refused the prompt mid-run, and the hf engine sampled
-    on past the positions the model knows."""
+def test_a_prompt_that_fills_the_policys_context_is_too_long(tiny_tokenizer):
+    """Under data.max_prompt_tokens but filling the policy's context: no room for a response (vLLM refused such a
+    prompt mid-run, failing the rollout stage at every retry)."""
     row = _searches("<snippet id=S2>Opened 1889.</snippet>")
     checked = validate_rows(raw_rows([row]))
     [prompt], _ = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0)
     tokens = prompt["prompt_tokens"]
-    kept, dropped = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0, tokens + 40, 40)
+    kept, dropped = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0, context=tokens + 1)
     assert len(kept) == 1 and dropped == []
-    kept, [dropped] = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0, tokens + 40, 41)
+    kept, [dropped] = prepare_prompts(checked.rows, tiny_tokenizer, "t", 2000, 1024, 0.0, 0, context=tokens)
     assert kept == [] and (dropped.reason, dropped.detail) == (
         "prompt_too_long",
-        f"{tokens} prompt tokens + responses of up to 41 tokens (rollout.max_new_tokens, eval.max_new_tokens) > the "
-        f"policy's context of {tokens + 40} tokens",
+        f"{tokens} prompt tokens leave no room for a response in the policy's context of {tokens} tokens",
     )
 
 

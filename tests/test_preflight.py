@@ -577,3 +577,20 @@ def test_an_unset_judge_key_variable_is_a_problem_before_the_run(monkeypatch):
         api_key_from_env("NO_SUCH_JUDGE_KEY")
     monkeypatch.setenv("NO_SUCH_JUDGE_KEY", "sk-1")
     assert not any("api_key_env" in p for p in check_recipe(load_recipe(None, settings)))
+
+
+def test_a_prompt_and_response_past_the_policys_context_is_a_warning():
+    """The default data.max_prompt_tokens (6144) past the tiny model's 2048: responses to long prompts end at the
+    context, recorded as cut off before their limit."""
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["data.max_prompt_tokens=2040", "eval.max_new_tokens=16"])
+    [warning] = recipe_warnings(recipe)
+    assert warning.startswith("data.max_prompt_tokens 2040 + responses of up to 32 tokens")
+    assert "context of 2048 tokens: a response to a prompt over 2016 tokens ends at the context" in warning
+    assert recipe_warnings(load_recipe(REPO / "recipes" / "tiny.yaml")) == []
+
+
+def test_lora_dropout_is_refused_beside_async_hf_rollouts():
+    """The update's dropout draws from the generator an hf rollout sampled beside it seeds: samples by timing."""
+    lora = ["grpo.async_steps=1", "model.lora_rank=4", "rollout.engine=hf"]
+    assert any("model.lora_dropout > 0" in p for p in problems(*lora, "model.lora_dropout=0.05"))
+    assert not any("lora_dropout" in p for p in problems(*lora, "model.lora_dropout=0"))

@@ -287,3 +287,18 @@ def test_a_sample_ends_at_the_chat_templates_end_of_turn_even_when_the_checkpoin
 
     tokenizer.chat_template = None
     assert chat_turn_end_id(tokenizer) is None
+
+
+def test_a_response_ends_at_the_models_context_as_vllms_does(tiny_model_path, tiny_tokenizer):
+    """A prompt with less room left in the context than max_new_tokens: the response ends at the context, cut off
+    ('length'), as vLLM ends it; the hf engine sampled on at positions past the model's (40 tokens where vLLM gave
+    4)."""
+    model = load_model(tiny_model_path)
+    prompt = short_and_long_prompts(tiny_tokenizer)[1]
+    model.config.max_position_embeddings = len(prompt) + 4
+    engine = HFRolloutEngine(model, tiny_tokenizer, batch_size=2)
+    [cut] = engine.generate([prompt], SamplingParams(n=1, temperature=0.0, max_new_tokens=40))
+    assert (len(cut.token_ids), len(cut.logprobs), cut.finish_reason) == (4, 4, "length")
+    model.config.max_position_embeddings = 2048
+    [whole] = engine.generate([prompt], SamplingParams(n=1, temperature=0.0, max_new_tokens=40))
+    assert whole.token_ids[:4] == cut.token_ids and len(whole.token_ids) > 4

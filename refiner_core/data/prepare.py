@@ -58,12 +58,10 @@ def prepare_prompts(
     validation_fraction: float,
     seed: int,
     context: int | None = None,
-    response_tokens: int = 0,
 ) -> tuple[list[dict], list[Rejection]]:
     """Render chat prompts and drop rows over the token limits (each drop is a counted, recorded rejection).
-    `context`: the policy's context length, which a prompt and a response of `response_tokens` (the longest length
-    limit) must fit: past it vLLM stops the response at the context (read as cut off at its limit) or refuses the
-    prompt, while the hf engine samples on at positions the model never saw."""
+    `context`: the policy's context length; a prompt that fills it leaves no room for a response (vLLM refuses it
+    mid-run)."""
     prompts, rejected = [], []
     chars_per_token = max_chars_per_token(tokenizer)
     split_ids = split_leads(rows)
@@ -109,13 +107,13 @@ def prepare_prompts(
                 )
             )
             continue
-        if context is not None and len(ids) + response_tokens > context:
+        if context is not None and len(ids) >= context:
             rejected.append(
                 Rejection(
                     row["row_ref"],
                     "prompt_too_long",
-                    f"{len(ids)} prompt tokens + responses of up to {response_tokens} tokens (rollout.max_new_tokens, "
-                    f"eval.max_new_tokens) > the policy's context of {context} tokens",
+                    f"{len(ids)} prompt tokens leave no room for a response in the policy's context of {context} "
+                    "tokens",
                     raw,
                 )
             )

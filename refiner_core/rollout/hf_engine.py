@@ -185,6 +185,7 @@ class HFRolloutEngine:
         import torch
 
         jobs = [(p, s) for p in self.batch_order(prompts) for s in range(params.n)]
+        context = getattr(self.model.config, "max_position_embeddings", None)
         out: list[Generation] = []
         pad = self.tokenizer.pad_token_id
         bar = progress_bar(len(jobs), desc or "rollout", "seq")
@@ -230,6 +231,8 @@ class HFRolloutEngine:
             for row, (p, s) in enumerate(chunk):
                 ids = new_tokens[row].tolist()
                 keep, stopped = first_stop(ids, self.eos_ids, params.stop, self._decode)
+                if context is not None and len(prompts[p]) + keep > context:  # as vLLM: a response ends there
+                    keep, stopped = max(context - len(prompts[p]), 0), False
                 ids = ids[:keep]
                 out.append(
                     Generation(
