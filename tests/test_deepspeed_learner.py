@@ -339,8 +339,10 @@ def test_a_rank_that_dies_fails_the_step_clearly(tiny_model_path, tiny_tokenizer
         assert ranks, "the rank runs until the learner is closed"
         for pid in ranks:
             os.kill(pid, signal.SIGKILL)
+        assert learner.alive
         with pytest.raises(LearnerDied, match="exited with .* during a 'train' job"):
             learner.train_step(_samples(1))
+        assert not learner.alive  # a run does not keep it for a retry (live_learner.keep_learner)
     finally:
         learner.close()
     assert process_identity(launcher) is None and not learner.work.exists()

@@ -150,6 +150,24 @@ def test_learner_is_reused_only_for_its_own_weights(checkpoints, run_dir, tiny_t
     assert live_learner.take_learner(run_dir, other, new["hash"]) is None  # other settings
 
 
+def test_a_learner_that_is_no_longer_alive_is_not_kept(run_dir):
+    """DeepSpeed ranks that exited with a failed job: kept for the retry, every retry raised LearnerDied at once
+    (the learner was closed before, and the retry built a new one)."""
+
+    class Learner:
+        alive = True
+
+        def weights(self):
+            return {}
+
+    learner = Learner()
+    assert live_learner.keep_learner(run_dir, "key", learner, "h") is not None
+    assert live_learner.take_learner(run_dir, "key", "h") is learner
+    learner.alive = False
+    assert live_learner.keep_learner(run_dir, "key", learner, "h", made_by="a", trained=object()) is None
+    assert live_learner.take_kept(run_dir, "key", "h", made_by="a") is None
+
+
 def test_failed_load_never_passes_for_either_weights(checkpoints, run_dir, tmp_path):
     old, _ = checkpoints
     key = live_engines.engine_key(ENGINE, old["path"], "float32", "fp32")

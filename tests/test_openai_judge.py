@@ -271,7 +271,9 @@ def test_the_judges_bar_is_drawn_only_on_a_terminal(monkeypatch):
 
 class OddServer(LoopbackServer):
     """Chat completions that trickle in (a byte every 0.1 s, each gap well inside the client's timeout), or are
-    far larger than max_tokens allows, or are answered twice with usage but no choices before a real answer."""
+    far larger than max_tokens allows, or are answered twice with usage but no choices before a real answer; or,
+    before a real answer, a 503 with a 2 MB page, or a body its gzip Content-Encoding does not decode; or UTF-8
+    JSON whose header names another charset."""
 
     def __init__(self, mode: str):
         import time
@@ -293,9 +295,19 @@ class OddServer(LoopbackServer):
                     reply["choices"][0]["message"]["content"] = "x" * 2_000_000 + '{"score": 2}'
                 if mode == "no_choices" and outer.requests <= 2:
                     reply = {"choices": [], "usage": usage}
-                body = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                if mode == "latin1_label":
+                    reply["choices"][0]["message"]["content"] = '{"score": 2, "reason": "Straße café"}'
+                body = json.dumps(reply, ensure_ascii=False).encode()
+                first = outer.requests == 1
+                status = 503 if mode == "big_503" and first else 200
+                if mode == "big_503" and first:
+                    body = b"<html>" + b"x" * 2_000_000 + b"</html>"
+                self.send_response(status)
+                charset = "; charset=iso-8859-1" if mode == "latin1_label" else ""
+                self.send_header("Content-Type", "application/json" + charset)
+                if mode == "bad_gzip" and first:
+                    self.send_header("Content-Encoding", "gzip")
+                    body = b"not gzip at all"
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 try:
@@ -322,6 +334,19 @@ def test_a_reply_that_trickles_past_the_timeout_or_outgrows_max_tokens_is_a_reco
             rows, _ = _score(judge, make_batch(1, 1, 1))
         assert [(r["score"], r["failure"].split("http")[0]) for r in rows] == [(None, failure)], mode
         assert len(AnswerCache(tmp_path / mode)) == 0
+
+
+def test_a_large_error_page_is_retried_a_bad_encoding_is_retried_and_json_is_read_as_utf8(tmp_path):
+    """An error reply's status decides its retry whatever its size (a 503 with a 2 MB page was 'oversized', not
+    retried); a body its gzip encoding does not decode is a retried failure (it escaped the judge as DecodingError);
+    JSON is UTF-8 whatever charset the header names (a UTF-8 reply labelled iso-8859-1 was read garbled)."""
+    for mode in ("big_503", "bad_gzip"):
+        with OddServer(mode) as server:
+            rows, _ = _score(_judge(server, tmp_path / mode, concurrency=1), make_batch(1, 1, 1))
+        assert [(r["score"], r["attempts"], r["failure"]) for r in rows] == [(1.0, 2, None)], mode
+    with OddServer("latin1_label") as server:
+        rows, _ = _score(_judge(server, tmp_path / "latin1"), make_batch(1, 1, 1))
+    assert rows[0]["score"] == 1.0 and "Straße café" in rows[0]["raw_output"]
 
 
 def test_usage_of_replies_that_carried_no_answer_is_counted(tmp_path):

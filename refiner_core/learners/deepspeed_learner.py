@@ -315,6 +315,11 @@ class DeepSpeedLearner:
         (job_dir / "ready").touch()  # last: a rank reads the job only once this exists
         return job_dir
 
+    @property
+    def alive(self) -> bool:
+        """False once its ranks are gone (a job failed, they were killed, or it was closed): of no use to a retry."""
+        return not self._dead
+
     def _died(self, why: str, raise_: bool = True) -> None:
         self._dead = why
         self.close()

@@ -26,6 +26,7 @@ RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # token is a few characters, JSON-escaped at most 6 bytes each). A body past it is no answer to this request.
 REPLY_BYTES_FLOOR = 1 << 20
 REPLY_BYTES_PER_TOKEN = 64
+ERROR_DETAIL_BYTES = 64 << 10  # of an error reply's body: enough for its message
 
 
 class ChatError(RuntimeError):
@@ -77,32 +78,33 @@ def chat_once(
     client: httpx.Client, base_url: str, body: dict, api_key: str = "", timeout_seconds: float = 60.0
 ) -> ChatReply:
     """POST {base_url}/chat/completions once; the first choice's message content and the reply's token usage, or
-    ChatError. `timeout_seconds` bounds the whole request, a reply sent a few bytes at a time included (httpx's own
-    timeout bounds each read), and the reply's size is bounded by the tokens it may hold (body['max_tokens'])."""
+    ChatError. `timeout_seconds` bounds each read (httpx's timeout) and the reply's body as a whole, one sent a few
+    bytes at a time included; a 200 reply's size is bounded by the tokens it may hold (body['max_tokens'])."""
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout_seconds
     limit = REPLY_BYTES_FLOOR + REPLY_BYTES_PER_TOKEN * int(body.get("max_tokens") or 0)
     try:
         with client.stream("POST", url, json=body, headers=headers, timeout=timeout_seconds) as response:
-            raw = bytearray()
-            for chunk in response.iter_bytes():
-                raw += chunk
-                if len(raw) > limit:
+            if response.status_code != 200:  # its status decides a retry, whatever its body's size
+                raw = _read(response, deadline, ERROR_DETAIL_BYTES, cut=True)
+            else:
+                raw = _read(response, deadline, limit, cut=False)
+                if raw is None:
                     raise ChatError(
                         "oversized",
                         f"{url}: a reply of over {limit} bytes for max_tokens {body.get('max_tokens')}",
                         False,
                     )
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout("the reply did not end in time")
     except httpx.TimeoutException:
         raise ChatError("timeout", f"no whole answer from {url} within {timeout_seconds}s", True) from None
     except httpx.ConnectError as e:
         raise ChatError("refused", f"{url}: {e}", True) from None
     except httpx.TransportError as e:  # reset connections, protocol errors
         raise ChatError("transport", f"{url}: {type(e).__name__}: {e}", True) from None
-    text = bytes(raw).decode(response.encoding or "utf-8", errors="replace")
+    except httpx.DecodingError as e:  # a body its Content-Encoding does not decode
+        raise ChatError("invalid_response", f"{url}: {e}", True) from None
+    text = raw.decode("utf-8", errors="replace")  # for messages; the reply is parsed from its bytes (RFC 8259)
     if response.status_code != 200:
         retry_after = None
         try:
@@ -117,7 +119,7 @@ def chat_once(
             retry_after,
         )
     try:
-        reply = json.loads(text)
+        reply = json.loads(raw)
     except ValueError:
         raise ChatError("invalid_response", f"not a chat-completions reply: {text[:200]!r}", True) from None
     usage = reply.get("usage") if isinstance(reply, dict) and isinstance(reply.get("usage"), dict) else {}
@@ -135,6 +137,19 @@ def chat_once(
             "invalid_response", f"message content is {type(content).__name__}, not a string", True, None, *tokens
         )
     return ChatReply(content, *tokens)
+
+
+def _read(response: httpx.Response, deadline: float, limit: int, cut: bool) -> bytes | None:
+    """The reply's body (decoded per its Content-Encoding) by `deadline`, else httpx.ReadTimeout. Past `limit` bytes:
+    the first `limit` when `cut`, else None."""
+    raw = bytearray()
+    for chunk in response.iter_bytes():
+        raw += chunk
+        if len(raw) > limit:
+            return bytes(raw[:limit]) if cut else None
+        if time.monotonic() > deadline:
+            raise httpx.ReadTimeout("the reply did not end in time")
+    return bytes(raw)
 
 
 def _count(value) -> int | None:

@@ -128,9 +128,10 @@ def keep_learner(
     (learners that hold their weights in this process, i.e. offer `weights()`). Returns its record, None where not
     kept. `save_at_close` writes weights that no checkpoint holds yet, should the run end first; `made_by` and
     `result`: the update that made the weights and its manifest (finished_update); `trained`: that update's training
-    step, when writing its outputs failed (take_kept)."""
+    step, when writing its outputs failed (take_kept). A learner that says it is no longer alive (DeepSpeed ranks
+    that exited) is not kept: a retry builds a new one."""
     run = run_of(run_dir)
-    if run is None or not hasattr(learner, "weights"):
+    if run is None or not hasattr(learner, "weights") or not getattr(learner, "alive", True):
         return None
     kept = KeptLearner(key, learner, weights_hash, save_at_close, made_by, result, trained)
     with LOCK:
