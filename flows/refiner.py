@@ -163,12 +163,12 @@ class RunContext:
 @dataclass
 class StepState:
     """What the steps hand on: the policy (and EMA teacher), every policy so far (policies[n]: after n updates),
-    each step's judge dollars, the rollouts sampled ahead (grpo.async_steps) and the judge's anchors."""
+    each step's judge usages, the rollouts sampled ahead (grpo.async_steps) and the judge's anchors."""
 
     policy: dict
     teacher: dict
     policies: list[dict]
-    step_costs: list[float] = field(default_factory=list)
+    step_usages: list[list[dict]] = field(default_factory=list)  # priced at the check, at the run's own prices
     sampled_ahead: dict[int, Submitted] = field(default_factory=dict)
     anchors: dict | None = None
     taught: dict | None = None  # this step's teacher rollouts
@@ -345,14 +345,17 @@ def rollout_and_judge(run: RunContext, state: StepState, step: int) -> tuple[lis
         run.stage(teacher_rollout)(**_rollout_inputs(run, step), teacher=state.teacher) if run.teaching else None
     )
     spent = [m["judge_usage"] for m in run.manifests if "judge_usage" in m]  # every judging stage so far
+    # the run's own prices and budget: a fork's steps shared with its parent ran under the parent's recipe, and
+    # its judge total (refiner show, the catalog) prices them at its own
+    prices = run.own.judge
     upcoming = likely_step_cost(
-        state.step_costs,
-        [usage_cost(m["judge_usage"], cfg.judge) for m in run.manifests if m.get("stage") == "judge-anchors"],
-        [usage_cost(m["judge_usage"], cfg.judge) for m in run.evaluations if "judge_usage" in m],
+        [sum(usage_cost(u, prices) for u in usages) for usages in state.step_usages],
+        [usage_cost(m["judge_usage"], prices) for m in run.manifests if m.get("stage") == "judge-anchors"],
+        [usage_cost(m["judge_usage"], prices) for m in run.evaluations if "judge_usage" in m],
         anchors_due=anchors_due(cfg, step),
         eval_due=step + 1 in run.eval_at,
     )
-    check_budget(cfg.judge, spent, step, upcoming)  # stops before the step that would exceed it
+    check_budget(prices, spent, step, upcoming)  # stops before the step that would exceed it
     rolled, scored = [], []
     for sampling_round in range(run.max_rounds):
         fresh = None
@@ -464,7 +467,7 @@ def update(run: RunContext, state: StepState, step: int, rolled: list[dict], sco
     state.entropy_control = updated.get("entropy_control")
     state.kl_control = updated.get("kl_control")
     state.policies.append(state.policy)
-    state.step_costs.append(sum(usage_cost(m["judge_usage"], cfg.judge) for m in scored))
+    state.step_usages.append([m["judge_usage"] for m in scored])
     if ahead and step + 1 + ahead < cfg.grpo.steps:
         sample_ahead(run, state, step + 1 + ahead)
     if syncs_reference(run, step):

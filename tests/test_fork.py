@@ -187,6 +187,26 @@ def test_a_fork_judges_its_own_steps_with_its_own_judge_settings(parent, tmp_pat
     assert states["judge[step=1]"] == "Completed", states  # its cache key holds 40: not the parent's judgment
 
 
+def test_a_forks_judge_budget_prices_the_steps_it_shares_at_its_own_prices(parent, tmp_path):
+    """A fork that sets judge prices and a budget over an unpriced parent: the step it shares counts at the fork's
+    prices in the estimate of its first own step too (at the parent's, $0, that step ran past the budget)."""
+    from flows.refiner import refiner_pipeline
+    from refiner_core.judges.cost import JudgeBudgetExceeded
+
+    con = duckdb.connect(str(parent / "catalog.duckdb"), read_only=True)
+    [(tokens,)] = con.execute("SELECT judge_prompt_tokens FROM steps WHERE step = 0").fetchall()
+    con.close()
+    step0 = tokens * 1000.0 / 1e6
+    budget = ["judge.price_per_mtok_in=1000", f"judge.budget_usd={1.5 * step0}"]
+    cfg, record = plan_fork(parent, tmp_path / "priced", 1, ["rollout.temperature=0.9", *budget])
+    (tmp_path / "priced").mkdir()
+    write_fork(record)
+    state = refiner_pipeline(recipe=cfg.to_dict(), run_dir=str(tmp_path / "priced"), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(JudgeBudgetExceeded, match=r"spent over 1 step\(s\).*step 1 would cost about"):
+        state.result()
+
+
 def test_the_same_command_resumes_a_fork_after_its_parent_pruned_the_fork_step(
     prefect_server, tiny_model_path, tmp_path
 ):

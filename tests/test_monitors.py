@@ -286,6 +286,23 @@ def test_heldout_gap_leaves_out_answers_whose_judgments_all_failed(tmp_path):
     assert figures[("heldout_gap", 1)] == pytest.approx(1.0 / math.sqrt(0.5))
 
 
+def test_training_figures_leave_out_answers_whose_judgments_all_failed(tmp_path):
+    """Step 0 -> 1: judged answers' reward 6 -> 7.5 while supporting snippets cited 0.8 -> 0.3, and two of step 1's
+    answers dropped (judge.on_failure skip) with the format part alone, 1. Counted, the reward mean read 6 -> 5.875,
+    no rise, and verified_drop read 0; training leaves them out, and so do the figures: 0.5, tripped."""
+    rows = [
+        _rollout(0, i, 6.0, [1, 2, 3, 4, 5], -1.0, supporting_recall=0.8, response_tokens=10, n_citations=1)
+        for i in range(4)
+    ]
+    rows += [_rollout(1, i, 7.5, [1, 2, 3, 4, 6], -1.0, supporting_recall=0.3, response_tokens=10, n_citations=1)
+             for i in range(4)]  # fmt: skip
+    rows += [_rollout(1, 4 + i, 1.0, [1, 2, 3, 4, 7], -1.0, dropped=True, response_tokens=10, n_citations=1)
+             for i in range(2)]  # fmt: skip
+    folder = _rollouts_catalog(tmp_path, rows, steps=2)
+    assert _figures(folder)[("verified_drop", 1)] == pytest.approx(0.5)
+    assert "verified_drop" in [t.monitor for t in tripped(folder / "catalog.duckdb", 1, MonitorsConfig())]
+
+
 _FLOW_RUNS: list = []
 
 

@@ -47,7 +47,8 @@ WITH r AS (
          list_filter(o.response_token_ids, lambda x, i: coalesce(o.response_mask[i], true)) AS sampled_ids,
          list_filter(o.response_logprobs, lambda x, i: coalesce(o.response_mask[i], true)) AS sampled_logprobs
   FROM rewards r LEFT JOIN rollouts o USING (run, step, prompt_id, sample_idx)
-  WHERE r.reward_version = 'train'
+  -- an answer whose judgments failed (dropped) holds a stand-in reward, left out as training leaves it out
+  WHERE r.reward_version = 'train' AND NOT coalesce(r.dropped, false)
 ), per_rollout AS (
   -- the reward's parts as reward_parts (refiner_core/reward/compose.py) writes it out: a non-stop penalty replaces
   -- every other part, a gate zeroes the judged ones, a verified prompt's part is its verifier's score
