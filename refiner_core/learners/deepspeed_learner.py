@@ -32,11 +32,23 @@ from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample
 from refiner_core.learners.lora import AdapterExports
 from refiner_core.models import Adapter, checkpoint_weights
 from refiner_core.runtime.procs import forget_child, free_port, spawn, stop_group
+from refiner_core.runtime.progress import progress_bar
 from refiner_core.runtime.scratch import ram_dir
 
 WORKER = "refiner_core.learners.deepspeed_worker"
 STATE_DIR = "deepspeed"  # as deepspeed_worker.STATE_DIR (not imported here: that module imports torch+deepspeed)
 POLL_SECONDS = 0.01  # how often a waiting side looks for the other's file: small next to any job
+PROGRESS = "progress"  # in a train job's folder: the micro-batches rank 0 has done
+
+
+def _follow(bar, path: Path) -> None:
+    """Move `bar` to the count rank 0 last wrote to `path` (absent or mid-write: no move)."""
+    try:
+        done = int(path.read_text())
+    except (OSError, ValueError):
+        return
+    if done > bar.done:
+        bar.update(done - bar.done)
 
 
 class LearnerDied(RuntimeError):
@@ -271,10 +283,14 @@ class DeepSpeedLearner:
         self.start()
         job_dir = self._post(kind, samples, payload)
         served = 0
+        # a train job's bar moves with rank 0's micro-batches: the run's stall watchdog sees ranks that stopped
+        bar = progress_bar(None, "update", "mb") if kind == "train" else None
         try:
             if meanwhile is not None:
                 meanwhile()
             while not (job_dir / "done").exists():
+                if bar is not None:
+                    _follow(bar, job_dir / PROGRESS)
                 offered = job_dir / f"bucket_{served + 1:04d}.json"
                 if serve is not None and offered.exists():
                     serve(json.loads(offered.read_text()))
@@ -295,6 +311,9 @@ class DeepSpeedLearner:
                     raise_=False,
                 )
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         if started:
             ready = json.loads((self.work / "ready.json").read_text())
             self.start_seconds = ready["start_seconds"]

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
-from refiner_core.learners.deepspeed_learner import bf16_mode
+from refiner_core.learners.deepspeed_learner import PROGRESS, bf16_mode
 from refiner_core.learners.lora import save_lora
 from refiner_core.learners.torch_learner import TorchLearner, load_learner_models
 from refiner_core.models import release_gpu_cache
 from refiner_core.runtime.heap import freeze_heap
+from refiner_core.runtime.progress import listening
 
 STATE_DIR = "deepspeed"  # DeepSpeed's save_checkpoint folder inside an HF checkpoint
 STATE_TAG = "state"
@@ -160,6 +161,19 @@ class DeepSpeedRankLearner(TorchLearner):
         self.rank_totals = dict(totals)
         dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
+
+
+def _progress_file(path: Path):
+    """A progress listener that writes the micro-batches rank 0 has done to `path`: the learner's process moves its
+    own bar by it, so the run's stall watchdog sees ranks that stopped moving."""
+
+    def tell(bar) -> None:
+        if bar.label == "update":
+            scratch = path.with_suffix(".tmp")
+            scratch.write_text(str(int(bar.done)))
+            scratch.replace(path)
+
+    return tell
 
 
 def _log(rank: int, world: int, msg: str) -> None:
@@ -434,7 +448,8 @@ def _train(
     t0 = time.time()
     samples = [TrainSample(**s) for s in json.loads((job_dir / "samples.json").read_text())]
     learner = DeepSpeedRankLearner(engine, reference, launch["pad_id"], settings, rank, world, clipping)
-    metrics = learner.train_step(samples, learning_rate, entropy_coef)
+    with listening(_progress_file(job_dir / PROGRESS) if rank == 0 else lambda bar: None):
+        metrics = learner.train_step(samples, learning_rate, entropy_coef)
     steps_after = adam_steps(engine)
     rank_stats = {
         "rank": rank,
