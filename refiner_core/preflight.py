@@ -354,10 +354,16 @@ def _policy_context(cfg: RecipeConfig) -> int | None:
 
     if cfg.model.policy == TINY_QWEN3:
         return cfg.model.max_position_embeddings
-    path = Path(cfg.model.policy)
-    if not path.is_absolute():
-        path = (REPO_ROOT / path) if (REPO_ROOT / path).exists() else path.resolve()
-    return context_length(path)
+    return context_length(_model_folder(cfg.model.policy))
+
+
+def _model_folder(spec: str) -> Path:
+    """A model spec that names a folder, as models.resolve_model finds it: from the repo when it is there, else from
+    here."""
+    path = Path(spec)
+    if path.is_absolute():
+        return path
+    return (REPO_ROOT / path) if (REPO_ROOT / path).exists() else path.resolve()
 
 
 def update_layout_warnings(cfg: RecipeConfig) -> list[str]:
@@ -463,9 +469,7 @@ def check_models(cfg: RecipeConfig) -> list[str]:
     ):
         if not spec or spec in (TINY_QWEN3, SMOLLM2):
             continue
-        path = Path(spec)
-        if not path.is_absolute():  # as models.resolve_model: from the repo when it is there, else from here
-            path = (REPO_ROOT / path) if (REPO_ROOT / path).exists() else path.resolve()
+        path = _model_folder(spec)
         if not (path / "config.json").is_file():
             why = f"{path} has no config.json" if path.is_dir() else f"there is no folder {path}"
             problems.append(f"{where}: {spec!r} is not {TINY_QWEN3!r} or {SMOLLM2!r}, and {why}")
