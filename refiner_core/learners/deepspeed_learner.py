@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,16 @@ from pathlib import Path
 from refiner_core.learners.base import LearnerSettings, SequenceKL, TrainSample
 from refiner_core.learners.lora import AdapterExports
 from refiner_core.models import Adapter, checkpoint_weights
-from refiner_core.runtime.procs import forget_child, free_port, spawn, stop_group
+from refiner_core.runtime.procs import (
+    PROCS_DIR_ENV,
+    forget_child,
+    free_port,
+    is_running,
+    process_identity,
+    record_child,
+    spawn,
+    stop_group,
+)
 from refiner_core.runtime.progress import progress_bar
 from refiner_core.runtime.scratch import ram_dir
 
@@ -39,6 +49,7 @@ WORKER = "refiner_core.learners.deepspeed_worker"
 STATE_DIR = "deepspeed"  # as deepspeed_worker.STATE_DIR (not imported here: that module imports torch+deepspeed)
 POLL_SECONDS = 0.01  # how often a waiting side looks for the other's file: small next to any job
 PROGRESS = "progress"  # in a train job's folder: the micro-batches rank 0 has done
+RANKS = "ranks"  # in the work folder: one record per rank process ({pid, identity, host}), written as it starts
 
 
 def _follow(bar, path: Path) -> None:
@@ -184,7 +195,7 @@ class DeepSpeedLearner:
         self._proc = None
         self._dead = ""  # why the ranks are gone, once they are
         self._tail: collections.deque[str] = collections.deque(maxlen=60)
-        self._cleanup = weakref.finalize(self, _shut_down, None, [str(self.work), str(self.export)])
+        self._cleanup = weakref.finalize(self, _shut_down, None, str(self.work), str(self.export))
 
     # ---- the ranks' life ----
 
@@ -256,7 +267,7 @@ class DeepSpeedLearner:
             env=self._env(),
         )
         self._cleanup.detach()
-        self._cleanup = weakref.finalize(self, _shut_down, self._proc, [str(self.work), str(self.export)])
+        self._cleanup = weakref.finalize(self, _shut_down, self._proc, str(self.work), str(self.export))
         self._cmd = cmd
 
         def pump(proc=self._proc, tail=self._tail):
@@ -315,6 +326,10 @@ class DeepSpeedLearner:
             if bar is not None:
                 bar.close()
         if started:
+            if os.environ.get(PROCS_DIR_ENV):  # the next run on the folder stops any that outlive a killed run
+                for rank in local_ranks(self.work):
+                    cmd = [sys.executable, "-m", WORKER, str(self.work)]
+                    record_child(os.environ[PROCS_DIR_ENV], rank["pid"], cmd, group=rank["group"])
             ready = json.loads((self.work / "ready.json").read_text())
             self.start_seconds = ready["start_seconds"]
             print(
@@ -445,13 +460,46 @@ class DeepSpeedLearner:
         return self.exports.adapter()
 
 
-def _shut_down(proc, folders: list[str]) -> None:
-    """The learner's end however it comes (closed, collected, the process exiting): no rank and no folder left."""
+def record_rank(work_dir: Path, rank: int) -> None:
+    """A rank's own record of its process, for the learner that stops it (called by the rank as it starts)."""
+    folder = Path(work_dir) / RANKS
+    folder.mkdir(exist_ok=True)
+    pid = os.getpid()
+    entry = {
+        "pid": pid,
+        "identity": process_identity(pid),
+        "host": socket.gethostname(),
+        "group": os.getpgid(0) == pid,  # torch elastic starts each rank in a session of its own; others do not
+    }
+    (folder / f"{rank}.tmp").write_text(json.dumps(entry))
+    os.replace(folder / f"{rank}.tmp", folder / f"{rank}.json")
+
+
+def local_ranks(work_dir: Path) -> list[dict]:
+    """The records of the ranks on this host that have started."""
+    entries = []
+    for path in sorted((Path(work_dir) / RANKS).glob("*.json")):
+        entry = json.loads(path.read_text())
+        if entry["host"] == socket.gethostname():
+            entries.append(entry)
+    return entries
+
+
+def _shut_down(proc, work: str, export: str) -> None:
+    """The learner's end however it comes (closed, collected, the process exiting): no rank and no folder left.
+    The ranks run in sessions of their own (torch elastic starts them so), outside the launcher's group: one that
+    outlived the launcher's own stopping of them (it ignored or never got SIGTERM; a stopped process only holds
+    it) is stopped by its record."""
+    ranks = local_ranks(work)
     if proc is not None:
         if proc.poll() is None:
             stop_group(proc.pid, group=True)
         forget_child(proc.pid)
-    for folder in folders:
+    for rank in ranks:
+        if is_running(rank["pid"], rank["identity"]):
+            stop_group(rank["pid"], group=rank["group"], grace=2.0)
+        forget_child(rank["pid"])
+    for folder in (work, export):
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from refiner_core.learners.base import LearnerSettings, TrainSample
-from refiner_core.learners.deepspeed_learner import PROGRESS, bf16_mode
+from refiner_core.learners.deepspeed_learner import PROGRESS, bf16_mode, record_rank
 from refiner_core.learners.lora import save_lora
 from refiner_core.learners.torch_learner import TorchLearner, load_learner_models
 from refiner_core.models import release_gpu_cache
@@ -355,6 +355,7 @@ def _wait_for(path: Path, poll: float = 0.01) -> None:
 
 def main(work_dir: str) -> None:
     work_dir = Path(work_dir)
+    record_rank(work_dir, int(os.environ["RANK"]))
     launch = json.loads((work_dir / "launch.json").read_text())
     on_gpu = launch["device"] == "cuda"
     if not on_gpu:
