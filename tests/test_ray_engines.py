@@ -4,6 +4,8 @@ makes the stage retry. The rollouts equal one engine's without Ray, token for to
 
 from __future__ import annotations
 
+import contextlib
+import re
 import shutil
 import tempfile
 import time
@@ -183,3 +185,71 @@ def test_engines_on_their_own_gpus_fit_each_on_its_own_and_on_one_cpu_together()
     assert tightest(on_cpu, [(10, 15), (10, 14)]) == (20, 14)  # one host's memory for both: they do not fit
     two_hosts = [("10.0.0.1", []), ("10.0.0.2", [])]
     assert tightest(two_hosts, [(10, 15), (10, 14)]) == (10, 14)
+
+
+def test_an_engine_that_stops_mid_rollout_fails_it_as_stalled(tiny_model_path, monkeypatch):
+    """The engines sample in Ray's worker processes, whose bars the run's stall watchdog never saw: the driver waited
+    in ray.get under no bar, so one engine that stopped (a hung worker) hung the run for good. Now the engines tell a
+    board how far they got, the driver's bar moves with it, and an engine that stops fails the rollout as stalled."""
+    import logging
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    from refiner_core.config import EngineSettings
+    from refiner_core.rollout import sharded
+    from refiner_core.rollout.base import SamplingParams
+    from refiner_core.rollout.sharded import ShardedEngine
+    from refiner_core.runtime import cluster
+    from refiner_core.runtime.progress import Stalled, listening
+    from refiner_core.runtime.scratch import short_folder
+    from tasks import progress
+
+    runtime_env = {"env_vars": {"PYTHONPATH": ":".join(p for p in cluster._python_path() if p)}}
+    session = short_folder("ray")
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env, _temp_dir=session)
+    stopped = None
+    try:
+        engines = ShardedEngine(
+            str(tiny_model_path), EngineSettings.of(engine="hf", num_engines=2, batch_size=4), "float32", "fp32"
+        )
+        prompts, params = [[5, 6, 7], [8, 9], [10, 11], [12]], SamplingParams(n=2, max_new_tokens=4, seed=3)
+        seen: list[tuple[str, float]] = []
+        with listening(lambda bar: seen.append((bar.label, bar.done))):
+            out = engines.generate(prompts, params, "rollout step 0")
+        assert len(out) == 8 and ("rollout step 0", 0) in seen  # the driver's bar, opened before any engine moved
+        for _ in range(40):  # every engine's bar told the board all it did: 8 sequences over the two
+            if ray.get(engines.board.read.remote()) == 8:
+                break
+            time.sleep(0.25)
+        assert ray.get(engines.board.read.remote()) == 8
+
+        stopped = ray.get(engines.actors[1].pid.remote())
+        os.kill(stopped, signal.SIGSTOP)
+        progress.configure(stall_seconds=3.0, progress_every=0)
+        failed: list[BaseException] = []
+
+        def sample() -> None:
+            try:
+                with progress.watched_stage("rollout[step=1]", logging.getLogger("test")):
+                    engines.generate(prompts, params, "rollout step 1")
+            except BaseException as e:
+                failed.append(e)
+
+        worker = threading.Thread(target=sample, daemon=True)
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive(), "the rollout waited for the stopped engine for good"
+        assert len(failed) == 1 and isinstance(failed[0], Stalled), failed
+        assert re.search(r"rollout\[step=1\] stalled: no progress .* while rollout step 1 at \d+ seq", str(failed[0]))
+        engines.close()
+    finally:
+        progress.configure(stall_seconds=1800.0, progress_every=30.0)
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        ray.shutdown()
+        shutil.rmtree(session, ignore_errors=True)
+    assert sharded.REPORT_SECONDS <= 1.0  # a report at least every second keeps a healthy engine from stalling

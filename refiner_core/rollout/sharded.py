@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,20 +21,56 @@ from refiner_core.models import Adapter
 from refiner_core.rollout.base import Generation, SamplingParams, make_engine
 from refiner_core.store.faults import stage_fault
 
+REPORT_SECONDS = 1.0  # how often an engine tells the board how far it got: often for the watchdog, few calls
+POLL_SECONDS = 0.5  # how often the driver looks at the board while the engines sample
+
+
+class ProgressBoard:
+    """How far each engine got (the units its bars count, sequences), for the driver's bar and so the run's stall
+    watchdog: an engine actor runs one call at a time, so it cannot be asked while it samples; it tells this one."""
+
+    def __init__(self, engines: int):
+        self.done = [0.0] * engines
+
+    def report(self, engine: int, done: float) -> None:
+        self.done[engine] = max(self.done[engine], done)
+
+    def read(self) -> float:
+        return sum(self.done)
+
 
 class EngineActor:
-    """One rollout engine in a Ray worker process."""
+    """One rollout engine in a Ray worker process, telling `board` how far its bars got."""
 
-    def __init__(self, model_path: str, settings: EngineSettings, dtype: str, precision: str, markers: str):
+    def __init__(
+        self, model_path: str, settings: EngineSettings, dtype: str, precision: str, markers: str, board, index: int
+    ):
         if markers:  # REFINER_FAIL_ONCE=rollout-engine-build: this engine fails to build (out of memory, say)
             stage_fault("rollout-engine-build", None, Path(markers))
         self.engine = make_engine(model_path, settings, dtype, precision)
         self.markers = markers
+        self.board, self.index = board, index
+        self.moved, self.told_at, self.seen = 0.0, 0.0, {}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str) -> list[Generation]:
+        from refiner_core.runtime.progress import listening
+
         if self.markers:  # REFINER_KILL_ONCE=rollout-engine: this worker dies mid-rollout
             stage_fault("rollout-engine", None, Path(self.markers))
-        return self.engine.generate(prompts, params, desc)
+        with listening(self._heard):
+            return self.engine.generate(prompts, params, desc)
+
+    def _heard(self, bar) -> None:
+        """A bar moved: add what it moved by to this engine's count, told to the board at most every
+        REPORT_SECONDS (and as a bar closes)."""
+        self.moved += bar.done - self.seen.get(id(bar), 0.0)
+        self.seen[id(bar)] = bar.done
+        now = time.monotonic()
+        if bar.closed_at is not None:
+            self.seen.pop(id(bar), None)
+        if bar.closed_at is not None or now - self.told_at >= REPORT_SECONDS:
+            self.board.report.remote(self.index, self.moved)
+            self.told_at = now
 
     def load_weights(self, weights) -> None:
         self.engine.load_weights(weights)
@@ -77,14 +114,16 @@ class ShardedEngine:
         if gpus:
             refuse_unplaceable(settings.num_engines, gpus, node_gpus())
         actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)
+        self.board = ray.remote(num_cpus=0, max_restarts=0)(ProgressBoard).remote(settings.num_engines)
         self.actors = [
-            actor.remote(model_path, settings, dtype, precision, markers) for _ in range(settings.num_engines)
+            actor.remote(model_path, settings, dtype, precision, markers, self.board, k)
+            for k in range(settings.num_engines)
         ]
         self.name, self.weights_hash = settings.engine, ""
         try:
             _wait_built(self.actors, gpus)  # built (or failed) before the stage goes on
         except BaseException:  # the engines built so far hold their CPUs/GPUs until killed: a retry would wait
-            for a in self.actors:
+            for a in [*self.actors, self.board]:
                 ray.kill(a)
             raise
         self.places = [tuple(place) for place in ray.get([a.placement.remote() for a in self.actors])]
@@ -97,7 +136,6 @@ class ShardedEngine:
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
-        import ray
 
         shards = _shards(len(prompts), len(self.actors))
         busy = [(k, start, end) for k, (start, end) in enumerate(shards) if end > start]
@@ -110,9 +148,32 @@ class ShardedEngine:
             for k, start, end in busy
         ]
         out = []
-        for (_, start, _), generations in zip(busy, ray.get(pending)):
+        for (_, start, _), generations in zip(busy, self._wait_sampled(pending, desc)):
             out += [replace(g, prompt_index=g.prompt_index + start) for g in generations]
         return sorted(out, key=lambda g: (g.prompt_index, g.sample_idx))
+
+    def _wait_sampled(self, pending: list, desc: str) -> list:
+        """The shards' generations, waited for under a bar that moves with the engines' own (drawn by each engine;
+        this one is for the run's stall watchdog, which fails the stage when no engine moves). A shard that failed
+        fails the call at once."""
+        import ray
+
+        from refiner_core.runtime.progress import check_stalled, progress_bar
+
+        start = ray.get(self.board.read.remote())
+        bar = progress_bar(None, desc or "rollout", "seq", disable=True)
+        try:
+            waiting = pending
+            while waiting:
+                ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=POLL_SECONDS)
+                ray.get(ready)
+                moved = ray.get(self.board.read.remote()) - start
+                if moved > bar.done:
+                    bar.update(moved - bar.done)
+                check_stalled()
+            return ray.get(pending)
+        finally:
+            bar.close()
 
     def load_weights(self, weights) -> None:
         import ray
@@ -148,8 +209,9 @@ class ShardedEngine:
     def close(self) -> None:
         import ray
 
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+        if self.actors:
+            for actor in [*self.actors, self.board]:
+                ray.kill(actor, no_restart=True)
         self.actors = []
 
 
