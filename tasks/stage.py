@@ -15,6 +15,7 @@ from prefect.context import TaskRunContext
 from prefect.exceptions import MissingContextError
 
 from refiner_core import code_version
+from refiner_core.algo.advantages import NonFiniteReward
 from refiner_core.config import ConfigError
 from refiner_core.data.rows import TooManyRejected
 from refiner_core.data.rubric_fields import RubricError
@@ -112,7 +113,7 @@ def _refreshing_all() -> bool:
 
 
 # Errors a retry cannot fix: the same rows, files or settings would fail again.
-NOT_RETRYABLE = (TooManyRejected, SourceError, ConfigError, RubricError, FileNotFoundError)
+NOT_RETRYABLE = (TooManyRejected, SourceError, ConfigError, RubricError, FileNotFoundError, NonFiniteReward)
 
 
 def retry_unless_bad_data(task, task_run, state) -> bool:

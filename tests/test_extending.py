@@ -125,3 +125,80 @@ def test_an_unknown_backend_is_refused_with_the_closest_name_and_an_import_path_
     assert resolve(ENGINES, "rollout engine", "refiner_core.rollout.hf_engine:make_hf_engine") is resolve(
         ENGINES, "rollout engine", "hf"
     )
+
+
+def test_a_policy_loss_that_breaks_its_contract_is_an_error_not_a_broadcast(monkeypatch):
+    """A variant returning the loss alone (unpacked row by row into loss and mask) or a per-sequence [B, 1] loss
+    (broadcast over the tokens) trained on wrong values without a word; it is an error that quotes the contract."""
+    from refiner_core.runtime.registry import ExtensionError
+
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0], [-2.0]], dtype=torch.float64)
+    broken = {
+        "lone": lambda logp, old, adv, params, seq: -adv * logp,
+        "per_sequence": lambda logp, old, adv, params, seq: (
+            (-adv * logp).sum(1, keepdim=True),
+            torch.zeros_like(logp),
+        ),
+        "floats": lambda logp, old, adv, params, seq: (1.0, 0.0),
+    }
+    for name, loss in broken.items():
+        monkeypatch.setitem(POLICY_LOSSES, name, loss)
+        with pytest.raises(ExtensionError, match=rf"grpo.policy_loss '{name}' returned .*two tensors of .* \(2, 2\)"):
+            grpo_token_loss(logp, logp - 0.3, advantages, eps_low=0.2, eps_high=0.28, policy_loss=name)
+
+
+def test_an_advantage_that_breaks_its_contract_and_a_reward_that_is_not_finite_are_errors(monkeypatch):
+    """One value short gave the last response advantage 0; one per group gave wrong ones; NaN went on to the
+    weights. Each is an error now, as is a NaN reward (a NaN loss every step, then a rollout that cannot sample)."""
+    import numpy as np
+
+    from refiner_core.algo.advantages import NonFiniteReward, group_advantages
+    from refiner_core.runtime.registry import ExtensionError
+
+    rows = [{"prompt_id": p, "sample_idx": s, "reward": float(s)} for p in ("a", "b") for s in range(2)]
+    broken = {
+        "short": lambda r, g, eps, ddof: r[:-1] - r.mean(),
+        "per_group": lambda r, g, eps, ddof: np.array([r[g == k].mean() for k in np.unique(g)]),
+        "nan": lambda r, g, eps, ddof: r * np.nan,
+    }
+    for name, advantage in broken.items():
+        monkeypatch.setitem(ADVANTAGES, name, advantage)
+        with pytest.raises(ExtensionError, match=rf"grpo.advantage '{name}' returned .* for 4 rewards"):
+            group_advantages(rows, GRPOConfig(advantage=name))
+    with pytest.raises(NonFiniteReward, match=r"prompt 'b' sample 1: reward nan .* is not finite"):
+        group_advantages([*rows[:3], {**rows[3], "reward": float("nan")}], GRPOConfig())
+
+
+def test_a_verifier_that_breaks_its_contract_fails_the_step_instead_of_scoring_it(monkeypatch):
+    """One verdict short left a rollout scored 'judge' with reward 0 (and trained on advantage -1.5); one too many
+    were cut; a NaN score went into the rewards; floats failed deep in the stage. Each is now an error that names
+    the verifier and its contract, and is not retried."""
+    import sys
+    import types
+
+    from refiner_core.reward.ground_truth import Verdict
+    from refiner_core.reward.verifiers import make_verifier
+    from refiner_core.runtime.registry import ExtensionError
+    from tasks.stage import NOT_RETRYABLE
+
+    rollouts = [{"prompt_id": "p", "sample_idx": s, "response_text": "1"} for s in range(2)]
+    good = Verdict(1.0, "1", "exact")
+    outside = types.ModuleType("toy_verifiers")
+    cases = {
+        "short": ([good], r"returned 1 verdicts for 2 rollouts"),
+        "long": ([good] * 3, r"returned 3 verdicts for 2 rollouts"),
+        "nan": ([good, Verdict(float("nan"), "1", "exact")], r"gave prompt 'p' sample 1 the score nan"),
+        "floats": ([1.0, 0.0], r"returned float for prompt 'p' sample 0, not a Verdict"),
+        "text": ([good, Verdict("1", "1", "exact")], r"gave prompt 'p' sample 1 the score '1'"),
+    }
+    for name, (verdicts, _) in cases.items():
+        setattr(outside, name, lambda verdicts=verdicts: lambda rollouts, prompts: verdicts)
+    outside.nothing = lambda: None
+    monkeypatch.setitem(sys.modules, "toy_verifiers", outside)
+    for name, (_, message) in cases.items():
+        with pytest.raises(ExtensionError, match=rf"reward.verifier 'toy_verifiers:{name}' {message}"):
+            make_verifier(f"toy_verifiers:{name}")(rollouts, {"p": {}})
+    with pytest.raises(ExtensionError, match=r"its factory returned NoneType, not a function verify_step"):
+        make_verifier("toy_verifiers:nothing")
+    assert issubclass(ExtensionError, NOT_RETRYABLE)

@@ -19,6 +19,12 @@ import numpy as np
 
 from refiner_core.algo.kl_reward import penalised_reward
 from refiner_core.config import GRPOConfig
+from refiner_core.runtime.registry import ExtensionError
+
+
+class NonFiniteReward(ValueError):
+    """A reward (or a part of it) that is NaN or infinite: not retried, the same rows would give it again."""
+
 
 # Rewards closer than this, relative to their size, are equal up to floating rounding (0.1 + 0.2 and 0.3 differ by
 # 1.9e-16 of it): a group of them teaches nothing.
@@ -116,7 +122,16 @@ def compute_advantages(rewards: Sequence[float], groups: Sequence, kind: str, ep
         raise ValueError(f"unknown advantage {kind!r}; choose from {sorted(ADVANTAGES)}")
     if ddof not in (0, 1):
         raise ValueError(f"advantage std ddof must be 0 or 1, got {ddof!r}")
-    return ADVANTAGES[kind](np.asarray(rewards, dtype=np.float64), np.asarray(groups), eps, ddof)
+    values = np.asarray(rewards, dtype=np.float64)
+    advantages = np.asarray(ADVANTAGES[kind](values, np.asarray(groups), eps, ddof), dtype=np.float64)
+    if advantages.shape != values.shape or not np.isfinite(advantages).all():
+        raise ExtensionError(
+            f"grpo.advantage {kind!r} returned {advantages.shape[0] if advantages.ndim == 1 else advantages.shape} "
+            f"values for {len(values)} rewards"
+            + ("" if advantages.shape != values.shape else f", {int((~np.isfinite(advantages)).sum())} not finite")
+            + ": an advantage function returns one finite value per reward, in order"
+        )
+    return advantages
 
 
 def normalize_then_sum(
@@ -210,6 +225,12 @@ def group_advantages(
     kept = [r for r in rewards if not r.get("dropped")]
     groups = [r["prompt_id"] for r in kept]
     signal, weights = _signal(kept, grpo, parts_of)
+    for row, values in zip(kept, signal):
+        if not np.isfinite(values).all():  # NaN would spread over the group's advantages and the weights
+            raise NonFiniteReward(
+                f"prompt {row['prompt_id']!r} sample {row['sample_idx']}: reward {row['reward']!r} (signal "
+                f"{values.tolist()}) is not finite; nothing is trained on it"
+            )
     flat = zero_std_groups(_reward_signal(kept, grpo, parts_of), groups)
     used = [i for i, g in enumerate(groups) if not (grpo.filter_zero_std_groups and g in flat)]
     adv = (

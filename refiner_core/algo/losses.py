@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from refiner_core.runtime.registry import ExtensionError
+
 Tensor = torch.Tensor
 
 
@@ -413,6 +415,20 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float, int, float], Tensor]] =
 }
 
 
+def _policy_terms(name: str, logp: Tensor, old_logp: Tensor, advantages, params, sequences) -> tuple[Tensor, Tensor]:
+    """POLICY_LOSSES[name]'s (per-token loss, clipped mask), held to its contract: two tensors of logp's shape (a
+    per-sequence [B, 1] broadcast, or a lone tensor unpacked row by row, would train on wrong values silently)."""
+    out = POLICY_LOSSES[name](logp, old_logp, advantages, params, sequences)
+    pair = isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)
+    if not pair or {tuple(t.shape) for t in out} != {tuple(logp.shape)}:
+        got = [tuple(t.shape) for t in out] if pair else type(out).__name__
+        raise ExtensionError(
+            f"grpo.policy_loss {name!r} returned {got}: a policy loss returns (per-token loss, clipped mask), two "
+            f"tensors of the log-probs' shape {tuple(logp.shape)}"
+        )
+    return out
+
+
 def grpo_token_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -448,7 +464,7 @@ def grpo_token_loss(
     """
     ratio = torch.exp(logp - old_logp)
     params = SurrogateParams(eps_low, eps_high, **knobs)
-    pg, clipped = POLICY_LOSSES[policy_loss](logp, old_logp, advantages, params, sequences)
+    pg, clipped = _policy_terms(policy_loss, logp, old_logp, advantages, params, sequences)
     if is_weights is not None:
         pg = pg * is_weights
     if kept_sequences is not None:

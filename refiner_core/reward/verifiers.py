@@ -9,11 +9,12 @@ a `final_answer` argument gets reward.final_answer (where a response's answer is
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 from refiner_core.reward.ground_truth import Verdict, verify_row
 from refiner_core.reward.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
-from refiner_core.runtime.registry import resolve
+from refiner_core.runtime.registry import ExtensionError, resolve
 
 Verifier = Callable[[list[dict], dict[str, dict]], list[Verdict]]
 
@@ -103,6 +104,42 @@ VERIFIERS: dict[str, str] = {
 
 
 def make_verifier(name: str, final_answer: str = "last_expression") -> Verifier:
+    """The verifier `name` builds, its verdicts checked against the contract: one Verdict per rollout, in order,
+    each with a finite score (a verifier that breaks it fails the judge stage, not retried: the same code would)."""
     factory = resolve(VERIFIERS, "verifier", name)
     takes = "final_answer" in inspect.signature(factory).parameters
-    return factory(final_answer=final_answer) if takes else factory()
+    verify_step = factory(final_answer=final_answer) if takes else factory()
+    if not callable(verify_step):
+        raise ExtensionError(
+            f"reward.verifier {name!r}: its factory returned {type(verify_step).__name__}, not a function "
+            "verify_step(rollouts, prompts) -> list[Verdict]"
+        )
+
+    def checked(rollouts: list[dict], prompts: dict[str, dict]) -> list[Verdict]:
+        return checked_verdicts(name, verify_step(rollouts, prompts), rollouts)
+
+    return checked
+
+
+def checked_verdicts(name: str, verdicts, rollouts: list[dict]) -> list[Verdict]:
+    """`verdicts` if they keep the verifier contract, else ExtensionError saying how they break it."""
+    contract = "verify_step(rollouts, prompts) returns one Verdict per rollout, in order, each with a finite score"
+    verdicts = list(verdicts) if isinstance(verdicts, (list, tuple)) else verdicts
+    if not isinstance(verdicts, list) or len(verdicts) != len(rollouts):
+        got = f"{len(verdicts)} verdicts" if isinstance(verdicts, list) else type(verdicts).__name__
+        raise ExtensionError(f"reward.verifier {name!r} returned {got} for {len(rollouts)} rollouts: {contract}")
+    for verdict, r in zip(verdicts, rollouts):
+        where = f"prompt {r['prompt_id']!r} sample {r['sample_idx']}"
+        if not isinstance(verdict, Verdict):
+            raise ExtensionError(
+                f"reward.verifier {name!r} returned {type(verdict).__name__} for {where}, not a Verdict: {contract}"
+            )
+        for field in ("score", "correct"):
+            value = getattr(verdict, field)
+            finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not finite and not (field == "correct" and value is None):
+                raise ExtensionError(
+                    f"reward.verifier {name!r} gave {where} the {field} {value!r}: a Verdict's score (and correct, "
+                    f"when set) is a finite number; {contract}"
+                )
+    return verdicts
