@@ -48,9 +48,28 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def add_sources(digest, root: Path) -> None:
+LARGE_FILE_BYTES = 64 << 20  # a package's data file past this (a model's weights) is keyed by its size and mtime
+
+
+def add_sources(digest, root: Path, every_file: bool = False) -> None:
     """Every .py file under `root` (or `root` itself, a module file) into `digest`: its path from root's parent,
-    then its bytes."""
-    for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+    then its bytes. `every_file`: the package's data files too (what its code reads: word lists, templates),
+    bytecode caches and hidden folders aside."""
+    if not root.is_dir():
+        paths = [root]
+    elif every_file:
+        paths = [
+            p
+            for p in root.rglob("*")
+            if p.is_file()
+            and not any(part == "__pycache__" or part.startswith(".") for part in p.relative_to(root).parts)
+        ]
+    else:
+        paths = list(root.rglob("*.py"))
+    for path in sorted(paths):
         digest.update(path.relative_to(root.parent).as_posix().encode())
-        digest.update(path.read_bytes())
+        stat = path.stat()
+        if stat.st_size > LARGE_FILE_BYTES:
+            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        else:
+            digest.update(path.read_bytes())

@@ -202,3 +202,43 @@ def test_a_verifier_that_breaks_its_contract_fails_the_step_instead_of_scoring_i
     with pytest.raises(ExtensionError, match=r"its factory returned NoneType, not a function verify_step"):
         make_verifier("toy_verifiers:nothing")
     assert issubclass(ExtensionError, NOT_RETRYABLE)
+
+
+def test_an_outside_backends_data_files_enter_the_cache_keys_and_its_bytecode_does_not(tmp_path, monkeypatch):
+    """A word list the outside verifier reads beside its code changed what it scores, and the stages stayed Cached:
+    only the package's .py files were hashed. Every file of the package is now; caches and hidden folders are not."""
+    from refiner_core.runtime import registry
+
+    package = tmp_path / "toy_lexicon"
+    (package / "__pycache__").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "verify.py").write_text("def make_verifier():\n    return None\n")
+    (package / "words.json").write_text('["two"]')
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def key() -> dict:
+        registry._package_hash.cache_clear()  # one hash per process and package: a new run is a new process
+        return registry.outside_sources({"reward": {"verifier": "toy_lexicon.verify:make_verifier"}})
+
+    first = key()
+    assert list(first) == ["toy_lexicon.verify"]
+    (package / "__pycache__" / "verify.cpython-311.pyc").write_bytes(b"\0")
+    (package / ".mypy_cache").mkdir()
+    (package / ".mypy_cache" / "x").write_text("y")
+    assert key() == first
+    (package / "words.json").write_text('["two", "three"]')
+    assert key() != first
+
+
+def test_a_stage_table_missing_from_the_schema_fails_the_catalog_instead_of_vanishing(tmp_path):
+    """A new stage's manifest entry whose table is not in ALL_TABLES was left out of the catalog without a word."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from refiner_core.publish.catalog import build_catalog
+
+    path = tmp_path / "response_stats.parquet"
+    pq.write_table(pa.table({"run": ["r"], "step": [0]}), path)
+    with pytest.raises(ValueError, match=r"files of \['response_stats'\] name no table of refiner_core/schema.py"):
+        build_catalog(tmp_path / "catalog.duckdb", {"response_stats": [str(path)]})
+    assert not (tmp_path / "catalog.duckdb").exists()

@@ -29,6 +29,11 @@ def build_catalog(
     `run`: the run column of every file's rows is this name (a fork's catalog: the steps it shares are its parent's
     files, written under the parent's name). `rows`: rows to add besides the files, by table name.
     """
+    unknown = sorted(set(parquet_files) - set(ALL_TABLES))
+    if unknown:  # rows the catalog would leave out without a word: a new table not yet in the schema
+        raise ValueError(
+            f"catalog: files of {unknown} name no table of refiner_core/schema.py (ALL_TABLES); add each table there"
+        )
     counts: dict[str, int] = {}
     with catalog_copy(db_path, from_existing=False) as con:
         for name, table in ALL_TABLES.items():

@@ -104,8 +104,9 @@ def _strings(value: Any):
 
 @functools.cache
 def _package_hash(top: str) -> str | None:
-    """A hash of a top-level module's sources (every .py file of a package, so the helpers a factory imports count
-    too); None for this repository's own packages (in the code version) and for what cannot be found."""
+    """A hash of a top-level module's sources (every file of a package: the helpers a factory imports and the data
+    files it reads count too); None for this repository's own packages (in the code version) and for what cannot
+    be found."""
     import hashlib
     import importlib.util
     from pathlib import Path
@@ -128,5 +129,5 @@ def _package_hash(top: str) -> str | None:
         return None
     digest = hashlib.sha256()
     for root in roots:
-        add_sources(digest, root)
+        add_sources(digest, root, every_file=True)
     return digest.hexdigest()[:16]
