@@ -76,6 +76,8 @@ def check_recipe(cfg: RecipeConfig) -> list[str]:
         problems += check_source("rubrics", cfg.rubrics.path, "auto", cfg.rubrics.fields, "train", RUBRIC_FIELDS)
     if not cfg.rubrics.instance_rubrics_only and not resolve(cfg.rubrics.static_rubrics).is_file():
         problems.append(f"rubrics.static_rubrics: {_shown(cfg.rubrics.static_rubrics)} does not exist")
+    if not any(p.startswith(("grpo.", "model.lora")) for p in problems):  # a bad value would fail it once more
+        problems += variant_problems(cfg)
     from refiner_core.publish.run_sql import CatalogError, catalog_path  # DuckDB: only when a recipe is checked
 
     for where, folders in (
@@ -88,6 +90,39 @@ def check_recipe(cfg: RecipeConfig) -> list[str]:
             except CatalogError:
                 problems.append(f"{where}: {_shown(folder)} holds no catalog.duckdb (a run that finished a step)")
     return problems
+
+
+def variant_problems(cfg: RecipeConfig) -> list[str]:
+    """The update's settings built and its advantage and policy loss tried on a dummy batch of two groups, as the
+    learner calls them: a variant added with a step missing (a knob left out of GRPOConfig, LearnerSettings or
+    SurrogateParams; a wrong signature or return) fails here, not in the first update after a rollout and a judge."""
+    import torch
+
+    from refiner_core.algo.advantages import compute_advantages
+    from refiner_core.algo.losses import Sequences, SurrogateParams, policy_terms
+    from refiner_core.grpo import learner_settings
+    from refiner_core.learners.base import surrogate_knobs
+
+    grpo = cfg.grpo
+    try:
+        settings = learner_settings(grpo, cfg.rollout.temperature, "fp32", cfg.model)
+        compute_advantages(
+            [0.0, 1.0, 0.0, 2.0], ["a", "a", "b", "b"], grpo.advantage, grpo.advantage_eps, grpo.advantage_std_ddof
+        )
+        logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, -3.0]])
+        params = SurrogateParams(
+            settings.clip_eps_low, settings.clip_eps_high, selection_seed=0, **surrogate_knobs(settings)
+        )
+        advantages = torch.tensor([[1.0], [-1.0]]).expand_as(logp)
+        policy_terms(
+            settings.policy_loss, logp, logp - 0.1, advantages, params, Sequences.one_per_row(torch.ones_like(logp))
+        )
+    except Exception as e:  # whatever the user's variant raises
+        return [
+            f"grpo: the update fails on a dummy batch (grpo.advantage {grpo.advantage!r}, grpo.policy_loss "
+            f"{grpo.policy_loss!r}): {type(e).__name__}: {e}"
+        ]
+    return []
 
 
 def check_values(cfg: RecipeConfig) -> list[str]:

@@ -6,6 +6,7 @@ is refused up front."""
 from __future__ import annotations
 
 import os
+import re
 import typing
 from pathlib import Path
 
@@ -242,3 +243,26 @@ def test_a_stage_table_missing_from_the_schema_fails_the_catalog_instead_of_vani
     with pytest.raises(ValueError, match=r"files of \['response_stats'\] name no table of refiner_core/schema.py"):
         build_catalog(tmp_path / "catalog.duckdb", {"response_stats": [str(path)]})
     assert not (tmp_path / "catalog.duckdb").exists()
+
+
+def test_preflight_tries_the_updates_variants_on_a_dummy_batch(monkeypatch):
+    """A variant added with a step forgotten (its knob left out of SurrogateParams, a wrong signature, a broken
+    return) passed preflight and failed the first update, after a rollout and a judge, retried twice."""
+    from refiner_core.config import load_recipe
+    from refiner_core.preflight import variant_problems
+
+    monkeypatch.setitem(POLICY_LOSSES, "forgot_knob", lambda logp, old, adv, params, seq: params.my_scale * logp)
+    monkeypatch.setitem(POLICY_LOSSES, "two_args", lambda logp, adv: (logp, logp))
+    monkeypatch.setitem(ADVANTAGES, "per_group", lambda r, g, eps, ddof: r[::2])
+    cases = {
+        ("policy_loss", "forgot_knob"): r"AttributeError: 'SurrogateParams' object has no attribute 'my_scale'",
+        ("policy_loss", "two_args"): r"TypeError: .*takes 2 positional arguments but 5 were given",
+        ("advantage", "per_group"): r"ExtensionError: grpo.advantage 'per_group' returned 2 values for 4 rewards",
+    }
+    for (field, name), message in cases.items():
+        cfg = load_recipe("recipes/tiny.yaml", [])
+        setattr(cfg.grpo, field, name)  # its Literal extended (step 2), as a recipe naming it would load
+        [problem] = variant_problems(cfg)
+        assert problem.startswith("grpo: the update fails on a dummy batch (") and re.search(message, problem)
+    for name in ("ppo_clip", "gspo", "sapo", "clip_cov"):
+        assert variant_problems(load_recipe("recipes/tiny.yaml", [f"grpo.policy_loss={name}"])) == []

@@ -415,7 +415,7 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float, int, float], Tensor]] =
 }
 
 
-def _policy_terms(name: str, logp: Tensor, old_logp: Tensor, advantages, params, sequences) -> tuple[Tensor, Tensor]:
+def policy_terms(name: str, logp: Tensor, old_logp: Tensor, advantages, params, sequences) -> tuple[Tensor, Tensor]:
     """POLICY_LOSSES[name]'s (per-token loss, clipped mask), held to its contract: two tensors of logp's shape (a
     per-sequence [B, 1] broadcast, or a lone tensor unpacked row by row, would train on wrong values silently)."""
     out = POLICY_LOSSES[name](logp, old_logp, advantages, params, sequences)
@@ -464,7 +464,7 @@ def grpo_token_loss(
     """
     ratio = torch.exp(logp - old_logp)
     params = SurrogateParams(eps_low, eps_high, **knobs)
-    pg, clipped = _policy_terms(policy_loss, logp, old_logp, advantages, params, sequences)
+    pg, clipped = policy_terms(policy_loss, logp, old_logp, advantages, params, sequences)
     if is_weights is not None:
         pg = pg * is_weights
     if kept_sequences is not None:
