@@ -484,8 +484,42 @@ def backend_problems(cfg: RecipeConfig) -> list[str]:
     return [
         f"{where} = {name!r}: {trouble}"
         for where, table, kind, name in names
-        if (trouble := problem(table, kind, name))
+        if (trouble := problem(table, kind, name) or (name not in table and _call_problem(table, kind, name)))
     ]
+
+
+# How each table's factory is called (refiner_core/*/base.py, reward/verifiers.py): an outside factory must take it.
+FACTORY_CALLS = {
+    "rollout engine": ("model_path", "settings", "dtype", "precision"),
+    "judge engine": ("model_path", "settings", "dtype", "precision="),
+    "learner": ("policy_path", "reference_path", "tokenizer", "settings", "optimizer_state", "dtype"),
+    "verifier": (),  # or (final_answer=...), when its signature names it
+    "tool": ("settings",),
+}
+
+
+def _call_problem(table, kind: str, name: str) -> str | None:
+    """Why the outside factory `name` cannot be called as its table calls its own, or None."""
+    import inspect
+
+    from refiner_core.runtime.registry import resolve
+
+    factory = resolve(table, kind, name)
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: left to the call
+        return None
+    call = FACTORY_CALLS[kind]
+    positional = [a for a in call if not a.endswith("=")]
+    keywords = {a[:-1]: None for a in call if a.endswith("=")}
+    if kind == "verifier" and "final_answer" in signature.parameters:
+        keywords["final_answer"] = None
+    try:
+        signature.bind(*positional, **keywords)
+    except TypeError as e:
+        shown = ", ".join([*positional, *(f"{k}=..." for k in keywords)])
+        return f"its factory cannot be called as {kind} factories are, with ({shown}): {e}"
+    return None
 
 
 def _loopback_port(base_url: str) -> bool:

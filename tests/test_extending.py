@@ -266,3 +266,33 @@ def test_preflight_tries_the_updates_variants_on_a_dummy_batch(monkeypatch):
         assert problem.startswith("grpo: the update fails on a dummy batch (") and re.search(message, problem)
     for name in ("ppo_clip", "gspo", "sapo", "clip_cov"):
         assert variant_problems(load_recipe("recipes/tiny.yaml", [f"grpo.policy_loss={name}"])) == []
+
+
+def test_an_outside_factory_that_cannot_take_its_tables_call_fails_preflight(monkeypatch):
+    """A factory checked only for being callable passed preflight and failed inside its stage, retried twice, with
+    an error that did not name the backend (`sig() got an unexpected keyword argument 'precision'`)."""
+    import sys
+    import types
+
+    from refiner_core.config import load_recipe
+    from refiner_core.preflight import backend_problems
+
+    outside = types.ModuleType("toy_backends")
+    outside.judge_without_precision = lambda model_path, settings, dtype: None
+    outside.judge = lambda model_path, settings, dtype, precision="fp32": None
+    outside.verifier_with_answer = lambda final_answer="last_expression": None
+    outside.verifier_wanting_rows = lambda rows: None
+    outside.tool = lambda settings: None
+    monkeypatch.setitem(sys.modules, "toy_backends", outside)
+
+    def problems(*settings: str) -> list[str]:
+        return backend_problems(load_recipe("recipes/tiny.yaml", list(settings)))
+
+    [problem] = problems("judge.engine=toy_backends:judge_without_precision")
+    assert problem.startswith(
+        "judge.engine = 'toy_backends:judge_without_precision': its factory cannot be called as judge engine "
+        "factories are, with (model_path, settings, dtype, precision=...): got an unexpected keyword argument"
+    ), problem
+    [problem] = problems("reward.verifier=toy_backends:verifier_wanting_rows")
+    assert "cannot be called as verifier factories are, with (): missing a required argument: 'rows'" in problem
+    assert problems("judge.engine=toy_backends:judge", "reward.verifier=toy_backends:verifier_with_answer") == []
