@@ -65,7 +65,7 @@ def evaluate(
             "run.keep_last); keep it with run.keep_every, or evaluate a new run"
         )
     # the run's live engine; kept after, or closed to free memory before the judge loads
-    with sampling_engine(run_dir, engine_cfg, policy, dtype, precision) as (engine, acquired):
+    with sampling_engine(run_dir, engine_cfg, policy, dtype, precision, f"eval step {step}") as (engine, acquired):
         log.info("eval step %d: %s", step, acquired.describe())
         if agent.enabled:
             tokenizer = load_tokenizer(model_folder(policy))

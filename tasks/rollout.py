@@ -71,7 +71,7 @@ def rollout(
     agent, turns = stage_view("rollout", rollout_cfg).agent, None
 
     # The step's checkpoint folder carries the policy's newest weights to whichever engine samples.
-    with sampling_engine(run_dir, engine_cfg, policy, dtype, precision) as (engine, acquired):
+    with sampling_engine(run_dir, engine_cfg, policy, dtype, precision, f"rollout step {step}") as (engine, acquired):
         log.info("rollout step %d: %s", step, acquired.describe())
         if acquired.how in ("built", "fresh") and getattr(engine, "placement", ""):  # Ray's engines: where each went
             log.info("rollout step %d: %s", step, engine.placement)

@@ -13,6 +13,7 @@ from refiner_core.rollout.base import SamplingParams, make_engine
 from refiner_core.rollout.sharded import ShardedEngine
 from refiner_core.runtime import live_engines
 from refiner_core.runtime.unsaved_weights import model_folder
+from refiner_core.store.checkpoints import require_checkpoint
 from refiner_core.store.storage import read_rows
 
 
@@ -58,12 +59,13 @@ def round_folder(step_folder: Path, round: int) -> Path:
 
 
 @contextlib.contextmanager
-def sampling_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, precision: str):
+def sampling_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, precision: str, needed_by: str):
     """(engine, how it was got) holding `policy`'s weights for the block: the run's live engine
     (refiner_core.runtime.live_engines), else one built from the checkpoint (engine_cfg: an EngineSettings as a
     dict). Handed back after the block (kept for the run's next stage, asleep or closed: `live_engines.release`);
     closed where the block fails, since an engine that failed mid-sampling (a dead worker) is not kept and one
     kept by nobody would hold its GPU memory: the retry builds another."""
+    require_checkpoint(model_folder(policy), needed_by)  # `needed_by`: who samples, for the error
     engine = EngineSettings(**engine_cfg)
 
     def build(path: str):

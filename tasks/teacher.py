@@ -35,7 +35,10 @@ def teacher_rollout(
     log = get_run_logger()
     chosen, prompt_ids = step_prompts(prompts, step, rollout_cfg, seed)
     params = sampling_params(rollout_cfg, seed * 100_003 + step + TEACHER_SEED_OFFSET)
-    with sampling_engine(run_dir, engine_cfg, teacher, dtype, precision) as (engine, acquired):
+    with sampling_engine(run_dir, engine_cfg, teacher, dtype, precision, f"teacher-rollout step {step}") as (
+        engine,
+        acquired,
+    ):
         log.info("teacher-rollout step %d: %s", step, acquired.describe())
         generations = engine.generate(prompt_ids, params, desc=f"teacher rollout step {step}")
     now = datetime.now(UTC)

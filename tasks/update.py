@@ -22,7 +22,7 @@ from refiner_core.store.checkpoints import (
     TRAINING_STATE_FILES,
     folder_bytes,
     forget_pruned,
-    pruned_paths,
+    require_checkpoint,
     step_checkpoints,
 )
 from refiner_core.store.faults import stage_fault
@@ -72,13 +72,7 @@ def grpo_update(
     if settings.hostfile:  # every host reads the ranks' job folders: the run folder is shared
         settings = dataclasses.replace(settings, work_root=str(Path(run_dir) / ".learner"))
     model = model_folder(policy)
-    if not Path(model).is_dir():
-        pruned = model in pruned_paths(Path(model).parent)
-        raise FileNotFoundError(
-            f"grpo-update step {step} must be recomputed (its inputs changed) from {model}, which "
-            + ("the retention policy removed (run.keep_last, run.keep_every)" if pruned else "no longer exists")
-            + "; rerun in a new run folder, or keep every checkpoint (run.keep_last 0) in runs you mean to change"
-        )
+    require_checkpoint(model, f"grpo-update step {step}")
     tokenizer = load_tokenizer(model)
     optimizer_state = Path(policy["path"]) / "optimizer.pt"
     saved_state = any((Path(policy["path"]) / name).exists() for name in TRAINING_STATE_FILES)

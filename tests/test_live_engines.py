@@ -207,15 +207,15 @@ def test_a_stage_that_fails_with_the_runs_engine_closes_it_and_one_that_ends_kee
     old, _ = checkpoints
     settings = dataclasses.asdict(ENGINE)
     with pytest.raises(RuntimeError, match="a worker died"):
-        with sampling_engine(str(run_dir), settings, old, "float32", "fp32") as (failed, got):
+        with sampling_engine(str(run_dir), settings, old, "float32", "fp32", "rollout step 0") as (failed, got):
             assert got.how == "built"
             raise RuntimeError("a worker died mid-sampling")
     assert failed.model is None and not live.run_of(run_dir).rollout  # closed, not kept
 
-    with sampling_engine(str(run_dir), settings, old, "float32", "fp32") as (engine, got):
+    with sampling_engine(str(run_dir), settings, old, "float32", "fp32", "rollout step 0") as (engine, got):
         assert got.how == "built" and engine is not failed
     assert engine.model is not None and list(live.run_of(run_dir).rollout.values()) == [engine]
-    with sampling_engine(str(run_dir), settings, old, "float32", "fp32") as (again, got):
+    with sampling_engine(str(run_dir), settings, old, "float32", "fp32", "rollout step 0") as (again, got):
         assert again is engine and got.how == "kept"
 
 

@@ -58,6 +58,17 @@ def test_keep_last_two_of_five_steps_with_a_kill_during_an_update(api_env, tmp_p
             assert f"Task run '{name}[step={step}]' - Finished in state Cached" in log, (name, step)
     assert "recomputing" not in log
 
+    # A rollout file deleted: its stage must be recomputed from step 1's checkpoint, which was pruned. It fails at
+    # once saying so (it failed with a bare FileNotFoundError, and every rerun failed the same way).
+    (run_dir / "rollouts" / "step=1" / "rollouts.parquet").unlink()
+    code, out, err, _ = run_cli(args, tmp_path, api_env)
+    assert code == 1
+    assert (
+        f"rollout step 1 must be recomputed (its inputs or outputs changed) from {checkpoints / 'step_0001'}, which "
+        "the retention policy removed (run.keep_last, run.keep_every); rerun in a new run folder" in err
+    ), err[-3000:]
+    assert "Task run 'rollout[step=1]' - Retrying" not in out + err
+
 
 def test_an_update_recomputed_from_a_pruned_checkpoint_says_so(prefect_server, tiny_recipe, tmp_path):
     """An update whose inputs changed must start again from its policy; when the retention policy removed that

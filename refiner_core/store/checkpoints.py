@@ -77,6 +77,20 @@ def pruned_paths(folder: Path) -> set[str]:
     return set(json.loads(path.read_text())) if path.exists() else set()
 
 
+def require_checkpoint(folder: str, needed_by: str) -> None:
+    """FileNotFoundError, saying why, where the checkpoint `folder` that `needed_by` (e.g. 'rollout step 1') reads
+    is gone: a stage recomputed (its inputs or outputs changed) after the retention policy pruned its checkpoint
+    cannot be, in this folder."""
+    if Path(folder).is_dir():
+        return
+    pruned = str(folder) in pruned_paths(Path(folder).parent)
+    raise FileNotFoundError(
+        f"{needed_by} must be recomputed (its inputs or outputs changed) from {folder}, which "
+        + ("the retention policy removed (run.keep_last, run.keep_every)" if pruned else "no longer exists")
+        + "; rerun in a new run folder, or keep every checkpoint (run.keep_last 0) in runs you mean to change"
+    )
+
+
 def mark_pruned(folder: Path, path: Path) -> None:
     """List `path` in `folder`'s pruned.json: a fork adopting a result whose checkpoint its parent had pruned holds
     it as pruned too, whether or not the parent's folder stays."""
