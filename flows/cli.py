@@ -265,10 +265,8 @@ def show(
         if len({value for _, value in values}) > 1:
             (first_step, first), (last_step, last) = values[0], values[-1]
             peak_step, peak = max(values, key=lambda row: row[1])
-            typer.echo(
-                f"{name}: {first:g} at step {first_step}, peak {peak:g} at step {peak_step}, {last:g} at step "
-                f"{last_step} (steps.{column})"
-            )
+            peaked = f", peak {peak:g} at step {peak_step}" if peak_step not in (first_step, last_step) else ""
+            typer.echo(f"{name}: {first:g} at step {first_step}{peaked}, {last:g} at step {last_step} (steps.{column})")
     for which in ("best", "worst"):
         if which in summary:
             r = summary[which]

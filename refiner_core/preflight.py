@@ -593,17 +593,19 @@ def check_source(
         found = source_columns(local, kind, split)
     if isinstance(found, str):
         return problems + [f"{where}.path: {found}"]
-    if found is None or problems:
+    if found is None:
         return problems
     kinds, sample = found
     columns = list(kinds)
     listing = f"its columns{sample}: {', '.join(columns) or 'none'}"
-    absent = {k: v for k, v in fields.items() if v not in columns}
+    # the columns of the well-formed entries are checked beside a misspelt key's problem: all reported at once
+    named = {k: v for k, v in fields.items() if k in canonical and isinstance(v, str)}
+    absent = {k: v for k, v in named.items() if v not in columns}
     for canonical_name, column in absent.items():
         close = difflib.get_close_matches(column, columns, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         problems.append(f"{fields_where}: {canonical_name} -> {column!r}: no such column in {path}{hint}; {listing}")
-    if absent:
+    if problems:  # the kinds and the rows' shape follow from a mapping that is whole
         return problems
     problems += _check_kinds(where, path, kinds, sample, fields, canonical, fields_where)
     if shape:

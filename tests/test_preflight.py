@@ -65,6 +65,16 @@ def test_mapped_column_that_does_not_exist_lists_the_columns():
     assert p == f"data.fields: question -> 'qery': no such column in data/refiner/samples.jsonl; its columns: {COLUMNS}"
 
 
+def test_a_misspelt_key_and_a_missing_column_are_reported_together():
+    """As docs/recipes.md shows them: the column check was skipped while any key was misspelt, so the second
+    mistake showed only once the first was fixed."""
+    found = problems("data.fields={questoin: question, answer: target}")
+    assert [p.split(":")[1].strip() for p in found] == [
+        "'questoin' is not a field name (did you mean 'question'?); names",
+        "answer -> 'target'",
+    ]
+
+
 def test_mapped_column_suggests_the_closest_column(tmp_path):
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"qid": ["a"], "query": ["q"], "reasoning": ["r"], "tool_output": ["t"]}), path)

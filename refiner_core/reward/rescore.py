@@ -75,7 +75,8 @@ def check_rescorable(base: RecipeConfig, new: RecipeConfig, judged_pairs: int, s
     judge = [c for c in changed if c.startswith("judge.") and c not in allowed]
     if judge:
         problems.append(
-            f"{', '.join(judge)} change the judgments themselves: {judged_pairs} (rollout, rubric) "
+            f"{', '.join(judge)} {'changes' if len(judge) == 1 else 'change'} the judgments themselves: "
+            f"{judged_pairs} (rollout, rubric) "
             "pairs would be re-judged; run the pipeline with these settings instead (`refiner run`)."
         )
     if "judge.on_failure" in changed and new.judge.on_failure == "fail":
