@@ -206,7 +206,7 @@ def _dollars(cost: float | None) -> str:
 
 
 def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
-    """Rows as a table as wide as the terminal (into a pipe or file: at least 120 columns, or the headers' width).
+    """Rows as a table as wide as the terminal (into a pipe or file: at least 120 columns, or the cells' width).
     Cells are Text, never markup, with control characters shown as escapes."""
     import shutil
 
@@ -223,10 +223,12 @@ def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
     table = Table(show_lines=False)
     for c in columns:
         table.add_column(Text(visible(c)), overflow="fold")
-    for r in rows:
-        table.add_row(*(cell(v) for v in r))
-    # COLUMNS, else the terminal's width; the fallback when stdout is no terminal
-    width = shutil.get_terminal_size((max(120, sum(len(c) + 3 for c in columns)), 24)).columns
+    cells = [[cell(v) for v in r] for r in rows]
+    for r in cells:
+        table.add_row(*r)
+    # COLUMNS, else the terminal's width; into a pipe or file, as wide as the cells need: no cell folded mid-number
+    needed = [max([len(visible(c)), *(len(r[k].plain) for r in cells)]) for k, c in enumerate(columns)]
+    width = shutil.get_terminal_size((max(120, sum(n + 3 for n in needed) + 1), 24)).columns
     Console(width=width).print(table)
     typer.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})", err=True)
 

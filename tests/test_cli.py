@@ -704,3 +704,17 @@ def test_config_check_without_a_recipe_says_it_checked_the_defaults():
     result = runner.invoke(app, ["config", "--check"])
     assert result.exit_code == 0, result.output
     assert result.output.strip().endswith("the defaults (no recipe given): no problem found")  # was "None: ..."
+
+
+def test_a_table_into_a_pipe_is_as_wide_as_its_cells(capsys, monkeypatch):
+    """Into a pipe the width fell back to 120 columns, and a wide table (judge agreement's) folded a number across
+    two lines ('0.477-0.5' then '28'); now each row is one line, whatever the cells need."""
+    from flows.cli import _print_table
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    columns = [f"column_{k}" for k in range(12)]
+    rows = [tuple(f"0.477-0.528_{k}" for k in range(12)), tuple(range(12))]
+    _print_table(columns, rows, 0)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 + 2 + 1  # borders and header, two rows, the bottom border
+    assert all(f"0.477-0.528_{k}" in lines[3] for k in range(12))
