@@ -57,8 +57,10 @@ def _flow_run_name() -> str:
 def close_live_engines(_flow, flow_run, _state) -> None:
     """The engines the run kept alive across its steps (run.keep_engines) are closed with it, then Ray is left
     (stopped if the run started it)."""
-    live.close_owned(str(flow_run.id))
-    cluster.disconnect()
+    try:
+        live.close_owned(str(flow_run.id))
+    finally:  # an engine that failed to close leaves Ray to be stopped all the same
+        cluster.disconnect()
 
 
 def close_run_trackers(_flow, flow_run, _state) -> None:

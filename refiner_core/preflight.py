@@ -16,6 +16,7 @@ from refiner_core.config import CHAT_FIELDS, REFINER_FIELDS, RUBRIC_FIELDS, GRPO
 from refiner_core.data.rows import UTF8_BOM, parse_jsonl_line
 from refiner_core.data.sources import SourceError, cached_hub_columns, detect_format, hub_offline
 from refiner_core.models import SMOLLM2, TINY_QWEN3, checkpoint_adapter
+from refiner_core.runtime.cluster import address_problem
 
 REQUIRED_REFINER = ("id", "question", "reasoning", "tool_output")
 REQUIRED_CHAT = ("id", "messages")
@@ -294,7 +295,9 @@ def check_values(cfg: RecipeConfig) -> list[str]:
             f"rollout.num_engines = {cfg.rollout.num_engines} places its engines with Ray, and "
             "run.ray_address is '': set it ('local' for this machine, or a cluster's address)"
         )
-    if cfg.run.ray_address and importlib.util.find_spec("ray") is None:
+    if trouble := address_problem(cfg.run.ray_address):
+        problems.append(f"run.ray_address = {cfg.run.ray_address!r}: {trouble}")
+    elif cfg.run.ray_address and importlib.util.find_spec("ray") is None:
         problems.append(f"run.ray_address = {cfg.run.ray_address!r} needs the ray package, which is not installed")
     if cfg.rollout.dynamic_sampling and cfg.reward.verifier == "co_rewarding_teacher":
         problems.append(

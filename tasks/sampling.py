@@ -74,13 +74,13 @@ def sampling_engine(run_dir: str, engine_cfg: dict, policy: dict, dtype: str, pr
         return make_engine(path, engine, dtype, precision)
 
     key = live_engines.engine_key(engine, model_folder(policy), dtype, precision)
-    held, acquired = live_engines.rollout_engine(run_dir, key, policy, build)
+    held, acquired = live_engines.rollout_engine(run_dir, key, policy, build, one_at_a_time=engine.num_engines > 1)
     try:
         yield held, acquired
     except BaseException:
-        held.close()
+        live_engines.discard(run_dir, held, acquired)
         raise
-    live_engines.release(run_dir, held, acquired)
+    live_engines.release(run_dir, held, acquired)  # closes it where keeping it fails (a worker that died since)
 
 
 def sampling_params(rollout_cfg: dict, seed: int) -> SamplingParams:

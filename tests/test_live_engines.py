@@ -345,3 +345,47 @@ def test_vllm_in_place_sync_equals_a_fresh_engine(checkpoints, run_dir, tiny_tok
         fresh.close()
     assert max(abs(a - b) for a, b in zip(synced_logprobs, fresh_logprobs)) < 1e-5
     assert max(abs(a - b) for a, b in zip(synced_logprobs, old_logprobs)) > 1e-2
+
+
+def test_an_engine_that_fails_to_close_leaves_ray_to_be_stopped_all_the_same(tmp_path, monkeypatch):
+    """The flow's end hook closed the kept engines, then left Ray; a close that raised skipped leaving it (its
+    processes and session folder stayed)."""
+    from types import SimpleNamespace
+
+    from flows.refiner import close_live_engines
+    from refiner_core.runtime import cluster, live
+
+    class Broken:
+        def close(self):
+            raise RuntimeError("a worker died")
+
+    session = tmp_path / "ray-session"
+    session.mkdir()
+    monkeypatch.setattr(cluster, "_held", str(session))
+    live.open_run(tmp_path / "run", owner="flow-1")
+    live.run_of(tmp_path / "run").rollout["k"] = Broken()
+    with pytest.raises(RuntimeError, match="a worker died"):
+        close_live_engines(None, SimpleNamespace(id="flow-1"), None)
+    assert not session.exists() and cluster._held is None
+
+
+def test_an_engine_whose_keeping_fails_after_its_stage_is_closed(run_dir):
+    """Giving an engine back asks it what memory it holds (Ray's ask every worker); one whose worker died since
+    the stage sampled raised there, outside the block that closes a failed stage's engine: the other workers kept
+    their CPUs and GPUs until the object was collected. Now it is closed, and a stage waiting for it may go on."""
+    from refiner_core.runtime.live_engines import Acquired
+
+    class DiesAfterSampling:
+        weights_hash, closed = "h", False
+
+        def memory_bytes(self):
+            raise RuntimeError("the actor died")
+
+        def close(self):
+            self.closed = True
+
+    engine, key = DiesAfterSampling(), "k"
+    live.run_of(run_dir).in_use[key] = 1
+    with pytest.raises(RuntimeError, match="the actor died"):
+        live_engines.release(run_dir, engine, Acquired("kept", key=key))
+    assert engine.closed and live.run_of(run_dir).in_use[key] == 0 and key not in live.run_of(run_dir).rollout

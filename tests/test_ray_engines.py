@@ -92,13 +92,22 @@ def test_engines_that_can_never_fit_the_clusters_gpus_are_refused_at_once():
     from refiner_core.config import ConfigError
     from refiner_core.rollout.sharded import refuse_unplaceable
 
-    refuse_unplaceable(2, 2, {"10.0.0.1": 4.0})
-    refuse_unplaceable(3, 1, {"10.0.0.1": 1.0, "10.0.0.2": 2.0})
-    with pytest.raises(ConfigError, match=r"needs 2 groups of 2 GPU\(s\), each on one node; .*room for 1"):
-        refuse_unplaceable(2, 2, {"10.0.0.1": 3.0})
+    refuse_unplaceable(2, 2, [("10.0.0.1", 8.0, 4.0)])
+    refuse_unplaceable(3, 1, [("10.0.0.1", 8.0, 1.0), ("10.0.0.2", 8.0, 2.0)])
+    with pytest.raises(ConfigError, match=r"needs 2 groups of 2 GPU\(s\) and 1 CPU, each on one node; .*room for 1"):
+        refuse_unplaceable(2, 2, [("10.0.0.1", 8.0, 3.0)])
     # two GPUs in the cluster, but one engine's two must share a node
-    with pytest.raises(ConfigError, match=r"\{10.0.0.1: 1, 10.0.0.2: 1\}, room for 0"):
-        refuse_unplaceable(1, 2, {"10.0.0.1": 1.0, "10.0.0.2": 1.0})
+    with pytest.raises(ConfigError, match=r"\{10.0.0.1: 8 CPUs, 1 GPUs, 10.0.0.2: 8 CPUs, 1 GPUs\}, room for 0"):
+        refuse_unplaceable(1, 2, [("10.0.0.1", 8.0, 1.0), ("10.0.0.2", 8.0, 1.0)])
+    # two nodes on one address (containers of one host) are two nodes: both engines fit (keyed by address, one did)
+    refuse_unplaceable(2, 1, [("10.0.0.1", 4.0, 1.0), ("10.0.0.1", 4.0, 1.0)])
+    # each engine takes a CPU: three engines on two CPUs and no GPU waited forever for a third CPU
+    with pytest.raises(ConfigError, match=r"rollout.num_engines = 3 needs 3 CPUs, one per engine; .*room for 2"):
+        refuse_unplaceable(3, 0, [("10.0.0.1", 2.0, 0.0)])
+    refuse_unplaceable(2, 0, [("10.0.0.1", 2.0, 0.0)])
+    # a GPU engine takes a CPU too
+    with pytest.raises(ConfigError, match=r"room for 1"):
+        refuse_unplaceable(2, 1, [("10.0.0.1", 1.0, 4.0)])
 
 
 @pytest.mark.slow
@@ -200,7 +209,7 @@ def test_an_engine_that_stops_mid_rollout_fails_it_as_stalled(tiny_model_path, m
 
     from refiner_core.config import EngineSettings
     from refiner_core.rollout import sharded
-    from refiner_core.rollout.base import SamplingParams
+    from refiner_core.rollout.base import SamplingParams, make_engine
     from refiner_core.rollout.sharded import ShardedEngine
     from refiner_core.runtime import cluster
     from refiner_core.runtime.progress import Stalled, listening
@@ -220,6 +229,9 @@ def test_an_engine_that_stops_mid_rollout_fails_it_as_stalled(tiny_model_path, m
         with listening(lambda bar: seen.append((bar.label, bar.done))):
             out = engines.generate(prompts, params, "rollout step 0")
         assert len(out) == 8 and ("rollout step 0", 0) in seen  # the driver's bar, opened before any engine moved
+        # the agent loop ends turns at the engine's end-of-turn tokens (it fell back to the tokenizer's EOS)
+        assert engines.eos_ids == make_engine(str(tiny_model_path), EngineSettings.of(engine="hf"), "float32").eos_ids
+        assert engines.eos_ids
         for _ in range(40):  # every engine's bar told the board all it did: 8 sequences over the two
             if ray.get(engines.board.read.remote()) == 8:
                 break
@@ -253,3 +265,106 @@ def test_an_engine_that_stops_mid_rollout_fails_it_as_stalled(tiny_model_path, m
         ray.shutdown()
         shutil.rmtree(session, ignore_errors=True)
     assert sharded.REPORT_SECONDS <= 1.0  # a report at least every second keeps a healthy engine from stalling
+
+
+def test_two_stages_of_a_run_share_engines_that_fill_the_cluster_one_after_the_other(tiny_model_path, tmp_path):
+    """grpo.async_steps with eval: the rollout sampled ahead and the eval use one engine key at once. The second
+    built engines of its own, which waited for the CPUs the first's held, and the first, released, was kept holding
+    them: the run hung. Now the second waits for the first's engines and takes them; they are kept once, and a
+    failed stage's engines are closed and wake the waiter, which then builds its own."""
+    import dataclasses
+    import threading
+
+    import ray
+
+    from refiner_core.config import EngineSettings
+    from refiner_core.rollout.base import SamplingParams
+    from refiner_core.runtime import cluster, live
+    from refiner_core.runtime.scratch import short_folder
+    from refiner_core.store.storage import dir_hash
+    from tasks.sampling import sampling_engine
+
+    runtime_env = {"env_vars": {"PYTHONPATH": ":".join(p for p in cluster._python_path() if p)}}
+    session = short_folder("ray")
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env, _temp_dir=session)
+    run_dir = str(tmp_path / "run")
+    live.open_run(run_dir, owner="test")
+    try:
+        policy = {"path": str(tiny_model_path), "hash": dir_hash(tiny_model_path)}
+        cfg = dataclasses.asdict(EngineSettings.of(engine="hf", num_engines=2, batch_size=4))
+        first_in, seen = threading.Event(), {}
+
+        def ahead(fail: bool) -> None:
+            try:
+                with sampling_engine(run_dir, cfg, policy, "float32", "fp32", "rollout step 2") as (engine, got):
+                    seen.setdefault("first", []).append((id(engine), got.how))
+                    first_in.set()
+                    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, max_new_tokens=4, seed=1))
+                    time.sleep(2)
+                    if fail:
+                        raise RuntimeError("a worker died")
+            except RuntimeError:
+                pass
+
+        def evaluate() -> None:
+            first_in.wait()
+            with sampling_engine(run_dir, cfg, policy, "float32", "fp32", "eval step 1") as (engine, got):
+                seen.setdefault("second", []).append((id(engine), got.how))
+                engine.generate([[5, 6]], SamplingParams(n=1, max_new_tokens=4, temperature=0))
+
+        for fail in (False, True):
+            first_in.clear()
+            threads = [threading.Thread(target=ahead, args=(fail,)), threading.Thread(target=evaluate)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(180)
+            assert not any(t.is_alive() for t in threads), "the second stage waited for Ray's resources for good"
+        (first_ok, first_failed), (second_ok, second_after_failure) = seen["first"], seen["second"]
+        assert second_ok == (first_ok[0], "kept")  # the first stage's engines, handed over
+        assert first_failed == (first_ok[0], "kept")
+        assert second_after_failure[1] == "built"  # the failed stage's engines were closed: it built its own
+        assert len(live.run_of(run_dir).rollout) == 1 and not any(live.run_of(run_dir).in_use.values())
+    finally:
+        live.close_all()
+        ray.shutdown()
+        shutil.rmtree(session, ignore_errors=True)
+
+
+def test_ray_for_the_run_keeps_its_sigterm_handler_and_never_joins_ray_address(monkeypatch):
+    """ray.init replaced the run's SIGTERM handler with its own sys.exit(15) (exit code 134, no line saying how to
+    resume, where a run without Ray exits 143); 'local' joined the cluster $RAY_ADDRESS names (KubeRay pods,
+    `ray job submit`) instead of starting one. A failed start leaves no session folder."""
+    import signal
+
+    import ray
+
+    from refiner_core.runtime import cluster
+
+    def handler(signum, frame):
+        raise SystemExit(143)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")  # no cluster there: joining it would fail
+    try:
+        line = cluster.connect("local")
+        assert line.startswith("ray: started for the run on this machine: 1 node(s)"), line
+        assert signal.getsignal(signal.SIGTERM) is handler
+        session = cluster._held
+        cluster.disconnect()
+        assert not ray.is_initialized() and not Path(session).exists()
+    finally:
+        cluster.disconnect()
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_ray_address_that_is_no_address_fails_preflight(tiny_recipe):
+    for bad in ("Local", "localhost", "ray://head"):
+        run = {**tiny_recipe["run"], "ray_address": bad}
+        assert any(
+            p.startswith(f"run.ray_address = {bad!r}: must be '' (no Ray), 'local'")
+            for p in check_values(recipe_from_dict({**tiny_recipe, "run": run}))
+        ), bad
+    for good in ("local", "auto", "10.0.0.1:6379", "ray://head:10001"):
+        run = {**tiny_recipe["run"], "ray_address": good}
+        assert not [p for p in check_values(recipe_from_dict({**tiny_recipe, "run": run})) if "ray_address" in p]

@@ -81,6 +81,9 @@ class EngineActor:
     def takes_adapters(self) -> bool:
         return getattr(self.engine, "takes_adapters", False)
 
+    def eos_ids(self):
+        return getattr(self.engine, "eos_ids", None)
+
     def sleep_level(self) -> int:
         return self.engine.sleep_level
 
@@ -111,8 +114,7 @@ class ShardedEngine:
         from refiner_core.runtime.cluster import gpus_available
 
         gpus = settings.tensor_parallel_size if gpus_available() else 0
-        if gpus:
-            refuse_unplaceable(settings.num_engines, gpus, node_gpus())
+        refuse_unplaceable(settings.num_engines, gpus, node_resources())
         actor = ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=0)(EngineActor)
         self.board = ray.remote(num_cpus=0, max_restarts=0)(ProgressBoard).remote(settings.num_engines)
         self.actors = [
@@ -132,6 +134,7 @@ class ShardedEngine:
             for k, (node, ids) in enumerate(self.places, 1)
         )
         self.takes_adapters = ray.get(self.actors[0].takes_adapters.remote())
+        self.eos_ids = ray.get(self.actors[0].eos_ids.remote())  # the agent loop ends turns at them
         self.sleep_level = min(ray.get([a.sleep_level.remote() for a in self.actors]))
         self.asleep = False
 
@@ -238,23 +241,33 @@ def tightest(places: list[tuple[str, list]], sizes: list[tuple[int, int]]) -> tu
     return min(devices.values(), key=lambda device: device[1] - device[0])
 
 
-def node_gpus() -> dict[str, float]:
-    """GPUs of each live node of the Ray cluster, by address."""
+def node_resources() -> list[tuple[str, float, float]]:
+    """(address, CPUs, GPUs) of each live node of the Ray cluster (nodes may share an address)."""
     import ray
 
-    return {n["NodeManagerAddress"]: n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]}
+    return [
+        (n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0), n["Resources"].get("GPU", 0.0))
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
 
 
-def refuse_unplaceable(engines: int, gpus_each: int, nodes: dict[str, float]) -> None:
-    """Raise where `engines` engines of `gpus_each` GPUs (one engine's GPUs on one node) can never fit the
-    cluster's nodes: Ray would keep them pending and the stage would wait forever. Not retried: a setting."""
-    fits = sum(int(gpus // gpus_each) for gpus in nodes.values())
+def refuse_unplaceable(engines: int, gpus_each: int, nodes: list[tuple[str, float, float]]) -> None:
+    """Raise where `engines` engines of one CPU and `gpus_each` GPUs each (one engine's GPUs on one node) can
+    never fit the cluster's nodes: Ray would keep them pending and the stage would wait forever. Not retried: a
+    setting."""
+    fits = sum(min(int(cpus), int(gpus // gpus_each)) if gpus_each else int(cpus) for _, cpus, gpus in nodes)
     if fits < engines:
-        held = ", ".join(f"{node}: {gpus:g}" for node, gpus in nodes.items()) or "none"
+        held = ", ".join(f"{node}: {cpus:g} CPUs, {gpus:g} GPUs" for node, cpus, gpus in nodes) or "none"
+        each = (
+            f" with rollout.tensor_parallel_size = {gpus_each} needs {engines} groups of {gpus_each} GPU(s) and 1 CPU, "
+            "each on one node"
+            if gpus_each
+            else f" needs {engines} CPUs, one per engine"
+        )
         raise ConfigError(
-            f"rollout.num_engines = {engines} with rollout.tensor_parallel_size = {gpus_each} needs {engines} "
-            f"groups of {gpus_each} GPU(s), each on one node; the Ray cluster's nodes have GPUs {{{held}}}, room for "
-            f"{fits}. Lower rollout.num_engines or rollout.tensor_parallel_size, or add GPUs to the cluster"
+            f"rollout.num_engines = {engines}{each}; the Ray cluster's nodes have {{{held}}}, room for {fits}. Lower "
+            "rollout.num_engines" + (" or rollout.tensor_parallel_size" if gpus_each else "") + ", or add nodes"
         )
 
 

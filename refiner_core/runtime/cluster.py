@@ -9,8 +9,11 @@ Ray only places the engines (actors) they drive.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
 
 from refiner_core import REPO_ROOT
 from refiner_core.runtime.scratch import short_folder
@@ -29,14 +32,31 @@ def connect(address: str) -> str:
         return f"ray: already connected ({ray.get_runtime_context().gcs_address})"
     # Engine actors import this project: they run with the flow's working folder and Python path.
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in _python_path() if p)}}
-    if address == "local":
-        # Ray's session folder holds Unix sockets, whose paths must stay short (< 108 bytes)
-        session = short_folder("ray")
-        ray.init(include_dashboard=False, runtime_env=runtime_env, log_to_driver=True, _temp_dir=session)
-        _held, what = session, "started for the run on this machine"
-    else:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
-        _held, what = "", f"joined {address}"
+    # ray.init replaces the main thread's SIGTERM handler with its own sys.exit(15): the run's (exit code 143, a
+    # line saying how to resume) is put back
+    sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        if address == "local":
+            # Ray's session folder holds Unix sockets, whose paths must stay short (< 108 bytes)
+            session = short_folder("ray")
+            try:  # address 'local': a new instance, never a cluster $RAY_ADDRESS names
+                ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    runtime_env=runtime_env,
+                    log_to_driver=True,
+                    _temp_dir=session,
+                )
+            except BaseException:
+                shutil.rmtree(session, ignore_errors=True)
+                raise
+            _held, what = session, "started for the run on this machine"
+        else:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+            _held, what = "", f"joined {address}"
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
     resources = ray.cluster_resources()
     return (
         f"ray: {what}: {len(ray.nodes())} node(s), {resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs"
@@ -69,3 +89,13 @@ def gpus_available() -> float:
     import ray
 
     return ray.cluster_resources().get("GPU", 0.0)
+
+
+ADDRESS = re.compile(r"^(local|auto|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5})$")
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` is no value of run.ray_address ('' | 'local' | 'auto' | HOST:PORT | ray://HOST:PORT), or None."""
+    if address == "" or ADDRESS.match(address):
+        return None
+    return "must be '' (no Ray), 'local' (a Ray instance started for the run), 'auto', HOST:PORT or ray://HOST:PORT"

@@ -27,6 +27,7 @@ class LiveRun:
     learner: Any = None  # a live_learner.KeptLearner, or None
     judges: dict[str, Any] = field(default_factory=dict)  # key -> a live_judges.KeptJudge
     lending: int = 0  # rollout engines copying the learner's weights now: the learner is not taken meanwhile
+    in_use: dict[str, int] = field(default_factory=dict)  # key -> rollout engines of that key handed out now
 
 
 _RUNS: dict[str, LiveRun] = {}

@@ -57,20 +57,32 @@ class Acquired:
         }[self.how]
 
 
-def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[[str], Any]) -> tuple[Any, Acquired]:
+def rollout_engine(
+    run_dir: str | Path, key: str, policy: dict, build: Callable[[str], Any], one_at_a_time: bool = False
+) -> tuple[Any, Acquired]:
     """An engine holding `policy`'s weights (policy = {"path", "hash"}): the run's live engine for `key`, its
-    weights synced in place when they differ, else one `build(path)` makes. Give it back with `release`."""
+    weights synced in place when they differ, else one `build(path)` makes. Give it back with `release` (or
+    `discard`). While another stage uses the key's engine a second user builds its own, unless `one_at_a_time`
+    (engines that take their whole cluster, Ray's: a second set would wait for resources the first holds, and the
+    first, released, would be kept holding them): then it waits for the first to come back."""
     run = run_of(run_dir)
     if run is None:
         engine = build(policy["path"])
         engine.weights_hash = policy["hash"]
         return engine, Acquired("fresh", key=key)
     with LOCK:
-        engine = run.rollout.pop(key, None)  # in use until released: a second user builds its own
+        if one_at_a_time:
+            LOCK.wait_for(lambda: key in run.rollout or not run.in_use.get(key))
+        engine = run.rollout.pop(key, None)  # in use until released
+        run.in_use[key] = run.in_use.get(key, 0) + 1
     acquired = Acquired("kept", key=key)
-    if engine is None:  # unsaved weights: built from the folder they were trained from, then synced
-        engine, acquired = build(model_folder(policy)), Acquired("built", key=key)
-        engine.weights_hash = None if is_unsaved(policy) else policy["hash"]
+    try:
+        if engine is None:  # unsaved weights: built from the folder they were trained from, then synced
+            engine, acquired = build(model_folder(policy)), Acquired("built", key=key)
+            engine.weights_hash = None if is_unsaved(policy) else policy["hash"]
+    except BaseException:
+        _returned(run, key)
+        raise
     try:
         if is_asleep(engine):  # memory for the weights first, written over by a sync, then for the KV cache
             start = time.perf_counter()
@@ -86,11 +98,29 @@ def rollout_engine(run_dir: str | Path, key: str, policy: dict, build: Callable[
             engine.wake_up(("kv_cache",))
             acquired.wake_seconds += time.perf_counter() - start
     except BaseException:  # half-loaded weights are neither the old nor the new: the engine goes
-        engine.close()
+        discard(run_dir, engine, acquired)
         raise
     if engine.weights_hash != policy["hash"]:
+        discard(run_dir, engine, acquired)
         raise StaleWeights(f"rollout engine holds weights {engine.weights_hash!r}, the stage needs {policy['hash']!r}")
     return engine, acquired
+
+
+def _returned(run: LiveRun, key: str) -> None:
+    """One engine of `key` is no longer in use: a stage waiting for it (one_at_a_time) looks again."""
+    with LOCK:
+        run.in_use[key] = max(run.in_use.get(key, 0) - 1, 0)
+        LOCK.notify_all()
+
+
+def discard(run_dir: str | Path, engine, acquired: Acquired) -> None:
+    """Close an engine of `rollout_engine` that must not be kept (it failed mid-stage: a dead worker)."""
+    run = run_of(run_dir)
+    try:
+        engine.close()
+    finally:
+        if run is not None and acquired.how != "fresh":
+            _returned(run, acquired.key)
 
 
 def _sync(run: LiveRun, engine, policy: dict) -> str:
@@ -132,23 +162,28 @@ def release(run_dir: str | Path, engine, acquired: Acquired) -> str:
     when it leaves its device enough memory (`fits`), else asleep when it can sleep (sleep mode frees its device
     memory until the next stage wakes it), else closed. Returns 'kept', 'asleep' or 'closed'."""
     run = run_of(run_dir)
-    how = keeping(engine) if run is not None else "closed"
-    if how != "closed":
-        with LOCK:
-            free_slot = acquired.key not in run.rollout
-        if free_slot and how == "asleep":
-            try:
+    if run is None or acquired.how == "fresh":
+        engine.close()
+        return "closed"
+    try:  # kept by nobody, an engine whose state is not known for certain would hold its memory: it is closed
+        how = keeping(engine)
+        if how != "closed":
+            with LOCK:
+                free_slot = acquired.key not in run.rollout
+            if free_slot and how == "asleep":
                 engine.sleep()
-            except BaseException:  # neither asleep nor awake for certain: kept by nobody, it would hold its memory
-                engine.close()
-                raise
-            if engine.sleep_level >= 2:  # its weights are gone: the next stage loads them whatever it needs
-                engine.weights_hash = None
-        with LOCK:
-            if acquired.key not in run.rollout:
-                run.rollout[acquired.key] = engine
-                return how
-    engine.close()
+                if engine.sleep_level >= 2:  # its weights are gone: the next stage loads them whatever it needs
+                    engine.weights_hash = None
+            with LOCK:
+                if acquired.key not in run.rollout:
+                    run.rollout[acquired.key] = engine
+                    run.in_use[acquired.key] = max(run.in_use.get(acquired.key, 0) - 1, 0)
+                    LOCK.notify_all()
+                    return how
+    except BaseException:
+        discard(run_dir, engine, acquired)
+        raise
+    discard(run_dir, engine, acquired)
     return "closed"
 
 
