@@ -139,7 +139,6 @@ class ShardedEngine:
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, desc: str = "") -> list[Generation]:
-
         shards = _shards(len(prompts), len(self.actors))
         busy = [(k, start, end) for k, (start, end) in enumerate(shards) if end > start]
         pending = [
