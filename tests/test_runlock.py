@@ -193,6 +193,24 @@ def test_run_folder_template():
         format_run_dir("runs/{name}", "d", when, "abc")
 
 
+def test_a_deployment_name_fills_one_folder_name_under_the_template():
+    """Prefect allows '{', '}' and '..' in deployment names: 'nightly-{gpu}' failed every run (the subflow read the
+    filled folder as a template again, KeyError 'gpu'), and '..' put the run folder above runs/ (and the neighbour
+    clean-up then scanned the repository's folders). A brace the template itself leaves is refused."""
+    template = "runs/{deployment}/{date}-{flow_run_id}"
+    for deployment, folder in (
+        ("nightly-{gpu}", "nightly-_gpu_"),
+        ("..", "__"),
+        (".", "_"),
+        ("a/b", "a_b"),
+        ("tiny 2", "tiny_2"),
+        ("crème", "crème"),
+    ):
+        assert format_run_dir(template, deployment, None, "0f3c2a9b-11").split("/")[:2] == ["runs", folder]
+    with pytest.raises(ValueError, match=r"gives 'runs/\{x\}/local': a run folder's name holds no braces"):
+        format_run_dir("runs/{{x}}/{flow_run_id}", "d", None, "")
+
+
 def start_cli(args: list[str], tmp_path: Path, name: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     """`refiner ARGS` started in the background, its stderr in TMP/NAME.err."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_LOGGING_LEVEL": "INFO", **(env or {})}

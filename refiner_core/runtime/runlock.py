@@ -20,6 +20,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -187,13 +188,23 @@ def format_run_dir(template: str, deployment: str, scheduled: datetime.datetime 
     one folder that every run of the deployment resumes."""
     when = (scheduled or datetime.datetime.now(datetime.UTC)).astimezone(datetime.UTC)
     values = {
-        "deployment": deployment or "manual",
+        "deployment": folder_name(deployment or "manual"),
         "date": when.strftime("%Y%m%d-%H%M"),
-        "flow_run_id": (str(flow_run_id) or "local")[:8],
+        "flow_run_id": folder_name((str(flow_run_id) or "local")[:8]),
     }
     try:
-        return template.format(**values)
+        folder = template.format(**values)
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(
             f"run_dir template {template!r}: {e!r}; its fields are {', '.join('{' + f + '}' for f in RUN_DIR_FIELDS)}"
         ) from None
+    if "{" in folder or "}" in folder:  # the folder is filled in once; braces would read as fields where passed on
+        raise ValueError(f"run_dir template {template!r} gives {folder!r}: a run folder's name holds no braces")
+    return folder
+
+
+def folder_name(value: str) -> str:
+    """`value` as one folder name: characters other than letters, digits, '.', '_' and '-' become '_' (a deployment
+    named 'a/b', '..' or 'nightly-{gpu}' would name another folder or a template field)."""
+    name = re.sub(r"[^\w.-]", "_", value)
+    return "_" * len(name) if set(name) <= {"."} else name
