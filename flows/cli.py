@@ -210,6 +210,7 @@ def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
     Cells are Text, never markup, with control characters shown as escapes."""
     import shutil
 
+    from rich.cells import cell_len
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -227,7 +228,7 @@ def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
     for r in cells:
         table.add_row(*r)
     # COLUMNS, else the terminal's width; into a pipe or file, as wide as the cells need: no cell folded mid-number
-    needed = [max([len(visible(c)), *(len(r[k].plain) for r in cells)]) for k, c in enumerate(columns)]
+    needed = [max([cell_len(visible(c)), *(r[k].cell_len for r in cells)]) for k, c in enumerate(columns)]
     width = shutil.get_terminal_size((max(120, sum(n + 3 for n in needed) + 1), 24)).columns
     Console(width=width).print(table)
     typer.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})", err=True)

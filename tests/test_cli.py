@@ -718,3 +718,6 @@ def test_a_table_into_a_pipe_is_as_wide_as_its_cells(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 + 2 + 1  # borders and header, two rows, the bottom border
     assert all(f"0.477-0.528_{k}" in lines[3] for k in range(12))
+    wide = [tuple("研究回答引用片段" * 3 for _ in range(6))]  # two terminal cells a character
+    _print_table(columns[:6], wide, 0)
+    assert len(capsys.readouterr().out.splitlines()) == 3 + 1 + 1

@@ -203,6 +203,12 @@ def test_a_verifier_that_breaks_its_contract_fails_the_step_instead_of_scoring_i
     with pytest.raises(ExtensionError, match=r"its factory returned NoneType, not a function verify_step"):
         make_verifier("toy_verifiers:nothing")
     assert issubclass(ExtensionError, NOT_RETRYABLE)
+    # numpy's numbers and a bool `correct` are numbers: kept as they worked before the check
+    import numpy as np
+
+    numeric = [Verdict(np.float32(1.0), "1", "exact", correct=True), Verdict(np.int64(0), "2", "exact")]
+    outside.numeric = lambda: lambda rollouts, prompts: numeric
+    assert make_verifier("toy_verifiers:numeric")(rollouts, {"p": {}}) == numeric
 
 
 def test_an_outside_backends_data_files_enter_the_cache_keys_and_its_bytecode_does_not(tmp_path, monkeypatch):

@@ -365,6 +365,6 @@ def test_a_ray_address_that_is_no_address_fails_preflight(tiny_recipe):
             p.startswith(f"run.ray_address = {bad!r}: must be '' (no Ray), 'local'")
             for p in check_values(recipe_from_dict({**tiny_recipe, "run": run}))
         ), bad
-    for good in ("local", "auto", "10.0.0.1:6379", "ray://head:10001"):
+    for good in ("local", "auto", "10.0.0.1:6379", "ray://head:10001", "[::1]:6379", "ray://[fd00::5]:10001"):
         run = {**tiny_recipe["run"], "ray_address": good}
         assert not [p for p in check_values(recipe_from_dict({**tiny_recipe, "run": run})) if "ray_address" in p]

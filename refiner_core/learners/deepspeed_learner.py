@@ -490,12 +490,11 @@ def _shut_down(proc, work: str, export: str) -> None:
     The ranks run in sessions of their own (torch elastic starts them so), outside the launcher's group: one that
     outlived the launcher's own stopping of them (it ignored or never got SIGTERM; a stopped process only holds
     it) is stopped by its record."""
-    ranks = local_ranks(work)
     if proc is not None:
         if proc.poll() is None:
             stop_group(proc.pid, group=True)
         forget_child(proc.pid)
-    for rank in ranks:
+    for rank in local_ranks(work):  # read once the launcher is stopped: no rank records itself after it
         if is_running(rank["pid"], rank["identity"]):
             stop_group(rank["pid"], group=rank["group"], grace=2.0)
         forget_child(rank["pid"])

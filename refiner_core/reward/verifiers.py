@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 
 from refiner_core.reward.ground_truth import Verdict, verify_row
@@ -136,7 +137,7 @@ def checked_verdicts(name: str, verdicts, rollouts: list[dict]) -> list[Verdict]
             )
         for field in ("score", "correct"):
             value = getattr(verdict, field)
-            finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            finite = isinstance(value, numbers.Real) and math.isfinite(value)  # numpy's scalars and bools included
             if not finite and not (field == "correct" and value is None):
                 raise ExtensionError(
                     f"reward.verifier {name!r} gave {where} the {field} {value!r}: a Verdict's score (and correct, "

@@ -91,7 +91,7 @@ def gpus_available() -> float:
     return ray.cluster_resources().get("GPU", 0.0)
 
 
-ADDRESS = re.compile(r"^(local|auto|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5})$")
+ADDRESS = re.compile(r"^(local|auto|(ray://)?([A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\]):\d{1,5})$")  # [IPv6]:PORT too
 
 
 def address_problem(address: str) -> str | None:

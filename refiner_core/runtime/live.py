@@ -56,6 +56,9 @@ def run_of(run_dir: str | Path) -> LiveRun | None:
 def close_run(run_dir: str | Path) -> None:
     with LOCK:
         run = _RUNS.pop(_folder(run_dir), None)
+        if run is not None:  # a stage waiting for an engine in use (one_at_a_time) waits no more
+            run.in_use.clear()
+            LOCK.notify_all()
     if run is not None:
         _close(run)
 
