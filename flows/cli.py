@@ -205,8 +205,12 @@ def _dollars(cost: float | None) -> str:
     return "not priced (judge.price_per_mtok_in / _out)" if cost is None else f"${cost:.4f}"
 
 
+PIPED_COLUMN_CELLS = 80
+
+
 def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
-    """Rows as a table as wide as the terminal (into a pipe or file: at least 120 columns, or the cells' width).
+    """Rows as a table as wide as the terminal (into a pipe or file: as wide as its cells, a column counted at most
+    PIPED_COLUMN_CELLS wide, at least 120).
     Cells are Text, never markup, with control characters shown as escapes."""
     import shutil
 
@@ -227,8 +231,12 @@ def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
     cells = [[cell(v) for v in r] for r in rows]
     for r in cells:
         table.add_row(*r)
-    # COLUMNS, else the terminal's width; into a pipe or file, as wide as the cells need: no cell folded mid-number
-    needed = [max([cell_len(visible(c)), *(r[k].cell_len for r in cells)]) for k, c in enumerate(columns)]
+    # COLUMNS, else the terminal's width; into a pipe or file, as wide as the cells need (no number folded), a
+    # column counted at most PIPED_COLUMN_CELLS wide (long text folds) and the table at least 120
+    needed = [
+        min(max([cell_len(visible(c)), *(r[k].cell_len for r in cells)]), PIPED_COLUMN_CELLS)
+        for k, c in enumerate(columns)
+    ]
     width = shutil.get_terminal_size((max(120, sum(n + 3 for n in needed) + 1), 24)).columns
     Console(width=width).print(table)
     typer.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})", err=True)

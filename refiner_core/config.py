@@ -1333,6 +1333,11 @@ class ConfigError(ValueError):
     pass
 
 
+class ExtensionError(ConfigError):
+    """A backend or variant broke its contract (a verifier's verdicts, an advantage's values, a loss's tensors): not
+    retried, the same code would break it again."""
+
+
 class YamlText(str):
     """A scalar written without quotes that YAML 1.1 reads as a number, a bool or a date (007 -> 7, 0123 -> 83, 1:30
     -> 90, 1_000 -> 1000, 0x1F -> 31, no -> False), kept as written: a text setting takes the text, any other setting

@@ -131,7 +131,7 @@ def test_an_unknown_backend_is_refused_with_the_closest_name_and_an_import_path_
 def test_a_policy_loss_that_breaks_its_contract_is_an_error_not_a_broadcast(monkeypatch):
     """A variant returning the loss alone (unpacked row by row into loss and mask) or a per-sequence [B, 1] loss
     (broadcast over the tokens) trained on wrong values without a word; it is an error that quotes the contract."""
-    from refiner_core.runtime.registry import ExtensionError
+    from refiner_core.config import ExtensionError
 
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], dtype=torch.float64)
     advantages = torch.tensor([[1.0], [-2.0]], dtype=torch.float64)
@@ -155,7 +155,7 @@ def test_an_advantage_that_breaks_its_contract_and_a_reward_that_is_not_finite_a
     import numpy as np
 
     from refiner_core.algo.advantages import NonFiniteReward, group_advantages
-    from refiner_core.runtime.registry import ExtensionError
+    from refiner_core.config import ExtensionError
 
     rows = [{"prompt_id": p, "sample_idx": s, "reward": float(s)} for p in ("a", "b") for s in range(2)]
     broken = {
@@ -178,9 +178,9 @@ def test_a_verifier_that_breaks_its_contract_fails_the_step_instead_of_scoring_i
     import sys
     import types
 
+    from refiner_core.config import ExtensionError
     from refiner_core.reward.ground_truth import Verdict
     from refiner_core.reward.verifiers import make_verifier
-    from refiner_core.runtime.registry import ExtensionError
     from tasks.stage import NOT_RETRYABLE
 
     rollouts = [{"prompt_id": "p", "sample_idx": s, "response_text": "1"} for s in range(2)]

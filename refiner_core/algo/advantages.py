@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from refiner_core.algo.kl_reward import penalised_reward
-from refiner_core.config import GRPOConfig
-from refiner_core.runtime.registry import ExtensionError
+from refiner_core.config import ExtensionError, GRPOConfig
 
 
 class NonFiniteReward(ValueError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refiner_core.runtime.registry import ExtensionError
+from refiner_core.config import ExtensionError
 
 Tensor = torch.Tensor
 

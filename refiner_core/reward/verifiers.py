@@ -13,9 +13,10 @@ import math
 import numbers
 from collections.abc import Callable
 
+from refiner_core.config import ExtensionError
 from refiner_core.reward.ground_truth import Verdict, verify_row
 from refiner_core.reward.pseudo_labels import LabelledVerdict, label_rollouts, votes_by_prompt
-from refiner_core.runtime.registry import ExtensionError, resolve
+from refiner_core.runtime.registry import resolve
 
 Verifier = Callable[[list[dict], dict[str, dict]], list[Verdict]]
 
@@ -130,7 +131,7 @@ def checked_verdicts(name: str, verdicts, rollouts: list[dict]) -> list[Verdict]
         got = f"{len(verdicts)} verdicts" if isinstance(verdicts, list) else type(verdicts).__name__
         raise ExtensionError(f"reward.verifier {name!r} returned {got} for {len(rollouts)} rollouts: {contract}")
     for verdict, r in zip(verdicts, rollouts):
-        where = f"prompt {r['prompt_id']!r} sample {r['sample_idx']}"
+        where = f"prompt {r.get('prompt_id')!r} sample {r.get('sample_idx')}"
         if not isinstance(verdict, Verdict):
             raise ExtensionError(
                 f"reward.verifier {name!r} returned {type(verdict).__name__} for {where}, not a Verdict: {contract}"

@@ -15,14 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from refiner_core.config import ConfigError
-
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-
-
-class ExtensionError(ConfigError):
-    """A backend or variant broke its contract (a verifier's verdicts, an advantage's values, a loss's tensors): not
-    retried, the same code would break it again."""
 
 
 @dataclass(frozen=True)
