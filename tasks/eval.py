@@ -59,11 +59,6 @@ def evaluate(
             "data.validation_fraction > 0 (e.g. 0.2), or see why it rejected them: "
             "SELECT * FROM quarantine WHERE stage = 'rubrics'"
         )
-    if not Path(policy["path"]).is_dir():
-        raise FileNotFoundError(
-            f"eval step {step}: checkpoint {policy['path']} no longer exists (removed by "
-            "run.keep_last); keep it with run.keep_every, or evaluate a new run"
-        )
     # the run's live engine; kept after, or closed to free memory before the judge loads
     with sampling_engine(run_dir, engine_cfg, policy, dtype, precision, f"eval step {step}") as (engine, acquired):
         log.info("eval step %d: %s", step, acquired.describe())

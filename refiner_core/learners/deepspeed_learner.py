@@ -327,8 +327,8 @@ class DeepSpeedLearner:
                 bar.close()
         if started:
             if os.environ.get(PROCS_DIR_ENV):  # the next run on the folder stops any that outlive a killed run
+                cmd = [sys.executable, "-m", WORKER, str(self.work)]
                 for rank in local_ranks(self.work):
-                    cmd = [sys.executable, "-m", WORKER, str(self.work)]
                     record_child(os.environ[PROCS_DIR_ENV], rank["pid"], cmd, group=rank["group"])
             ready = json.loads((self.work / "ready.json").read_text())
             self.start_seconds = ready["start_seconds"]

@@ -177,8 +177,7 @@ def release(run_dir: str | Path, engine, acquired: Acquired) -> str:
             with LOCK:
                 if acquired.key not in run.rollout:
                     run.rollout[acquired.key] = engine
-                    run.in_use[acquired.key] = max(run.in_use.get(acquired.key, 0) - 1, 0)
-                    LOCK.notify_all()
+                    _returned(run, acquired.key)  # LOCK is reentrant: kept and returned in one step
                     return how
     except BaseException:
         discard(run_dir, engine, acquired)
