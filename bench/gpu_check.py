@@ -218,8 +218,19 @@ def tiny_flow(part: str, run_dir: Path, cpu: bool, overrides: list[str]) -> dict
     rows = {t: con.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}  # names from the catalog
     needed = ["prompts", "rubrics", "rollouts", "judge_scores", "reward_inputs", "rewards", "steps", "advantages"]
     empty = [t for t in needed if not rows.get(t)]
-    steps = con.execute("SELECT step, loss, kl, grad_norm, reward_mean FROM steps ORDER BY step").fetchall()
-    bad_steps = [s for s in steps if any(v is None or not math.isfinite(v) for v in s[1:])]
+    steps = con.execute(
+        "SELECT step, loss, kl, grad_norm, reward_mean, skipped_optimizer_steps, response_tokens "
+        "FROM steps ORDER BY step"
+    ).fetchall()
+    # grad_norm is NULL where nothing was trained (every group's rewards equal and filtered out)
+    bad_steps = [
+        s
+        for s in steps
+        if any(v is None or not math.isfinite(v) for v in (s[1], s[2], s[4]))
+        or s[5]
+        or (s[3] is None and s[6])
+        or (s[3] is not None and not math.isfinite(s[3]))
+    ]
     bad_logprobs = con.execute(
         "SELECT count(*) FROM rollouts, unnest(response_logprobs) AS t(lp) WHERE NOT isfinite(lp)"
     ).fetchone()[0]
@@ -236,7 +247,10 @@ def tiny_flow(part: str, run_dir: Path, cpu: bool, overrides: list[str]) -> dict
         "device": device_name(cpu),
         "precision": precision,
         "seconds": round(seconds, 1),
-        "steps": [{"step": s[0], "loss": s[1], "kl": s[2], "grad_norm": s[3], "reward_mean": s[4]} for s in steps],
+        "steps": [
+            {"step": s[0], "loss": s[1], "kl": s[2], "grad_norm": s[3], "reward_mean": s[4], "skipped_updates": s[5]}
+            for s in steps
+        ],
         "rows": rows,
         "empty": empty,
         "nan_logprobs": bad_logprobs,

@@ -1322,7 +1322,7 @@ class RecipeConfig:
     )
     monitors: MonitorsConfig = field(
         default_factory=lambda: MonitorsConfig(),
-        metadata={"help": "Reward-hacking monitors checked after every step: warn, pause or fail the run."},
+        metadata={"help": "Monitors (reward hacking, skipped updates) checked after every step: warn, pause or fail."},
     )
 
     def to_dict(self) -> dict:
@@ -1661,8 +1661,9 @@ _ACTION_HELP = (
 
 @dataclass
 class MonitorsConfig:
-    """Reward-hacking monitors (refiner_core/publish/monitors.py): SQL views of the catalog, each giving one figure per
-    step, checked after the step's judge and update. A check trips when its figure reaches its threshold (0 = off)."""
+    """Monitors of reward hacking and skipped updates (refiner_core/publish/monitors.py): SQL views of the catalog,
+    each giving one figure per step, checked after the step's judge and update. A check trips when its figure
+    reaches its threshold (0 = off)."""
 
     enabled: bool = opt(True, "Check the monitors after every step (false: none is checked).")
     pause_timeout_seconds: float = opt(
@@ -1713,6 +1714,12 @@ class MonitorsConfig:
         10.0, "The step's KL to the reference over the largest KL of the earlier steps (at least 0.01)."
     )
     kl_jump_action: MonitorAction = opt("warn", _ACTION_HELP)
+    skipped_updates: float = opt(
+        1.0,
+        "Optimizer steps of a step's update skipped because their gradient norm was NaN or inf (the weights were "
+        "left as they were).",
+    )
+    skipped_updates_action: MonitorAction = opt("warn", _ACTION_HELP)
 
 
 # What the stages before the first GRPO step read (locate-model, prepare-data, ingest-rubrics, prepare-sft, sft-train

@@ -563,7 +563,18 @@ STEPS = Table(
             "Updates between the policy that sampled the step's rollouts and the one trained: "
             "min(step, grpo.async_steps); 0 when synchronous.",
         ),
-        _c("grad_norm", F, "Gradient norm before clipping."),
+        _c(
+            "grad_norm",
+            F,
+            "Mean gradient norm before clipping over the update's optimizer steps taken (NULL when none was: every "
+            "one skipped, or no rollout left to train on).",
+        ),
+        _c(
+            "skipped_optimizer_steps",
+            I,
+            "Optimizer steps of the update skipped because the gradient norm was NaN or inf: the weights and the "
+            "optimizer state were left as they were (0 = none; NULL in runs written before the column existed).",
+        ),
         _c("lr", F, "Learning rate used."),
         _c("response_tokens", I, "Response tokens trained on."),
         _c("packing_efficiency", F, "Real tokens / tokens computed in the update (1.0 = no padding)."),
@@ -673,7 +684,12 @@ SFT_METRICS = Table(
         _c("loss", F, "Token-mean cross-entropy over assistant tokens."),
         _c("tokens", I, "Assistant tokens the loss averages over."),
         _c("lr", F, "Learning rate of the step (NULL for validation)."),
-        _c("grad_norm", F, "Gradient norm before clipping (NULL for validation)."),
+        _c(
+            "grad_norm",
+            F,
+            "Gradient norm before clipping (NULL for validation). NaN or inf: the step was skipped, the weights "
+            "left as they were.",
+        ),
     ),
 )
 

@@ -194,6 +194,7 @@ def grpo_update(
             "informative_groups": adv_stats["informative_groups"],
             "dropped_groups": adv_stats["dropped_groups"],
             "masked_truncated": adv_stats["masked_truncated"],
+            "skipped_optimizer_steps": metrics.get("skipped_optimizer_steps"),
             "entropy": metrics.get("entropy"),
             "importance_weight_mean": metrics.get("importance_weight_mean"),
             "off_policy_masked": metrics.get("off_policy_masked"),
@@ -230,6 +231,13 @@ def grpo_update(
             row["dropped_groups"],
             row["masked_truncated"],
         )
+        if row["skipped_optimizer_steps"]:
+            log.warning(
+                "grpo-update step %d: %d optimizer step(s) skipped, their gradient norm not finite (NaN or inf): the "
+                "weights were left as they were (steps.skipped_optimizer_steps; monitors.skipped_updates)",
+                step,
+                row["skipped_optimizer_steps"],
+            )
         manifest = {
             "policy": saved,
             "steps": write_rows(STEPS, [row], metrics_path),
@@ -346,7 +354,8 @@ def _no_signal_metrics(lr: float) -> dict:
         "pg_loss": 0.0,
         "kl": 0.0,
         "clip_fraction": 0.0,
-        "grad_norm": 0.0,
+        "grad_norm": None,
+        "skipped_optimizer_steps": 0,
         "lr": lr,
         "response_tokens": 0,
         "packing_efficiency": 0.0,

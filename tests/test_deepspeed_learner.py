@@ -268,6 +268,35 @@ def test_zero_stage_0_reports_the_torch_learners_grad_norm(tiny_model_path, tiny
     _check_step(learner, metrics, _samples(0), tmp_path / "out", want, weights, resumed=0, step=0)
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_nan_gradient_skips_the_step_on_every_rank(tiny_model_path, tiny_tokenizer, tmp_path, zero_stage):
+    """An overflowing advantage on rank 0's share makes NaN gradients; after the all-reduce every rank holds them.
+    Stage 3: DeepSpeed's ZeRO optimizer skips the step and reports an infinite norm; stage 0 (DeepSpeed steps torch's
+    AdamW): the ranks' clipping hook drops the gradients, so AdamW passes over every weight. Either way the weights
+    and Adam's step count stay as they were and the next step is the torch learner's first."""
+    poisoned = [dataclasses.replace(_samples(0)[0], advantage=3e38), *_samples(0)[1:]]
+    policy = load_model(tiny_model_path, trainable=True)
+    want = TorchLearner(policy, load_model(tiny_model_path), tiny_tokenizer.pad_token_id, _settings()).train_step(
+        _samples(1)
+    )
+    weights = {k: v.detach() for k, v in policy.state_dict().items()}
+    base = Path(tiny_model_path)
+    settings = _settings(world_size=2, zero_stage=zero_stage)
+    learner = make_learner("deepspeed", base, tiny_model_path, tiny_tokenizer, settings, base / "optimizer.pt")
+    try:
+        skipped = learner.train_step(poisoned)
+        assert skipped["skipped_optimizer_steps"] == 1 and skipped["grad_norm"] is None
+        assert [r["adam_steps"] for r in learner.rank_stats] == [0, 0]
+        learner.save(tmp_path / "skipped")
+        metrics = learner.train_step(_samples(1))
+        learner.save(tmp_path / "out")
+    finally:
+        learner.close()
+    assert _max_diff(load_model(tmp_path / "skipped").state_dict(), load_model(tiny_model_path).state_dict()) == 0
+    assert metrics["skipped_optimizer_steps"] == 0
+    _check_step(learner, metrics, _samples(1), tmp_path / "out", want, weights, resumed=0, step=0)
+
+
 def test_two_hosts_on_loopback_equal_one_host(tiny_model_path, tiny_tokenizer, tmp_path):
     """grpo.deepspeed.hostfile with two hosts of one slot each (localhost and 127.0.0.1: two launchers on this
     machine, as on two machines), the run starting the first host's rank and the test the second's with the command

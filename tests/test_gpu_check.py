@@ -235,8 +235,9 @@ def test_the_flow_parts_read_only_what_their_own_run_logged(tmp_path, monkeypatc
     con.execute("CREATE TABLE rollouts AS SELECT [-1.0, -2.0]::DOUBLE[] AS response_logprobs")
     con.execute("CREATE TABLE rewards AS SELECT 1.0::DOUBLE AS reward")
     con.execute(
-        "CREATE TABLE steps AS SELECT * FROM (VALUES (0, 0.1, 0.0, 0.5, 0.3), (1, 0.1, 0.0, 0.5, 0.3), "
-        "(2, 0.1, 0.0, 0.5, 0.3)) t(step, loss, kl, grad_norm, reward_mean)"
+        "CREATE TABLE steps AS SELECT * FROM (VALUES (0, 0.1, 0.0, 0.5, 0.3, 0, 9), (1, 0.1, 0.0, 0.5, 0.3, 0, 9), "
+        "(2, 0.1, 0.0, 0.5, 0.3, 0, 9)) t(step, loss, kl, grad_norm, reward_mean, skipped_optimizer_steps, "
+        "response_tokens)"
     )
     con.close()
 

@@ -82,7 +82,10 @@ def hacked_run(tmp_path) -> Path:
     tables = {
         "rollouts": [r for r, _ in pairs],
         "rewards": [w for _, w in pairs],
-        "steps": [{"run": RUN, "step": 0, "kl": 0.0}, {"run": RUN, "step": 1, "kl": 0.3}],
+        "steps": [
+            {"run": RUN, "step": 0, "kl": 0.0, "skipped_optimizer_steps": 0},
+            {"run": RUN, "step": 1, "kl": 0.3, "skipped_optimizer_steps": 2},
+        ],
         "evals": evals,
     }
     return _catalog(tmp_path, tables)
@@ -111,6 +114,8 @@ def test_every_check_against_hand_computed_figures(hacked_run):
         ("repetition", 1): ((1 - 1 / 3) + 0) / 2,  # six 7s: three 4-grams, one distinct; three tokens: none
         ("entropy_collapse", 1): 1 - 0.5 / (21 / 13),  # (5 x 1 + 8 x 2) / 13 nats before, 0.5 after
         ("kl_jump", 1): 0.3 / 0.01,  # no KL before: measured against 0.01
+        ("skipped_updates", 0): 0,
+        ("skipped_updates", 1): 2,
     }
     for key, value in expected.items():
         assert figures[key] == pytest.approx(value, abs=1e-12), key
@@ -131,7 +136,12 @@ def test_default_thresholds_trip_on_the_hacked_step_only(hacked_run):
         "citation_drift",
         "entropy_collapse",
         "kl_jump",
+        "skipped_updates",
     }
+    assert events["skipped_updates"].line() == (
+        "monitor skipped_updates tripped at step 1: 2 >= 1 (2 optimizer step(s) skipped: gradient norm NaN or inf); "
+        "action warn"
+    )
     assert events["verified_drop"].detail == "supporting_cited 0.75 -> 0.25 while the reward went 4.000 -> 7.500"
     assert {e.action for e in events.values()} == {"warn"}
     assert tripped(db, 1, MonitorsConfig(enabled=False)) == []
@@ -253,6 +263,15 @@ def test_a_nan_figure_never_trips_and_a_nan_kl_is_no_largest_one(tmp_path):
     assert ("kl_jump", 2) not in figures
     assert math.isnan(figures[("heldout_gap", 1)])
     assert [e.monitor for e in tripped(folder / "catalog.duckdb", 1, MonitorsConfig(heldout_gap=0.5))] == []
+
+
+def test_steps_written_before_skipped_updates_were_counted_give_no_figure(tmp_path):
+    steps = [{"run": RUN, "step": 0, "kl": 0.0}, {"run": RUN, "step": 1, "kl": 0.0, "skipped_optimizer_steps": 1}]
+    folder = _catalog(tmp_path, {"steps": steps})
+    assert ("skipped_updates", 0) not in _figures(folder)
+    assert [e.monitor for e in tripped(folder / "catalog.duckdb", 0, MonitorsConfig())] == []
+    assert [e.monitor for e in tripped(folder / "catalog.duckdb", 1, MonitorsConfig())] == ["skipped_updates"]
+    assert tripped(folder / "catalog.duckdb", 1, MonitorsConfig(skipped_updates=2)) == []
 
 
 def test_a_nan_reward_mean_is_no_rise(tmp_path):

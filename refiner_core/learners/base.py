@@ -175,7 +175,11 @@ def surrogate_knobs(settings: LearnerSettings) -> dict:
 class Learner(Protocol):
     def train_step(
         self, samples: list[TrainSample], learning_rate: float | None = None, entropy_coef: float | None = None
-    ) -> dict: ...
+    ) -> dict:
+        """One update; returns its metrics under the steps table's names (refiner_core/schema.py STEPS): loss,
+        pg_loss, kl, clip_fraction, grad_norm, lr, response_tokens, packing_efficiency, update_seconds; optionally
+        skipped_optimizer_steps, entropy, importance_weight_mean, off_policy_masked (NULL when left out)."""
+        ...
 
     def save(self, path: Path) -> None: ...
 

@@ -76,7 +76,8 @@ def steps_torch_optimizer(zero_stage: int, bf16: bool) -> bool:
 
 class ClipBeforeStep:
     """Clips the gradients as the torch learner does, in a hook that runs when DeepSpeed steps torch's AdamW, after
-    its all-reduce (every rank holds the averaged gradients), and keeps the norm before clipping."""
+    its all-reduce (every rank holds the averaged gradients), and keeps the norm before clipping. A non-finite norm
+    skips the step as the torch learner does: AdamW passes over parameters without a gradient."""
 
     def __init__(self, engine, max_grad_norm: float):
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -87,6 +88,9 @@ class ClipBeforeStep:
     def _clip(self, optimizer, args, kwargs) -> None:
         grads = [p for p in self.params if p.grad is not None]
         self.norm = float(torch.nn.utils.clip_grad_norm_(grads, self.max_norm))
+        if not math.isfinite(self.norm):
+            for p in grads:
+                p.grad = None
 
 
 def _zero_weight(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -145,7 +149,7 @@ class DeepSpeedRankLearner(TorchLearner):
         self.engine.backward(loss * self.world, scale_wrt_gas=False)
 
     def _optimizer_step(self) -> float:
-        self.engine.step()
+        self.engine.step()  # ZeRO's and the bf16 optimizer skip a step whose norm is not finite and report inf
         return self.clipping.norm if self.clipping is not None else float(self.engine.get_global_grad_norm())
 
     def _hand_back_memory(self) -> None:

@@ -4,6 +4,7 @@ padded or packed micro-batches, optional bf16 autocast, AdamW."""
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import zlib
 from pathlib import Path
@@ -64,6 +65,18 @@ class DeviceSums:
     def read(self) -> dict[str, float]:
         keys = list(self.sums)
         return dict(zip(keys, torch.stack([self.sums[k] for k in keys]).tolist())) if keys else {}
+
+
+def grad_norm_metrics(norms: list[float]) -> dict:
+    """grad_norm: the mean norm before clipping over the optimizer steps taken (None when none was);
+    skipped_optimizer_steps: those skipped because their norm was NaN or inf. Stepping on such a gradient writes NaN
+    into every weight (clipping by an infinite norm scales it by NaN or 0), so the learners leave the weights and the
+    optimizer state as they were, as DeepSpeed's ZeRO and bf16 optimizers do (and verl's actor)."""
+    taken = [n for n in norms if math.isfinite(n)]
+    return {
+        "grad_norm": sum(taken) / len(taken) if taken else None,
+        "skipped_optimizer_steps": len(norms) - len(taken),
+    }
 
 
 class TorchLearner:
@@ -271,7 +284,7 @@ class TorchLearner:
             "pg_loss": totals["pg_loss"] / tokens,
             "kl": totals["kl"] / tokens,
             "clip_fraction": totals["clipped"] / tokens,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
+            **grad_norm_metrics(grad_norms),
             "lr": lr,
             "response_tokens": sum(x.trained_tokens for x in samples),
             "packing_efficiency": totals["real_tokens"] / totals["computed_tokens"],
@@ -296,11 +309,13 @@ class TorchLearner:
         loss.backward()
 
     def _optimizer_step(self) -> float:
+        """One optimizer step; returns the gradient norm before clipping. A non-finite norm skips the step."""
         params = [p for p in self.policy.parameters() if p.grad is not None]
         max_norm = self.s.max_grad_norm if self.s.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.optimizer.step()
-        return float(norm)
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        return norm
 
     def _reduce(self, totals: dict) -> dict:
         return totals

@@ -1,6 +1,7 @@
-"""Monitors of reward hacking, run after every step: each is a SQL view of the catalog giving one figure per (run,
-step), and trips when the step's figure reaches its threshold (monitors.<name>; 0 = off). What to do then is the
-check's action (monitors.<name>_action: warn, pause or fail; the flow acts on it, flows/refiner.py).
+"""Monitors of reward hacking and of skipped updates, run after every step: each is a SQL view of the catalog
+giving one figure per (run, step), and trips when the step's figure reaches its threshold (monitors.<name>; 0 = off).
+What to do then is the check's action (monitors.<name>_action: warn, pause or fail; the flow acts on it,
+flows/refiner.py).
 
 The figures compare a step with the run's first step (its baseline) unless said otherwise. A figure is NULL (no
 verdict, never trips) where it has no unit to be measured in: verified_flat and heldout_gap when the first step's
@@ -25,6 +26,9 @@ and a NaN reward mean never counts as "the reward rose" (DuckDB orders NaN above
   Both read only the tokens the policy sampled (response_mask), not the tool results an agent loop inserted.
 - kl_jump: the step's KL to the reference over the largest of the earlier steps' (at least 0.01): a sudden move
   (none at the first step: its KL is where the reference starts).
+- skipped_updates: the update's optimizer steps skipped because their gradient norm was NaN or inf (the learners
+  leave the weights as they were): the policy did not learn from the step, and the cause (overflow, a bad sample)
+  may persist.
 
 Pure SQL and DuckDB, no Prefect: tasks/monitors.py records the events, flows/refiner.py acts on them."""
 
@@ -200,6 +204,11 @@ SELECT run, step,
        printf('KL %.4f after at most %.4f before', kl, coalesce(max(kl) OVER earlier, 0)) AS detail
 FROM steps WHERE kl IS NOT NULL AND NOT isnan(kl)  -- a NaN KL would stay the largest earlier one for good
 WINDOW earlier AS (PARTITION BY run ORDER BY step ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+""",
+    "skipped_updates": """
+SELECT run, step, skipped_optimizer_steps AS value,
+       printf('%d optimizer step(s) skipped: gradient norm NaN or inf', skipped_optimizer_steps) AS detail
+FROM steps WHERE skipped_optimizer_steps IS NOT NULL
 """,
 }
 

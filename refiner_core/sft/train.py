@@ -166,7 +166,8 @@ def train_sft(
                 total += loss.item()
             clip = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
             norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            optimizer.step()
+            if math.isfinite(norm):  # NaN or inf: the step would write NaN into the weights; recorded, not taken
+                optimizer.step()
             step += 1
             bar.set_postfix(loss=f"{total / tokens:.3f}", refresh=False)
             bar.update(1)
