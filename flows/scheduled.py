@@ -6,7 +6,8 @@ folder comes from `run_dir`, a template (see refiner_core.runtime.runlock.format
 (`prefect flow-run retry ID`) keeps its ID and scheduled time, so it resumes its folder with finished stages
 `Cached`; a template without fields (`runs/nightly`) makes every run resume one folder. With a folder per run,
 a run first stops what killed runs in the folders beside its own left behind (their child processes and
-temporary files), which no later run of those folders would. A failed run logs the command that retries it.
+temporary files), which no later run of those folders would. A run that failed, crashed or was cancelled logs the
+command that retries it.
 """
 
 from __future__ import annotations
@@ -33,25 +34,42 @@ def _flow_run_name() -> str:
     return f"{recipe}: {os.path.basename(resolve_run_dir(flow_run.parameters.get('run_dir', DEFAULT_RUN_DIR)))}"
 
 
-def retry_command() -> str:
-    """The command that reruns this flow run with its ID, parameters and scheduled time, so in its own folder."""
-    from prefect.runtime import deployment, flow_run
-
-    entrypoint = "" if deployment.id else f" --entrypoint {ENTRYPOINT}"  # a flow run started without a deployment
-    return f"prefect flow-run retry {flow_run.id}{entrypoint}"
+def retry_command(flow_run_id, deployment_id) -> str:
+    """The command that reruns a flow run with its ID, parameters and scheduled time, so in its own folder."""
+    entrypoint = "" if deployment_id else f" --entrypoint {ENTRYPOINT}"  # a flow run started without a deployment
+    return f"prefect flow-run retry {flow_run_id}{entrypoint}"
 
 
-@flow(name="refiner-recipe", flow_run_name=_flow_run_name)
+def _log_retry_after_a_stop(flow, flow_run, state) -> None:
+    """on_crashed / on_cancellation: a run that ended with no exception of its own to log (its process killed, the
+    run cancelled) gets its retry command too, logged by the worker that watched it when the process is gone."""
+    from prefect.logging.loggers import flow_run_logger
+
+    flow_run_logger(flow_run, flow).error(
+        "the run %s; retry it in its run folder, finished stages cached: %s",
+        "crashed" if state.is_crashed() else "was cancelled",
+        retry_command(flow_run.id, flow_run.deployment_id),
+    )
+
+
+@flow(
+    name="refiner-recipe",
+    flow_run_name=_flow_run_name,
+    on_crashed=[_log_retry_after_a_stop],
+    on_cancellation=[_log_retry_after_a_stop],
+)
 def run_recipe(recipe_file: str, run_dir: str = DEFAULT_RUN_DIR, overrides: list[str] | None = None) -> dict:
     """Run RECIPE_FILE (relative to the repository, or absolute) with `--set`-style OVERRIDES in the run folder
     RUN_DIR names (a template: {deployment}, {date}, {flow_run_id})."""
     try:
         return _run_recipe(recipe_file, run_dir, overrides)
     except Exception:
+        from prefect.runtime import deployment, flow_run
+
         get_run_logger().error(
             "the run failed; once its cause is fixed (an edited recipe file applies), retry it in "
             "its run folder, finished stages cached: %s",
-            retry_command(),
+            retry_command(flow_run.id, deployment.id),
         )
         raise
 

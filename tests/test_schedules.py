@@ -196,6 +196,30 @@ def test_a_failed_run_logs_the_command_that_retries_it(prefect_server, tmp_path)
     assert [r.levelname for r in records if command in r.getMessage()] == ["ERROR"]
 
 
+def test_an_interrupted_run_logs_the_command_that_retries_it(prefect_server, tmp_path, monkeypatch):
+    """Ctrl-C: the run crashes without an exception of its own to log; its on_crashed hook logs the retry (run in
+    the flow's process here; a worker runs it for a process it saw killed, below)."""
+    from flows.scheduled import run_recipe
+
+    monkeypatch.setenv("REFINER_INTERRUPT_ONCE", "prepare-data")
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    flow_runs = logging.getLogger("prefect.flow_runs")
+    flow_runs.addHandler(handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_recipe(recipe_file="recipes/tiny.yaml", run_dir=str(tmp_path / "run"), overrides=OVERRIDES)
+    finally:
+        flow_runs.removeHandler(handler)
+    [line] = [r.getMessage() for r in records if "prefect flow-run retry" in r.getMessage()]
+    assert re.fullmatch(
+        r"the run crashed; retry it in its run folder, finished stages cached: prefect flow-run retry "
+        r"[0-9a-f-]{36} --entrypoint flows/scheduled\.py:run_recipe",
+        line,
+    ), line
+
+
 @pytest.mark.slow
 def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_path):
     from prefect.client.orchestration import get_client
@@ -279,6 +303,10 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         failing = client.create_flow_run_from_deployment(
             tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}}
         )
+        # and one whose process is killed: no exception of its own; the worker sees it crash and logs the retry
+        crashing = client.create_flow_run_from_deployment(
+            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_KILL_ONCE": "prepare-data"}}
+        )
         done = wait_final(client, first.id)
         assert done.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
         folder = run_folder(runs, done)
@@ -296,10 +324,13 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         assert "injected fault in stage 'judge'" in failed.state.message
         assert retry_logged(client, failing.id) == f"prefect flow-run retry {failing.id}"
         assert subflow_task_states(client, failed)["judge[step=0]"] == "Failed"
+        crashed = wait_final(client, crashing.id)
+        assert crashed.state.type.value == "CRASHED", crashed.state
+        assert retry_logged(client, crashing.id) == f"prefect flow-run retry {crashing.id}"
         # The worker sees the run's process exit (status 1) after the run's own final state, and reports a run that
         # is not final by then as crashed: a retry issued before that check would be marked crashed.
         worker_log, deadline = tmp_path / "worker.log", time.time() + 60
-        while worker_log.read_text().count("prefect.flow_runs.runner - Process for flow run") < 2:  # both runs
+        while worker_log.read_text().count("prefect.flow_runs.runner - Process for flow run") < 3:  # the three runs
             assert time.time() < deadline, "the worker did not see the failed run's process exit"
             time.sleep(0.5)
         time.sleep(2)  # the worker's state check follows the exit line
@@ -327,5 +358,5 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
                 == rollouts_uninterrupted
             )
         assert sorted(p.name for p in runs.joinpath("refiner-tiny").iterdir()) == sorted(
-            [folder.name, retried_folder.name]
+            [folder.name, retried_folder.name, run_folder(runs, crashed).name]
         )
