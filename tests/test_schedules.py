@@ -272,7 +272,7 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
                 ],
             )
         ]
-        start(["worker", "start", "--pool", "refiner"], "worker")
+        start(["worker", "start", "--pool", "refiner", "--limit", "1"], "worker")  # as docs/operations.md says
 
         def ours() -> list:
             return [
@@ -303,9 +303,13 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         failing = client.create_flow_run_from_deployment(
             tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}}
         )
-        # and one whose process is killed: no exception of its own; the worker sees it crash and logs the retry
+        # and one of another deployment whose process is killed: it waits for the worker's one slot (the
+        # deployments' own limits do not hold across deployments), then crashes with no exception of its own to
+        # log; the worker sees it crash and logs the retry command
         crashing = client.create_flow_run_from_deployment(
-            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_KILL_ONCE": "prepare-data"}}
+            deployments["refiner-smollm2"].id,
+            parameters={**parameters, "recipe_file": "recipes/tiny.yaml"},
+            job_variables={"env": {"REFINER_KILL_ONCE": "prepare-data"}},
         )
         done = wait_final(client, first.id)
         assert done.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
@@ -327,6 +331,8 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         crashed = wait_final(client, crashing.id)
         assert crashed.state.type.value == "CRASHED", crashed.state
         assert retry_logged(client, crashing.id) == f"prefect flow-run retry {crashing.id}"
+        spans = sorted((r.start_time, r.end_time) for r in (done, failed, crashed))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"runs overlapped on one worker: {spans}"
         # The worker sees the run's process exit (status 1) after the run's own final state, and reports a run that
         # is not final by then as crashed: a retry issued before that check would be marked crashed.
         worker_log, deadline = tmp_path / "worker.log", time.time() + 60
@@ -358,5 +364,6 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
                 == rollouts_uninterrupted
             )
         assert sorted(p.name for p in runs.joinpath("refiner-tiny").iterdir()) == sorted(
-            [folder.name, retried_folder.name, run_folder(runs, crashed).name]
+            [folder.name, retried_folder.name]
         )
+        assert (runs / "refiner-smollm2").is_dir()  # the crashed run's folder, under its deployment's name
