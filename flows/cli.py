@@ -597,14 +597,18 @@ def judge_agreement(
         _fail(str(e))
     overall = next(a for a in check.agreement if a["rubric_group"] == ALL) if check.agreement else None
     usable, failed = (overall["pairs"], overall["failed"]) if overall else (0, 0)
-    nothing_compared = f"no pair got a score from {check.other}: nothing was compared (see judge_checks.other_failure)"
+    # stored judgments the run's own judge failed (NULL) that the other side scored: no pair either
+    run_failed = check.pairs - usable - failed
+    nothing_compared = (
+        f"nothing was compared: of {check.pairs} pairs, {failed} got no score from {check.other} (see "
+        f"judge_checks.other_failure) and {run_failed} none from the run's own judge (judge_checks.score NULL: its "
+        "judgment failed in training)"
+    )
     if as_json:
         typer.echo(json.dumps(check.agreement, indent=1, default=str))
         if usable == 0:
             _fail(nothing_compared, code=1)
         return
-    # stored judgments the run's own judge failed (NULL) that the other side scored: no pair either
-    run_failed = check.pairs - usable - failed
     typer.echo(
         f"check {check.name}: {usable} of {check.pairs} (rollout, rubric) pairs of {check.rollouts} rollouts judged by "
         f"both ({failed} got no score from {check.other}"
@@ -659,7 +663,7 @@ def judge_serve(
         help="More arguments for vLLM's server, after --: `refiner judge serve MODEL -- --reasoning-parser qwen3`.",
         show_default=False,
     ),
-    port: int = typer.Option(8000, "--port", help="Port (0 = a free one)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="Port (0 = a free one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     name: str = typer.Option(
         "",
@@ -668,7 +672,7 @@ def judge_serve(
         "name); the checkpoint's content hash follows it: NAME-1a2b3c4d5e6f.",
     ),
     startup_timeout: float = typer.Option(600.0, "--startup-timeout", help="Seconds to wait for GET /health."),
-    log: Path | None = typer.Option(None, "--log", help="Server log file (default: a temporary file)."),
+    log: Path | None = typer.Option(None, "--log", dir_okay=False, help="Server log file (default: a temporary file)."),
     gpu_memory_utilization: float = typer.Option(
         0.0,
         "--gpu-memory-utilization",

@@ -308,7 +308,7 @@ def test_a_judge_that_scores_nothing_is_no_agreement(judged_run, tmp_path):
         shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--judge-config", str(config)])
     assert shown.exit_code == 1, shown.output
     assert "0 of 12 (rollout, rubric) pairs of 4 rollouts judged by both (12 got no score from" in shown.output
-    assert "no pair got a score from" in shown.output
+    assert "nothing was compared: of 12 pairs, 12 got no score from judge openai" in shown.output
 
 
 def test_a_labels_verdict_stands_beside_its_score(judged_run, tmp_path):
@@ -357,7 +357,7 @@ def test_a_judge_that_scores_nothing_exits_1_with_json_too(judged_run, tmp_path)
     assert shown.exit_code == 1, shown.output
     everything = {a["rubric_group"]: a for a in json.loads(shown.stdout)}["all"]
     assert (everything["pairs"], everything["failed"]) == (0, 12)
-    assert "no pair got a score from" in shown.stderr
+    assert "nothing was compared: of 12 pairs, 12 got no score from judge openai" in shown.stderr
 
 
 def test_a_run_folder_without_its_recipe_is_a_usage_error(judged_run, tmp_path):
@@ -370,3 +370,111 @@ def test_a_run_folder_without_its_recipe_is_a_usage_error(judged_run, tmp_path):
         check_judge(judged_run, labels=labels)
     shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(labels)])
     assert shown.exit_code == 2 and "recipe.yaml" in shown.output, shown.output
+
+
+LABEL_HEADER = "step,prompt_id,sample_idx,rubric_id,passed\n"
+
+
+def _label(**given) -> str:
+    return json.dumps({"step": 0, "prompt_id": "q1", "sample_idx": 0, "rubric_id": "pos-0", "passed": True} | given)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "why"),
+    [
+        ("excel.csv", (LABEL_HEADER + "0,q1,0,pos-0,oui\u00e9\n").encode("cp1252"), "not UTF-8"),
+        # a quote never closed: every later row went into one cell, without a word
+        ("quote.csv", (LABEL_HEADER + '0,q1,0,pos-0,"yes\n0,q1,1,pos-0,no\n').encode(), "unexpected end of data"),
+        ("wide.csv", (LABEL_HEADER + "0,q1,0,pos-0," + "y" * 200_000 + "\n").encode(), "field larger than"),
+        ("fraction.jsonl", _label(step=0.7).encode(), "step 0.7 is not a whole number"),
+        ("boolean.jsonl", _label(passed=None, score=True).encode(), "score True is not a number"),
+        ("tabs.CSV", b"step\tprompt_id\n0\tq1\n", "needs step, prompt_id"),  # read as CSV whatever the suffix's case
+    ],
+)
+def test_a_labels_file_that_cannot_be_read_whole_is_a_usage_error(judged_run, tmp_path, name, content, why):
+    """Each of these was a traceback (exit 1, which means 'nothing compared'), a silently shorter file, or a value
+    rounded down (step 0.7 read as step 0)."""
+    labels = tmp_path / name
+    labels.write_bytes(content)
+    shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(labels)])
+    assert shown.exit_code == 2 and why in shown.output, shown.output
+
+
+def test_tsv_labels_and_a_suffix_in_capitals_are_read(tmp_path):
+    for name, sep in (("labels.TSV", "\t"), ("labels.Csv", ",")):
+        labels = tmp_path / name
+        labels.write_text(
+            sep.join(["step", "prompt_id", "sample_idx", "rubric_id", "passed"])
+            + "\n"
+            + sep.join(["0", "q1", "3", "pos-0", "no"])
+            + "\n"
+        )
+        assert read_labels(labels) == {(0, "q1", 3, "pos-0"): (0.0, None, False)}
+
+
+@pytest.mark.parametrize(
+    ("judge", "why"),
+    [
+        ({"engine": "openai", "mode": "json", "openai": {"base_url": "http://127.0.0.1:9/v1"}}, "did not list its"),
+        ({"engine": "transformers", "model": "/no/such/model"}, "no HF checkpoint (config.json) at /no/such/model"),
+    ],
+)
+def test_a_judge_that_cannot_be_reached_or_loaded_is_a_usage_error(judged_run, tmp_path, judge, why):
+    """A refused server (no api_model given, so the judge asks it for its models) and a missing model folder were
+    tracebacks with exit 1."""
+    config = tmp_path / "judge.yaml"
+    config.write_text(yaml.safe_dump({"judge": judge}))
+    shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--judge-config", str(config)])
+    assert shown.exit_code == 2 and why in shown.output, shown.output
+    config.write_bytes(b"judge:\n  model: caf\xe9\n")  # Latin-1, not UTF-8
+    shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--judge-config", str(config)])
+    assert shown.exit_code == 2 and "can't decode byte 0xe9" in shown.output, shown.output
+
+
+def test_a_catalog_that_is_no_duckdb_file_is_a_usage_error(judged_run, tmp_path):
+    (judged_run / "catalog.duckdb").write_bytes(b"not a database")
+    labels = tmp_path / "labels.csv"
+    labels.write_text(LABEL_HEADER + "0,q1,0,pos-0,yes\n")
+    shown = runner.invoke(app, ["judge", "agreement", str(judged_run), "--labels", str(labels)])
+    assert shown.exit_code == 2 and "not a valid DuckDB database file" in shown.output, shown.output
+
+
+def test_nothing_compared_says_which_side_scored_nothing(tmp_path):
+    """Labels for judgments the run's own judge failed: the error blamed the labels ('no pair got a score from
+    labels'), whose every record was read."""
+    run = _judged_run(tmp_path / "run", [[None] * 3, [None] * 3, [0.1, 0.6, 0.3], [0.4, 0.5, 0.9]])
+    labels = tmp_path / "labels.csv"
+    labels.write_text(LABEL_HEADER + "".join(f"0,q1,{i},{rid},yes\n" for i in range(2) for rid, *_ in RUBRICS))
+    shown = runner.invoke(app, ["judge", "agreement", str(run), "--labels", str(labels)])
+    assert shown.exit_code == 1
+    assert "nothing was compared: of 6 pairs, 0 got no score from labels" in shown.stderr
+    assert "6 none from the run's own judge" in shown.stderr
+
+
+def test_a_sampled_rollout_that_cannot_be_rejudged_counts_as_failed(tmp_path):
+    """Rollouts without their reward_inputs row were left out of the re-judging and of every count: the headline
+    said '9 of 9 pairs of 4 rollouts', its stored judgments gone without a word."""
+    run = _judged_run(tmp_path / "run", STORED)
+    with duckdb.connect(str(run / "catalog.duckdb")) as con:
+        con.execute("DELETE FROM reward_inputs WHERE sample_idx = 3")
+    with VerdictJudge() as server:
+        config = tmp_path / "judge.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {"judge": {"engine": "openai", "mode": "json", "openai": {"base_url": server.base_url, "cache": False}}}
+            )
+        )
+        check = check_judge(run, judge_config=config, sample=4)
+    everything = {a["rubric_group"]: a for a in check.agreement}["all"]
+    assert (check.pairs, everything["pairs"], everything["failed"]) == (12, 9, 3)
+    with duckdb.connect(str(run / "catalog.duckdb"), read_only=True) as con:
+        failures = con.execute(
+            "SELECT DISTINCT sample_idx, other_failure FROM judge_checks WHERE other_failure IS NOT NULL"
+        ).fetchall()
+    assert failures == [(3, "not_rejudged: the catalog holds no rollouts / reward_inputs row")]
+
+
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--port", "-1"], ["--log", "."]])
+def test_judge_serve_refuses_a_port_out_of_range_and_a_folder_for_its_log(args):
+    shown = runner.invoke(app, ["judge", "serve", "tiny-qwen3", *args])
+    assert shown.exit_code == 2, shown.output

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import duckdb
 import yaml
 
 from refiner_core.config import ConfigError, JudgeConfig, load_recipe, moved_to_sections, recipe_from_dict
@@ -48,12 +49,15 @@ class Check:
 
 
 def _stored(db: Path) -> list[dict]:
-    columns, rows = query(
-        db,
-        "SELECT s.run, s.step, s.prompt_id, s.sample_idx, s.rubric_id, s.oriented_score, r.source, r.title, r.kind "
-        "FROM judge_scores s JOIN rubrics r USING (run, prompt_id, rubric_id) "
-        "ORDER BY s.step, s.prompt_id, s.sample_idx, s.rubric_id",
-    )
+    try:
+        columns, rows = query(
+            db,
+            "SELECT s.run, s.step, s.prompt_id, s.sample_idx, s.rubric_id, s.oriented_score, r.source, r.title, "
+            "r.kind FROM judge_scores s JOIN rubrics r USING (run, prompt_id, rubric_id) "
+            "ORDER BY s.step, s.prompt_id, s.sample_idx, s.rubric_id",
+        )
+    except duckdb.Error as e:  # not a DuckDB file, one another process holds open for writing, no such table
+        raise AgreementError(f"{db}: {e}") from None
     return [dict(zip(columns, r)) for r in rows]
 
 
@@ -76,6 +80,35 @@ def _blank(value) -> bool:
     return value is None or (isinstance(value, str) and not value.strip())
 
 
+def _whole(value, field: str) -> int:
+    """An integer field (step, sample_idx): an integer or its digits, never a fraction rounded down or a bool."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{field} {value!r} is not a whole number")
+    return int(value)
+
+
+def _score(value) -> float:
+    if isinstance(value, bool):  # JSON true would read as 1.0
+        raise ValueError(f"score {value!r} is not a number: give it in [0, 1], or a verdict as passed")
+    return float(value)
+
+
+def _records(path: Path, text: str) -> list[dict]:
+    """The labels file's records: CSV (or TSV) by its suffix in any case, else JSON lines."""
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        # strict: a quote never closed is an error, not every later row swallowed into one cell
+        reader = csv.DictReader(text.splitlines(), delimiter="\t" if suffix == ".tsv" else ",", strict=True)
+        try:
+            return list(reader)
+        except csv.Error as e:
+            raise AgreementError(f"--labels {path} line {reader.line_num}: {e}") from None
+    try:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise AgreementError(f"--labels {path}: not JSON lines ({e}); a CSV or TSV file needs its suffix") from None
+
+
 def read_labels(path: Path) -> dict[tuple, SecondOpinion]:
     """(step, prompt_id, sample_idx, rubric_id) -> its SecondOpinion from a JSONL or CSV labels file.
     A label's `passed` is its verdict whatever its score and eval.pass_rubric_score are (with a score too, the score
@@ -86,21 +119,23 @@ def read_labels(path: Path) -> dict[tuple, SecondOpinion]:
         text = path.read_text(encoding="utf-8-sig")  # a spreadsheet's CSV export may start with a byte-order mark
     except OSError as e:
         raise AgreementError(f"--labels {path}: {e}") from None
-    if path.suffix == ".csv":
-        records = list(csv.DictReader(text.splitlines()))
-    else:
-        try:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise AgreementError(f"--labels {path}: not JSON lines ({e})") from None
+    except UnicodeDecodeError as e:
+        raise AgreementError(
+            f"--labels {path}: not UTF-8 ({e}); save it as UTF-8 (a spreadsheet's 'CSV UTF-8')"
+        ) from None
     labels, first = {}, {}
-    for n, record in enumerate(records, 1):
+    for n, record in enumerate(_records(path, text), 1):
         try:
-            key = (int(record["step"]), str(record["prompt_id"]), int(record["sample_idx"]), str(record["rubric_id"]))
+            key = (
+                _whole(record["step"], "step"),
+                str(record["prompt_id"]),
+                _whole(record["sample_idx"], "sample_idx"),
+                str(record["rubric_id"]),
+            )
             score, passed = record.get("score"), record.get("passed")
             # a blank `passed` beside a score (a CSV with both columns) is no verdict: the score passes at the threshold
             verdict = None if _blank(passed) and not _blank(score) else _verdict(passed)
-            score = (1.0 if verdict else 0.0) if _blank(score) else float(score)
+            score = (1.0 if verdict else 0.0) if _blank(score) else _score(score)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise AgreementError(
                 f"--labels {path} record {n}: needs step, prompt_id, sample_idx, rubric_id and passed or score ({e})"
@@ -133,8 +168,8 @@ def other_judge(run_dir: Path, config: Path):
 
     recipe, _ = resolved_recipe(load_recipe(run_dir / "recipe.yaml"))  # model.precision 'auto' as a run resolves it
     try:
-        section = (yaml.safe_load(config.read_text()) or {}).get("judge")
-    except (OSError, yaml.YAMLError, AttributeError) as e:
+        section = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("judge")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as e:
         raise AgreementError(f"--judge-config {config}: {e}") from None
     if not isinstance(section, dict):
         raise AgreementError(f"--judge-config {config}: expected a 'judge:' section (judge settings as in a recipe)")
@@ -145,14 +180,14 @@ def other_judge(run_dir: Path, config: Path):
     except ConfigError as e:
         raise AgreementError(f"--judge-config {config}: {e}") from None
     spec = settings.model or recipe.model.policy
-    path = (
-        resolve_model(spec, recipe.model.max_position_embeddings, recipe.run.seed)
-        if settings.engine != "openai"
-        else spec
-    )
     try:
+        path = (
+            resolve_model(spec, recipe.model.max_position_embeddings, recipe.run.seed)
+            if settings.engine != "openai"
+            else spec
+        )
         judge = make_judge(str(path), settings, recipe.model.dtype, recipe.model.precision)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # no such model; a server that refuses, or lists no models (ConnectionError)
         raise AgreementError(f"--judge-config {config}: {e}") from None
     what = settings.openai.api_model or settings.openai.base_url if settings.engine == "openai" else spec
     return judge, settings, f"judge {settings.engine} {what}, mode {settings.mode}"
@@ -205,6 +240,10 @@ def check_judge(
         judge, settings, description = other_judge(run_dir, judge_config)
         rollouts = set(sample_keys({(s["step"], s["prompt_id"], s["sample_idx"]) for s in stored}, sample, seed))
         other = _rejudged(db, judge, settings, rollouts)
+        for s in stored:  # a sampled judgment not re-judged (its rollout row is gone) counts as the other's failure
+            key = (s["step"], s["prompt_id"], s["sample_idx"], s["rubric_id"])
+            if key[:3] in rollouts and key not in other:
+                other[key] = SecondOpinion(None, "not_rejudged: the catalog holds no rollouts / reward_inputs row")
         name = name or f"judge-{json_hash([asdict(settings), sample, seed])[:8]}"
     checks = check_rows(run, name, stored, other, groups, recipe.eval.pass_rubric_score)
     agreement = agreement_rows(
