@@ -513,7 +513,7 @@ def compare(
     ),
     level: float = typer.Option(0.95, "--level", help="Confidence level of the bootstrap intervals shown."),
     resamples: int = typer.Option(10_000, "--resamples", help="Bootstrap resamples."),
-    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Bootstrap seed."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
     list_prompts: int = typer.Option(
         8, "--list", min=0, help="Prompts named per change in the table output (0 = all)."

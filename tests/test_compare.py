@@ -313,3 +313,48 @@ def test_a_negative_list_length_is_refused(runs, listed):
     shown = runner.invoke(app, ["compare", str(a), str(b), "--list", listed, "--resamples", "200"])
     assert shown.exit_code == 2, shown.output
     assert "--list" in shown.output and "greater than or equal to 0" in shown.output
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--seed", "-1"], "greater than or equal to 0"),
+        (["--resamples", "10000000000"], "would draw 90,000,000,000 indices at once"),
+    ],
+)
+def test_a_seed_or_resamples_the_bootstrap_cannot_take_is_a_usage_error(runs, args, why):
+    """--seed -1 raised numpy's ValueError and --resamples 1e10 a MemoryError: tracebacks with exit 1, which means
+    'some column differs'."""
+    a, b = runs
+    shown = runner.invoke(app, ["compare", str(a), str(b), *args])
+    assert shown.exit_code == 2 and why in shown.output, shown.output
+
+
+@pytest.mark.parametrize(("table", "column"), [("evals", "finish_reason"), ("prompts", "content_hash")])
+def test_a_catalog_missing_a_column_read_is_a_usage_error(runs, tmp_path, table, column):
+    import duckdb
+
+    a, b = runs
+    with duckdb.connect(str(b / "catalog.duckdb")) as con:
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    shown = runner.invoke(app, ["compare", str(a), str(b)])
+    assert shown.exit_code == 2 and "cannot read the catalog" in shown.output and column in shown.output, shown.output
+
+
+def test_more_than_one_greedy_answer_per_prompt_is_refused_not_averaged(tmp_path):
+    """A prompt with two greedy answers (a pass and a fail) was half a pass in the table and a fail to McNemar."""
+    rows = [_row("a", 2, "grpo", p, False, False, 0.0, 40) for p in PROMPTS]
+    rows.append({**_row("a", 2, "grpo", "p0", True, False, 1.0, 40), "sample_idx": 1})
+    twice = _catalog(tmp_path / "twice", rows)
+    with pytest.raises(CompareError, match=r"1 prompts have more than one greedy answer per sample .* 'p0'"):
+        load_side(str(twice))
+
+
+def test_a_catalog_of_several_runs_is_refused_not_mixed(tmp_path):
+    rows = [_row(run, 2, "grpo", p, run == "x", False, 0.0, 40) for run in ("x", "y") for p in PROMPTS]
+    folder = tmp_path / "merged"
+    folder.mkdir()
+    write_table(EVALS, rows, folder / "evals.parquet")
+    build_catalog(folder / "merged.duckdb", {"evals": [folder / "evals.parquet"]})
+    with pytest.raises(CompareError, match=r"holds the evaluations of 2 runs \(x, y\)"):
+        load_side(str(folder / "merged.duckdb"))

@@ -66,6 +66,8 @@ BINARY: dict[str, bool | None] = {
 # out for it, as evaluate.summarize leaves it out of the score, reward and pass means (a judge outage is not a
 # worse policy)
 JUDGED = {"passed", "reward", "judged_score", "rubric_score", "citation_score"}
+# The bootstrap draws (resamples x pairs of a stratum) indices at once, 16 bytes each with their values: 4 GiB at most
+MAX_BOOTSTRAP_DRAWS = 2**28
 FIRST = ("passed", "format_ok", "cites_distractor", "stopped", "reward", "rubric_score", "response_tokens")
 
 
@@ -125,18 +127,31 @@ def load_side(spec: str, mode: str = "greedy") -> Side:
     if not evaluated:
         raise CompareError(f"{spec}: the run has no {mode} held-out evaluation (eval.every, eval.greedy/samples)")
     step, phase = _choose(spec, at, [(s, p) for s, p in evaluated])
-    columns, rows = query(
-        db,
-        "SELECT *, finish_reason = 'stop' AS stopped FROM evals WHERE mode = ? AND step = ? AND phase = ? "
-        "ORDER BY prompt_id, sample_idx",
-        [mode, step, phase],
-    )
-    by_prompt: dict[str, list[dict]] = {}
-    for row in rows:
-        r = dict(zip(columns, row))
-        by_prompt.setdefault(r["prompt_id"], []).append(r)
-    run = next(iter(by_prompt.values()))[0]["run"]
-    return Side(spec, str(run_dir), run, step, phase, mode, by_prompt, _contents(db, run))
+    try:
+        columns, rows = query(
+            db,
+            "SELECT *, finish_reason = 'stop' AS stopped FROM evals WHERE mode = ? AND step = ? AND phase = ? "
+            "ORDER BY prompt_id, sample_idx",
+            [mode, step, phase],
+        )
+        by_prompt: dict[str, list[dict]] = {}
+        for row in rows:
+            r = dict(zip(columns, row))
+            by_prompt.setdefault(r["prompt_id"], []).append(r)
+        runs = sorted({r["run"] for answers in by_prompt.values() for r in answers})
+        if len(runs) > 1:  # a catalog file of several runs: their answers would be averaged as one policy's
+            raise CompareError(f"{spec}: the catalog holds the evaluations of {len(runs)} runs ({', '.join(runs)})")
+        repeated = [p for p, answers in by_prompt.items() if len({r["sample_idx"] for r in answers}) < len(answers)]
+        if mode == "greedy":
+            repeated += [p for p, answers in by_prompt.items() if len(answers) > 1 and p not in repeated]
+        if repeated:  # a greedy prompt has one answer, a sampled one one row per sample: a pass would be averaged
+            raise CompareError(
+                f"{spec}: {len(repeated)} prompts have more than one {mode} answer per sample in the catalog, e.g. "
+                f"{sorted(repeated)[0]!r} (a merged or hand-built catalog?)"
+            )
+        return Side(spec, str(run_dir), runs[0], step, phase, mode, by_prompt, _contents(db, runs[0]))
+    except duckdb.Error as e:  # a catalog from another version of the schema, missing a column read here
+        raise CompareError(f"{spec}: cannot read the catalog {db} ({e})") from None
 
 
 def _contents(db: Path, run: str) -> dict[str, str]:
@@ -251,6 +266,8 @@ def compare(
         raise CompareError(f"{len(pairs)} pairs given: pooling them is explicit (--pool), or compare each pair alone")
     if len({a.mode for a, b in pairs} | {b.mode for a, b in pairs}) != 1:
         raise CompareError("every side must be compared in the same mode")
+    if resamples < 1 or seed < 0:
+        raise CompareError(f"resamples must be positive and the seed non-negative; got {resamples} and {seed}")
     units: list[tuple[int, str]] = []
     different_prompts: list[str] = []
     only: dict[str, list[str]] = {"a": [], "b": []}
@@ -267,6 +284,12 @@ def compare(
         different_prompts += _in_pair(differ, index, len(pairs))
         only["a"] += _in_pair(set(a.rows) - set(b.rows), index, len(pairs))
         only["b"] += _in_pair(set(b.rows) - set(a.rows), index, len(pairs))
+    draws = resamples * max(sum(u[0] == i for u in units) for i in range(len(pairs)))
+    if draws > MAX_BOOTSTRAP_DRAWS:  # one (resamples, pairs) array of int64 draws per stratum, and their values
+        raise CompareError(
+            f"{resamples} resamples of {len(units)} pairs would draw {draws:,} indices at once "
+            f"({16 * draws / 2**30:.1f} GiB); at most {MAX_BOOTSTRAP_DRAWS:,}: lower --resamples"
+        )
     per_prompt: dict[str, int] = {}
     for _, prompt in units:
         per_prompt[prompt] = per_prompt.get(prompt, 0) + 1
