@@ -266,7 +266,7 @@ def warm_start(run: RunContext) -> StepState:
         warm = run.stage(sft_train)(
             run_dir=run.dir,
             run=run.name,
-            sft_data=sft_data,
+            sft_data={"sft_examples": sft_data["sft_examples"]},  # what it trains on: no stats in its cache key
             policy=run.base,
             sft_cfg=inputs.sft_train,
             **run.computes(),

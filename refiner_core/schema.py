@@ -659,11 +659,17 @@ SFT_EXAMPLES = Table(
 
 SFT_STATS = Table(
     "sft_stats",
-    "SFT preparation summary, one number per row: counts, drops and truncations per reason, packing, histograms.",
+    "SFT preparation summary, one number per row: counts, refusals, drops and truncations per reason, packing, "
+    "histograms.",
     ("run", "kind", "name"),
     (
         _c("run", S, "Run name."),
-        _c("kind", S, "'count', 'dropped', 'truncated', 'packing' or 'histogram'."),
+        _c(
+            "kind",
+            S,
+            "'count', 'invalid' (rows refused before rendering, by quarantine reason), 'dropped' (examples left out "
+            "after it), 'truncated', 'packing' or 'histogram'.",
+        ),
         _c("name", S, "Counter, reason, packing figure or histogram name ('prompt_tokens', ...)."),
         _c("split", S, "'train' / 'validation' for packing rows, NULL otherwise."),
         _c("bin_low", F, "Histogram bin lower edge (inclusive); NULL for other kinds."),

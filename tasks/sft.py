@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from prefect import get_run_logger
 
 from refiner_core.data.rows import validate_rows
 from refiner_core.data.sources import load_source, source_identity
-from refiner_core.models import load_model, load_tokenizer
+from refiner_core.models import context_length, load_model, load_tokenizer
 from refiner_core.publish.model_card import write_model_card
 from refiner_core.schema import QUARANTINE, SFT_EXAMPLES, SFT_METRICS, SFT_STATS
 from refiner_core.sft.data import SFTLimits, normalise_tool_rows, stats_rows
@@ -49,9 +50,16 @@ def prepare_sft(
         sft.histogram_bins,
         held_out,
         same_source=prompts["source"] == source_identity(sft_file, sft),
+        context=context_length(policy["path"]),
     )
     rejected = tool_rejected + checked.rejected + prepared.rejected
-    stats = {**prepared.stats, "rows_in": len(raw), "invalid_rows": len(tool_rejected) + len(checked.rejected)}
+    invalid = tool_rejected + checked.rejected
+    stats = {
+        **prepared.stats,
+        "rows_in": len(raw),
+        "invalid_rows": len(invalid),
+        "invalid": dict(sorted(Counter(r.reason for r in invalid).items())),
+    }
     out = Path(run_dir) / "sft"
     manifest = {
         "sft_examples": {

@@ -243,6 +243,14 @@ def test_sft_stage_lowers_validation_loss_and_a_rerun_is_cached(prefect_server, 
     states = _task_states(third)
     assert states["prepare-sft"] == "Cached" and states["sft-train"] == "Completed"
 
+    # A setting of the statistics only: prepare-sft runs again, its examples are the same, nothing is retrained
+    # (the whole manifest, stats and quarantine hashes included, was sft-train's input).
+    binned = {**longer, "sft": {**longer["sft"], "histogram_bins": 5}}
+    fourth = refiner_pipeline(recipe=binned, run_dir=run_dir, return_state=True)
+    assert fourth.is_completed()
+    states = _task_states(fourth)
+    assert states["prepare-sft"] == "Completed" and states["sft-train"] == "Cached"
+
 
 def test_open_instruct_chat_rows_become_sft_examples(tiny_tokenizer):
     blank = [*CONVERSATION[:2], {"role": "assistant", "content": " \n"}]  # would teach ending the turn at once
@@ -352,3 +360,112 @@ def test_a_tool_conversation_opening_with_an_assistant_turn_is_quarantined_by_na
     assert kept == [] and [(r.reason, r.detail) for r in rejected] == [
         ("no_prompt", "message 0 is an assistant turn: the agent loop starts from a system or user prompt")
     ]
+
+
+def _chat_rows(conversations: list[list[dict]], tools=None) -> list:
+    from refiner_core.data.rows import RawRow
+
+    rows = [{"id": f"r{i}", "messages": m, **({"tools": tools} if tools else {})} for i, m in enumerate(conversations)]
+    return [RawRow(f"line {i + 1}", json.dumps(r), r, None) for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "why"),
+    [
+        (5, "message 1 tool_calls must be a list, got int"),
+        (
+            [{"function": {"name": "python", "arguments": "[" * 50_000}}],
+            "message 1 tool_calls[0]: arguments nest deeper than JSON goes",
+        ),
+    ],
+)
+def test_a_malformed_tool_call_is_quarantined_not_a_crash_of_the_stage(tool_calls, why):
+    """`tool_calls: 5` raised TypeError and arguments nested 50,000 deep RecursionError: the whole prepare-sft
+    stage failed, naming no row."""
+    good = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    bad = [
+        {"role": "user", "content": "Compute 3 * 3."},
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        {"role": "tool", "content": "9"},
+        {"role": "assistant", "content": "9"},
+    ]
+    kept, rejected = normalise_tool_rows(_chat_rows([good, bad], tools=["python"]))
+    assert [r.data["id"] for r in kept] == ["r0"]
+    assert [(r.row_ref, r.reason, r.detail) for r in rejected] == [("line 2", "bad_tool_call", why)]
+
+
+def _with_template(tokenizer, template: str):
+    changed = copy.deepcopy(tokenizer)
+    changed.chat_template = template
+    return changed
+
+
+def test_a_row_the_chat_template_refuses_is_quarantined_and_the_others_kept(tiny_tokenizer):
+    """A template that raises on roles that do not alternate (as Mistral's, Llama 2's, Gemma's do), and one that
+    trims contents (so a content spelling '<|im_end|>' cannot be kept out of special tokens): each row it cannot
+    render failed the stage instead of being quarantined as template_error."""
+    alternate = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    trimmed = alternate.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    fine = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    twice = [{"role": "user", "content": "Hi."}, *fine]
+    spelled = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": " 4 <|im_end|> really "}]
+    for template, refused, why in (
+        (alternate, twice, "TemplateError: Conversation roles must alternate"),
+        (trimmed, spelled, "UnsafeTemplateError: chat template does not copy message contents verbatim"),
+    ):
+        rows = validate_rows(_chat_rows([fine, refused])).rows
+        prepared = prepare_sft(rows, _with_template(tiny_tokenizer, template), "t", SFTLimits(), 0.0, 0)
+        assert [e["source_id"] for e in prepared.examples] == ["r0"]
+        [rejection] = prepared.rejected
+        assert (rejection.row_ref, rejection.reason) == ("line 2", "template_error")
+        assert rejection.detail.startswith(why), rejection.detail
+
+
+def test_a_blank_assistant_turn_is_not_learned_the_others_are(tiny_tokenizer):
+    messages = [
+        {"role": "user", "content": "Hello?"},
+        {"role": "assistant", "content": "  "},
+        {"role": "user", "content": "Who discovered penicillin?"},
+        {"role": "assistant", "content": "Alexander Fleming."},
+    ]
+    learned = _trained_text(tiny_tokenizer, render_with_mask(tiny_tokenizer, messages))
+    assert learned == "Alexander Fleming.<|im_end|>"
+
+
+def test_an_example_past_the_policys_context_is_dropped_by_name(tiny_tokenizer):
+    """The limits are the recipe's (8192 tokens by default); a 2048-token policy trained on longer examples
+    without a word."""
+    short = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    long = [{"role": "user", "content": "Count. " * 40}, {"role": "assistant", "content": "1 2 3"}]
+    rows = validate_rows(_chat_rows([short, long])).rows
+    prepared = prepare_sft(rows, tiny_tokenizer, "t", SFTLimits(), 0.0, 0, context=64)
+    assert [e["source_id"] for e in prepared.examples] == ["r0"]
+    [rejection] = prepared.rejected
+    assert rejection.reason == "past_model_context" and rejection.detail.endswith(
+        "> the policy's context of 64 (max_position_embeddings)"
+    )
+    assert prepared.stats["dropped"] == {"past_model_context": 1}
+
+
+def test_sft_stats_count_the_rows_refused_as_invalid():
+    stats = {
+        "rows_in": 25,
+        "examples_out": 20,
+        "skipped_no_answer": 0,
+        "train_examples": 18,
+        "validation_examples": 2,
+        "invalid_rows": 5,
+        "invalid": {"invalid_messages": 3, "bad_tool_call": 2},
+        "dropped": {},
+        "truncated": {},
+        "packing": {s: {"packs": 1, "tokens": 10, "efficiency": 0.5} for s in ("train", "validation")},
+        "histograms": {},
+    }
+    rows = {(r["kind"], r["name"]): r["value"] for r in stats_rows("t", stats)}
+    assert rows[("count", "invalid_rows")] == 5
+    assert (rows[("invalid", "invalid_messages")], rows[("invalid", "bad_tool_call")]) == (3, 2)

@@ -26,11 +26,12 @@ import json
 import re
 from dataclasses import dataclass, field
 
+import jinja2
 import numpy as np
 
 from refiner_core.algo.packing import pack_sequences, packing_efficiency
 from refiner_core.config import SFTConfig
-from refiner_core.data.prompts import refiner_messages, render_chat
+from refiner_core.data.prompts import UnsafeTemplateError, refiner_messages, render_chat
 from refiner_core.data.rows import (
     CHAT_ROLES,
     RawRow,
@@ -96,12 +97,14 @@ def _template(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
 
 
 def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the [start, end) character span of every assistant turn in it. The span ends
-    after the template's end-of-turn marker; trailing whitespace the template adds between turns is excluded."""
+    """The full rendering and the [start, end) character span of every assistant turn with text in it. The span
+    ends after the template's end-of-turn marker; trailing whitespace the template adds between turns is excluded.
+    A blank assistant turn has none: it would teach ending the turn at once (as a conversation whose only answer
+    is blank, which sft_messages skips)."""
     full = _template(tokenizer, messages, False)
     spans = []
     for k, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or not message["content"].strip():
             continue
         before = _template(tokenizer, messages[:k], True) if k else full[: _first_content_start(tokenizer, messages)]
         through = _template(tokenizer, messages[: k + 1], False)
@@ -219,7 +222,10 @@ def _assistant_text(k: int, message: dict, offered: set[str]) -> tuple[str | Non
     if not isinstance(content, str):
         return None, 0, ("invalid_messages", f"message {k} content must be a string, got {type(content).__name__}")
     blocks = []
-    for j, call in enumerate(message.get("tool_calls") or []):
+    listed = message.get("tool_calls") or []
+    if not isinstance(listed, list):
+        return None, 0, ("bad_tool_call", f"message {k} tool_calls must be a list, got {type(listed).__name__}")
+    for j, call in enumerate(listed):
         function = call.get("function", call) if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
@@ -231,6 +237,8 @@ def _assistant_text(k: int, message: dict, offered: set[str]) -> tuple[str | Non
             except ValueError as e:  # not JSON, or an integer past Python's digit limit
                 detail = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
                 return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments are not JSON: {detail}")
+            except RecursionError:
+                return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments nest deeper than JSON goes")
         if not isinstance(arguments, dict):
             return None, 0, ("bad_tool_call", f"message {k} tool_calls[{j}]: arguments must be a JSON object")
         blocks.append(hermes_block(name, arguments))
@@ -374,11 +382,13 @@ def prepare_sft(
     histogram_bins: int = 10,
     held_out: list[dict] = (),
     same_source: bool = False,
+    context: int | None = None,
 ) -> PreparedSFT:
     """Validated rows (from data.validate_rows) -> packed SFT examples, rejections and a stats summary.
     Rows of the `held_out` prompts (the GRPO data's validation split, each with its prompt_hash) are left out:
     evaluation scores them. `same_source`: the rows come from the source the prompts were read from (see
-    without_held_out)."""
+    without_held_out). `context`: the policy's context length; an example longer than it, after the limits, is
+    dropped (past_model_context): the model has no positions for its end."""
     out = PreparedSFT()
     rows, held_out_by = without_held_out(rows, held_out, same_source)
     held_out_rows = sum(held_out_by.values())
@@ -401,12 +411,16 @@ def prepare_sft(
         seen.add(digest)
         try:
             rendered = RENDERERS[renderer(messages)](tokenizer, messages)
-        except TemplateError as e:
-            out.rejected.append(Rejection(row["row_ref"], "template_error", str(e), raw))
+        except (TemplateError, UnsafeTemplateError, jinja2.TemplateError) as e:  # the template refuses this row
+            out.rejected.append(Rejection(row["row_ref"], "template_error", f"{type(e).__name__}: {e}", raw))
             continue
         limited, reason, truncated = apply_limits(rendered, limits)
         if limited is None:
             out.rejected.append(Rejection(row["row_ref"], reason, _limit_detail(reason, rendered, limits), raw))
+            continue
+        if context is not None and len(limited.input_ids) > context:
+            detail = f"{len(limited.input_ids)} tokens > the policy's context of {context} (max_position_embeddings)"
+            out.rejected.append(Rejection(row["row_ref"], "past_model_context", detail, raw))
             continue
         for t in truncated:
             truncations[t] = truncations.get(t, 0) + 1
@@ -577,6 +591,9 @@ def stats_rows(run: str, stats: dict) -> list[dict]:
     for matched, n in stats.get("held_out", {}).items():
         add("count", f"held_out_by_{matched}", n)
     add("count", "tool_conversations", stats.get("tool_conversations", 0))
+    add("count", "invalid_rows", stats.get("invalid_rows", 0))
+    for reason, n in stats.get("invalid", {}).items():  # rows refused before rendering (quarantine's reasons)
+        add("invalid", reason, n)
     for reason, n in stats["dropped"].items():
         add("dropped", reason, n)
     for reason, n in stats["truncated"].items():
