@@ -571,7 +571,8 @@ def judge_agreement(
         "--labels",
         exists=True,
         dir_okay=False,
-        help="JSONL or CSV of labels: step, prompt_id, sample_idx, rubric_id, and passed and/or score (oriented, 0-1).",
+        help="JSONL, CSV or TSV (by suffix) of labels: step, prompt_id, sample_idx, rubric_id, and passed and/or "
+        "score (oriented, 0-1).",
     ),
     sample: int = typer.Option(32, "--sample", help="--judge-config: stored rollouts re-judged (all their rubrics)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sample."),

@@ -2,7 +2,7 @@
 
 Another judge (`--judge-config FILE`: a recipe fragment whose `judge:` section is laid over the run's) re-judges
 every rubric of a seeded sample of the run's stored rollouts, with the same judge prompts training used; labels
-(`--labels FILE`, JSONL or CSV: step, prompt_id, sample_idx, rubric_id and `passed` and/or `score`, an oriented
+(`--labels FILE`, JSONL, CSV or TSV: step, prompt_id, sample_idx, rubric_id and `passed` and/or `score`, an oriented
 score in [0, 1]) give the second opinion themselves. The pairs go to RUN_DIR/judge_checks/NAME/judge_checks.parquet,
 the agreement per rubric group (refiner_core.eval.judge_checks) to judge_agreement.parquet, both into the catalog.
 """
@@ -110,7 +110,7 @@ def _records(path: Path, text: str) -> list[dict]:
 
 
 def read_labels(path: Path) -> dict[tuple, SecondOpinion]:
-    """(step, prompt_id, sample_idx, rubric_id) -> its SecondOpinion from a JSONL or CSV labels file.
+    """(step, prompt_id, sample_idx, rubric_id) -> its SecondOpinion from a JSONL, CSV or TSV labels file.
     A label's `passed` is its verdict whatever its score and eval.pass_rubric_score are (with a score too, the score
     is still paired for Spearman's rho); with `passed` only it scores 1.0 or 0.0; with a score only the score
     passes at eval.pass_rubric_score (verdict None). A record without a usable score or verdict, or a second label
