@@ -141,10 +141,10 @@ def load_side(spec: str, mode: str = "greedy") -> Side:
         runs = sorted({r["run"] for answers in by_prompt.values() for r in answers})
         if len(runs) > 1:  # a catalog file of several runs: their answers would be averaged as one policy's
             raise CompareError(f"{spec}: the catalog holds the evaluations of {len(runs)} runs ({', '.join(runs)})")
-        repeated = [p for p, answers in by_prompt.items() if len({r["sample_idx"] for r in answers}) < len(answers)]
-        if mode == "greedy":
-            repeated += [p for p, answers in by_prompt.items() if len(answers) > 1 and p not in repeated]
-        if repeated:  # a greedy prompt has one answer, a sampled one one row per sample: a pass would be averaged
+        # a greedy prompt has one answer, a sampled one a row per sample: a pass would be averaged with a fail
+        most = (lambda answers: 1) if mode == "greedy" else (lambda answers: len({r["sample_idx"] for r in answers}))
+        repeated = [p for p, answers in by_prompt.items() if len(answers) > most(answers)]
+        if repeated:
             raise CompareError(
                 f"{spec}: {len(repeated)} prompts have more than one {mode} answer per sample in the catalog, e.g. "
                 f"{sorted(repeated)[0]!r} (a merged or hand-built catalog?)"
