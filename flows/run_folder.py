@@ -247,8 +247,13 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         )
     try:
         base = load_recipe(parent / RECIPE_FILE)
-        named = any(o.split("=", 1)[0].strip() == "run.name" for o in overrides)
-        cfg, _ = resolved_recipe(load_recipe(parent / RECIPE_FILE, [*([] if named else ["run.name="]), *overrides]))
+        if resuming and (new / RECIPE_FILE).is_file():
+            # the recipe the fork recorded, the command's settings over it: not the parent's as it is now (a parent
+            # extended or changed since the fork started would carry the fork along)
+            cfg, _ = resolved_recipe(load_recipe(new / RECIPE_FILE, list(overrides)))
+        else:
+            named = any(o.split("=", 1)[0].strip() == "run.name" for o in overrides)
+            cfg, _ = resolved_recipe(load_recipe(parent / RECIPE_FILE, [*([] if named else ["run.name="]), *overrides]))
     except ConfigError as e:
         raise ForkError(str(e)) from None
     if at < 0:

@@ -434,3 +434,26 @@ def test_a_fork_that_turns_on_evaluation_says_heldout_gap_has_no_baseline(tmp_pa
     assert "heldout_gap" not in record.note
     _, record = plan_fork(parent, tmp_path / "h", 2, ["grpo.learning_rate=0.01"])
     assert "heldout_gap" not in record.note
+
+
+def test_a_resumed_fork_keeps_the_recipe_it_recorded_when_its_parent_changed_since(tmp_path):
+    """A fork killed mid-run, its parent extended to 4 steps meanwhile: the same command resumed the fork with the
+    parent's recipe as it is now (4 steps), while its record said 3. It resumes with what it recorded, the command's
+    settings over it; a --set still extends it."""
+    parent = _fake_parent(tmp_path / "p", finished=3, checkpoints=[2, 3])
+    recipe = yaml.safe_load((parent / "recipe.yaml").read_text())
+    recipe["grpo"]["steps"] = 3
+    (parent / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    fork_dir = tmp_path / "f"
+    cfg, record = plan_fork(parent, fork_dir, 2, ["grpo.learning_rate=0.02"])
+    fork_dir.mkdir()
+    write_fork(record)
+    (fork_dir / "recipe.yaml").write_text(yaml.safe_dump(cfg.to_dict()))  # as the run writes it when it starts
+    recipe["grpo"]["steps"] = 4  # the parent goes on
+    recipe["grpo"]["beta"] = 0.5
+    (parent / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    resumed, _ = plan_fork(parent, fork_dir, 2, ["grpo.learning_rate=0.02"])
+    assert (resumed.grpo.steps, resumed.grpo.beta, resumed.grpo.learning_rate) == (3, cfg.grpo.beta, 0.02)
+    assert resumed.to_dict() == cfg.to_dict()
+    extended, _ = plan_fork(parent, fork_dir, 2, ["grpo.learning_rate=0.02", "grpo.steps=5"])
+    assert (extended.grpo.steps, extended.grpo.beta) == (5, cfg.grpo.beta)
