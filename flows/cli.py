@@ -16,7 +16,7 @@ from flows.supervisor import Terminated, interrupts_never_lost, run_in_folder
 from refiner_core.config import ConfigError, describe, load_recipe
 from refiner_core.data.text_safety import visible
 from refiner_core.peer_names import peer_names_of
-from refiner_core.preflight import check_recipe, recipe_warnings
+from refiner_core.preflight import check_recipe, check_values, recipe_warnings
 
 app = typer.Typer(
     add_completion=False,
@@ -386,6 +386,12 @@ def rescore(
     try:
         base = load_recipe(recipe)
         new = load_recipe(recipe, overrides)
+        # the settings a run would refuse (the run's own environment, its data files and models, is not checked)
+        problems = [p for p in check_values(new) if p not in set(check_values(base))]
+        if problems:
+            _fail(
+                f"{len(problems)} problem(s) with the new settings, nothing was rescored:\n  " + "\n  ".join(problems)
+            )
         with _holding(run_dir.resolve(), f"refiner rescore {run_dir}"):
             version, steps = rescore_run(run_dir.resolve(), base, new, name)
     except (ConfigError, RescoreError) as e:

@@ -193,6 +193,12 @@ def rescore_run(
         raise RescoreError("'train' is the version training used; choose another name")
     settings = settings_flags(base, new)
     out_root, summary = run_dir / "rescores" / version, []
+    recorded = sorted(out_root.glob("step=*/rescores.parquet"))
+    if recorded and (before := read_rows(recorded[0])[0]["settings"]) != settings:  # the same settings: a refresh
+        raise RescoreError(
+            f"reward version {version!r} exists with other settings ({before}); choose another --name, or remove "
+            f"{out_root} to replace it"
+        )
     written: dict[str, list[str]] = {"rewards": [], "reward_weights": [], "advantages": [], "rescores": []}
     fork = read_fork(run_dir)  # a fork's catalog names every row after the fork, its parent's steps included
     for step in steps:
