@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import decimal
 import json
 import math
+import os
 import shlex
 import sys
 from collections.abc import Iterator
@@ -145,7 +147,7 @@ def sql(
         "citation_quality, length_vs_reward, judge_failures, quarantine_summary.",
     ),
     fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
-    max_width: int = typer.Option(60, help="Cut table cells to this many characters (0 = no cut)."),
+    max_width: int = typer.Option(60, min=0, help="Cut table cells to this many characters (0 = no cut)."),
     export_to: Path | None = typer.Option(
         None, "--export", help="Write the result to this .parquet or .csv file instead of printing it."
     ),
@@ -157,11 +159,13 @@ def sql(
 
     if fmt not in ("table", "csv", "json"):
         _fail(f"--format must be table, csv or json, not {fmt!r}")
-    _warn_stale_rescores(run_dirs)
     try:
+        _warn_stale_rescores(run_dirs)
         con = open_runs(run_dirs)
     except CatalogError as e:
         _fail(str(e))
+    except duckdb.Error as e:  # not a DuckDB file, or one another process holds open for writing
+        _fail(f"cannot open the catalog: {e}")
     try:
         if export_to is not None:
             n = export(con, query, export_to)
@@ -174,19 +178,26 @@ def sql(
         _fail(str(e), code=1)
     finally:
         con.close()
-    if fmt == "json":
-        rows = [_json_value(r) for r in rows]
-        typer.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1, allow_nan=False))
-    elif fmt == "csv":
-        import csv
+    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    if fmt == "json" and repeated:  # one key per column: the later value would replace the earlier one
+        _fail(f"-f json: columns named {', '.join(repeated)} more than once; name each (SELECT x.col AS col_a, ...)")
+    try:
+        if fmt == "json":
+            rows = [_json_value(r) for r in rows]
+            typer.echo(json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1, allow_nan=False))
+        elif fmt == "csv":
+            import csv
 
-        # verbatim into a pipe or file; on a terminal, control characters are shown as escapes
-        shown = (lambda v: visible(v) if isinstance(v, str) else v) if sys.stdout.isatty() else (lambda v: v)
-        writer = csv.writer(sys.stdout)
-        writer.writerow([shown(c) for c in columns])
-        writer.writerows([shown(v) for v in r] for r in rows)
-    else:
-        _print_table(columns, rows, max_width)
+            # verbatim into a pipe or file; on a terminal, control characters are shown as escapes
+            shown = (lambda v: visible(v) if isinstance(v, str) else v) if sys.stdout.isatty() else (lambda v: v)
+            writer = csv.writer(sys.stdout)
+            writer.writerow([shown(c) for c in columns])
+            writer.writerows([shown(v) for v in r] for r in rows)
+        else:
+            _print_table(columns, rows, max_width)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader had what it wanted (| head): no error, whatever the format
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
 
 
 def _json_value(value):
@@ -194,6 +205,8 @@ def _json_value(value):
     written as null."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, decimal.Decimal):  # DuckDB reads a literal 1.5 as DECIMAL: a JSON number, not a string
+        return _json_value(float(value))
     if isinstance(value, dict):
         return {k: _json_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -206,6 +219,7 @@ def _dollars(cost: float | None) -> str:
 
 
 PIPED_COLUMN_CELLS = 80
+NARROWEST_COLUMN = 5  # cells a table column needs to show anything; fewer, and each column gets a line of its own
 
 
 def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
@@ -238,14 +252,24 @@ def _print_table(columns: list[str], rows: list[tuple], max_width: int) -> None:
         for k, c in enumerate(columns)
     ]
     width = shutil.get_terminal_size((max(120, sum(n + 3 for n in needed) + 1), 24)).columns
-    Console(width=width).print(table)
+    if sum(min(n, NARROWEST_COLUMN) + 3 for n in needed) + 1 > width:
+        # more columns than the width holds: rich would squeeze them to nothing (an empty table); one line per
+        # column instead, a record at a time (psql's expanded display)
+        names = [visible(c) for c in columns]
+        pad = max(cell_len(n) for n in names)
+        for i, r in enumerate(cells, 1):
+            typer.echo(f"-[ row {i} ]" + "-" * max(0, min(width, 80) - 11 - len(str(i))))
+            for name, value in zip(names, r):
+                typer.echo(f"{name}{' ' * (pad - cell_len(name))} | {value.plain}")
+    else:
+        Console(width=width).print(table)
     typer.echo(f"({len(rows)} row{'s' if len(rows) != 1 else ''})", err=True)
 
 
 @app.command()
 def show(
     run_dir: Path = typer.Argument(..., help="Run folder."),
-    width: int = typer.Option(100, help="Characters of the best and worst responses to show."),
+    width: int = typer.Option(100, min=0, help="Characters of the best and worst responses to show."),
 ) -> None:
     """A step-by-step summary of a run for the terminal: reward, KL, loss, length, stage seconds, the learning rate
     when it changed over the run, and the best and worst rollout of the last step."""
@@ -257,6 +281,8 @@ def show(
         con = open_runs([run_dir])
     except CatalogError as e:
         _fail(str(e))
+    except duckdb.Error as e:  # not a DuckDB file, or one another process holds open for writing
+        _fail(f"cannot open the catalog: {e}")
     try:
         summary = run_summary(con)
         monitor_columns, monitors = monitor_events(con)
@@ -350,17 +376,28 @@ def plot(
     output: Path | None = typer.Option(None, "-o", "--output", help="PNG path (default: RUN_DIR/curves.png)."),
 ) -> None:
     """Plot reward, KL, loss and response length per step (and held-out eval curves when the run has them) to a PNG."""
+    import duckdb
+
     from refiner_core.publish.plots import eval_summary, plot_steps
     from refiner_core.store.storage import query as run_query
 
     db = run_dir / "catalog.duckdb"
     if not db.exists():
         _fail(f"no catalog at {db}")
-    columns, rows = run_query(db, "SELECT * FROM steps ORDER BY step")
+    out = output or run_dir / "curves.png"
+    if out.suffix.lower() != ".png":
+        _fail(f"-o {out}: the plot is a PNG; name a .png file")
+    try:
+        columns, rows = run_query(db, "SELECT * FROM steps ORDER BY step")
+        evals = eval_summary(db)
+    except duckdb.Error as e:  # not a DuckDB file, or one another process holds open for writing
+        _fail(f"cannot read the catalog: {e}")
     if not rows:
         _fail("the run has no finished steps yet", code=1)
-    out = output or run_dir / "curves.png"
-    plot_steps([dict(zip(columns, r)) for r in rows], out, evals=eval_summary(db))
+    try:
+        plot_steps([dict(zip(columns, r)) for r in rows], out, evals=evals)
+    except OSError as e:  # a folder in the way, no permission
+        _fail(f"-o {out}: {e.strerror or e}")
     typer.echo(str(out))
 
 

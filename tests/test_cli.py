@@ -721,3 +721,79 @@ def test_a_table_into_a_pipe_is_as_wide_as_its_cells(capsys, monkeypatch):
     wide = [tuple("研究回答引用片段" * 3 for _ in range(6))]  # two terminal cells a character
     _print_table(columns[:6], wide, 0)
     assert len(capsys.readouterr().out.splitlines()) == 3 + 1 + 1
+
+
+def test_a_table_wider_than_the_terminal_shows_one_line_per_column(catalog_dir):
+    """On an 80-column terminal `SELECT * FROM steps` (40 columns) printed a box of empty columns and exit 0: rich
+    squeezed every column to nothing. Now each row is a record, one line per column; a narrow result stays a table."""
+    every = runner.invoke(app, ["sql", str(catalog_dir), "SELECT * FROM steps ORDER BY step"], env={"COLUMNS": "80"})
+    assert every.exit_code == 0
+    lines = every.stdout.splitlines()
+    assert lines[0].startswith("-[ row 1 ]-") and sum(line.startswith("-[ row ") for line in lines) == 3
+    record = dict(line.split(" | ", 1) for line in lines[1 : 1 + len(ALL_TABLES["steps"].column_names)])
+    assert {k.strip(): v for k, v in record.items()} == {
+        **{c: "NULL" for c in ALL_TABLES["steps"].column_names},
+        "run": "r",
+        "step": "0",
+        "reward_mean": "0",
+        "reward_std": "0.1",
+        "kl": "0.01",
+        "loss": "0.2",
+        "response_length_mean": "10",
+    }
+    narrow = runner.invoke(app, ["sql", str(catalog_dir), "SELECT step, kl FROM steps"], env={"COLUMNS": "80"})
+    assert narrow.stdout.splitlines()[0].startswith("┏") and "0.01" in narrow.stdout
+
+
+def test_json_refuses_a_column_name_given_twice_and_writes_decimals_as_numbers(catalog_dir):
+    """-f json kept only the last of two columns of one name (x.kl, y.kl of a self-join); 1.5 (a DECIMAL) was "1.5"."""
+    twice = "SELECT x.step, x.kl, y.kl FROM steps x JOIN steps y USING (step)"
+    shown = runner.invoke(app, ["sql", str(catalog_dir), twice, "-f", "json"])
+    assert shown.exit_code == 2 and "columns named kl more than once" in shown.output
+    assert runner.invoke(app, ["sql", str(catalog_dir), twice, "-f", "csv"]).stdout.splitlines()[0] == "step,kl,kl"
+    decimal = runner.invoke(app, ["sql", str(catalog_dir), "SELECT 1.5 AS k", "-f", "json"])
+    assert json.loads(decimal.stdout) == [{"k": 1.5}]
+
+
+def test_a_catalog_that_cannot_be_opened_is_one_error_line_for_sql_show_and_plot(catalog_dir):
+    """A catalog another process holds open for writing, or a file that is no DuckDB database: tracebacks, exit 1."""
+    held = duckdb.connect(str(catalog_dir / "catalog.duckdb"))  # read-write: the lock excludes every other process
+    try:
+        for command in (["sql", str(catalog_dir), "SELECT 1"], ["show", str(catalog_dir)], ["plot", str(catalog_dir)]):
+            code, out, err, _ = run_cli(command, catalog_dir)
+            assert code == 2 and "Conflicting lock is held" in err and "Traceback" not in err, err
+    finally:
+        held.close()
+    (catalog_dir / "catalog.duckdb").write_bytes(b"no database")
+    for command in (["sql", str(catalog_dir), "SELECT 1"], ["show", str(catalog_dir)], ["plot", str(catalog_dir)]):
+        shown = runner.invoke(app, command)
+        assert shown.exit_code == 2 and "not a valid DuckDB database file" in shown.output, shown.output
+
+
+def test_plot_refuses_what_it_cannot_write_and_draws_steps_without_figures(catalog_dir, tmp_path):
+    for out, why in ((tmp_path / "curves.pdf", "the plot is a PNG"), (tmp_path, "the plot is a PNG")):
+        shown = runner.invoke(app, ["plot", str(catalog_dir), "-o", str(out)])
+        assert shown.exit_code == 2 and why in shown.output, shown.output
+    (tmp_path / "file").write_text("")
+    shown = runner.invoke(app, ["plot", str(catalog_dir), "-o", str(tmp_path / "file" / "curves.png")])
+    assert shown.exit_code == 2 and "error: -o" in shown.output and shown.exception.__class__ is SystemExit
+    # a step with no reward figures (a catalog written before the columns): no point there, not a TypeError
+    steps = [{"run": "r", "step": 0, "kl": 0.0, "loss": 0.1, "response_length_mean": 5.0}]
+    plain = _catalog(tmp_path / "old", {"steps": steps})
+    shown = runner.invoke(app, ["plot", str(plain), "-o", str(tmp_path / "old.png")])
+    assert shown.exit_code == 0 and (tmp_path / "old.png").stat().st_size > 0, shown.output
+
+
+def test_a_reader_that_closes_the_pipe_early_is_no_error_in_any_format(catalog_dir):
+    import subprocess
+
+    refiner = shutil.which("refiner") or str(Path(os.sys.executable).parent / "refiner")
+    for fmt in ("csv", "json", "table"):
+        proc = subprocess.Popen(
+            [refiner, "sql", str(catalog_dir), "SELECT * FROM range(300000) t(i)", "-f", fmt],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        proc.stdout.readline()
+        proc.stdout.close()  # as `| head -1` does
+        assert proc.wait(timeout=120) == 0, (fmt, proc.stderr.read()[-2000:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 from pathlib import Path
 
 from refiner_core.eval.evaluate import answer_columns
@@ -78,6 +79,11 @@ def _render(steps: list[dict], evals: list[dict] | None) -> bytes:
         plt.close(fig)
 
 
+def _number(value) -> float:
+    """A step's figure, NULL as NaN: no point there (a catalog written before the column existed)."""
+    return math.nan if value is None else value
+
+
 def _write(path: Path, png: bytes) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_bytes(png)
@@ -134,10 +140,10 @@ def _draw(steps: list[dict], evals: list[dict] | None):
         step_axes, eval_axes = list(axes.flat), []
     x = [s["step"] for s in steps]
     for ax, (key, title) in zip(step_axes, panels):
-        y = [s[key] for s in steps]
+        y = [_number(s[key]) for s in steps]
         ax.plot(x, y, marker="o")
         if key == "reward_mean":
-            std = [s["reward_std"] for s in steps]
+            std = [_number(s["reward_std"]) for s in steps]
             ax.fill_between(x, [a - b for a, b in zip(y, std)], [a + b for a, b in zip(y, std)], alpha=0.2)
         if key == "kl" and any(s.get("reward_kl") is not None for s in steps):  # grpo.kl_reward_coef
             ax.lines[-1].set_label("loss term (beta)")
