@@ -797,3 +797,10 @@ def test_a_reader_that_closes_the_pipe_early_is_no_error_in_any_format(catalog_d
         proc.stdout.readline()
         proc.stdout.close()  # as `| head -1` does
         assert proc.wait(timeout=120) == 0, (fmt, proc.stderr.read()[-2000:])
+
+
+def test_show_names_no_moving_setting_where_it_is_nan(tmp_path):
+    """A constant NaN learning rate read as a schedule ('learning rate: nan at step 0, nan at step 1'): NaN != NaN."""
+    steps = [s | {"lr": math.nan, "entropy_coef": math.nan} for s in _steps("r", 2)]
+    shown = runner.invoke(app, ["show", str(_catalog(tmp_path / "r", {"steps": steps}))])
+    assert shown.exit_code == 0 and "learning rate" not in shown.output and "entropy coefficient" not in shown.output

@@ -367,10 +367,11 @@ SHOW_STEPS = (
 )
 # Settings that may move from step to step, by what `refiner show` calls them: (steps column, its query).
 SHOW_MOVING = {
-    "learning rate": ("lr", "SELECT step, lr FROM steps WHERE lr IS NOT NULL ORDER BY step"),
+    # a NaN is no setting (NaN != NaN: a constant NaN read as moving)
+    "learning rate": ("lr", "SELECT step, lr FROM steps WHERE lr IS NOT NULL AND NOT isnan(lr) ORDER BY step"),
     "entropy coefficient": (
         "entropy_coef",
-        "SELECT step, entropy_coef FROM steps WHERE entropy_coef IS NOT NULL ORDER BY step",
+        "SELECT step, entropy_coef FROM steps WHERE entropy_coef IS NOT NULL AND NOT isnan(entropy_coef) ORDER BY step",
     ),
 }
 SHOW_EXTREMES = (
