@@ -222,7 +222,7 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
     another run."""
     from datetime import UTC, datetime
 
-    from refiner_core.config import ConfigError, load_recipe
+    from refiner_core.config import ConfigError, load_recipe, recipe_from_dict
     from refiner_core.reward.rescore import changed_settings
     from refiner_core.runtime.hardware import resolved_recipe
     from refiner_core.store.checkpoints import step_checkpoints
@@ -284,9 +284,15 @@ def plan_fork(parent: Path, new: Path, at: int, overrides: list[str]):
         raise ForkError(f"{new} is a file: choose a new folder")
     if existing is None and new.exists() and any(new.iterdir()):
         raise ForkError(f"{new} exists and holds another run: choose a new folder")
-    changed_names = changed_settings(base, cfg)
-    settings = [f"{name}={_flag_value(cfg.to_dict(), name)}" for name in changed_names if name != "run.name"]
-    changed = changed_before_steps(base.to_dict(), cfg.to_dict())
+    # A resumed fork's settings are told against its parent's recipe as the fork recorded it (the parent may have
+    # gone on since); one that shares no step recorded none, and its record stands.
+    if resuming and not existing.shares_steps:
+        changed_names, settings, changed = [], list(existing.settings), ["a setting the stages before step 0 read"]
+    else:
+        against = recipe_from_dict(existing.segments[-1]["recipe"]) if resuming and existing.segments else base
+        changed_names = changed_settings(against, cfg)
+        settings = [f"{name}={_flag_value(cfg.to_dict(), name)}" for name in changed_names if name != "run.name"]
+        changed = changed_before_steps(against.to_dict(), cfg.to_dict())
     adapters = [name for name in changed_names if name in LORA_SHAPE_FIELDS]
     if adapters and at > 0 and not changed:
         raise ForkError(

@@ -452,8 +452,19 @@ def test_a_resumed_fork_keeps_the_recipe_it_recorded_when_its_parent_changed_sin
     recipe["grpo"]["steps"] = 4  # the parent goes on
     recipe["grpo"]["beta"] = 0.5
     (parent / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    resumed, _ = plan_fork(parent, fork_dir, 2, ["grpo.learning_rate=0.02"])
+    recipe["run"]["seed"] = 99  # and even a setting the stages before step 0 read
+    (parent / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    resumed, again = plan_fork(parent, fork_dir, 2, ["grpo.learning_rate=0.02"])
     assert (resumed.grpo.steps, resumed.grpo.beta, resumed.grpo.learning_rate) == (3, cfg.grpo.beta, 0.02)
     assert resumed.to_dict() == cfg.to_dict()
-    extended, _ = plan_fork(parent, fork_dir, 2, ["grpo.learning_rate=0.02", "grpo.steps=5"])
+    # its record as written at the start: the settings it changed, its shared steps, no note of a changed seed
+    assert (again.settings, again.shares_steps, again.segments, again.note) == (
+        record.settings,
+        True,
+        record.segments,
+        record.note,
+    )
+    assert record.settings == ["grpo.learning_rate=0.02"]
+    extended, longer = plan_fork(parent, fork_dir, 2, ["grpo.learning_rate=0.02", "grpo.steps=5"])
     assert (extended.grpo.steps, extended.grpo.beta) == (5, cfg.grpo.beta)
+    assert longer.settings == ["grpo.learning_rate=0.02", "grpo.steps=5"]
