@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -207,10 +208,12 @@ def test_an_interrupted_run_logs_the_command_that_retries_it(prefect_server, tmp
     handler.emit = records.append
     flow_runs = logging.getLogger("prefect.flow_runs")
     flow_runs.addHandler(handler)
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal: xdist ignores it
     try:
         with pytest.raises(KeyboardInterrupt):
             run_recipe(recipe_file="recipes/tiny.yaml", run_dir=str(tmp_path / "run"), overrides=OVERRIDES)
     finally:
+        signal.signal(signal.SIGINT, ignored)
         flow_runs.removeHandler(handler)
     [line] = [r.getMessage() for r in records if "prefect flow-run retry" in r.getMessage()]
     assert re.fullmatch(
