@@ -400,6 +400,16 @@ def test_a_labels_file_that_cannot_be_read_whole_is_a_usage_error(judged_run, tm
     assert shown.exit_code == 2 and why in shown.output, shown.output
 
 
+def test_whole_numbers_written_with_a_decimal_point_are_read(tmp_path):
+    """A spreadsheet exports an integer column holding blanks as 1.0, 2.0: read as 1, 2 in CSV as in JSON."""
+    labels = tmp_path / "labels.csv"
+    labels.write_text(LABEL_HEADER + "1.0,q1,3.0,pos-0,yes\n")
+    assert read_labels(labels) == {(1, "q1", 3, "pos-0"): (1.0, None, True)}
+    labels.write_text(LABEL_HEADER + "1.5,q1,3,pos-0,yes\n")
+    with pytest.raises(AgreementError, match="step '1.5' is not a whole number"):
+        read_labels(labels)
+
+
 def test_tsv_labels_and_a_suffix_in_capitals_are_read(tmp_path):
     for name, sep in (("labels.TSV", "\t"), ("labels.Csv", ",")):
         labels = tmp_path / name

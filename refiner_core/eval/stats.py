@@ -15,6 +15,8 @@ from fractions import Fraction
 
 import numpy as np
 
+BOOTSTRAP_BLOCK_DRAWS = 2**26  # 1 GiB of indices and values at a time
+
 
 def binomial_tail(n: int, k: int) -> Fraction:
     """P(X <= k) for X ~ Binomial(n, 1/2), exactly."""
@@ -148,8 +150,12 @@ def paired_bootstrap_ci(
     sums = np.zeros(resamples, dtype=np.float64)
     for members in groups.values():
         values = diff[members]
-        draws = rng.integers(0, len(values), size=(resamples, len(values)))
-        sums += values[draws].sum(axis=1)
+        # resamples drawn a block of rows at a time, BOOTSTRAP_BLOCK_DRAWS indices at most (16 bytes each with
+        # their values): one block, the same draws as ever, unless the stratum is very large
+        rows = max(1, BOOTSTRAP_BLOCK_DRAWS // len(values))
+        for start in range(0, resamples, rows):
+            draws = rng.integers(0, len(values), size=(min(rows, resamples - start), len(values)))
+            sums[start : start + len(draws)] += values[draws].sum(axis=1)
     means = sums / len(diff)
     tail = (1 - level) / 2
     low, high = np.quantile(means, [tail, 1 - tail])

@@ -66,8 +66,7 @@ BINARY: dict[str, bool | None] = {
 # out for it, as evaluate.summarize leaves it out of the score, reward and pass means (a judge outage is not a
 # worse policy)
 JUDGED = {"passed", "reward", "judged_score", "rubric_score", "citation_score"}
-# The bootstrap draws (resamples x pairs of a stratum) indices at once, 16 bytes each with their values: 4 GiB at most
-MAX_BOOTSTRAP_DRAWS = 2**28
+MAX_RESAMPLES = 10_000_000  # the bootstrap keeps a float per resample, and sorts them for its interval
 FIRST = ("passed", "format_ok", "cites_distractor", "stopped", "reward", "rubric_score", "response_tokens")
 
 
@@ -266,8 +265,10 @@ def compare(
         raise CompareError(f"{len(pairs)} pairs given: pooling them is explicit (--pool), or compare each pair alone")
     if len({a.mode for a, b in pairs} | {b.mode for a, b in pairs}) != 1:
         raise CompareError("every side must be compared in the same mode")
-    if resamples < 1 or seed < 0:
-        raise CompareError(f"resamples must be positive and the seed non-negative; got {resamples} and {seed}")
+    if not 1 <= resamples <= MAX_RESAMPLES or seed < 0:
+        raise CompareError(
+            f"resamples must lie in 1..{MAX_RESAMPLES:,} and the seed be non-negative; got {resamples} and {seed}"
+        )
     units: list[tuple[int, str]] = []
     different_prompts: list[str] = []
     only: dict[str, list[str]] = {"a": [], "b": []}
@@ -284,12 +285,6 @@ def compare(
         different_prompts += _in_pair(differ, index, len(pairs))
         only["a"] += _in_pair(set(a.rows) - set(b.rows), index, len(pairs))
         only["b"] += _in_pair(set(b.rows) - set(a.rows), index, len(pairs))
-    draws = resamples * max(sum(u[0] == i for u in units) for i in range(len(pairs)))
-    if draws > MAX_BOOTSTRAP_DRAWS:  # one (resamples, pairs) array of int64 draws per stratum, and their values
-        raise CompareError(
-            f"{resamples} resamples of {len(units)} pairs would draw {draws:,} indices at once "
-            f"({16 * draws / 2**30:.1f} GiB); at most {MAX_BOOTSTRAP_DRAWS:,}: lower --resamples"
-        )
     per_prompt: dict[str, int] = {}
     for _, prompt in units:
         per_prompt[prompt] = per_prompt.get(prompt, 0) + 1

@@ -81,10 +81,12 @@ def _blank(value) -> bool:
 
 
 def _whole(value, field: str) -> int:
-    """An integer field (step, sample_idx): an integer or its digits, never a fraction rounded down or a bool."""
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+    """An integer field (step, sample_idx): a whole number, as a number or as text ('3', '3.0': a spreadsheet's
+    export of a column with blanks), never a fraction rounded down or a bool."""
+    number = float(value.strip()) if isinstance(value, str) else value
+    if isinstance(number, bool) or not isinstance(number, int | float) or not float(number).is_integer():
         raise ValueError(f"{field} {value!r} is not a whole number")
-    return int(value)
+    return int(number)
 
 
 def _score(value) -> float:
