@@ -415,7 +415,7 @@ def rescore(
     rewards, reward_weights and advantages tables (column reward_version); step_rewards compares versions.
     Settings that need new judgments are refused (exit 2) with what would be re-judged. It rewrites the run's
     catalog: a folder in use by a run is refused (exit 3), as `refiner run` refuses it."""
-    from refiner_core.reward.rescore import RescoreError, rescore_run
+    from refiner_core.reward.rescore import RescoreError, rescore_run, settings_flags, version_settings
 
     recipe = run_dir / "recipe.yaml"
     if not recipe.exists():
@@ -430,6 +430,9 @@ def rescore(
                 f"{len(problems)} problem(s) with the new settings, nothing was rescored:\n  " + "\n  ".join(problems)
             )
         with _holding(run_dir.resolve(), f"refiner rescore {run_dir}"):
+            before = version_settings(run_dir, name) if name else None  # a derived name: the same settings
+            if before is not None and before != settings_flags(base, new):
+                _warn(f"replacing reward version {name!r}, computed with {before}")
             version, steps = rescore_run(run_dir.resolve(), base, new, name)
     except (ConfigError, RescoreError) as e:
         _fail(str(e))

@@ -64,8 +64,8 @@ def test_sql_is_read_only(catalog_dir):
     result = runner.invoke(app, ["sql", str(catalog_dir), "DELETE FROM steps"])
     assert result.exit_code == 1
     assert "read-only" in result.output.lower()
-    con = duckdb.connect(str(catalog_dir / "catalog.duckdb"), read_only=True)
-    assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
+    with duckdb.connect(str(catalog_dir / "catalog.duckdb"), read_only=True) as con:  # closed: the CLI opens it
+        assert con.execute("SELECT count(*) FROM steps").fetchone()[0] == 3
     outside = catalog_dir / "exported.csv"
     for sql in (
         f"COPY steps TO '{outside}'",
@@ -73,7 +73,7 @@ def test_sql_is_read_only(catalog_dir):
         f"ATTACH '{catalog_dir / 'other.duckdb'}' AS other",
     ):
         result = runner.invoke(app, ["sql", str(catalog_dir), sql])
-        assert result.exit_code == 1, sql
+        assert result.exit_code == 1 and result.output.startswith("error: "), (sql, result.output)
     assert not outside.exists() and not (catalog_dir / "other.duckdb").exists()
 
 

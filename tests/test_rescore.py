@@ -146,6 +146,32 @@ def test_settings_that_need_new_judgments_are_refused(served_run, tmp_path):
     assert server.requests == judged
 
 
+def test_values_a_run_refuses_are_refused_and_a_replaced_version_is_named(served_run, tmp_path):
+    """A rescore took grpo.advantage_eps=-1 (every advantage of a group with std under 1 flipped its sign) and
+    reward.overlong_buffer past max_new_tokens (every reward fell by 1), which `refiner run` refuses; and a --name
+    given again with other settings replaced the version without a word (it says so now). On a copy of the run:
+    the module's run keeps its versions for the tests after this one."""
+    import shutil
+
+    run_dir, server, judged = shutil.copytree(served_run[0], tmp_path / "run"), served_run[1], served_run[2]
+    for setting, why in (
+        ("grpo.advantage_eps=-1", "grpo.advantage_eps = -1.0: must be >= 0"),
+        ("reward.overlong_buffer=100", "reward.overlong_buffer = 100: must be between 0 (off) and"),
+    ):
+        code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", setting], tmp_path)
+        assert code == 2 and "nothing was rescored" in err and why in err, err
+    first = ["rescore", str(run_dir), "--set", "reward.verification_reward=3", "--name", "vr"]
+    assert run_cli(first, tmp_path)[0] == 0
+    again = ["rescore", str(run_dir), "--set", "reward.verification_reward=7", "--name", "vr"]
+    code, out, err, _ = run_cli(again, tmp_path)
+    assert code == 0 and "replacing reward version 'vr', computed with --set reward.verification_reward=3.0" in err
+    weights = _rows(run_dir, "SELECT DISTINCT verification_reward FROM reward_weights WHERE reward_version = 'vr'")
+    assert weights == [{"verification_reward": 7.0}]
+    code, out, err, _ = run_cli(again, tmp_path)
+    assert code == 0 and "replacing" not in err  # the same settings again: a refresh
+    assert server.requests == judged
+
+
 STALE_SQL = "SELECT step, reward_version, stale FROM step_rewards ORDER BY step, reward_version"
 
 
@@ -293,26 +319,3 @@ def test_rescore_refuses_on_failure_fail():
     check_rescorable(load_recipe(None), load_recipe(None, ["judge.on_failure=skip"]), 0, [])
     fail = load_recipe(None, ["judge.on_failure=fail"])  # a run that stops on failures rescores its rewards
     check_rescorable(fail, load_recipe(None, ["judge.on_failure=fail", "reward.format_weight=0.5"]), 0, [])
-
-
-def test_values_a_run_refuses_and_a_name_used_with_other_settings_are_refused(served_run, tmp_path):
-    """A rescore took grpo.advantage_eps=-1 (every advantage of a group with std under 1 flipped its sign) and
-    reward.overlong_buffer past max_new_tokens (every reward fell by 1), which `refiner run` refuses; and a --name
-    given again with other settings replaced the version without a word."""
-    run_dir, server, judged, _ = served_run
-    for setting, why in (
-        ("grpo.advantage_eps=-1", "grpo.advantage_eps = -1.0: must be >= 0"),
-        ("reward.overlong_buffer=100", "reward.overlong_buffer = 100: must be between 0 (off) and"),
-    ):
-        code, out, err, _ = run_cli(["rescore", str(run_dir), "--set", setting], tmp_path)
-        assert code == 2 and "nothing was rescored" in err and why in err, err
-    first = ["rescore", str(run_dir), "--set", "reward.verification_reward=3", "--name", "vr"]
-    assert run_cli(first, tmp_path)[0] == 0
-    code, out, err, _ = run_cli(
-        ["rescore", str(run_dir), "--set", "reward.verification_reward=7", "--name", "vr"], tmp_path
-    )
-    assert code == 2 and "reward version 'vr' exists with other settings (--set reward.verification_reward=3.0)" in err
-    assert run_cli(first, tmp_path)[0] == 0  # the same settings again: a refresh
-    weights = _rows(run_dir, "SELECT DISTINCT verification_reward FROM reward_weights WHERE reward_version = 'vr'")
-    assert weights == [{"verification_reward": 3.0}]
-    assert server.requests == judged

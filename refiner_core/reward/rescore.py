@@ -115,6 +115,12 @@ def version_name(new: RecipeConfig) -> str:
     return "v-" + json_hash([new.to_dict()["reward"], new.judge.on_failure, grpo])[:8]
 
 
+def version_settings(run_dir: Path, version: str) -> str | None:
+    """The `--set` flags reward version `version` of the run was computed with (None: no such version)."""
+    recorded = sorted((run_dir / "rescores" / version).glob("step=*/rescores.parquet"))
+    return read_rows(recorded[0])[0]["settings"] if recorded else None
+
+
 def settings_flags(base: RecipeConfig, new: RecipeConfig) -> str:
     """The `--set` flags that turn the run's recipe into `new`, as one shell-quoted line."""
     values, flags = dotted_settings(new), []
@@ -193,12 +199,7 @@ def rescore_run(
         raise RescoreError("'train' is the version training used; choose another name")
     settings = settings_flags(base, new)
     out_root, summary = run_dir / "rescores" / version, []
-    recorded = sorted(out_root.glob("step=*/rescores.parquet"))
-    if recorded and (before := read_rows(recorded[0])[0]["settings"]) != settings:  # the same settings: a refresh
-        raise RescoreError(
-            f"reward version {version!r} exists with other settings ({before}); choose another --name, or remove "
-            f"{out_root} to replace it"
-        )
+
     written: dict[str, list[str]] = {"rewards": [], "reward_weights": [], "advantages": [], "rescores": []}
     fork = read_fork(run_dir)  # a fork's catalog names every row after the fork, its parent's steps included
     for step in steps:
