@@ -303,8 +303,12 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
         client.delete_deployment_schedule(tiny.id, schedule_id)
         # Requested while the scheduled run is going: the deployment's concurrency limit makes it wait. It fails
         # in judge (the fault fires once per run folder); `prefect flow-run retry` then finishes it below.
+        # (idempotency keys: a client that retries a request the loaded server was slow to answer would make two)
         failing = client.create_flow_run_from_deployment(
-            tiny.id, parameters=parameters, job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}}
+            tiny.id,
+            parameters=parameters,
+            job_variables={"env": {"REFINER_FAIL_ONCE": "judge@0"}},
+            idempotency_key=f"failing-{tmp_path}",
         )
         # and one of another deployment whose process is killed: it waits for the worker's one slot (the
         # deployments' own limits do not hold across deployments), then crashes with no exception of its own to
@@ -313,6 +317,7 @@ def test_scheduled_run_and_flow_run_retry_on_a_real_server(prefect_stack, tmp_pa
             deployments["refiner-smollm2"].id,
             parameters={**parameters, "recipe_file": "recipes/tiny.yaml"},
             job_variables={"env": {"REFINER_KILL_ONCE": "prepare-data"}},
+            idempotency_key=f"crashing-{tmp_path}",
         )
         done = wait_final(client, first.id)
         assert done.state.type.value == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
